@@ -1,0 +1,86 @@
+"""The ``geosched`` command line: one subcommand per verb.
+
+Each verb lives in its own module under :mod:`geosched.commands` (or the
+package that owns it) exposing ``add_arguments(parser)`` and ``run(args)``.
+Errors are translated here, at the boundary: a :class:`GeoschedError` becomes
+one line on stderr and its exit code (2 for bad input, 1 for run-time
+failures); Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from geosched.errors import GeoschedError
+
+# verb -> (module, one-line help). Modules are imported to build their parser;
+# they keep heavy imports (torch, ortools, zmq) inside run().
+VERBS: dict[str, tuple[str, str]] = {
+    "validate-config": ("geosched.commands.validate_config", "check a cluster/job config"),
+    "simulate": ("geosched.commands.simulate", "simulate a pipeline schedule: iteration time, bubbles, timeline"),
+    "wanem": ("geosched.commands.wanem", "WAN emulator: a TCP relay adding delay, per-connection window and link cap"),
+}
+
+EPILOG = """examples:
+  geosched validate-config configs/demo-3dc.yaml
+  geosched simulate --schedule 1f1b --stages 4 --microbatches 8
+  geosched simulate configs/demo-3dc.yaml --stages 3 --microbatches 4 --timeline t.png
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # pragma: no cover - exercised via CLI tests
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with one subparser per verb."""
+    parser = _Parser(
+        prog="geosched",
+        description="Plan, simulate and run LLM training across datacenters over a WAN.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    for verb, (module_name, help_text) in VERBS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or help_text).strip()
+        p = sub.add_parser(
+            verb,
+            help=help_text,
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``geosched`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except GeoschedError as exc:
+        sys.stderr.write(f"geosched {args.verb}: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"geosched {args.verb}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

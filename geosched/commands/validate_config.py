@@ -1,0 +1,59 @@
+"""Check a cluster/job config and print what it describes.
+
+example:
+  geosched validate-config configs/demo-3dc.yaml
+  geosched validate-config configs/gpt3-3dc.yaml --json
+  geosched validate-config --reference        # every field, its type, default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``geosched validate-config``."""
+    parser.add_argument("config", nargs="?", help="YAML config file")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--dump", action="store_true", help="print the normalised config (all defaults filled in)")
+    parser.add_argument("--reference", action="store_true", help="print the config reference as a Markdown table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config (raising ConfigError on any problem) and summarise it."""
+    from geosched.config import Config, dump_config, load_config
+    from geosched.costmodel import total_params
+    from geosched.errors import InputError
+    from geosched.schema import field_docs
+
+    if args.reference:
+        print("| field | type | default | meaning |\n|---|---|---|---|")
+        for path, tp, default, doc in field_docs(Config):
+            print(f"| `{path}` | {tp} | {default} | {doc} |")
+        return 0
+    if not args.config:
+        raise InputError("give a config file, e.g. 'geosched validate-config configs/demo-3dc.yaml'")
+    cfg = load_config(args.config)
+    if args.dump:
+        print(dump_config(cfg), end="")
+        return 0
+    summary = {
+        "config": args.config,
+        "cluster": cfg.cluster.name,
+        "datacenters": {dc.name: dc.gpus for dc in cfg.cluster.datacenters},
+        "total_gpus": cfg.cluster.total_gpus,
+        "links": [f"{a}-{b}" for a, b in (link.between for link in cfg.cluster.links)],
+        "model_params": total_params(cfg.job),
+        "global_batch": cfg.job.global_batch,
+        "microbatch_size": cfg.job.microbatch_size,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"{args.config}: ok")
+    print(f"  cluster {summary['cluster']}: {len(summary['datacenters'])} datacenters, "
+          f"{summary['total_gpus']} GPUs, {len(summary['links'])} WAN links")
+    print(f"  model: {summary['model_params'] / 1e9:.3f} B parameters, global batch {cfg.job.global_batch} "
+          f"in microbatches of {cfg.job.microbatch_size}")
+    return 0

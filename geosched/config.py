@@ -1,0 +1,213 @@
+"""The cluster and job config: typed, strict, loaded from YAML.
+
+A config file has two sections::
+
+    cluster:              # datacenters and the WAN links between them
+      name: demo-3dc
+      datacenters:
+        - {name: us, gpus: 2, gpu: {name: cpu, tflops: 0.02, memory_gib: 4}}
+      links:
+        - {between: [us, eu], bandwidth_gbps: 1, rtt_ms: 40, per_connection_gbps: 0.125}
+    job:                  # the model and how it is trained
+      model: {layers: 6, hidden: 64, heads: 4, seq_len: 64}
+      global_batch: 16
+      microbatch_size: 2
+
+Every error names the dotted field path, the bad value and the remedy; unknown
+keys are errors; cross-field checks print the numbers involved. A link not
+listed is absent: those two DCs cannot exchange pipeline traffic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import yaml
+
+from geosched.errors import ConfigError
+from geosched.schema import dump_dataclass, load_dataclass, spec
+
+Precision = Literal["fp32", "bf16", "fp16"]
+BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One kind of accelerator."""
+
+    name: str = spec("GPU model, e.g. H100")
+    tflops: float = spec("sustained dense TFLOP/s at the job's precision (not the datasheet peak)", gt=0)
+    memory_gib: float = spec("device memory in GiB", gt=0)
+
+
+@dataclass(frozen=True)
+class DatacenterSpec:
+    """A datacenter: a pool of identical GPUs with a fast internal network."""
+
+    name: str = spec("unique datacenter name, used by links and plans")
+    gpus: int = spec("GPUs available to this job in this datacenter", ge=1)
+    gpu: GpuSpec = spec("the GPU kind")
+    intra_bandwidth_gbps: float = spec("per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, gt=0)
+    intra_latency_us: float = spec("one-hop latency inside the DC, microseconds", 10.0, ge=0)
+
+
+@dataclass(frozen=True)
+class WanLinkSpec:
+    """A WAN link between two datacenters (symmetric, full duplex)."""
+
+    between: tuple[str, str] = spec("the two datacenter names")
+    bandwidth_gbps: float = spec("link capacity per direction, Gb/s", gt=0)
+    rtt_ms: float = spec("round-trip time, ms", ge=0)
+    per_connection_gbps: float = spec("throughput one TCP connection reaches on this link, Gb/s "
+                                      "(its window / RTT)", gt=0)
+    egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0)
+    max_streams: int = spec("most TCP connections a link may open", 64, ge=1)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Datacenters and the WAN links that join them."""
+
+    name: str = spec("cluster name")
+    datacenters: tuple[DatacenterSpec, ...] = spec("the datacenters")
+    links: tuple[WanLinkSpec, ...] = spec("WAN links; a pair not listed cannot talk", ())
+
+    def dc(self, name: str) -> DatacenterSpec:
+        """The datacenter called ``name``."""
+        for dc in self.datacenters:
+            if dc.name == name:
+                return dc
+        raise ConfigError(f"unknown datacenter {name!r}; known: {', '.join(d.name for d in self.datacenters)}")
+
+    def link(self, a: str, b: str) -> WanLinkSpec | None:
+        """The link joining ``a`` and ``b`` (either order), or None."""
+        for link in self.links:
+            if set(link.between) == {a, b}:
+                return link
+        return None
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs over all datacenters."""
+        return sum(dc.gpus for dc in self.datacenters)
+
+
+@dataclass(frozen=True)
+class CustomLayer:
+    """Explicit cost of one layer, for models that are not plain GPT blocks."""
+
+    forward_gflop_per_sample: float = spec("forward GFLOP per sequence", gt=0)
+    params: int = spec("parameters", ge=0)
+    activation_bytes_per_sample: int = spec("bytes of the layer's output per sequence (sent between stages)", ge=0)
+    stash_bytes_per_sample: int = spec("bytes kept for the backward pass per sequence", ge=0)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (GPT style), or explicit per-layer costs."""
+
+    layers: int = spec("transformer blocks", ge=1)
+    hidden: int = spec("hidden size", ge=1)
+    heads: int = spec("attention heads", ge=1)
+    seq_len: int = spec("tokens per sequence", ge=1)
+    vocab: int = spec("vocabulary size (256 = bytes)", 256, ge=2)
+    ffn_mult: int = spec("MLP width as a multiple of hidden", 4, ge=1)
+    custom_layers: tuple[CustomLayer, ...] = spec("explicit per-block costs overriding the GPT formulas "
+                                                  "(one entry per layer)", ())
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What is trained and how."""
+
+    model: ModelSpec = spec("the model")
+    global_batch: int = spec("sequences per iteration, over all replicas", ge=1)
+    microbatch_size: int = spec("sequences per microbatch", ge=1)
+    precision: Precision = spec("training precision", "bf16")
+    optimizer_bytes_per_param: float = spec("optimizer state bytes per parameter (Adam, mixed precision: 12)",
+                                            12.0, ge=0)
+    schedule: Literal["1f1b", "gpipe"] = spec("pipeline schedule", "1f1b")
+    recompute: Literal["none", "full"] = spec("activation recomputation: 'full' keeps only each block's input "
+                                              "and reruns its forward during backward", "none")
+    steps: int = spec("training iterations", 100, ge=1)
+    seed: int = spec("seed for initialisation and data order", 0, ge=0)
+    learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0)
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes per activation/weight element at the job's precision."""
+        return BYTES_PER_ELEMENT[self.precision]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole config file."""
+
+    cluster: ClusterSpec = spec("the cluster")
+    job: JobSpec = spec("the job")
+
+
+def _cross_checks(cfg: Config) -> None:
+    names = [dc.name for dc in cfg.cluster.datacenters]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"cluster.datacenters[{i}].name: duplicate datacenter {name!r}; names must be unique")
+    seen: dict[frozenset, int] = {}
+    for i, link in enumerate(cfg.cluster.links):
+        for end in link.between:
+            if end not in names:
+                raise ConfigError(f"cluster.links[{i}].between: unknown datacenter {end!r}; "
+                                  f"known: {', '.join(names)}")
+        if link.between[0] == link.between[1]:
+            raise ConfigError(f"cluster.links[{i}].between: a link joins two different datacenters "
+                              f"(got {link.between[0]!r} twice)")
+        key = frozenset(link.between)
+        if key in seen:
+            raise ConfigError(f"cluster.links[{i}].between: duplicate of cluster.links[{seen[key]}] "
+                              f"({link.between[0]}-{link.between[1]}); list each pair once")
+        seen[key] = i
+    job, model = cfg.job, cfg.job.model
+    if model.hidden % model.heads:
+        raise ConfigError(f"job.model.heads: hidden({model.hidden}) must be divisible by heads({model.heads})")
+    if model.custom_layers and len(model.custom_layers) != model.layers:
+        raise ConfigError(f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
+                          f"layers = {model.layers}; give one entry per layer")
+    if job.global_batch % job.microbatch_size:
+        raise ConfigError(f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "
+                          f"microbatch_size({job.microbatch_size})")
+
+
+def config_from_dict(data: object, source: str = "config") -> Config:
+    """Validate plain data (as read from YAML) into a :class:`Config`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'cluster' and 'job' (got {type(data).__name__})")
+    cfg = load_dataclass(Config, data, path="")
+    _cross_checks(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Load and validate a YAML config file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; pass a config such as configs/demo-3dc.yaml") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    try:
+        return config_from_dict(data, source=path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML text that :func:`load_config` reads back to an equal object."""
+    return yaml.safe_dump(dump_dataclass(cfg), sort_keys=False)

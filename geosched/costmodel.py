@@ -1,0 +1,316 @@
+"""The cost model: compute, communication and memory of a pipelined job.
+
+Every formula the planner and the simulator rely on lives here, with its
+source. Times are seconds, sizes bytes, bandwidths bits/s unless a name says
+otherwise. The model is deliberately first-order: it is calibrated against
+measurements (``geosched profile``) rather than made elaborate.
+
+Conventions: a *layer* is one transformer block; the first pipeline stage also
+holds the embeddings and the last one the final norm, LM head and loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from geosched import model_counts
+from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
+from geosched.errors import ConfigError
+from geosched.schedule import Action, Transfer
+
+GIB = 1024**3
+BACKWARD_TO_FORWARD = model_counts.BACKWARD_FLOPS_PER_FORWARD  # Kaplan et al. 2020, sec. 2.1
+
+
+# ---------------------------------------------------------------- per layer ---
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer for one sequence (sample)."""
+
+    forward_flop: float
+    params: int
+    activation_bytes: int  # the layer's output, what crosses a stage boundary
+    stash_bytes: int  # what the layer keeps for its backward pass
+
+
+def gpt_block_cost(job: JobSpec) -> LayerCost:
+    """Forward FLOPs, parameters and activation memory of one GPT block, per sequence.
+
+    FLOPs and parameters come from :mod:`geosched.model_counts` (Narayanan et
+    al. 2021, sec. 5.1: ``24sh^2 + 4s^2h`` per sequence for an MLP of 4h),
+    checked there against the real torch modules. Stash (Korthikanti et al.
+    2022, "Reducing Activation Recomputation", eq. 1): ``sh(34 + 5as/h)`` bytes
+    at 16-bit precision, scaled by bytes/2 otherwise.
+    """
+    m = job.model
+    s, h, a = m.seq_len, m.hidden, m.heads
+    return LayerCost(
+        forward_flop=s * model_counts.block_forward_flops_per_token(m),
+        params=model_counts.layer_params(m),
+        activation_bytes=s * h * job.bytes_per_element,
+        stash_bytes=int(s * h * (34 + 5 * a * s / h) * job.bytes_per_element / 2),
+    )
+
+
+def layer_costs(job: JobSpec) -> list[LayerCost]:
+    """Per-block costs: the config's ``custom_layers`` if given, else the GPT formulas."""
+    m = job.model
+    if m.custom_layers:
+        return [LayerCost(c.forward_gflop_per_sample * 1e9, c.params, c.activation_bytes_per_sample,
+                          c.stash_bytes_per_sample) for c in m.custom_layers]
+    return [gpt_block_cost(job)] * m.layers
+
+
+def embedding_params(job: JobSpec) -> int:
+    """Token and learned position embeddings: ``Vh + sh``."""
+    return model_counts.embedding_params(job.model)
+
+
+def head_cost(job: JobSpec) -> LayerCost:
+    """Final LayerNorm, untied LM head and loss, per sequence: ``2shV`` forward FLOPs, ``Vh + 2h`` params.
+
+    The stash holds the logits in fp32 for the cross-entropy (``4sV`` bytes).
+    """
+    m = job.model
+    return LayerCost(forward_flop=m.seq_len * model_counts.head_forward_flops_per_token(m),
+                     params=model_counts.head_params(m), activation_bytes=0, stash_bytes=4 * m.seq_len * m.vocab)
+
+
+def total_params(job: JobSpec) -> int:
+    """All parameters of the model."""
+    return embedding_params(job) + sum(c.params for c in layer_costs(job)) + head_cost(job).params
+
+
+# ------------------------------------------------------------- calibration ---
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured per-layer times for one sequence on one GPU kind (written by ``geosched profile``).
+
+    ``tflops`` is the throughput the measurement implies; a datacenter whose GPU
+    has a different configured ``tflops`` is scaled by the ratio.
+    """
+
+    gpu_name: str
+    block_forward_s: float
+    block_backward_s: float
+    head_forward_s: float
+    head_backward_s: float
+    embed_forward_s: float
+    embed_backward_s: float
+    tflops: float
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        """Read a calibration JSON file."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
+
+
+# ------------------------------------------------------------------ compute ---
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Forward and backward seconds of one stage for one microbatch."""
+
+    forward_s: float
+    backward_s: float
+
+
+def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], first: bool, last: bool,
+                  calibration: Calibration | None = None) -> StageCompute:
+    """Time of one microbatch through layers ``[start, end)`` (+ embeddings/head) on one GPU.
+
+    FLOP model: ``time = FLOPs / sustained FLOP/s`` with backward = 2x forward,
+    plus one more forward when activations are recomputed (Chen et al. 2016,
+    "Training Deep Nets with Sublinear Memory Cost"). With a calibration, measured per-sequence times are used instead, scaled by
+    ``calibration.tflops / gpu_tflops`` for other GPU kinds.
+    """
+    b = job.microbatch_size
+    start, end = layers
+    if calibration is not None:
+        scale = b * calibration.tflops / gpu_tflops
+        n = end - start
+        fwd = n * calibration.block_forward_s + first * calibration.embed_forward_s + last * calibration.head_forward_s
+        bwd = (n * calibration.block_backward_s + first * calibration.embed_backward_s
+               + last * calibration.head_backward_s)
+        bwd += fwd * (job.recompute == "full")
+        return StageCompute(fwd * scale, bwd * scale)
+    costs = layer_costs(job)
+    flop = sum(c.forward_flop for c in costs[start:end]) + (head_cost(job).forward_flop if last else 0.0)
+    fwd = b * flop / (gpu_tflops * 1e12)
+    return StageCompute(fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd)
+
+
+def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
+    """Parameters held by a stage."""
+    costs = layer_costs(job)
+    return (sum(c.params for c in costs[layers[0]:layers[1]]) + (embedding_params(job) if first else 0)
+            + (head_cost(job).params if last else 0))
+
+
+def boundary_bytes(job: JobSpec, after_layer: int) -> int:
+    """Bytes of one microbatch's activation (or its gradient) leaving layer ``after_layer - 1``."""
+    costs = layer_costs(job)
+    per_sample = costs[after_layer - 1].activation_bytes if after_layer > 0 else costs[0].activation_bytes
+    return job.microbatch_size * per_sample
+
+
+# ------------------------------------------------------------------- memory ---
+
+def stage_memory_bytes(job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int) -> int:
+    """Peak memory of one GPU holding a stage.
+
+    ``params x (2 bytes_per_element + optimizer_bytes_per_param)`` for weights,
+    gradients and optimizer state (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1),
+    plus ``inflight`` microbatches of stashed activations (1F1B holds at most
+    ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream).
+    With full recomputation a block keeps only its input per microbatch, and
+    one block's full stash is live at a time during its backward.
+    """
+    params = stage_params(job, layers, first, last)
+    state = params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
+    blocks = layer_costs(job)[layers[0]:layers[1]]
+    head = head_cost(job).stash_bytes if last else 0
+    if job.recompute == "full":
+        kept = sum(c.activation_bytes for c in blocks) + head
+        working = max((c.stash_bytes for c in blocks), default=0)
+        return int(state + job.microbatch_size * (inflight * kept + working))
+    stash = sum(c.stash_bytes for c in blocks) + head
+    return int(state + inflight * job.microbatch_size * stash)
+
+
+def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
+    """Microbatches whose activations a stage holds at peak: 1F1B ``min(p - s, m)``, GPipe ``m``."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_stages - stage, num_microbatches)
+
+
+# -------------------------------------------------------------------- WAN ---
+
+def wan_effective_bps(link: WanLinkSpec, streams: int) -> float:
+    """Usable bits/s of a link with ``streams`` TCP connections: ``min(B, k x per-connection)``.
+
+    One TCP connection reaches about window/RTT on a long link (Mathis et al.
+    1997); k connections reach k times that until the link itself is full
+    (the multi-connection WAN design of Atlas, arXiv 2411.14458, sec. 4).
+    """
+    return min(link.bandwidth_gbps, streams * link.per_connection_gbps) * 1e9
+
+
+def streams_to_fill(link: WanLinkSpec) -> int:
+    """Fewest connections that fill the link: ``ceil(B / per-connection)``, capped at ``max_streams``."""
+    return max(1, min(link.max_streams, math.ceil(link.bandwidth_gbps / link.per_connection_gbps - 1e-9)))
+
+
+def wan_transfer(link: WanLinkSpec, nbytes: int, streams: int, sharing: int) -> Transfer:
+    """A message of ``nbytes`` per pipeline crossing ``link``, shared by ``sharing`` pipelines.
+
+    The data-parallel pipelines take turns on the link (Atlas, sec. 4.2) rather
+    than each getting a slice at once, so one microbatch's boundary occupies the
+    link for ``sharing x bytes x 8 / effective_bps`` and arrives ``RTT/2`` later.
+    """
+    occupancy = sharing * nbytes * 8 / wan_effective_bps(link, streams)
+    return Transfer(link=None, occupancy_s=occupancy, latency_s=link.rtt_ms / 2000)
+
+
+def intra_transfer(dc: DatacenterSpec, nbytes: int) -> Transfer:
+    """A message between two GPUs of one datacenter: ``bytes x 8 / bandwidth + latency``."""
+    return Transfer(link=None, occupancy_s=nbytes * 8 / (dc.intra_bandwidth_gbps * 1e9),
+                    latency_s=dc.intra_latency_us * 1e-6)
+
+
+# -------------------------------------------------------------- all-reduce ---
+
+def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s: float) -> float:
+    """Ring all-reduce time, alpha-beta model: ``2(G-1)/G x bytes x 8 / B + 2(G-1) x latency``.
+
+    Each of the ``2(G-1)`` steps (G-1 reduce-scatter, G-1 all-gather) moves one
+    of G segments to the next rank (Patarasuk & Yuan 2009; Thakur et al. 2005).
+    """
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes * 8 / bandwidth_bps + 2 * (group - 1) * latency_s
+
+
+# ------------------------------------------------------- a pipeline's costs ---
+
+class PipelineCosts:
+    """Durations of every action of one pipelined job, for the schedule simulator.
+
+    ``stage_dcs[i]`` hosts stage ``i`` (with ``dp`` replicas, all in that DC),
+    ``stage_layers[i]`` is its ``[start, end)`` block range and ``streams`` the
+    TCP connections per WAN link (keyed by the sorted DC pair). Messages between
+    stages in different DCs go over the WAN link shared by the ``dp`` pipelines;
+    each direction of a link is a FIFO resource in the simulator.
+    """
+
+    def __init__(self, cluster: ClusterSpec, job: JobSpec, stage_dcs: Sequence[str],
+                 stage_layers: Sequence[tuple[int, int]], dp: int, streams: Mapping[tuple[str, str], int],
+                 calibration: Calibration | None = None):
+        self.cluster, self.job, self.dp = cluster, job, dp
+        self.stage_dcs, self.stage_layers = tuple(stage_dcs), tuple(stage_layers)
+        p = len(self.stage_dcs)
+        self.compute = [
+            stage_compute(job, cluster.dc(dc).gpu.tflops, lay, i == 0, i == p - 1, calibration)
+            for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
+        ]
+        self.grad_bytes = [stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
+                           for i, lay in enumerate(self.stage_layers)]
+        self._transfers: dict[tuple[int, int], Transfer] = {}
+        for s in range(p - 1):
+            nbytes = boundary_bytes(job, self.stage_layers[s][1])
+            for src, dst in ((s, s + 1), (s + 1, s)):
+                a, b = self.stage_dcs[src], self.stage_dcs[dst]
+                if a == b:
+                    self._transfers[src, dst] = intra_transfer(cluster.dc(a), nbytes)
+                    continue
+                link = cluster.link(a, b)
+                if link is None:
+                    raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
+                k = streams.get(tuple(sorted((a, b))), streams_to_fill(link))
+                self._transfers[src, dst] = wan_transfer(link, nbytes, k, dp)._replace(link=(a, b))
+
+    def compute_s(self, action: Action) -> float:
+        """Duration of a compute or collective action on its stage."""
+        kind = action.kind.value
+        stage = action.stage
+        if kind == "F":
+            return self.compute[stage].forward_s
+        if kind == "B":
+            return self.compute[stage].backward_s
+        if kind == "ALL_REDUCE":
+            return self.allreduce_s(stage)
+        return 0.0
+
+    def allreduce_s(self, stage: int) -> float:
+        """Gradient all-reduce of ``stage`` among its ``dp`` replicas inside its DC."""
+        dc = self.cluster.dc(self.stage_dcs[stage])
+        return ring_allreduce_s(self.grad_bytes[stage], self.dp, dc.intra_bandwidth_gbps * 1e9,
+                                dc.intra_latency_us * 1e-6)
+
+    def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
+        """The message from ``src_stage`` to ``dst_stage`` (an activation for F, a gradient for B)."""
+        return self._transfers[src_stage, dst_stage]
+
+    def wan_bytes_per_iteration(self, microbatches: int) -> dict[tuple[str, str], int]:
+        """Bytes each WAN link direction carries per iteration, over all ``dp`` pipelines."""
+        out: dict[tuple[str, str], int] = {}
+        for s in range(len(self.stage_dcs) - 1):
+            a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
+            if a == b:
+                continue
+            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp
+            out[(a, b)] = out.get((a, b), 0) + nbytes
+            out[(b, a)] = out.get((b, a), 0) + nbytes
+        return out

@@ -1,0 +1,136 @@
+"""The config schema: shipped configs round-trip, broken ones fail with one clear line."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from geosched.cli import main
+from geosched.config import config_from_dict, dump_config, load_config
+from geosched.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_there_are_shipped_configs():
+    names = {os.path.basename(p) for p in SHIPPED}
+    assert "demo-3dc.yaml" in names and len(names) >= 4
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_shipped_config_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    out = tmp_path / "dumped.yaml"
+    out.write_text(dump_config(cfg))
+    again = load_config(out)
+    assert again == cfg
+    assert dump_config(again) == dump_config(cfg)
+
+
+def _demo() -> dict:
+    with open(os.path.join(ROOT, "configs", "demo-3dc.yaml")) as fh:
+        return yaml.safe_load(fh)
+
+
+def _break_missing_field(d):
+    del d["cluster"]["datacenters"][0]["gpus"]
+
+
+def _break_negative_gpus(d):
+    d["cluster"]["datacenters"][1]["gpus"] = -4
+
+
+def _break_unknown_dc(d):
+    d["cluster"]["links"][0]["between"] = ["us", "mars"]
+
+
+def _break_unknown_key(d):
+    d["job"]["model"]["hiden"] = 64
+
+
+def _break_wrong_type(d):
+    d["cluster"]["links"][1]["rtt_ms"] = "fast"
+
+
+def _break_batch(d):
+    d["job"]["global_batch"] = 15
+
+
+def _break_heads(d):
+    d["job"]["model"]["heads"] = 5
+
+
+def _break_duplicate_dc(d):
+    d["cluster"]["datacenters"][1]["name"] = "us"
+
+
+def _break_precision(d):
+    d["job"]["precision"] = "fp8"
+
+
+BROKEN = {
+    "missing field": (_break_missing_field, "cluster.datacenters[0].gpus: missing required field"),
+    "negative gpus": (_break_negative_gpus, "cluster.datacenters[1].gpus: must be >= 1 (got -4)"),
+    "unknown dc": (_break_unknown_dc, "cluster.links[0].between: unknown datacenter 'mars'"),
+    "unknown key": (_break_unknown_key, "job.model.hiden: unknown key; did you mean 'hidden'?"),
+    "wrong type": (_break_wrong_type, "cluster.links[1].rtt_ms: expected a number (got 'fast')"),
+    "batch": (_break_batch, "global_batch(15) must be a multiple of microbatch_size(2)"),
+    "heads": (_break_heads, "hidden(64) must be divisible by heads(5)"),
+    "duplicate dc": (_break_duplicate_dc, "cluster.datacenters[1].name: duplicate datacenter 'us'"),
+    "precision": (_break_precision, "job.precision: must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_config_names_the_field(case, tmp_path, capsys):
+    breaker, expected = BROKEN[case]
+    data = _demo()
+    breaker(data)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert expected in str(info.value)
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["validate-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_not_yaml_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: [unclosed\n")
+    assert main(["validate-config", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert main(["validate-config", str(tmp_path / "nope.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_subprocess_exit_code_and_one_line(tmp_path):
+    data = _demo()
+    _break_negative_gpus(data)
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "geosched.cli", "validate-config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"geosched validate-config: error: {path}: cluster.datacenters[1].gpus: must be >= 1 (got -4)"]
+    ok = subprocess.run([sys.executable, "-m", "geosched.cli", "validate-config",
+                         os.path.join(ROOT, "configs", "demo-3dc.yaml"), "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert '"total_gpus": 6' in ok.stdout
+
+
+def test_reference_lists_every_field(capsys):
+    assert main(["validate-config", "--reference"]) == 0
+    out = capsys.readouterr().out
+    for field in ("cluster.datacenters[].gpu.tflops", "cluster.links[].per_connection_gbps", "job.microbatch_size"):
+        assert f"`{field}`" in out
