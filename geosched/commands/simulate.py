@@ -1,0 +1,165 @@
+"""Simulate one training iteration of a pipeline schedule: iteration time, bubbles, timeline.
+
+Synthetic form (uniform stages, costs from the flags):
+
+  geosched simulate --schedule 1f1b --stages 4 --microbatches 8
+  geosched simulate --schedule gpipe --stages 4 --microbatches 8 --transfer-ms 0.5 --json
+  geosched simulate --schedule 1f1b --stages 4 --microbatches 8 --timeline t.png --trace t.json
+
+From a config or plan file (stage costs from the cost model):
+
+  geosched simulate plan.yaml --microbatches 16
+
+The trace opens in https://ui.perfetto.dev or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+from typing import Any
+
+from geosched.errors import InputError
+
+SOURCE_MODULE = "geosched.commands.simulate_source"  # build(args) -> (Schedule, CostProvider, info dict)
+COST_FLAGS = ("forward_ms", "backward_ms", "transfer_ms", "allreduce_ms", "step_ms")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define the flags of ``geosched simulate``."""
+    parser.add_argument("source", nargs="?", help="config or plan file (omit for a synthetic pipeline)")
+    parser.add_argument("--schedule", help="schedule name: gpipe or 1f1b (default 1f1b)")
+    parser.add_argument("--stages", type=int, help="pipeline stages p (required without a source file)")
+    parser.add_argument(
+        "--microbatches", type=int, help="microbatches m per iteration (required without a source file)"
+    )
+    parser.add_argument(
+        "--forward-ms", type=float, default=1.0, help="forward time per microbatch and stage (default 1)"
+    )
+    parser.add_argument(
+        "--backward-ms", type=float, default=2.0, help="backward time per microbatch and stage (default 2)"
+    )
+    parser.add_argument(
+        "--transfer-ms", type=float, default=0.0, help="time a message occupies a stage boundary link (default 0)"
+    )
+    parser.add_argument(
+        "--allreduce-ms", type=float, default=0.0, help="gradient all-reduce time per stage (default 0)"
+    )
+    parser.add_argument("--step-ms", type=float, default=0.0, help="optimizer step time per stage (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the timeline to this file")
+    parser.add_argument("--trace", metavar="JSON", help="write a Chrome trace (Perfetto) to this file")
+    parser.add_argument(
+        "--grid-steps", type=int, default=48, help="columns of the text grid to show, 0 for none (default 48)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build, lower, validate and simulate the schedule, then report it."""
+    from geosched.schedule import lower, simulate
+
+    schedule, costs, info = _schedule_and_costs(args)
+    timeline = simulate(lower(schedule), costs)
+    written = {}
+    if args.timeline:
+        from geosched.schedule.plot import write_timeline_png
+
+        written["timeline"] = str(_write(write_timeline_png, timeline, args.timeline, "--timeline"))
+    if args.trace:
+        from geosched.schedule.trace import write_chrome_trace
+
+        written["trace"] = str(_write(write_chrome_trace, timeline, args.trace, "--trace"))
+    summary = _summary(timeline, info, written)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(_text_report(summary, timeline, args.grid_steps))
+    return 0
+
+
+def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The synthetic form from flags, or the lead's config/plan loader when a source is given."""
+    if args.source:
+        try:
+            simulate_source = importlib.import_module(SOURCE_MODULE)
+        except ModuleNotFoundError as exc:
+            if exc.name != SOURCE_MODULE:
+                raise
+            raise InputError(
+                f"cannot simulate {args.source!r}: config/plan files are not supported by this build yet; "
+                "use --schedule/--stages/--microbatches"
+            ) from None
+        return simulate_source.build(args)
+    from geosched.schedule import UniformCosts, build_schedule
+
+    for flag in ("stages", "microbatches"):
+        if getattr(args, flag) is None:
+            raise InputError(f"--{flag} is required without a config/plan file (e.g. --stages 4 --microbatches 8)")
+    for name in COST_FLAGS:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {value})")
+    schedule = build_schedule(args.schedule or "1f1b", args.stages, args.microbatches)
+    ms = {name: getattr(args, name) / 1000.0 for name in COST_FLAGS}
+    costs = UniformCosts(ms["forward_ms"], ms["backward_ms"], ms["transfer_ms"], ms["allreduce_ms"], ms["step_ms"])
+    return schedule, costs, {}
+
+
+def _write(writer: Any, timeline: Any, path: str, flag: str) -> Any:
+    try:
+        return writer(timeline, path)
+    except OSError as exc:
+        raise InputError(f"cannot write {flag} {path!r}: {exc.strerror or exc}; pick a writable path") from None
+    except ValueError as exc:  # matplotlib: unknown image format
+        raise InputError(f"cannot write {flag} {path!r}: {exc}; use a .png, .svg or .pdf name") from None
+
+
+def _summary(timeline: Any, info: dict[str, Any], written: dict[str, str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "schedule": timeline.schedule_name,
+        "stages": timeline.num_stages,
+        "microbatches": timeline.num_microbatches,
+        "iteration_time_s": timeline.iteration_s,
+        "bubble_fraction": timeline.bubble_fraction,
+        "per_stage": [
+            {
+                "stage": st.stage,
+                "busy_s": st.busy_s,
+                "comm_s": st.comm_s,
+                "idle_s": st.idle_s,
+                "bubble_fraction": st.bubble_fraction,
+                "peak_inflight": st.peak_inflight,
+            }
+            for st in timeline.stages
+        ],
+        "idle_gaps": len(timeline.idle_gaps),
+        "link_messages": len(timeline.links),
+        **written,
+    }
+    if info:
+        summary["info"] = info
+    return summary
+
+
+def _text_report(summary: dict[str, Any], timeline: Any, grid_steps: int) -> str:
+    from geosched.schedule import render_grid
+
+    lines = [f"{key}: {value}" for key, value in summary.get("info", {}).items()]
+    lines += [
+        f"schedule {summary['schedule']}: {summary['stages']} stages x {summary['microbatches']} microbatches",
+        f"iteration time: {summary['iteration_time_s'] * 1e3:.6g} ms",
+        f"bubble fraction: {summary['bubble_fraction']:.4f} (mean over stages)",
+        "",
+        f"{'stage':>5} {'busy ms':>10} {'comm ms':>10} {'idle ms':>10} {'bubble':>7} {'peak in flight':>15}",
+    ]
+    for st in summary["per_stage"]:
+        lines.append(
+            f"{st['stage']:>5} {st['busy_s'] * 1e3:>10.4g} {st['comm_s'] * 1e3:>10.4g} {st['idle_s'] * 1e3:>10.4g} "
+            f"{st['bubble_fraction']:>7.3f} {st['peak_inflight']:>15}"
+        )
+    if grid_steps > 0:
+        lines += ["", render_grid(timeline, max_steps=grid_steps, time_unit="ms")]
+    lines += [f"wrote {key}: {summary[key]}" for key in ("timeline", "trace") if key in summary]
+    return "\n".join(lines)
