@@ -1,0 +1,245 @@
+"""The control plane's topic scheme and message schemas (the client is agents/control.py).
+
+Every topic lives under ``geosched/<job>/`` (``<job>``: 1-64 of ``A-Z a-z 0-9 _ . -``):
+
+==========================  ========  ===  ==============================  =========================
+topic                       retained  QoS  who publishes -> who reads      payload
+==========================  ========  ===  ==============================  =========================
+``plan``                    yes       1    coordinator -> agents           plan file text (YAML/JSON)
+``agents/<rank>/status``    yes       1    agent (+ its last will)         JSON :class:`StatusMessage`
+``agents/<rank>/metrics``   no        0    agent -> coordinator, watchers  JSON :class:`MetricsMessage`
+``command``                 no        1    coordinator -> agents           JSON :class:`CommandMessage`
+``events``                  no        1    anyone -> anyone                JSON :class:`EventMessage`
+==========================  ========  ===  ==============================  =========================
+
+JSON payloads (``time`` is Unix seconds; ``?`` marks optional fields):
+
+- status:  ``{"rank": int, "state": "starting|ready|training|stopped|offline|error",
+  "dc"?: str, "stage"?: int, "replica"?: int, "pid"?: int, "host"?: str, "time"?: number}``.
+  Every agent registers an MQTT last will on its status topic with
+  ``"state": "offline"`` (retained), so a killed agent shows offline; ``time``
+  in that will is when the agent connected, not when it died.
+- metrics: ``{"rank": int, "step": int, "time"?: number, <name>: <any JSON value>...}``.
+- command: ``{"cmd": "start|stop|checkpoint", "seq": int, "steps"?: int}``; ``seq``
+  increases with every command of a coordinator (it starts from the clock in ms,
+  so a restarted coordinator still increases it).
+- event:   ``{"level": "info|warning|error", "message": str, "rank"?: int, "time"?: number}``.
+
+Validation rule (one rule for every kind): a payload is at most 1 MiB, UTF-8,
+and (except the plan) a JSON object; the fields above must have the types
+shown, and the rank in a status/metrics payload must equal the rank in its
+topic. **Unknown fields are tolerated** and kept in ``.extra`` (metrics: in
+``.values``), so newer agents can add fields without breaking older
+coordinators. :func:`parse_message` raises ProtocolError naming the broken rule (the client
+drops and counts such messages; sending one raises). An empty retained
+payload clears a topic; :func:`parse_message` returns None for it.
+
+Example::
+
+    parse_message("demo", "geosched/demo/command", b'{"cmd": "stop", "seq": 7}')
+    # CommandMessage(cmd='stop', seq=7, steps=None, extra={})
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from geosched.errors import InputError, ProtocolError
+
+MAX_PAYLOAD_BYTES = 1 << 20
+AGENT_STATES = ("starting", "ready", "training", "stopped", "offline", "error")
+COMMANDS = ("start", "stop", "checkpoint")
+EVENT_LEVELS = ("info", "warning", "error")
+KINDS = ("plan", "status", "metrics", "command", "event")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical decimal, as Topics.status() writes it
+
+
+def check_name(what: str, name: str) -> str:
+    """Return ``name`` if it is safe inside a topic or as a client id; raise InputError otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InputError(f"{what} {name!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
+    return name
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one job."""
+
+    job: str
+
+    @property
+    def root(self) -> str:
+        """``geosched/<job>``"""
+        return f"geosched/{self.job}"
+
+    @property
+    def plan(self) -> str:
+        """Retained plan text."""
+        return f"{self.root}/plan"
+
+    @property
+    def command(self) -> str:
+        """Coordinator -> agents commands."""
+        return f"{self.root}/command"
+
+    @property
+    def events(self) -> str:
+        """Errors and notices."""
+        return f"{self.root}/events"
+
+    def status(self, rank: int) -> str:
+        """Retained status of ``rank``."""
+        return f"{self.root}/agents/{rank}/status"
+
+    def metrics(self, rank: int) -> str:
+        """Per-step metrics of ``rank``."""
+        return f"{self.root}/agents/{rank}/metrics"
+
+    def filter(self, kind: str) -> str:
+        """The subscription filter that receives every message of ``kind``."""
+        return {
+            "plan": self.plan,
+            "status": f"{self.root}/agents/+/status",
+            "metrics": f"{self.root}/agents/+/metrics",
+            "command": self.command,
+            "event": self.events,
+        }[kind]
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """The job's plan file, as text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class StatusMessage:
+    """The last known state of one agent."""
+
+    rank: int
+    state: str
+    dc: str | None = None
+    stage: int | None = None
+    replica: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    time: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MetricsMessage:
+    """One training step's metrics from one agent; ``values`` holds every other field."""
+
+    rank: int
+    step: int
+    time: float | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommandMessage:
+    """An order from the coordinator to every agent."""
+
+    cmd: str
+    seq: int
+    steps: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EventMessage:
+    """An error or notice for humans and the coordinator."""
+
+    level: str
+    message: str
+    rank: int | None = None
+    time: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+ControlMessage = Union[PlanMessage, StatusMessage, MetricsMessage, CommandMessage, EventMessage]
+
+_INT, _NUM, _STR = (int,), (int, float), (str,)
+# field -> (accepted types, required, allowed values or None)
+_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[str, ...] | None]]] = {
+    "status": {"rank": (_INT, True, None), "state": (_STR, True, AGENT_STATES), "dc": (_STR, False, None),
+               "stage": (_INT, False, None), "replica": (_INT, False, None), "pid": (_INT, False, None),
+               "host": (_STR, False, None), "time": (_NUM, False, None)},
+    "metrics": {"rank": (_INT, True, None), "step": (_INT, True, None), "time": (_NUM, False, None)},
+    "command": {"cmd": (_STR, True, COMMANDS), "seq": (_INT, True, None), "steps": (_INT, False, None)},
+    "event": {"level": (_STR, True, EVENT_LEVELS), "message": (_STR, True, None), "rank": (_INT, False, None),
+              "time": (_NUM, False, None)},
+}
+
+
+def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a payload object into (known fields, extra fields), checking the known ones."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{kind}: payload must be a JSON object, got {type(data).__name__}")
+    known: dict[str, Any] = {}
+    for name, (types, required, allowed) in _SCHEMAS[kind].items():
+        if name not in data or data[name] is None:
+            if required:
+                raise ProtocolError(f"{kind}.{name}: required field is missing")
+            continue
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ProtocolError(f"{kind}.{name}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}")
+        if allowed is not None and value not in allowed:
+            raise ProtocolError(f"{kind}.{name}: must be one of {'|'.join(allowed)} (got {value!r})")
+        if types == _INT and value < 0:
+            raise ProtocolError(f"{kind}.{name}: must be >= 0 (got {value})")
+        known[name] = value
+    extra = {k: v for k, v in data.items() if k not in _SCHEMAS[kind]}
+    return known, extra
+
+
+def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> ControlMessage | None:
+    """Turn a received (topic, payload) into a typed message; None for an empty (cleared) payload.
+
+    Raises ProtocolError naming the problem for a payload that breaks the rules in the module docstring.
+    """
+    if len(payload) > max_bytes:
+        raise ProtocolError(f"{topic}: payload of {len(payload)} bytes exceeds the limit of {max_bytes}")
+    if not payload:
+        return None
+    topics = Topics(job)
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{topic}: payload is not UTF-8") from None
+    if topic == topics.plan:
+        return PlanMessage(text)
+    levels = topic[len(topics.root) + 1 :].split("/") if topic.startswith(topics.root + "/") else []
+    if topic in (topics.command, topics.events):
+        kind, topic_rank = ("command" if topic == topics.command else "event"), None
+    elif len(levels) == 3 and levels[0] == "agents" and levels[2] in ("status", "metrics") and _RANK_RE.fullmatch(levels[1]):
+        kind, topic_rank = levels[2], int(levels[1])
+    else:
+        raise ProtocolError(f"{topic}: not a topic of job {job!r}")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{topic}: payload is not JSON ({exc})") from None
+    known, extra = validate_fields(kind, data)
+    if topic_rank is not None and known["rank"] != topic_rank:
+        raise ProtocolError(f"{topic}: payload rank {known['rank']} does not match the topic's rank {topic_rank}")
+    if kind == "status":
+        return StatusMessage(**known, extra=extra)
+    if kind == "metrics":
+        return MetricsMessage(**known, values=extra)
+    if kind == "command":
+        return CommandMessage(**known, extra=extra)
+    return EventMessage(**known, extra=extra)
+
+
+def kind_of(message: ControlMessage) -> str:
+    """The kind name (one of KINDS) of a typed message."""
+    return {PlanMessage: "plan", StatusMessage: "status", MetricsMessage: "metrics",
+            CommandMessage: "command", EventMessage: "event"}[type(message)]

@@ -1,0 +1,344 @@
+"""Control plane against real brokers: a Mosquitto process and the embedded broker (parametrised)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+import aiomqtt
+import pytest
+from mqtt_brokers import (  # noqa: F401  (fixtures)
+    PYTHON,
+    TEST_USERS,
+    MosquittoBroker,
+    RunningBroker,
+    agent_subprocess_env,
+    embedded_broker,
+    free_port,
+    mqtt_broker,
+)
+
+from agents.control import (
+    AgentIdentity,
+    AgentsNotReady,
+    BrokerAuthError,
+    BrokerUnreachable,
+    CommandMessage,
+    ControlPlane,
+    EventMessage,
+    MetricsMessage,
+    PlanMessage,
+    StatusMessage,
+)
+from geosched.errors import InputError, ProtocolError
+
+T = TypeVar("T")
+JOB = "testjob"
+FAST = {"backoff": (0.05, 0.5), "connect_timeout": 10.0}
+
+AGENT_SCRIPT = """
+import asyncio, sys
+from agents.control import AgentIdentity, ControlPlane
+async def main(url, rank):
+    identity = AgentIdentity(rank, dc="eu", stage=1, replica=0)
+    async with ControlPlane(url, "testjob", f"agent-{rank}", agent=identity, keepalive=5) as cp:
+        await cp.publish_status(rank, "ready")
+        print("ready", flush=True)
+        await asyncio.sleep(120)
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def run(coro: Awaitable[T], timeout: float = 30.0) -> T:
+    """Run one test coroutine with an overall deadline."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def plain_client(broker: RunningBroker, identifier: str) -> aiomqtt.Client:
+    """A bare aiomqtt client (not geosched code) logged in as the watcher user."""
+    users = broker.users or {}
+    return aiomqtt.Client(broker.host, broker.port, identifier=identifier,
+                          username="watcher" if users else None, password=users.get("watcher"))
+
+
+async def collect(client: aiomqtt.Client, count: int, timeout: float = 5.0) -> list[aiomqtt.Message]:
+    """The next ``count`` messages a plain client receives."""
+    got: list[aiomqtt.Message] = []
+    async with asyncio.timeout(timeout):
+        async for message in client.messages:
+            got.append(message)
+            if len(got) == count:
+                return got
+    return got
+
+
+def test_retained_status_and_plan_are_visible_to_a_plain_subscriber(mqtt_broker: RunningBroker) -> None:
+    async def scenario() -> None:
+        url = mqtt_broker.url_for()
+        async with ControlPlane(url, JOB, "coordinator") as coordinator:
+            assert await coordinator.publish_plan("stages: 3\n")
+            agents = [ControlPlane(url, JOB, f"agent-{r}", agent=AgentIdentity(r, dc="eu", stage=r, replica=0))
+                      for r in range(3)]
+            for rank, cp in enumerate(agents):
+                await cp.__aenter__()
+                assert await cp.publish_status(rank, "ready", gpu="cpu")
+            async with plain_client(mqtt_broker, "plain-watcher") as watcher:
+                await watcher.subscribe(f"geosched/{JOB}/agents/+/status", qos=1)
+                statuses = {json.loads(m.payload)["rank"]: (m, json.loads(m.payload)) for m in await collect(watcher, 3)}
+                await watcher.subscribe(f"geosched/{JOB}/plan", qos=1)
+                (plan,) = await collect(watcher, 1)
+            for cp in agents:
+                await cp.__aexit__(None, None, None)
+        assert sorted(statuses) == [0, 1, 2]
+        for rank, (message, body) in statuses.items():
+            assert message.retain and str(message.topic) == f"geosched/{JOB}/agents/{rank}/status"
+            assert body["state"] == "ready" and body["dc"] == "eu" and body["stage"] == rank
+            assert body["gpu"] == "cpu" and isinstance(body["pid"], int) and isinstance(body["time"], float)
+        assert plan.retain and plan.payload == b"stages: 3\n"
+
+    run(scenario())
+
+
+@pytest.mark.slow
+def test_killed_agent_process_shows_offline(mqtt_broker: RunningBroker) -> None:
+    url = mqtt_broker.url_for()
+    agent = subprocess.Popen([PYTHON, "-c", AGENT_SCRIPT, url, "5"], stdout=subprocess.PIPE,
+                             env=agent_subprocess_env())
+    try:
+        async def scenario() -> StatusMessage:
+            async with ControlPlane(url, JOB, "coordinator", **FAST) as cp:
+                ready = await cp.wait_for_statuses([5], "ready", timeout=20)
+                assert ready[5].dc == "eu" and ready[5].pid == agent.pid
+                agent.send_signal(signal.SIGKILL)
+                async for status in cp.watch_offline([5]):
+                    return status
+            raise AssertionError("watch ended without an offline status")
+
+        offline = run(scenario())
+        assert (offline.rank, offline.state, offline.dc, offline.stage, offline.pid) == (5, "offline", "eu", 1, agent.pid)
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+        assert agent.stdout is not None
+        agent.stdout.close()
+
+
+def test_commands_reach_every_subscribed_agent(mqtt_broker: RunningBroker) -> None:
+    async def scenario() -> list[list[CommandMessage]]:
+        url = mqtt_broker.url_for()
+        async with ControlPlane(url, JOB, "agent-0") as a0, ControlPlane(url, JOB, "agent-1") as a1, \
+                ControlPlane(url, JOB, "coordinator") as coordinator:
+            subs = [await a0.subscribe("command"), await a1.subscribe("command")]
+            sent = [await coordinator.publish_command("start", steps=7),
+                    await coordinator.publish_command("checkpoint", tag="mid")]
+            received = [[await sub.get(5.0), await sub.get(5.0)] for sub in subs]
+            assert sent == received[0]
+            return received
+
+    for first, second in run(scenario()):
+        assert (first.cmd, first.steps, second.cmd, second.extra) == ("start", 7, "checkpoint", {"tag": "mid"})
+        assert second.seq > first.seq
+
+
+def test_wait_for_statuses_names_the_missing_ranks(mqtt_broker: RunningBroker) -> None:
+    async def scenario() -> None:
+        url = mqtt_broker.url_for()
+        async with ControlPlane(url, JOB, "agents") as agents, ControlPlane(url, JOB, "coordinator") as coordinator:
+            for rank, state in [(0, "ready"), (1, "ready"), (2, "starting")]:
+                await agents.publish_status(rank, state)
+            assert set(await coordinator.wait_for_statuses([0, 1], timeout=5)) == {0, 1}
+            with pytest.raises(AgentsNotReady) as caught:
+                await coordinator.wait_for_statuses([0, 1, 2, 3], "ready", timeout=0.5)
+            assert caught.value.missing == [2, 3]
+            assert "2 (starting)" in str(caught.value) and "3 (no status)" in str(caught.value)
+
+    run(scenario())
+
+
+def test_bad_payloads_are_dropped_and_counted(mqtt_broker: RunningBroker) -> None:
+    bad = [
+        ("command", b"not json"),
+        ("command", b"[1, 2]"),
+        ("command", b'{"cmd": "explode", "seq": 1}'),
+        ("command", b'{"cmd": "start", "seq": true}'),
+        ("agents/3/status", b'{"rank": 4, "state": "ready"}'),
+        ("agents/3/status", b'{"rank": 3, "state": "sleeping"}'),
+        ("agents/x/status", b'{"rank": 3, "state": "ready"}'),
+        ("agents/3/metrics", b'{"rank": 3}'),
+        ("events", b"\xff\xfe"),
+        ("events", b"[" * 1500 + b"]" * 1500),
+    ]
+
+    async def scenario() -> None:
+        async with ControlPlane(mqtt_broker.url_for(), JOB, "coordinator", max_payload=4096) as cp:
+            sub = await cp.subscribe("command", "status", "metrics", "event")
+            async with plain_client(mqtt_broker, "rogue") as rogue:
+                for topic, payload in bad:
+                    await rogue.publish(f"geosched/{JOB}/{topic}", payload, qos=1)
+                await rogue.publish(f"geosched/{JOB}/events", b'{"level":"info","message":"' + b"x" * 5000 + b'"}', qos=1)
+                await rogue.publish(f"geosched/{JOB}/agents/3/status", b'{"rank":3,"state":"ready","gpu_util":0.5}', qos=1)
+            await cp.publish_metrics(3, {"step": 1, "loss": 2.5})
+            await cp.publish_event("warning", "slow link", rank=3)
+            received = [await sub.get(5.0) for _ in range(3)]
+            assert isinstance(received[0], StatusMessage) and received[0].extra == {"gpu_util": 0.5}
+            assert isinstance(received[1], MetricsMessage) and received[1].values == {"loss": 2.5}
+            assert isinstance(received[2], EventMessage) and received[2].message == "slow link"
+            assert (cp.stats.dropped_malformed, cp.stats.dropped_oversize) == (len(bad), 1)
+            assert cp.stats.received == len(bad) + 4
+            assert cp.connected  # still serving
+
+    run(scenario())
+
+
+def test_wrong_password_is_refused_with_a_clear_error(mqtt_broker: RunningBroker) -> None:
+    if mqtt_broker.users is None:
+        pytest.skip("mosquitto_passwd is not installed, so this mosquitto runs without authentication")
+
+    async def scenario() -> None:
+        with pytest.raises(BrokerAuthError) as caught:
+            async with ControlPlane(mqtt_broker.url, JOB, "agent-0", username="geosched", password="wrong-pw"):
+                pass
+        message = str(caught.value)
+        assert f"{mqtt_broker.host}:{mqtt_broker.port}" in message and "refused the credentials" in message
+        assert "wrong-pw" not in message and isinstance(caught.value, InputError)
+        with pytest.raises(BrokerAuthError):
+            async with ControlPlane(mqtt_broker.url, JOB, "anonymous"):
+                pass
+
+    run(scenario())
+
+
+@pytest.mark.slow
+def test_reconnect_after_broker_restart_resubscribes_and_republishes(mqtt_broker: RunningBroker) -> None:
+    async def scenario() -> None:
+        url = mqtt_broker.url_for()
+        async with ControlPlane(url, JOB, "agent-2", agent=AgentIdentity(2, dc="us"), **FAST) as agent, \
+                ControlPlane(url, JOB, "coordinator", **FAST) as coordinator:
+            commands = await agent.subscribe("command")
+            await agent.publish_status(2, "training", step=10)
+            await coordinator.publish_plan("plan: v1\n")
+            await coordinator.wait_for_statuses([2], "training", timeout=5)
+
+            await asyncio.to_thread(mqtt_broker.stop)
+            assert not await agent.publish_metrics(2, {"step": 11})  # dropped while the broker is away
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(mqtt_broker.start)
+
+            while agent.stats.connects < 2:  # commands only reach agents connected at the time
+                await asyncio.sleep(0.02)
+            sent = await coordinator.publish_command("stop", timeout=10)  # waits for its own reconnect
+            assert await commands.get(10.0) == sent
+            await coordinator.wait_for_statuses([2], "training", timeout=10)
+            async with plain_client(mqtt_broker, "fresh-watcher") as watcher:
+                await watcher.subscribe(f"geosched/{JOB}/#", qos=1)
+                got = {str(m.topic): m.payload for m in await collect(watcher, 2)}
+            assert json.loads(got[f"geosched/{JOB}/agents/2/status"])["state"] == "training"
+            assert got[f"geosched/{JOB}/plan"] == b"plan: v1\n"
+            assert agent.stats.connects >= 2 and coordinator.stats.connects >= 2
+            assert agent.stats.dropped_offline == 1
+
+    run(scenario(), timeout=60)
+
+
+def test_agent_exit_publishes_stopped_or_error(embedded_broker: RunningBroker) -> None:
+    async def scenario() -> dict[int, StatusMessage]:
+        url = embedded_broker.url_for()
+        async with ControlPlane(url, JOB, "agent-0", agent=AgentIdentity(0)) as cp:
+            await cp.publish_status(0, "training")
+        with pytest.raises(RuntimeError):
+            async with ControlPlane(url, JOB, "agent-1", agent=AgentIdentity(1)) as cp:
+                await cp.publish_status(1, "training")
+                raise RuntimeError("stage crashed")
+        async with ControlPlane(url, JOB, "coordinator") as coordinator:
+            return await coordinator.wait_for_statuses([0, 1], state=("stopped", "error"), timeout=5)
+
+    statuses = run(scenario())
+    assert (statuses[0].state, statuses[1].state) == ("stopped", "error")
+
+
+def test_plan_subscription_delivers_the_retained_plan(embedded_broker: RunningBroker) -> None:
+    async def scenario() -> PlanMessage:
+        url = embedded_broker.url_for()
+        async with ControlPlane(url, JOB, "coordinator") as coordinator, ControlPlane(url, JOB, "agent-0") as agent:
+            await coordinator.publish_plan('{"stages": 2}')
+            async for message in agent.events("plan"):
+                assert isinstance(message, PlanMessage)
+                return message
+        raise AssertionError("no plan")
+
+    assert run(scenario()).text == '{"stages": 2}'
+
+
+def test_unreachable_broker_is_a_clear_error() -> None:
+    port = free_port()
+
+    async def scenario() -> None:
+        with pytest.raises(BrokerUnreachable, match=f"127.0.0.1:{port} within 0.5 s.*refused"):
+            async with ControlPlane(f"mqtt://127.0.0.1:{port}", JOB, "agent-0", connect_timeout=0.5,
+                                    backoff=(0.05, 0.1)):
+                pass
+
+    run(scenario())
+
+
+def test_invalid_outgoing_messages_raise(embedded_broker: RunningBroker) -> None:
+    async def scenario() -> None:
+        async with ControlPlane(embedded_broker.url_for(), JOB, "agent-0", max_payload=2048) as cp:
+            with pytest.raises(ProtocolError, match="status.state: must be one of"):
+                await cp.publish_status(0, "sleeping")
+            with pytest.raises(ProtocolError, match="metrics.step: required"):
+                await cp.publish_metrics(0, {"loss": 1.0})
+            with pytest.raises(ProtocolError, match="not JSON-serialisable"):
+                await cp.publish_metrics(0, {"step": 1, "tensor": object()})
+            with pytest.raises(ProtocolError, match="exceeds the limit of 2048"):
+                await cp.publish_plan("x" * 4096)
+            with pytest.raises(ProtocolError, match="command.cmd"):
+                await cp.publish_command("reboot")
+        with pytest.raises(InputError, match="job name 'a/b'"):
+            ControlPlane(embedded_broker.url, "a/b", "agent-0")
+        with pytest.raises(InputError, match="not mqtts://"):
+            ControlPlane(embedded_broker.url, JOB, "agent-0", ca_file=__file__)
+
+    run(scenario())
+
+
+def make_tls_certificate(workdir: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (it is also its own CA); skip without openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = workdir / "broker.crt", workdir / "broker.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+# paho-mqtt 2.2 leaves the socket of a failed TLS handshake for the garbage collector
+# (client.py _ssl_wrap_socket); that ResourceWarning is not ours to fix.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_tls_with_a_ca_file_against_mosquitto(tmp_path: Path) -> None:
+    broker = MosquittoBroker(tmp_path, users=TEST_USERS, tls=make_tls_certificate(tmp_path))
+    broker.start()
+    try:
+        secret = f"geosched:{TEST_USERS['geosched']}@" if broker.users else ""
+        url = f"mqtts://{secret}127.0.0.1:{broker.port}"
+
+        async def scenario() -> None:
+            async with ControlPlane(url, JOB, "agent-0", ca_file=tmp_path / "broker.crt") as cp:
+                sub = await cp.subscribe("event")
+                await cp.publish_event("info", "hello over TLS")
+                message = await sub.get(5.0)
+                assert isinstance(message, EventMessage) and message.message == "hello over TLS"
+            with pytest.raises(BrokerAuthError, match="TLS certificate .* is not trusted"):
+                async with ControlPlane(url, JOB, "agent-1", connect_timeout=5):
+                    pass
+
+        run(scenario())
+    finally:
+        broker.stop()
