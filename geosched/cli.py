@@ -20,6 +20,7 @@ from geosched.errors import GeoschedError
 # they keep heavy imports (torch, ortools, zmq) inside run().
 VERBS: dict[str, tuple[str, str]] = {
     "validate-config": ("geosched.commands.validate_config", "check a cluster/job config"),
+    "keys": ("geosched.commands.keys", "generate a CURVE keypair for encrypted, authenticated WAN links"),
     "simulate": ("geosched.commands.simulate", "simulate a pipeline schedule: iteration time, bubbles, timeline"),
     "wanem": ("geosched.commands.wanem", "WAN emulator: a TCP relay adding delay, per-connection window and link cap"),
 }
