@@ -1,0 +1,88 @@
+"""A missing or dead replica fails the others within the timeout, naming it; never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agents.collectives import DataParallelGroup, GroupSpec, join_group
+from agents.local_group import run_local_group
+from geosched.errors import CollectiveError
+
+TIMEOUT_S = 10.0
+KILL_AFTER_S = 0.3
+
+
+def _die_during_allreduce(group: DataParallelGroup, victim: int, scheme: str, how: str) -> dict[str, object]:
+    """Every rank all-reduces 16 MiB in a loop; ``victim`` dies mid-way (os._exit or SIGKILL)."""
+    x = torch.ones(4 * 2**20)
+    group.barrier()
+    if group.rank == victim:
+        def die() -> None:
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        threading.Timer(KILL_AFTER_S, die).start()
+    start, rounds = time.monotonic(), 0
+    try:
+        while time.monotonic() - start < 3 * TIMEOUT_S:
+            if scheme == "ring":
+                group.ring_allreduce(x, "avg")
+            else:
+                group.allreduce(x, "avg")
+            rounds += 1
+    except CollectiveError as exc:
+        return {"error": str(exc), "after_kill_s": time.monotonic() - start - KILL_AFTER_S, "rounds": rounds}
+    return {"error": None, "rounds": rounds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "victim", "scheme", "how", "host_store"), [
+    (3, 1, "ring", "exit", False),
+    (2, 0, "native", "sigkill", True),  # the victim also hosts the store
+])
+def test_killed_rank_is_named_by_survivors(size: int, victim: int, scheme: str, how: str, host_store: bool) -> None:
+    results = run_local_group(_die_during_allreduce, size, victim, scheme, how, timeout_s=TIMEOUT_S,
+                              host_store=host_store, deadline_s=120)
+    assert results[victim].value is None
+    assert results[victim].exitcode == (-signal.SIGKILL if how == "sigkill" else 3)
+    for res in results:
+        if res.rank == victim:
+            continue
+        assert res.exitcode == 0 and res.error is None, res
+        report = res.value
+        assert report["error"] is not None, f"rank {res.rank} never noticed rank {victim} died"
+        assert f"missing rank(s) [{victim}]" in report["error"], report["error"]
+        assert report["after_kill_s"] < TIMEOUT_S, report
+
+
+def test_rendezvous_names_the_rank_that_never_came() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    spec = GroupSpec("eu/stage1", 1, 2, "127.0.0.1", store.port, timeout_s=1.0, host_store=False)
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"rank\(s\) \[0\] did not join within 1 s"):
+        join_group(spec)
+    assert time.monotonic() - start < 1.0 + 2.0
+    assert not dist.is_initialized()
+
+
+def test_rendezvous_host_waits_then_names_missing_rank() -> None:
+    spec = GroupSpec("eu/stage1", 0, 3, "127.0.0.1", 0, timeout_s=1.0)  # replica 0 hosts on a free port
+    with pytest.raises(CollectiveError, match=r"rank\(s\) \[1, 2\] did not join"):
+        join_group(spec)
+    assert not dist.is_initialized()
+
+
+def test_missing_store_host_is_named() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
+    del store  # nothing listens there any more
+    spec = GroupSpec("eu/stage1", 1, 2, "127.0.0.1", port, timeout_s=1.0)
+    with pytest.raises(CollectiveError, match=r"rank 0 \(the store host\) is missing"):
+        join_group(spec)
