@@ -1,0 +1,139 @@
+"""Measure the job's model on this machine and write a calibration file for the cost model.
+
+Times the embeddings, one transformer block and the head + loss of the
+config's model (forward and backward, microbatch size from the job; warm-up,
+then the median of --repeats) and measures activation sizes. The cost model
+and planner use the file instead of FLOP estimates.
+
+  geosched profile configs/demo-3dc.yaml -o calibration.json
+  geosched profile configs/demo-3dc.yaml -o calibration.json --repeats 15 --check
+  geosched profile configs/demo-3dc.yaml --json > calibration.json
+
+--check also times a 2-layer stage and prints it next to the cost model's
+prediction from the new calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from geosched.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define the flags of ``geosched profile``."""
+    parser.add_argument("config", help="cluster/job config (YAML) whose job.model is measured")
+    parser.add_argument("-o", "--output", metavar="JSON", help="write the calibration file here")
+    parser.add_argument("--repeats", type=int, default=5, help="timed iterations per piece; the median is kept "
+                        "(default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as the agents "
+                        "of 'geosched launch' run; 0 = torch's choice)")
+    parser.add_argument("--device", default="cpu", help="torch device to measure: cpu (default) or cuda[:N]")
+    parser.add_argument("--gpu-name", help="name stored in the file (default: the detected device name)")
+    parser.add_argument("--check", action="store_true", help="also compare a measured 2-layer stage with the "
+                        "cost model's prediction from this calibration")
+    parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile the job's model and write/print the calibration."""
+    import torch
+
+    from geosched.config import load_config
+    from geosched.costmodel import Calibration
+    from geosched.profile import check_prediction, profile_job, write_calibration
+
+    if args.repeats < 1:
+        raise InputError(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.warmup < 0:
+        raise InputError(f"--warmup must be >= 0 (got {args.warmup})")
+    if args.threads < 0:
+        raise InputError(f"--threads must be >= 1, or 0 for torch's choice (got {args.threads})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _check_device(args.device, torch)
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
+    job = load_config(args.config).job
+    bar = ProgressBar(sys.stderr)
+    cal = profile_job(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
+                      progress=bar)
+    bar.finish()
+    if args.check:
+        calibration = Calibration(**{k: cal[k] for k in Calibration.__dataclass_fields__})
+        cal["check"] = check_prediction(job, calibration, (0, min(2, job.model.layers)), repeats=args.repeats,
+                                        warmup=args.warmup, device=args.device)
+    if args.output:
+        write_calibration(cal, args.output)
+    if args.json:
+        print(json.dumps(cal))
+    else:
+        print(_text_report(cal, args.output))
+    return 0
+
+
+def _check_device(device: str, torch: Any) -> None:
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise InputError(f"--device {device!r} is not supported; use cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise InputError(f"--device {device}: no CUDA device on this machine; use --device cpu")
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal; one line per finished piece when not a terminal."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._piece = ""
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        """Show ``done`` of ``total`` iterations, currently in ``label``."""
+        piece = label.split()[0]
+        if self.tty:
+            filled = self.WIDTH * done // total
+            self.stream.write(f"\rprofile [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total} {label:<20}")
+            self.stream.flush()
+        elif piece != self._piece:
+            self.stream.write(f"profile: measuring {piece} ({done}/{total})\n")
+        self._piece = piece
+
+    def finish(self) -> None:
+        """End the bar's line."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _text_report(cal: dict[str, Any], output: str | None) -> str:
+    ms = 1e3
+    lines = [
+        f"device: {cal['gpu_name']} ({cal['threads']} threads, torch {cal['torch_version']})",
+        f"model: {cal['model']}, microbatch {cal['microbatch_size']}, {cal['precision']}",
+        f"{'per sequence':<14} {'forward ms':>11} {'backward ms':>12}",
+    ]
+    for piece in ("embed", "block", "head"):
+        fwd, bwd = cal[f"{piece}_forward_s"] * ms, cal[f"{piece}_backward_s"] * ms
+        lines.append(f"{piece:<14} {fwd:>11.4f} {bwd:>12.4f}")
+    lines += [
+        f"implied throughput: {cal['tflops']:.4g} TFLOP/s (block forward)",
+        f"activation per sequence: {cal['activation_bytes_per_sequence']} bytes sent, "
+        f"{cal['block_stash_bytes_per_sequence']} stashed per block, "
+        f"{cal['head_stash_bytes_per_sequence']} by the head",
+    ]
+    if "check" in cal:
+        c = cal["check"]
+        n = c["layers"][1] - c["layers"][0]
+        lines.append(f"check: {n}-layer stage measured {c['measured_s'] * ms:.3f} ms, predicted "
+                     f"{c['predicted_s'] * ms:.3f} ms (predicted/measured {c['predicted_over_measured']:.3f})")
+    lines.append(f"wrote {output}" if output else "not written (pass -o calibration.json to keep it)")
+    return "\n".join(lines)

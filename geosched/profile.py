@@ -1,0 +1,229 @@
+"""Measure the job's model on this machine: per-layer forward/backward time and activation sizes.
+
+``geosched profile`` runs real torch on the pieces the cost model prices
+separately, each built by :func:`geosched.model.build_stage` with the job's
+shape, precision and microbatch size:
+
+- the embeddings alone (a first stage of no blocks): tokens (b, T) -> (b, T, C);
+- one transformer block (a middle stage of one layer): (b, T, C) -> (b, T, C);
+- the final norm, head and loss (a last stage of no blocks): (b, T, C) -> scalar.
+
+Each piece runs ``warmup`` untimed iterations, then ``repeats`` timed ones;
+the median forward and backward times, divided by the microbatch size, are
+the per-sequence times of :class:`geosched.costmodel.Calibration`, and
+``tflops`` is the throughput the block measurement implies
+(``gpt_block_cost(job).forward_flop / block_forward_s``). Activation sizes
+(what a block sends on, what it stashes for backward) are measured from the
+tensors autograd actually saves.
+
+Example::
+
+    cal = profile_job(load_config("configs/demo-3dc.yaml").job, repeats=7)
+    write_calibration(cal, "calibration.json")
+    check = check_prediction(job, Calibration.load("calibration.json"))   # 2-layer stage: measured vs predicted
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geosched.config import JobSpec
+from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
+from geosched.errors import InputError
+from geosched.model import ModelShape, build_stage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, label)``: called after every timed or warm-up iteration."""
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Median seconds of one microbatch through a stage, and the spread of the samples."""
+
+    forward_s: float
+    backward_s: float
+    forward_spread_s: float  # max - min over the timed repeats
+    backward_spread_s: float
+
+
+def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: bool, repeats: int = 5,
+                  warmup: int = 2, device: str = "cpu", progress: Callable[[str], None] | None = None) -> StageTiming:
+    """Time forward and backward of one microbatch through the stage holding ``layers`` (+ embeddings/head).
+
+    Forward runs with autograd on (stashing activations, as training does);
+    the last stage's forward includes the loss. Gradients accumulate across
+    repeats as they do across microbatches.
+    """
+    if repeats < 1 or warmup < 0:
+        raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    stage = build_stage(job.model, layers[0], layers[1], first=first, last=last, seed=job.seed,
+                        dtype=DTYPES[job.precision]).to(device)
+    shape = ModelShape.of(job.model)
+    b, T = job.microbatch_size, shape.seq_len
+    g = torch.Generator().manual_seed(job.seed)
+    if first:
+        x = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
+    else:
+        x = torch.randn(b, T, shape.hidden, generator=g).to(device, DTYPES[job.precision])  # (b, T, C)
+        x.requires_grad_(True)
+    targets = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
+    out_grad = None
+    forward, backward = [], []
+    for i in range(warmup + repeats):
+        if not first:
+            x.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        out = stage(x)  # (b, T, C) or logits (b, T, V)
+        if last:
+            out = stage.loss(out, targets)  # scalar
+        _sync(device)
+        t1 = time.perf_counter()
+        if last:
+            out.backward()
+        else:
+            if out_grad is None:
+                out_grad = torch.randn(out.shape, generator=g).to(device, out.dtype)  # like the next stage's
+            out.backward(out_grad)
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+        if progress is not None:
+            progress("warm-up" if i < warmup else "timed")
+    return StageTiming(statistics.median(forward), statistics.median(backward),
+                       max(forward) - min(forward), max(backward) - min(backward))
+
+
+def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int]:
+    """Bytes per sequence a block sends on, and what a block and the head stash for backward.
+
+    The stash is the sum of the distinct storages autograd saves during one
+    forward, weights excluded.
+    """
+    shape = ModelShape.of(job.model)
+    b, T, dtype = job.microbatch_size, shape.seq_len, DTYPES[job.precision]
+    sizes = {}
+    for name, layers, last in (("block", (0, 1), False), ("head", (shape.layers, shape.layers), True)):
+        stage = build_stage(job.model, *layers, first=False, last=last, seed=job.seed, dtype=dtype).to(device)
+        weights = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        x = torch.randn(b, T, shape.hidden, device=device, dtype=dtype, requires_grad=True)  # (b, T, C)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = stage(x)  # (b, T, C) or (b, T, V)
+            if last:
+                out = stage.loss(out, torch.zeros(b, T, dtype=torch.int64, device=device))
+        sizes[f"{name}_stash_bytes_per_sequence"] = sum(saved.values()) // b
+        if not last:
+            sizes["activation_bytes_per_sequence"] = out.numel() * out.element_size() // b
+    return sizes
+
+
+def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
+                gpu_name: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Measure the embeddings, one block and the head; return the calibration as a JSON-ready dict.
+
+    The dict holds every :class:`~geosched.costmodel.Calibration` field (times
+    per sequence) plus activation sizes and where and how it was measured.
+    """
+    shape = ModelShape.of(job.model)
+    pieces = {"embed": ((0, 0), True, False), "block": ((0, 1), False, False),
+              "head": ((shape.layers, shape.layers), False, True)}
+    total, done = len(pieces) * (warmup + repeats), 0
+    times: dict[str, StageTiming] = {}
+    for name, (layers, first, last) in pieces.items():
+        def tick(phase: str, name: str = name) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{name} {phase}")
+
+        times[name] = measure_stage(job, layers, first=first, last=last, repeats=repeats, warmup=warmup,
+                                    device=device, progress=tick)
+    b = job.microbatch_size
+    cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
+    for name, timing in times.items():
+        cal[f"{name}_forward_s"] = timing.forward_s / b
+        cal[f"{name}_backward_s"] = timing.backward_s / b
+    cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
+    cal.update(measure_activation_bytes(job, device))
+    cal["spread_s"] = {f"{name}_{d}": getattr(t, f"{d}_spread_s") / b
+                       for name, t in times.items() for d in ("forward", "backward")}
+    cal.update({
+        "model": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
+                  "vocab": shape.vocab, "ffn_mult": shape.ffn_mult},
+        "microbatch_size": b, "precision": job.precision, "device": device, "repeats": repeats, "warmup": warmup,
+        "threads": torch.get_num_threads(), "torch_version": torch.__version__, "host": socket.gethostname(),
+        "created_at": time.time(),
+    })
+    Calibration(**{k: cal[k] for k in Calibration.__dataclass_fields__})  # the loader's fields are all there
+    return cal
+
+
+def check_prediction(job: JobSpec, calibration: Calibration, layers: tuple[int, int] = (0, 2), *,
+                     repeats: int = 5, warmup: int = 2, device: str = "cpu") -> dict[str, float]:
+    """Measure a middle stage of ``layers`` and compare with ``stage_compute`` using ``calibration``.
+
+    Returns measured and predicted forward+backward seconds per microbatch and
+    their ratio (predicted / measured).
+    """
+    measured = measure_stage(job, layers, first=False, last=False, repeats=repeats, warmup=warmup, device=device)
+    predicted = stage_compute(job, calibration.tflops, layers, False, False, calibration)
+    m = measured.forward_s + measured.backward_s
+    p = predicted.forward_s + predicted.backward_s
+    return {"layers": list(layers), "measured_s": m, "predicted_s": p, "predicted_over_measured": p / m}
+
+
+def write_calibration(cal: dict[str, Any], path: str | os.PathLike) -> str:
+    """Write the calibration JSON (via a temporary file and rename); return the path."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(cal, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise InputError(f"cannot write calibration {path!r}: {exc.strerror or exc}; pick a writable -o path") from None
+    return path
+
+
+def device_name(device: str) -> str:
+    """A readable name of the device measured: the CUDA device name, or the CPU model and thread count."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu {model} x{torch.get_num_threads()} threads"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))

@@ -1,0 +1,116 @@
+"""`geosched profile` measures real torch pieces and writes a calibration the cost model reads back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from geosched.cli import main
+from geosched.config import load_config
+from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
+from geosched.profile import check_prediction, measure_activation_bytes, profile_job
+
+DEMO = "configs/demo-3dc.yaml"
+TINY = {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32, "vocab": 256}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Profile with one intra-op thread (the CLI's --threads sets it process-wide); restore afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config_with(tmp_path, model: dict, microbatch: int = 2) -> str:
+    """The demo config with another model and microbatch size."""
+    data = yaml.safe_load(open(DEMO))
+    data["job"]["model"] = model
+    data["job"]["microbatch_size"] = microbatch
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_cli_writes_a_calibration_that_the_cost_model_loads(tmp_path, capsys) -> None:
+    config = config_with(tmp_path, TINY, microbatch=2)
+    out = tmp_path / "calibration.json"
+    code = main(["profile", config, "-o", str(out), "--repeats", "2", "--warmup", "1", "--threads", "1",
+                 "--json", "--check"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    printed = json.loads(captured.out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert "profile: measuring block" in captured.err  # progress on stderr, not mixed into the JSON
+
+    cal = Calibration.load(out)
+    for field in Calibration.__dataclass_fields__:
+        if field != "gpu_name":
+            assert getattr(cal, field) > 0, field
+    job = load_config(config).job
+    # tflops is what the block measurement implies for the cost model's FLOP count
+    assert cal.tflops == pytest.approx(gpt_block_cost(job).forward_flop / cal.block_forward_s / 1e12)
+    assert printed["activation_bytes_per_sequence"] == TINY["seq_len"] * TINY["hidden"] * 4  # (T, C) fp32
+    assert printed["block_stash_bytes_per_sequence"] > printed["activation_bytes_per_sequence"]
+    assert printed["microbatch_size"] == 2 and printed["threads"] == 1 and printed["torch_version"]
+
+    # the cost model now prices a stage from the measurement: b x n x per-sequence time at the same GPU
+    two = stage_compute(job, cal.tflops, (0, 2), False, False, cal)
+    assert two.forward_s == pytest.approx(2 * 2 * cal.block_forward_s)
+    assert two.backward_s == pytest.approx(2 * 2 * cal.block_backward_s)
+    whole = stage_compute(job, cal.tflops, (0, 2), True, True, cal)
+    assert whole.forward_s == pytest.approx(two.forward_s + 2 * (cal.embed_forward_s + cal.head_forward_s))
+    check = printed["check"]
+    assert check["measured_s"] > 0 and check["predicted_s"] == pytest.approx(two.forward_s + two.backward_s)
+
+
+def test_block_time_grows_with_hidden_size(tmp_path) -> None:
+    small = load_config(config_with(tmp_path, {**TINY, "hidden": 16, "heads": 2})).job
+    big = load_config(config_with(tmp_path, {**TINY, "hidden": 384, "heads": 4})).job  # ~500x the block FLOPs
+    a = profile_job(small, repeats=3, warmup=1)
+    b = profile_job(big, repeats=3, warmup=1)
+    assert b["block_forward_s"] + b["block_backward_s"] > a["block_forward_s"] + a["block_backward_s"]
+    assert b["activation_bytes_per_sequence"] == 24 * a["activation_bytes_per_sequence"]
+    # the head's stash holds at least the fp32 log-probabilities of every position
+    assert a["head_stash_bytes_per_sequence"] >= 4 * TINY["seq_len"] * TINY["vocab"]
+
+
+def test_activation_sizes_scale_with_precision(tmp_path) -> None:
+    data = yaml.safe_load(open(config_with(tmp_path, TINY)))
+    data["job"]["precision"] = "bf16"
+    (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(data))
+    half = measure_activation_bytes(load_config(tmp_path / "bf16.yaml").job)
+    full = measure_activation_bytes(load_config(config_with(tmp_path, TINY)).job)
+    assert 2 * half["activation_bytes_per_sequence"] == full["activation_bytes_per_sequence"]
+
+
+def test_check_prediction_reports_both_sides(tmp_path) -> None:
+    job = load_config(config_with(tmp_path, TINY)).job
+    cal = Calibration("cpu", 1e-3, 2e-3, 1e-4, 2e-4, 1e-5, 2e-5, 0.5)
+    check = check_prediction(job, cal, (0, 2), repeats=2, warmup=0)
+    assert check["predicted_s"] == pytest.approx(2 * 2 * 3e-3)  # b=2, 2 layers, fwd+bwd per sequence
+    assert check["measured_s"] > 0
+    assert check["predicted_over_measured"] == pytest.approx(check["predicted_s"] / check["measured_s"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--threads", "-1"], "--threads must be >= 1, or 0"),
+    (["--device", "tpu"], "--device 'tpu' is not supported"),
+    (["-o", "/nonexistent-dir/cal.json", "--repeats", "1", "--warmup", "0"], "cannot write calibration"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> None:
+    config = config_with(tmp_path, {**TINY, "layers": 1})
+    assert main(["profile", config, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("geosched profile: error:")
+
+
+def test_a_missing_config_is_exit_2(capsys) -> None:
+    assert main(["profile", "/nonexistent/job.yaml"]) == 2
+    assert "no such file" in capsys.readouterr().err
