@@ -56,7 +56,7 @@ from geosched.model_counts import (  # re-exported: one import site for model us
 )
 
 __all__ = [
-    "BACKWARD_FLOPS_PER_FORWARD", "KV", "KVCache", "ModelShape", "StageModule",
+    "BACKWARD_FLOPS_PER_FORWARD", "KV", "KVCache", "ModelShape", "PRECISION_DTYPES", "StageModule",
     "block_forward_flops_per_token", "build_model", "build_stage", "decode_step",
     "embedding_params", "ffn_mult", "greedy_generate", "head_forward_flops_per_token", "head_params",
     "layer_params", "prefill", "stage_forward_flops_per_token", "stage_params", "total_params",
@@ -68,6 +68,9 @@ KV = tuple[Tensor, Tensor]
 """Cached keys and values of one layer, each (B, H, T_cached, C // H)."""
 KVCache = list[KV]
 """One :data:`KV` per block held, in layer order."""
+
+PRECISION_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The torch dtype of each config ``job.precision``."""
 
 INIT_STD = 0.02
 """Std of the normal init of Linear and Embedding weights (GPT-2)."""

@@ -40,9 +40,8 @@ import torch
 from geosched.config import JobSpec
 from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
-from geosched.model import ModelShape, build_stage
+from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, label)``: called after every timed or warm-up iteration."""
 
@@ -68,14 +67,14 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     stage = build_stage(job.model, layers[0], layers[1], first=first, last=last, seed=job.seed,
-                        dtype=DTYPES[job.precision]).to(device)
+                        dtype=PRECISION_DTYPES[job.precision]).to(device)
     shape = ModelShape.of(job.model)
     b, T = job.microbatch_size, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
     if first:
         x = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
     else:
-        x = torch.randn(b, T, shape.hidden, generator=g).to(device, DTYPES[job.precision])  # (b, T, C)
+        x = torch.randn(b, T, shape.hidden, generator=g).to(device, PRECISION_DTYPES[job.precision])  # (b, T, C)
         x.requires_grad_(True)
     targets = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
     out_grad = None
@@ -114,7 +113,7 @@ def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int
     forward, weights excluded.
     """
     shape = ModelShape.of(job.model)
-    b, T, dtype = job.microbatch_size, shape.seq_len, DTYPES[job.precision]
+    b, T, dtype = job.microbatch_size, shape.seq_len, PRECISION_DTYPES[job.precision]
     sizes = {}
     for name, layers, last in (("block", (0, 1), False), ("head", (shape.layers, shape.layers), True)):
         stage = build_stage(job.model, *layers, first=False, last=last, seed=job.seed, dtype=dtype).to(device)
