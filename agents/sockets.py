@@ -1,0 +1,355 @@
+"""The one ZeroMQ socket factory: bind/connect, limits, identities, CURVE.
+
+Every ZeroMQ socket in geosched is made by :func:`make_socket`, which sets
+linger, high-water marks, the maximum inbound message size
+(``zmq.MAXMSGSIZE``: a peer that sends a bigger frame is disconnected by
+libzmq before anything is allocated), reconnect intervals, the routing id
+and CURVE security. Sockets are context managers (``with make_socket(...)
+as s:``) and close with linger 0 by default.
+
+CURVE: a server loads its keypair from a ``NAME.key`` file and authenticates
+clients against a directory of allowed ``*.key.pub`` files through a
+:class:`ZapAuthenticator` (a ZAP handler thread that counts refusals and
+logs each refused peer at most once a minute). Key files are written by
+``geosched keys DIR --name NAME`` (:func:`write_keypair`). Example::
+
+    ctx = zmq.Context()
+    server = CurveServer.from_files("keys/server.key", allowed_clients_dir="keys/clients")
+    with ZapAuthenticator(ctx, server.allowed_clients), \\
+         make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0", max_msg_bytes=1 << 20, curve_server=server) as s:
+        ...
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+from geosched.errors import ConfigError, InputError, LinkError
+
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+SECRET_SUFFIX = ".key"
+PUBLIC_SUFFIX = ".key.pub"
+
+
+# ---------------------------------------------------------------- key files
+
+
+def write_keypair(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Generate a CURVE keypair as ``DIR/NAME.key`` (secret, mode 0600) and ``DIR/NAME.key.pub``.
+
+    Raises InputError for a bad name, a missing directory, or existing files without ``force``.
+    """
+    if not name or "/" in name or name.startswith("."):
+        raise InputError(f"key name {name!r} must be a plain file name such as 'eu-agent0'")
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise InputError(f"key directory {str(folder)!r} does not exist: create it first (mkdir -p)")
+    secret_path, public_path = folder / f"{name}{SECRET_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
+    for path in (secret_path, public_path):
+        if path.exists() and not force:
+            raise InputError(f"{path} already exists: pick another --name or pass --force to overwrite")
+    public, secret = zmq.curve_keypair()
+    banner = "#   geosched CURVE {kind} key ({name}); format of zmq.auth certificates\n"
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(banner.format(kind="secret", name=name))
+        f.write(f'curve\n    public-key = "{public.decode()}"\n    secret-key = "{secret.decode()}"\n')
+    with open(public_path, "w", encoding="ascii") as f:
+        f.write(banner.format(kind="public", name=name))
+        f.write(f'curve\n    public-key = "{public.decode()}"\n')
+    return secret_path, public_path
+
+
+def _load_certificate(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read CURVE key file {str(path)!r}: {exc} (make one with 'geosched keys')") from None
+    if len(public) != 40 or (secret is not None and len(secret) != 40):
+        raise ConfigError(f"CURVE key file {str(path)!r} holds a malformed key (expect 40-char Z85)")
+    return public, secret
+
+
+def load_keypair(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a ``NAME.key`` file; ConfigError if absent or public-only."""
+    public, secret = _load_certificate(path)
+    if secret is None:
+        raise ConfigError(f"{str(path)!r} holds no secret key: pass the NAME.key file, not NAME.key.pub")
+    return public, secret
+
+
+def load_public_key(path: str | os.PathLike) -> bytes:
+    """The Z85 public key from a ``NAME.key.pub`` (or ``NAME.key``) file."""
+    return _load_certificate(path)[0]
+
+
+def load_allowed_keys(directory: str | os.PathLike) -> frozenset[bytes]:
+    """Public keys of every ``*.key.pub`` file in a directory; ConfigError if there are none."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise ConfigError(f"allowed-clients directory {str(folder)!r} does not exist")
+    keys = frozenset(load_public_key(p) for p in sorted(folder.glob(f"*{PUBLIC_SUFFIX}")))
+    if not keys:
+        raise ConfigError(f"no *{PUBLIC_SUFFIX} files in {str(folder)!r}: copy the clients' public keys there")
+    return keys
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """CURVE settings of a server socket."""
+
+    public_key: bytes
+    """Z85 public key of the server (clients need it)."""
+    secret_key: bytes
+    """Z85 secret key of the server."""
+    allowed_clients: frozenset[bytes] | None = None
+    """Public keys allowed to connect; None accepts any client key (encryption only)."""
+
+    @classmethod
+    def from_files(
+        cls, key_file: str | os.PathLike, allowed_clients_dir: str | os.PathLike | None = None
+    ) -> CurveServer:
+        """Load the server keypair and, optionally, the directory of allowed client keys."""
+        public, secret = load_keypair(key_file)
+        allowed = load_allowed_keys(allowed_clients_dir) if allowed_clients_dir is not None else None
+        return cls(public, secret, allowed)
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """CURVE settings of a client socket."""
+
+    public_key: bytes
+    """Z85 public key of this client (must be in the server's allowed directory)."""
+    secret_key: bytes
+    """Z85 secret key of this client."""
+    server_key: bytes
+    """Z85 public key of the server it connects to."""
+
+    @classmethod
+    def from_files(cls, key_file: str | os.PathLike, server_public_file: str | os.PathLike) -> CurveClient:
+        """Load this client's keypair and the server's public key."""
+        public, secret = load_keypair(key_file)
+        return cls(public, secret, load_public_key(server_public_file))
+
+
+# ---------------------------------------------------------------- the factory
+
+
+def make_socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    *,
+    max_msg_bytes: int,
+    bind: str | None = None,
+    connect: str | None = None,
+    linger_ms: int = 0,
+    sndhwm: int = 1000,
+    rcvhwm: int = 1000,
+    routing_id: bytes | None = None,
+    reconnect_ivl_ms: int = 100,
+    reconnect_ivl_max_ms: int = 2000,
+    curve_server: CurveServer | None = None,
+    curve_client: CurveClient | None = None,
+    options: Mapping[int, int | bytes] | None = None,
+) -> zmq.Socket:
+    """Create, configure and bind or connect one ZeroMQ socket.
+
+    ``max_msg_bytes`` is mandatory: libzmq disconnects a peer that sends a
+    larger frame. ``bind`` may use port 0 (read the port back with
+    :func:`bound_port`). Raises LinkError if the address cannot be bound and
+    InputError for a malformed endpoint.
+    """
+    if curve_server is not None and curve_client is not None:
+        raise InputError("a socket is either a CURVE server or a CURVE client, not both")
+    sock = ctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max_ms)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if curve_server is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve_server.secret_key)
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"geosched")
+        if curve_client is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve_client.server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve_client.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve_client.secret_key)
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
+        if bind is not None:
+            try:
+                sock.bind(bind)
+            except zmq.ZMQError as exc:
+                raise LinkError(f"cannot bind {bind}: {exc.strerror} (is the port in use?)") from None
+        if connect is not None:
+            try:
+                sock.connect(connect)
+            except zmq.ZMQError as exc:
+                raise InputError(f"cannot connect to {connect!r}: {exc.strerror} (expect tcp://HOST:PORT)") from None
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+_MALLOC_TUNED = False
+
+
+def keep_message_buffers(mmap_threshold: int = 64 << 20) -> bool:
+    """Make glibc reuse freed multi-megabyte blocks instead of returning them to the kernel.
+
+    libzmq allocates one buffer per received message. With glibc's defaults a
+    1 MiB buffer is mmapped (or the heap trimmed) and every page is faulted in
+    again for the next message: at GB/s that is most of the receiving I/O
+    thread's time. This raises the mmap threshold to ``mmap_threshold`` and
+    the trim threshold to four times that, process-wide, once. Returns False
+    where it does not apply (not glibc).
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+        ok = libc.mallopt(m_mmap_threshold, mmap_threshold) == 1
+        ok = ok and libc.mallopt(m_trim_threshold, 4 * mmap_threshold) == 1
+    except (OSError, AttributeError):
+        return False
+    _MALLOC_TUNED = ok
+    return ok
+
+
+def bound_port(sock: zmq.Socket) -> int:
+    """The TCP port a socket is bound to (after binding port 0)."""
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+# ---------------------------------------------------------------- ZAP (client authentication)
+
+
+@dataclass
+class PeerLogLimiter:
+    """Decides whether to log about a peer: at most once per ``interval_s`` per peer address."""
+
+    interval_s: float = 60.0
+    _last: dict[str, float] = field(default_factory=dict)
+
+    def should_log(self, peer: str) -> bool:
+        """True the first time a peer is seen in the current interval."""
+        now = time.monotonic()
+        if now - self._last.get(peer, -self.interval_s - 1) < self.interval_s:
+            return False
+        if len(self._last) > 10_000:  # bounded memory under a scan from many addresses
+            self._last.clear()
+        self._last[peer] = now
+        return True
+
+
+class ZapAuthenticator:
+    """A ZAP handler thread for one context: admits CURVE clients whose key is allowed.
+
+    ``allowed`` None admits every CURVE client (encryption without
+    authentication). ``denied`` counts refusals; each refused peer address is
+    logged at most once a minute. Use as a context manager or call
+    :meth:`start`/:meth:`stop`.
+    """
+
+    def __init__(self, ctx: zmq.Context, allowed: Iterable[bytes] | None) -> None:
+        self._ctx = zmq.Context.shadow(ctx.underlying)
+        self._allowed = None if allowed is None else frozenset(allowed)
+        self._limiter = PeerLogLimiter()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="zap-authenticator", daemon=True)
+        self.denied = 0
+        self.admitted = 0
+
+    def start(self) -> ZapAuthenticator:
+        """Bind the ZAP endpoint and serve requests in a background thread."""
+        self._thread.start()
+        self._ready.wait(5.0)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the ZAP socket."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def __enter__(self) -> ZapAuthenticator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        with make_socket(self._ctx, zmq.ROUTER, bind=ZAP_ENDPOINT, max_msg_bytes=4096) as sock:
+            self._ready.set()
+            while not self._stop.is_set():
+                if sock.poll(100, zmq.POLLIN):
+                    frames = sock.recv_multipart()
+                    try:
+                        self._answer(sock, frames)
+                    except Exception:  # never die: without a handler libzmq would admit every key
+                        log.exception("ZAP handler failed on a request; refusing it")
+                        self.denied += 1
+                        if len(frames) >= 4:
+                            sock.send_multipart(
+                                [frames[0], b"", b"1.0", frames[3], b"500", b"internal error", b"", b""]
+                            )
+
+    def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) < 8 or frames[2] != b"1.0":
+            return
+        routing, _empty, version, request_id, _domain, address, _identity, mechanism = frames[:8]
+        credentials = frames[8:]
+        peer = address.decode(errors="replace")
+        if mechanism != b"CURVE" or len(credentials) != 1:
+            ok, why = False, f"mechanism {mechanism.decode(errors='replace')} not allowed"
+        else:
+            key = z85.encode(credentials[0])
+            ok = self._allowed is None or key in self._allowed
+            why = "OK" if ok else "client key not in the allowed directory"
+        if ok:
+            self.admitted += 1
+        else:
+            self.denied += 1
+            if self._limiter.should_log(peer):
+                log.warning("refused CURVE client from %s: %s", peer, why)
+        status = b"200" if ok else b"400"
+        sock.send_multipart([routing, b"", version, request_id, status, why.encode(), b"", b""])
+
+
+def monitor_events(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR socket receiving this socket's connection events (read with zmq.utils.monitor)."""
+    events = (
+        zmq.EVENT_ACCEPTED
+        | zmq.EVENT_CONNECTED
+        | zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    return sock.get_monitor_socket(events)

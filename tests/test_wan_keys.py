@@ -1,0 +1,50 @@
+"""`geosched keys`: CURVE keypair files the WAN links load."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from agents.sockets import CurveClient, CurveServer, load_allowed_keys, load_keypair, load_public_key
+from geosched.cli import main
+from geosched.errors import ConfigError
+
+
+def test_keys_writes_a_loadable_keypair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", str(tmp_path), "--name", "eu-0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    secret, public = tmp_path / "eu-0.key", tmp_path / "eu-0.key.pub"
+    assert info["secret_key_file"] == str(secret) and info["public_key_file"] == str(public)
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    pub, sec = load_keypair(secret)
+    assert load_public_key(public) == pub and info["public_key"] == pub.decode() and len(sec) == 40
+    assert "secret-key" not in public.read_text()
+    assert load_allowed_keys(tmp_path) == {pub}
+    server = CurveServer.from_files(secret, tmp_path)
+    client = CurveClient.from_files(secret, public)
+    assert server.allowed_clients == {pub} and client.server_key == pub
+
+
+def test_keys_refuses_to_overwrite_and_bad_places(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", str(tmp_path), "--name", "a"]) == 0
+    assert main(["keys", str(tmp_path), "--name", "a"]) == 2
+    assert "already exists: pick another --name or pass --force" in capsys.readouterr().err
+    assert main(["keys", str(tmp_path), "--name", "a", "--force"]) == 0
+    assert main(["keys", str(tmp_path / "missing"), "--name", "a"]) == 2
+    assert main(["keys", str(tmp_path), "--name", "../a"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist: create it first" in err and "must be a plain file name" in err
+
+
+def test_loading_wrong_key_files_is_a_config_error(tmp_path: Path) -> None:
+    main(["keys", str(tmp_path), "--name", "x"])
+    with pytest.raises(ConfigError, match=r"holds no secret key: pass the NAME\.key file"):
+        load_keypair(tmp_path / "x.key.pub")
+    with pytest.raises(ConfigError, match="cannot read CURVE key file"):
+        load_keypair(tmp_path / "nope.key")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"no \*.key.pub files"):
+        load_allowed_keys(tmp_path / "empty")

@@ -1,0 +1,170 @@
+"""Bad input against a listening WanLink: each bad frame is refused and counted, the link keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from agents.sockets import CurveClient, CurveServer, write_keypair
+from agents.wan import WanLink, WanLinkConfig
+from geosched.errors import LinkError
+from geosched.wire import checksum, encode_header
+
+LINK = 31
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll until predicate() holds (connection events reach the link asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def raw_tcp(port: int, data: bytes) -> None:
+    """Connect a plain TCP socket, write bytes, hang up."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(data)
+        time.sleep(0.1)
+
+
+def chunk_frames(payload: bytes, **changes: object) -> list[bytes]:
+    """A data chunk carrying ``payload`` as a one-chunk uint8 tensor, with header fields overridden."""
+    header = {
+        "v": 1,
+        "type": "data",
+        "link": LINK,
+        "step": 0,
+        "mb": 0,
+        "kind": "activation",
+        "dtype": "uint8",
+        "shape": [len(payload)],
+        "total": len(payload),
+        "chunk": 1 << 16,
+        "seq": 0,
+        "prev": -1,
+        "offset": 0,
+        "length": len(payload),
+        "crc": checksum(payload),
+        "floor": 0,
+        "tx": 0,
+    }
+    header.update(changes)
+    return [encode_header(header), payload]
+
+
+@pytest.fixture
+def server() -> WanLink:
+    link = WanLink.listen(
+        "tcp://127.0.0.1:0",
+        WanLinkConfig(link_id=LINK, max_chunk_bytes=1 << 16, chunk_bytes=1 << 15, recv_timeout_s=10.0),
+    )
+    yield link
+    link.close()
+
+
+def test_bad_frames_are_refused_counted_and_the_link_keeps_serving(server: WanLink) -> None:
+    drops = lambda: server.metrics()["drops"]  # noqa: E731
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+
+    raw_tcp(server.port, b"GET / HTTP/1.1\r\nHost: geosched\r\n\r\n")
+    assert wait_for(lambda: drops()["handshake_failed"] == 1)
+    raw_tcp(server.port, b"\x00\x05hello" * 8)  # parses as ZMTP 1.0: libzmq drops it silently
+    assert wait_for(lambda: drops()["unknown_peer"] == 1)
+
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.connect(endpoint)
+        stranger.send_multipart(chunk_frames(b"x" * 10))  # data without hello
+        assert wait_for(lambda: drops()["unknown_peer"] == 2)
+
+        # a peer that says hello properly, then misbehaves
+        evil = ctx.socket(zmq.DEALER)
+        evil.setsockopt(zmq.ROUTING_ID, b"evil-0")
+        evil.connect(endpoint)
+        evil.send(encode_header({"v": 1, "type": "hello", "link": LINK, "session": "evil", "stream": 0, "streams": 1}))
+        assert evil.poll(5000), "no welcome"
+        evil.recv()
+        good = chunk_frames(b"y" * 100)
+        cases = [
+            ("bad_header", [good[0][: len(good[0]) // 2], good[1]]),  # truncated header
+            ("bad_header", [b"\x93garbage", good[1]]),
+            ("bad_version", chunk_frames(b"y" * 100, v=99)),
+            ("unknown_link", chunk_frames(b"y" * 100, link=LINK + 1)),
+            ("bad_checksum", chunk_frames(b"y" * 100, crc=(checksum(b"y" * 100) + 1) & 0xFFFFFFFF)),
+            ("oversize", chunk_frames(b"y" * 100, chunk=1 << 20)),  # chunk over max_chunk_bytes
+            ("oversize", [good[0], b"y" * 99]),  # frame shorter than its header says
+            ("bad_spec", chunk_frames(b"y" * 100, dtype="float33")),
+            ("bad_spec", chunk_frames(b"y" * 100, total=1 << 40, shape=[1 << 40])),  # over max_tensor_bytes
+            ("bad_spec", chunk_frames(b"y" * 100, shape=[7, 7])),  # 49 bytes != total 100
+            ("bad_spec", chunk_frames(b"y" * 100, offset=50)),  # not a chunk boundary
+        ]
+        for reason, frames in cases:
+            before = drops()[reason]
+            evil.send_multipart(frames)
+            expected = before + 1
+            assert wait_for(lambda r=reason, n=expected: drops()[r] == n), (
+                f"{reason} not counted for {frames[0][:40]!r}"
+            )
+        disconnects = server.metrics()["disconnects"]
+        evil.send_multipart([good[0], b"z" * (1 << 20)])  # over MAXMSGSIZE: libzmq hangs up on the peer
+        assert wait_for(lambda: server.metrics()["disconnects"] > disconnects)
+        assert server.metrics()["messages_received"] == 0
+        evil.close(linger=0)
+        stranger.close(linger=0)
+    finally:
+        ctx.term()
+
+    # the real peer connects (its session replaces the stranger's) and everything still works
+    with WanLink.connect(
+        endpoint, WanLinkConfig(link_id=LINK, streams=2, max_chunk_bytes=1 << 16, chunk_bytes=1 << 15)
+    ) as client:
+        x = torch.randn(100_000)
+        pending = client.start_send(x, step=1, microbatch=2)
+        assert torch.equal(server.recv_sync(step=1, microbatch=2), x)
+        pending.result(10)
+        server.send_sync(x * 2, step=1, microbatch=2, kind="gradient")
+        assert torch.equal(client.recv_sync(step=1, microbatch=2, kind="gradient"), x * 2)
+
+
+def test_curve_refuses_unknown_keys_and_serves_allowed_ones(tmp_path: Path) -> None:
+    (tmp_path / "clients").mkdir()
+    write_keypair(tmp_path, "server")
+    write_keypair(tmp_path / "clients", "agent")
+    write_keypair(tmp_path, "intruder")
+    curve = CurveServer.from_files(tmp_path / "server.key", tmp_path / "clients")
+    server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(link_id=LINK, curve_server=curve, recv_timeout_s=10.0))
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    drops = lambda: server.metrics()["drops"]  # noqa: E731
+    try:
+        intruder = CurveClient.from_files(tmp_path / "intruder.key", tmp_path / "server.key.pub")
+        with pytest.raises(LinkError, match="unreachable"):
+            WanLink.connect(
+                endpoint, WanLinkConfig(link_id=LINK, streams=1, connect_timeout_s=0.5, curve_client=intruder)
+            )
+        assert wait_for(lambda: drops()["auth_failed"] >= 1)
+        with pytest.raises(LinkError, match="unreachable"):  # no encryption at all
+            WanLink.connect(endpoint, WanLinkConfig(link_id=LINK, streams=1, connect_timeout_s=0.5))
+        assert wait_for(lambda: drops()["handshake_failed"] >= 1)
+        before = drops()["unknown_peer"] + drops()["handshake_failed"]
+        raw_tcp(server.port, bytes(range(256)))
+        assert wait_for(lambda: drops()["unknown_peer"] + drops()["handshake_failed"] > before)
+
+        agent = CurveClient.from_files(tmp_path / "clients" / "agent.key", tmp_path / "server.key.pub")
+        with WanLink.connect(endpoint, WanLinkConfig(link_id=LINK, streams=2, curve_client=agent)) as client:
+            x = torch.arange(50_000, dtype=torch.int64)
+            pending = server.start_recv(step=0, microbatch=0)
+            client.send_sync(x, step=0, microbatch=0)
+            assert torch.equal(pending.result(10), x)
+        assert server.metrics()["messages_received"] == 1
+    finally:
+        server.close()
