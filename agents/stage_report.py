@@ -1,0 +1,116 @@
+"""What a stage reports per training step, and the measured timeline built from those reports.
+
+:class:`StepReport` is one rank's step: loss (last stage), iteration time,
+busy/comm/idle seconds, bytes sent per peer stage and the timed events. It
+is plain data (``to_dict``/``from_dict``) so it can cross process
+boundaries and MQTT as JSON.
+
+:func:`measured_timeline` merges the reports of one pipeline (one replica of
+every stage) for one step into a :class:`~geosched.schedule.Timeline`: the
+same object the simulator returns, so ``render_grid``,
+``write_timeline_png`` and ``write_chrome_trace`` draw it and its
+``iteration_s`` and bubbles compare directly with the prediction. Stages are
+aligned on the wall clock (``started_at``), exact on one machine.
+
+:func:`global_loss` is the loss of the whole step: the mean over replicas of
+each replica's last-stage loss (all replicas see equally many samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from geosched.errors import StageError
+from geosched.schedule import Event, IdleGap, Schedule, Timeline
+from geosched.schedule.timeline import summarize
+
+
+@dataclass
+class StepReport:
+    """One rank's training step."""
+
+    step: int
+    stage: int
+    replica: int
+    loss: float | None  # last stage: mean loss over its microbatches; None elsewhere
+    iteration_s: float  # from the first action's start to the last action's end
+    busy_s: float  # compute: F, B, STEP
+    comm_s: float  # sends, receives that did not wait, all-reduce
+    idle_s: float  # receives that waited: the bubbles
+    started_at: float  # wall clock (time.time()) at the start of the step
+    bytes_sent: dict[int, int] = field(default_factory=dict)  # peer stage -> bytes this step
+    events: list[Event] = field(default_factory=list)
+    idle_gaps: list[IdleGap] = field(default_factory=list)
+
+    @classmethod
+    def from_events(cls, *, step: int, stage: int, replica: int, loss: float | None, iteration_s: float,
+                    started_at: float, events: list[Event], idle_gaps: list[IdleGap],
+                    bytes_sent: dict[int, int]) -> StepReport:
+        """Sum the event durations into busy/comm/idle seconds."""
+        spent = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
+        for e in events:
+            spent[e.category] = spent.get(e.category, 0.0) + (e.end - e.start)
+        return cls(step, stage, replica, loss, iteration_s, spent["compute"], spent["comm"], spent["idle"],
+                   started_at, dict(bytes_sent), list(events), list(idle_gaps))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - busy / iteration, as the simulator defines it."""
+        return 1.0 - self.busy_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def to_dict(self, *, with_events: bool = True) -> dict[str, Any]:
+        """JSON-ready form (peer keys become strings)."""
+        data = asdict(self)
+        data["bytes_sent"] = {str(k): v for k, v in self.bytes_sent.items()}
+        data["bubble_fraction"] = self.bubble_fraction
+        if with_events:
+            data["events"] = [e._asdict() for e in self.events]
+            data["idle_gaps"] = [g._asdict() for g in self.idle_gaps]
+        else:
+            data.pop("events")
+            data.pop("idle_gaps")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepReport:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            step=int(data["step"]), stage=int(data["stage"]), replica=int(data["replica"]),
+            loss=None if data["loss"] is None else float(data["loss"]),
+            iteration_s=float(data["iteration_s"]), busy_s=float(data["busy_s"]),
+            comm_s=float(data["comm_s"]), idle_s=float(data["idle_s"]), started_at=float(data["started_at"]),
+            bytes_sent={int(k): int(v) for k, v in data.get("bytes_sent", {}).items()},
+            events=[Event(**e) for e in data.get("events", [])],
+            idle_gaps=[IdleGap(**g) for g in data.get("idle_gaps", [])],
+        )
+
+
+def measured_timeline(schedule: Schedule, reports: Iterable[StepReport]) -> Timeline:
+    """The Timeline of one step of one pipeline: one report per stage, same step and replica."""
+    by_stage = {r.stage: r for r in reports}
+    missing = [s for s in range(schedule.num_stages) if s not in by_stage]
+    if missing:
+        raise StageError(f"measured timeline needs a report from every stage; missing stages {missing}")
+    steps = {(r.step, r.replica) for r in by_stage.values()}
+    if len(steps) != 1:
+        raise StageError(
+            f"measured timeline mixes (step, replica) pairs {sorted(steps)}; pass one step of one pipeline")
+    origin = min(r.started_at for r in by_stage.values())
+    events: list[Event] = []
+    gaps: list[IdleGap] = []
+    for r in by_stage.values():
+        shift = r.started_at - origin
+        events += [e._replace(start=e.start + shift, end=e.end + shift) for e in r.events]
+        gaps += [g._replace(start=g.start + shift, end=g.end + shift) for g in r.idle_gaps]
+    events.sort(key=lambda e: (e.stage, e.start))
+    return summarize(schedule, events, gaps)
+
+
+def global_loss(reports: Iterable[StepReport]) -> float:
+    """Loss of one step over the whole job: mean over replicas of the last stages' losses."""
+    losses = [r.loss for r in reports if r.loss is not None]
+    if not losses:
+        raise StageError("no last-stage report carries a loss; pass the reports of the last stage's replicas")
+    return sum(losses) / len(losses)

@@ -1,0 +1,133 @@
+"""The stage runtime on a real 2-stage pipeline: two stages in two threads joined by a real WanLink on
+loopback, checked against a one-process run, plus the measured timeline and its views."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from agents.rank import job_schedule, train_one_process
+from agents.runtime import StageRuntime
+from agents.stage_report import StepReport, global_loss, measured_timeline
+from agents.transport import LinkTransport, link_id
+from agents.wan import WanLink, WanLinkConfig
+from geosched.config import JobSpec, ModelSpec
+from geosched.data import TextDataset, default_corpus_paths
+from geosched.model import build_stage
+from geosched.schedule import render_grid, write_chrome_trace, write_timeline_png
+
+MODEL = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32)
+JOB = JobSpec(model=MODEL, global_batch=8, microbatch_size=2, precision="fp32", seed=5, learning_rate=2e-3)
+STEPS = 4
+CUT = 2  # stage 0: layers [0, 2), stage 1: [2, 4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one intra-op thread, and the 2 CI cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dataset() -> TextDataset:
+    return TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
+
+
+@pytest.fixture
+def link_pair():
+    """A listening and a connected WanLink on loopback (no relay: the intra-DC path)."""
+    config = WanLinkConfig(link_id=link_id(0, 0), streams=1, connect_timeout_s=10)
+    listener = WanLink.listen("tcp://127.0.0.1:0", config)
+    connector = WanLink.connect(f"tcp://127.0.0.1:{listener.port}", config)
+    yield listener, connector
+    connector.close()
+    listener.close()
+
+
+def make_runtime(job: JobSpec, stage: int, link: WanLink, **options) -> StageRuntime:
+    start, end = (0, CUT) if stage == 0 else (CUT, MODEL.layers)
+    module = build_stage(job.model, start, end, first=stage == 0, last=stage == 1, seed=job.seed)
+    schedule = job_schedule(job, 2, 1)
+    transport = LinkTransport({1 - stage: link}, stage=stage)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)
+    return StageRuntime(module, schedule, stage, transport=transport, optimizer=optimizer, **options)
+
+
+def run_pipeline(job: JobSpec, dataset: TextDataset, link_pair, steps: int = STEPS) -> list[list[StepReport]]:
+    """Both stages for ``steps`` steps, each in its own thread; returns the reports per stage."""
+    listener, connector = link_pair
+    runtimes = [make_runtime(job, 0, connector), make_runtime(job, 1, listener)]
+    m = runtimes[0].num_microbatches
+
+    def drive(runtime: StageRuntime) -> list[StepReport]:
+        reports = [runtime.run_step(step, dataset.batch(step, 0, 1, job.microbatch_size, m)) for step in range(steps)]
+        runtime.transport.flush(10)
+        return reports
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(drive, rt) for rt in runtimes]
+        return [f.result(timeout=120) for f in futures]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_trains_like_one_process(dataset, link_pair, schedule):
+    job = JobSpec(**{**JOB.__dict__, "schedule": schedule})
+    stage0, stage1 = run_pipeline(job, dataset, link_pair)
+    reference = train_one_process(job, dataset, STEPS)
+    assert [global_loss([r]) for r in stage1] == pytest.approx(reference, rel=1e-5)
+    assert all(r.loss is None for r in stage0)
+    m = JOB.global_batch // JOB.microbatch_size
+    activation = JOB.microbatch_size * MODEL.seq_len * MODEL.hidden * 4
+    assert all(r.bytes_sent == {1: m * activation} for r in stage0)  # activations forward
+    assert all(r.bytes_sent == {0: m * activation} for r in stage1)  # their gradients back
+
+
+def test_measured_timeline_is_well_formed_and_drawable(dataset, link_pair, tmp_path):
+    stage0, stage1 = run_pipeline(JOB, dataset, link_pair, steps=2)
+    schedule = job_schedule(JOB, 2, 1)
+    last = [stage0[-1], stage1[-1]]
+    timeline = measured_timeline(schedule, last)
+
+    for s in range(2):
+        events = timeline.events_of(s)
+        assert [e.action for e in events] == [str(a) for a in schedule.actions[s]]  # every action, in order
+        for before, after in zip(events, events[1:]):
+            assert 0 <= before.start <= before.end <= after.start + 1e-9  # one action at a time
+        assert {e.category for e in events} <= {"compute", "comm", "idle"}
+        assert {e.category for e in events if e.kind in ("F", "B", "STEP")} == {"compute"}
+        report = last[s]
+        assert report.busy_s > 0 and report.iteration_s >= report.busy_s + report.comm_s + report.idle_s - 1e-6
+    assert timeline.iteration_s == pytest.approx(max(e.end for e in timeline.events))
+    assert all(0 <= st.bubble_fraction < 1 for st in timeline.stages)
+    assert stage1[-1].idle_gaps  # stage 1 waits for stage 0's first activation: a bubble
+    assert all(g.waiting_for and "RECV" in g.waiting_for for g in stage1[-1].idle_gaps)
+
+    grid = render_grid(timeline)
+    assert "0F0" in grid and "1B3" in grid
+    png = write_timeline_png(timeline, tmp_path / "measured.png", title="measured")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(write_chrome_trace(timeline, tmp_path / "measured.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert len(complete) >= len(timeline.events) - len(timeline.idle_gaps)
+
+    again = StepReport.from_dict(json.loads(json.dumps(last[1].to_dict())))
+    assert again == last[1]
+
+
+def test_poll_says_whether_a_message_has_arrived(link_pair):
+    listener, connector = link_pair
+    upstream = LinkTransport({1: connector}, stage=0)
+    downstream = LinkTransport({0: listener}, stage=1)
+    assert not downstream.poll(0, "F", 0, 0)
+    sent = torch.arange(12, dtype=torch.float32).view(3, 4)
+    upstream.send(sent, 1, "F", 0, 0)
+    upstream.flush(10)
+    assert downstream.poll(0, "F", 0, 0)
+    assert torch.equal(downstream.recv(0, "F", 0, 0, timeout=5), sent)
+    assert upstream.bytes_sent() == {1: sent.numel() * 4}
