@@ -1,0 +1,89 @@
+"""Send one prompt to an agent's prefill endpoint; print the first token, timings, optionally decode on.
+
+The agent runs the prefill inside its training bubbles and returns the first
+token, its top-k logits and the KV cache; ``--decode N`` continues greedy
+decoding locally from that cache (needs the same weights: --weights, --config):
+
+  geosched prefill --endpoint tcp://127.0.0.1:5600 --token s3cret "The quick brown fox"
+  geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\
+      --weights gpt.safetensors --config configs/demo-3dc.yaml --json "Once upon a time"
+
+Exit code 1 when the agent answers rejected, expired or error (the reason is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from geosched.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``geosched prefill``."""
+    parser.add_argument("prompt", help="prompt text (one token per UTF-8 byte)")
+    parser.add_argument("--endpoint", required=True, help="the agent's prefill endpoint, tcp://HOST:PORT")
+    parser.add_argument("--token", help="shared secret, when the agent requires one")
+    parser.add_argument("--curve-key", help="CURVE: this client's NAME.key file (with --server-key)")
+    parser.add_argument("--server-key", help="CURVE: the agent's NAME.key.pub file")
+    parser.add_argument("--deadline-ms", type=float, help="answer within this many ms (else the agent rejects)")
+    parser.add_argument("--priority", type=int, default=0, help="0-9, higher first (default 0)")
+    parser.add_argument("--top-k", type=int, default=5, help="logits to return (1-16, default 5)")
+    parser.add_argument("--decode", type=int, default=0, metavar="N", help="greedy-decode N tokens locally")
+    parser.add_argument("--weights", help="safetensors weights of the served model (for --decode)")
+    parser.add_argument("--config", help="config whose job.model is the served model's shape (for --decode)")
+    parser.add_argument("--seed", type=int, help="without --weights: the seeded demo model (config's job.seed)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+def _load_local_model(args: argparse.Namespace):  # -> StageModule
+    from agents.prefill_model import load_inference_model
+    from geosched.config import load_config
+
+    if args.config is None or (args.weights is None and args.seed is None):
+        raise InputError("--decode needs the served model locally: pass --config (its job.model) and --weights "
+                         "(or --seed for the seeded demo model)")
+    job = load_config(args.config).job
+    return load_inference_model(job.model, args.weights, seed=job.seed if args.seed is None else args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
+    from agents.prefill_client import PrefillClient, continue_greedy
+    from agents.sockets import CurveClient
+
+    if args.decode < 0:
+        raise InputError(f"--decode must be >= 0 (got {args.decode})")
+    if not args.prompt:
+        raise InputError("the prompt is empty; pass some text")
+    if (args.curve_key is None) != (args.server_key is None):
+        raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
+    model = _load_local_model(args) if args.decode else None
+    curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
+    with PrefillClient(args.endpoint, token=args.token, curve_client=curve, timeout_s=args.timeout) as client:
+        result = client.prefill(args.prompt, deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1e3,
+                                priority=args.priority, top_k=args.top_k, return_kv=bool(args.decode))
+    out: dict = {"id": result.id, "status": result.status}
+    if result.status != "ok":
+        out["reason"] = result.reason
+    else:
+        out.update(prompt_tokens=result.prompt_tokens, first_token=result.first_token,
+                   topk_ids=result.topk_ids, topk_logits=result.topk_logits, **result.timings)
+        if model is not None:
+            tokens = continue_greedy(model, result, args.decode)
+            out["decoded_tokens"] = tokens
+            out["decoded_text"] = bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+    if args.json:
+        print(json.dumps(out))
+    elif result.status != "ok":
+        sys.stderr.write(f"geosched prefill: {result.status}: {result.reason}\n")
+    else:
+        print(f"first token {result.first_token} ({bytes([result.first_token % 256])!r}), "
+              f"{result.prompt_tokens} prompt tokens, ttft {result.timings['ttft_ms']:.1f} ms "
+              f"(queued {result.timings['queued_ms']:.1f} ms, computed {result.timings['compute_ms']:.1f} ms "
+              f"in {int(result.timings['chunks'])} chunks, {result.timings['bubble_share']:.0%} inside bubbles)")
+        if "decoded_text" in out:
+            print(f"decoded: {out['decoded_text']!r}")
+    return 0 if result.status == "ok" else 1

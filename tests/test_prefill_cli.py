@@ -1,0 +1,80 @@
+"""`geosched prefill` against a live service: first token, local decoding from the returned cache, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from agents.prefill_model import inference_memory_bytes, load_inference_model, save_inference_weights
+from agents.prefill_service import PrefillService
+from geosched.cli import main
+from geosched.config import load_config
+from geosched.errors import InputError
+from geosched.model import build_model, greedy_generate, total_params
+
+CONFIG = "configs/demo-3dc.yaml"
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """The demo config's model with non-default weights (seed 99), saved as safetensors."""
+    path = tmp_path_factory.mktemp("weights") / "gpt.safetensors"
+    save_inference_weights(build_model(load_config(CONFIG).job.model, seed=99), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def endpoint(weights):
+    model = load_inference_model(load_config(CONFIG).job.model, weights)
+    with PrefillService(model, auth_token="tok") as service:
+        stop = threading.Event()
+        worker = threading.Thread(target=service.serve_idle, args=(stop,), daemon=True)
+        worker.start()
+        yield service.endpoint
+        stop.set()
+        worker.join(10)
+
+
+def test_cli_prefills_and_decodes_like_the_local_model(endpoint, weights):
+    prompt = "Once upon a time"
+    done = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "prefill", "--endpoint", endpoint, "--token", "tok", "--decode", "8",
+         "--weights", str(weights), "--config", CONFIG, "--json", prompt],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    model = build_model(load_config(CONFIG).job.model, seed=99)
+    expected = greedy_generate(model, torch.tensor([list(prompt.encode())]), 8)[0, len(prompt):].tolist()
+    assert out["status"] == "ok" and out["prompt_tokens"] == len(prompt)
+    assert out["first_token"] == expected[0] and out["decoded_tokens"] == expected
+
+
+def test_cli_reports_bad_input_in_one_line(endpoint, capsys):
+    assert main(["prefill", "--endpoint", endpoint, "--decode", "4", "hi"]) == 2
+    assert "--decode needs the served model locally" in capsys.readouterr().err
+    assert main(["prefill", "--endpoint", "localhost:1", "hi"]) == 2
+    assert "tcp://HOST:PORT" in capsys.readouterr().err
+    assert main(["prefill", "--endpoint", endpoint, "--token", "wrong", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unauthenticated" in err
+    assert main(["prefill", "--endpoint", endpoint, "--token", "tok", "--json", "x" * 100]) == 1
+    assert "exceeds this agent's limit of 64" in json.loads(capsys.readouterr().out)["reason"]
+
+
+def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):
+    shape = load_config(CONFIG).job.model
+    other = type(shape)(layers=2, hidden=32, heads=4, seq_len=64)
+    with pytest.raises(InputError, match="do not fit the model shape"):
+        load_inference_model(other, weights)
+    with pytest.raises(InputError, match="does not exist"):
+        load_inference_model(shape, tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(InputError, match="cannot read weights"):
+        load_inference_model(shape, tmp_path / "junk.safetensors")
+    memory = inference_memory_bytes(shape, max_tokens=64, max_kv_bytes=1 << 20)
+    assert memory > total_params(shape) * 4 + (1 << 20)
