@@ -44,14 +44,13 @@ from agents.wan import WanLink, WanLinkConfig
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
-from geosched.model import build_model, build_stage
+from geosched.model import PRECISION_DTYPES, build_model, build_stage
 from geosched.schedule import Schedule, build_schedule, lower, validate
 
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 10.0
 """How long replica 0 keeps its group's store up for the other replicas to leave."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ class RankSession:
         job, role = self.job, self.role
         start, end = role.layers
         self.module = build_stage(job.model, start, end, first=role.first, last=role.last, seed=job.seed,
-                                  dtype=DTYPES[job.precision])
+                                  dtype=PRECISION_DTYPES[job.precision])
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=job.learning_rate)
         listener = self._listen_and_host()
         log.debug("rank %d: listening", role.rank)
@@ -321,7 +320,7 @@ def run_rank(job: JobSpec, role: RankRole, *, steps: int, data: TextDataset | st
 
 def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step: int = 0) -> list[float]:
     """The reference: the whole model in one process on the same global batches; loss per step."""
-    model = build_model(job.model, seed=job.seed, dtype=DTYPES[job.precision])
+    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.learning_rate)
     losses = []
     for step in range(start_step, start_step + steps):
