@@ -40,7 +40,7 @@ import torch
 from agents.sockets import CurveClient, CurveServer
 from agents.wan_io import LinkIO
 from agents.wan_recv import KINDS, PostedRecv, monotonic
-from agents.wan_send import OutMessage
+from agents.wan_send import OutMessage, auto_chunk_bytes
 from geosched.errors import ConfigError, InputError, LinkError
 from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
 
@@ -148,6 +148,11 @@ class WanLink:
         """
         return cls(LinkIO(endpoint, (config or WanLinkConfig()).check(), listening=False).start())
 
+    @classmethod
+    async def open(cls, endpoint: str, config: WanLinkConfig | None = None) -> WanLink:
+        """:meth:`connect` from asyncio without blocking the event loop while the streams come up."""
+        return await asyncio.to_thread(cls.connect, endpoint, config)
+
     @property
     def port(self) -> int:
         """The bound TCP port (listening side)."""
@@ -182,6 +187,7 @@ class WanLink:
         if total > self.config.max_tensor_bytes:
             raise InputError(f"tensor of {total} bytes is over wan.max_tensor_bytes ({self.config.max_tensor_bytes})")
         timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
+        chunk = self.config.chunk_bytes or auto_chunk_bytes(total, self._io.streams, self.config.max_chunk_bytes)
         base = {
             "v": self._io.version,
             "type": "data",
@@ -196,9 +202,7 @@ class WanLink:
         }
         future: concurrent.futures.Future = concurrent.futures.Future()
         # the byte view keeps the tensor's memory alive while chunks are in flight
-        msg = OutMessage(
-            key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout
-        )
+        msg = OutMessage(key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout)
         self._io.submit("send", msg)
         return future
 

@@ -234,10 +234,9 @@ def raw_goodput(nbytes: int, count: int, chunk: int) -> dict[str, float]:
     return {"bytes_per_s": total / elapsed, "cpu_s_per_gb": (receiver_cpu + report["cpu_s"]) / (total / 1e9)}
 
 
-def _make_curve_dir() -> str:
+def _make_curve_dir(folder: Path) -> str:
     from agents.sockets import write_keypair
 
-    folder = Path(tempfile.mkdtemp(prefix="wan-bench-keys-"))
     (folder / "clients").mkdir()
     write_keypair(folder, "server")
     write_keypair(folder / "clients", "client")
@@ -256,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wan-mib", type=int, default=None, help="tensor size of the WAN runs (default 64; quick: 8 for K=1)"
     )
-    parser.add_argument("--wan-chunk-kib", type=int, default=256, help="WanLink chunk size on the WAN (default 256)")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="chunk size on loopback, both sides (default 1024)")
+    parser.add_argument("--wan-chunk-kib", type=int, default=0, help="WanLink chunk size on the WAN (default 0: auto)")
+    parser.add_argument("--chunk-kib", type=int, default=0, help="loopback chunk size, raw and WanLink (default: auto)")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -269,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     from agents.sockets import keep_message_buffers
 
     keep_message_buffers()  # as WanLink does; raw pyzmq measured here gets the same allocator settings
+    from agents.wan_send import auto_chunk_bytes
+
     chunk, wan_chunk = args.chunk_kib * 1024, args.wan_chunk_kib * 1024
     link_bytes_per_s = args.link_mbit * 1e6 / 8
     window = int(link_bytes_per_s / 8 * args.rtt_ms / 1000)  # one connection reaches 1/8 of the link
@@ -301,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     result["speedup_k8_vs_k1"] = result["link_utilization_k8"] / result["link_utilization_k1"]
 
+    loop_chunk = chunk or auto_chunk_bytes(loop_mib * MIB, 1, 16 * MIB)  # what WanLink picks; raw uses the same
+    result["loopback_chunk_bytes"] = loop_chunk
     raws, plains = [], []
     for _ in range(repeats):  # interleaved; the best of each estimates an unloaded machine
-        raws.append(raw_goodput(loop_mib * MIB, loop_count, chunk))
+        raws.append(raw_goodput(loop_mib * MIB, loop_count, loop_chunk))
         plains.append(wanlink_goodput(loop_mib * MIB, loop_count, streams=1, chunk=chunk))
     ratios = [p["bytes_per_s"] / r["bytes_per_s"] for r, p in zip(raws, plains, strict=True)]
     raw, plain = (statistics.median(x["bytes_per_s"] for x in runs) for runs in (raws, plains))
@@ -318,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     pairs = ", ".join(f"{x:.2f}" for x in ratios)
     print(
-        f"loopback, {chunk // 1024} KiB chunks (medians of {repeats}): raw pyzmq {raw / 1e9:.2f} GB/s, "
+        f"loopback, {loop_chunk // 1024} KiB chunks (medians of {repeats}): raw pyzmq {raw / 1e9:.2f} GB/s, "
         f"WanLink {plain / 1e9:.2f} GB/s, ratio {result['loopback_ratio_vs_raw_zmq']:.2f} (pairs: {pairs}); "
         f"CPU of both processes {raw_cpu:.2f} vs {plain_cpu:.2f} s/GB"
     )
 
-    keys = _make_curve_dir()
+    keys_dir = tempfile.TemporaryDirectory(prefix="wan-bench-keys-")
+    keys = _make_curve_dir(Path(keys_dir.name))
     curve_mib = loop_mib // 4  # CURVE is much slower
     slowdowns, curves = [], []
     for _ in range(min(repeats, 3)):  # pairs again: with CURVE, then without
@@ -338,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(CPU {curve_cpu:.2f} s/GB)",
         flush=True,
     )
+    keys_dir.cleanup()
     for helper in _HELPERS.values():
         helper.close()
     if args.json:

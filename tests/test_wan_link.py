@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from agents.wan import WanLink, WanLinkConfig
+from agents.wan_send import auto_chunk_bytes
 from geosched.errors import InputError, LinkError, ProtocolError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)
@@ -107,6 +108,13 @@ def test_256_mib_tensor_over_eight_streams(make_pair) -> None:
     assert all(b > 0 for b in per_stream) and sum(per_stream) == 256 << 20
 
 
+def test_automatic_chunk_size() -> None:
+    assert auto_chunk_bytes(100, 1, 16 << 20) == 64 << 10  # small messages: the smallest chunk
+    assert auto_chunk_bytes(64 << 20, 1, 16 << 20) == 4 << 20  # one stream, big tensor: the biggest
+    assert auto_chunk_bytes(64 << 20, 8, 16 << 20) == 512 << 10  # 16 chunks per stream
+    assert auto_chunk_bytes(1 << 30, 1, 1 << 20) == 1 << 20  # never over what the peer accepts
+
+
 def test_same_key_messages_arrive_once_and_in_order(make_pair) -> None:
     server, client = make_pair(streams=4, chunk_bytes=4096)
     sizes = [100_000, 10, 50_000, 0, 70_000, 3, 200_000, 1]
@@ -153,6 +161,13 @@ def test_asyncio_api(make_pair) -> None:
 
     back, expected = asyncio.run(exchange())
     assert torch.equal(back, expected)
+
+    async def open_another() -> str:
+        endpoint = f"tcp://127.0.0.1:{server.port}"
+        async with await WanLink.open(endpoint, WanLinkConfig(link_id=11, streams=1)) as second:
+            return second.metrics()["role"]  # (its session replaced the first client's)
+
+    assert asyncio.run(asyncio.wait_for(open_another(), 15)) == "connect"
 
 
 def test_cancelled_recv_does_not_swallow_a_message(make_pair) -> None:
