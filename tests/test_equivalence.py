@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from agents.rank import RankRole, job_schedule, layout_roles, pipeline_routes, run_rank, train_one_process
@@ -52,13 +51,7 @@ def _rank_main(role: RankRole, job: JobSpec, schedules: tuple[str, ...], store_p
         results.put(("error", role.rank, traceback.format_exc()))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread, and the 2 CI cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,7 @@ MAX_QUEUE = 8
 MAX_KV = 6 * PROMPT * 2 * MODEL.layers * MODEL.hidden * 4  # KV of 6 full prompts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ from geosched.model import ModelShape, build_model, greedy_generate, prefill
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, seq_len=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 
 from agents.rank import job_schedule, layout_roles, num_microbatches
 from agents.runtime import StageRuntime
-from agents.transport import LinkTransport, link_id
-from agents.wan import WanLink, WanLinkConfig
+from agents.transport import LinkTransport
+from agents.wan import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import LinkError, PlanError, StageError
@@ -21,23 +21,7 @@ MODEL = ModelSpec(layers=2, hidden=16, heads=2, seq_len=16)
 JOB = JobSpec(model=MODEL, global_batch=4, microbatch_size=2, precision="fp32", schedule="gpipe", seed=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread, and the 2 CI cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def link_pair():
-    config = WanLinkConfig(link_id=link_id(0, 0), streams=1, connect_timeout_s=10)
-    listener = WanLink.listen("tcp://127.0.0.1:0", config)
-    connector = WanLink.connect(f"tcp://127.0.0.1:{listener.port}", config)
-    yield listener, connector
-    connector.close()
-    listener.close()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def runtime(stage: int, link: WanLink | None, shape: ModelSpec = MODEL, **options) -> StageRuntime:

@@ -12,8 +12,8 @@ import torch
 from agents.rank import job_schedule, train_one_process
 from agents.runtime import StageRuntime
 from agents.stage_report import StepReport, global_loss, measured_timeline
-from agents.transport import LinkTransport, link_id
-from agents.wan import WanLink, WanLinkConfig
+from agents.transport import LinkTransport
+from agents.wan import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.model import build_stage
@@ -25,29 +25,12 @@ STEPS = 4
 CUT = 2  # stage 0: layers [0, 2), stage 1: [2, 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread, and the 2 CI cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def dataset() -> TextDataset:
     return TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
-
-
-@pytest.fixture
-def link_pair():
-    """A listening and a connected WanLink on loopback (no relay: the intra-DC path)."""
-    config = WanLinkConfig(link_id=link_id(0, 0), streams=1, connect_timeout_s=10)
-    listener = WanLink.listen("tcp://127.0.0.1:0", config)
-    connector = WanLink.connect(f"tcp://127.0.0.1:{listener.port}", config)
-    yield listener, connector
-    connector.close()
-    listener.close()
 
 
 def make_runtime(job: JobSpec, stage: int, link: WanLink, **options) -> StageRuntime:
