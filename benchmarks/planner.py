@@ -1,0 +1,124 @@
+"""Planner benchmark: simulated iteration time of the planner against the baselines and the brute force.
+
+For every config in configs/, two-datacenter cases (a slow and a fast link)
+and a set of generated clusters, it plans (objective: time), simulates the
+baselines with the same simulator, runs the exhaustive brute force where the
+instance is small enough, and prints one row per case: planner seconds, solve
+seconds, each baseline's seconds and its ratio baseline/planner, WAN dollars
+per iteration, and the gap to the brute-force optimum. Then the geometric-mean
+speed-up over each baseline.
+
+  python benchmarks/planner.py --quick          # under a minute
+  python benchmarks/planner.py --json           # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from geosched.config import load_config  # noqa: E402
+from planner.baselines import all_baselines  # noqa: E402
+from planner.bruteforce import brute_force, enumerable  # noqa: E402
+from planner.evaluate import Evaluator  # noqa: E402
+from planner.generate import random_config, two_datacenters  # noqa: E402
+from planner.planning import make_plan  # noqa: E402
+from planner.space import Problem  # noqa: E402
+
+BASELINES = ("dp-everywhere", "equal-pipeline", "atlas-greedy", "dp-flat-ring")
+QUICK_LIMIT_S = {"gpt3-3dc": 8.0}  # --quick: time limits (s) for the slowest configs; the others run to the end
+
+
+def run_case(name: str, cfg, time_limit_s: float | None) -> dict:
+    """Plan one case; simulate the baselines; brute-force it when small."""
+    started = time.perf_counter()
+    outcome = make_plan(cfg, time_limit_s=time_limit_s)
+    solve_s = time.perf_counter() - started
+    best = outcome.best
+    row = {"case": name, "planner_s": best.iteration_s, "solve_s": solve_s, "proven": outcome.stats.proven,
+           "wan_usd": best.wan_cost_usd, "gpus": outcome.plan.world_size, "plan": best.candidate.describe()}
+    problem = Problem(cfg)
+    for result in all_baselines(problem, Evaluator(problem), flat_ring=True):
+        row[result.name] = result.iteration_s
+        row[f"{result.name}_ratio"] = result.iteration_s / best.iteration_s if result.feasible else None
+    row["gap"] = None
+    if enumerable(problem):
+        exact, _ = brute_force(problem, Evaluator(problem), hints=[best.candidate])
+        row["gap"] = best.iteration_s / exact.iteration_s - 1
+    return row
+
+
+def geomean(values: list[float]) -> float | None:
+    """Geometric mean, or None for no values."""
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def cases(quick: bool) -> list[tuple[str, object, float | None]]:
+    """(name, config, time limit) of every case."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        out.append((name, load_config(path), QUICK_LIMIT_S.get(name) if quick else None))
+    out.append(("two-dc-slow-link", two_datacenters(2, 150, 0.5), None))
+    out.append(("two-dc-fast-link", two_datacenters(100, 2, 25), None))
+    out += [(f"random-{seed}", random_config(seed), None) for seed in range(2000, 2010 if quick else 2050)]
+    return out
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """A number, or '-' for none."""
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="10 generated clusters, time limits on the largest")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args()
+    rows = []
+    header = (f"{'case':<18} {'planner s':>10} {'solve s':>8} {'GPUs':>6} {'WAN $':>8} "
+              + " ".join(f"{b + ' s (x)':>22}" for b in BASELINES) + f" {'vs brute':>9}")
+    print(header)
+    for name, cfg, limit in cases(args.quick):
+        row = run_case(name, cfg, limit)
+        rows.append(row)
+        cells = " ".join(f"{fmt(row[b], '.4g') + ' (' + fmt(row[b + '_ratio'], '.2f') + ')':>22}" for b in BASELINES)
+        gap = "-" if row["gap"] is None else f"{row['gap']:+.2%}"
+        proven = "" if row["proven"] else "*"
+        print(f"{name:<18} {row['planner_s']:>10.4g} {row['solve_s']:>7.2f}{proven or ' '} {row['gpus']:>6} "
+              f"{row['wan_usd']:>8.3g} {cells} {gap:>9}", flush=True)
+    summary = {
+        "max_gap_vs_bruteforce": max((r["gap"] for r in rows if r["gap"] is not None), default=None),
+        "bruteforce_cases": sum(r["gap"] is not None for r in rows),
+        "min_speedup_vs_any_baseline": min(r[f"{b}_ratio"] for r in rows for b in BASELINES
+                                           if r[f"{b}_ratio"] is not None),
+        "min_speedup_case": min(((r[f"{b}_ratio"], r["case"], b) for r in rows for b in BASELINES
+                                 if r[f"{b}_ratio"] is not None))[1:],
+        "solve_s_largest": next(r["solve_s"] for r in rows if r["case"] == "scale-16dc"),
+        "cases": len(rows),
+    }
+    for b in BASELINES:
+        ratios = [r[f"{b}_ratio"] for r in rows if r[f"{b}_ratio"] is not None]
+        summary[f"geomean_speedup_vs_{b.replace('-', '_')}"] = geomean(ratios)
+        summary[f"feasible_cases_{b.replace('-', '_')}"] = len(ratios)
+    shipped = [r for r in rows if not r["case"].startswith("random-")]
+    summary["speedup_vs_dp_everywhere_shipped"] = {r["case"]: r["dp-everywhere_ratio"] for r in shipped}
+    summary["speedup_vs_dp_flat_ring_shipped"] = {r["case"]: r["dp-flat-ring_ratio"] for r in shipped}
+    print("\n(* = time limit hit, not proven optimal)  geomean speed-up: "
+          + ", ".join(f"{b} {fmt(summary['geomean_speedup_vs_' + b.replace('-', '_')], '.2f')}x" for b in BASELINES)
+          + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
+          f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s")
+    if args.json:
+        summary["rows"] = rows
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

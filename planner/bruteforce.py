@@ -1,0 +1,173 @@
+"""Exhaustive search over the whole decision space, for small instances: the planner's checker.
+
+Every data-parallel degree, every stage count, every path of DCs with every
+number of stages per DC, and every split of the blocks is enumerated depth
+first, stage by stage. A branch is cut only when a proven lower bound (the
+busy-stage bound of :func:`~planner.evaluate.pipeline_lower_bound` on the
+stages placed so far, plus the least the remaining blocks cost) cannot beat
+the best plan simulated so far; every leaf whose full lower bound can beat it
+is simulated. The result is therefore the exact optimum of the simulated
+iteration time over the space.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from geosched.costmodel import (StageCompute, boundary_bytes, intra_transfer, ring_allreduce_s, stage_compute,
+                                stage_params, wan_transfer)
+from planner.baselines import pipeline_baselines
+from planner.evaluate import Evaluation, Evaluator, pipeline_lower_bound
+from planner.search import single_stage
+from planner.space import Candidate, Problem, from_split
+
+
+def _fb(c: StageCompute) -> float:
+    return c.forward_s + c.backward_s
+
+
+class TooLarge(Exception):
+    """The instance has more nodes than the brute force was allowed to visit."""
+
+
+@dataclass
+class BruteForceStats:
+    """Effort of one brute-force run."""
+
+    nodes: int = 0
+    leaves: int = 0
+    simulated: int = 0
+
+
+class _Stage:
+    """Cached per-stage numbers: (forward, backward, all-reduce, delay to the next stage, FIFO link?)."""
+
+    def __init__(self, problem: Problem, dp: int):
+        self.problem, self.dp = problem, dp
+        self._compute: dict[tuple, tuple[float, float, float]] = {}
+        self._hop: dict[tuple, tuple[float, float, bool]] = {}
+
+    def compute(self, dc: str, start: int, end: int, first: bool, last: bool) -> tuple[float, float, float]:
+        key = (dc, start, end, first, last)
+        if key not in self._compute:
+            job, spec = self.problem.job, self.problem.cluster.dc(dc)
+            c = stage_compute(job, spec.gpu.tflops, (start, end), first, last)
+            grads = stage_params(job, (start, end), first, last) * job.bytes_per_element
+            ar = ring_allreduce_s(grads, self.dp, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6)
+            self._compute[key] = (c.forward_s, c.backward_s, ar)
+        return self._compute[key]
+
+    def hop(self, a: str, b: str, after_block: int) -> tuple[float, float, bool]:
+        """(occupancy, latency, on a shared WAN link) of the message after block ``after_block - 1``."""
+        key = (a, b, after_block)
+        if key not in self._hop:
+            nbytes = boundary_bytes(self.problem.job, after_block)
+            if a == b:
+                tr, fifo = intra_transfer(self.problem.cluster.dc(a), nbytes), False
+            else:
+                link = self.problem.link(a, b)
+                assert link is not None
+                tr, fifo = wan_transfer(link, nbytes, self.problem.streams(a, b), self.dp), True
+            self._hop[key] = (tr.occupancy_s, tr.latency_s, fifo)
+        return self._hop[key]
+
+
+def brute_force(problem: Problem, evaluator: Evaluator, hints: Sequence[Candidate] = (),
+                max_nodes: int | None = 5_000_000) -> tuple[Evaluation, BruteForceStats]:
+    """The plan of the decision space with the least simulated iteration time; TooLarge past ``max_nodes``.
+
+    ``hints`` (valid candidates, e.g. the planner's answer) only tighten the
+    first bound; the answer stays exact. Leaves that survive the bounds are
+    simulated in increasing order of their lower bound, until the next bound
+    cannot beat the best simulated time.
+    """
+    stats = BruteForceStats()
+    seeds = [c for c in [*single_stage(problem), *hints] if problem.violation(c) is None]
+    found = [evaluator.evaluate(c) for c in seeds] + pipeline_baselines(problem, evaluator)
+    if not found:
+        raise TooLarge("no seed plan: the brute force needs at least one feasible plan to bound by")
+    best = min(found, key=lambda ev: ev.iteration_s)
+    leaves: list[tuple[float, Candidate]] = []
+    L = problem.layers
+    fastest = max(dc.gpu.tflops for dc in problem.cluster.datacenters)
+    cheapest_block = min(_fb(stage_compute(problem.job, fastest, (k, k + 1), False, False)) for k in range(L))
+    for d, m in problem.dp_options():
+        cache = _Stage(problem, d)
+        for p in range(2, min(L, sum(g // d for g in problem.gpus.values())) + 1):
+            # state per placed stage s: start A_s, drain D_s, and the arrays for the full bound
+            dcs: list[str] = []
+            ends: list[int] = []
+            f: list[float] = []
+            b: list[float] = []
+            ar: list[float] = []
+            occ: list[float] = []
+            lat: list[float] = []
+            fifo: list[bool] = []
+
+            def descend(start: float, drain: float, busy_bound: float) -> None:
+                stats.nodes += 1
+                if max_nodes is not None and stats.nodes > max_nodes:
+                    raise TooLarge(f"more than {max_nodes} search nodes")
+                s = len(dcs)
+                done = ends[-1] if ends else 0
+                left_blocks, left_stages = L - done, p - s
+                if s == p:
+                    stats.leaves += 1
+                    bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo)
+                    if bound < best.iteration_s:
+                        leaves.append((bound, from_split(d, m, tuple(dcs), tuple(
+                            e - a for a, e in zip([0] + ends[:-1], ends)))))
+                    return
+                rest = start + drain + (f[-1] + b[-1] if f else 0.0) + (ar[0] if ar else 0.0)
+                rest += m * -(-left_blocks // left_stages) * cheapest_block
+                if max(busy_bound, rest) >= best.iteration_s:
+                    return
+                here = dcs[-1] if dcs else None
+                options = [here] if here is not None else list(problem.dcs)
+                if here is not None:
+                    options += [nxt for nxt in problem.neighbours[here] if nxt not in dcs]
+                ideal = left_blocks / left_stages
+                sizes = sorted(range(1, left_blocks - (left_stages - 1) + 1), key=lambda x: (abs(x - ideal), x))
+                if left_stages == 1:
+                    sizes = [left_blocks]
+                for dc in options:
+                    if (dcs.count(dc) + 1) * d > problem.gpus[dc]:
+                        continue
+                    for x in sizes:
+                        if not problem.fits(dc, (done, done + x), s, p, m):
+                            continue
+                        fs, bs, ars = cache.compute(dc, done, done + x, s == 0, s == p - 1)
+                        if s:
+                            o, la, fi = cache.hop(dcs[-1], dc, done)
+                            new_start, new_drain = start + f[-1] + o + la, drain + b[-1] + o + la
+                            occ.append(o), lat.append(la), fifo.append(fi)
+                        else:
+                            new_start = new_drain = 0.0
+                        ar0 = ar[0] if ar else ars
+                        bound = max(busy_bound, new_start + m * (fs + bs) + max(ars, new_drain + ar0))
+                        dcs.append(dc), ends.append(done + x), f.append(fs), b.append(bs), ar.append(ars)
+                        if bound < best.iteration_s:
+                            descend(new_start, new_drain, bound)
+                        for stack in (dcs, ends, f, b, ar):
+                            stack.pop()
+                        if s:
+                            for stack in (occ, lat, fifo):
+                                stack.pop()
+
+            descend(0.0, 0.0, 0.0)
+    for bound, cand in sorted(leaves, key=lambda item: item[0]):
+        if bound >= best.iteration_s:
+            break
+        stats.simulated += 1
+        ev = evaluator.evaluate(cand)
+        if ev.iteration_s < best.iteration_s:
+            best = ev
+    return best, stats
+
+
+def enumerable(problem: Problem, limit: int = 16) -> bool:
+    """A rough size test: few blocks and DCs, so :func:`brute_force` finishes quickly."""
+    return problem.layers <= limit and len(problem.dcs) <= 4 and math.prod(
+        1 + problem.gpus[dc] for dc in problem.dcs) <= 10**5

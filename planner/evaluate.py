@@ -1,0 +1,138 @@
+"""Judging candidates: the schedule simulator's verdict, WAN bytes and cost, and a proven lower bound.
+
+Every final answer of the planner, the baselines and the brute force comes
+from :meth:`Evaluator.evaluate`: build the job's schedule (with gradient sync),
+build :class:`~geosched.costmodel.PipelineCosts` for the candidate and run
+:func:`~geosched.schedule.simulate`. :func:`pipeline_lower_bound` is a bound
+the simulator can never beat (used by the brute force to skip candidates
+without simulating them, and checked against the simulator in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from geosched.costmodel import PipelineCosts
+from geosched.schedule import Schedule, add_gradient_sync, build_schedule, simulate
+from planner.space import Candidate, Problem
+
+GB = 1e9  # egress is priced per decimal GB
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A simulated candidate: what the plan file and the summary report."""
+
+    candidate: Candidate
+    iteration_s: float
+    bubble_fraction: float
+    wan_bytes: tuple[tuple[tuple[str, str], int], ...]  # per link direction (src, dst) per iteration
+    wan_cost_usd: float  # egress per iteration, both directions of every crossed link
+
+    def score(self, weight: float) -> float:
+        """``iteration_s + weight x wan_cost_usd`` (weight in seconds per dollar)."""
+        return self.iteration_s + weight * self.wan_cost_usd
+
+
+def pipeline_lower_bound(schedule: str, m: int, forward: Sequence[float], backward: Sequence[float],
+                         allreduce: Sequence[float], occupancy: Sequence[float], latency: Sequence[float],
+                         fifo: Sequence[bool]) -> float:
+    """A time no simulation of this pipeline can beat (stages ``p``, boundaries ``p - 1``).
+
+    With ``g_j = occupancy_j + latency_j`` the delay of boundary ``j``, ``A_s``
+    the earliest start of stage ``s`` (microbatch 0 has to reach it) and
+    ``tail_s = max(allreduce_s, D_s + allreduce_0)`` what must follow its last
+    backward (``D_s``: the last gradient travelling down to stage 0):
+
+    * busy:   ``A_s + m (f_s + b_s) + tail_s``;
+    * round trip: microbatch ``k + w + 1`` starts on ``s`` only after ``B_k`` ended
+      there (1F1B, ``w`` warm-up forwards), and ``B_k`` ends at least
+      ``R_s`` = forward to the end and back after ``F_k`` began;
+    * link: a shared WAN link (``fifo``) carries ``m`` messages one after the other.
+    """
+    p = len(forward)
+    g = [occupancy[j] + latency[j] for j in range(p - 1)]
+    start = [0.0] * p
+    down = [0.0] * p
+    for s in range(1, p):
+        start[s] = start[s - 1] + forward[s - 1] + g[s - 1]
+        down[s] = down[s - 1] + backward[s - 1] + g[s - 1]
+    trip = [0.0] * (p + 1)  # trip[s]: F on s .. end .. B back on s
+    for s in range(p - 1, -1, -1):
+        trip[s] = trip[s + 1] + forward[s] + backward[s] + (2 * g[s] if s < p - 1 else 0.0)
+    best = 0.0
+    for s in range(p):
+        tail = max(allreduce[s], down[s] + allreduce[0])
+        best = max(best, start[s] + m * (forward[s] + backward[s]) + tail)
+        in_flight = min(p - 1 - s, m) + 1 if schedule == "1f1b" else m
+        rounds = (m - 1) // in_flight
+        best = max(best, start[s] + (rounds + 1) * trip[s] + (m - 1 - rounds * in_flight) * backward[s] + tail)
+        if s < p - 1 and fifo[s]:
+            best = max(best, start[s] + forward[s] + backward[s] + g[s] + latency[s] + m * occupancy[s]
+                       + trip[s + 1] + tail)
+    return best
+
+
+class Evaluator:
+    """Simulates candidates of one :class:`Problem`, caching schedules and verdicts."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self._schedules: dict[tuple[int, int], Schedule] = {}
+        self._cache: dict[Candidate, Evaluation] = {}
+        self.simulations = 0
+
+    def schedule(self, stages: int, microbatches: int) -> Schedule:
+        """The job's schedule for ``stages`` x ``microbatches`` with all-reduce and step appended."""
+        key = (stages, microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = add_gradient_sync(build_schedule(self.problem.schedule, stages, microbatches))
+        return self._schedules[key]
+
+    def costs(self, cand: Candidate) -> PipelineCosts:
+        """The simulator's cost provider for ``cand`` (links filled with streams)."""
+        streams = {tuple(sorted((a, b))): self.problem.streams(a, b) for a, b in zip(cand.path, cand.path[1:])}
+        return PipelineCosts(self.problem.cluster, self.problem.job, cand.stage_dcs, cand.stage_layers,
+                             cand.dp, streams)
+
+    def evaluate(self, cand: Candidate) -> Evaluation:
+        """Simulate ``cand`` (cached)."""
+        hit = self._cache.get(cand)
+        if hit is not None:
+            return hit
+        costs = self.costs(cand)
+        timeline = simulate(self.schedule(cand.num_stages, cand.microbatches), costs, check=False)
+        self.simulations += 1
+        wan, cost = self._wan(costs, cand)
+        result = Evaluation(cand, timeline.iteration_s, timeline.bubble_fraction, tuple(sorted(wan.items())), cost)
+        self._cache[cand] = result
+        return result
+
+    def _wan(self, costs: PipelineCosts, cand: Candidate) -> tuple[dict[tuple[str, str], int], float]:
+        wan = costs.wan_bytes_per_iteration(cand.microbatches)
+        cost = sum(nbytes / GB * self.problem.link(a, b).egress_usd_per_gb  # type: ignore[union-attr]
+                   for (a, b), nbytes in wan.items())
+        return wan, cost
+
+    def wan_cost_usd(self, cand: Candidate) -> float:
+        """WAN egress dollars per iteration of ``cand`` (exact, without simulating)."""
+        hit = self._cache.get(cand)
+        return hit.wan_cost_usd if hit is not None else self._wan(self.costs(cand), cand)[1]
+
+    def lower_bound(self, cand: Candidate) -> float:
+        """:func:`pipeline_lower_bound` of ``cand``."""
+        costs = self.costs(cand)
+        p = cand.num_stages
+        transfers = [costs.transfer(s, s + 1, "F", 0) for s in range(p - 1)]
+        return pipeline_lower_bound(
+            self.problem.schedule, cand.microbatches,
+            [c.forward_s for c in costs.compute], [c.backward_s for c in costs.compute],
+            [costs.allreduce_s(s) for s in range(p)],
+            [t.occupancy_s for t in transfers], [t.latency_s for t in transfers],
+            [t.link is not None for t in transfers])
+
+    @property
+    def evaluated(self) -> list[Evaluation]:
+        """Every evaluation so far."""
+        return list(self._cache.values())

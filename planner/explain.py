@@ -1,0 +1,159 @@
+"""The plan summary: tables per DC and per link, and why each idle GPU stays idle.
+
+For every datacenter the plan leaves wholly or partly unused,
+:func:`unused_reasons` re-runs the search with the constraint "use it" (or
+"use more of it") and reports the counterfactual with its numbers: how much
+slower the best such plan is, and what makes it slower (the WAN link into
+that DC, the deeper pipeline, the smaller data-parallel degree). The text and
+the ``--json`` form carry the same facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from geosched.costmodel import boundary_bytes, wan_transfer
+from planner.cpsat import Goal
+from planner.evaluate import Evaluation, Evaluator
+from planner.plan import Plan
+from planner.search import SHORTLIST, search
+from planner.space import Problem
+
+MB = 1e6
+
+
+@dataclass
+class UnusedReason:
+    """Why GPUs of one datacenter stay idle."""
+
+    dc: str
+    gpus: int
+    used: int
+    text: str  # the one-line explanation
+    counterfactual_s: float | None = None  # best simulated plan that uses (more of) it
+    counterfactual_plan: str | None = None
+
+
+def _duration(seconds: float) -> str:
+    """``+84 ms`` or ``+1.2 s``."""
+    return f"{seconds:+.3g} s" if abs(seconds) >= 1 else f"{seconds * 1e3:+.3g} ms"
+
+
+def _link_detail(problem: Problem, cand_path: tuple[str, ...], dc: str, dp: int) -> str | None:
+    """The WAN hop(s) into ``dc`` on a counterfactual path, with its per-microbatch occupancy."""
+    k = cand_path.index(dc)
+    parts = []
+    nbytes = boundary_bytes(problem.job, max(1, problem.layers - 1))
+    for other in (cand_path[k - 1] if k else None, cand_path[k + 1] if k + 1 < len(cand_path) else None):
+        if other is None:
+            continue
+        link = problem.link(dc, other)
+        assert link is not None
+        tr = wan_transfer(link, nbytes, problem.streams(dc, other), dp)
+        parts.append(f"its link to {other} ({link.bandwidth_gbps:g} Gb/s, {link.rtt_ms:g} ms RTT) carries "
+                     f"{nbytes / MB:.3g} MB per microbatch x {dp} pipelines: {_duration(tr.occupancy_s)[1:]} each")
+    return "; ".join(parts) or None
+
+
+def unused_reasons(problem: Problem, evaluator: Evaluator, best: Evaluation, goal: Goal = Goal(),
+                   time_limit_s: float | None = None) -> list[UnusedReason]:
+    """One reason per datacenter with idle GPUs: the best plan that adds (more of) it to the chosen DCs.
+
+    On large clusters the counterfactual searches only the chosen DCs plus
+    that one, with a time limit (default 2 s each).
+    """
+    large = len(problem.dcs) > SHORTLIST
+    if time_limit_s is None and large:
+        time_limit_s = 2.0
+    cand, out = best.candidate, []
+    chosen = set(cand.path)
+    for dc in problem.dcs:
+        gpus, used = problem.gpus[dc], cand.gpus_used(dc)
+        if used >= gpus:
+            continue
+        head = f"dc {dc}: {used}/{gpus} GPUs"
+        if large and used == 0 and not chosen & set(problem.neighbours[dc]):
+            out.append(UnusedReason(dc, gpus, used, f"{head}: no WAN link joins it to {', '.join(sorted(chosen))}, "
+                                                    f"where the fastest plan runs"))
+            continue
+        require = {dc: used + 1, **{other: 1 for other in chosen if other != dc}}
+        alt, _ = search(problem, evaluator, goal, time_limit_s=time_limit_s, require=require,
+                        allowed=chosen | {dc} if large else None, polish_top=1)
+        if alt is None:
+            why = ("no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
+                   if used == 0 else
+                   f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
+                   f"or breaks memory or links")
+            out.append(UnusedReason(dc, gpus, used, f"{head}: {why}"))
+            continue
+        delta = alt.iteration_s - best.iteration_s
+        what = (f"adding it to {', '.join(p for p in cand.path if p != dc)}" if used == 0
+                else f"using {alt.candidate.gpus_used(dc)} of them")
+        text = (f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration "
+                f"({_duration(delta)}, {delta / best.iteration_s:+.1%})")
+        alt_cand = alt.candidate
+        detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
+        if detail and used == 0:
+            text += f": {detail}"
+        elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
+            text += (f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
+                     f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})")
+        if goal.weight > 0 or goal.max_time_s is not None:
+            text += f"; WAN ${alt.wan_cost_usd:.4g} vs ${best.wan_cost_usd:.4g} per iteration"
+        out.append(UnusedReason(dc, gpus, used, text, alt.iteration_s, alt_cand.describe()))
+    return out
+
+
+def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict:
+    """The summary as data (what ``--json`` prints)."""
+    return {
+        "cluster": plan.config.cluster.name,
+        "schedule": plan.schedule,
+        "stages": plan.num_stages,
+        "dp": plan.dp,
+        "microbatches": plan.microbatches,
+        "microbatch_size": plan.config.job.microbatch_size,
+        "world_size": plan.world_size,
+        "prediction": asdict(plan.prediction),
+        "solver": asdict(plan.solver),
+        "stage_layout": [{"stage": s.index, "dc": s.dc, "layers": list(s.layers)} for s in plan.stages],
+        "datacenters": [asdict(d) for d in plan.datacenters],
+        "links": [asdict(link) for link in plan.links],
+        "unused": [asdict(r) for r in reasons],
+    }
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    return f"{values[0]}-{values[-1]}" if len(values) > 1 else (str(values[0]) if values else "-")
+
+
+def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
+    """The readable summary ``geosched plan`` prints."""
+    pr, job = plan.prediction, plan.config.job
+    status = ("proven optimal: CP-SAT solved every model to optimality" if plan.solver.proven_optimal else
+              "not proven optimal (" + ("; ".join(plan.solver.notes) or "CP-SAT time limits") + ")")
+    lines = [
+        f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas = "
+        f"{plan.world_size} GPUs, {plan.microbatches} microbatches of {job.microbatch_size}",
+        f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
+        f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
+        f"${pr.wan_usd_per_iteration:.4g} per iteration",
+        f"objective {plan.solver.objective}, {status}, {plan.solver.solve_s:.2f} s",
+        "",
+        f"{'datacenter':<12} {'GPUs':>6} {'used':>6} {'unused':>6}  {'stages':<9} blocks",
+    ]
+    for d in plan.datacenters:
+        blocks = [plan.stages[s].layers for s in d.stages]
+        span = f"{blocks[0][0]}-{blocks[-1][1] - 1}" if blocks else "-"
+        lines.append(f"{d.name:<12} {d.gpus:>6} {d.used:>6} {d.unused:>6}  {_ranges(d.stages):<9} {span}")
+    if plan.links:
+        lines += ["", f"{'link':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"]
+        for link in plan.links:
+            name = f"{link.between[0]} -> {link.between[1]}"
+            lines.append(f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
+                         f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}")
+    else:
+        lines += ["", "no WAN link carries pipeline traffic"]
+    if reasons:
+        lines += ["", "idle GPUs:"] + [f"  {r.text}" for r in reasons]
+    return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""The plan file: the planner's decisions, its prediction, and the rank layout agents execute.
+
+A plan is YAML, versioned (``version: 1``) and self-contained (it embeds the
+config it was made from). Ranks are numbered stage-major: rank
+``stage x dp + replica``. Every rank knows its DC, stage, replica, blocks, the
+stage and DC before and after it (None at the ends) and its intra-DC process
+group: all ``dp`` replicas of one stage, named ``"<dc>/stage<s>"``, where its
+group rank is its replica index. :func:`load_plan` checks all of it against
+the embedded config and rejects a plan that is malformed or inconsistent,
+naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import yaml
+
+from geosched.config import Config, config_from_dict
+from geosched.costmodel import wan_effective_bps
+from geosched.errors import ConfigError, PlanError
+from geosched.schema import dump_dataclass, load_dataclass, spec
+from planner.evaluate import GB, Evaluation
+from planner.space import Candidate, Problem
+
+PLAN_VERSION = 1
+MAX_PLAN_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: where it runs and what it holds."""
+
+    index: int = spec("stage number, 0 = first (embeddings)", ge=0)
+    dc: str = spec("datacenter hosting all replicas of the stage")
+    layers: tuple[int, int] = spec("[start, end) transformer blocks")
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """A WAN link the pipeline crosses."""
+
+    between: tuple[str, str] = spec("upstream and downstream datacenter, in pipeline order")
+    streams: int = spec("TCP connections to open", ge=1)
+    effective_gbps: float = spec("min(link, streams x per-connection) Gb/s", ge=0)
+    bytes_per_iteration: int = spec("activations + gradients over both directions, all pipelines", ge=0)
+    egress_usd_per_iteration: float = spec("egress price of those bytes", ge=0)
+
+
+@dataclass(frozen=True)
+class DcUsage:
+    """GPUs of one datacenter the plan uses."""
+
+    name: str = spec("datacenter")
+    gpus: int = spec("GPUs it has", ge=0)
+    used: int = spec("GPUs the plan uses: stages x dp", ge=0)
+    unused: int = spec("GPUs left idle", ge=0)
+    stages: tuple[int, ...] = spec("stages it hosts", ())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for one iteration."""
+
+    iteration_s: float = spec("simulated iteration time, seconds", ge=0)
+    bubble_fraction: float = spec("mean idle share of the stages", ge=0)
+    tokens_per_s: float = spec("global_batch x seq_len / iteration_s", ge=0)
+    wan_bytes_per_iteration: int = spec("bytes over all WAN links", ge=0)
+    wan_usd_per_iteration: float = spec("WAN egress cost per iteration", ge=0)
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """How the plan was found."""
+
+    objective: str = spec("time | weighted | cost")
+    proven_optimal: bool = spec("every CP-SAT model (the surrogate) solved to optimality, nothing skipped for time; "
+                                "the simulator then judged its candidates")
+    solve_s: float = spec("wall seconds of the search", ge=0)
+    weight_s_per_usd: float = spec("--wan-cost-weight", 0.0, ge=0)
+    max_iteration_s: float | None = spec("--max-iteration-s", None)
+    notes: tuple[str, ...] = spec("remarks of the search", ())
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process (one GPU) of the job."""
+
+    rank: int = spec("global rank", ge=0)
+    dc: str = spec("its datacenter")
+    local_rank: int = spec("rank among the plan's processes in its datacenter", ge=0)
+    stage: int = spec("pipeline stage", ge=0)
+    replica: int = spec("data-parallel replica (= its rank in the group)", ge=0)
+    layers: tuple[int, int] = spec("[start, end) blocks of its stage")
+    prev_stage: int | None = spec("stage it receives activations from (None: first stage)", None)
+    prev_dc: str | None = spec("datacenter of prev_stage", None)
+    next_stage: int | None = spec("stage it sends activations to (None: last stage)", None)
+    next_dc: str | None = spec("datacenter of next_stage", None)
+    group: str = spec("intra-DC process group of its stage's replicas, '<dc>/stage<s>'", "")
+    group_size: int = spec("replicas in the group (= dp)", 1, ge=1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole plan file."""
+
+    version: int = spec("plan format version")
+    schedule: str = spec("pipeline schedule: 1f1b | gpipe")
+    num_stages: int = spec("pipeline stages p", ge=1)
+    dp: int = spec("data-parallel degree d: replicas of every stage", ge=1)
+    microbatches: int = spec("microbatches m per iteration per pipeline", ge=1)
+    stages: tuple[StageSpec, ...] = spec("the stages in pipeline order")
+    links: tuple[LinkPlan, ...] = spec("WAN links the pipeline crosses")
+    datacenters: tuple[DcUsage, ...] = spec("GPUs used and unused per datacenter")
+    prediction: Prediction = spec("simulated figures")
+    solver: SolverInfo = spec("how the plan was found")
+    ranks: tuple[RankSpec, ...] = spec("every process, by global rank")
+    config: Config = spec("the config the plan was made from")
+
+    def rank(self, r: int) -> RankSpec:
+        """The process with global rank ``r``."""
+        if not 0 <= r < len(self.ranks):
+            raise PlanError(f"rank {r} out of range: the plan has ranks 0..{len(self.ranks) - 1}")
+        return self.ranks[r]
+
+    def ranks_for_dc(self, dc: str) -> list[RankSpec]:
+        """Processes in datacenter ``dc`` (by local rank)."""
+        if dc not in {d.name for d in self.config.cluster.datacenters}:
+            raise PlanError(f"unknown datacenter {dc!r}; the plan's datacenters: "
+                            f"{', '.join(d.name for d in self.config.cluster.datacenters)}")
+        return [r for r in self.ranks if r.dc == dc]
+
+    @property
+    def world_size(self) -> int:
+        """All processes: stages x dp."""
+        return len(self.ranks)
+
+    def candidate(self) -> Candidate:
+        """The decisions as a planner candidate."""
+        return Candidate(self.dp, self.microbatches, tuple(s.dc for s in self.stages),
+                         tuple(s.layers for s in self.stages))
+
+
+def rank_layout(cand: Candidate) -> tuple[RankSpec, ...]:
+    """Every process of ``cand``, stage-major, with neighbours and process groups."""
+    ranks, local = [], {}
+    p = cand.num_stages
+    for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
+        for replica in range(cand.dp):
+            ranks.append(RankSpec(
+                rank=s * cand.dp + replica, dc=dc, local_rank=local.get(dc, 0), stage=s, replica=replica,
+                layers=layers, prev_stage=s - 1 if s else None, prev_dc=cand.stage_dcs[s - 1] if s else None,
+                next_stage=s + 1 if s < p - 1 else None, next_dc=cand.stage_dcs[s + 1] if s < p - 1 else None,
+                group=f"{dc}/stage{s}", group_size=cand.dp))
+            local[dc] = local.get(dc, 0) + 1
+    return tuple(ranks)
+
+
+def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
+    """The plan file for a simulated candidate."""
+    cand, cluster, job = ev.candidate, problem.cluster, problem.job
+    wan = dict(ev.wan_bytes)
+    links = []
+    for a, b in zip(cand.path, cand.path[1:]):
+        link = problem.link(a, b)
+        assert link is not None
+        nbytes = wan.get((a, b), 0) + wan.get((b, a), 0)
+        streams = problem.streams(a, b)
+        links.append(LinkPlan((a, b), streams, wan_effective_bps(link, streams) / 1e9, nbytes,
+                              nbytes / GB * link.egress_usd_per_gb))
+    dcs = tuple(DcUsage(dc.name, dc.gpus, cand.gpus_used(dc.name), dc.gpus - cand.gpus_used(dc.name),
+                        tuple(s for s, x in enumerate(cand.stage_dcs) if x == dc.name))
+                for dc in cluster.datacenters)
+    tokens = job.global_batch * job.model.seq_len
+    prediction = Prediction(ev.iteration_s, ev.bubble_fraction, tokens / ev.iteration_s if ev.iteration_s else 0.0,
+                            sum(wan.values()), ev.wan_cost_usd)
+    stages = tuple(StageSpec(s, dc, layers) for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)))
+    return Plan(PLAN_VERSION, problem.schedule, cand.num_stages, cand.dp, cand.microbatches, stages, tuple(links),
+                dcs, prediction, solver, rank_layout(cand), problem.cfg)
+
+
+def dump_plan(plan: Plan) -> str:
+    """The plan as YAML that :func:`load_plan` reads back to an equal object."""
+    return yaml.safe_dump(dump_dataclass(plan), sort_keys=False, default_flow_style=None)
+
+
+def plan_from_dict(data: object, source: str = "plan") -> Plan:
+    """Validate plain data into a :class:`Plan`; every inconsistency is a PlanError naming the field."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a plan mapping (got {type(data).__name__}); "
+                        "write one with 'geosched plan CONFIG -o plan.yaml'")
+    if data.get("version") != PLAN_VERSION:
+        raise PlanError(f"{source}: version: this geosched reads plan version {PLAN_VERSION} "
+                        f"(got {data.get('version')!r}); re-run 'geosched plan'")
+    try:
+        config_from_dict(data.get("config"), source=f"{source}: config")
+    except ConfigError as exc:
+        raise PlanError(f"{source}: config: {exc}") from None
+    plan = load_dataclass(Plan, data, path="plan", error=PlanError)
+    problem = Problem(plan.config)
+    cand = plan.candidate()
+    if plan.schedule != plan.config.job.schedule:
+        raise PlanError(f"plan.schedule: {plan.schedule!r} differs from config.job.schedule "
+                        f"{plan.config.job.schedule!r}")
+    if plan.num_stages != len(plan.stages):
+        raise PlanError(f"plan.num_stages: {plan.num_stages} but {len(plan.stages)} stages are listed")
+    for s, stage in enumerate(plan.stages):
+        if stage.index != s:
+            raise PlanError(f"plan.stages[{s}].index: expected {s} (got {stage.index})")
+    problem_text = problem.violation(cand)
+    if problem_text is not None:
+        raise PlanError(f"plan.stages: {problem_text}")
+    expected = rank_layout(cand)
+    if len(plan.ranks) != len(expected):
+        raise PlanError(f"plan.ranks: {len(plan.ranks)} ranks but stages({plan.num_stages}) x dp({plan.dp}) = "
+                        f"{len(expected)}")
+    for r, (got, want) in enumerate(zip(plan.ranks, expected)):
+        if got != want:
+            field = next(f for f in RankSpec.__dataclass_fields__ if getattr(got, f) != getattr(want, f))
+            raise PlanError(f"plan.ranks[{r}].{field}: {getattr(got, field)!r} does not match the stages "
+                            f"(expected {getattr(want, field)!r})")
+    return plan
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and check a plan file (YAML, at most 64 MiB)."""
+    path = os.fspath(path)
+    try:
+        if os.path.getsize(path) > MAX_PLAN_BYTES:
+            raise PlanError(f"{path}: larger than {MAX_PLAN_BYTES >> 20} MiB; not a plan file")
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such file; write one with 'geosched plan CONFIG -o {path}'") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise PlanError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path}: cannot read ({exc})") from None
+    try:
+        return plan_from_dict(data, source=path)
+    except PlanError as exc:
+        text = str(exc)
+        raise PlanError(text if text.startswith(path) else f"{path}: {text}") from None

@@ -1,0 +1,91 @@
+"""The planner's entry points: a config and an objective in, a plan (and its frontier) out.
+
+Objectives:
+
+* ``time`` (default): the least simulated iteration time.
+* ``weighted`` (``weight`` seconds per dollar > 0): the least
+  ``iteration_s + weight x WAN dollars per iteration``, chosen on the
+  time/cost frontier, which does not depend on the weight, so a larger weight
+  never gives a faster or costlier plan.
+* ``cost`` (``max_iteration_s`` set): the least WAN cost whose simulated
+  iteration time is within the bound (ties: the faster).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from geosched.config import Config
+from geosched.errors import InputError, PlanInfeasible
+from planner.cpsat import Goal
+from planner.evaluate import Evaluation, Evaluator
+from planner.plan import Plan, SolverInfo, build_plan
+from planner.search import Progress, SearchStats, frontier, plan_search, search
+from planner.space import Problem
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What to optimise (see the module docstring)."""
+
+    weight: float = 0.0  # seconds per dollar
+    max_iteration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise InputError(f"--wan-cost-weight must be a finite number >= 0 seconds per dollar (got {self.weight})")
+        if self.max_iteration_s is not None and not (math.isfinite(self.max_iteration_s) and self.max_iteration_s > 0):
+            raise InputError(f"--max-iteration-s must be a number > 0 (got {self.max_iteration_s})")
+        if self.weight > 0 and self.max_iteration_s is not None:
+            raise InputError("choose one objective: --wan-cost-weight or --max-iteration-s, not both")
+
+    @property
+    def name(self) -> str:
+        """``time``, ``weighted`` or ``cost``."""
+        return "cost" if self.max_iteration_s is not None else "weighted" if self.weight > 0 else "time"
+
+
+@dataclass
+class PlanOutcome:
+    """A plan with everything that produced it (for the summary, the benchmark and the tests)."""
+
+    plan: Plan
+    best: Evaluation
+    problem: Problem
+    evaluator: Evaluator
+    stats: SearchStats
+    frontier: list[Evaluation] | None = None
+
+
+def make_plan(cfg: Config, objective: Objective = Objective(), *, time_limit_s: float | None = None,
+              progress: Progress | None = None, with_frontier: bool = False) -> PlanOutcome:
+    """Plan ``cfg`` for ``objective``; PlanInfeasible (exit 2) names the tightest constraint."""
+    if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
+    started = time.monotonic()
+    problem = Problem(cfg)
+    evaluator = Evaluator(problem)
+    points = None
+    if objective.name == "time" and not with_frontier:
+        best, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
+    else:
+        points, stats = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
+        if objective.name == "cost":
+            bounded, more = search(problem, evaluator, Goal(max_time_s=objective.max_iteration_s),
+                                   time_limit_s=time_limit_s)
+            stats.proven &= more.proven
+            within = [ev for ev in points + ([bounded] if bounded else [])
+                      if ev.iteration_s <= objective.max_iteration_s]
+            if not within:
+                raise PlanInfeasible(f"no plan meets --max-iteration-s {objective.max_iteration_s:g}: the fastest "
+                                     f"takes {points[0].iteration_s:.4g} s per iteration; raise the bound")
+            best = min(within, key=lambda ev: (ev.wan_cost_usd, ev.iteration_s))
+        elif objective.name == "weighted":
+            best = min(points, key=lambda ev: (ev.score(objective.weight), ev.iteration_s))
+        else:
+            best = points[0]
+    info = SolverInfo(objective.name, stats.proven, time.monotonic() - started, objective.weight,
+                      objective.max_iteration_s, tuple(stats.notes))
+    return PlanOutcome(build_plan(problem, best, info), best, problem, evaluator, stats, points)

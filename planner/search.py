@@ -1,0 +1,333 @@
+"""The planner's search: CP-SAT proposes, the simulator judges, a local search polishes.
+
+For every data-parallel degree ``d`` (most promising first, skipped once a
+lower estimate of its best surrogate time cannot beat the best simulated
+plan) the CP-SAT model of :mod:`planner.cpsat` proposes its best few
+candidates; single-stage plans and the baselines' pipelines are added as
+seeds; every candidate is simulated; then a hill climb moves single blocks
+across stage boundaries, moves a stage to the neighbouring DC, splits or
+merges stages, keeping a move only when the simulator says it is better.
+
+On large clusters (more than :data:`SHORTLIST` DCs) CP-SAT places the
+pipeline on a contiguous run of one of the best chains of DCs along fast
+links (:func:`chains`), with a time limit per model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from geosched.costmodel import boundary_bytes, stage_compute, wan_transfer
+from planner import baselines
+from planner.cpsat import Goal, solve
+from planner.evaluate import Evaluation, Evaluator
+from planner.feasibility import check_feasible
+from planner.space import Candidate, Problem, from_split
+
+log = logging.getLogger(__name__)
+
+SHORTLIST = 6  # clusters with more DCs are searched along chains of DCs
+CHAIN = 6  # DCs in one chain
+MODEL_LIMIT_S = 1.0  # CP-SAT seconds per model on large clusters (their plans are not proven optimal)
+LARGE_BUDGET_S = 8.0  # default search time on large clusters (--time-limit overrides it)
+REACH = 4  # the local search moves a block to a stage at most this far away (any stage when p <= 16)
+POLISH_SIMULATIONS = 300  # simulations one hill climb may spend
+POLISH_SHARE = 0.5  # the local search may take this share of the time spent before it (at least 1 s)
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class SearchStats:
+    """How a search went: proof status, effort, notes for the summary."""
+
+    proven: bool = True  # every CP-SAT model solved to optimality and nothing skipped for time
+    models: int = 0
+    pruned: int = 0  # data-parallel degrees skipped by the bound
+    solve_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def score_bound(evaluator: Evaluator, cand: Candidate, goal: Goal) -> float:
+    """A score ``cand`` cannot beat: its proven time bound, its exact WAN cost."""
+    time_bound = evaluator.lower_bound(cand)
+    if goal.max_time_s is not None:
+        return math.inf if time_bound > goal.max_time_s else evaluator.wan_cost_usd(cand)
+    return time_bound + (goal.weight * evaluator.wan_cost_usd(cand) if goal.weight else 0.0)
+
+
+def score(ev: Evaluation, goal: Goal) -> float:
+    """What the goal minimises over simulated plans (a plan over the time bound scores +inf)."""
+    if goal.max_time_s is not None:
+        return ev.wan_cost_usd + ev.iteration_s * 1e-12 if ev.iteration_s <= goal.max_time_s else math.inf
+    return ev.score(goal.weight)
+
+
+def estimate_s(problem: Problem, dp: int, microbatches: int) -> float:
+    """A lower estimate of the best surrogate time with ``d = dp``: (m - 1) busiest stage + one round trip.
+
+    The busiest stage holds at least ``ceil(L / p_max)`` blocks on the fastest GPU.
+    """
+    fastest = max(dc.gpu.tflops for dc in problem.cluster.datacenters)
+    whole = stage_compute(problem.job, fastest, (0, problem.layers), True, True)
+    block = stage_compute(problem.job, fastest, (0, 1), False, False)
+    p_max = min(problem.layers, sum(g // dp for g in problem.gpus.values())) or 1
+    blocks = -(-problem.layers // p_max)
+    return (microbatches - 1) * blocks * (block.forward_s + block.backward_s) + whole.forward_s + whole.backward_s
+
+
+def chains(problem: Problem, dp: int, must: set[str] | None = None, width: int = CHAIN,
+           keep: int = 1) -> list[tuple[str, ...]]:
+    """Orders of DCs for CP-SAT on large clusters: greedy chains along the fastest links, best ``keep``.
+
+    A chain starts at every DC (every DC of ``must``, when given) and grows at
+    its better end by the neighbour whose link has the least occupancy +
+    latency for this ``d``; chains are ranked by their slowest link, then by
+    total delay. The pipeline is then a contiguous run of one chain.
+    """
+    nbytes = boundary_bytes(problem.job, max(1, problem.layers - 1))
+
+    def delay(a: str, b: str) -> float:
+        tr = wan_transfer(problem.link(a, b), nbytes, problem.streams(a, b), dp)  # type: ignore[arg-type]
+        return tr.occupancy_s + tr.latency_s
+
+    found = []
+    for start in sorted(must) if must else problem.dcs:
+        chain = [start]
+        while len(chain) < width:
+            options = [(delay(end, nxt), k, nxt) for k, end in ((0, chain[0]), (1, chain[-1]))
+                       for nxt in problem.neighbours[end] if nxt not in chain]
+            if not options:
+                break
+            _, k, nxt = min(options)
+            chain = [nxt] + chain if k == 0 else chain + [nxt]
+        hops = [delay(a, b) for a, b in zip(chain, chain[1:])] or [0.0]
+        found.append((max(hops), sum(hops), tuple(chain)))
+    out: list[tuple[str, ...]] = []
+    for _, _, chain in sorted(found):
+        if set(chain) not in [set(c) for c in out]:
+            out.append(chain)
+        if len(out) == keep:
+            break
+    return out
+
+
+def single_stage(problem: Problem) -> Iterator[Candidate]:
+    """Every one-stage plan: the whole model data-parallel inside one DC."""
+    for d, m in problem.dp_options():
+        for dc in problem.dcs:
+            if problem.gpus[dc] >= d:
+                yield Candidate(d, m, (dc,), ((0, problem.layers),))
+
+
+def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:
+    """Candidates one move away, the likeliest first: move a block off a stage (busiest first, to a stage
+    at most REACH away), move a boundary stage to the next DC, split a stage or merge two."""
+    split, dcs, p = list(cand.split), list(cand.stage_dcs), cand.num_stages
+    d, m = cand.dp, cand.microbatches
+    reach = p if p <= 16 else REACH
+    for s in sorted(range(p), key=lambda s: -load[s]):
+        for t in sorted(range(max(0, s - reach), min(p, s + reach + 1)), key=lambda t: load[t]):
+            if t != s and split[s] >= 2:
+                new = split.copy()
+                new[s] -= 1
+                new[t] += 1
+                yield from_split(d, m, tuple(dcs), tuple(new))
+    for s in range(p - 1):
+        if dcs[s] != dcs[s + 1]:
+            for moved, target in ((s, dcs[s + 1]), (s + 1, dcs[s])):
+                new_dcs = dcs.copy()
+                new_dcs[moved] = target
+                yield from_split(d, m, tuple(new_dcs), tuple(split))
+    for s in range(p):
+        if split[s] >= 2:
+            half = split[s] // 2
+            halves = tuple(split[:s] + [half, split[s] - half] + split[s + 1:])
+            yield from_split(d, m, tuple(dcs[:s + 1] + dcs[s:]), halves)
+        if s + 1 < p:  # merge with the next stage, in either one's DC
+            merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2:])
+            for keep in {dcs[s], dcs[s + 1]}:
+                yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2:]), merged)
+
+
+def _two_moves(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:
+    """Candidates two block moves away (small pipelines only): a way off a plateau of equal times."""
+    seen = {cand}
+    for one in neighbours(problem, cand, load):
+        if one.stage_dcs != cand.stage_dcs or problem.violation(one) is not None:
+            continue
+        for two in neighbours(problem, one, load):
+            if two.stage_dcs == cand.stage_dcs and two not in seen:
+                seen.add(two)
+                yield two
+
+
+def polish(problem: Problem, evaluator: Evaluator, start: Evaluation, goal: Goal, deadline: float,
+           require: dict[str, int] | None = None, budget: int = POLISH_SIMULATIONS) -> Evaluation:
+    """Hill climb from ``start``: move to the first better simulated neighbour until none is (or the
+    budget of simulations or the time is spent). On small pipelines a stuck climb also tries pairs of
+    block moves; the lower bound skips every candidate that cannot be better, so plateaus cost little."""
+    best, spent = start, 0
+    while time.monotonic() < deadline and spent < budget:
+        compute = evaluator.costs(best.candidate).compute
+        load = [c.forward_s + c.backward_s for c in compute]
+        improved = None
+        moves = [neighbours(problem, best.candidate, load)]
+        if best.candidate.num_stages <= 16:
+            moves.append(_two_moves(problem, best.candidate, load))
+        for cand in (c for family in moves for c in family):
+            if problem.violation(cand) is not None or not _meets(cand, require):
+                continue
+            if score_bound(evaluator, cand, goal) >= score(best, goal):
+                continue
+            ev = evaluator.evaluate(cand)
+            spent += 1
+            if score(ev, goal) < score(best, goal) * (1 - 1e-9):
+                improved = ev
+                break
+            if spent >= budget or time.monotonic() >= deadline:
+                break
+        if improved is None:
+            break
+        best = improved
+    return best
+
+
+def _meets(cand: Candidate, require: dict[str, int] | None) -> bool:
+    return all(cand.gpus_used(dc) >= n for dc, n in (require or {}).items())
+
+
+def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_limit_s: float | None = None,
+           require: dict[str, int] | None = None, allowed: set[str] | None = None,
+           progress: Progress | None = None, polish_top: int = 5,
+           restage: bool = True) -> tuple[Evaluation | None, SearchStats]:
+    """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
+
+    ``restage`` re-solves the best two with one stage fewer and one more.
+    """
+    began = time.monotonic()
+    large = len(problem.dcs) > SHORTLIST and allowed is None
+    if time_limit_s is None and large:
+        time_limit_s = LARGE_BUDGET_S
+    deadline = began + time_limit_s if time_limit_s is not None else math.inf
+    stats = SearchStats()
+    seeds = list(single_stage(problem)) + [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)]
+    pool: list[Evaluation] = []
+    for cand in seeds:
+        if (allowed is None or set(cand.stage_dcs) <= allowed) and _meets(cand, require) \
+                and problem.violation(cand) is None:
+            pool.append(evaluator.evaluate(cand))
+
+    def best_time() -> float:
+        return min((ev.iteration_s for ev in pool), default=math.inf)
+
+    options = sorted(problem.dp_options(), key=lambda dm: estimate_s(problem, *dm))
+    for k, (d, m) in enumerate(options):
+        if goal.weight == 0 and goal.max_time_s is None and estimate_s(problem, d, m) >= best_time():
+            stats.pruned += 1
+            continue
+        if time.monotonic() >= deadline:
+            stats.proven = False
+            stats.notes.append(f"time limit: d={d} and later degrees not searched")
+            break
+        for chain in chains(problem, d, set(require or {})) if large else [None]:
+            left = deadline - time.monotonic()
+            limit = MODEL_LIMIT_S if large else None
+            if not math.isinf(left):
+                limit = max(0.05, left * 0.5) if limit is None else min(limit, max(0.05, left * 0.5))
+            result = solve(problem, d, m, goal, require=require, allowed=allowed, chain=chain, time_limit_s=limit,
+                           keep=2 if large else 3, workers=2 if large else 1)
+            stats.models += 1
+            stats.solve_s += result.wall_s
+            stats.proven &= result.status in ("optimal", "infeasible") and not large
+            for sol in result.solutions:
+                if problem.violation(sol.candidate) is None and _meets(sol.candidate, require):
+                    pool.append(evaluator.evaluate(sol.candidate))
+            log.debug("d=%d m=%d chain=%s: CP-SAT %s in %.2f s, %d solutions; best simulated %.4f s",
+                      d, m, chain, result.status, result.wall_s, len(result.solutions), best_time())
+        if progress:
+            progress((k + 1) / len(options), f"d={d}: best {best_time():.3f} s")
+    if not pool:
+        return None, stats
+    # the surrogate can misjudge the stage count (few microbatches): re-solve the best with p - 1 and p + 1
+    tried = set()
+    for ev in sorted(set(pool), key=lambda ev: score(ev, goal))[:(1 if large else 2) if restage else 0]:
+        d, p = ev.candidate.dp, ev.candidate.num_stages
+        for stages in (p - 1, p + 1):
+            if (d, stages) in tried or stages < 2 or time.monotonic() >= deadline:
+                continue
+            tried.add((d, stages))
+            left = deadline - time.monotonic()
+            limit = MODEL_LIMIT_S / 2 if large else None if math.isinf(left) else max(0.05, left / 4)
+            result = solve(problem, d, ev.candidate.microbatches, goal, require=require, allowed=allowed,
+                           chain=ev.candidate.path if large else None, stages=stages, time_limit_s=limit)
+            stats.models += 1
+            stats.solve_s += result.wall_s
+            pool += [evaluator.evaluate(s.candidate) for s in result.solutions
+                     if problem.violation(s.candidate) is None and _meets(s.candidate, require)]
+    ranked = sorted(set(pool), key=lambda ev: score(ev, goal))
+    finals = []
+    polish_until = min(deadline, time.monotonic() + max(1.0, POLISH_SHARE * (time.monotonic() - began)))
+    starts: dict[tuple, Evaluation] = {}  # the best of each (d, path): diverse starting points
+    for ev in ranked:
+        starts.setdefault((ev.candidate.dp, ev.candidate.path), ev)
+    starts_list = list(starts.values())[:polish_top]
+    for k, ev in enumerate(starts_list):
+        share = (polish_until - time.monotonic()) / (len(starts_list) - k)  # what is left, split over the rest
+        finals.append(polish(problem, evaluator, ev, goal, time.monotonic() + share, require))
+    best = min(finals + ranked[:1], key=lambda ev: (score(ev, goal), ev.iteration_s, ev.wan_cost_usd))
+    log.debug("search: %d models, %d d pruned, %d simulations; best %s = %.4f s",
+              stats.models, stats.pruned, evaluator.simulations, best.candidate.describe(), best.iteration_s)
+    if not math.isfinite(score(best, goal)):
+        return None, stats
+    return best, stats
+
+
+def plan_search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(),
+                **kwargs: object) -> tuple[Evaluation, SearchStats]:
+    """:func:`search` after the feasibility checks; raises PlanInfeasible when nothing fits."""
+    from geosched.errors import PlanInfeasible
+
+    check_feasible(problem)
+    best, stats = search(problem, evaluator, goal, **kwargs)
+    if best is None:
+        if goal.max_time_s is not None:
+            fastest, _ = search(problem, evaluator, Goal(), time_limit_s=kwargs.get("time_limit_s"))
+            got = f"; the fastest plan takes {fastest.iteration_s:.3f} s" if fastest else ""
+            raise PlanInfeasible(f"no plan meets --max-iteration-s {goal.max_time_s:g}{got}; raise the bound")
+        raise PlanInfeasible("no plan fits: every placement breaks GPU memory, GPU counts or links "
+                             "(see 'geosched validate-config'); add GPUs, memory or links")
+    return best, stats
+
+
+def pareto(evals: list[Evaluation]) -> list[Evaluation]:
+    """The time/cost frontier of ``evals``: sorted by time, each strictly cheaper than the one before."""
+    out: list[Evaluation] = []
+    for ev in sorted(set(evals), key=lambda e: (e.iteration_s, e.wan_cost_usd)):
+        if not out or ev.wan_cost_usd < out[-1].wan_cost_usd - 1e-12:
+            out.append(ev)
+    return out
+
+
+def frontier(problem: Problem, evaluator: Evaluator, *, time_limit_s: float | None = None,
+             weights: int = 4, progress: Progress | None = None) -> tuple[list[Evaluation], SearchStats]:
+    """The time/cost frontier from the fastest plan, weighted plans over a fixed grid, and the cheapest.
+
+    The grid is ``W0 x 4^k`` seconds per dollar, ``W0 = T/C`` of the fastest plan,
+    so the frontier (and every choice made from it) does not depend on the
+    weight a user asks for: choices by weight are then monotone.
+    """
+    fastest, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
+    goals = []
+    if fastest.wan_cost_usd > 0:
+        base = fastest.iteration_s / fastest.wan_cost_usd
+        goals = [Goal(weight=base * 4.0 ** k) for k in range(-1, weights - 1)] + [Goal(max_time_s=math.inf)]
+    for goal in goals:
+        _, more = search(problem, evaluator, goal, time_limit_s=time_limit_s, polish_top=1, restage=False)
+        stats.proven &= more.proven
+        stats.models += more.models
+        stats.solve_s += more.solve_s
+    return pareto(evaluator.evaluated), stats

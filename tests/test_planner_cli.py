@@ -1,0 +1,93 @@
+"""`geosched plan` and `geosched simulate PLAN` at the command line: output, plan file, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from geosched.cli import main
+
+DEMO = yaml.safe_load(open("configs/demo-3dc.yaml"))
+
+
+def write(tmp_path, data, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def edited(change):
+    data = yaml.safe_load(yaml.safe_dump(DEMO))
+    change(data)
+    return data
+
+
+@pytest.mark.slow
+def test_plan_file_reproduces_its_prediction_in_simulate(tmp_path, capsys) -> None:
+    plan_path = str(tmp_path / "plan.yaml")
+    assert main(["plan", "configs/unequal-5dc.yaml", "-o", plan_path, "--no-explain", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["simulate", plan_path, "--json", "--trace", str(tmp_path / "t.json")]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["iteration_time_s"] == pytest.approx(planned["prediction"]["iteration_s"], rel=1e-9)
+    assert simulated["stages"] == planned["stages"]
+    assert simulated["info"]["predicted_iteration_s"] == planned["prediction"]["iteration_s"]
+
+
+def test_simulate_a_config_needs_stages_or_a_plan(capsys) -> None:
+    assert main(["simulate", "configs/demo-3dc.yaml", "--stages", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] == 3
+    assert main(["simulate", "configs/demo-3dc.yaml"]) == 2
+    assert "geosched plan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: [dc["gpu"].update(memory_gib=0.001) for dc in d["cluster"]["datacenters"]],
+     ["needs", "GiB", "0.001 GiB", "recompute"]),
+    (lambda d: (d["cluster"].update(links=[]), [dc.update(gpus=1) for dc in d["cluster"]["datacenters"]],
+                [dc["gpu"].update(memory_gib=0.05) for dc in d["cluster"]["datacenters"]]),
+     ["pipeline stages", "no WAN link joins"]),
+    (lambda d: d["job"].update(global_batch=15), ["job.global_batch", "microbatch_size"]),
+    (lambda d: d["cluster"]["datacenters"][0].update(gpuz=3), ["datacenters[0].gpuz", "unknown key"]),
+    (lambda d: d["cluster"]["links"][0].update(between=["us", "mars"]), ["links[0].between", "mars"]),
+])
+def test_infeasible_and_malformed_configs_exit_2_naming_the_constraint(tmp_path, capsys, change, words) -> None:
+    assert main(["plan", write(tmp_path, edited(change))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err, err
+
+
+def test_bad_flags_and_bad_plan_files_exit_2(tmp_path, capsys) -> None:
+    assert main(["plan", "configs/demo-3dc.yaml", "--wan-cost-weight", "-2"]) == 2
+    assert "wan-cost-weight" in capsys.readouterr().err
+    assert main(["plan", "configs/demo-3dc.yaml", "--time-limit", "0"]) == 2
+    assert "time-limit" in capsys.readouterr().err
+    plan_path = write(tmp_path, {"version": 1, "ranks": [], "config": DEMO}, "plan.yaml")
+    assert main(["simulate", plan_path]) == 2
+    assert "plan.schedule: missing required field" in capsys.readouterr().err
+
+
+def test_time_limit_returns_a_plan_and_says_it_is_not_proven(capsys) -> None:
+    assert main(["plan", "configs/unequal-5dc.yaml", "--time-limit", "0.001", "--no-explain"]) == 0
+    out = capsys.readouterr().out
+    assert "not proven optimal" in out and "time limit" in out
+
+
+@pytest.mark.slow
+def test_real_process_exit_code_and_one_line_error(tmp_path) -> None:
+    bad = write(tmp_path, edited(lambda d: [dc["gpu"].update(memory_gib=0.001)
+                                            for dc in d["cluster"]["datacenters"]]))
+    done = subprocess.run([sys.executable, "-m", "geosched.cli", "plan", bad], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("geosched plan: error: ") and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr
+    ok = subprocess.run([sys.executable, "-m", "geosched.cli", "plan", "configs/demo-3dc.yaml", "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["world_size"] >= 1

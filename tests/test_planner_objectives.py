@@ -1,0 +1,68 @@
+"""Objectives: WAN cost against iteration time, the weighted form, the bound, the Pareto frontier."""
+
+from __future__ import annotations
+
+import pytest
+
+from geosched.errors import InputError, PlanInfeasible
+from planner.generate import random_config, two_datacenters
+from planner.planning import Objective, make_plan
+from planner.search import pareto
+
+LINKED = two_datacenters(100, 2, 25, egress_usd_per_gb=0.09)
+
+
+@pytest.mark.slow
+def test_weighted_objective_trades_time_for_cost_monotonically() -> None:
+    plans = [make_plan(LINKED, Objective(weight=w)).best for w in (0.0, 0.5, 2.0, 10.0)]
+    times = [ev.iteration_s for ev in plans]
+    costs = [ev.wan_cost_usd for ev in plans]
+    assert times == sorted(times), times
+    assert costs == sorted(costs, reverse=True), costs
+    assert costs[0] > 0 and costs[-1] == 0  # the fastest crosses the WAN, a heavy weight avoids it
+    assert times[-1] > times[0]
+
+
+@pytest.mark.slow
+def test_pareto_frontier_is_sorted_and_non_dominated() -> None:
+    for cfg in (LINKED, random_config(1004), random_config(1012)):
+        points = make_plan(cfg, with_frontier=True).frontier
+        assert points, cfg.cluster.name
+        times = [p.iteration_s for p in points]
+        costs = [p.wan_cost_usd for p in points]
+        assert times == sorted(times) and costs == sorted(costs, reverse=True)
+        for a in points:
+            for b in points:
+                dominates = (b.iteration_s <= a.iteration_s and b.wan_cost_usd <= a.wan_cost_usd
+                             and (b.iteration_s, b.wan_cost_usd) != (a.iteration_s, a.wan_cost_usd))
+                assert not dominates, (a.candidate.describe(), b.candidate.describe())
+    assert len(make_plan(LINKED, with_frontier=True).frontier) >= 2
+
+
+def test_pareto_helper_drops_dominated_points() -> None:
+    outcome = make_plan(LINKED, with_frontier=True)
+    everything = outcome.evaluator.evaluated
+    front = pareto(everything)
+    assert len(front) < len(everything)
+    assert front == outcome.frontier
+
+
+@pytest.mark.slow
+def test_cost_objective_respects_the_time_bound() -> None:
+    fastest = make_plan(LINKED).best
+    loose = make_plan(LINKED, Objective(max_iteration_s=fastest.iteration_s * 1.5)).best
+    assert loose.iteration_s <= fastest.iteration_s * 1.5
+    assert loose.wan_cost_usd <= fastest.wan_cost_usd
+    tight = make_plan(LINKED, Objective(max_iteration_s=fastest.iteration_s * 1.0000001)).best
+    assert tight.iteration_s <= fastest.iteration_s * 1.0000001
+    with pytest.raises(PlanInfeasible, match="max-iteration-s"):
+        make_plan(LINKED, Objective(max_iteration_s=fastest.iteration_s / 10))
+
+
+def test_bad_objectives_are_input_errors() -> None:
+    with pytest.raises(InputError, match="wan-cost-weight"):
+        Objective(weight=-1)
+    with pytest.raises(InputError, match="max-iteration-s"):
+        Objective(max_iteration_s=0)
+    with pytest.raises(InputError, match="time-limit"):
+        make_plan(LINKED, time_limit_s=-3)

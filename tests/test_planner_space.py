@@ -1,0 +1,128 @@
+"""Planner building blocks: the decision space, the proven lower bound, the plan file and its rank layout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import yaml
+
+from geosched.config import load_config
+from geosched.errors import PlanError
+from planner.evaluate import Evaluator
+from planner.generate import random_config
+from planner.plan import SolverInfo, build_plan, dump_plan, load_plan, plan_from_dict
+from planner.space import Candidate, Problem, even_split, from_split
+
+
+def random_candidates(problem: Problem, rng: random.Random, count: int) -> list[Candidate]:
+    """Valid candidates drawn at random from the decision space."""
+    paths = list(problem.simple_paths())
+    out: list[Candidate] = []
+    for _ in range(count * 20):
+        if len(out) == count:
+            break
+        d, m = rng.choice(problem.dp_options())
+        path = rng.choice(paths)
+        counts = [problem.gpus[dc] // d for dc in path]
+        if min(counts) < 1:
+            continue
+        counts = [rng.randint(1, n) for n in counts]
+        p = sum(counts)
+        if p > problem.layers:
+            continue
+        cuts = sorted(rng.sample(range(1, problem.layers), p - 1))
+        split = tuple(b - a for a, b in zip([0] + cuts, cuts + [problem.layers]))
+        cand = from_split(d, m, tuple(dc for dc, n in zip(path, counts) for _ in range(n)), split)
+        if problem.violation(cand) is None:
+            out.append(cand)
+    return out
+
+
+def test_lower_bound_never_exceeds_the_simulator() -> None:
+    """The brute force may skip a candidate only because no simulation can beat its bound."""
+    checked, ratios = 0, []
+    for seed in range(25):
+        problem = Problem(random_config(seed))
+        evaluator = Evaluator(problem)
+        for cand in random_candidates(problem, random.Random(seed), 8):
+            simulated = evaluator.evaluate(cand).iteration_s
+            bound = evaluator.lower_bound(cand)
+            assert bound <= simulated * (1 + 1e-9), (seed, cand.describe(), bound, simulated)
+            ratios.append(bound / simulated)
+            checked += 1
+    assert checked >= 100
+    assert sum(ratios) / len(ratios) > 0.8  # and it is tight enough to prune
+
+
+def test_violation_names_the_broken_rule() -> None:
+    problem = Problem(load_config("configs/demo-3dc.yaml"))
+    m = problem.job.global_batch // problem.job.microbatch_size
+    ok = from_split(1, m, ("us", "eu", "ap"), (2, 2, 2))
+    assert problem.violation(ok) is None
+    assert "contiguous" in problem.violation(from_split(1, m, ("us", "eu", "us"), (2, 2, 2)))
+    assert "GPUs >" in problem.violation(from_split(1, m, ("us",) * 3, (2, 2, 2)))
+    assert "global_batch" in problem.violation(from_split(2, m, ("us", "eu"), (3, 3)))
+    assert "do not continue" in problem.violation(Candidate(1, m, ("us", "eu"), ((0, 3), (4, 6))))
+    assert even_split(7, 3) == (3, 2, 2)
+
+
+def test_missing_link_is_outside_the_space() -> None:
+    for seed in range(100):  # the first random cluster with an unlinked pair
+        problem = Problem(random_config(seed))
+        unlinked = [(a, b) for a in problem.dcs for b in problem.dcs
+                    if a != b and problem.cluster.link(a, b) is None]
+        if unlinked:
+            break
+    a, b = unlinked[0]
+    d, m = problem.dp_options()[0]
+    assert "no WAN link" in problem.violation(from_split(d, m, (a, b), even_split(problem.layers, 2)))
+
+
+def _plan_for(config: str, cand_dcs: tuple[str, ...], dp: int) -> tuple[Problem, object]:
+    problem = Problem(load_config(config))
+    m = problem.job.global_batch // (dp * problem.job.microbatch_size)
+    cand = from_split(dp, m, cand_dcs, even_split(problem.layers, len(cand_dcs)))
+    ev = Evaluator(problem).evaluate(cand)
+    return problem, build_plan(problem, ev, SolverInfo("time", True, 0.1))
+
+
+def test_plan_file_round_trip_and_rank_layout(tmp_path) -> None:
+    problem, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
+    path = tmp_path / "plan.yaml"
+    path.write_text(dump_plan(plan))
+    loaded = load_plan(path)
+    assert loaded == plan
+    assert loaded.world_size == 3
+    first, middle, last = loaded.ranks
+    assert (first.prev_stage, first.prev_dc, first.next_stage, first.next_dc) == (None, None, 1, "us")
+    assert (last.prev_stage, last.prev_dc, last.next_stage, last.next_dc) == (1, "us", None, None)
+    assert middle.group == "us/stage1" and middle.group_size == 1
+    assert [r.rank for r in loaded.ranks_for_dc("us")] == [0, 1]
+    assert loaded.rank(2).dc == "eu" and loaded.rank(2).layers == (4, 6)
+    assert loaded.links[0].between == ("us", "eu") and loaded.links[0].bytes_per_iteration > 0
+    assert {d.name: d.unused for d in loaded.datacenters} == {"us": 0, "eu": 1, "ap": 2}
+
+
+def test_data_parallel_ranks_form_intra_dc_groups() -> None:
+    _, plan = _plan_for("configs/demo-3dc.yaml", ("eu",), 2)
+    assert [(r.rank, r.stage, r.replica, r.group, r.group_size) for r in plan.ranks] == [
+        (0, 0, 0, "eu/stage0", 2), (1, 0, 1, "eu/stage0", 2)]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(version=7), "version"),
+    (lambda d: d["ranks"][1].update(dc="ap"), "ranks[1].dc"),
+    (lambda d: d["stages"][0].update(layers=[0, 5]), "plan.stages"),
+    (lambda d: d.update(dp=0), "plan.dp"),
+    (lambda d: d.update(bogus=1), "plan.bogus"),
+    (lambda d: d["config"]["cluster"]["datacenters"][0].update(gpus=0), "gpus"),
+])
+def test_malformed_plan_names_the_field(tmp_path, edit, field) -> None:
+    _, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
+    data = yaml.safe_load(dump_plan(plan))
+    edit(data)
+    with pytest.raises(PlanError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        plan_from_dict(data)
+    with pytest.raises(PlanError, match="no such file"):
+        load_plan(tmp_path / "missing.yaml")
