@@ -22,7 +22,13 @@ VERBS: dict[str, tuple[str, str]] = {
     "validate-config": ("geosched.commands.validate_config", "check a cluster/job config"),
     "keys": ("geosched.commands.keys", "generate a CURVE keypair for encrypted, authenticated WAN links"),
     "simulate": ("geosched.commands.simulate", "simulate a pipeline schedule: iteration time, bubbles, timeline"),
+    "plan": ("geosched.commands.plan", "plan GPUs per DC, stages, placement and data parallelism (CP-SAT)"),
+    "profile": ("geosched.commands.profile", "measure the model on this machine; write a cost-model calibration"),
     "wanem": ("geosched.commands.wanem", "WAN emulator: a TCP relay adding delay, per-connection window and link cap"),
+    "prefill": ("geosched.commands.prefill", "send a prompt to an agent's prefill endpoint; optionally decode on"),
+    "agent": ("geosched.commands.agent", "run one rank's agent daemon (MQTT control plane, trains on command)"),
+    "job": ("geosched.commands.job", "start, show or stop a job over MQTT (the coordinator)"),
+    "launch": ("geosched.commands.launch", "rehearse a whole job on this machine: broker, WAN emulator, agents"),
 }
 
 EPILOG = """examples:

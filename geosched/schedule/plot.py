@@ -65,17 +65,10 @@ def write_timeline_png(timeline: Timeline, path: str | Path, title: str | None =
     ax.set_title(title or _default_title(timeline))
     used = sorted({key for _, key in spans}, key=lambda k: list(COLOURS).index(k) if k in COLOURS else len(COLOURS))
     handles = [Patch(facecolor=COLOURS.get(k, FALLBACK)[0], label=COLOURS.get(k, (None, k))[1]) for k in used]
-    ax.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.12 - 0.3 / len(row_names)),
-        ncol=min(len(handles), 5),
-        frameon=False,
-        fontsize="small",
-    )
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize="small")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")  # keeps the legend, outside the axes, in the picture
     return out
 
 

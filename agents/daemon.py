@@ -1,0 +1,400 @@
+"""The agent: one long-running asyncio daemon per GPU process, driven over the MQTT control plane.
+
+Life of an agent (states are published retained on ``geosched/<job>/agents/<rank>/status``;
+a last will marks it ``offline`` if it dies):
+
+1. ``starting``: connected; waits for the plan (``--plan`` file, or the retained
+   ``geosched/<job>/plan`` topic the coordinator publishes).
+2. The plan is checked against the agent (its rank must exist, its ``--dc`` must
+   be the rank's DC); a bad plan from the broker gives status ``error`` and an
+   event naming the problem, and the agent waits for the next plan.
+3. A worker thread opens the rank's :class:`~agents.rank.RankSession`: builds the
+   stage, binds its link listener and (replica 0) its DP group store on port 0.
+   Bound endpoints go into the agent's status (``endpoints``) and the state
+   becomes ``ready``.
+4. On ``start`` (``steps``; optional ``routes`` {endpoint name: address} telling
+   ranks to reach a peer through another address, e.g. a WAN emulator relay),
+   the ranks look up their peers' endpoints in the statuses (or the routes),
+   connect, join the DP group and train; state ``training``, one metrics message
+   per step. When the steps are done the state is ``ready`` again with
+   ``next_step``; a further ``start`` continues from there.
+5. ``checkpoint`` (and every ``--checkpoint-every`` steps) writes the stage's
+   shard; ``stop`` or SIGTERM/SIGINT: status ``stopped``, everything closed, exit 0.
+
+Address exchange (see :class:`MqttAddressBook`): endpoints ride in the
+retained statuses of ``ready``/``training`` agents of the same plan
+(``plan_id``), so peers on other hosts find them with no extra service.
+
+Example::
+
+    geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.control import AgentIdentity, CommandMessage, ControlPlane, PlanMessage, StatusMessage
+from agents.plan_layout import JobLayout, parse_layout
+from agents.transport import pipe_name, store_name
+from geosched.errors import GeoschedError, InputError, LinkError, PlanError
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_STATES = ("ready", "training")
+"""States whose ``endpoints`` are live: peers only connect to these."""
+STOP_GRACE_S = 5.0
+"""How long a stopping agent waits for its rank thread to finish the step in progress."""
+
+
+def plan_id(text: str) -> str:
+    """A short id of a plan text; statuses carry it so stale endpoints of another plan are ignored."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class AgentStopping(LinkError):
+    """The agent is shutting down; lookups and training end."""
+
+
+class MqttAddressBook:
+    """An :class:`~agents.transport.AddressBook` over the control plane, used from the worker thread.
+
+    ``publish`` puts an endpoint into this agent's retained status (through
+    ``announce``, a coroutine run on the agent's loop). ``lookup`` waits until
+    the coordinator has started the job (:meth:`open_gate`), then returns the
+    route for the name if one was given, else the endpoint some live peer
+    published; peers' endpoints arrive through :meth:`learn`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 announce: Callable[[dict[str, str]], Any], overrides: Mapping[str, str] | None = None) -> None:
+        self._loop, self._announce = loop, announce
+        self._cond = threading.Condition()
+        self.own: dict[str, str] = {}
+        self._seen: dict[str, str] = {}
+        self._routes: dict[str, str] = dict(overrides or {})
+        self._gate = False
+        self._stopping: str | None = None
+
+    def publish(self, name: str, endpoint: str) -> None:
+        """Add ``endpoint`` to this agent's status (waits until it is handed to the client)."""
+        with self._cond:
+            self.own[name] = endpoint
+            self._seen[name] = endpoint  # a rank may look up what it hosts (replica 0's group store)
+            own = dict(self.own)
+            self._cond.notify_all()
+        future = asyncio.run_coroutine_threadsafe(self._announce(own), self._loop)
+        future.result(timeout=30)
+
+    def lookup(self, name: str, timeout_s: float) -> str:
+        """The address to reach ``name`` at, once the job started; LinkError after ``timeout_s``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._gate or self._stopping is not None)
+            found = self._cond.wait_for(
+                lambda: self._stopping is not None or name in self._routes or name in self._seen,
+                timeout=timeout_s)
+            if self._stopping is not None:
+                raise AgentStopping(f"agent stopping ({self._stopping}) while looking up {name!r}")
+            if not found:
+                raise LinkError(f"no live agent published the endpoint {name!r} within {timeout_s:g} s "
+                                "after the job started; is that rank running?")
+            return self._routes.get(name) or self._seen[name]
+
+    def learn(self, endpoints: Mapping[str, str]) -> None:
+        """Loop side: endpoints from a live peer's status."""
+        with self._cond:
+            self._seen.update({str(k): str(v) for k, v in endpoints.items()})
+            self._cond.notify_all()
+
+    def open_gate(self, routes: Mapping[str, str]) -> None:
+        """Loop side: the job started; ``routes`` override endpoints (e.g. WAN relays)."""
+        with self._cond:
+            self._routes.update({str(k): str(v) for k, v in routes.items()})
+            self._gate = True
+            self._cond.notify_all()
+
+    def stop(self, reason: str) -> None:
+        """Make every waiting and future lookup raise :class:`AgentStopping`."""
+        with self._cond:
+            self._stopping = reason
+            self._cond.notify_all()
+
+
+def expected_endpoints(layout: JobLayout, rank: int) -> set[str]:
+    """The endpoint names ``rank`` binds and publishes before it can be called ready."""
+    role = layout.role(rank)
+    names = set()
+    if not role.first:
+        names.add(pipe_name(role.stage, role.replica))
+    if role.dp_size > 1 and role.replica == 0:
+        names.add(store_name(role.group))
+    return names
+
+
+@dataclass
+class AgentOptions:
+    """Everything ``geosched agent`` takes from its flags."""
+
+    mqtt: str
+    rank: int
+    job: str = "geosched"
+    dc: str | None = None
+    plan_path: str | None = None
+    bind_host: str = "127.0.0.1"
+    run_dir: str | None = None
+    data: list[str] | None = None
+    threads: int | None = None
+    ca_file: str | None = None
+    peer_overrides: dict[str, str] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    connect_timeout_s: float = 300.0
+    recv_timeout_s: float = 120.0
+    wan_chunk_bytes: int = 0
+
+
+def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
+    """PlanError unless ``rank`` exists in the plan and (if given) ``dc`` is its DC."""
+    role = layout.role(rank)
+    if dc is not None and dc != role.dc:
+        known = sorted({r.dc for r in layout.roles})
+        where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
+        raise PlanError(f"agent started for rank {rank} in DC {dc!r}, but {where}; "
+                        f"start it with --dc {role.dc} or pick a rank of DC {dc!r}")
+
+
+def load_plan_file(path: str) -> str:
+    """The text of a plan file; PlanError naming the file if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
+
+
+class Agent:
+    """One rank's daemon; :meth:`run` returns the process exit code."""
+
+    def __init__(self, options: AgentOptions) -> None:
+        self.opts = options
+        self.layout: JobLayout | None = None
+        self.plan_id: str | None = None
+        self.book: MqttAddressBook | None = None
+        self.worker: Any = None
+        self.cp: ControlPlane | None = None
+        self._status: dict[str, Any] = {}
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if options.plan_path is not None:  # bad input at start: exit 2 before connecting
+            text = load_plan_file(options.plan_path)
+            layout = parse_layout(text, options.plan_path)
+            check_agent_fits(layout, options.rank, options.dc)
+            self.layout, self.plan_id = layout, plan_id(text)
+
+    # -- status ------------------------------------------------------------------
+    async def _set_status(self, state: str, **fields: Any) -> None:
+        self._status = {k: v for k, v in {**self._status, **fields}.items() if v is not None}
+        self._status["state"] = state
+        assert self.cp is not None
+        fields_out = {k: v for k, v in self._status.items() if k != "state"}
+        await self.cp.publish_status(self.opts.rank, state, **fields_out)
+
+    async def _announce(self, own: dict[str, str]) -> None:
+        """Worker thread published an endpoint; ready once every expected one is there."""
+        assert self.layout is not None
+        ready = expected_endpoints(self.layout, self.opts.rank) <= set(own)
+        await self._set_status("ready" if ready else "starting", endpoints=own)
+
+    # -- main loop -----------------------------------------------------------------
+    async def run(self) -> int:
+        """Connect, serve commands until stop/SIGTERM or failure; return the exit code."""
+        opts, loop = self.opts, asyncio.get_running_loop()
+        self._loop = loop
+        stop_signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in stop_signals:
+            loop.add_signal_handler(sig, self._inbox.put_nowait, ("signal", sig.name))
+        identity = AgentIdentity(opts.rank, dc=opts.dc)
+        client_id = f"{opts.job}-agent-{opts.rank}"
+        try:
+            async with ControlPlane(opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file) as cp:
+                self.cp = cp
+                await self._set_status("starting")
+                async with await cp.subscribe("plan", "command", "status") as sub:
+                    pump = asyncio.create_task(self._pump(sub))
+                    try:
+                        code = await self._adopt(self.layout) if self.layout is not None else None
+                        if code is None:
+                            code = await self._serve()
+                    finally:
+                        pump.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await pump
+                        await self._shutdown_worker()
+                await self._set_status("stopped" if code == 0 else "error", endpoints=None)
+                return code
+        finally:
+            for sig in stop_signals:
+                loop.remove_signal_handler(sig)
+
+    async def _pump(self, sub: Any) -> None:
+        async for message in sub:
+            await self._inbox.put(("mqtt", message))
+
+    def post(self, *item: Any) -> None:
+        """Thread-safe: hand an event from the worker thread to the agent's loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._inbox.put_nowait, item)
+
+    async def _serve(self) -> int:
+        while True:
+            kind, *rest = await self._inbox.get()
+            if kind == "signal":
+                log.info("rank %d: %s received; stopping", self.opts.rank, rest[0])
+                return 0
+            if kind == "mqtt":
+                done = await self._on_message(rest[0])
+                if done is not None:
+                    return done
+            elif kind == "step":
+                await self._on_step(rest[0])
+            elif kind == "finished":
+                await self._set_status("ready", next_step=rest[0])
+            elif kind == "failed":
+                return await self._on_failure(rest[0])
+
+    async def _on_message(self, message: Any) -> int | None:
+        if isinstance(message, PlanMessage):
+            return await self._on_plan(message.text)
+        elif isinstance(message, StatusMessage):
+            endpoints = message.extra.get("endpoints")
+            if (self.book is not None and message.state in ENDPOINT_STATES and isinstance(endpoints, dict)
+                    and message.extra.get("plan_id") == self.plan_id and message.rank != self.opts.rank):
+                self.book.learn(endpoints)
+        elif isinstance(message, CommandMessage):
+            return await self._on_command(message)
+        return None
+
+    async def _on_plan(self, text: str) -> int | None:
+        new_id = plan_id(text)
+        if new_id == self.plan_id:
+            return None
+        if self.worker is not None:
+            await self._event("warning", f"rank {self.opts.rank}: a new plan arrived while plan {self.plan_id} "
+                              "is open; stop the job first (geosched job stop)")
+            return None
+        try:
+            layout = parse_layout(text, "plan from the broker")
+            check_agent_fits(layout, self.opts.rank, self.opts.dc)
+        except InputError as exc:
+            log.error("rank %d: %s", self.opts.rank, exc)
+            await self._set_status("error", message=str(exc), plan_id=new_id)
+            await self._event("error", f"rank {self.opts.rank}: {exc}")
+            return None
+        self.plan_id = new_id
+        return await self._adopt(layout)
+
+    async def _adopt(self, layout: JobLayout) -> int | None:
+        """Start the worker for ``layout`` (it binds, then waits for ``start``); an exit code if it cannot."""
+        from agents.rank_worker import RankCheckpoints, RankWorker
+
+        opts = self.opts
+        self.layout = layout
+        role = layout.role(opts.rank)
+        await self._set_status("starting", dc=role.dc, stage=role.stage, replica=role.replica,
+                               plan_id=self.plan_id, message=None, endpoints={})
+        checkpoints = None
+        if opts.checkpoint_dir is not None:
+            try:
+                checkpoints = RankCheckpoints(opts.checkpoint_dir, layout, role, opts.checkpoint_every, opts.resume)
+            except GeoschedError as exc:  # a corrupt checkpoint: say so, load nothing, leave
+                return await self._on_failure(exc)
+        self.book = MqttAddressBook(asyncio.get_running_loop(), self._announce, opts.peer_overrides)
+        self.worker = RankWorker(layout, role, opts, self.book, self.post, checkpoints)
+        self._status["next_step"] = self.worker.start_step
+        self.worker.start()
+        if not expected_endpoints(layout, opts.rank):
+            await self._set_status("ready")
+        for status in self.cp.statuses().values():  # type: ignore[union-attr]  # peers already live
+            await self._on_message(status)
+        return None
+
+    async def _on_command(self, command: CommandMessage) -> int | None:
+        if command.cmd == "stop":
+            log.info("rank %d: stop command", self.opts.rank)
+            return 0
+        if self.worker is None or self._status.get("state") not in ("ready", "training"):
+            await self._event("warning", f"rank {self.opts.rank}: ignored {command.cmd!r}: not ready "
+                              f"(state {self._status.get('state')})")
+            return None
+        if command.cmd == "start":
+            routes = command.extra.get("routes") or {}
+            steps = command.steps or self.layout.job.steps  # type: ignore[union-attr]
+            self.book.open_gate(routes if isinstance(routes, dict) else {})  # type: ignore[union-attr]
+            self.worker.request_steps(steps)
+            await self._set_status("training", steps=steps)
+        elif command.cmd == "checkpoint":
+            step = command.extra.get("step")
+            if self.opts.checkpoint_dir is None:
+                await self._event("warning", f"rank {self.opts.rank}: checkpoint asked but the agent has no "
+                                  "--checkpoint-dir; restart it with one")
+                return None
+            self.worker.request_checkpoint(step if isinstance(step, int) else None,
+                                           idle=self._status.get("state") == "ready")
+        return None
+
+    async def _on_step(self, record: dict[str, Any]) -> None:
+        loss = record.get("loss")
+        log.info("rank %d step %d loss %s | iter %.1f ms | bubble %.1f%% | WAN sent %d B", self.opts.rank,
+                 record["step"], "n/a" if loss is None else f"{loss:.4f}", 1e3 * record.get("iteration_s", 0.0),
+                 100 * record.get("bubble_fraction", 0.0), record.get("wan_bytes", 0))
+        await self.cp.publish_metrics(self.opts.rank, record)  # type: ignore[union-attr]
+
+    async def _on_failure(self, exc: BaseException) -> int:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.error("rank %d failed: %s", self.opts.rank, exc)
+        await self._set_status("error", message=text[:500])
+        await self._event("error", f"rank {self.opts.rank}: {text[:500]}")
+        return exc.exit_code if isinstance(exc, GeoschedError) else 1
+
+    async def _event(self, level: str, message: str) -> None:
+        with contextlib.suppress(GeoschedError):
+            await self.cp.publish_event(level, message, rank=self.opts.rank)  # type: ignore[union-attr]
+
+    async def _shutdown_worker(self) -> None:
+        if self.book is not None:
+            self.book.stop("shutting down")
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop, STOP_GRACE_S)
+
+
+def run_agent(options: AgentOptions) -> int:
+    """Run the agent daemon to completion; the exit code (0 after stop/SIGTERM)."""
+    agent = Agent(options)
+    code = asyncio.run(agent.run())
+    if agent.worker is not None and agent.worker.alive:
+        # a rank thread stuck in a peer's socket cannot be interrupted; leave without waiting for it
+        log.warning("rank %d: worker thread still busy at exit; leaving it", options.rank)
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``NAME=ADDRESS`` flags -> dict; InputError naming a malformed one."""
+    out = {}
+    for item in items:
+        name, sep, address = item.partition("=")
+        if not sep or not name or not address:
+            raise InputError(f"--peer-override {item!r}: expected NAME=ADDRESS, e.g. pipe/s2/r0=tcp://10.0.0.5:7000")
+        out[name] = address
+    return out

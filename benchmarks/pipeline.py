@@ -1,0 +1,301 @@
+"""Benchmark the pipeline runtime: measured against predicted iteration time, and against torch pipelining.
+
+(a) Two stages in two processes, pinned one per core (``os.sched_setaffinity``),
+    joined by a WAN emulator relay (RTT and link cap below). The prediction is
+    the schedule simulator with :class:`~geosched.costmodel.PipelineCosts`
+    calibrated by :func:`geosched.profile.profile_job` measured here (one thread).
+    Reported: ``measured_vs_predicted`` = measured / predicted iteration time.
+(b) The same two-stage model, batch and microbatches trained by
+    ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
+    geosched's runtime over loopback (WanLink, no relay), in the same run, same
+    pinning. Reported: ``throughput_vs_torch_pipelining`` = geosched steps/s over
+    torch's. Targets: within 15 % and >= 0.9x.
+
+Iteration time = median over the measured steps (after warm-up) of each step's
+longest span over the ranks; the mean wall time per step is in the JSON too.
+
+    python benchmarks/pipeline.py --quick          # under a minute
+    python benchmarks/pipeline.py --json           # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from geosched.config import JobSpec, ModelSpec, config_from_dict  # noqa: E402
+
+JOB = JobSpec(model=ModelSpec(layers=4, hidden=128, heads=4, seq_len=64), global_batch=32, microbatch_size=4,
+              precision="fp32", seed=5, learning_rate=1e-3, schedule="1f1b")
+LAYERS = [(0, 2), (2, 4)]
+LINK = {"between": ["us", "eu"], "bandwidth_gbps": 0.2, "rtt_ms": 10.0, "per_connection_gbps": 0.2}
+STREAMS = 2
+
+
+def _pin(cpu: int | None) -> None:
+    import torch
+
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+
+
+def _cpu_for(rank: int) -> int | None:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cpus[rank % len(cpus)] if len(cpus) >= 2 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ child processes
+
+
+def _cross_entropy(logits: Any, targets: Any) -> Any:
+    """The last stage's loss (as ``StageModule.loss``): mean cross-entropy of (b, T, V) logits."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def _geosched_rank(role: Any, job: JobSpec, store_port: int, prefix: str, routed: bool, steps: int,
+                   results: Any) -> None:
+    """One stage trained by geosched's runtime; reports (start, end) wall times per step."""
+    try:
+        _pin(_cpu_for(role.rank))
+        from agents.rank import run_rank
+        from agents.transport import StoreAddressBook
+        from geosched.data import default_corpus_paths
+
+        book = StoreAddressBook.connect("127.0.0.1", store_port, routed=routed, prefix=prefix)
+        reports = run_rank(job, role, steps=steps, data=default_corpus_paths(), addresses=book, threads=1,
+                           connect_timeout_s=60, recv_timeout_s=60)
+        results.put((prefix, role.rank, [(r.started_at, r.started_at + r.iteration_s, r.busy_s) for r in reports]))
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent
+        results.put((prefix, role.rank, repr(exc)))
+
+
+def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) -> None:
+    """One stage trained by torch.distributed.pipelining's Schedule1F1B over gloo."""
+    try:
+        _pin(_cpu_for(rank))
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        from geosched.data import TextDataset, default_corpus_paths
+        from geosched.model import build_stage
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        start, end = LAYERS[rank]
+        module = build_stage(job.model, start, end, first=rank == 0, last=rank == 1, seed=job.seed)
+        m = job.global_batch // job.microbatch_size
+        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        # every rank gets a loss_fn: torch pipelining runs backward only when one is given; the last stage calls it
+        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=_cross_entropy)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)
+        dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
+        batches = [dataset.global_batch(step, job.global_batch) for step in range(steps)]  # (G, T) each
+        times = []
+        for inputs, targets in batches:
+            t0 = time.time()
+            if rank == 0:
+                schedule.step(inputs)
+            else:
+                schedule.step(target=targets, losses=[])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append((t0, time.time()))
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put(("torch", rank, times))
+    except BaseException as exc:  # noqa: BLE001
+        results.put(("torch", rank, repr(exc)))
+
+
+def _profile(job: JobSpec, repeats: int, results: Any) -> None:
+    """Calibrate on one pinned core with one thread, as the stages run."""
+    try:
+        _pin(_cpu_for(0))
+        from geosched.profile import profile_job
+
+        results.put(("profile", 0, profile_job(job, repeats=repeats, warmup=3)))
+    except BaseException as exc:  # noqa: BLE001
+        results.put(("profile", 0, repr(exc)))
+
+
+# ------------------------------------------------------------------ runs
+
+
+def _collect(results: Any, procs: list[Any], name: str, timeout_s: float = 180) -> dict[int, list]:
+    out: dict[int, list] = {}
+    try:
+        while len(out) < len(procs):
+            try:
+                tag, rank, payload = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise SystemExit(f"{name}: ranks did not report within {timeout_s:g} s") from None
+            if isinstance(payload, str):
+                raise SystemExit(f"{name}: rank {rank} failed: {payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+def _iteration_s(times: dict[int, list], warmup: int) -> float:
+    """Median over the measured steps of the step's time (its longest span over the ranks).
+
+    The median keeps one step slowed by another process on the shared cores from
+    moving the figure; the mean wall time per step is reported beside it.
+    """
+    steps = len(next(iter(times.values())))
+    return statistics.median(max(t[k][1] - t[k][0] for t in times.values()) for k in range(warmup, steps))
+
+
+def _wall_per_step_s(times: dict[int, list], warmup: int) -> float:
+    """Wall seconds per step from the first measured step's start to the last one's end, across ranks."""
+    steps = len(next(iter(times.values()))) - warmup
+    return (max(t[-1][1] for t in times.values()) - min(t[warmup][0] for t in times.values())) / steps
+
+
+def run_geosched(ctx: Any, job: JobSpec, stage_dcs: list[str], steps: int, shape: Any | None, prefix: str) -> tuple:
+    """Train ``steps`` steps with geosched's runtime on two pinned processes; (times, relay stats)."""
+    import torch.distributed as dist
+
+    from agents.rank import layout_roles, pipeline_routes
+    from agents.transport import RelayRouter, StoreAddressBook
+
+    roles = layout_roles(stage_dcs, LAYERS, 1, wan_streams=STREAMS)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    routed = shape is not None
+    router = None
+    if routed:
+        router = RelayRouter(StoreAddressBook.connect("127.0.0.1", store.port, routed=True, prefix=prefix),
+                             pipeline_routes(roles, lambda a, b: shape)).start()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_geosched_rank, args=(r, job, store.port, prefix, routed, steps, results))
+             for r in roles]
+    for p in procs:
+        p.start()
+    try:
+        times = _collect(results, procs, f"geosched ({prefix})")
+    finally:
+        if router is not None:
+            router.close()
+        del store
+    return times
+
+
+def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
+    """Train ``steps`` steps with torch.distributed.pipelining on two pinned processes."""
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_torch_rank, args=(rank, job, port, steps, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    return _collect(results, procs, "torch pipelining")
+
+
+def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
+    """The simulator's timeline of the (a) layout with the measured calibration."""
+    from agents.rank import job_schedule
+    from geosched.costmodel import Calibration, PipelineCosts
+    from geosched.schedule import simulate
+
+    gpu = {"name": "this-cpu-core", "tflops": calibration["tflops"], "memory_gib": 4}
+    config = config_from_dict({
+        "cluster": {"name": "bench", "datacenters": [{"name": dc, "gpus": 1, "gpu": gpu} for dc in ("us", "eu")],
+                    "links": [LINK]},
+        "job": {"model": {"layers": job.model.layers, "hidden": job.model.hidden, "heads": job.model.heads,
+                          "seq_len": job.model.seq_len},
+                "global_batch": job.global_batch, "microbatch_size": job.microbatch_size, "precision": "fp32"},
+    })
+    cal = Calibration(**{k: calibration[k] for k in Calibration.__dataclass_fields__})
+    costs = PipelineCosts(config.cluster, job, ["us", "eu"], LAYERS, 1, {("eu", "us"): STREAMS}, calibration=cal)
+    return simulate(job_schedule(job, 2, 1), costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (a) and (b); print a table and, with --json, one JSON object last."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
+    parser.add_argument("--steps", type=int, help="measured steps per run (default 12, quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    steps = args.steps or (5 if args.quick else 12)
+    total = steps + args.warmup
+
+    from agents.wanem import shape_for_link
+    from geosched.config import WanLinkSpec
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.rank", "agents.wan"])
+    results = ctx.Queue()
+    proc = ctx.Process(target=_profile, args=(JOB, 5 if args.quick else 11, results))
+    proc.start()
+    calibration = _collect(results, [proc], "profile")[0]
+    predicted = predict(JOB, calibration)
+
+    shape = shape_for_link(WanLinkSpec(between=("us", "eu"), bandwidth_gbps=LINK["bandwidth_gbps"],
+                                       rtt_ms=LINK["rtt_ms"], per_connection_gbps=LINK["per_connection_gbps"]))
+    wan_times = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan")
+    measured_wan = _iteration_s(wan_times, args.warmup)
+    loop_times = run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback")
+    torch_times = run_torch(ctx, JOB, total)
+    geosched_s = _iteration_s(loop_times, args.warmup)
+    torch_s = _iteration_s(torch_times, args.warmup)
+
+    busy = {rank: statistics.median(t[2] for t in times[args.warmup:]) for rank, times in loop_times.items()}
+    predicted_busy = {st.stage: st.busy_s for st in predicted.stages}
+    result = {
+        "steps": steps, "warmup": args.warmup, "microbatches": JOB.global_batch // JOB.microbatch_size,
+        "predicted_iteration_s": predicted.iteration_s, "measured_iteration_s": measured_wan,
+        "measured_vs_predicted": measured_wan / predicted.iteration_s,
+        "predicted_bubble_fraction": predicted.bubble_fraction,
+        "geosched_loopback_iteration_s": geosched_s, "torch_pipelining_iteration_s": torch_s,
+        "throughput_vs_torch_pipelining": torch_s / geosched_s,
+        "wall_per_step_s": {"wan": _wall_per_step_s(wan_times, args.warmup),
+                            "geosched_loopback": _wall_per_step_s(loop_times, args.warmup),
+                            "torch_pipelining": _wall_per_step_s(torch_times, args.warmup)},
+        "compute_busy_s": {"measured": busy, "predicted": predicted_busy},  # per stage, F + B + STEP
+        "link": LINK, "calibration_tflops": calibration["tflops"], "pinned": _cpu_for(0) is not None,
+    }
+    print(f"(a) 2 stages over an emulated WAN link ({LINK['bandwidth_gbps'] * 1000:.0f} Mb/s, "
+          f"RTT {LINK['rtt_ms']:g} ms), {result['microbatches']} microbatches of {JOB.microbatch_size}")
+    print(f"    predicted {predicted.iteration_s * 1e3:8.1f} ms   measured {measured_wan * 1e3:8.1f} ms   "
+          f"measured/predicted {result['measured_vs_predicted']:.3f}  (target within 15%)")
+    print("    compute per stage and step (F, B, optimizer): measured " + ", ".join(
+        f"{busy[s] * 1e3:.1f}" for s in sorted(busy)) + " ms, predicted " + ", ".join(
+        f"{predicted_busy[s] * 1e3:.1f}" for s in sorted(predicted_busy)) + " ms")
+    print("(b) same model and batch over loopback")
+    print(f"    torch pipelining 1F1B {torch_s * 1e3:8.1f} ms/step   geosched {geosched_s * 1e3:8.1f} ms/step   "
+          f"throughput ratio {result['throughput_vs_torch_pipelining']:.3f}x  (target >= 0.9x)")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Helpers for the agent tests: a tiny two-DC job, agent subprocesses, a plain MQTT reader.
+
+Imported by ``tests/test_agent_*.py`` as ``agent_helpers`` (pytest puts ``tests/`` on sys.path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiomqtt
+import yaml
+
+from mqtt_brokers import agent_subprocess_env
+
+TINY_CONFIG = {
+    "cluster": {
+        "name": "tiny-2dc",
+        "datacenters": [
+            {"name": "us", "gpus": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}},
+            {"name": "eu", "gpus": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}},
+        ],
+        "links": [{"between": ["us", "eu"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5}],
+    },
+    "job": {"model": {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32}, "global_batch": 4,
+            "microbatch_size": 1, "precision": "fp32", "steps": 3, "seed": 3, "learning_rate": 0.003},
+}
+
+
+def tiny_plan(tmp_path: Path, stage_dcs: list[str] | None = None, dp: int = 1) -> Path:
+    """Write the tiny job's plan (one stage per DC by default) and return its path."""
+    from agents.plan_layout import layout_plan_text
+    from geosched.config import config_from_dict
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(layout_plan_text(config_from_dict(TINY_CONFIG), stage_dcs or ["us", "eu"], dp=dp))
+    return path
+
+
+def write_config(tmp_path: Path) -> Path:
+    """Write the tiny config as YAML and return its path."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_CONFIG))
+    return path
+
+
+def cli(*args: str) -> list[str]:
+    """The command line running ``geosched ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "geosched.cli", *args]
+
+
+def spawn_agent(url: str, job: str, rank: int, dc: str, log_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """Start ``geosched agent`` for one rank in its own process group; output to ``agent<R>.log``."""
+    with open(log_dir / f"agent{rank}.log", "ab") as log:
+        return subprocess.Popen(cli("agent", "--mqtt", url, "--job", job, "--rank", str(rank), "--dc", dc,
+                                    "--threads", "1", *extra),
+                                stdout=log, stderr=subprocess.STDOUT, env=agent_subprocess_env(),
+                                start_new_session=True)
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM each process group, SIGKILL after ``grace_s``, reap."""
+    for proc in procs:
+        if proc.poll() is None:
+            with _suppress_lookup():
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with _suppress_lookup():
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class _suppress_lookup:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        return exc_type is ProcessLookupError
+
+
+async def read_retained_statuses(host: str, port: int, job: str, users: dict[str, str] | None,
+                                 ranks: int, settle_s: float = 1.0) -> dict[int, dict]:
+    """What a plain MQTT subscriber (not geosched's client) sees on the job's status topics."""
+    user = "watcher" if users else None
+    seen: dict[int, dict] = {}
+    async with aiomqtt.Client(host, port, username=user, password=users[user] if users else None,
+                              identifier=f"plain-{os.getpid()}-{time.monotonic_ns() % 10**6}") as client:
+        await client.subscribe(f"geosched/{job}/agents/+/status", qos=1)
+        try:
+            async with asyncio.timeout(settle_s):
+                async for message in client.messages:
+                    data = json.loads(bytes(message.payload))
+                    seen[int(str(message.topic).split("/")[3])] = {**data, "retained": message.retain}
+        except TimeoutError:
+            pass
+    return seen
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
+    """Poll ``predicate`` until true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def log_tail(log_dir: Path, n: int = 30) -> str:
+    """The last lines of every agent log, for assertion messages."""
+    parts = []
+    for path in sorted(log_dir.glob("agent*.log")):
+        lines = path.read_text(errors="replace").splitlines()[-n:]
+        parts.append(f"== {path.name}\n" + "\n".join(lines))
+    return "\n".join(parts)

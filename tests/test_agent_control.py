@@ -1,0 +1,67 @@
+"""Agents and the coordinator against a real broker (Mosquitto and the embedded one).
+
+Separate ``geosched agent`` processes get the plan from the broker; a plain
+MQTT subscriber sees every agent's retained status; the coordinator trains;
+killing an agent publishes its offline status and the coordinator stops the
+job naming it, without hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import os
+from pathlib import Path
+
+import pytest
+
+from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
+from agents.coordinator import AgentLost, start_job
+from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+DCS = ["us", "eu"]
+
+
+def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path):  # noqa: F811
+    url, job = mqtt_broker.url_for("geosched"), "ctl"
+    plan = tiny_plan(tmp_path).read_text()
+    agents = [spawn_agent(url, job, rank, dc, tmp_path) for rank, dc in enumerate(DCS)]
+    try:
+        out = io.StringIO()
+        result = asyncio.run(start_job(url, job, plan, steps=2, ready_timeout_s=60, out=out))
+        assert [s.step for s in result.steps] == [0, 1], log_tail(tmp_path)
+        assert all(s.loss is not None and s.loss > 0 and s.iteration_s > 0 for s in result.steps)
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("step    0/1") and "loss" in lines[0] and "WAN" in lines[0]
+
+        seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users,
+                                                  len(DCS)))
+        assert sorted(seen) == [0, 1]
+        for rank, status in seen.items():
+            assert status["retained"] and status["state"] == "ready" and status["next_step"] == 2
+            assert status["dc"] == DCS[rank] and status["pid"] == agents[rank].pid
+
+        async def run_and_kill() -> str:
+            """Start 500 more steps, SIGKILL rank 1 after the first one; return the coordinator's error."""
+            out = io.StringIO()
+            task = asyncio.create_task(start_job(url, job, plan, steps=500, ready_timeout_s=30, out=out))
+            while not out.getvalue() and not task.done():
+                await asyncio.sleep(0.05)
+            os.kill(agents[1].pid, signal.SIGKILL)
+            with pytest.raises(AgentLost) as info:
+                await asyncio.wait_for(task, 30)
+            return str(info.value)
+
+        message = asyncio.run(run_and_kill())
+        assert "rank 1" in message and "eu" in message and "offline" in message, message
+        seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
+        assert seen[1]["state"] == "offline"
+        # the coordinator sent stop: the surviving agent leaves (cleanly, or reporting its lost peer first)
+        code = agents[0].wait(30)
+        seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
+        assert (code, seen[0]["state"]) in ((0, "stopped"), (1, "error")), log_tail(tmp_path)
+    finally:
+        stop_processes(agents)

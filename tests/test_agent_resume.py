@@ -1,0 +1,77 @@
+"""Checkpoints through the agents: a job stopped after step 6 with a checkpoint at step 5, resumed by fresh
+agent processes, trains steps 6-10 exactly as the uninterrupted run; a corrupt checkpoint is refused.
+
+Steps are counted from 1 here as in the issue; the wire and the files count from 0
+(checkpoint 5 = the state after 5 steps; the resumed run trains step index 5 next).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
+from agents.coordinator import AgentRefused, start_job
+from mqtt_brokers import embedded_broker  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+DCS = ["us", "eu"]
+
+
+def _losses(url: str, job: str, plan: str, steps: int) -> list[float]:
+    result = asyncio.run(start_job(url, job, plan, steps=steps, ready_timeout_s=60, out=io.StringIO()))
+    return [s.loss for s in result.steps]
+
+
+def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_path: Path):  # noqa: F811
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path).read_text()
+    ckpt, saved = tmp_path / "ckpt", tmp_path / "ckpt-at-6"
+    agents = [spawn_agent(url, "full", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+              for r, dc in enumerate(DCS)]
+    try:
+        first = _losses(url, "full", plan, 6)  # steps 1-6; checkpoint 5 written after step 5
+        shutil.copytree(ckpt, saved)  # what a job stopped here leaves behind
+        rest = _losses(url, "full", plan, 4)  # the same processes carry on: steps 7-10
+        for agent in agents:  # SIGTERM: a clean exit
+            agent.send_signal(signal.SIGTERM)
+        assert [a.wait(30) for a in agents] == [0, 0], log_tail(tmp_path)
+    finally:
+        stop_processes(agents)
+    assert sorted(p.name for p in saved.iterdir()) == ["step-000005"]
+    uninterrupted = first + rest
+    assert len(uninterrupted) == 10 and uninterrupted[-1] < uninterrupted[0]
+
+    agents = [spawn_agent(url, "resumed", r, dc, tmp_path, "--checkpoint-dir", str(saved), "--resume")
+              for r, dc in enumerate(DCS)]
+    try:
+        resumed = _losses(url, "resumed", plan, 5)  # steps 6-10
+    finally:
+        stop_processes(agents)
+    assert resumed == pytest.approx(uninterrupted[5:], rel=1e-6, abs=0), log_tail(tmp_path)
+
+
+def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path: Path):  # noqa: F811
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path).read_text()
+    ckpt = tmp_path / "ckpt"
+    shard = ckpt / "step-000005" / "stage-01.safetensors"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"not a safetensors file")
+    (ckpt / "step-000005" / "stage-01.json").write_text("{garbage")
+    agents = [spawn_agent(url, "corrupt", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--resume")
+              for r, dc in enumerate(DCS)]
+    try:
+        with pytest.raises(AgentRefused) as info:
+            asyncio.run(start_job(url, "corrupt", plan, steps=1, ready_timeout_s=60, out=None))
+        assert "stage-0" in str(info.value) and "went error" in str(info.value), str(info.value)
+        assert [a.wait(30) for a in agents] == [2, 2], log_tail(tmp_path)
+    finally:
+        stop_processes(agents)
+    assert shard.read_bytes() == b"not a safetensors file"  # nothing overwritten

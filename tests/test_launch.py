@@ -1,0 +1,106 @@
+"""``geosched launch``: the whole job rehearsed on one machine, end to end, and nothing left running.
+
+Runs the real CLI in a subprocess: embedded broker, one agent process per
+rank, WAN emulator relays on every cross-DC link, the coordinator, the run
+folder. Ctrl-C (SIGINT) to the launcher stops every child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_helpers import cli, wait_for
+from mqtt_brokers import agent_subprocess_env
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> set[int]:
+    """Process ids whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_launch_demo_3dc_end_to_end(tmp_path: Path):
+    """One stage per DC (us -> eu -> ap), so both WAN links carry traffic through the emulator."""
+    from agents.plan_layout import layout_plan_text
+    from geosched.config import load_config
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
+    run = tmp_path / "run"
+    done = subprocess.run(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--plan", str(plan), "--steps", "3",
+                              "--run-dir", str(run), "--json"), capture_output=True, text=True, timeout=240,
+                          env=agent_subprocess_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == json.loads((run / "report.json").read_text())
+    assert report["steps"] == [0, 1, 2]
+    assert len(report["losses"]) == 3 and all(loss > 0 for loss in report["losses"])
+    assert report["losses"][-1] < report["losses"][0]
+    assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
+    assert 0 < report["bubble_fraction_measured"] < 1
+    # us -> eu -> ap: both links carried activations one way and gradients the other
+    assert set(report["wan_bytes"]) == {"us->eu", "eu->us", "eu->ap", "ap->eu"}
+    activation = 2 * 64 * 64 * 4  # microbatch x seq_len x hidden x fp32
+    assert all(n >= 3 * 8 * activation for n in report["wan_bytes"].values()), report["wan_bytes"]
+    assert report["agent_exit_codes"] == {"0": 0, "1": 0, "2": 0}
+    for name in ("timeline.png", "loss.png", "predicted.png", "plan.yaml"):
+        assert (run / name).stat().st_size > 0, name
+    trace = json.loads((run / "trace.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"0F0", "2B7"}
+    step_lines = [line for line in done.stderr.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 3, done.stderr[-2000:]
+
+
+def test_ctrl_c_stops_every_child(tmp_path: Path):
+    """Planned by the planner this time (whatever layout it picks), interrupted during training."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--steps", "1000",
+                                    "--run-dir", str(run)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=agent_subprocess_env(), cwd=tmp_path)
+    try:
+        wait_for(lambda: any(p.stat().st_size > 0 for p in run.glob("rank*.jsonl")), 120, "the first training step")
+        agents = _children(launcher.pid)
+        assert len(agents) == len(list(run.glob("agent*.log"))) >= 1
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(60)
+        output = launcher.stdout.read().decode(errors="replace")  # type: ignore[union-attr]
+        assert code == 130, output[-2000:]
+        assert "interrupted" in output
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in agents) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in agents if _alive(pid)], "agent processes left running"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
