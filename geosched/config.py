@@ -27,7 +27,7 @@ from typing import Literal
 import yaml
 
 from geosched.errors import ConfigError
-from geosched.schema import dump_dataclass, load_dataclass, spec
+from geosched.schema import dump_dataclass, load_dataclass, read_yaml_file, spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -191,17 +191,7 @@ def config_from_dict(data: object, source: str = "config") -> Config:
 def load_config(path: str | os.PathLike) -> Config:
     """Load and validate a YAML config file."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; pass a config such as configs/demo-3dc.yaml") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml")
     try:
         return config_from_dict(data, source=path)
     except ConfigError as exc:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from typing import Any, Literal, Union
+
+import yaml
 
 from geosched.errors import ConfigError
 
@@ -155,6 +158,27 @@ def _check_bounds(field: dataclasses.Field, value: Any, path: str, error: type[E
         raise error(f"{path}: must be > {meta['gt']:g} (got {value})")
     if meta.get("le") is not None and value > meta["le"]:
         raise error(f"{path}: must be <= {meta['le']:g} (got {value})")
+
+
+def read_yaml_file(path: str, error: type[Exception], missing_hint: str, max_bytes: int | None = None) -> Any:
+    """Parse a YAML file with ``yaml.safe_load``; any problem raises ``error`` naming the file (and line).
+
+    ``missing_hint`` finishes the message for a file that does not exist;
+    ``max_bytes`` refuses larger files before reading them.
+    """
+    try:
+        if max_bytes is not None and os.path.getsize(path) > max_bytes:
+            raise error(f"{path}: larger than {max_bytes >> 20} MiB; not a file geosched wrote")
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file; {missing_hint}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise error(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read ({exc})") from None
 
 
 def dump_dataclass(obj: Any) -> Any:

@@ -20,7 +20,7 @@ import yaml
 from geosched.config import Config, config_from_dict
 from geosched.costmodel import wan_effective_bps
 from geosched.errors import ConfigError, PlanError
-from geosched.schema import dump_dataclass, load_dataclass, spec
+from geosched.schema import dump_dataclass, load_dataclass, read_yaml_file, spec
 from planner.evaluate import GB, Evaluation
 from planner.space import Candidate, Problem
 
@@ -226,19 +226,7 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
 def load_plan(path: str | os.PathLike) -> Plan:
     """Read and check a plan file (YAML, at most 64 MiB)."""
     path = os.fspath(path)
-    try:
-        if os.path.getsize(path) > MAX_PLAN_BYTES:
-            raise PlanError(f"{path}: larger than {MAX_PLAN_BYTES >> 20} MiB; not a plan file")
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise PlanError(f"{path}: no such file; write one with 'geosched plan CONFIG -o {path}'") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PlanError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{path}: cannot read ({exc})") from None
+    data = read_yaml_file(path, PlanError, f"write one with 'geosched plan CONFIG -o {path}'", MAX_PLAN_BYTES)
     try:
         return plan_from_dict(data, source=path)
     except PlanError as exc:
