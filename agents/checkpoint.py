@@ -57,6 +57,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
+from agents.checkpoint_state import flatten_state, rebuild_optimizer_state
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape, ShapeLike
 
@@ -125,7 +126,7 @@ class CheckpointWriter:
              extra: dict[str, Any] | None = None) -> str:
         """Write the shard of ``step`` (optimizer steps completed) atomically; return its metadata path."""
         started = time.perf_counter()
-        tensors, meta = _flatten(model, optimizer)
+        tensors, meta = flatten_state(model, optimizer)
         tensors["rng/torch_cpu"] = torch.get_rng_state()
         extra = dict(extra or {})
         try:
@@ -170,58 +171,6 @@ class CheckpointWriter:
         return prune(self.ckpt_dir, self.num_stages, keep)
 
 
-def _flatten(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Named tensors and JSON metadata for the model's state and the optimizer's state."""
-    tensors = {f"model/{name}": value.detach().cpu().contiguous() for name, value in model.state_dict().items()}
-    meta: dict[str, Any] = {"model": sorted(model.state_dict()), "optimizer": None}
-    if optimizer is None:
-        return tensors, meta
-    group_names = _optimizer_param_names(model, optimizer)
-    state = optimizer.state_dict()
-    flat_names = [name for names in group_names for name in names]
-    opt_state: dict[str, dict[str, Any]] = {}
-    for index, entry in state["state"].items():
-        name = flat_names[index]
-        record: dict[str, Any] = {"tensors": [], "scalars": {}}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim/{name}/{key}"] = value.detach().cpu().contiguous()
-                record["tensors"].append(key)
-            else:
-                record["scalars"][key] = value
-        opt_state[name] = record
-    groups = []
-    for i, group in enumerate(state["param_groups"]):
-        hyper: dict[str, Any] = {}
-        tuples, group_tensors = [], []
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim_group/{i}/{key}"] = value.detach().cpu().contiguous()
-                group_tensors.append(key)
-                continue
-            if isinstance(value, tuple):
-                tuples.append(key)
-            hyper[key] = value
-        groups.append({"hyper": hyper, "tuple_keys": tuples, "tensor_keys": group_tensors})
-    meta["optimizer"] = {"class": type(optimizer).__name__, "param_names": group_names, "param_groups": groups,
-                         "state": opt_state}
-    return tensors, meta
-
-
-def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The global parameter name of every optimizer parameter, group by group."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in names]
-        if missing:
-            raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not in the model")
-        out.append([names[id(p)] for p in group["params"]])
-    return out
-
-
 # ------------------------------------------------------------------ loading ---
 
 def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.nn.Module,
@@ -257,7 +206,7 @@ def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.
     expected = {f"model/{name}" for name in targets} | {"rng/torch_cpu"}
     opt_state = None
     if optimizer is not None:
-        opt_state, opt_names = _build_optimizer_state(meta, tensors, model, optimizer, fail)
+        opt_state, opt_names = rebuild_optimizer_state(meta, tensors, model, optimizer, fail)
         expected |= opt_names
     else:  # weights only (e.g. inference): the optimizer's tensors are simply not used
         expected |= {k for k in tensors if k.startswith(("optim/", "optim_group/"))}
@@ -277,57 +226,6 @@ def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.
         torch.set_rng_state(rng)
     log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)
     return dict(meta["extra"])
-
-
-def _build_optimizer_state(meta: dict, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
-                           optimizer: torch.optim.Optimizer,
-                           fail: Callable[[str], CheckpointError]) -> tuple[dict, set[str]]:
-    """The optimizer ``state_dict`` the shard describes, checked against the live optimizer."""
-    saved = meta.get("optimizer")
-    if not isinstance(saved, dict):
-        raise fail("holds no optimizer state but an optimizer was given")
-    try:
-        if saved["class"] != type(optimizer).__name__:
-            raise fail(f"optimizer state is for {saved['class']}, this job uses {type(optimizer).__name__}")
-        live_names = _optimizer_param_names(model, optimizer)
-        if saved["param_names"] != live_names:
-            raise fail("optimizer parameter groups differ from this job's")
-        params = dict(model.named_parameters())
-        index = {name: i for i, name in enumerate(n for names in live_names for n in names)}
-        used: set[str] = set()
-        state: dict[int, dict[str, Any]] = {}
-        for name, record in saved["state"].items():
-            if name not in index:
-                raise fail(f"optimizer state for unknown parameter {name}")
-            entry = dict(record["scalars"])
-            for key in record["tensors"]:
-                tname = f"optim/{name}/{key}"
-                value = tensors.get(tname)
-                if value is None:
-                    raise fail(f"missing tensor {tname}")
-                if value.dim() != 0 and value.shape != params[name].shape:
-                    raise fail(f"tensor {tname} is {tuple(value.shape)}, the parameter is "
-                               f"{tuple(params[name].shape)}")
-                entry[key] = value
-                used.add(tname)
-            state[index[name]] = entry
-        groups, start = [], 0
-        for i, (group, names) in enumerate(zip(saved["param_groups"], live_names, strict=True)):
-            hyper = dict(group["hyper"])
-            for key in group["tuple_keys"]:
-                hyper[key] = tuple(hyper[key])
-            for key in group["tensor_keys"]:
-                tname = f"optim_group/{i}/{key}"
-                if tname not in tensors:
-                    raise fail(f"missing tensor {tname}")
-                hyper[key] = tensors[tname]
-                used.add(tname)
-            hyper["params"] = list(range(start, start + len(names)))
-            start += len(names)
-            groups.append(hyper)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise fail(f"malformed optimizer metadata ({type(exc).__name__}: {exc})") from None
-    return {"state": state, "param_groups": groups}, used
 
 
 def _check_meta(meta: dict, path: str, step: int, stage: int, fingerprint: str | None) -> None:
