@@ -270,7 +270,10 @@ def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_
                      if problem.violation(s.candidate) is None and _meets(s.candidate, require)]
     ranked = sorted(set(pool), key=lambda ev: score(ev, goal))
     finals = []
-    polish_until = min(deadline, time.monotonic() + max(1.0, POLISH_SHARE * (time.monotonic() - began)))
+    if math.isinf(deadline):  # no time limit: the simulation budget alone bounds the climb, so the plan
+        polish_until = math.inf  # is the same on a busy machine as on an idle one
+    else:
+        polish_until = min(deadline, time.monotonic() + max(1.0, POLISH_SHARE * (time.monotonic() - began)))
     starts: dict[tuple, Evaluation] = {}  # the best of each (d, path): diverse starting points
     for ev in ranked:
         starts.setdefault((ev.candidate.dp, ev.candidate.path), ev)
