@@ -129,10 +129,15 @@ class MqttAddressBook:
             self._cond.notify_all()
 
 
-def expected_endpoints(layout: JobLayout, rank: int) -> set[str]:
-    """The endpoint names ``rank`` binds and publishes before it can be called ready."""
+def prefill_name(rank: int) -> str:
+    """The status endpoint name of a rank's prefill service, e.g. ``prefill/r3``."""
+    return f"prefill/r{rank}"
+
+
+def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> set[str]:
+    """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service too)."""
     role = layout.role(rank)
-    names = set()
+    names = {prefill_name(rank)} if prefill else set()
     if not role.first:
         names.add(pipe_name(role.stage, role.replica))
     if role.dp_size > 1 and role.replica == 0:
@@ -161,6 +166,8 @@ class AgentOptions:
     connect_timeout_s: float = 300.0
     recv_timeout_s: float = 120.0
     wan_chunk_bytes: int = 0
+    prefill_bind: str | None = None  # serve prefill on this ZeroMQ endpoint (None: off)
+    prefill_weights: str | None = None  # safetensors weights of the served model (None: seeded)
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
@@ -212,7 +219,7 @@ class Agent:
     async def _announce(self, own: dict[str, str]) -> None:
         """Worker thread published an endpoint; ready once every expected one is there."""
         assert self.layout is not None
-        ready = expected_endpoints(self.layout, self.opts.rank) <= set(own)
+        ready = expected_endpoints(self.layout, self.opts.rank, bool(self.opts.prefill_bind)) <= set(own)
         await self._set_status("ready" if ready else "starting", endpoints=own)
 
     # -- main loop -----------------------------------------------------------------
@@ -322,7 +329,7 @@ class Agent:
         self.worker = RankWorker(layout, role, opts, self.book, self.post, checkpoints)
         self._status["next_step"] = self.worker.start_step
         self.worker.start()
-        if not expected_endpoints(layout, opts.rank):
+        if not expected_endpoints(layout, opts.rank, bool(opts.prefill_bind)):
             await self._set_status("ready")
         for status in self.cp.statuses().values():  # type: ignore[union-attr]  # peers already live
             await self._on_message(status)

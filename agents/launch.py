@@ -204,8 +204,12 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
            run_dir: str | os.PathLike | None = None, mqtt: str | None = None, job: str = "launch",
            wan_scale: float = DEFAULT_WAN_SCALE, ready_timeout_s: float = 120.0,
            out: TextIO | None = sys.stdout, agent_args: list[str] | None = None,
-           calibration: Any = "measure") -> dict[str, Any]:
+           calibration: Any = "measure", prefill_rate: float = 0.0) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
+
+    ``prefill_rate`` > 0: every agent serves prefill (``--prefill-bind``) and a
+    Poisson stream of that many requests per second runs while training
+    (:mod:`agents.launch_prefill`); the report gets a ``prefill`` section.
 
     ``calibration``: a :class:`~geosched.costmodel.Calibration` for the
     prediction, ``"measure"`` (profile the model here first) or None (the
@@ -224,7 +228,7 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
     steps = steps or layout.job.steps
     run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
     run.mkdir(parents=True, exist_ok=True)
-    for old in run.glob("rank*.jsonl"):
+    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json")]:
         old.unlink()
     (run / "plan.yaml").write_text(text)
     if calibration == "measure":
@@ -239,6 +243,13 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
             stack.callback(broker.stop)
             mqtt = broker.url
         chunk_args = ["--wan-chunk-bytes", str(striped_chunk_bytes(layout))]
+        load = None
+        if prefill_rate > 0:
+            from agents.launch_prefill import PrefillLoad
+
+            chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
+            load = PrefillLoad(prefill_rate, seed=layout.job.seed)
+            stack.callback(load.stop, 0.0)  # on errors: stop at once (a no-op once stopped)
         agents = stack.enter_context(AgentProcesses(layout, mqtt, job, run, chunk_args + list(agent_args or [])))
         if out is not None:
             print(f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
@@ -246,8 +257,10 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
                   file=out, flush=True)
         started = time.monotonic()
         asyncio.run(start_job(mqtt, job, text, steps=steps, ready_timeout_s=ready_timeout_s,
-                              before_start=relays, out=out))
+                              before_start=relays if load is None else _with_load(relays, load), out=out))
         wall_s = time.monotonic() - started
+        if load is not None:
+            load.stop()  # every outstanding request is answered (or expires) before the agents stop
         asyncio.run(stop_job(mqtt, job))
         codes = agents.wait(20.0)
         wan = relays.wan_bytes()
@@ -257,8 +270,31 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
                           extra={"wan_scale": wan_scale, "wall_s": wall_s, "agent_exit_codes": codes,
                                  "calibrated": calibration is not None,
                                  "predicted_unscaled_iteration_s": layout.predicted_iteration_s})
+    if load is not None:
+        from agents.launch_prefill import prefill_section
+
+        report["prefill"] = prefill_section(load, run)
     write_run_folder(run, layout, reports, report, predicted_timeline=predicted)
     if out is not None:
         print(report_text(report), file=out)
+        if load is not None:
+            from agents.launch_prefill import prefill_text
+
+            print(prefill_text(report["prefill"]), file=out)
         print(f"run folder: {run}", file=out, flush=True)
     return report
+
+
+def _with_load(relays: RelayRoutes, load: Any) -> Any:
+    """A ``before_start`` hook: start the prefill load on the agents' published endpoints, then the relays."""
+    from agents.daemon import prefill_name
+
+    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
+        endpoints = {rank: st.extra.get("endpoints", {}).get(prefill_name(rank)) for rank, st in statuses.items()}
+        missing = sorted(rank for rank, ep in endpoints.items() if not ep)
+        if missing:
+            raise GeoschedError(f"ranks {missing} are ready but did not publish a prefill endpoint")
+        load.start(endpoints)
+        return await relays(statuses)
+
+    return hook

@@ -145,8 +145,10 @@ class RankSession:
                  addresses: AddressBook, bind_host: str = "127.0.0.1", advertise_host: str | None = None,
                  start_step: int = 0,
                  connect_timeout_s: float = 60.0, recv_timeout_s: float = 120.0,
-                 wan_config: dict[str, Any] | None = None, backend: str | None = None) -> None:
+                 wan_config: dict[str, Any] | None = None, backend: str | None = None,
+                 bubble_filler: Any = None) -> None:
         self.job, self.role = job, role
+        self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
         self.data = data
         self.addresses = addresses
         self.bind_host = bind_host
@@ -198,7 +200,8 @@ class RankSession:
                 start_step=self.start_step))
         self.runtime = StageRuntime(
             self.module, self.schedule, role.stage, transport=self.transport, optimizer=self.optimizer,
-            grad_sync=self.group, replica=role.replica, recv_timeout_s=self.recv_timeout_s)
+            grad_sync=self.group, replica=role.replica, recv_timeout_s=self.recv_timeout_s,
+            bubble_filler=self.bubble_filler)
         log.info("rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s", role.rank, role.stage,
                  role.num_stages, role.replica, role.dp_size, start, end, role.dc)
 

@@ -10,6 +10,12 @@ of steps the agent requests and reports through ``post``:
 - ``post("finished", next_step)``: a requested run of steps is done;
 - ``post("failed", exc)``: the session failed (the agent reports it and exits).
 
+With ``prefill_bind`` set, the worker also opens a
+:class:`~agents.prefill_service.PrefillService` (the job's model shape,
+seeded or ``prefill_weights``), publishes its endpoint as ``prefill/r<R>``,
+lets the runtime fill bubbles with it, adds its metrics to every step record
+(``prefill``) and writes them to ``run_dir/prefill-rank<R>.json``.
+
 :class:`RankCheckpoints` is the rank's checkpoint policy on top of
 :mod:`agents.checkpoint`: replica 0 of each stage writes a shard every
 ``every`` steps and after the steps the coordinator names; ``--resume``
@@ -26,6 +32,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from geosched.errors import LinkError
@@ -162,33 +169,40 @@ class RankWorker:
 
             torch.set_num_threads(opts.threads)
         out = None
+        stack = ExitStack()
         try:
             if opts.run_dir is not None:
                 os.makedirs(opts.run_dir, exist_ok=True)
                 out = open(os.path.join(opts.run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
-            with RankSession(self.layout.job, role, data=opts.data or default_corpus_paths(), addresses=self.book,
-                             bind_host=opts.bind_host, start_step=self.start_step,
-                             connect_timeout_s=opts.connect_timeout_s, recv_timeout_s=opts.recv_timeout_s,
-                             wan_config={"chunk_bytes": opts.wan_chunk_bytes}) as session:
-                if self.checkpoints is not None:
-                    self.checkpoints.restore(session.module, session.optimizer)
-                while (steps := self._requests.get()) is not None and not self._stop.is_set():
-                    if steps == CHECKPOINT_NOW:
-                        if self.checkpoints is not None:
-                            self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
-                        continue
-                    for report in session.train(steps):
-                        if out is not None:
-                            out.write(json.dumps({"rank": role.rank, **report.to_dict()}) + "\n")
-                            out.flush()
-                        self.post("step", metrics_record(report, role))
-                        if self.checkpoints is not None:
-                            self.checkpoints.after_step(report.step, session.module, session.optimizer,
-                                                        self._checkpoint_asked)
-                        if self._stop.is_set():
-                            raise StopTraining
-                    session.start_step += steps
-                    self.post("finished", session.start_step)
+            service = self._open_prefill(stack) if opts.prefill_bind else None
+            session = stack.enter_context(RankSession(
+                self.layout.job, role, data=opts.data or default_corpus_paths(), addresses=self.book,
+                bind_host=opts.bind_host, start_step=self.start_step, connect_timeout_s=opts.connect_timeout_s,
+                recv_timeout_s=opts.recv_timeout_s, wan_config={"chunk_bytes": opts.wan_chunk_bytes},
+                bubble_filler=service))
+            if self.checkpoints is not None:
+                self.checkpoints.restore(session.module, session.optimizer)
+            while (steps := self._requests.get()) is not None and not self._stop.is_set():
+                if steps == CHECKPOINT_NOW:
+                    if self.checkpoints is not None:
+                        self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
+                    continue
+                for report in session.train(steps):
+                    if out is not None:
+                        out.write(json.dumps({"rank": role.rank, **report.to_dict()}) + "\n")
+                        out.flush()
+                    record = metrics_record(report, role)
+                    if service is not None:
+                        service.record_step(report.busy_s, report.iteration_s)
+                        record["prefill"] = self._prefill_metrics(service)
+                    self.post("step", record)
+                    if self.checkpoints is not None:
+                        self.checkpoints.after_step(report.step, session.module, session.optimizer,
+                                                    self._checkpoint_asked)
+                    if self._stop.is_set():
+                        raise StopTraining
+                session.start_step += steps
+                self.post("finished", session.start_step)
         except (StopTraining, LinkError) as exc:
             if self._stop.is_set():
                 log.info("rank %d: worker stopped", role.rank)
@@ -198,6 +212,32 @@ class RankWorker:
             if not self._stop.is_set():
                 self.post("failed", exc)
         finally:
+            stack.close()  # the session, then the prefill service (answers what is still queued)
             if out is not None:
                 out.close()
+
+    def _open_prefill(self, stack: ExitStack) -> Any:
+        """Load the served model, bind the prefill service, publish its endpoint; closed with ``stack``."""
+        from agents.daemon import prefill_name
+        from agents.prefill_model import load_inference_model
+        from agents.prefill_service import PrefillService
+
+        job = self.layout.job
+        model = load_inference_model(job.model, self.opts.prefill_weights, seed=job.seed)
+        service = stack.enter_context(PrefillService(model, bind=self.opts.prefill_bind))
+        host, port = service.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        if host in ("0.0.0.0", "*"):  # bound everywhere: peers reach it at the agent's address
+            host = self.opts.bind_host
+        self.book.publish(prefill_name(self.role.rank), f"tcp://{host}:{port}")
+        return service
+
+    def _prefill_metrics(self, service: Any) -> dict[str, Any]:
+        """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
+        metrics = json.loads(json.dumps(service.metrics()))
+        if self.opts.run_dir is not None:
+            path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(metrics, fh)
+            os.replace(path + ".tmp", path)
+        return metrics
 

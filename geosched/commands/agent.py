@@ -6,6 +6,7 @@ its link endpoints and publishes their addresses in its status, and waits for
 
   geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
   geosched agent --plan plan.yaml --rank 0 --mqtt mqtt://127.0.0.1:1883 --bind-host 10.0.0.5
+  geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0
 
 Credentials may also come from GEOSCHED_MQTT_USERNAME / GEOSCHED_MQTT_PASSWORD
 (never put them on a shared command line), the URL from GEOSCHED_MQTT_URL.
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wan-chunk-bytes", type=int, default=0,
                         help="bytes per WAN link chunk (0: the link picks; smaller stripes small messages "
                              "over more TCP streams)")
+    parser.add_argument("--prefill-bind", metavar="ENDPOINT",
+                        help="serve inference prefill inside pipeline bubbles on this ZeroMQ endpoint, e.g. "
+                             "tcp://127.0.0.1:0 (off by default; the bound address goes into the status)")
+    parser.add_argument("--prefill-weights", metavar="FILE",
+                        help="safetensors weights of the served model (default: the job's seeded weights)")
     parser.add_argument("--connect-timeout", type=float, default=300.0,
                         help="seconds to wait for peers once bound (default 300)")
 
@@ -82,11 +88,20 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--checkpoint-every: must be >= 0 (got {args.checkpoint_every})")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
+        raise InputError(f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 "
+                         f"(got {args.prefill_bind!r})")
+    if args.prefill_weights is not None:
+        if not args.prefill_bind:
+            raise InputError("--prefill-weights needs --prefill-bind ENDPOINT")
+        if not os.path.isfile(args.prefill_weights):
+            raise InputError(f"--prefill-weights: {args.prefill_weights!r} does not exist; pass a .safetensors file")
     options = AgentOptions(
         mqtt=mqtt_url(args), rank=args.rank, job=args.job, dc=args.dc, plan_path=args.plan,
         bind_host=args.bind_host, run_dir=args.run_dir, data=args.data, threads=args.threads,
         ca_file=args.ca_file, peer_overrides=parse_overrides(args.peer_override),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         connect_timeout_s=args.connect_timeout, wan_chunk_bytes=args.wan_chunk_bytes,
+        prefill_bind=args.prefill_bind, prefill_weights=args.prefill_weights,
     )
     return run_agent(options)

@@ -7,6 +7,7 @@ writes a run folder: report.json, timeline.png, trace.json, loss.png.
 
   geosched launch configs/demo-3dc.yaml
   geosched launch configs/demo-3dc.yaml --steps 5 --run-dir runs/demo --wan-scale 0.1 --json
+  geosched launch configs/demo-3dc.yaml --prefill-rate 20   # + prefill requests served in the bubbles
 
 Ctrl-C stops every child process; nothing is left running.
 """
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "(default: profile the model here first)")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="predict with the config's GPU FLOP rates instead of measuring this machine")
+    parser.add_argument("--prefill-rate", type=float, default=0.0,
+                        help="prefill requests per second (Poisson) sent to the agents while training; every "
+                             "agent serves prefill in its bubbles (default 0: off)")
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -50,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--steps: must be >= 1 (got {args.steps})")
     if not args.wan_scale > 0:
         raise InputError(f"--wan-scale: must be > 0 (got {args.wan_scale}); e.g. 0.05")
+    if not 0 <= args.prefill_rate <= 10_000:
+        raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"
     if args.no_calibrate:
         calibration = None
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         calibration = Calibration.load(args.calibration)
     report = launch(args.config, plan_path=args.plan, steps=args.steps, run_dir=args.run_dir, mqtt=args.mqtt,
                     job=args.job, wan_scale=args.wan_scale, ready_timeout_s=args.ready_timeout,
-                    out=sys.stderr if args.json else sys.stdout, calibration=calibration)
+                    out=sys.stderr if args.json else sys.stdout, calibration=calibration,
+                    prefill_rate=args.prefill_rate)
     if args.json:
         print(json.dumps(report))
     return 0

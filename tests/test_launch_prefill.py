@@ -1,0 +1,59 @@
+"""``geosched launch --prefill-rate``: agents serve a prefill stream inside their bubbles while training.
+
+Runs the real CLI twice on the same plan (3 stages us -> eu -> ap, 3 steps):
+with a Poisson prefill stream and without. Every request is answered, the
+report's ``prefill`` section adds up, prefill chunks reach the measured
+timeline, and the losses are identical (prefill does not change training).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent_helpers import cli
+from mqtt_brokers import agent_subprocess_env
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _launch(tmp_path: Path, plan: Path, name: str, *extra: str) -> tuple[dict, Path]:
+    run = tmp_path / name
+    done = subprocess.run(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--plan", str(plan), "--steps", "3",
+                              "--run-dir", str(run), "--no-calibrate", "--json", *extra),
+                          capture_output=True, text=True, timeout=240, env=agent_subprocess_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1]), run
+
+
+def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Path):
+    from agents.plan_layout import layout_plan_text
+    from geosched.config import load_config
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
+    with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20")
+    without, _ = _launch(tmp_path, plan, "plain")
+
+    section = with_load["prefill"]
+    assert section["requests_sent"] > 0
+    assert section["lost"] == 0 and section["error"] == 0
+    assert section["requests_sent"] == section["ok"] + section["rejected"] + section["expired"]
+    assert section["ok"] > 0 and section["tokens_per_s"] > 0
+    assert section["ttft_p50_ms"] <= section["ttft_p99_ms"]
+    assert set(section["agents"]) == {"0", "1", "2"}
+    for split in section["agents"].values():
+        assert split["training_compute_s"] > 0 and split["idle_s"] >= 0 and split["prefill_compute_s"] >= 0
+    assert sum(a["prefill_tokens"] for a in section["agents"].values()) >= section["prefill_tokens"]
+    assert "prefill" not in without
+
+    assert with_load["losses"] == without["losses"]  # training is unchanged by the prefill load
+
+    trace = json.loads((run / "trace.json").read_text())
+    assert any(e.get("cat") == "prefill" for e in trace["traceEvents"]), "no prefill chunk in the measured timeline"
+    assert (run / "timeline.png").stat().st_size > 0
