@@ -65,9 +65,7 @@ def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: in
         with PrefillService(model, **service_options) as service:
             results.put(("endpoint", role.stage, service.endpoint))
             with RankSession(job, role, data=default_corpus_paths(), addresses=book, connect_timeout_s=60,
-                             recv_timeout_s=60) as session:
-                assert session.runtime is not None
-                session.runtime.bubble_filler = service
+                             recv_timeout_s=60, bubble_filler=service) as session:
                 for report in session.train(steps):
                     service.record_step(report.busy_s, report.iteration_s)
                     if role.stage == 0:
