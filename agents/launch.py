@@ -71,7 +71,7 @@ def calibrate(job: Any) -> Any:
         data = profile_job(job, repeats=3, warmup=1)
     finally:
         torch.set_num_threads(threads)
-    return Calibration(**{k: data[k] for k in Calibration.__dataclass_fields__})
+    return Calibration.from_dict(data)
 
 
 def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) -> Any:

@@ -231,7 +231,7 @@ def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
                           "seq_len": job.model.seq_len},
                 "global_batch": job.global_batch, "microbatch_size": job.microbatch_size, "precision": "fp32"},
     })
-    cal = Calibration(**{k: calibration[k] for k in Calibration.__dataclass_fields__})
+    cal = Calibration.from_dict(calibration)
     costs = PipelineCosts(config.cluster, job, ["us", "eu"], LAYERS, 1, {("eu", "us"): STREAMS}, calibration=cal)
     return simulate(job_schedule(job, 2, 1), costs)
 

@@ -11,6 +11,7 @@ holds the embeddings and the last one the final norm, LM head and loss.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,9 @@ from geosched.schedule import Action, Transfer
 
 GIB = 1024**3
 BACKWARD_TO_FORWARD = model_counts.BACKWARD_FLOPS_PER_FORWARD  # Kaplan et al. 2020, sec. 2.1
+ASSUMED_MEMORY_BANDWIDTH_BPS = 2.0e12
+"""Device memory bandwidth (bytes/s) assumed for the optimizer step when no calibration is given:
+an A100 80GB's HBM2e, 2.0 TB/s (NVIDIA A100 datasheet). The step is memory-bound, so FLOPs do not price it."""
 
 
 # ---------------------------------------------------------------- per layer ---
@@ -94,6 +98,9 @@ class Calibration:
 
     ``tflops`` is the throughput the measurement implies; a datacenter whose GPU
     has a different configured ``tflops`` is scaled by the ratio.
+    ``optimizer_step_s_per_param`` is the measured AdamW step (plus zeroing the
+    gradients) per parameter; None (calibration files written before it was
+    measured) falls back to :func:`optimizer_step_estimate_s`.
     """
 
     gpu_name: str
@@ -104,6 +111,13 @@ class Calibration:
     embed_forward_s: float
     embed_backward_s: float
     tflops: float
+    optimizer_step_s_per_param: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> "Calibration":
+        """The calibration in a dict (``profile_job``'s or a file's); fields with a default may be missing."""
+        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
@@ -111,7 +125,7 @@ class Calibration:
         try:
             with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            return cls.from_dict(data)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
 
@@ -120,10 +134,26 @@ class Calibration:
 
 @dataclass(frozen=True)
 class StageCompute:
-    """Forward and backward seconds of one stage for one microbatch."""
+    """Forward and backward seconds of one stage for one microbatch, and its optimizer step per iteration."""
 
     forward_s: float
     backward_s: float
+    step_s: float = 0.0
+
+
+def optimizer_step_estimate_s(job: JobSpec, params: int, memory_bandwidth_bps: float = ASSUMED_MEMORY_BANDWIDTH_BPS
+                              ) -> float:
+    """Uncalibrated optimizer step (plus zeroing the gradients) of ``params`` parameters, memory-traffic model.
+
+    Adam's update is elementwise and memory-bound (a few FLOPs per byte moved),
+    so it is priced by the bytes it moves, not FLOPs:
+    ``params x (2 x optimizer_bytes_per_param + 3 x bytes_per_element) / bandwidth``,
+    i.e. read and write the optimizer state (fp32 moments and master weights,
+    ZeRO paper, Rajbhandari et al. 2020, sec. 3.1), read the gradient, write
+    the weight and zero the gradient at the training precision.
+    """
+    per_param = 2 * job.optimizer_bytes_per_param + 3 * job.bytes_per_element
+    return params * per_param / memory_bandwidth_bps
 
 
 def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], first: bool, last: bool,
@@ -134,21 +164,30 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
     plus one more forward when activations are recomputed (Chen et al. 2016,
     "Training Deep Nets with Sublinear Memory Cost"). With a calibration, measured per-sequence times are used instead, scaled by
     ``calibration.tflops / gpu_tflops`` for other GPU kinds.
+
+    The optimizer step (once per iteration) is ``stage_params x
+    calibration.optimizer_step_s_per_param`` (same scaling), else
+    :func:`optimizer_step_estimate_s`.
     """
     b = job.microbatch_size
     start, end = layers
+    params = stage_params(job, layers, first, last)
     if calibration is not None:
-        scale = b * calibration.tflops / gpu_tflops
+        ratio = calibration.tflops / gpu_tflops
+        scale = b * ratio
         n = end - start
         fwd = n * calibration.block_forward_s + first * calibration.embed_forward_s + last * calibration.head_forward_s
         bwd = (n * calibration.block_backward_s + first * calibration.embed_backward_s
                + last * calibration.head_backward_s)
         bwd += fwd * (job.recompute == "full")
-        return StageCompute(fwd * scale, bwd * scale)
+        per_param = calibration.optimizer_step_s_per_param
+        step = params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, params)
+        return StageCompute(fwd * scale, bwd * scale, step)
     costs = layer_costs(job)
     flop = sum(c.forward_flop for c in costs[start:end]) + (head_cost(job).forward_flop if last else 0.0)
     fwd = b * flop / (gpu_tflops * 1e12)
-    return StageCompute(fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd)
+    return StageCompute(fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd,
+                        optimizer_step_estimate_s(job, params))
 
 
 def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
@@ -291,6 +330,8 @@ class PipelineCosts:
             return self.compute[stage].backward_s
         if kind == "ALL_REDUCE":
             return self.allreduce_s(stage)
+        if kind == "STEP":
+            return self.compute[stage].step_s
         return 0.0
 
     def allreduce_s(self, stage: int) -> float:

@@ -12,7 +12,10 @@ Each piece runs ``warmup`` untimed iterations, then ``repeats`` timed ones;
 the median forward and backward times, divided by the microbatch size, are
 the per-sequence times of :class:`geosched.costmodel.Calibration`, and
 ``tflops`` is the throughput the block measurement implies
-(``gpt_block_cost(job).forward_flop / block_forward_s``). Activation sizes
+(``gpt_block_cost(job).forward_flop / block_forward_s``). The optimizer step
+is timed on a first stage of up to two blocks (AdamW with the job's learning
+rate, then ``zero_grad(set_to_none=False)``, as the stage runtime's STEP does)
+and divided by its parameter count: ``optimizer_step_s_per_param``. Activation sizes
 (what a block sends on, what it stashes for backward) are measured from the
 tensors autograd actually saves.
 
@@ -106,6 +109,38 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
                        max(forward) - min(forward), max(backward) - min(backward))
 
 
+def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
+                           progress: Callable[[str], None] | None = None) -> float:
+    """Median seconds per parameter of one AdamW step plus zeroing the gradients.
+
+    Measured on a first stage (embeddings + up to two blocks: big and small
+    tensors, bounded memory even for a large model). Gradients are random (the
+    step's cost does not depend on their values); the optimizer state exists
+    from the first warm-up step on, as in training.
+    """
+    if repeats < 1 or warmup < 0:
+        raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    model = build_stage(job.model, 0, min(2, job.model.layers), first=True, last=False, seed=job.seed,
+                        dtype=PRECISION_DTYPES[job.precision]).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(job.seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
+    optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress("warm-up" if i < warmup else "timed")
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
 def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int]:
     """Bytes per sequence a block sends on, and what a block and the head stash for backward.
 
@@ -147,7 +182,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     shape = ModelShape.of(job.model)
     pieces = {"embed": ((0, 0), True, False), "block": ((0, 1), False, False),
               "head": ((shape.layers, shape.layers), False, True)}
-    total, done = len(pieces) * (warmup + repeats), 0
+    total, done = (len(pieces) + 1) * (warmup + repeats), 0
     times: dict[str, StageTiming] = {}
     for name, (layers, first, last) in pieces.items():
         def tick(phase: str, name: str = name) -> None:
@@ -158,12 +193,21 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
 
         times[name] = measure_stage(job, layers, first=first, last=last, repeats=repeats, warmup=warmup,
                                     device=device, progress=tick)
+
+    def tick_step(phase: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, f"optimizer step {phase}")
+
+    step_per_param = measure_optimizer_step(job, repeats=repeats, warmup=warmup, device=device, progress=tick_step)
     b = job.microbatch_size
     cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
     for name, timing in times.items():
         cal[f"{name}_forward_s"] = timing.forward_s / b
         cal[f"{name}_backward_s"] = timing.backward_s / b
     cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
+    cal["optimizer_step_s_per_param"] = step_per_param
     cal.update(measure_activation_bytes(job, device))
     cal["spread_s"] = {f"{name}_{d}": getattr(t, f"{d}_spread_s") / b
                        for name, t in times.items() for d in ("forward", "backward")}
@@ -174,7 +218,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
         "threads": torch.get_num_threads(), "torch_version": torch.__version__, "host": socket.gethostname(),
         "created_at": time.time(),
     })
-    Calibration(**{k: cal[k] for k in Calibration.__dataclass_fields__})  # the loader's fields are all there
+    Calibration.from_dict(cal)  # the loader's fields are all there
     return cal
 
 

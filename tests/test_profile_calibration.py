@@ -10,7 +10,8 @@ import yaml
 
 from geosched.cli import main
 from geosched.config import load_config
-from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
+from geosched.costmodel import (ASSUMED_MEMORY_BANDWIDTH_BPS, Calibration, gpt_block_cost, stage_compute, stage_params,
+                                total_params)
 from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 
 DEMO = "configs/demo-3dc.yaml"
@@ -114,3 +115,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> No
 def test_a_missing_config_is_exit_2(capsys) -> None:
     assert main(["profile", "/nonexistent/job.yaml"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_optimizer_step_is_measured_and_priced(tmp_path) -> None:
+    job = load_config(config_with(tmp_path, TINY)).job
+    cal = profile_job(job, repeats=2, warmup=1)
+    assert cal["optimizer_step_s_per_param"] > 0
+    calibration = Calibration.from_dict(cal)
+    layers = (0, job.model.layers)
+    step_s = stage_compute(job, calibration.tflops, layers, True, True, calibration).step_s
+    assert step_s == pytest.approx(total_params(job) * cal["optimizer_step_s_per_param"])
+
+
+def test_old_calibration_files_load_and_fall_back_to_the_traffic_model(tmp_path) -> None:
+    job = load_config(config_with(tmp_path, TINY)).job
+    old = {f: 1e-4 for f in ("block_forward_s", "block_backward_s", "head_forward_s", "head_backward_s",
+                             "embed_forward_s", "embed_backward_s")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"gpu_name": "cpu", "tflops": 0.5, **old}))
+    calibration = Calibration.load(path)
+    assert calibration.optimizer_step_s_per_param is None
+    params = stage_params(job, (0, 1), True, False)
+    step_s = stage_compute(job, 0.5, (0, 1), True, False, calibration).step_s
+    per_param = 2 * job.optimizer_bytes_per_param + 3 * job.bytes_per_element
+    assert step_s == pytest.approx(params * per_param / ASSUMED_MEMORY_BANDWIDTH_BPS)
+    assert stage_compute(job, 0.5, (0, 1), True, False).step_s == pytest.approx(step_s)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                       progress=bar)
     bar.finish()
     if args.check:
-        calibration = Calibration(**{k: cal[k] for k in Calibration.__dataclass_fields__})
+        calibration = Calibration.from_dict(cal)
         cal["check"] = check_prediction(job, calibration, (0, min(2, job.model.layers)), repeats=args.repeats,
                                         warmup=args.warmup, device=args.device)
     if args.output:
@@ -126,6 +126,7 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
         lines.append(f"{piece:<14} {fwd:>11.4f} {bwd:>12.4f}")
     lines += [
         f"implied throughput: {cal['tflops']:.4g} TFLOP/s (block forward)",
+        f"optimizer step (AdamW + zero_grad): {cal['optimizer_step_s_per_param'] * 1e9:.3f} ns per parameter",
         f"activation per sequence: {cal['activation_bytes_per_sequence']} bytes sent, "
         f"{cal['block_stash_bytes_per_sequence']} stashed per block, "
         f"{cal['head_stash_bytes_per_sequence']} by the head",
