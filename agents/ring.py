@@ -132,7 +132,12 @@ def _write_back(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+def _begin(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None,
+           counter: ElementCounter | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """Check the arguments of an all-reduce, count the call; return ``(group, rank, size)``."""
+    _check_tensor(tensor, op)
+    if counter is not None:
+        counter.calls += 1
     if group is None and not dist.is_initialized():
         return None, 0, 1
     return group, dist.get_rank(group), dist.get_world_size(group)
@@ -214,10 +219,7 @@ def ring_allreduce(
     only the owned segment. Receives of the reduce-scatter land in one reused
     scratch buffer (see :func:`release_scratch`).
     """
-    _check_tensor(tensor, op)
-    group, rank, g = _group_info(group)
-    if counter is not None:
-        counter.calls += 1
+    group, rank, g = _begin(tensor, op, group, counter)
     if g == 1 or tensor.numel() == 0:
         return tensor
     flat = _flat(tensor)
@@ -277,10 +279,7 @@ def all_to_all_allreduce(
     Round k (1..G-1): send to rank r+k, receive from rank r-k into one reused
     buffer, add. (G-1)N elements leave each rank, G(G-1)N in total.
     """
-    _check_tensor(tensor, op)
-    group, rank, g = _group_info(group)
-    if counter is not None:
-        counter.calls += 1
+    group, rank, g = _begin(tensor, op, group, counter)
     if g == 1:
         return tensor
     flat = _flat(tensor)
@@ -309,10 +308,7 @@ def gather_broadcast_allreduce(
     The root receives (G-1)N and sends (G-1)N elements: 2(G-1)N through one
     rank, which is why it does not scale.
     """
-    _check_tensor(tensor, op)
-    group, rank, g = _group_info(group)
-    if counter is not None:
-        counter.calls += 1
+    group, rank, g = _begin(tensor, op, group, counter)
     if g == 1:
         return tensor
     if not 0 <= root < g:

@@ -162,7 +162,8 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
 
     FLOP model: ``time = FLOPs / sustained FLOP/s`` with backward = 2x forward,
     plus one more forward when activations are recomputed (Chen et al. 2016,
-    "Training Deep Nets with Sublinear Memory Cost"). With a calibration, measured per-sequence times are used instead, scaled by
+    "Training Deep Nets with Sublinear Memory Cost"). With a calibration,
+    measured per-sequence times are used instead, scaled by
     ``calibration.tflops / gpu_tflops`` for other GPU kinds.
 
     The optimizer step (once per iteration) is ``stage_params x
