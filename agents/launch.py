@@ -58,17 +58,17 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
     return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, links=links, datacenters=dcs))
 
 
-def calibrate(job: Any) -> Any:
-    """A quick :func:`geosched.profile.profile_job` of the job's model on one thread, as a Calibration."""
+def calibrate(job: Any, ranks: int) -> Any:
+    """A quick calibration of the job's model on one thread, as ``ranks`` agents on this host run it."""
     import torch
 
+    from agents.calibrate import calibrate as measure
     from geosched.costmodel import Calibration
-    from geosched.profile import profile_job
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
     try:
-        data = profile_job(job, repeats=3, warmup=1)
+        data = measure(job, repeats=3, warmup=1, co_located=max(1, min(ranks, os.cpu_count() or 1)))
     finally:
         torch.set_num_threads(threads)
     return Calibration.from_dict(data)
@@ -232,7 +232,7 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
         old.unlink()
     (run / "plan.yaml").write_text(text)
     if calibration == "measure":
-        calibration = calibrate(layout.job)
+        calibration = calibrate(layout.job, len(layout.roles))
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale)
     with ExitStack() as stack:

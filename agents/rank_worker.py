@@ -13,7 +13,8 @@ of steps the agent requests and reports through ``post``:
 With ``prefill_bind`` set, the worker also opens a
 :class:`~agents.prefill_service.PrefillService` (the job's model shape,
 seeded or ``prefill_weights``), publishes its endpoint as ``prefill/r<R>``,
-lets the runtime fill bubbles with it, adds its metrics to every step record
+lets the runtime fill bubbles with it, serves it outright while there are
+no steps to run (between and after training requests), adds its metrics to every step record
 (``prefill``) and writes them to ``run_dir/prefill-rank<R>.json``.
 
 :class:`RankCheckpoints` is the rank's checkpoint policy on top of
@@ -38,6 +39,11 @@ from typing import Any
 from geosched.errors import LinkError
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.02
+"""Between training requests: how often the worker looks for queued prefill work."""
+IDLE_SLICE_S = 0.05
+"""Between training requests: prefill chunk length (nothing waits for the stage)."""
 
 
 CHECKPOINT_NOW = -1
@@ -170,6 +176,7 @@ class RankWorker:
             torch.set_num_threads(opts.threads)
         out = None
         stack = ExitStack()
+        service = None
         try:
             if opts.run_dir is not None:
                 os.makedirs(opts.run_dir, exist_ok=True)
@@ -182,7 +189,7 @@ class RankWorker:
                 bubble_filler=service))
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
-            while (steps := self._requests.get()) is not None and not self._stop.is_set():
+            while (steps := self._next_request(service)) is not None and not self._stop.is_set():
                 if steps == CHECKPOINT_NOW:
                     if self.checkpoints is not None:
                         self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
@@ -213,8 +220,23 @@ class RankWorker:
                 self.post("failed", exc)
         finally:
             stack.close()  # the session, then the prefill service (answers what is still queued)
+            if service is not None:
+                try:
+                    self._prefill_metrics(service)  # final counts, including what was served after the last step
+                except OSError as exc:
+                    log.warning("rank %d: could not write the final prefill metrics: %s", role.rank, exc)
             if out is not None:
                 out.close()
+
+    def _next_request(self, service: Any) -> int | None:
+        """The next training request; until one comes, the prefill service (if any) serves outside training."""
+        if service is None:
+            return self._requests.get()
+        while True:
+            try:
+                return self._requests.get(timeout=IDLE_POLL_S)
+            except queue.Empty:  # no training to do: queued prompts need not wait for the next bubble
+                service.fill(lambda: not self._requests.empty() or self._stop.is_set(), IDLE_SLICE_S, in_bubble=False)
 
     def _open_prefill(self, stack: ExitStack) -> Any:
         """Load the served model, bind the prefill service, publish its endpoint; closed with ``stack``."""

@@ -289,6 +289,10 @@ class WanLink:
         """Counters of the link and of each stream (bytes, chunks, resends, drops by reason, bytes/s)."""
         return self._io.counters.snapshot()
 
+    def io_cpu_s(self) -> float:
+        """CPU seconds this link's I/O thread has used so far (what the link costs its process)."""
+        return self._io.cpu_s()
+
     def close(self) -> None:
         """Stop the I/O thread, close every socket; pending sends and recvs fail with LinkError."""
         self._io.close()

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import secrets
 import socket
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +53,11 @@ if TYPE_CHECKING:
     from agents.wan import WanLinkConfig
 
 log = logging.getLogger(__name__)
+
+
+def poll_timeout_ms(timeout_s: float) -> int:
+    """A poll timeout in whole milliseconds, rounded up (pyzmq truncates: 0.4 ms would poll 0 ms, a busy spin)."""
+    return max(0, math.ceil(timeout_s * 1000))
 
 
 class LinkIO(InboundFrames):
@@ -150,6 +157,16 @@ class LinkIO(InboundFrames):
         if not self._peer_ready.wait(timeout_s):
             raise LinkError(f"no peer connected to {self.endpoint} within {timeout_s:g} s")
 
+    def cpu_s(self) -> float:
+        """CPU seconds the I/O thread has used so far (0.0 before it started or where threads have no clock)."""
+        ident = self._thread.ident
+        if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:  # the thread has exited
+            return 0.0
+
     def close(self) -> None:
         """Ask the thread to stop and wait for it (idempotent)."""
         self._closing = True
@@ -242,7 +259,7 @@ class LinkIO(InboundFrames):
             if self._responses:
                 wake_at = min(wake_at or now + TIMER_S, self._responses_since + ACK_DELAY_S)
             timeout_s = min(TIMER_S, max(0.0, wake_at - now)) if wake_at is not None else TIMER_S
-            ready = poller.poll(0 if self._commands else timeout_s * 1000)
+            ready = poller.poll(0 if self._commands else poll_timeout_ms(timeout_s))
             now = monotonic()
             for sock, _event in ready:
                 if sock == wake_fd:

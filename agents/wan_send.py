@@ -104,12 +104,20 @@ class StreamSlot:
         return self.up or self.probe_when_down
 
 
+SINGLE_CHUNK_MAX = 1 << 20
+"""Largest message auto-chunking sends whole on a one-stream link."""
+
+
 def auto_chunk_bytes(total: int, streams: int, max_chunk: int) -> int:
     """Chunk size for a message: about 16 chunks per stream, a power of two in [64 KiB, 4 MiB].
 
     Big tensors on few streams get big chunks (less per-chunk work: the loopback speed); many
     streams get smaller ones so the stripes stay balanced and the last stream does not lag.
+    On one stream (links inside a DC) a message up to SINGLE_CHUNK_MAX goes as one chunk: there
+    is nothing to stripe, and each chunk costs both ends a wake-up and an acknowledgement.
     """
+    if streams <= 1 and total <= SINGLE_CHUNK_MAX:
+        return min(max_chunk, 1 << max(AUTO_CHUNK_MIN_LOG2, (total - 1).bit_length()))
     target = max(1, total // (16 * max(1, streams)))
     return min(max_chunk, 1 << max(AUTO_CHUNK_MIN_LOG2, min(AUTO_CHUNK_MAX_LOG2, target.bit_length() - 1)))
 

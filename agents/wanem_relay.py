@@ -70,10 +70,10 @@ class LinkShape:
         return self.rtt_ms / 2000.0
 
     def chunk_bytes(self, max_chunk: int) -> int:
-        """Largest read for this shape: ~0.5 ms of link time when capped (fine-grained pacing), else ``max_chunk``."""
+        """Largest read for this shape: ~2 ms of link time when capped (at least 64 KiB), else ``max_chunk``."""
         if self.link_bytes_per_s is None:
             return max_chunk
-        return max(16 * 1024, min(max_chunk, int(self.link_bytes_per_s * 0.0005)))
+        return max(64 * 1024, min(max_chunk, int(self.link_bytes_per_s * 0.002)))
 
 
 class LoopThread:

@@ -74,7 +74,8 @@ def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: in
                     chunks = sum(1 for e in report.events if e.category == "prefill")
                     results.put(("step", role.stage, {
                         "step": report.step, "iteration_s": report.iteration_s, "busy_s": report.busy_s,
-                        "idle_s": report.idle_s, "prefill_s": prefill_s, "chunks": chunks, "loss": report.loss,
+                        "idle_s": report.idle_s, "comm_s": report.comm_s, "prefill_s": prefill_s, "chunks": chunks,
+                        "loss": report.loss,
                         "tokens": service.metrics_.prefill_tokens}))
             results.put(("metrics", role.stage, service.metrics()))
             service.serve_idle(stop)  # training is over: answer what is still queued, until the client is done
@@ -225,6 +226,8 @@ def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], l
     from agents.prefill_metrics import percentile
 
     busy: dict[str, list[float]] = {"off": [], "on": []}
+    split: dict[str, dict[str, list[float]]] = {name: {"training": [], "prefill": [], "comm": [], "idle": []}
+                                                for name in ("off", "on")}
     iteration: dict[str, list[float]] = {"off": [], "on": []}
     on_tokens, on_wall = 0, 0.0
     for stage, reports in steps_by_stage.items():
@@ -233,6 +236,10 @@ def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], l
             name = phase_of(r["step"])
             if name is not None:
                 busy[name].append((r["busy_s"] + r["prefill_s"]) / r["iteration_s"])
+                shares = {"training": r["busy_s"], "prefill": r["prefill_s"], "comm": r["comm_s"]}
+                shares["idle"] = r["iteration_s"] - sum(shares.values())  # receives that waited, minus prefill
+                for key, seconds in shares.items():
+                    split[name][key].append(seconds / r["iteration_s"])
                 if stage == 1:
                     iteration[name].append(r["iteration_s"])
                 if name == "on":
@@ -258,6 +265,8 @@ def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], l
         "iteration_ms_without": statistics.median(iteration["off"]) * 1e3,
         "iteration_ms_with": statistics.median(iteration["on"]) * 1e3,
         "steps_measured": {k: len(v) for k, v in iteration.items()},
+        "time_split": {("with_prefill" if name == "on" else "without_prefill"):
+                       {key: statistics.mean(v) for key, v in parts.items()} for name, parts in split.items()},
         "max_chunk_ms": args.max_chunk_ms, "switch_interval_ms": args.switch_interval_ms, "rtt_ms": args.rtt_ms, "link_mbit": args.link_mbit, "outstanding": args.outstanding,
         "sec_per_token": {s: m.get("sec_per_token") for s, m in metrics.items()},
         "wall_s": wall,
@@ -289,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(f"busy fraction without prefill {result['busy_without_prefill']:.3f}, with prefill "
           f"{result['busy_with_prefill']:.3f} (target >= 0.90)")
+    for name, parts in result["time_split"].items():
+        print(f"time {name.replace('_', ' ')}: " + ", ".join(f"{k} {v:.1%}" for k, v in parts.items()))
     print(f"training slowdown (median iteration with / without) {result['training_slowdown']:.3f} "
           f"(target <= 1.05): {result['iteration_ms_with']:.1f} ms vs {result['iteration_ms_without']:.1f} ms")
     ms = {k: "n/a" if result[k] is None else f"{result[k]:.0f} ms" for k in ("ttft_p50_ms", "ttft_p99_ms")}

@@ -101,6 +101,13 @@ class Calibration:
     ``optimizer_step_s_per_param`` is the measured AdamW step (plus zeroing the
     gradients) per parameter; None (calibration files written before it was
     measured) falls back to :func:`optimizer_step_estimate_s`.
+
+    The ``message_*`` fields (``agents.link_profile``) price moving a tensor
+    between stages beyond its wire time: ``message_latency_s`` is added to
+    every transfer, and ``message_overhead_s + message_overhead_s_per_byte x
+    bytes`` is stage time on every SEND and RECV, because on a CPU the link's
+    I/O threads share the stage's core (profiles of a GPU leave it None:
+    there they run beside the compute). None: not charged.
     """
 
     gpu_name: str
@@ -112,6 +119,9 @@ class Calibration:
     embed_backward_s: float
     tflops: float
     optimizer_step_s_per_param: float | None = None
+    message_overhead_s: float | None = None
+    message_overhead_s_per_byte: float | None = None
+    message_latency_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "Calibration":
@@ -285,6 +295,10 @@ def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s:
 
 # ------------------------------------------------------- a pipeline's costs ---
 
+_MESSAGE_PEER = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}
+"""Which neighbour a SEND/RECV action talks to: stage + this."""
+
+
 class PipelineCosts:
     """Durations of every action of one pipelined job, for the schedule simulator.
 
@@ -308,18 +322,27 @@ class PipelineCosts:
         self.grad_bytes = [stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
                            for i, lay in enumerate(self.stage_layers)]
         self._transfers: dict[tuple[int, int], Transfer] = {}
+        self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
+        cal = calibration
+        latency = (cal.message_latency_s or 0.0) if cal is not None else 0.0
+        self.charges_messages = cal is not None and cal.message_overhead_s is not None
+        """True when SEND/RECV take stage time (the simulator asks ``compute_s`` for them)."""
         for s in range(p - 1):
             nbytes = boundary_bytes(job, self.stage_layers[s][1])
+            if self.charges_messages:
+                cost = cal.message_overhead_s + (cal.message_overhead_s_per_byte or 0.0) * nbytes  # type: ignore
+                self._message_s[s, s + 1] = self._message_s[s + 1, s] = cost
             for src, dst in ((s, s + 1), (s + 1, s)):
                 a, b = self.stage_dcs[src], self.stage_dcs[dst]
                 if a == b:
-                    self._transfers[src, dst] = intra_transfer(cluster.dc(a), nbytes)
-                    continue
-                link = cluster.link(a, b)
-                if link is None:
-                    raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
-                k = streams.get(tuple(sorted((a, b))), streams_to_fill(link))
-                self._transfers[src, dst] = wan_transfer(link, nbytes, k, dp)._replace(link=(a, b))
+                    tr = intra_transfer(cluster.dc(a), nbytes)
+                else:
+                    link = cluster.link(a, b)
+                    if link is None:
+                        raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
+                    k = streams.get(tuple(sorted((a, b))), streams_to_fill(link))
+                    tr = wan_transfer(link, nbytes, k, dp)._replace(link=(a, b))
+                self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + latency)
 
     def compute_s(self, action: Action) -> float:
         """Duration of a compute or collective action on its stage."""
@@ -333,6 +356,8 @@ class PipelineCosts:
             return self.allreduce_s(stage)
         if kind == "STEP":
             return self.compute[stage].step_s
+        if self.charges_messages and kind in _MESSAGE_PEER:
+            return self._message_s[stage, stage + _MESSAGE_PEER[kind]]
         return 0.0
 
     def allreduce_s(self, stage: int) -> float:

@@ -8,8 +8,10 @@ shape, precision and microbatch size:
 - one transformer block (a middle stage of one layer): (b, T, C) -> (b, T, C);
 - the final norm, head and loss (a last stage of no blocks): (b, T, C) -> scalar.
 
-Each piece runs ``warmup`` untimed iterations, then ``repeats`` timed ones;
-the median forward and backward times, divided by the microbatch size, are
+Each piece runs ``warmup`` untimed iterations, then ``repeats`` timed ones,
+each as a training step runs it (the forwards of up to 8 microbatches
+stashing activations, then their backwards); the median forward and
+backward times, divided by the microbatch size, are
 the per-sequence times of :class:`geosched.costmodel.Calibration`, and
 ``tflops`` is the throughput the block measurement implies
 (``gpt_block_cost(job).forward_flop / block_forward_s``). The optimizer step
@@ -45,6 +47,9 @@ from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
 
+MAX_PROFILE_MICROBATCHES = 8
+"""Microbatches a measured step keeps in flight at most (1F1B holds at most p per stage)."""
+
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, label)``: called after every timed or warm-up iteration."""
 
@@ -60,12 +65,16 @@ class StageTiming:
 
 
 def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: bool, repeats: int = 5,
-                  warmup: int = 2, device: str = "cpu", progress: Callable[[str], None] | None = None) -> StageTiming:
+                  warmup: int = 2, device: str = "cpu", progress: Callable[[str], None] | None = None,
+                  microbatches: int = 1) -> StageTiming:
     """Time forward and backward of one microbatch through the stage holding ``layers`` (+ embeddings/head).
 
-    Forward runs with autograd on (stashing activations, as training does);
-    the last stage's forward includes the loss. Gradients accumulate across
-    repeats as they do across microbatches.
+    Each repeat runs as a training step does: the forwards of ``microbatches``
+    microbatches, each stashing its activations (autograd on), then their
+    backwards; every forward and backward is a sample. The last stage's
+    forward includes the loss. Gradients accumulate as they do across
+    microbatches. Several microbatches in flight matter on a CPU: the stash
+    and the weights no longer fit the caches, which a one-microbatch loop hides.
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
@@ -74,35 +83,40 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
     shape = ModelShape.of(job.model)
     b, T = job.microbatch_size, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
-    if first:
-        x = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
-    else:
+
+    def make_input() -> torch.Tensor:
+        if first:
+            return torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
         x = torch.randn(b, T, shape.hidden, generator=g).to(device, PRECISION_DTYPES[job.precision])  # (b, T, C)
-        x.requires_grad_(True)
+        return x.requires_grad_(True)
+
+    inputs = [make_input() for _ in range(max(1, microbatches))]  # distinct, as microbatches are
     targets = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
     out_grad = None
     forward, backward = [], []
     for i in range(warmup + repeats):
-        if not first:
-            x.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        out = stage(x)  # (b, T, C) or logits (b, T, V)
-        if last:
-            out = stage.loss(out, targets)  # scalar
-        _sync(device)
-        t1 = time.perf_counter()
-        if last:
-            out.backward()
-        else:
-            if out_grad is None:
+        outs = []
+        for xi in inputs:
+            if not first:
+                xi.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            out = stage(xi)  # (b, T, C) or logits (b, T, V)
+            if last:
+                out = stage.loss(out, targets)  # scalar
+            _sync(device)
+            if i >= warmup:
+                forward.append(time.perf_counter() - t0)
+            outs.append(out)
+        for out in outs:
+            if out_grad is None and not last:
                 out_grad = torch.randn(out.shape, generator=g).to(device, out.dtype)  # like the next stage's
-            out.backward(out_grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
+            _sync(device)
+            t1 = time.perf_counter()
+            out.backward() if last else out.backward(out_grad)
+            _sync(device)
+            if i >= warmup:
+                backward.append(time.perf_counter() - t1)
         if progress is not None:
             progress("warm-up" if i < warmup else "timed")
     return StageTiming(statistics.median(forward), statistics.median(backward),
@@ -110,13 +124,15 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
 
 
 def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
-                           progress: Callable[[str], None] | None = None) -> float:
+                           progress: Callable[[str], None] | None = None, microbatches: int = 1) -> float:
     """Median seconds per parameter of one AdamW step plus zeroing the gradients.
 
     Measured on a first stage (embeddings + up to two blocks: big and small
     tensors, bounded memory even for a large model). Gradients are random (the
     step's cost does not depend on their values); the optimizer state exists
-    from the first warm-up step on, as in training.
+    from the first warm-up step on, as in training. With ``microbatches`` > 1,
+    each step follows that many forwards and backwards (untimed), as in
+    training, so the weights and state are as cold as they are then.
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
@@ -127,8 +143,13 @@ def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
     optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
+    tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.microbatch_size, job.model.seq_len),
+                           generator=g).to(device)  # (b, T)
     times = []
     for i in range(warmup + repeats):
+        if microbatches > 1:
+            for _ in range(microbatches):
+                model(tokens).float().square().mean().backward()
         _sync(device)
         t0 = time.perf_counter()
         optimizer.step()
@@ -139,6 +160,11 @@ def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
         if progress is not None:
             progress("warm-up" if i < warmup else "timed")
     return statistics.median(times) / sum(p.numel() for p in params)
+
+
+def profile_microbatches(job: JobSpec) -> int:
+    """Microbatches in flight per measured step: the job's per-replica count, at most MAX_PROFILE_MICROBATCHES."""
+    return max(1, min(MAX_PROFILE_MICROBATCHES, job.global_batch // job.microbatch_size))
 
 
 def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int]:
@@ -180,6 +206,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     per sequence) plus activation sizes and where and how it was measured.
     """
     shape = ModelShape.of(job.model)
+    stash = profile_microbatches(job)
     pieces = {"embed": ((0, 0), True, False), "block": ((0, 1), False, False),
               "head": ((shape.layers, shape.layers), False, True)}
     total, done = (len(pieces) + 1) * (warmup + repeats), 0
@@ -192,7 +219,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
                 progress(done, total, f"{name} {phase}")
 
         times[name] = measure_stage(job, layers, first=first, last=last, repeats=repeats, warmup=warmup,
-                                    device=device, progress=tick)
+                                    device=device, progress=tick, microbatches=stash)
 
     def tick_step(phase: str) -> None:
         nonlocal done
@@ -200,7 +227,8 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
         if progress is not None:
             progress(done, total, f"optimizer step {phase}")
 
-    step_per_param = measure_optimizer_step(job, repeats=repeats, warmup=warmup, device=device, progress=tick_step)
+    step_per_param = measure_optimizer_step(job, repeats=repeats, warmup=warmup, device=device, progress=tick_step,
+                                            microbatches=stash)
     b = job.microbatch_size
     cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
     for name, timing in times.items():
@@ -214,7 +242,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     cal.update({
         "model": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
                   "vocab": shape.vocab, "ffn_mult": shape.ffn_mult},
-        "microbatch_size": b, "precision": job.precision, "device": device, "repeats": repeats, "warmup": warmup,
+        "microbatch_size": b, "microbatches_in_flight": stash, "precision": job.precision, "device": device, "repeats": repeats, "warmup": warmup,
         "threads": torch.get_num_threads(), "torch_version": torch.__version__, "host": socket.gethostname(),
         "created_at": time.time(),
     })

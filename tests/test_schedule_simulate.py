@@ -89,6 +89,34 @@ def test_hand_computed_two_stage_timeline_and_gaps() -> None:
     assert sorted(e.action for e in waits) == ["0RECV_B0", "1RECV_F0"]
 
 
+class MessageCosts(UniformCosts):
+    """Uniform costs whose SEND and RECV take stage time (the CPU a rank spends on a message)."""
+
+    charges_messages = True
+
+    def compute_s(self, action: Action) -> float:
+        kind = action.kind.value
+        if kind.startswith("SEND"):
+            return 0.1
+        return 0.2 if kind.startswith("RECV") else super().compute_s(action)
+
+
+def test_message_handling_takes_stage_time_when_the_costs_charge_it() -> None:
+    schedule = lower(build_schedule("1f1b", 2, 1))
+    timeline = simulate(schedule, MessageCosts(1.0, 2.0, transfer_s=0.5))
+    # 0F0 [0,1] 0SEND_F0 [1,1.1] -> link [1.1,1.6] -> 1RECV_F0 waits, handles [1.6,1.8] -> 1F0 [1.8,2.8]
+    # 1B0 [2.8,4.8] 1SEND_B0 [4.8,4.9] -> link [4.9,5.4] -> 0RECV_B0 handles [5.4,5.6] -> 0B0 [5.6,7.6]
+    spans = {e.action: (e.start, e.end, e.category) for e in timeline.events}
+    assert spans["0SEND_F0"] == pytest.approx((1.0, 1.1, "comm"))
+    assert spans["1RECV_F0"][:2] == pytest.approx((0.0, 1.8)) and spans["1RECV_F0"][2] == "idle"
+    assert spans["1F0"][:2] == pytest.approx((1.8, 2.8))
+    assert spans["0B0"][:2] == pytest.approx((5.6, 7.6))
+    assert timeline.iteration_s == pytest.approx(7.6)
+    check_accounting(timeline, schedule)
+    # without charges_messages the same costs leave SEND and RECV instant
+    assert simulate(schedule, UniformCosts(1.0, 2.0, transfer_s=0.5)).iteration_s == pytest.approx(7.0)
+
+
 def test_link_occupancy_serializes_and_latency_pipelines() -> None:
     schedule = lower(build_schedule("gpipe", 2, 4))
     # Sends at 1,2,3,4 queue on the link: arrivals 4,7,10,13 -> 1F3 ends 14; 1B0..1B3 in [14,18];

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from agents.wan import WanLink, WanLinkConfig
+from agents.wan_io import poll_timeout_ms
 from agents.wan_send import auto_chunk_bytes
 from geosched.errors import InputError, LinkError, ProtocolError
 
@@ -110,9 +111,26 @@ def test_256_mib_tensor_over_eight_streams(make_pair) -> None:
 
 def test_automatic_chunk_size() -> None:
     assert auto_chunk_bytes(100, 1, 16 << 20) == 64 << 10  # small messages: the smallest chunk
+    assert auto_chunk_bytes(128 << 10, 1, 16 << 20) == 128 << 10  # one stream, up to 1 MiB: one chunk
+    assert auto_chunk_bytes(1 << 20, 1, 16 << 20) == 1 << 20
+    assert auto_chunk_bytes(128 << 10, 2, 16 << 20) == 64 << 10  # two streams: striped
     assert auto_chunk_bytes(64 << 20, 1, 16 << 20) == 4 << 20  # one stream, big tensor: the biggest
     assert auto_chunk_bytes(64 << 20, 8, 16 << 20) == 512 << 10  # 16 chunks per stream
     assert auto_chunk_bytes(1 << 30, 1, 1 << 20) == 1 << 20  # never over what the peer accepts
+
+
+def test_poll_timeouts_round_up_so_short_waits_do_not_spin() -> None:
+    assert poll_timeout_ms(0.0004) == 1  # pyzmq truncates: 0 ms here would poll in a busy loop until the deadline
+    assert poll_timeout_ms(0.002) == 2 and poll_timeout_ms(0.0) == 0 and poll_timeout_ms(-1.0) == 0
+
+
+def test_io_thread_cpu_is_reported_and_grows_with_traffic(make_pair) -> None:
+    server, client = make_pair(streams=1)
+    before = server.io_cpu_s()
+    pending = server.start_recv(step=0, microbatch=0)
+    client.send_sync(torch.ones(1 << 20), step=0, microbatch=0)  # 4 MiB read into the tensor by the I/O thread
+    assert torch.equal(pending.result(30), torch.ones(1 << 20))
+    assert server.io_cpu_s() > before >= 0.0
 
 
 def test_same_key_messages_arrive_once_and_in_order(make_pair) -> None:

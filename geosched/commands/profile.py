@@ -2,12 +2,16 @@
 
 Times the embeddings, one transformer block and the head + loss of the
 config's model (forward and backward, microbatch size from the job; warm-up,
-then the median of --repeats) and measures activation sizes. The cost model
-and planner use the file instead of FLOP estimates.
+then the median of --repeats) and measures activation sizes and what each
+pipeline message costs (CPU per message, loopback latency; --no-link skips
+it). --co-located N measures N copies at once, one per CPU, for ranks that
+will share this host. The cost model and planner use the file instead of
+FLOP estimates.
 
   geosched profile configs/demo-3dc.yaml -o calibration.json
   geosched profile configs/demo-3dc.yaml -o calibration.json --repeats 15 --check
   geosched profile configs/demo-3dc.yaml --json > calibration.json
+  geosched profile configs/demo-3dc.yaml -o calibration.json --co-located 2   # 2 ranks per host
 
 --check also times a 2-layer stage and prints it next to the cost model's
 prediction from the new calibration.
@@ -35,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of 'geosched launch' run; 0 = torch's choice)")
     parser.add_argument("--device", default="cpu", help="torch device to measure: cpu (default) or cuda[:N]")
     parser.add_argument("--gpu-name", help="name stored in the file (default: the detected device name)")
+    parser.add_argument("--co-located", type=int, default=1, metavar="N", help="measure N copies at once, one per "
+                        "CPU, as N ranks sharing this host run (default 1)")
+    parser.add_argument("--no-link", action="store_true", help="skip measuring the per-message link costs")
     parser.add_argument("--check", action="store_true", help="also compare a measured 2-layer stage with the "
                         "cost model's prediction from this calibration")
     parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object on stdout")
@@ -46,12 +53,15 @@ def run(args: argparse.Namespace) -> int:
 
     from geosched.config import load_config
     from geosched.costmodel import Calibration
-    from geosched.profile import check_prediction, profile_job, write_calibration
+    from agents.calibrate import calibrate
+    from geosched.profile import check_prediction, write_calibration
 
     if args.repeats < 1:
         raise InputError(f"--repeats must be >= 1 (got {args.repeats})")
     if args.warmup < 0:
         raise InputError(f"--warmup must be >= 0 (got {args.warmup})")
+    if args.co_located < 1:
+        raise InputError(f"--co-located must be >= 1 (got {args.co_located}): how many ranks share this host")
     if args.threads < 0:
         raise InputError(f"--threads must be >= 1, or 0 for torch's choice (got {args.threads})")
     if args.threads:
@@ -61,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
     job = load_config(args.config).job
     bar = ProgressBar(sys.stderr)
-    cal = profile_job(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
-                      progress=bar)
+    cal = calibrate(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
+                    co_located=args.co_located, link=not args.no_link, progress=bar)
     bar.finish()
     if args.check:
         calibration = Calibration.from_dict(cal)
@@ -131,6 +141,13 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
         f"{cal['block_stash_bytes_per_sequence']} stashed per block, "
         f"{cal['head_stash_bytes_per_sequence']} by the head",
     ]
+    if cal.get("co_located", 1) > 1:
+        lines.append(f"measured as {cal['co_located']} co-located copies (median)")
+    if cal.get("message_latency_s") is not None:
+        cost = cal.get("message_overhead_s")
+        cost_text = "no stage time on this device" if cost is None else (
+            f"{cost * 1e6:.0f} us + {cal['message_overhead_s_per_byte'] * 1e9:.3f} ns/byte of stage time")
+        lines.append(f"per pipeline message: {cal['message_latency_s'] * 1e6:.0f} us latency, {cost_text}")
     if "check" in cal:
         c = cal["check"]
         n = c["layers"][1] - c["layers"][0]

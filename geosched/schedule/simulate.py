@@ -1,11 +1,12 @@
 """Event simulator: run a schedule against a cost model and return a :class:`Timeline`.
 
 Semantics: each stage executes its actions strictly in order. F, B, STEP and
-ALL_REDUCE occupy the stage for ``costs.compute_s(action)``. A SEND takes no
-stage time: it enqueues its message on a link, a FIFO per (link key,
-direction) where it waits until the link is free, occupies it
-``occupancy_s`` and arrives ``latency_s`` later. A RECV blocks the stage until
-its message has arrived. Unlowered schedules (no SEND/RECV) get the same
+ALL_REDUCE occupy the stage for ``costs.compute_s(action)``. A SEND enqueues
+its message on a link, a FIFO per (link key, direction) where it waits until
+the link is free, occupies it ``occupancy_s`` and arrives ``latency_s`` later.
+A RECV blocks the stage until its message has arrived. SEND and RECV take no
+stage time unless the cost model sets ``charges_messages`` (then each takes
+``compute_s(action)``: the CPU a rank spends handling the message). Unlowered schedules (no SEND/RECV) get the same
 behaviour implicitly: F of stage s+1 waits for F of s, B of s for B of s+1.
 
 The run is event driven (a heap of stage wake-ups), O(actions log stages),
@@ -50,7 +51,7 @@ class CostProvider(Protocol):
     """What the simulator asks of a cost model."""
 
     def compute_s(self, action: Action) -> float:
-        """Duration of an F, B, STEP or ALL_REDUCE action on its stage."""
+        """Duration of an F, B, STEP or ALL_REDUCE action on its stage (and of a SEND or RECV, see above)."""
         ...
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
@@ -98,7 +99,7 @@ class _Step(NamedTuple):
     tag: str  # ActionKind value
     needs: Message | None
     produces: Message | None
-    is_comm: bool  # SEND/RECV: takes no stage time
+    is_comm: bool  # SEND/RECV: no stage time unless the costs charge messages
     category: str
 
 
@@ -136,6 +137,7 @@ class _Run:
     def __init__(self, schedule: Schedule, costs: CostProvider) -> None:
         self.schedule, self.costs = schedule, costs
         self.p, self.lowered = schedule.num_stages, schedule.has_communication
+        self.charges_messages = getattr(costs, "charges_messages", False)
         self.steps = _compile(tuple(tuple(schedule.actions[s]) for s in range(self.p)), self.lowered)
         self.position = [0] * self.p
         self.free_at = [0.0] * self.p  # when each stage finished its last action
@@ -199,11 +201,14 @@ class _Run:
                     self.wake(s, arrive)
                     return
                 if arrive > start:
-                    self._record_wait(s, step, start, arrive)
+                    if not (self.lowered and step.is_comm):
+                        self._record_wait(s, step, start, arrive)
                     start = arrive
-            if step.is_comm:  # takes no stage time; a receive that waited shows as idle
-                end = start
-                category = "idle" if end > waited_from else "comm"
+            if step.is_comm:  # a receive that waited is idle, its handling included (as the runtime measures it)
+                end = start + self.costs.compute_s(step.action) if self.charges_messages else start
+                category = "idle" if start > waited_from else "comm"
+                if category == "idle":
+                    self.gaps.append(IdleGap(s, waited_from, end, step.text))
                 events.append(Event(s, step.text, waited_from, end, category, step.tag))
             else:
                 end = start + self.costs.compute_s(step.action)
@@ -218,7 +223,7 @@ class _Run:
                 self.post(step.produces, now)
 
     def _record_wait(self, s: int, step: _Step, start: float, arrive: float) -> None:
-        """Note an idle gap; unlowered schedules also get an event for their implicit receive."""
+        """Note an idle gap before a compute step; unlowered schedules also get an event for their implicit receive."""
         assert step.needs is not None
         if self.lowered:
             self.gaps.append(IdleGap(s, start, arrive, step.text))
