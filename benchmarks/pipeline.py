@@ -13,10 +13,12 @@
     Reported: ``throughput_vs_torch_pipelining`` = geosched steps/s over torch's.
     Targets: within 15 % and >= 0.9x.
 
-This machine's speed drifts by tens of percent over minutes (a shared host),
-so the run is a series of rounds, each calibrate -> (a) -> (b) with the order
-of torch and geosched alternating; every figure is the median over rounds of
-that round's ratio, and the per-round ratios are in the JSON.
+This machine's speed drifts by tens of percent within seconds (a shared
+host), so the run is a series of rounds, each (b) (torch and geosched as
+A B B A, A alternating between rounds: a linear drift cancels), then
+calibrate -> (a) -> calibrate, the prediction using
+the mean of the two calibrations that bracket the run. Every figure is the
+median over rounds of that round's ratio; the per-round ratios are in the JSON.
 
 Iteration time = median over the measured steps (after warm-up) of each step's
 longest span over the ranks; the mean wall time per step is in the JSON too.
@@ -245,26 +247,42 @@ def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
     return simulate(job_schedule(job, 2, 1), costs)
 
 
-def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
-    """One round: calibrate, predict, (a) over the emulated WAN, (b) torch and geosched over loopback."""
-    from agents.wanem import shape_for_link
-    from geosched.config import WanLinkSpec
-
+def calibrate_here(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """One calibration in a pinned child process (see ``_profile``)."""
     results = ctx.Queue()
     proc = ctx.Process(target=_profile, args=(JOB, 5 if args.quick else 9, results))
     proc.start()
-    calibration = _collect(results, [proc], "profile")[0]
-    predicted = predict(JOB, calibration)
+    return _collect(results, [proc], "profile")[0]
+
+
+def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The calibration midway: the mean of every number measured before and after the run."""
+    out = dict(before)
+    for key, value in before.items():
+        if isinstance(value, float) and isinstance(after.get(key), float):
+            out[key] = (value + after[key]) / 2
+    return out
+
+
+def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
+    """One round: (b) torch and geosched over loopback, A B B A; then calibrate, (a) over the emulated WAN, calibrate."""
+    from agents.wanem import shape_for_link
+    from geosched.config import WanLinkSpec
+
+    runs: dict[str, list[dict[int, list]]] = {"torch": [], "geosched": []}
+    order = ["torch", "geosched"] if torch_first else ["geosched", "torch"]
+    for name in order + order[::-1]:  # A B B A: a drift that is linear in time cancels out
+        runs[name].append(run_torch(ctx, JOB, total) if name == "torch"
+                          else run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback"))
     shape = shape_for_link(WanLinkSpec(between=("us", "eu"), bandwidth_gbps=LINK["bandwidth_gbps"],
                                        rtt_ms=LINK["rtt_ms"], per_connection_gbps=LINK["per_connection_gbps"]))
+    before = calibrate_here(ctx, args)
     wan_times = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan")
-    if torch_first:
-        torch_times = run_torch(ctx, JOB, total)
-    loop_times = run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback")
-    if not torch_first:
-        torch_times = run_torch(ctx, JOB, total)
+    calibration = bracket(before, calibrate_here(ctx, args))  # the machine's speed drifts: bracket the run
+    predicted = predict(JOB, calibration)
     measured_wan = _iteration_s(wan_times, args.warmup)
-    geosched_s, torch_s = _iteration_s(loop_times, args.warmup), _iteration_s(torch_times, args.warmup)
+    geosched_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["geosched"])
+    torch_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["torch"])
     busy = {rank: statistics.median(t[2] for t in times[args.warmup:]) for rank, times in wan_times.items()}
     return {
         "predicted_iteration_s": predicted.iteration_s, "measured_iteration_s": measured_wan,
@@ -273,8 +291,10 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
         "geosched_loopback_iteration_s": geosched_s, "torch_pipelining_iteration_s": torch_s,
         "throughput_vs_torch_pipelining": torch_s / geosched_s,
         "wall_per_step_s": {"wan": _wall_per_step_s(wan_times, args.warmup),
-                            "geosched_loopback": _wall_per_step_s(loop_times, args.warmup),
-                            "torch_pipelining": _wall_per_step_s(torch_times, args.warmup)},
+                            "geosched_loopback": statistics.mean(_wall_per_step_s(t, args.warmup)
+                                                                 for t in runs["geosched"]),
+                            "torch_pipelining": statistics.mean(_wall_per_step_s(t, args.warmup)
+                                                                for t in runs["torch"])},
         "compute_busy_s": {"measured": busy, "predicted": {st.stage: st.busy_s for st in predicted.stages}},
         "calibration": {k: calibration[k] for k in ("tflops", "co_located", "message_overhead_s",
                                                      "message_overhead_s_per_byte", "message_latency_s")},
@@ -286,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (under a minute)")
     parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
-    parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 4, quick 2)")
+    parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)
-    rounds = args.rounds or (2 if args.quick else 4)
+    rounds = args.rounds or (2 if args.quick else 5)
     total = steps + args.warmup
 
     ctx = mp.get_context("forkserver")
