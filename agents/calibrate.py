@@ -93,6 +93,8 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     """Run ``copies`` profiles at once, one process per CPU; the median of each time field."""
     import torch
 
+    from agents.link_profile import module_env
+
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cpus) < copies:
         cpus = list(range(os.cpu_count() or 1))
@@ -101,7 +103,7 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     for i in range(copies):
         cpu = cpus[i] if len(cpus) >= copies else -1
         procs.append(subprocess.Popen([sys.executable, "-m", "agents.calibrate", "--worker", str(cpu), request],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env()))
     cals = []
     try:
         for p in procs:

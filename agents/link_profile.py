@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ def measure_message_costs(activation_bytes: int, work: Callable[[], object], *, 
     sizes = (max(4, activation_bytes), max(4, activation_bytes) * SIZE_FACTOR)
     cpu = _other_cpu()
     peer = subprocess.Popen([sys.executable, "-m", "agents.link_profile", "--echo-peer", str(-1 if cpu is None else cpu)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env())
     try:
         port = _peer_line(peer)
         config = WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S)
@@ -85,6 +86,13 @@ def measure_message_costs(activation_bytes: int, work: Callable[[], object], *, 
         "message_latency_s": latency,
         "message_bytes_measured": list(sizes),
     }
+
+
+def module_env() -> dict[str, str]:
+    """The environment for a ``python -m agents...`` child: this checkout first on PYTHONPATH (installed or not)."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else root + os.pathsep + path}
 
 
 def _peer_line(peer: subprocess.Popen) -> str:
