@@ -61,7 +61,8 @@ def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = 
         costs = measure_message_costs(cal["activation_bytes_per_sequence"] * job.microbatch_size,
                                       block_unit(job, device))
         if device != "cpu":
-            costs["message_overhead_s"] = costs["message_overhead_s_per_byte"] = None
+            for key in ("message_overhead_s", "message_overhead_s_per_chunk", "message_overhead_s_per_byte"):
+                costs[key] = None
         cal.update(costs)
         if progress is not None:
             progress(1, 1, "message costs")

@@ -40,7 +40,8 @@ import torch
 from agents.sockets import CurveClient, CurveServer
 from agents.wan_io import LinkIO
 from agents.wan_recv import KINDS, PostedRecv, monotonic
-from agents.wan_send import OutMessage, auto_chunk_bytes
+from agents.wan_send import OutMessage
+from geosched.chunking import auto_chunk_bytes
 from geosched.errors import ConfigError, InputError, LinkError
 from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
 

@@ -45,7 +45,8 @@ from agents.wan_inbound import (
 )
 from agents.wan_metrics import LinkCounters
 from agents.wan_recv import PostedRecv, RecvState, fail_future, monotonic
-from agents.wan_send import AGAIN, AUTO_CHUNK_MIN_LOG2, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from agents.wan_send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
 from geosched.wire import encode_header
 

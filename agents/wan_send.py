@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 SENT, AGAIN, UNREACHABLE = 0, 1, 2  # results of a transmit() call
 BACKOFF_START_S, BACKOFF_MAX_S = 0.02, 1.0
 RATE_HALF_LIFE_S = 10.0
-AUTO_CHUNK_MIN_LOG2, AUTO_CHUNK_MAX_LOG2 = 16, 22  # automatic chunks: 64 KiB .. 4 MiB
 INITIAL_STREAM_BYTES = 4 << 20  # in flight per stream before its rate is known (then rate x stream_queue_s)
 Transmit = Callable[[int, bytes, memoryview], int]
 
@@ -102,24 +101,6 @@ class StreamSlot:
         if now < self.retry_at:
             return False
         return self.up or self.probe_when_down
-
-
-SINGLE_CHUNK_MAX = 1 << 20
-"""Largest message auto-chunking sends whole on a one-stream link."""
-
-
-def auto_chunk_bytes(total: int, streams: int, max_chunk: int) -> int:
-    """Chunk size for a message: about 16 chunks per stream, a power of two in [64 KiB, 4 MiB].
-
-    Big tensors on few streams get big chunks (less per-chunk work: the loopback speed); many
-    streams get smaller ones so the stripes stay balanced and the last stream does not lag.
-    On one stream (links inside a DC) a message up to SINGLE_CHUNK_MAX goes as one chunk: there
-    is nothing to stripe, and each chunk costs both ends a wake-up and an acknowledgement.
-    """
-    if streams <= 1 and total <= SINGLE_CHUNK_MAX:
-        return min(max_chunk, 1 << max(AUTO_CHUNK_MIN_LOG2, (total - 1).bit_length()))
-    target = max(1, total // (16 * max(1, streams)))
-    return min(max_chunk, 1 << max(AUTO_CHUNK_MIN_LOG2, min(AUTO_CHUNK_MAX_LOG2, target.bit_length() - 1)))
 
 
 class SendState:

@@ -297,7 +297,8 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
                                                                 for t in runs["torch"])},
         "compute_busy_s": {"measured": busy, "predicted": {st.stage: st.busy_s for st in predicted.stages}},
         "calibration": {k: calibration[k] for k in ("tflops", "co_located", "message_overhead_s",
-                                                     "message_overhead_s_per_byte", "message_latency_s")},
+                                                     "message_overhead_s_per_chunk", "message_overhead_s_per_byte",
+                                                     "message_latency_s")},
     }
 
 

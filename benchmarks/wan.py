@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from agents.sockets import keep_message_buffers
 
     keep_message_buffers()  # as WanLink does; raw pyzmq measured here gets the same allocator settings
-    from agents.wan_send import auto_chunk_bytes
+    from geosched.chunking import auto_chunk_bytes
 
     chunk, wan_chunk = args.chunk_kib * 1024, args.wan_chunk_kib * 1024
     link_bytes_per_s = args.link_mbit * 1e6 / 8

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from geosched import model_counts
+from geosched.chunking import chunks_per_message
 from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
 from geosched.errors import ConfigError
 from geosched.schedule import Action, Transfer
@@ -104,8 +105,8 @@ class Calibration:
 
     The ``message_*`` fields (``agents.link_profile``) price moving a tensor
     between stages beyond its wire time: ``message_latency_s`` is added to
-    every transfer, and ``message_overhead_s + message_overhead_s_per_byte x
-    bytes`` is stage time on every SEND and RECV, because on a CPU the link's
+    every transfer, and :func:`message_overhead_s` (fixed + per chunk + per
+    byte) is stage time on every SEND and RECV, because on a CPU the link's
     I/O threads share the stage's core (profiles of a GPU leave it None:
     there they run beside the compute). None: not charged.
     """
@@ -120,6 +121,7 @@ class Calibration:
     tflops: float
     optimizer_step_s_per_param: float | None = None
     message_overhead_s: float | None = None
+    message_overhead_s_per_chunk: float | None = None
     message_overhead_s_per_byte: float | None = None
     message_latency_s: float | None = None
 
@@ -295,6 +297,18 @@ def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s:
 
 # ------------------------------------------------------- a pipeline's costs ---
 
+def message_overhead_s(calibration: Calibration, nbytes: int, streams: int) -> float:
+    """Stage time one message of ``nbytes`` costs each end on a link of ``streams`` streams (calibrated).
+
+    ``fixed + per_chunk x chunks + per_byte x bytes``, with the chunks the
+    link cuts the message into (:func:`geosched.chunking.chunks_per_message`).
+    """
+    cal = calibration
+    chunks = chunks_per_message(nbytes, streams)
+    return ((cal.message_overhead_s or 0.0) + (cal.message_overhead_s_per_chunk or 0.0) * chunks
+            + (cal.message_overhead_s_per_byte or 0.0) * nbytes)
+
+
 _MESSAGE_PEER = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}
 """Which neighbour a SEND/RECV action talks to: stage + this."""
 
@@ -329,19 +343,18 @@ class PipelineCosts:
         """True when SEND/RECV take stage time (the simulator asks ``compute_s`` for them)."""
         for s in range(p - 1):
             nbytes = boundary_bytes(job, self.stage_layers[s][1])
+            a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
+            link = cluster.link(a, b) if a != b else None
+            if a != b and link is None:
+                raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
+            k = 1 if link is None else streams.get(tuple(sorted((a, b))), streams_to_fill(link))
             if self.charges_messages:
-                cost = cal.message_overhead_s + (cal.message_overhead_s_per_byte or 0.0) * nbytes  # type: ignore
-                self._message_s[s, s + 1] = self._message_s[s + 1, s] = cost
+                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(cal, nbytes, k)  # type: ignore
             for src, dst in ((s, s + 1), (s + 1, s)):
-                a, b = self.stage_dcs[src], self.stage_dcs[dst]
-                if a == b:
+                if link is None:
                     tr = intra_transfer(cluster.dc(a), nbytes)
                 else:
-                    link = cluster.link(a, b)
-                    if link is None:
-                        raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
-                    k = streams.get(tuple(sorted((a, b))), streams_to_fill(link))
-                    tr = wan_transfer(link, nbytes, k, dp)._replace(link=(a, b))
+                    tr = wan_transfer(link, nbytes, k, dp)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
                 self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + latency)
 
     def compute_s(self, action: Action) -> float:

@@ -9,11 +9,12 @@ import torch
 import yaml
 
 from agents.calibrate import block_unit, calibrate
-from agents.link_profile import SIZE_FACTOR, measure_message_costs
+from agents.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
+from geosched.chunking import chunks_per_message
 from geosched.cli import main
 from geosched.config import load_config
 from geosched.costmodel import (ASSUMED_MEMORY_BANDWIDTH_BPS, Calibration, PipelineCosts, boundary_bytes,
-                                gpt_block_cost, stage_compute, stage_params, total_params)
+                                gpt_block_cost, message_overhead_s, stage_compute, stage_params, total_params)
 from geosched.errors import InputError
 from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 from geosched.schedule import build_schedule, lower, simulate
@@ -155,7 +156,7 @@ def test_message_costs_are_measured_against_real_compute_and_a_real_peer(tmp_pat
     costs = measure_message_costs(nbytes, block_unit(job), rounds=2, units=2)
     assert costs["message_bytes_measured"] == [nbytes, SIZE_FACTOR * nbytes]
     assert 0 < costs["message_latency_s"] < 1.0  # one-way over loopback through a second process
-    assert costs["message_overhead_s"] >= 0 and costs["message_overhead_s_per_byte"] >= 0
+    assert all(costs[f"message_overhead_s{term}"] >= 0 for term in ("", "_per_chunk", "_per_byte"))
 
 
 def test_message_costs_become_stage_time_on_sends_and_receives(tmp_path) -> None:
@@ -163,14 +164,14 @@ def test_message_costs_become_stage_time_on_sends_and_receives(tmp_path) -> None
     job = config.job
     base = {"gpu_name": "cpu", "tflops": 1.0, **{f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head")
                                                   for d in ("forward", "backward")}}
-    charged = Calibration.from_dict({**base, "message_overhead_s": 2e-3, "message_overhead_s_per_byte": 1e-9,
-                                     "message_latency_s": 5e-3})
+    charged = Calibration.from_dict({**base, "message_overhead_s": 2e-3, "message_overhead_s_per_chunk": 1e-4,
+                                     "message_overhead_s_per_byte": 1e-9, "message_latency_s": 5e-3})
     dcs = [config.cluster.datacenters[0].name] * 2
     schedule = lower(build_schedule("1f1b", 2, 2))
     plain = PipelineCosts(config.cluster, job, dcs, [(0, 1), (1, 2)], 1, {}, calibration=Calibration.from_dict(base))
     priced = PipelineCosts(config.cluster, job, dcs, [(0, 1), (1, 2)], 1, {}, calibration=charged)
     assert not plain.charges_messages and priced.charges_messages
-    per_message = 2e-3 + 1e-9 * boundary_bytes(job, 1)
+    per_message = 2e-3 + 1e-4 + 1e-9 * boundary_bytes(job, 1)  # one chunk on a one-stream link inside a DC
     sends = [a for a in schedule.actions[0] if a.kind.value == "SEND_F"]
     assert priced.compute_s(sends[0]) == pytest.approx(per_message) and plain.compute_s(sends[0]) == 0.0
     assert priced.transfer(0, 1, "F", 0).latency_s == pytest.approx(plain.transfer(0, 1, "F", 0).latency_s + 5e-3)
@@ -186,3 +187,24 @@ def test_co_located_profile_runs_copies_at_once_and_keeps_the_medians(tmp_path) 
     assert cal["tflops"] == pytest.approx(gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12)
     with pytest.raises(InputError, match="co_located must be >= 1"):
         calibrate(job, co_located=0)
+
+
+def test_message_overhead_counts_the_chunks_a_link_stripes_a_message_into() -> None:
+    times = {f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head") for d in ("forward", "backward")}
+    cal = Calibration.from_dict({"gpu_name": "cpu", "tflops": 1.0, **times, "message_overhead_s": 1e-3,
+                                 "message_overhead_s_per_chunk": 1e-4, "message_overhead_s_per_byte": 0.0})
+    kib = 1024
+    assert chunks_per_message(128 * kib, 1) == 1 and chunks_per_message(128 * kib, 2) == 2  # 64 KiB stripes
+    assert message_overhead_s(cal, 128 * kib, 1) == pytest.approx(1e-3 + 1e-4)
+    assert message_overhead_s(cal, 128 * kib, 2) == pytest.approx(1e-3 + 2e-4)
+    assert message_overhead_s(cal, 64 << 20, 8) == pytest.approx(1e-3 + 128 * 1e-4)  # 16 chunks per stream
+
+
+def test_message_cost_terms_are_solved_from_the_three_probe_settings() -> None:
+    fixed, per_chunk, per_byte = 3e-4, 1e-4, 2e-10
+    n = 128 << 10
+    settings = [(size, chunks, fixed + per_chunk * chunks + per_byte * size)
+                for size, chunks in ((n, 1), (8 * n, 1), (n, 2))]
+    assert solve_message_terms(settings) == pytest.approx((fixed, per_chunk, per_byte))
+    # noise that would make a term negative is clamped to 0, never a negative stage time
+    assert min(solve_message_terms([(n, 1, 5e-4), (8 * n, 1, 4e-4), (n, 2, 3e-4)])) == 0.0

@@ -14,7 +14,7 @@ import torch
 
 from agents.wan import WanLink, WanLinkConfig
 from agents.wan_io import poll_timeout_ms
-from agents.wan_send import auto_chunk_bytes
+from geosched.chunking import auto_chunk_bytes
 from geosched.errors import InputError, LinkError, ProtocolError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)

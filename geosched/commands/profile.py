@@ -146,7 +146,8 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
     if cal.get("message_latency_s") is not None:
         cost = cal.get("message_overhead_s")
         cost_text = "no stage time on this device" if cost is None else (
-            f"{cost * 1e6:.0f} us + {cal['message_overhead_s_per_byte'] * 1e9:.3f} ns/byte of stage time")
+            f"{cost * 1e6:.0f} us + {cal['message_overhead_s_per_chunk'] * 1e6:.0f} us/chunk + "
+            f"{cal['message_overhead_s_per_byte'] * 1e9:.3f} ns/byte of stage time")
         lines.append(f"per pipeline message: {cal['message_latency_s'] * 1e6:.0f} us latency, {cost_text}")
     if "check" in cal:
         c = cal["check"]
