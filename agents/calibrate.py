@@ -51,12 +51,17 @@ def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = 
     if co_located == 1:
         cal = profile_job(job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress)
     else:
+        if progress is not None:
+            progress(0, 1, f"compute ({co_located} co-located copies)")
         cal = _profile_co_located(job, co_located, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name)
         if progress is not None:
             progress(1, 1, f"compute ({co_located} co-located copies)")
     cal["co_located"] = co_located
     if link:
         from agents.link_profile import measure_message_costs
+
+        if progress is not None:
+            progress(0, 1, "message costs (echo peer process)")
 
         costs = measure_message_costs(cal["activation_bytes_per_sequence"] * job.microbatch_size,
                                       block_unit(job, device))
