@@ -3,7 +3,7 @@
 Times the embeddings, one transformer block and the head + loss of the
 config's model (forward and backward, microbatch size from the job; warm-up,
 then the median of --repeats) and measures activation sizes and what each
-pipeline message costs (CPU per message, loopback latency; --no-link skips
+pipeline message costs (stage time per message, loopback latency; --no-link skips
 it). --co-located N measures N copies at once, one per CPU, for ranks that
 will share this host. The cost model and planner use the file instead of
 FLOP estimates.
