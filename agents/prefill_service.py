@@ -214,11 +214,14 @@ class PrefillService:
             spans.append(self._run_chunk(job, tokens, in_bubble))
         return spans
 
-    def serve_idle(self, stop: threading.Event, slice_s: float = 0.05) -> None:
-        """Prefill outside training (a stage with no training to do) until ``stop`` is set."""
-        while not stop.is_set() and not self._stop.is_set():
+    def serve_idle(self, until: Callable[[], bool], slice_s: float = 0.05) -> None:
+        """Prefill outside training (a stage with no training to do) until ``until()`` is true.
+
+        ``until`` is checked between chunks and at least every 50 ms while the queue is empty.
+        """
+        while not until() and not self._stop.is_set():
             if self._work.wait(0.05):
-                self.fill(stop.is_set, slice_s, in_bubble=False)
+                self.fill(until, slice_s, in_bubble=False)
 
     def _next_job(self) -> _Job | None:
         """The running job, else the queued one with the highest priority and earliest deadline."""

@@ -40,8 +40,6 @@ from geosched.errors import LinkError
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.02
-"""Between training requests: how often the worker looks for queued prefill work."""
 IDLE_SLICE_S = 0.05
 """Between training requests: prefill chunk length (nothing waits for the stage)."""
 
@@ -232,11 +230,12 @@ class RankWorker:
         """The next training request; until one comes, the prefill service (if any) serves outside training."""
         if service is None:
             return self._requests.get()
-        while True:
+        while not self._stop.is_set():
             try:
-                return self._requests.get(timeout=IDLE_POLL_S)
+                return self._requests.get_nowait()
             except queue.Empty:  # no training to do: queued prompts need not wait for the next bubble
-                service.fill(lambda: not self._requests.empty() or self._stop.is_set(), IDLE_SLICE_S, in_bubble=False)
+                service.serve_idle(lambda: not self._requests.empty() or self._stop.is_set(), IDLE_SLICE_S)
+        return None
 
     def _open_prefill(self, stack: ExitStack) -> Any:
         """Load the served model, bind the prefill service, publish its endpoint; closed with ``stack``."""

@@ -78,7 +78,7 @@ def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: in
                         "loss": report.loss,
                         "tokens": service.metrics_.prefill_tokens}))
             results.put(("metrics", role.stage, service.metrics()))
-            service.serve_idle(stop)  # training is over: answer what is still queued, until the client is done
+            service.serve_idle(stop.is_set)  # training is over: answer what is still queued, until the client is done
     except BaseException:  # noqa: BLE001 - handed to the parent
         results.put(("error", role.stage, traceback.format_exc()))
 

@@ -145,8 +145,7 @@ def _profile(job: JobSpec, repeats: int, results: Any) -> None:
         from agents.calibrate import calibrate
 
         copies = 2 if _cpu_for(0) is not None else 1
-        results.put(("profile", 0, calibrate(JOB if job is None else job, repeats=repeats, warmup=3,
-                                             co_located=copies)))
+        results.put(("profile", 0, calibrate(job, repeats=repeats, warmup=3, co_located=copies)))
     except BaseException as exc:  # noqa: BLE001
         results.put(("profile", 0, repr(exc)))
 

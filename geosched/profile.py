@@ -242,7 +242,8 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     cal.update({
         "model": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
                   "vocab": shape.vocab, "ffn_mult": shape.ffn_mult},
-        "microbatch_size": b, "microbatches_in_flight": stash, "precision": job.precision, "device": device, "repeats": repeats, "warmup": warmup,
+        "microbatch_size": b, "microbatches_in_flight": stash, "precision": job.precision, "device": device,
+        "repeats": repeats, "warmup": warmup,
         "threads": torch.get_num_threads(), "torch_version": torch.__version__, "host": socket.gethostname(),
         "created_at": time.time(),
     })

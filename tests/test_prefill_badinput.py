@@ -31,7 +31,7 @@ def model():
 def service(model):
     with PrefillService(model, auth_token="s3cret") as svc:
         stop = threading.Event()
-        worker = threading.Thread(target=svc.serve_idle, args=(stop,), daemon=True)
+        worker = threading.Thread(target=svc.serve_idle, args=(stop.is_set,), daemon=True)
         worker.start()
         yield svc
         stop.set()
@@ -123,7 +123,7 @@ def test_curve_clients_without_an_allowed_key_are_refused_and_counted(model, tmp
 
     with PrefillService(model, curve_server=server) as svc:
         stop = threading.Event()
-        worker = threading.Thread(target=svc.serve_idle, args=(stop,), daemon=True)
+        worker = threading.Thread(target=svc.serve_idle, args=(stop.is_set,), daemon=True)
         worker.start()
         try:
             with PrefillClient(svc.endpoint, curve_client=curve(tmp_path / "intruder.key")) as intruder:

@@ -33,7 +33,7 @@ def endpoint(weights):
     model = load_inference_model(load_config(CONFIG).job.model, weights)
     with PrefillService(model, auth_token="tok") as service:
         stop = threading.Event()
-        worker = threading.Thread(target=service.serve_idle, args=(stop,), daemon=True)
+        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
         worker.start()
         yield service.endpoint
         stop.set()

@@ -31,7 +31,7 @@ def model():
 def idle_worker(service: PrefillService) -> Iterator[None]:
     """Run ``serve_idle`` in a thread for the duration of a with-block."""
     stop = threading.Event()
-    thread = threading.Thread(target=service.serve_idle, args=(stop,), daemon=True)
+    thread = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
     thread.start()
     try:
         yield

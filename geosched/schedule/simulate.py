@@ -6,8 +6,9 @@ its message on a link, a FIFO per (link key, direction) where it waits until
 the link is free, occupies it ``occupancy_s`` and arrives ``latency_s`` later.
 A RECV blocks the stage until its message has arrived. SEND and RECV take no
 stage time unless the cost model sets ``charges_messages`` (then each takes
-``compute_s(action)``: the CPU a rank spends handling the message). Unlowered schedules (no SEND/RECV) get the same
-behaviour implicitly: F of stage s+1 waits for F of s, B of s for B of s+1.
+``compute_s(action)``: the time a rank spends handling the message).
+Unlowered schedules (no SEND/RECV) get the same behaviour implicitly: F of
+stage s+1 waits for F of s, B of s for B of s+1.
 
 The run is event driven (a heap of stage wake-ups), O(actions log stages),
 with no per-time-step loop, so planners may call it thousands of times.
