@@ -4,7 +4,8 @@
 benchmarks call. It combines
 
 - :func:`geosched.profile.profile_job`: per-layer forward/backward, the
-  optimizer step and activation sizes of the job's model;
+  optimizer step and activation sizes of the job's model, and, given a
+  plan's ``stages``, each of those stages measured whole;
 - ``co_located`` copies of that measurement run at once, one process per CPU:
   ranks that share a host slow each other down (shared caches and memory
   bandwidth, SMT siblings; on the 2-core rehearsal machine a stage computes
@@ -20,6 +21,7 @@ benchmarks call. It combines
 Example::
 
     cal = calibrate(job, repeats=7, co_located=2)       # JSON-ready dict
+    cal = calibrate(job, co_located=2, stages=plan_stages([(0, 2), (2, 4)]))  # + whole stages
     Calibration.from_dict(cal)                           # what the cost model reads
 """
 
@@ -30,13 +32,13 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from geosched.config import JobSpec
 from geosched.costmodel import Calibration
 from geosched.errors import InputError
-from geosched.profile import Progress, profile_job
+from geosched.profile import Progress, StageKey, profile_job
 from geosched.schema import dump_dataclass, load_dataclass
 
 WORKER_TIMEOUT_S = 600.0
@@ -44,16 +46,22 @@ WORKER_TIMEOUT_S = 600.0
 
 
 def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu", gpu_name: str | None = None,
-              co_located: int = 1, link: bool = True, progress: Progress | None = None) -> dict[str, Any]:
-    """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs."""
+              co_located: int = 1, link: bool = True, progress: Progress | None = None,
+              stages: Sequence[StageKey] = ()) -> dict[str, Any]:
+    """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs.
+
+    ``stages``: a plan's stages (:func:`plan_stages`), each also measured whole.
+    """
     if co_located < 1:
         raise InputError(f"co_located must be >= 1 (got {co_located}): how many ranks share this host")
     if co_located == 1:
-        cal = profile_job(job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress)
+        cal = profile_job(job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress,
+                          stages=stages)
     else:
         if progress is not None:
             progress(0, 1, f"compute ({co_located} co-located copies)")
-        cal = _profile_co_located(job, co_located, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name)
+        cal = _profile_co_located(job, co_located, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name,
+                                  stages=[[list(layers), first, last] for layers, first, last in stages])
         if progress is not None:
             progress(1, 1, f"compute ({co_located} co-located copies)")
     cal["co_located"] = co_located
@@ -128,7 +136,16 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
         if key.endswith(("_s", "_s_per_param")) and isinstance(value, float):
             out_cal[key] = statistics.median(c[key] for c in cals)
     out_cal["tflops"] = out_cal["tflops"] * cals[0]["block_forward_s"] / out_cal["block_forward_s"]
+    out_cal["stage_times"] = [{**stage, **{key: statistics.median(c["stage_times"][i][key] for c in cals)
+                                           for key in ("forward_s", "backward_s")}}
+                              for i, stage in enumerate(out_cal["stage_times"])]
     return out_cal
+
+
+def plan_stages(stage_layers: Sequence[tuple[int, int]]) -> list[StageKey]:
+    """A pipeline's stages (each one's layer range, in order) as ``profile_job`` measures them."""
+    last = len(stage_layers) - 1
+    return list(dict.fromkeys(((start, end), i == 0, i == last) for i, (start, end) in enumerate(stage_layers)))
 
 
 def _worker_main(cpu: int, request_json: str) -> None:

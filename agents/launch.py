@@ -58,17 +58,18 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
     return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, links=links, datacenters=dcs))
 
 
-def calibrate(job: Any, ranks: int) -> Any:
-    """A quick calibration of the job's model on one thread, as ``ranks`` agents on this host run it."""
+def calibrate(layout: JobLayout) -> Any:
+    """A quick calibration of the plan's stages on one thread, as its agents run them together on this host."""
     import torch
 
-    from agents.calibrate import calibrate as measure
+    from agents.calibrate import calibrate as measure, plan_stages
     from geosched.costmodel import Calibration
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
     try:
-        data = measure(job, repeats=3, warmup=1, co_located=max(1, min(ranks, os.cpu_count() or 1)))
+        data = measure(layout.job, repeats=3, warmup=1, co_located=max(1, min(len(layout.roles), os.cpu_count() or 1)),
+                       stages=plan_stages(layout.stage_layers))
     finally:
         torch.set_num_threads(threads)
     return Calibration.from_dict(data)
@@ -232,7 +233,7 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
         old.unlink()
     (run / "plan.yaml").write_text(text)
     if calibration == "measure":
-        calibration = calibrate(layout.job, len(layout.roles))
+        calibration = calibrate(layout)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale)
     with ExitStack() as stack:

@@ -4,8 +4,8 @@
     joined by a WAN emulator relay (RTT and link cap below). The prediction is
     the schedule simulator with :class:`~geosched.costmodel.PipelineCosts`
     calibrated by :func:`agents.calibrate.calibrate` measured here as the
-    stages run: one thread per rank, two co-located copies (both cores busy)
-    and the per-message link costs. Reported: ``measured_vs_predicted`` =
+    stages run: each stage measured whole, one thread per rank, two
+    co-located copies (both cores busy) and the per-message link costs. Reported: ``measured_vs_predicted`` =
     measured / predicted iteration time.
 (b) The same two-stage model, batch and microbatches trained by
     ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
@@ -64,6 +64,15 @@ def _pin(cpu: int | None) -> None:
 def _cpu_for(rank: int) -> int | None:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return cpus[rank % len(cpus)] if len(cpus) >= 2 else None
+
+
+def _link_shape() -> Any:
+    """The WAN emulator's shape of LINK."""
+    from agents.wanem import shape_for_link
+    from geosched.config import WanLinkSpec
+
+    return shape_for_link(WanLinkSpec(between=("us", "eu"), bandwidth_gbps=LINK["bandwidth_gbps"],
+                                      rtt_ms=LINK["rtt_ms"], per_connection_gbps=LINK["per_connection_gbps"]))
 
 
 def _free_port() -> int:
@@ -139,13 +148,14 @@ def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) ->
 
 
 def _profile(job: JobSpec, repeats: int, results: Any) -> None:
-    """Calibrate as the stages run: one thread each, both cores busy, plus the link's per-message costs."""
+    """Calibrate as the stages run: each stage whole, one thread each, both cores busy, plus per-message costs."""
     try:
         _pin(_cpu_for(0))
-        from agents.calibrate import calibrate
+        from agents.calibrate import calibrate, plan_stages
 
         copies = 2 if _cpu_for(0) is not None else 1
-        results.put(("profile", 0, calibrate(job, repeats=repeats, warmup=3, co_located=copies)))
+        results.put(("profile", 0, calibrate(job, repeats=repeats, warmup=3, co_located=copies,
+                                             stages=plan_stages(LAYERS))))
     except BaseException as exc:  # noqa: BLE001
         results.put(("profile", 0, repr(exc)))
 
@@ -258,23 +268,22 @@ def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The calibration midway: the mean of every number measured before and after the run."""
     out = dict(before)
     for key, value in before.items():
-        if isinstance(value, float) and isinstance(after.get(key), float):
-            out[key] = (value + after[key]) / 2
+        other = after.get(key)
+        if isinstance(value, float) and isinstance(other, float):
+            out[key] = (value + other) / 2
+        elif key == "stage_times":  # the same stages, in the same order
+            out[key] = [bracket(a, b) for a, b in zip(value, other)]
     return out
 
 
 def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
     """One round: (b) torch and geosched over loopback, A B B A; then calibrate, (a) over the emulated WAN, calibrate."""
-    from agents.wanem import shape_for_link
-    from geosched.config import WanLinkSpec
-
     runs: dict[str, list[dict[int, list]]] = {"torch": [], "geosched": []}
     order = ["torch", "geosched"] if torch_first else ["geosched", "torch"]
     for name in order + order[::-1]:  # A B B A: a drift that is linear in time cancels out
         runs[name].append(run_torch(ctx, JOB, total) if name == "torch"
                           else run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback"))
-    shape = shape_for_link(WanLinkSpec(between=("us", "eu"), bandwidth_gbps=LINK["bandwidth_gbps"],
-                                       rtt_ms=LINK["rtt_ms"], per_connection_gbps=LINK["per_connection_gbps"]))
+    shape = _link_shape()
     before = calibrate_here(ctx, args)
     wan_times = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan")
     calibration = bracket(before, calibrate_here(ctx, args))  # the machine's speed drifts: bracket the run

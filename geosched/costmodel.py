@@ -109,6 +109,12 @@ class Calibration:
     byte) is stage time on every SEND and RECV, because on a CPU the link's
     I/O threads share the stage's core (profiles of a GPU leave it None:
     there they run beside the compute). None: not charged.
+
+    ``stage_times`` (``calibrate(stages=...)``) are whole stages of a known
+    plan measured as one module: :func:`stage_compute` uses such a stage's
+    own times instead of adding up its pieces, which on a CPU misses the
+    3-10 % that a stage's larger working set (every block's weights and
+    stash) costs in cache misses.
     """
 
     gpu_name: str
@@ -124,12 +130,23 @@ class Calibration:
     message_overhead_s_per_chunk: float | None = None
     message_overhead_s_per_byte: float | None = None
     message_latency_s: float | None = None
+    stage_times: tuple[StageTime, ...] = ()
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "Calibration":
         """The calibration in a dict (``profile_job``'s or a file's); fields with a default may be missing."""
         optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional})
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional}
+        if "stage_times" in fields:
+            fields["stage_times"] = tuple(StageTime(**dict(t)) for t in fields["stage_times"])  # type: ignore[union-attr]
+        return cls(**fields)
+
+    def stage_time(self, layers: tuple[int, int], first: bool, last: bool) -> StageTime | None:
+        """The measured whole stage holding ``layers`` (+ embeddings/head), or None if it was not measured."""
+        for t in self.stage_times:
+            if (t.start, t.end, t.first, t.last) == (layers[0], layers[1], first, last):
+                return t
+        return None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
@@ -140,6 +157,18 @@ class Calibration:
             return cls.from_dict(data)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One whole stage measured as a module: forward and backward seconds per sequence."""
+
+    start: int
+    end: int
+    first: bool
+    last: bool
+    forward_s: float
+    backward_s: float
 
 
 # ------------------------------------------------------------------ compute ---
@@ -176,7 +205,9 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
     plus one more forward when activations are recomputed (Chen et al. 2016,
     "Training Deep Nets with Sublinear Memory Cost"). With a calibration,
     measured per-sequence times are used instead, scaled by
-    ``calibration.tflops / gpu_tflops`` for other GPU kinds.
+    ``calibration.tflops / gpu_tflops`` for other GPU kinds: the stage's own
+    times if it was measured whole (``Calibration.stage_times``), else the sum
+    of its pieces.
 
     The optimizer step (once per iteration) is ``stage_params x
     calibration.optimizer_step_s_per_param`` (same scaling), else
@@ -189,9 +220,14 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
         ratio = calibration.tflops / gpu_tflops
         scale = b * ratio
         n = end - start
-        fwd = n * calibration.block_forward_s + first * calibration.embed_forward_s + last * calibration.head_forward_s
-        bwd = (n * calibration.block_backward_s + first * calibration.embed_backward_s
-               + last * calibration.head_backward_s)
+        whole = calibration.stage_time(layers, first, last)
+        if whole is not None:
+            fwd, bwd = whole.forward_s, whole.backward_s
+        else:
+            fwd = (n * calibration.block_forward_s + first * calibration.embed_forward_s
+                   + last * calibration.head_forward_s)
+            bwd = (n * calibration.block_backward_s + first * calibration.embed_backward_s
+                   + last * calibration.head_backward_s)
         bwd += fwd * (job.recompute == "full")
         per_param = calibration.optimizer_step_s_per_param
         step = params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, params)

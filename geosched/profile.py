@@ -21,6 +21,11 @@ and divided by its parameter count: ``optimizer_step_s_per_param``. Activation s
 (what a block sends on, what it stashes for backward) are measured from the
 tensors autograd actually saves.
 
+Given the ``stages`` of a plan (layer range, first, last), each is also
+measured whole, the same way, into ``stage_times``: the cost model then uses
+those instead of adding up the pieces (a stage's working set is larger than
+any piece's, which a CPU's caches notice).
+
 Example::
 
     cal = profile_job(load_config("configs/demo-3dc.yaml").job, repeats=7)
@@ -36,7 +41,7 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,17 +203,28 @@ def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int
     return sizes
 
 
+StageKey = tuple[tuple[int, int], bool, bool]
+"""A plan's stage as the profiler measures it: ``((start, end), first, last)``."""
+
+
 def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
-                gpu_name: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+                gpu_name: str | None = None, progress: Progress | None = None,
+                stages: Sequence[StageKey] = ()) -> dict[str, Any]:
     """Measure the embeddings, one block and the head; return the calibration as a JSON-ready dict.
 
     The dict holds every :class:`~geosched.costmodel.Calibration` field (times
-    per sequence) plus activation sizes and where and how it was measured.
+    per sequence) plus activation sizes and where and how it was measured;
+    with ``stages``, also each of those whole stages (``stage_times``).
     """
     shape = ModelShape.of(job.model)
     stash = profile_microbatches(job)
     pieces = {"embed": ((0, 0), True, False), "block": ((0, 1), False, False),
               "head": ((shape.layers, shape.layers), False, True)}
+    whole = list(dict.fromkeys((tuple(layers), bool(first), bool(last)) for layers, first, last in stages))
+    for (start, end), _, _ in whole:
+        if not 0 <= start <= end <= shape.layers:
+            raise InputError(f"stage layers [{start}, {end}) are outside the model's {shape.layers} layers")
+    pieces.update({stage_label(key): key for key in whole})
     total, done = (len(pieces) + 1) * (warmup + repeats), 0
     times: dict[str, StageTiming] = {}
     for name, (layers, first, last) in pieces.items():
@@ -231,9 +247,15 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
                                             microbatches=stash)
     b = job.microbatch_size
     cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
-    for name, timing in times.items():
-        cal[f"{name}_forward_s"] = timing.forward_s / b
-        cal[f"{name}_backward_s"] = timing.backward_s / b
+    for name in ("embed", "block", "head"):
+        cal[f"{name}_forward_s"] = times[name].forward_s / b
+        cal[f"{name}_backward_s"] = times[name].backward_s / b
+    cal["stage_times"] = []
+    for key in whole:
+        (start, end), first, last = key
+        timing = times[stage_label(key)]
+        cal["stage_times"].append({"start": start, "end": end, "first": first, "last": last,
+                                   "forward_s": timing.forward_s / b, "backward_s": timing.backward_s / b})
     cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
     cal["optimizer_step_s_per_param"] = step_per_param
     cal.update(measure_activation_bytes(job, device))
@@ -249,6 +271,12 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     })
     Calibration.from_dict(cal)  # the loader's fields are all there
     return cal
+
+
+def stage_label(key: StageKey) -> str:
+    """How reports name a measured stage: ``stage 0-2 +embed``."""
+    (start, end), first, last = key
+    return f"stage {start}-{end}" + " +embed" * first + " +head" * last
 
 
 def check_prediction(job: JobSpec, calibration: Calibration, layers: tuple[int, int] = (0, 2), *,

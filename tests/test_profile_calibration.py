@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from agents.calibrate import block_unit, calibrate
+from agents.calibrate import block_unit, calibrate, plan_stages
 from agents.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
 from geosched.chunking import chunks_per_message
 from geosched.cli import main
@@ -57,6 +57,8 @@ def test_cli_writes_a_calibration_that_the_cost_model_loads(tmp_path, capsys) ->
     for field in Calibration.__dataclass_fields__:
         if field.startswith("message_overhead"):
             assert getattr(cal, field) >= 0, field  # a difference of timings: may come out as 0 on a tiny model
+        elif field == "stage_times":
+            assert cal.stage_times == ()  # no --plan: nothing measured whole
         elif field != "gpu_name":
             assert getattr(cal, field) > 0, field
     job = load_config(config).job
@@ -187,6 +189,51 @@ def test_co_located_profile_runs_copies_at_once_and_keeps_the_medians(tmp_path) 
     assert cal["tflops"] == pytest.approx(gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12)
     with pytest.raises(InputError, match="co_located must be >= 1"):
         calibrate(job, co_located=0)
+    whole = calibrate(job, repeats=1, warmup=0, co_located=2, link=False, stages=plan_stages([(0, 1), (1, 2)]))
+    assert [(t["start"], t["end"], t["first"], t["last"]) for t in whole["stage_times"]] == [(0, 1, True, False),
+                                                                                            (1, 2, False, True)]
+    assert all(t["forward_s"] > 0 and t["backward_s"] > 0 for t in whole["stage_times"])
+
+
+def test_stages_measured_whole_replace_the_sum_of_their_pieces(tmp_path) -> None:
+    job = load_config(config_with(tmp_path, TINY)).job
+    stages = plan_stages([(0, 1), (1, 2)])
+    assert stages == [((0, 1), True, False), ((1, 2), False, True)]
+    assert plan_stages([(0, 2)]) == [((0, 2), True, True)]  # one stage holds embeddings and head
+    data = profile_job(job, repeats=2, warmup=1, stages=stages + stages[:1])  # a repeated stage is measured once
+    assert len(data["stage_times"]) == 2
+    cal = Calibration.from_dict(json.loads(json.dumps(data)))  # as a file round-trips it
+    b = job.microbatch_size
+    for t, ((start, end), first, last) in zip(cal.stage_times, stages):
+        priced = stage_compute(job, cal.tflops, (start, end), first, last, cal)
+        assert (priced.forward_s, priced.backward_s) == pytest.approx((t.forward_s * b, t.backward_s * b))
+        assert cal.stage_time((start, end), first, last) is t
+    # a stage of another range (or role) is still the sum of its pieces
+    middle = stage_compute(job, cal.tflops, (1, 2), False, False, cal)
+    assert middle.forward_s == pytest.approx(cal.block_forward_s * b)
+    assert cal.stage_time((1, 2), False, False) is None
+    # another GPU kind scales the measured stage as it scales the pieces
+    faster = stage_compute(job, 2 * cal.tflops, (0, 1), True, False, cal)
+    assert faster.forward_s == pytest.approx(cal.stage_times[0].forward_s * b / 2)
+    with pytest.raises(InputError, match=r"stage layers \[1, 5\) are outside the model's 2 layers"):
+        profile_job(job, repeats=1, warmup=0, stages=[((1, 5), False, True)])
+
+
+def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
+    config = config_with(tmp_path, TINY)
+    plan = tmp_path / "plan.yaml"
+    assert main(["plan", config, "-o", str(plan), "--no-explain"]) == 0
+    out = tmp_path / "calibration.json"
+    assert main(["profile", config, "-o", str(out), "--repeats", "1", "--warmup", "0", "--no-link",
+                 "--plan", str(plan)]) == 0
+    printed = capsys.readouterr().out
+    cal = Calibration.load(out)
+    assert cal.stage_times and "(whole, from the plan)" in printed
+    (tmp_path / "other").mkdir()
+    other = config_with(tmp_path / "other", {**TINY, "hidden": 64})
+    assert main(["profile", other, "--repeats", "1", "--no-link", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "is not the config's" in err and len(err.strip().splitlines()) == 1
 
 
 def test_message_overhead_counts_the_chunks_a_link_stripes_a_message_into() -> None:

@@ -12,6 +12,10 @@ FLOP estimates.
   geosched profile configs/demo-3dc.yaml -o calibration.json --repeats 15 --check
   geosched profile configs/demo-3dc.yaml --json > calibration.json
   geosched profile configs/demo-3dc.yaml -o calibration.json --co-located 2   # 2 ranks per host
+  geosched profile configs/demo-3dc.yaml -o calibration.json --plan plan.yaml  # + the plan's stages whole
+
+--plan also measures each stage of that plan as one module; the cost model
+prices those stages from their own times instead of adding up the pieces.
 
 --check also times a 2-layer stage and prints it next to the cost model's
 prediction from the new calibration.
@@ -41,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-name", help="name stored in the file (default: the detected device name)")
     parser.add_argument("--co-located", type=int, default=1, metavar="N", help="measure N copies at once, one per "
                         "CPU, as N ranks sharing this host run (default 1)")
+    parser.add_argument("--plan", metavar="PLAN", help="also measure each stage of this plan file whole; the "
+                        "cost model then prices those stages from their own times")
     parser.add_argument("--no-link", action="store_true", help="skip measuring the per-message link costs")
     parser.add_argument("--check", action="store_true", help="also compare a measured 2-layer stage with the "
                         "cost model's prediction from this calibration")
@@ -70,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
     job = load_config(args.config).job
+    stages = _plan_stages(args.plan, job) if args.plan else []
     bar = ProgressBar(sys.stderr)
     cal = calibrate(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
-                    co_located=args.co_located, link=not args.no_link, progress=bar)
+                    co_located=args.co_located, link=not args.no_link, progress=bar, stages=stages)
     bar.finish()
     if args.check:
         calibration = Calibration.from_dict(cal)
@@ -85,6 +92,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_text_report(cal, args.output))
     return 0
+
+
+def _plan_stages(path: str, job: Any) -> list[Any]:
+    """The stages of the plan at ``path``; InputError if the plan is for another model."""
+    from agents.calibrate import plan_stages
+    from agents.daemon import load_plan_file
+    from agents.plan_layout import parse_layout
+
+    layout = parse_layout(load_plan_file(path), path)
+    if layout.job.model != job.model:
+        raise InputError(f"--plan {path}: its model ({layout.job.model}) is not the config's ({job.model}); "
+                         "pass the config the plan was made from")
+    return plan_stages(layout.stage_layers)
 
 
 def _check_device(device: str, torch: Any) -> None:
@@ -108,7 +128,7 @@ class ProgressBar:
 
     def __call__(self, done: int, total: int, label: str) -> None:
         """Show ``done`` of ``total`` iterations, currently in ``label``."""
-        piece = label.split()[0]
+        piece = label.removesuffix(" warm-up").removesuffix(" timed")
         if self.tty:
             filled = self.WIDTH * done // total
             self.stream.write(f"\rprofile [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total} {label:<20}")
@@ -125,15 +145,20 @@ class ProgressBar:
 
 
 def _text_report(cal: dict[str, Any], output: str | None) -> str:
+    from geosched.profile import stage_label
+
     ms = 1e3
     lines = [
         f"device: {cal['gpu_name']} ({cal['threads']} threads, torch {cal['torch_version']})",
         f"model: {cal['model']}, microbatch {cal['microbatch_size']}, {cal['precision']}",
-        f"{'per sequence':<14} {'forward ms':>11} {'backward ms':>12}",
+        f"{'per sequence':<20} {'forward ms':>11} {'backward ms':>12}",
     ]
     for piece in ("embed", "block", "head"):
         fwd, bwd = cal[f"{piece}_forward_s"] * ms, cal[f"{piece}_backward_s"] * ms
-        lines.append(f"{piece:<14} {fwd:>11.4f} {bwd:>12.4f}")
+        lines.append(f"{piece:<20} {fwd:>11.4f} {bwd:>12.4f}")
+    for t in cal.get("stage_times", []):
+        name = stage_label(((t["start"], t["end"]), t["first"], t["last"]))
+        lines.append(f"{name:<20} {t['forward_s'] * ms:>11.4f} {t['backward_s'] * ms:>12.4f}  (whole, from the plan)")
     lines += [
         f"implied throughput: {cal['tflops']:.4g} TFLOP/s (block forward)",
         f"optimizer step (AdamW + zero_grad): {cal['optimizer_step_s_per_param'] * 1e9:.3f} ns per parameter",
