@@ -92,18 +92,42 @@ def _cross_entropy(logits: Any, targets: Any) -> Any:
 
 
 def _geosched_rank(role: Any, job: JobSpec, store_port: int, prefix: str, routed: bool, steps: int,
-                   results: Any) -> None:
-    """One stage trained by geosched's runtime; reports (start, end) wall times per step."""
+                   results: Any, interleave: bool = False) -> None:
+    """One stage trained by geosched's runtime; reports (start, end, busy) per step.
+
+    ``interleave``: between steps, both ranks time their own stage alone
+    (``measure_stage``: the forwards and backwards of a step's microbatches,
+    no messages), then meet at a barrier, so every step starts from an empty
+    pipeline as the simulator's does; the report is then (steps, stage times
+    per step), the stage times for the prediction measured in the same
+    seconds as the run (this machine's speed drifts within seconds).
+    """
     try:
         _pin(_cpu_for(role.rank))
+        import torch.distributed as dist
+
         from agents.rank import run_rank
         from agents.transport import StoreAddressBook
         from geosched.data import default_corpus_paths
+        from geosched.profile import measure_stage, profile_microbatches
 
         book = StoreAddressBook.connect("127.0.0.1", store_port, routed=routed, prefix=prefix)
+        alone: list[tuple[float, float]] = []
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)) \
+            if interleave else None
+
+        def between_steps(report: Any) -> None:
+            timing = measure_stage(job, role.layers, first=role.stage == 0, last=role.stage == role.num_stages - 1,
+                                   repeats=1, warmup=1, microbatches=profile_microbatches(job))
+            alone.append((timing.forward_s, timing.backward_s))
+            store.set(f"{prefix}/step{report.step}/rank{role.rank}", "1")  # type: ignore[union-attr]
+            store.wait([f"{prefix}/step{report.step}/rank{r}"  # type: ignore[union-attr]
+                        for r in range(role.num_stages)])
+
         reports = run_rank(job, role, steps=steps, data=default_corpus_paths(), addresses=book, threads=1,
-                           connect_timeout_s=60, recv_timeout_s=60)
-        results.put((prefix, role.rank, [(r.started_at, r.started_at + r.iteration_s, r.busy_s) for r in reports]))
+                           connect_timeout_s=60, recv_timeout_s=60, on_step=between_steps if interleave else None)
+        spans = [(r.started_at, r.started_at + r.iteration_s, r.busy_s) for r in reports]
+        results.put((prefix, role.rank, (spans, alone) if interleave else spans))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent
         results.put((prefix, role.rank, repr(exc)))
 
@@ -199,8 +223,9 @@ def _wall_per_step_s(times: dict[int, list], warmup: int) -> float:
     return (max(t[-1][1] for t in times.values()) - min(t[warmup][0] for t in times.values())) / steps
 
 
-def run_geosched(ctx: Any, job: JobSpec, stage_dcs: list[str], steps: int, shape: Any | None, prefix: str) -> tuple:
-    """Train ``steps`` steps with geosched's runtime on two pinned processes; (times, relay stats)."""
+def run_geosched(ctx: Any, job: JobSpec, stage_dcs: list[str], steps: int, shape: Any | None, prefix: str,
+                 interleave: bool = False) -> dict[int, Any]:
+    """Train ``steps`` steps with geosched's runtime on two pinned processes; each rank's report by rank."""
     import torch.distributed as dist
 
     from agents.rank import layout_roles, pipeline_routes
@@ -214,7 +239,7 @@ def run_geosched(ctx: Any, job: JobSpec, stage_dcs: list[str], steps: int, shape
         router = RelayRouter(StoreAddressBook.connect("127.0.0.1", store.port, routed=True, prefix=prefix),
                              pipeline_routes(roles, lambda a, b: shape)).start()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_geosched_rank, args=(r, job, store.port, prefix, routed, steps, results))
+    procs = [ctx.Process(target=_geosched_rank, args=(r, job, store.port, prefix, routed, steps, results, interleave))
              for r in roles]
     for p in procs:
         p.start()
@@ -276,6 +301,19 @@ def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_stage_times(calibration: dict[str, Any], alone: dict[int, list[tuple[float, float]]]) -> dict[str, Any]:
+    """``calibration`` with each stage's times the median of its ``(forward_s, backward_s)`` per microbatch samples."""
+    from agents.calibrate import plan_stages
+
+    b = JOB.microbatch_size
+    stage_times = []
+    for rank, ((start, end), first, last) in enumerate(plan_stages(LAYERS)):
+        forward, backward = zip(*alone[rank])
+        stage_times.append({"start": start, "end": end, "first": first, "last": last,
+                            "forward_s": statistics.median(forward) / b, "backward_s": statistics.median(backward) / b})
+    return {**calibration, "stage_times": stage_times}
+
+
 def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
     """One round: (b) torch and geosched over loopback, A B B A; then calibrate, (a) over the emulated WAN, calibrate."""
     runs: dict[str, list[dict[int, list]]] = {"torch": [], "geosched": []}
@@ -285,9 +323,12 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
                           else run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback"))
     shape = _link_shape()
     before = calibrate_here(ctx, args)
-    wan_times = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan")
+    wan = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan", interleave=True)
     calibration = bracket(before, calibrate_here(ctx, args))  # the machine's speed drifts: bracket the run
-    predicted = predict(JOB, calibration)
+    wan_times = {rank: spans for rank, (spans, _) in wan.items()}
+    same_time = with_stage_times(calibration, {rank: alone[args.warmup:] for rank, (_, alone) in wan.items()})
+    predicted = predict(JOB, same_time)
+    predicted_bracketed = predict(JOB, calibration)
     measured_wan = _iteration_s(wan_times, args.warmup)
     geosched_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["geosched"])
     torch_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["torch"])
@@ -295,6 +336,8 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
     return {
         "predicted_iteration_s": predicted.iteration_s, "measured_iteration_s": measured_wan,
         "measured_vs_predicted": measured_wan / predicted.iteration_s,
+        "predicted_iteration_s_bracketed": predicted_bracketed.iteration_s,
+        "measured_vs_predicted_bracketed": measured_wan / predicted_bracketed.iteration_s,
         "predicted_bubble_fraction": predicted.bubble_fraction,
         "geosched_loopback_iteration_s": geosched_s, "torch_pipelining_iteration_s": torch_s,
         "throughput_vs_torch_pipelining": torch_s / geosched_s,
@@ -335,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         per_round.append(one)
         busy = one["compute_busy_s"]
         print(f"round {r + 1}: (a) predicted {one['predicted_iteration_s'] * 1e3:6.1f} ms, measured "
-              f"{one['measured_iteration_s'] * 1e3:6.1f} ms, ratio {one['measured_vs_predicted']:.3f}; compute per "
+              f"{one['measured_iteration_s'] * 1e3:6.1f} ms, ratio {one['measured_vs_predicted']:.3f} (bracketing "
+              f"calibrations alone {one['measured_vs_predicted_bracketed']:.3f}); compute per "
               f"stage measured " + "/".join(f"{busy['measured'][s] * 1e3:.0f}" for s in sorted(busy["measured"]))
               + " ms, predicted " + "/".join(f"{busy['predicted'][s] * 1e3:.0f}" for s in sorted(busy["predicted"]))
               + f" ms | (b) torch {one['torch_pipelining_iteration_s'] * 1e3:6.1f} ms, geosched "
@@ -347,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         "measured_vs_predicted": statistics.median(ratio_a),
         "throughput_vs_torch_pipelining": statistics.median(ratio_b),
         "measured_vs_predicted_per_round": ratio_a, "throughput_vs_torch_pipelining_per_round": ratio_b,
+        "measured_vs_predicted_bracketed": statistics.median(one["measured_vs_predicted_bracketed"]
+                                                             for one in per_round),
         "predicted_iteration_s": statistics.median(one["predicted_iteration_s"] for one in per_round),
         "measured_iteration_s": statistics.median(one["measured_iteration_s"] for one in per_round),
         "geosched_loopback_iteration_s": statistics.median(one["geosched_loopback_iteration_s"] for one in per_round),
