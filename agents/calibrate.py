@@ -47,10 +47,15 @@ WORKER_TIMEOUT_S = 600.0
 
 def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu", gpu_name: str | None = None,
               co_located: int = 1, link: bool = True, progress: Progress | None = None,
-              stages: Sequence[StageKey] = ()) -> dict[str, Any]:
+              stages: Sequence[StageKey] = (), streams: int = 1, emulated: Any = None) -> dict[str, Any]:
     """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs.
 
     ``stages``: a plan's stages (:func:`plan_stages`), each also measured whole.
+    ``streams``: the TCP streams of the plan's WAN links (the per-chunk
+    message cost is measured striped over that many).
+    ``emulated``: the :class:`~agents.wanem.LinkShape` of the WAN emulator
+    that a rehearsal on this host relays its inter-DC links through; what it
+    adds per message is measured too (``message_overhead_s_emulated``).
     """
     if co_located < 1:
         raise InputError(f"co_located must be >= 1 (got {co_located}): how many ranks share this host")
@@ -72,9 +77,11 @@ def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = 
             progress(0, 1, "message costs (echo peer process)")
 
         costs = measure_message_costs(cal["activation_bytes_per_sequence"] * job.microbatch_size,
-                                      block_unit(job, device))
+                                      block_unit(job, device), streams=streams,
+                                      emulated=emulated)
         if device != "cpu":
-            for key in ("message_overhead_s", "message_overhead_s_per_chunk", "message_overhead_s_per_byte"):
+            for key in ("message_overhead_s", "message_overhead_s_per_chunk", "message_overhead_s_per_byte",
+                        "message_overhead_s_emulated"):
                 costs[key] = None
         cal.update(costs)
         if progress is not None:

@@ -58,18 +58,32 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
     return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, links=links, datacenters=dcs))
 
 
-def calibrate(layout: JobLayout) -> Any:
-    """A quick calibration of the plan's stages on one thread, as its agents run them together on this host."""
+def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
+    """A quick calibration of the plan's stages on one thread, as its agents run them together on this host.
+
+    Message costs are measured with the first WAN boundary's streams, and
+    the emulator's own cost per inter-DC message on its link's shape (the
+    links differ little in what a relay costs).
+    """
     import torch
 
     from agents.calibrate import calibrate as measure, plan_stages
+    from agents.wanem import shape_for_link
     from geosched.costmodel import Calibration
+
+    boundaries = layout.wan_boundaries()
+    emulated, streams = None, 1
+    if boundaries:
+        _, up, down = boundaries[0]
+        emulated = shape_for_link(layout.config.cluster.link(up, down), wan_scale)
+        streams = layout.streams.get(tuple(sorted((up, down))), 1)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
     try:
-        data = measure(layout.job, repeats=3, warmup=1, co_located=max(1, min(len(layout.roles), os.cpu_count() or 1)),
-                       stages=plan_stages(layout.stage_layers))
+        copies = max(1, min(len(layout.roles), os.cpu_count() or 1))
+        data = measure(layout.job, repeats=3, warmup=1, co_located=copies,
+                       stages=plan_stages(layout.stage_layers), streams=streams, emulated=emulated)
     finally:
         torch.set_num_threads(threads)
     return Calibration.from_dict(data)
@@ -233,7 +247,7 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
         old.unlink()
     (run / "plan.yaml").write_text(text)
     if calibration == "measure":
-        calibration = calibrate(layout)
+        calibration = calibrate(layout, wan_scale)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale)
     with ExitStack() as stack:

@@ -3,10 +3,14 @@
 (a) Two stages in two processes, pinned one per core (``os.sched_setaffinity``),
     joined by a WAN emulator relay (RTT and link cap below). The prediction is
     the schedule simulator with :class:`~geosched.costmodel.PipelineCosts`
-    calibrated by :func:`agents.calibrate.calibrate` measured here as the
-    stages run: each stage measured whole, one thread per rank, two
-    co-located copies (both cores busy) and the per-message link costs. Reported: ``measured_vs_predicted`` =
-    measured / predicted iteration time.
+    calibrated as the stages run: :func:`agents.calibrate.calibrate` with two
+    co-located copies (both cores busy), the per-message link costs on the
+    link's streams and the emulator's own share; and each stage's forward and
+    backward timed whole, alone, by the stage's own process between the
+    steps of the run (then a barrier, so every step starts from an empty
+    pipeline, as the simulator's does). Reported: ``measured_vs_predicted`` =
+    measured / predicted iteration time, and ``measured_vs_predicted_bracketed``
+    with the stage times of the separate calibrations instead.
 (b) The same two-stage model, batch and microbatches trained by
     ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
     geosched's runtime over loopback (WanLink, no relay), same pinning.
@@ -16,9 +20,10 @@
 This machine's speed drifts by tens of percent within seconds (a shared
 host), so the run is a series of rounds, each (b) (torch and geosched as
 A B B A, A alternating between rounds: a linear drift cancels), then
-calibrate -> (a) -> calibrate, the prediction using
-the mean of the two calibrations that bracket the run. Every figure is the
-median over rounds of that round's ratio; the per-round ratios are in the JSON.
+calibrate -> (a) -> calibrate, the other calibration fields the mean of the
+two that bracket the run; timing the stages between the run's own steps
+takes the drift out of the compute times. Every figure is the median over
+rounds of that round's ratio; the per-round ratios are in the JSON.
 
 Iteration time = median over the measured steps (after warm-up) of each step's
 longest span over the ranks; the mean wall time per step is in the JSON too.
@@ -174,12 +179,13 @@ def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) ->
 def _profile(job: JobSpec, repeats: int, results: Any) -> None:
     """Calibrate as the stages run: each stage whole, one thread each, both cores busy, plus per-message costs."""
     try:
+        copies = 2 if _cpu_for(0) is not None else 1  # before pinning: then this process sees one CPU
         _pin(_cpu_for(0))
         from agents.calibrate import calibrate, plan_stages
 
-        copies = 2 if _cpu_for(0) is not None else 1
         results.put(("profile", 0, calibrate(job, repeats=repeats, warmup=3, co_located=copies,
-                                             stages=plan_stages(LAYERS))))
+                                             stages=plan_stages(LAYERS), streams=STREAMS,
+                                             emulated=_link_shape())))
     except BaseException as exc:  # noqa: BLE001
         results.put(("profile", 0, repr(exc)))
 
@@ -349,7 +355,7 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
         "compute_busy_s": {"measured": busy, "predicted": {st.stage: st.busy_s for st in predicted.stages}},
         "calibration": {k: calibration[k] for k in ("tflops", "co_located", "message_overhead_s",
                                                      "message_overhead_s_per_chunk", "message_overhead_s_per_byte",
-                                                     "message_latency_s")},
+                                                     "message_overhead_s_emulated", "message_latency_s")},
     }
 
 

@@ -109,6 +109,9 @@ class Calibration:
     byte) is stage time on every SEND and RECV, because on a CPU the link's
     I/O threads share the stage's core (profiles of a GPU leave it None:
     there they run beside the compute). None: not charged.
+    ``message_overhead_s_emulated`` is a rehearsal's extra: stage time per
+    message on an inter-DC link when the WAN emulator relaying it runs on the
+    same host as the stages (``geosched launch``; ``calibrate(emulated=...)``).
 
     ``stage_times`` (``calibrate(stages=...)``) are whole stages of a known
     plan measured as one module: :func:`stage_compute` uses such a stage's
@@ -130,6 +133,7 @@ class Calibration:
     message_overhead_s_per_chunk: float | None = None
     message_overhead_s_per_byte: float | None = None
     message_latency_s: float | None = None
+    message_overhead_s_emulated: float | None = None
     stage_times: tuple[StageTime, ...] = ()
 
     @classmethod
@@ -333,16 +337,18 @@ def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s:
 
 # ------------------------------------------------------- a pipeline's costs ---
 
-def message_overhead_s(calibration: Calibration, nbytes: int, streams: int) -> float:
+def message_overhead_s(calibration: Calibration, nbytes: int, streams: int, wan: bool = False) -> float:
     """Stage time one message of ``nbytes`` costs each end on a link of ``streams`` streams (calibrated).
 
     ``fixed + per_chunk x chunks + per_byte x bytes``, with the chunks the
-    link cuts the message into (:func:`geosched.chunking.chunks_per_message`).
+    link cuts the message into (:func:`geosched.chunking.chunks_per_message`);
+    on a ``wan`` link, plus the emulator's share when the calibration has one.
     """
     cal = calibration
     chunks = chunks_per_message(nbytes, streams)
     return ((cal.message_overhead_s or 0.0) + (cal.message_overhead_s_per_chunk or 0.0) * chunks
-            + (cal.message_overhead_s_per_byte or 0.0) * nbytes)
+            + (cal.message_overhead_s_per_byte or 0.0) * nbytes
+            + (cal.message_overhead_s_emulated or 0.0) * wan)
 
 
 _MESSAGE_PEER = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}
@@ -385,7 +391,8 @@ class PipelineCosts:
                 raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
             k = 1 if link is None else streams.get(tuple(sorted((a, b))), streams_to_fill(link))
             if self.charges_messages:
-                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(cal, nbytes, k)  # type: ignore
+                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(  # type: ignore[arg-type]
+                    cal, nbytes, k, wan=link is not None)
             for src, dst in ((s, s + 1), (s + 1, s)):
                 if link is None:
                     tr = intra_transfer(cluster.dc(a), nbytes)

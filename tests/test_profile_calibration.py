@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 
 from agents.calibrate import block_unit, calibrate, plan_stages
-from agents.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
+from agents.link_profile import SIZE_FACTOR, measure_message_costs, module_env, solve_message_terms
+from agents.wanem import LinkShape
 from geosched.chunking import chunks_per_message
 from geosched.cli import main
 from geosched.config import load_config
@@ -55,7 +58,9 @@ def test_cli_writes_a_calibration_that_the_cost_model_loads(tmp_path, capsys) ->
 
     cal = Calibration.load(out)
     for field in Calibration.__dataclass_fields__:
-        if field.startswith("message_overhead"):
+        if field == "message_overhead_s_emulated":
+            assert cal.message_overhead_s_emulated is None  # only a rehearsal's calibration measures it
+        elif field.startswith("message_overhead"):
             assert getattr(cal, field) >= 0, field  # a difference of timings: may come out as 0 on a tiny model
         elif field == "stage_times":
             assert cal.stage_times == ()  # no --plan: nothing measured whole
@@ -159,6 +164,48 @@ def test_message_costs_are_measured_against_real_compute_and_a_real_peer(tmp_pat
     assert costs["message_bytes_measured"] == [nbytes, SIZE_FACTOR * nbytes]
     assert 0 < costs["message_latency_s"] < 1.0  # one-way over loopback through a second process
     assert all(costs[f"message_overhead_s{term}"] >= 0 for term in ("", "_per_chunk", "_per_byte"))
+    assert "message_overhead_s_emulated" not in costs  # no emulator asked for
+
+
+def test_message_costs_through_the_wan_emulator_on_striped_streams(tmp_path) -> None:
+    """With the plan's streams and the emulator's shape: a real relay process and a busy peer CPU, then gone."""
+    job = load_config(config_with(tmp_path, TINY)).job
+    nbytes = 4 * 65536  # 256 KiB: two 64 KiB stripes on each of 2 streams
+    before = _children()
+    costs = measure_message_costs(nbytes, block_unit(job), rounds=2, units=2, streams=2,
+                                  emulated=LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6, window_bytes=1 << 20))
+    assert costs["message_overhead_s_emulated"] >= 0 and costs["message_overhead_s_per_chunk"] >= 0
+    assert 0 < costs["message_latency_s"] < 1.0
+    assert _children() == before  # the echo peer, the relay and the busy process have all exited
+    bad = subprocess.run([sys.executable, "-m", "agents.link_profile", "--relay"], capture_output=True, text=True,
+                         env=module_env())
+    assert bad.returncode != 0 and "usage: python -m agents.link_profile" in bad.stderr
+
+
+def _children() -> set[int]:
+    """PIDs of this process's live children."""
+    import os
+
+    path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
+    return {int(pid) for pid in open(path).read().split()} if os.path.exists(path) else set()
+
+
+def test_the_emulator_share_is_charged_on_inter_dc_messages_only(tmp_path) -> None:
+    config = load_config(config_with(tmp_path, TINY))
+    job = config.job
+    times = {f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head") for d in ("forward", "backward")}
+    cal = Calibration.from_dict({"gpu_name": "cpu", "tflops": 1.0, **times, "message_overhead_s": 1e-3,
+                                 "message_overhead_s_per_chunk": 0.0, "message_overhead_s_per_byte": 0.0,
+                                 "message_overhead_s_emulated": 4e-4})
+    a, b = (dc.name for dc in config.cluster.datacenters[:2])
+    assert message_overhead_s(cal, 1024, 1) == pytest.approx(1e-3)
+    assert message_overhead_s(cal, 1024, 1, wan=True) == pytest.approx(1.4e-3)
+    schedule = lower(build_schedule("1f1b", 3, 2))
+    costs = PipelineCosts(config.cluster, job, [a, a, b], [(0, 1), (1, 1), (1, 2)], 1, {}, calibration=cal)
+    send = {(act.stage, act.kind.value): act for acts in schedule.actions.values() for act in acts}
+    assert costs.compute_s(send[0, "SEND_F"]) == pytest.approx(1e-3)  # stage 0 -> 1 inside DC a
+    assert costs.compute_s(send[1, "SEND_F"]) == pytest.approx(1.4e-3)  # stage 1 -> 2 over the a-b WAN link
+    assert costs.compute_s(send[2, "RECV_F"]) == pytest.approx(1.4e-3)
 
 
 def test_message_costs_become_stage_time_on_sends_and_receives(tmp_path) -> None:
