@@ -9,8 +9,9 @@
     backward timed whole, alone, by the stage's own process between the
     steps of the run (then a barrier, so every step starts from an empty
     pipeline, as the simulator's does). Reported: ``measured_vs_predicted`` =
-    measured / predicted iteration time, and ``measured_vs_predicted_bracketed``
-    with the stage times of the separate calibrations instead.
+    measured / predicted iteration time, and
+    ``measured_vs_predicted_calibration_only`` with the stage times of the
+    separate calibrations instead.
 (b) The same two-stage model, batch and microbatches trained by
     ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
     geosched's runtime over loopback (WanLink, no relay), same pinning.
@@ -21,8 +22,9 @@ This machine's speed drifts by tens of percent within seconds (a shared
 host), so the run is a series of rounds, each (b) (torch and geosched as
 A B B A, A alternating between rounds: a linear drift cancels), then
 calibrate -> (a) -> calibrate, the other calibration fields the mean of the
-two that bracket the run; timing the stages between the run's own steps
-takes the drift out of the compute times. Every figure is the median over
+two that bracket the run (``--quick``: one round, the calibration before
+the run only); timing the stages between the run's own steps takes the
+drift out of the compute times. Every figure is the median over
 rounds of that round's ratio; the per-round ratios are in the JSON.
 
 Iteration time = median over the measured steps (after warm-up) of each step's
@@ -330,11 +332,12 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
     shape = _link_shape()
     before = calibrate_here(ctx, args)
     wan = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan", interleave=True)
-    calibration = bracket(before, calibrate_here(ctx, args))  # the machine's speed drifts: bracket the run
+    # the machine's speed drifts: bracket the run (--quick: the calibration before it only)
+    calibration = before if args.quick else bracket(before, calibrate_here(ctx, args))
     wan_times = {rank: spans for rank, (spans, _) in wan.items()}
     same_time = with_stage_times(calibration, {rank: alone[args.warmup:] for rank, (_, alone) in wan.items()})
     predicted = predict(JOB, same_time)
-    predicted_bracketed = predict(JOB, calibration)
+    predicted_calibration_only = predict(JOB, calibration)
     measured_wan = _iteration_s(wan_times, args.warmup)
     geosched_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["geosched"])
     torch_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["torch"])
@@ -342,8 +345,8 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
     return {
         "predicted_iteration_s": predicted.iteration_s, "measured_iteration_s": measured_wan,
         "measured_vs_predicted": measured_wan / predicted.iteration_s,
-        "predicted_iteration_s_bracketed": predicted_bracketed.iteration_s,
-        "measured_vs_predicted_bracketed": measured_wan / predicted_bracketed.iteration_s,
+        "predicted_iteration_s_calibration_only": predicted_calibration_only.iteration_s,
+        "measured_vs_predicted_calibration_only": measured_wan / predicted_calibration_only.iteration_s,
         "predicted_bubble_fraction": predicted.bubble_fraction,
         "geosched_loopback_iteration_s": geosched_s, "torch_pipelining_iteration_s": torch_s,
         "throughput_vs_torch_pipelining": torch_s / geosched_s,
@@ -362,14 +365,15 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
 def main(argv: list[str] | None = None) -> int:
     """Run the rounds; print a line per round and, with --json, one JSON object last."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, one round, one calibration per round "
+                        "(under a minute)")
     parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
-    parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 2)")
+    parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 5)
     total = steps + args.warmup
 
     ctx = mp.get_context("forkserver")
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = one["compute_busy_s"]
         print(f"round {r + 1}: (a) predicted {one['predicted_iteration_s'] * 1e3:6.1f} ms, measured "
               f"{one['measured_iteration_s'] * 1e3:6.1f} ms, ratio {one['measured_vs_predicted']:.3f} (bracketing "
-              f"calibrations alone {one['measured_vs_predicted_bracketed']:.3f}); compute per "
+              f"calibrations alone {one['measured_vs_predicted_calibration_only']:.3f}); compute per "
               f"stage measured " + "/".join(f"{busy['measured'][s] * 1e3:.0f}" for s in sorted(busy["measured"]))
               + " ms, predicted " + "/".join(f"{busy['predicted'][s] * 1e3:.0f}" for s in sorted(busy["predicted"]))
               + f" ms | (b) torch {one['torch_pipelining_iteration_s'] * 1e3:6.1f} ms, geosched "
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_vs_predicted": statistics.median(ratio_a),
         "throughput_vs_torch_pipelining": statistics.median(ratio_b),
         "measured_vs_predicted_per_round": ratio_a, "throughput_vs_torch_pipelining_per_round": ratio_b,
-        "measured_vs_predicted_bracketed": statistics.median(one["measured_vs_predicted_bracketed"]
+        "measured_vs_predicted_calibration_only": statistics.median(one["measured_vs_predicted_calibration_only"]
                                                              for one in per_round),
         "predicted_iteration_s": statistics.median(one["predicted_iteration_s"] for one in per_round),
         "measured_iteration_s": statistics.median(one["measured_iteration_s"] for one in per_round),
