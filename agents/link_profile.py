@@ -161,7 +161,7 @@ def _busy_while(cpu: int | None, measure: Callable[[], float]) -> float:
     finally:
         if busy is not None:
             busy.kill()
-            busy.wait()
+            busy.communicate()
 
 
 def _helper(*args: str) -> subprocess.Popen:
@@ -299,8 +299,14 @@ def _relay_main(shape_json: str, port: int) -> None:
 
 
 def _busy_main(cpu: int) -> None:
-    """Keep ``cpu`` busy (``--busy``), as a co-located stage would, until killed."""
+    """Keep ``cpu`` busy (``--busy``), as a co-located stage would, until stdin closes (or its parent dies)."""
     os.sched_setaffinity(0, {cpu})
+
+    def exit_at_eof() -> None:
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=exit_at_eof, daemon=True).start()
     while True:
         pass
 
