@@ -149,6 +149,26 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     return out_cal
 
 
+def plan_options(layout: Any, wan_scale: float | None = None) -> dict[str, Any]:
+    """What :func:`calibrate` should measure for a plan's layout (``agents.plan_layout.JobLayout``).
+
+    Its stages whole, and message costs on the streams of its first WAN
+    boundary; with ``wan_scale`` (a rehearsal through the WAN emulator), also
+    the emulator's share on that link's shape (the links differ little in
+    what a relay costs).
+    """
+    from agents.wanem import shape_for_link
+
+    options: dict[str, Any] = {"stages": plan_stages(layout.stage_layers)}
+    boundaries = layout.wan_boundaries()
+    if boundaries:
+        _, up, down = boundaries[0]
+        options["streams"] = layout.streams.get(tuple(sorted((up, down))), 1)
+        if wan_scale is not None:
+            options["emulated"] = shape_for_link(layout.config.cluster.link(up, down), wan_scale)
+    return options
+
+
 def plan_stages(stage_layers: Sequence[tuple[int, int]]) -> list[StageKey]:
     """A pipeline's stages (each one's layer range, in order) as ``profile_job`` measures them."""
     last = len(stage_layers) - 1

@@ -59,31 +59,21 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
 
 
 def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
-    """A quick calibration of the plan's stages on one thread, as its agents run them together on this host.
+    """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
-    Message costs are measured with the first WAN boundary's streams, and
-    the emulator's own cost per inter-DC message on its link's shape (the
-    links differ little in what a relay costs).
+    The plan's stages whole, its WAN streams and the emulator's share
+    (:func:`agents.calibrate.plan_options`).
     """
     import torch
 
-    from agents.calibrate import calibrate as measure, plan_stages
-    from agents.wanem import shape_for_link
+    from agents.calibrate import calibrate as measure, plan_options
     from geosched.costmodel import Calibration
-
-    boundaries = layout.wan_boundaries()
-    emulated, streams = None, 1
-    if boundaries:
-        _, up, down = boundaries[0]
-        emulated = shape_for_link(layout.config.cluster.link(up, down), wan_scale)
-        streams = layout.streams.get(tuple(sorted((up, down))), 1)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
     try:
         copies = max(1, min(len(layout.roles), os.cpu_count() or 1))
-        data = measure(layout.job, repeats=3, warmup=1, co_located=copies,
-                       stages=plan_stages(layout.stage_layers), streams=streams, emulated=emulated)
+        data = measure(layout.job, repeats=3, warmup=1, co_located=copies, **plan_options(layout, wan_scale))
     finally:
         torch.set_num_threads(threads)
     return Calibration.from_dict(data)

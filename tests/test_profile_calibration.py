@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from agents.calibrate import block_unit, calibrate, plan_stages
+from agents.calibrate import block_unit, calibrate, plan_options, plan_stages
+from agents.plan_layout import parse_layout
 from agents.link_profile import SIZE_FACTOR, measure_message_costs, module_env, solve_message_terms
 from agents.wanem import LinkShape
 from geosched.chunking import chunks_per_message
@@ -276,6 +277,16 @@ def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     cal = Calibration.load(out)
     assert cal.stage_times and "(whole, from the plan)" in printed
+    assert plan_options(parse_layout(plan.read_text())) == {"stages": [((0, 2), True, True)]}  # one DC, no WAN
+
+    demo_plan = tmp_path / "demo-plan.yaml"
+    assert main(["plan", DEMO, "-o", str(demo_plan), "--no-explain"]) == 0
+    layout = parse_layout(demo_plan.read_text())
+    _, up, down = layout.wan_boundaries()[0]
+    options = plan_options(layout)  # a real cluster: its stages and its first WAN link's streams
+    assert options == {"stages": plan_stages(layout.stage_layers), "streams": layout.streams[tuple(sorted((up, down)))]}
+    rehearsal = plan_options(layout, wan_scale=0.05)["emulated"]  # + the emulator's shape of that link
+    assert rehearsal.link_bytes_per_s == pytest.approx(layout.config.cluster.link(up, down).bandwidth_gbps * 1e9 / 8 * 0.05)
     (tmp_path / "other").mkdir()
     other = config_with(tmp_path / "other", {**TINY, "hidden": 64})
     assert main(["profile", other, "--repeats", "1", "--no-link", "--plan", str(plan)]) == 2

@@ -12,10 +12,11 @@ FLOP estimates.
   geosched profile configs/demo-3dc.yaml -o calibration.json --repeats 15 --check
   geosched profile configs/demo-3dc.yaml --json > calibration.json
   geosched profile configs/demo-3dc.yaml -o calibration.json --co-located 2   # 2 ranks per host
-  geosched profile configs/demo-3dc.yaml -o calibration.json --plan plan.yaml  # + the plan's stages whole
+  geosched profile configs/demo-3dc.yaml -o calibration.json --plan plan.yaml  # + its stages whole, its streams
 
---plan also measures each stage of that plan as one module; the cost model
-prices those stages from their own times instead of adding up the pieces.
+--plan also measures each stage of that plan as one module (the cost model
+prices those stages from their own times instead of adding up the pieces)
+and the message costs striped over the plan's WAN streams.
 
 --check also times a 2-layer stage and prints it next to the cost model's
 prediction from the new calibration.
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-name", help="name stored in the file (default: the detected device name)")
     parser.add_argument("--co-located", type=int, default=1, metavar="N", help="measure N copies at once, one per "
                         "CPU, as N ranks sharing this host run (default 1)")
-    parser.add_argument("--plan", metavar="PLAN", help="also measure each stage of this plan file whole; the "
-                        "cost model then prices those stages from their own times")
+    parser.add_argument("--plan", metavar="PLAN", help="also measure each stage of this plan file whole (the "
+                        "cost model then prices those stages from their own times), and message costs on its "
+                        "WAN streams")
     parser.add_argument("--no-link", action="store_true", help="skip measuring the per-message link costs")
     parser.add_argument("--check", action="store_true", help="also compare a measured 2-layer stage with the "
                         "cost model's prediction from this calibration")
@@ -76,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
     job = load_config(args.config).job
-    stages = _plan_stages(args.plan, job) if args.plan else []
+    options = _plan_options(args.plan, job) if args.plan else {}
     bar = ProgressBar(sys.stderr)
     cal = calibrate(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
-                    co_located=args.co_located, link=not args.no_link, progress=bar, stages=stages)
+                    co_located=args.co_located, link=not args.no_link, progress=bar, **options)
     bar.finish()
     if args.check:
         calibration = Calibration.from_dict(cal)
@@ -94,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_stages(path: str, job: Any) -> list[Any]:
-    """The stages of the plan at ``path``; InputError if the plan is for another model."""
-    from agents.calibrate import plan_stages
+def _plan_options(path: str, job: Any) -> dict[str, Any]:
+    """What to measure for the plan at ``path`` (its stages, its WAN streams); InputError if it is for another model."""
+    from agents.calibrate import plan_options
     from agents.daemon import load_plan_file
     from agents.plan_layout import parse_layout
 
@@ -104,7 +106,7 @@ def _plan_stages(path: str, job: Any) -> list[Any]:
     if layout.job.model != job.model:
         raise InputError(f"--plan {path}: its model ({layout.job.model}) is not the config's ({job.model}); "
                          "pass the config the plan was made from")
-    return plan_stages(layout.stage_layers)
+    return plan_options(layout)
 
 
 def _check_device(device: str, torch: Any) -> None:
