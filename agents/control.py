@@ -1,7 +1,9 @@
 """The MQTT control plane client of a geosched job: connect, reconnect, publish, subscribe.
 
-The topic scheme and payload schemas live in :mod:`agents.control_messages`
-(re-exported here): ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
+The topic scheme and payload schemas live in :mod:`agents.control_messages`,
+the broker URL and its errors in :mod:`agents.broker_address`, the
+subscription queue in :mod:`agents.control_subscription` (all re-exported
+here): ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
 (retained), ``.../agents/<rank>/metrics``, ``.../command``, ``.../events``.
 An agent's client registers a retained last will ``{"state": "offline"}`` on
 its status topic, so a killed agent shows offline.
@@ -28,7 +30,6 @@ import json
 import logging
 import os
 import random
-import re
 import socket
 import ssl
 import time
@@ -36,10 +37,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 
+from agents.broker_address import BrokerAddress, BrokerAuthError, BrokerUnreachable
+from agents.control_subscription import Subscription
 from agents.control_messages import (
     AGENT_STATES,
     COMMANDS,
@@ -53,7 +55,6 @@ from agents.control_messages import (
     StatusMessage,
     Topics,
     check_name,
-    kind_of,
     parse_message,
     validate_fields,
 )
@@ -70,61 +71,12 @@ log = logging.getLogger(__name__)
 _REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
 
 
-class BrokerAuthError(InputError):
-    """The broker refused our credentials or its TLS certificate is not trusted."""
-
-
-class BrokerUnreachable(GeoschedError):
-    """The broker could not be reached in time."""
-
-
 class AgentsNotReady(GeoschedError):
     """Agents did not reach the awaited state in time; ``missing`` names their ranks."""
 
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing
-
-
-# -- the broker address ---------------------------------------------------------
-@dataclass(frozen=True)
-class BrokerAddress:
-    """A parsed broker URL: ``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...``."""
-
-    host: str
-    port: int
-    tls: bool
-    username: str | None = None
-    password: str | None = None
-
-    @classmethod
-    def parse(cls, url: str) -> BrokerAddress:
-        """Parse a broker URL; raise InputError saying what is wrong with it (password masked)."""
-        shown = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError as exc:
-            raise InputError(f"broker URL {shown!r}: {exc}; expected mqtt://host:port") from None
-        if parts.scheme not in ("mqtt", "mqtts"):
-            raise InputError(f"broker URL {shown!r}: scheme must be mqtt:// or mqtts:// (TLS), got {parts.scheme!r}")
-        if not parts.hostname:
-            raise InputError(f"broker URL {shown!r}: no host; expected mqtt://host:port")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise InputError(f"broker URL {shown!r}: must not have a path or query; expected mqtt://host:port")
-        tls = parts.scheme == "mqtts"
-        return cls(
-            host=parts.hostname,
-            port=port or (8883 if tls else 1883),
-            tls=tls,
-            username=unquote(parts.username) if parts.username else None,
-            password=unquote(parts.password) if parts.password is not None else None,
-        )
-
-    def __str__(self) -> str:
-        """The URL with the password masked, safe for logs and error messages."""
-        user = f"{self.username}{':***' if self.password else ''}@" if self.username else ""
-        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
 
 
 # -- the client ------------------------------------------------------------------
@@ -148,61 +100,6 @@ class AgentIdentity:
     dc: str | None = None
     stage: int | None = None
     replica: int | None = None
-
-
-class Subscription:
-    """A local queue of received messages of some kinds (optionally only some ranks).
-
-    Use ``async with await cp.subscribe("command") as sub: async for msg in sub: ...``.
-    When its queue is full, new messages are dropped and counted.
-    """
-
-    def __init__(self, plane: ControlPlane, kinds: frozenset[str], ranks: frozenset[int] | None, size: int) -> None:
-        self._plane, self.kinds, self.ranks = plane, kinds, ranks
-        self._queue: asyncio.Queue[ControlMessage | None] = asyncio.Queue(size)
-        self._closed = False
-
-    def wants(self, message: ControlMessage) -> bool:
-        """True when this subscription should receive ``message``."""
-        if kind_of(message) not in self.kinds:
-            return False
-        return self.ranks is None or not isinstance(message, (StatusMessage, MetricsMessage)) or message.rank in self.ranks
-
-    def offer(self, message: ControlMessage) -> None:
-        """Queue ``message`` without waiting (dropped and counted when the queue is full)."""
-        try:
-            self._queue.put_nowait(message)
-        except asyncio.QueueFull:
-            self._plane.stats.dropped_slow_reader += 1
-
-    async def get(self, timeout: float | None = None) -> ControlMessage:
-        """The next message; asyncio.TimeoutError after ``timeout`` s; StopAsyncIteration once closed."""
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        message = await asyncio.wait_for(self._queue.get(), timeout)
-        if message is None:
-            raise StopAsyncIteration
-        return message
-
-    def close(self) -> None:
-        """Stop receiving; iteration ends after the messages already queued."""
-        if not self._closed:
-            self._closed = True
-            self._plane._subscriptions.discard(self)
-            with contextlib.suppress(asyncio.QueueFull):  # wakes a waiting get()
-                self._queue.put_nowait(None)
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> ControlMessage:
-        return await self.get()
-
-    async def __aenter__(self) -> Subscription:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 class ControlPlane:
