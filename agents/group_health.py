@@ -101,6 +101,18 @@ class HeartbeatMonitor:
                         self._last_value[r], self._last_change[r] = v, now
             self._stop.wait(self.interval_s)
 
+    def _first_quiet(self, silent: list[int]) -> tuple[list[int], list[int]]:
+        """Split silent ranks into those that went quiet first (within two beats of the earliest) and the rest.
+
+        A rank that dies stops first; peers stuck waiting on it (a collective
+        that does not let their heartbeat thread run) can stop some beats later.
+        """
+        with self._lock:
+            since = {r: self._last_change[r] for r in silent}
+        earliest = min(since.values())
+        first = [r for r in silent if since[r] - earliest <= 2 * self.interval_s]
+        return first, [r for r in silent if r not in first]
+
     def missing_ranks(self, wait_s: float = 0.0) -> tuple[list[int], str]:
         """Ranks that stopped, and a phrase saying how we know ("" when none is missing).
 
@@ -127,7 +139,11 @@ class HeartbeatMonitor:
             elif store_error:
                 reasons.append(f"the store is unreachable ({store_error})")
             if silent:
-                reasons.append(f"rank(s) {silent} stopped responding (no heartbeat for {self.stale_s:.1f} s)")
+                first, later = self._first_quiet(silent)
+                missing -= set(later)
+                reasons.append(f"rank(s) {first} stopped responding (no heartbeat for {self.stale_s:.1f} s)")
+                if later:  # e.g. blocked in a collective with the dead rank, and not beating meanwhile
+                    reasons.append(f"rank(s) {later} went quiet after them")
             if reasons or now >= deadline:
                 return sorted(missing), "; ".join(reasons)
             time.sleep(min(self.interval_s / 2, max(0.0, deadline - now)))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from agents.collectives import DataParallelGroup, GroupSpec, join_group
+from agents.group_health import HeartbeatMonitor
 from agents.local_group import run_local_group
 from geosched.errors import CollectiveError
 
@@ -86,3 +87,15 @@ def test_missing_store_host_is_named() -> None:
     spec = GroupSpec("eu/stage1", 1, 2, "127.0.0.1", port, timeout_s=1.0)
     with pytest.raises(CollectiveError, match=r"rank 0 \(the store host\) is missing"):
         join_group(spec)
+
+
+def test_the_rank_that_went_quiet_first_is_named_not_the_ones_stuck_behind_it() -> None:
+    """Heartbeats as recorded: rank 1 stopped first, rank 3 a few beats later (blocked on it), rank 2 beats on."""
+    monitor = HeartbeatMonitor(GroupSpec("eu/stage0", 0, 4, "127.0.0.1", 1, timeout_s=6.0, host_store=False))
+    now, beat = time.monotonic(), monitor.interval_s
+    monitor._last_change = [now, now - 12 * beat, now, now - 7 * beat]  # what the beating thread records
+    missing, why = monitor.missing_ranks()
+    assert missing == [1]
+    assert "rank(s) [1] stopped responding" in why and "rank(s) [3] went quiet after them" in why
+    monitor._last_change = [now, now - 12 * beat, now, now - 11 * beat]  # two deaths at about the same time
+    assert monitor.missing_ranks()[0] == [1, 3]
