@@ -312,13 +312,13 @@ def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def with_stage_times(calibration: dict[str, Any], alone: dict[int, list[tuple[float, float]]]) -> dict[str, Any]:
     """``calibration`` with each stage's times the median of its ``(forward_s, backward_s)`` per microbatch samples."""
     from agents.calibrate import plan_stages
+    from geosched.profile import stage_time_record
 
     b = JOB.microbatch_size
     stage_times = []
-    for rank, ((start, end), first, last) in enumerate(plan_stages(LAYERS)):
+    for rank, key in enumerate(plan_stages(LAYERS)):
         forward, backward = zip(*alone[rank])
-        stage_times.append({"start": start, "end": end, "first": first, "last": last,
-                            "forward_s": statistics.median(forward) / b, "backward_s": statistics.median(backward) / b})
+        stage_times.append(stage_time_record(key, statistics.median(forward) / b, statistics.median(backward) / b))
     return {**calibration, "stage_times": stage_times}
 
 

@@ -252,10 +252,8 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
         cal[f"{name}_backward_s"] = times[name].backward_s / b
     cal["stage_times"] = []
     for key in whole:
-        (start, end), first, last = key
         timing = times[stage_label(key)]
-        cal["stage_times"].append({"start": start, "end": end, "first": first, "last": last,
-                                   "forward_s": timing.forward_s / b, "backward_s": timing.backward_s / b})
+        cal["stage_times"].append(stage_time_record(key, timing.forward_s / b, timing.backward_s / b))
     cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
     cal["optimizer_step_s_per_param"] = step_per_param
     cal.update(measure_activation_bytes(job, device))
@@ -271,6 +269,13 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     })
     Calibration.from_dict(cal)  # the loader's fields are all there
     return cal
+
+
+def stage_time_record(key: StageKey, forward_s: float, backward_s: float) -> dict[str, Any]:
+    """One ``stage_times`` entry of a calibration dict (seconds per sequence), as ``StageTime`` reads it."""
+    (start, end), first, last = key
+    return {"start": start, "end": end, "first": first, "last": last, "forward_s": forward_s,
+            "backward_s": backward_s}
 
 
 def stage_label(key: StageKey) -> str:
