@@ -101,16 +101,14 @@ class HeartbeatMonitor:
                         self._last_value[r], self._last_change[r] = v, now
             self._stop.wait(self.interval_s)
 
-    def _first_quiet(self, silent: list[int]) -> tuple[list[int], list[int]]:
+    def _first_quiet(self, silent: list[int], last_change: list[float]) -> tuple[list[int], list[int]]:
         """Split silent ranks into those that went quiet first (within two beats of the earliest) and the rest.
 
         A rank that dies stops first; peers stuck waiting on it (a collective
         that does not let their heartbeat thread run) can stop some beats later.
         """
-        with self._lock:
-            since = {r: self._last_change[r] for r in silent}
-        earliest = min(since.values())
-        first = [r for r in silent if since[r] - earliest <= 2 * self.interval_s]
+        earliest = min(last_change[r] for r in silent)
+        first = [r for r in silent if last_change[r] - earliest <= 2 * self.interval_s]
         return first, [r for r in silent if r not in first]
 
     def missing_ranks(self, wait_s: float = 0.0) -> tuple[list[int], str]:
@@ -128,9 +126,9 @@ class HeartbeatMonitor:
             now = time.monotonic()
             with self._lock:
                 seen_until = now if self._store_failed_at is None else self._store_failed_at
-                silent = [r for r in range(spec.size)
-                          if r != spec.rank and seen_until - self._last_change[r] > self.stale_s]
+                last_change = list(self._last_change)
                 store_error = self._store_error
+            silent = [r for r in range(spec.size) if r != spec.rank and seen_until - last_change[r] > self.stale_s]
             reasons, missing = [], set(silent)
             if store_error and spec.host_store and spec.rank != 0:
                 reasons.append(f"rank 0 (the store host) is unreachable ({store_error})")
@@ -139,7 +137,7 @@ class HeartbeatMonitor:
             elif store_error:
                 reasons.append(f"the store is unreachable ({store_error})")
             if silent:
-                first, later = self._first_quiet(silent)
+                first, later = self._first_quiet(silent, last_change)
                 missing -= set(later)
                 reasons.append(f"rank(s) {first} stopped responding (no heartbeat for {self.stale_s:.1f} s)")
                 if later:  # e.g. blocked in a collective with the dead rank, and not beating meanwhile
