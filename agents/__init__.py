@@ -1,5 +1,16 @@
-"""The per-datacenter agent and everything it runs: the MQTT control plane,
-multi-stream ZeroMQ WAN links, intra-datacenter collectives
-(torch.distributed), the stage runtime that executes a schedule, the prefill
-service, checkpoints, the WAN emulator and the one-machine launcher.
+"""The agents: everything that runs a plan on real machines.
+
+Layers, top to bottom (enforced by the import contracts in pyproject.toml;
+nothing imports upward, not even lazily):
+
+- ``rehearsal`` (the one-machine launcher, calibration, run reports) and
+  ``daemon`` (``geosched agent``: one asyncio process per rank);
+- ``worker``: the daemon's training thread (stage + checkpoints + prefill);
+- ``stage``, ``control``, ``prefill``, ``checkpoint``: independent of each other;
+- ``dp``, ``wan``, ``wanem``: independent of each other;
+- ``layout`` (plan, roles, endpoint names; torch-free) and ``sockets`` (the
+  one ZeroMQ socket factory), which every layer may import.
+
+agents/ may import planner/ and the core (geosched/ without its CLI), never
+geosched.cli or geosched.commands.
 """

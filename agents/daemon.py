@@ -8,7 +8,7 @@ a last will marks it ``offline`` if it dies):
 2. The plan is checked against the agent (its rank must exist, its ``--dc`` must
    be the rank's DC); a bad plan from the broker gives status ``error`` and an
    event naming the problem, and the agent waits for the next plan.
-3. A worker thread opens the rank's :class:`~agents.rank.RankSession`: builds the
+3. A worker thread opens the rank's :class:`~agents.stage.session.RankSession`: builds the
    stage, binds its link listener and (replica 0) its DP group store on port 0.
    Bound endpoints go into the agent's status (``endpoints``) and the state
    becomes ``ready``.
@@ -43,9 +43,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.control import AgentIdentity, CommandMessage, ControlPlane, PlanMessage, StatusMessage
-from agents.plan_layout import JobLayout, parse_layout
-from agents.transport import pipe_name, store_name
+from agents.control.plane import AgentIdentity, CommandMessage, ControlPlane, PlanMessage, StatusMessage
+from agents.layout import (
+    JobLayout,
+    check_agent_fits,
+    expected_endpoints,
+    load_plan_file,
+    parse_layout,
+    pipe_name,
+    plan_id,
+    store_name,
+)
 from geosched.errors import GeoschedError, InputError, LinkError, PlanError
 
 log = logging.getLogger(__name__)
@@ -56,17 +64,12 @@ STOP_GRACE_S = 5.0
 """How long a stopping agent waits for its rank thread to finish the step in progress."""
 
 
-def plan_id(text: str) -> str:
-    """A short id of a plan text; statuses carry it so stale endpoints of another plan are ignored."""
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 class AgentStopping(LinkError):
     """The agent is shutting down; lookups and training end."""
 
 
 class MqttAddressBook:
-    """An :class:`~agents.transport.AddressBook` over the control plane, used from the worker thread.
+    """An :class:`~agents.stage.transport.AddressBook` over the control plane, used from the worker thread.
 
     ``publish`` puts an endpoint into this agent's retained status (through
     ``announce``, a coroutine run on the agent's loop). ``lookup`` waits until
@@ -129,22 +132,6 @@ class MqttAddressBook:
             self._cond.notify_all()
 
 
-def prefill_name(rank: int) -> str:
-    """The status endpoint name of a rank's prefill service, e.g. ``prefill/r3``."""
-    return f"prefill/r{rank}"
-
-
-def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> set[str]:
-    """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service too)."""
-    role = layout.role(rank)
-    names = {prefill_name(rank)} if prefill else set()
-    if not role.first:
-        names.add(pipe_name(role.stage, role.replica))
-    if role.dp_size > 1 and role.replica == 0:
-        names.add(store_name(role.group))
-    return names
-
-
 @dataclass
 class AgentOptions:
     """Everything ``geosched agent`` takes from its flags."""
@@ -168,25 +155,6 @@ class AgentOptions:
     wan_chunk_bytes: int = 0
     prefill_bind: str | None = None  # serve prefill on this ZeroMQ endpoint (None: off)
     prefill_weights: str | None = None  # safetensors weights of the served model (None: seeded)
-
-
-def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
-    """PlanError unless ``rank`` exists in the plan and (if given) ``dc`` is its DC."""
-    role = layout.role(rank)
-    if dc is not None and dc != role.dc:
-        known = sorted({r.dc for r in layout.roles})
-        where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
-        raise PlanError(f"agent started for rank {rank} in DC {dc!r}, but {where}; "
-                        f"start it with --dc {role.dc} or pick a rank of DC {dc!r}")
-
-
-def load_plan_file(path: str) -> str:
-    """The text of a plan file; PlanError naming the file if it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
 
 
 class Agent:
@@ -312,7 +280,7 @@ class Agent:
 
     async def _adopt(self, layout: JobLayout) -> int | None:
         """Start the worker for ``layout`` (it binds, then waits for ``start``); an exit code if it cannot."""
-        from agents.rank_worker import RankCheckpoints, RankWorker
+        from agents.worker import RankCheckpoints, RankWorker
 
         opts = self.opts
         self.layout = layout

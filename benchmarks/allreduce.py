@@ -40,7 +40,7 @@ def _worker(group: Any, sizes_mib: list[int], reps: int) -> dict[str, Any]:
     """Inside one rank: time every scheme on every size; count elements sent and received."""
     import torch
 
-    from agents import ring
+    from agents.dp import ring
 
     fns = {
         "native": lambda t, c: group.allreduce(t),
@@ -116,7 +116,7 @@ def _grad_worker(group: Any, layers: int, width: int, reps: int) -> dict[str, li
 
 
 def _summarise(g: int, per_rank: list[dict[str, Any]], sizes_mib: list[int]) -> list[dict[str, Any]]:
-    from agents import ring
+    from agents.dp import ring
 
     rows = []
     for mib in sizes_mib:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.groups) < 2 or min(args.sizes_mib) < 1 or args.reps < 1:
         parser.error("--groups must be >= 2, --sizes-mib >= 1 and --reps >= 1")
 
-    from agents.local_group import run_local_group
+    from agents.dp.local_group import run_local_group
 
     rows: list[dict[str, Any]] = []
     for g in args.groups:

@@ -3,9 +3,9 @@
 Two pipeline stages train one GPT (1F1B) in two processes, each pinned to
 its own core (``os.sched_setaffinity``), joined by a real WanLink through
 a WAN emulator relay (RTT and link cap), set up exactly as ``geosched``
-runs ranks (:class:`agents.rank.RankSession`, a routed address book and a
-:class:`agents.transport.RelayRouter`). Each stage serves prefill
-(:class:`agents.prefill_service.PrefillService`, the whole model loaded
+runs ranks (:class:`agents.stage.session.RankSession`, a routed address book and a
+:class:`agents.stage.transport.RelayRouter`). Each stage serves prefill
+(:class:`agents.prefill.service.PrefillService`, the whole model loaded
 once) and fills the bubbles its runtime meets. After a few warm-up steps,
 phases without and with prefill load alternate in one run; the client
 (this process) keeps a fixed number of prompts outstanding per stage during
@@ -52,9 +52,9 @@ def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: in
             os.sched_setaffinity(0, {core})
         import torch
 
-        from agents.prefill_service import PrefillService
-        from agents.rank import RankSession
-        from agents.transport import StoreAddressBook
+        from agents.prefill.service import PrefillService
+        from agents.stage.session import RankSession
+        from agents.stage.transport import StoreAddressBook
         from geosched.data import default_corpus_paths
         from geosched.model import build_model
 
@@ -102,7 +102,7 @@ def _client(endpoints: list[str], step_seen: Any, warmup: int, phase: int, outst
     import torch
     import zmq
 
-    from agents.prefill_client import PrefillClient
+    from agents.prefill.client import PrefillClient
 
     gen = torch.Generator().manual_seed(0)
     clients = [PrefillClient(e, timeout_s=10) for e in endpoints]
@@ -145,9 +145,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the relay, both stages and the client; return the figures."""
     import torch.distributed as dist
 
-    from agents.rank import layout_roles, pipeline_routes
-    from agents.transport import RelayRouter, StoreAddressBook
-    from agents.wanem import LinkShape
+    from agents.layout import layout_roles
+    from agents.stage.session import pipeline_routes
+    from agents.stage.transport import RelayRouter, StoreAddressBook
+    from agents.wanem.emulator import LinkShape
     from geosched.config import JobSpec, ModelSpec
 
     job = JobSpec(model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=64),
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], load: dict, phase_of: Any,
               wall: float, args: argparse.Namespace) -> dict[str, Any]:
     """The JSON figures from the per-step reports and the client's answers."""
-    from agents.prefill_metrics import percentile
+    from agents.prefill.metrics import percentile
 
     busy: dict[str, list[float]] = {"off": [], "on": []}
     split: dict[str, dict[str, list[float]]] = {name: {"training": [], "prefill": [], "comm": [], "idle": []}

@@ -3,7 +3,7 @@
 (a) Two stages in two processes, pinned one per core (``os.sched_setaffinity``),
     joined by a WAN emulator relay (RTT and link cap below). The prediction is
     the schedule simulator with :class:`~geosched.costmodel.PipelineCosts`
-    calibrated as the stages run: :func:`agents.calibrate.calibrate` with two
+    calibrated as the stages run: :func:`agents.rehearsal.calibrate.calibrate` with two
     co-located copies (both cores busy), the per-message link costs on the
     link's streams and the emulator's own share; and each stage's forward and
     backward timed whole, alone, by the stage's own process between the
@@ -75,7 +75,7 @@ def _cpu_for(rank: int) -> int | None:
 
 def _link_shape() -> Any:
     """The WAN emulator's shape of LINK."""
-    from agents.wanem import shape_for_link
+    from agents.wanem.emulator import shape_for_link
     from geosched.config import WanLinkSpec
 
     return shape_for_link(WanLinkSpec(between=("us", "eu"), bandwidth_gbps=LINK["bandwidth_gbps"],
@@ -113,8 +113,8 @@ def _geosched_rank(role: Any, job: JobSpec, store_port: int, prefix: str, routed
         _pin(_cpu_for(role.rank))
         import torch.distributed as dist
 
-        from agents.rank import run_rank
-        from agents.transport import StoreAddressBook
+        from agents.stage.session import run_rank
+        from agents.stage.transport import StoreAddressBook
         from geosched.data import default_corpus_paths
         from geosched.profile import measure_stage, profile_microbatches
 
@@ -183,7 +183,7 @@ def _profile(job: JobSpec, repeats: int, results: Any) -> None:
     try:
         copies = 2 if _cpu_for(0) is not None else 1  # before pinning: then this process sees one CPU
         _pin(_cpu_for(0))
-        from agents.calibrate import calibrate, plan_stages
+        from agents.rehearsal.calibrate import calibrate, plan_stages
 
         results.put(("profile", 0, calibrate(job, repeats=repeats, warmup=3, co_located=copies,
                                              stages=plan_stages(LAYERS), streams=STREAMS,
@@ -236,8 +236,9 @@ def run_geosched(ctx: Any, job: JobSpec, stage_dcs: list[str], steps: int, shape
     """Train ``steps`` steps with geosched's runtime on two pinned processes; each rank's report by rank."""
     import torch.distributed as dist
 
-    from agents.rank import layout_roles, pipeline_routes
-    from agents.transport import RelayRouter, StoreAddressBook
+    from agents.layout import layout_roles
+    from agents.stage.session import pipeline_routes
+    from agents.stage.transport import RelayRouter, StoreAddressBook
 
     roles = layout_roles(stage_dcs, LAYERS, 1, wan_streams=STREAMS)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
@@ -272,7 +273,7 @@ def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
 
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
     """The simulator's timeline of the (a) layout with the measured calibration."""
-    from agents.rank import job_schedule
+    from agents.stage.session import job_schedule
     from geosched.costmodel import Calibration, PipelineCosts
     from geosched.schedule import simulate
 
@@ -311,7 +312,7 @@ def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 def with_stage_times(calibration: dict[str, Any], alone: dict[int, list[tuple[float, float]]]) -> dict[str, Any]:
     """``calibration`` with each stage's times the median of its ``(forward_s, backward_s)`` per microbatch samples."""
-    from agents.calibrate import plan_stages
+    from agents.rehearsal.calibrate import plan_stages
     from geosched.profile import stage_time_record
 
     b = JOB.microbatch_size
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     total = steps + args.warmup
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.rank", "agents.wan"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.wan.link"])
     print(f"(a) 2 stages over an emulated WAN link ({LINK['bandwidth_gbps'] * 1000:.0f} Mb/s, RTT "
           f"{LINK['rtt_ms']:g} ms) against the calibrated prediction; (b) the same over loopback against "
           f"torch.distributed.pipelining 1F1B; {JOB.global_batch // JOB.microbatch_size} microbatches of "

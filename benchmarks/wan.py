@@ -44,7 +44,8 @@ def _wan_sender(conn: Any, endpoint: str, config: dict, nbytes: int, count: int,
     import torch
 
     from agents.sockets import CurveClient
-    from agents.wan import WanLink, WanLinkConfig
+    from agents.wan.config import WanLinkConfig
+    from agents.wan.link import WanLink
 
     if curve_dir:
         config = dict(
@@ -89,7 +90,7 @@ def _relay(
     conn: Any, target_port: int, rtt_ms: float, link_bytes_per_s: float | None, window_bytes: int | None
 ) -> None:
     """Run a WanRelay in its own process until told to stop."""
-    from agents.wanem import LinkShape, WanRelay
+    from agents.wanem.emulator import LinkShape, WanRelay
 
     shape = LinkShape(rtt_ms=rtt_ms, link_bytes_per_s=link_bytes_per_s, window_bytes=window_bytes)
     with WanRelay(("127.0.0.1", target_port), shape).start() as relay:
@@ -165,7 +166,8 @@ def wanlink_goodput(
     import torch
 
     from agents.sockets import CurveServer
-    from agents.wan import WanLink, WanLinkConfig
+    from agents.wan.config import WanLinkConfig
+    from agents.wan.link import WanLink
 
     config = {"link_id": 1, "streams": streams, "chunk_bytes": chunk, "max_chunk_bytes": max(chunk, 16 * MIB)}
     curve = CurveServer.from_files(f"{curve_dir}/server.key", f"{curve_dir}/clients") if curve_dir else None

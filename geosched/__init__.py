@@ -1,8 +1,10 @@
-"""geosched core: config schema, cost model, schedules and their simulator,
-wire format, reports and the command line.
+"""geosched: the core (config schema, cost model, schedules and their simulator, model, data, wire
+format) and, in ``cli`` and ``commands/``, the command line.
 
-Everything here is shared by the planner (``planner/``) and the per-datacenter
-agents (``agents/``); nothing here opens a socket or starts a process.
+Layers, top to bottom: ``geosched.cli`` and ``geosched.commands`` (one module
+per verb) > ``agents/`` > ``planner/`` > the core, i.e. every other module
+here. The core imports nothing from the layers above it; ``costmodel`` and
+``schedule/`` never import torch. The contracts live in pyproject.toml.
 """
 
 __version__ = "0.1.0"

@@ -103,7 +103,7 @@ class Calibration:
     gradients) per parameter; None (calibration files written before it was
     measured) falls back to :func:`optimizer_step_estimate_s`.
 
-    The ``message_*`` fields (``agents.link_profile``) price moving a tensor
+    The ``message_*`` fields (``agents.rehearsal.link_profile``) price moving a tensor
     between stages beyond its wire time: ``message_latency_s`` is added to
     every transfer, and :func:`message_overhead_s` (fixed + per chunk + per
     byte) is stage time on every SEND and RECV, because on a CPU the link's

@@ -35,7 +35,7 @@ TINY_CONFIG = {
 
 def tiny_plan(tmp_path: Path, stage_dcs: list[str] | None = None, dp: int = 1) -> Path:
     """Write the tiny job's plan (one stage per DC by default) and return its path."""
-    from agents.plan_layout import layout_plan_text
+    from agents.layout import layout_plan_text
     from geosched.config import config_from_dict
 
     path = tmp_path / "plan.yaml"

@@ -18,8 +18,9 @@ def one_torch_thread():
 @pytest.fixture
 def link_pair():
     """A listening and a connected WanLink on loopback (no relay: the intra-DC path)."""
-    from agents.transport import link_id
-    from agents.wan import WanLink, WanLinkConfig
+    from agents.stage.transport import link_id
+    from agents.wan.config import WanLinkConfig
+    from agents.wan.link import WanLink
 
     config = WanLinkConfig(link_id=link_id(0, 0), streams=1, connect_timeout_s=10)
     listener = WanLink.listen("tcp://127.0.0.1:0", config)

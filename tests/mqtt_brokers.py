@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
+from geosched.processes import child_env
+from agents.control.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 
 TEST_USERS = {"geosched": "s3cret-pw", "watcher": "other-pw"}
 BROKER_KINDS = ("mosquitto", "embedded")
@@ -243,10 +244,7 @@ def embedded_broker() -> Iterator[RunningBroker]:
 
 def agent_subprocess_env() -> dict[str, str]:
     """Environment for a child Python process that must import geosched/agents from this checkout."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
+    return child_env()
 
 
 PYTHON = sys.executable

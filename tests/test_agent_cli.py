@@ -55,7 +55,7 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
 
         asked = _run("job", "checkpoint", "--mqtt", url, "--job", job)  # idle agents write it at once
         assert asked.returncode == 0, asked.stderr
-        from agents.checkpoint import latest_complete
+        from agents.checkpoint.store import latest_complete
 
         wait_for(lambda: latest_complete(ckpt, num_stages=2) == 3, 30, "checkpoint 3 from both stages")
 
@@ -69,7 +69,7 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
 
 
 async def _retained_plan(url: str, job: str) -> str | None:
-    from agents.control import ControlPlane, PlanMessage
+    from agents.control.plane import ControlPlane, PlanMessage
 
     async with ControlPlane(url, job, "plan-reader") as cp:
         async with await cp.subscribe("plan") as sub:

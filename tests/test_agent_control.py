@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
-from agents.coordinator import AgentLost, start_job
+from agents.control.coordinator import AgentLost, start_job
 from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow

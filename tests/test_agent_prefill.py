@@ -17,7 +17,7 @@ import aiomqtt
 import pytest
 
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from agents.coordinator import start_job
+from agents.control.coordinator import start_job
 from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def _send_prompts(endpoints: dict[int, str], stop: threading.Event, answers: list, sent: list) -> None:
     """Send a prompt to each endpoint every 20 ms until ``stop``; then collect the answers (deadline 3 s)."""
-    from agents.prefill_client import PrefillClient
+    from agents.prefill.client import PrefillClient
     from geosched.errors import LinkError
 
     clients = [PrefillClient(ep) for ep in endpoints.values()]

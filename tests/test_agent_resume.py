@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from agents.coordinator import AgentRefused, start_job
+from agents.control.coordinator import AgentRefused, start_job
 from mqtt_brokers import embedded_broker  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow

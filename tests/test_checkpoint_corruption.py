@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agents.checkpoint import CheckpointWriter, job_fingerprint, latest_complete, load_shard, shard_paths
+from agents.checkpoint.store import CheckpointWriter, job_fingerprint, latest_complete, load_shard, shard_paths
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape, build_stage
 

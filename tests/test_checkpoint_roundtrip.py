@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from agents.checkpoint import (
+from agents.checkpoint.store import (
     CheckpointWriter,
     job_fingerprint,
     latest_complete,

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents.collectives import DataParallelGroup, GroupSpec, join_group
-from agents.group_health import HeartbeatMonitor
-from agents.local_group import run_local_group
+from agents.dp.group import DataParallelGroup, join_group
+from agents.dp.spec import GroupSpec
+from agents.dp.health import HeartbeatMonitor
+from agents.dp.local_group import run_local_group
 from geosched.errors import CollectiveError
 
 TIMEOUT_S = 10.0

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents import ring
-from agents.collectives import DataParallelGroup, GroupSpec, join_group
-from agents.local_group import run_local_group
+from agents.dp import ring
+from agents.dp.group import DataParallelGroup, join_group
+from agents.dp.spec import GroupSpec
+from agents.dp.local_group import run_local_group
 from geosched.errors import ConfigError, InputError
 
 BIG = 1_000_003

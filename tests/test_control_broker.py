@@ -10,7 +10,7 @@ from typing import TypeVar
 import aiomqtt
 import pytest
 
-from agents.broker import EmbeddedBroker, topic_matches, valid_topic_filter
+from agents.control.broker import EmbeddedBroker, topic_matches, valid_topic_filter
 from geosched.errors import GeoschedError
 
 T = TypeVar("T")

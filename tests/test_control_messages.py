@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agents.control import BrokerAddress
-from agents.control_messages import (
+from agents.control.plane import BrokerAddress
+from agents.control.messages import (
     CommandMessage,
     EventMessage,
     MetricsMessage,

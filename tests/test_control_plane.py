@@ -24,7 +24,7 @@ from mqtt_brokers import (  # noqa: F401  (fixtures)
     mqtt_broker,
 )
 
-from agents.control import (
+from agents.control.plane import (
     AgentIdentity,
     AgentsNotReady,
     BrokerAuthError,
@@ -44,7 +44,7 @@ FAST = {"backoff": (0.05, 0.5), "connect_timeout": 10.0}
 
 AGENT_SCRIPT = """
 import asyncio, sys
-from agents.control import AgentIdentity, ControlPlane
+from agents.control.plane import AgentIdentity, ControlPlane
 async def main(url, rank):
     identity = AgentIdentity(rank, dc="eu", stage=1, replica=0)
     async with ControlPlane(url, "testjob", f"agent-{rank}", agent=identity, keepalive=5) as cp:

@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from agents.rank import RankRole, job_schedule, layout_roles, pipeline_routes, run_rank, train_one_process
-from agents.stage_report import StepReport, global_loss, measured_timeline
-from agents.transport import RelayRouter, StoreAddressBook
-from agents.wanem import LinkShape
+from agents.layout import RankRole, layout_roles
+from agents.stage.session import job_schedule, pipeline_routes, run_rank, train_one_process
+from agents.stage.report import StepReport, global_loss, measured_timeline
+from agents.stage.transport import RelayRouter, StoreAddressBook
+from agents.wanem.emulator import LinkShape
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 
@@ -63,7 +64,7 @@ def pipelined_runs():
                            pipeline_routes(roles, lambda a, b: WAN)).start() for name in SCHEDULES]
     ctx = mp.get_context("forkserver")  # children fork from a server that imported torch once
     # preloaded once in the server; AdamW alone imports torch._dynamo (~3 s per process otherwise)
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.rank", "agents.wan", "agents.collectives"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.wan.link", "agents.dp.group"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(role, JOB, SCHEDULES, store.port, results), daemon=True)
              for role in roles]

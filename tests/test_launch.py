@@ -51,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     """One stage per DC (us -> eu -> ap), so both WAN links carry traffic through the emulator."""
-    from agents.plan_layout import layout_plan_text
+    from agents.layout import layout_plan_text
     from geosched.config import load_config
 
     plan = tmp_path / "plan.yaml"

@@ -32,7 +32,7 @@ def _launch(tmp_path: Path, plan: Path, name: str, *extra: str) -> tuple[dict, P
 
 
 def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Path):
-    from agents.plan_layout import layout_plan_text
+    from agents.layout import layout_plan_text
     from geosched.config import load_config
 
     plan = tmp_path / "plan.yaml"

@@ -12,8 +12,8 @@ import pytest
 import torch
 import zmq
 
-from agents.prefill_client import PrefillClient
-from agents.prefill_service import PrefillService
+from agents.prefill.client import PrefillClient
+from agents.prefill.service import PrefillService
 from agents.sockets import CurveClient, CurveServer, load_keypair, load_public_key, write_keypair
 from geosched.errors import LinkError
 from geosched.model import ModelShape, build_model

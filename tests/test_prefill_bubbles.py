@@ -14,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agents.prefill_client import PrefillClient
-from agents.prefill_service import PrefillService
-from agents.rank import job_schedule, train_one_process
-from agents.runtime import StageRuntime
-from agents.stage_report import StepReport
-from agents.transport import LinkTransport, link_id
-from agents.wan import WanLink, WanLinkConfig
+from agents.prefill.client import PrefillClient
+from agents.prefill.service import PrefillService
+from agents.stage.session import job_schedule, train_one_process
+from agents.stage.runtime import StageRuntime
+from agents.stage.report import StepReport
+from agents.stage.transport import LinkTransport, link_id
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import LinkError

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from agents.prefill_model import inference_memory_bytes, load_inference_model, save_inference_weights
-from agents.prefill_service import PrefillService
+from agents.prefill.model import inference_memory_bytes, load_inference_model, save_inference_weights
+from agents.prefill.service import PrefillService
 from geosched.cli import main
 from geosched.config import load_config
 from geosched.errors import InputError

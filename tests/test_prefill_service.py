@@ -10,9 +10,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from agents.prefill_client import PrefillClient, continue_greedy
-from agents.prefill_model import kv_bytes_per_token
-from agents.prefill_service import PrefillService
+from agents.prefill.client import PrefillClient, continue_greedy
+from agents.prefill.model import kv_bytes_per_token
+from agents.prefill.service import PrefillService
 from geosched.errors import InputError
 from geosched.model import ModelShape, build_model, greedy_generate, prefill
 

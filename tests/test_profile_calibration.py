@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from agents.calibrate import block_unit, calibrate, plan_options, plan_stages
-from agents.plan_layout import parse_layout
-from agents.link_profile import SIZE_FACTOR, measure_message_costs, module_env, solve_message_terms
-from agents.wanem import LinkShape
+from agents.rehearsal.calibrate import block_unit, calibrate, plan_options, plan_stages
+from agents.layout import parse_layout
+from agents.rehearsal.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
+from agents.wanem.emulator import LinkShape
 from geosched.chunking import chunks_per_message
 from geosched.cli import main
 from geosched.config import load_config
@@ -21,6 +21,7 @@ from geosched.costmodel import (ASSUMED_MEMORY_BANDWIDTH_BPS, Calibration, Pipel
                                 gpt_block_cost, message_overhead_s, stage_compute, stage_params, total_params)
 from geosched.errors import InputError
 from geosched.profile import check_prediction, measure_activation_bytes, profile_job
+from geosched.processes import child_env
 from geosched.schedule import build_schedule, lower, simulate
 
 DEMO = "configs/demo-3dc.yaml"
@@ -178,9 +179,9 @@ def test_message_costs_through_the_wan_emulator_on_striped_streams(tmp_path) -> 
     assert costs["message_overhead_s_emulated"] >= 0 and costs["message_overhead_s_per_chunk"] >= 0
     assert 0 < costs["message_latency_s"] < 1.0
     assert _children() == before  # the echo peer, the relay and the busy process have all exited
-    bad = subprocess.run([sys.executable, "-m", "agents.link_profile", "--relay"], capture_output=True, text=True,
-                         env=module_env())
-    assert bad.returncode != 0 and "usage: python -m agents.link_profile" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "agents.rehearsal.link_profile", "--relay"], capture_output=True, text=True,
+                         env=child_env())
+    assert bad.returncode != 0 and "usage: python -m agents.rehearsal.link_profile" in bad.stderr
 
 
 def _children() -> set[int]:

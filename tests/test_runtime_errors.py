@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agents.rank import job_schedule, layout_roles, num_microbatches
-from agents.runtime import StageRuntime
-from agents.transport import LinkTransport
-from agents.wan import WanLink
+from agents.layout import layout_roles
+from agents.stage.session import job_schedule, num_microbatches
+from agents.stage.runtime import StageRuntime
+from agents.stage.transport import LinkTransport
+from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import LinkError, PlanError, StageError

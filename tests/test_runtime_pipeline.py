@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agents.rank import job_schedule, train_one_process
-from agents.runtime import StageRuntime
-from agents.stage_report import StepReport, global_loss, measured_timeline
-from agents.transport import LinkTransport
-from agents.wan import WanLink
+from agents.stage.session import job_schedule, train_one_process
+from agents.stage.runtime import StageRuntime
+from agents.stage.report import StepReport, global_loss, measured_timeline
+from agents.stage.transport import LinkTransport
+from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.model import build_stage

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from agents.wan import WanLink, WanLinkConfig
-from agents.wanem import LinkShape, WanRelay
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
+from agents.wanem.emulator import LinkShape, WanRelay
 from geosched.errors import LinkError
 
 pytestmark = pytest.mark.slow

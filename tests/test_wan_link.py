@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from agents.wan import WanLink, WanLinkConfig
-from agents.wan_io import poll_timeout_ms
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
+from agents.wan.io import poll_timeout_ms
 from geosched.chunking import auto_chunk_bytes
 from geosched.errors import InputError, LinkError, ProtocolError
 

@@ -12,7 +12,8 @@ import torch
 import zmq
 
 from agents.sockets import CurveClient, CurveServer, write_keypair
-from agents.wan import WanLink, WanLinkConfig
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
 from geosched.errors import LinkError
 from geosched.wire import checksum, encode_header
 

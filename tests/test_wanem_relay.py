@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.wanem import LinkShape, WanEmulator, WanRelay, shape_for_link
+from agents.wanem.emulator import LinkShape, WanEmulator, WanRelay, shape_for_link
 from geosched.errors import InputError
 
 

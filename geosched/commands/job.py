@@ -41,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
-    from agents import coordinator
+    from agents.control import coordinator
 
     url = mqtt_url(args)
     if args.action == "start":
-        from agents.daemon import load_plan_file
+        from agents.layout import load_plan_file
 
         if args.steps is not None and args.steps < 1:
             raise InputError(f"--steps: must be >= 1 (got {args.steps})")

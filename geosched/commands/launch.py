@@ -23,7 +23,7 @@ from geosched.errors import InputError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched launch``."""
-    from agents.launch import DEFAULT_WAN_SCALE  # a light import: agents.launch defers its heavy ones
+    from agents.rehearsal.launch import DEFAULT_WAN_SCALE  # a light import: agents.rehearsal.launch defers its heavy ones
 
     parser.add_argument("config", help="cluster + job config, e.g. configs/demo-3dc.yaml")
     parser.add_argument("--plan", help="plan file to run (default: plan the config now)")
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the rehearsal."""
-    from agents.launch import launch
+    from agents.rehearsal.launch import launch
 
     if args.steps is not None and args.steps < 1:
         raise InputError(f"--steps: must be >= 1 (got {args.steps})")

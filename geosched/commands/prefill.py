@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_local_model(args: argparse.Namespace):  # -> StageModule
-    from agents.prefill_model import load_inference_model
+    from agents.prefill.model import load_inference_model
     from geosched.config import load_config
 
     if args.config is None or (args.weights is None and args.seed is None):
@@ -51,7 +51,7 @@ def _load_local_model(args: argparse.Namespace):  # -> StageModule
 
 def run(args: argparse.Namespace) -> int:
     """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
-    from agents.prefill_client import PrefillClient, continue_greedy
+    from agents.prefill.client import PrefillClient, continue_greedy
     from agents.sockets import CurveClient
 
     if args.decode < 0:

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     from geosched.config import load_config
     from geosched.costmodel import Calibration
-    from agents.calibrate import calibrate
+    from agents.rehearsal.calibrate import calibrate
     from geosched.profile import check_prediction, write_calibration
 
     if args.repeats < 1:
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_options(path: str, job: Any) -> dict[str, Any]:
     """What to measure for the plan at ``path`` (its stages, its WAN streams); InputError if it is for another model."""
-    from agents.calibrate import plan_options
-    from agents.daemon import load_plan_file
-    from agents.plan_layout import parse_layout
+    from agents.rehearsal.calibrate import plan_options
+    from agents.layout import load_plan_file
+    from agents.layout import parse_layout
 
     layout = parse_layout(load_plan_file(path), path)
     if layout.job.model != job.model:

@@ -56,7 +56,7 @@ def _positive(value: float | None, flag: str, hint: str) -> None:
 
 
 def _single_route(args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from agents.wanem import LinkShape
+    from agents.wanem.emulator import LinkShape
 
     if args.target is None:
         raise InputError("--target: required without a CONFIG (e.g. --target 127.0.0.1:7001)")
@@ -75,7 +75,7 @@ def _single_route(args: argparse.Namespace) -> tuple[dict, dict, dict]:
 
 
 def _config_routes(args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from agents.wanem import shape_for_link
+    from agents.wanem.emulator import shape_for_link
     from geosched.config import load_config
 
     if args.target is not None or args.link_mbps is not None or args.window_kb is not None or args.rtt_ms:
@@ -109,7 +109,7 @@ def _emit(args: argparse.Namespace, record: dict[str, Any], text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve the relays until interrupted, printing stats every second."""
-    from agents.wanem import WanEmulator
+    from agents.wanem.emulator import WanEmulator
 
     if args.reset_every_s is not None:
         _positive(args.reset_every_s, "--reset-every-s", "omit it for no periodic resets")

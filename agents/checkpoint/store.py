@@ -1,0 +1,412 @@
+"""Atomic, verifiable checkpoints of pipeline stages: safetensors shards plus JSON metadata.
+
+Every N steps each pipeline stage writes its *shard*: the stage's weights, its
+optimizer state (AdamW's per-parameter ``step``/``exp_avg``/``exp_avg_sq`` as
+named tensors, the param-group hyperparameters as JSON), the torch CPU RNG
+state and a caller's ``extra`` dict (the data position, e.g.
+``Prefetcher.state_dict()``: batches are a pure function of the step, so the
+next step is all a resume needs). With data parallelism only replica 0 of a
+stage writes: after the gradient all-reduce and the optimizer step every
+replica of a stage holds bit-identical weights and optimizer state, and all
+replicas load that one shard on resume.
+
+Layout (``step`` = optimizer steps completed; a resume trains step ``step`` next)::
+
+    <ckpt_dir>/step-000005/stage-02.safetensors   # tensors, written first
+    <ckpt_dir>/step-000005/stage-02.json          # metadata + sha256 of the tensor file
+    <ckpt_dir>/step-000005/manifest.json          # written by the shard that completes the step
+
+Each file is written atomically: a temporary file in the same directory,
+flush, fsync, rename, fsync the directory. A shard exists once its JSON
+exists; a step *counts* only when all ``num_stages`` shards exist and their
+checksums verify (:func:`latest_complete`), so a crash mid-write (a leftover
+temporary file, a missing JSON) never yields a checkpoint. The manifest is a
+record for people and tools; completeness is always re-verified from the shards.
+
+Loading never unpickles anything (safetensors and JSON only). It reads into
+temporaries and checks everything (checksum, fingerprint, names, shapes,
+dtypes, optimizer structure) before it copies a single value into the model
+or optimizer: a corrupt or foreign checkpoint raises
+:class:`~geosched.errors.CheckpointError` naming the file and leaves both untouched.
+
+Example::
+
+    fp = job_fingerprint(job.model, (2, 4), first=False, last=False, seed=job.seed, num_stages=3)
+    writer = CheckpointWriter("ckpt", stage=1, num_stages=3, job_fingerprint=fp)
+    writer.save(5, module, optimizer, extra={"data": prefetcher.state_dict()})
+    step = latest_complete("ckpt", num_stages=3)            # 5 once every stage saved it
+    extra = load_shard("ckpt", step, 1, module, optimizer, job_fingerprint=fp)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save_file
+
+from agents.checkpoint.state import flatten_state, rebuild_optimizer_state
+from geosched.errors import CheckpointError
+from geosched.model import ModelShape, ShapeLike
+
+log = logging.getLogger(__name__)
+
+FORMAT = "geosched-checkpoint/1"
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+"""Largest shard JSON we read; anything bigger is refused as corrupt."""
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_CHUNK = 1 << 20
+
+
+def step_dir(ckpt_dir: str | os.PathLike, step: int) -> str:
+    """The folder of checkpoint ``step``: ``<ckpt_dir>/step-000005``."""
+    return os.path.join(os.fspath(ckpt_dir), f"step-{step:06d}")
+
+
+def shard_paths(ckpt_dir: str | os.PathLike, step: int, stage: int) -> tuple[str, str]:
+    """The tensor file and the metadata file of one stage's shard."""
+    base = os.path.join(step_dir(ckpt_dir, step), f"stage-{stage:02d}")
+    return base + ".safetensors", base + ".json"
+
+
+def job_fingerprint(shape: ShapeLike, layers: tuple[int, int], *, first: bool, last: bool, seed: int,
+                    num_stages: int, precision: str = "fp32") -> str:
+    """A short hash of what a shard must match: model shape, the stage's layers, the cut, seed and precision."""
+    model = ModelShape.of(shape)
+    key = {"model": [model.layers, model.hidden, model.heads, model.seq_len, model.vocab, model.ffn_mult],
+           "layers": list(layers), "first": first, "last": last, "seed": seed, "num_stages": num_stages,
+           "precision": precision}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ writing ---
+
+class CheckpointWriter:
+    """Writes one stage's shards into ``ckpt_dir`` (create it on replica 0 of the stage only).
+
+    Refuses (CheckpointError) a folder that already holds this stage's shards
+    of a different job, rather than mixing or overwriting them.
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, stage: int, num_stages: int, job_fingerprint: str) -> None:
+        if not 0 <= stage < num_stages:
+            raise CheckpointError(f"checkpoint stage {stage} is outside 0..{num_stages - 1}")
+        self.ckpt_dir = os.fspath(ckpt_dir)
+        self.stage, self.num_stages, self.fingerprint = stage, num_stages, job_fingerprint
+        try:
+            os.makedirs(self.ckpt_dir, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint folder {self.ckpt_dir!r}: {exc.strerror or exc}; "
+                                  "pick a writable --checkpoint-dir") from None
+        for step in list_steps(self.ckpt_dir):
+            meta_path = shard_paths(self.ckpt_dir, step, stage)[1]
+            try:
+                meta = _read_json(meta_path)
+            except CheckpointError:
+                continue  # a corrupt old shard is never counted; it does not make this folder foreign
+            if meta.get("job_fingerprint") != job_fingerprint or meta.get("num_stages") != num_stages:
+                raise CheckpointError(
+                    f"{meta_path}: this folder holds checkpoints of a different job (fingerprint "
+                    f"{meta.get('job_fingerprint')}, {meta.get('num_stages')} stages; this job has {job_fingerprint}, "
+                    f"{num_stages} stages); use another --checkpoint-dir or remove the old checkpoints")
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             extra: dict[str, Any] | None = None) -> str:
+        """Write the shard of ``step`` (optimizer steps completed) atomically; return its metadata path."""
+        started = time.perf_counter()
+        tensors, meta = flatten_state(model, optimizer)
+        tensors["rng/torch_cpu"] = torch.get_rng_state()
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint extra must be plain JSON data: {exc}") from None
+        folder = step_dir(self.ckpt_dir, step)
+        if not os.path.isdir(folder):
+            os.makedirs(folder, exist_ok=True)
+            _fsync_dir(self.ckpt_dir)
+        tensor_path, meta_path = shard_paths(self.ckpt_dir, step, self.stage)
+        header = {"format": FORMAT, "step": str(step), "stage": str(self.stage)}
+        sha, nbytes = _atomic_write(tensor_path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        meta.update({
+            "format": FORMAT, "step": step, "stage": self.stage, "num_stages": self.num_stages,
+            "job_fingerprint": self.fingerprint, "tensor_file": os.path.basename(tensor_path),
+            "tensor_bytes": nbytes, "sha256": sha, "extra": extra, "torch_version": torch.__version__,
+            "host": socket.gethostname(), "written_at": time.time(),
+        })
+        data = json.dumps(meta, indent=1, sort_keys=True).encode()
+        _atomic_write(meta_path, lambda tmp: _write_bytes(tmp, data))
+        self._write_manifest_if_complete(step)
+        log.info("checkpoint step %d stage %d: %d bytes in %.3f s", step, self.stage, nbytes,
+                 time.perf_counter() - started)
+        return meta_path
+
+    def _write_manifest_if_complete(self, step: int) -> None:
+        """The shard that lands last writes the step's manifest (identical content if two race)."""
+        shards = {}
+        for stage in range(self.num_stages):
+            try:
+                shards[f"{stage:02d}"] = _read_json(shard_paths(self.ckpt_dir, step, stage)[1])["sha256"]
+            except (CheckpointError, KeyError):
+                return
+        manifest = {"format": FORMAT, "step": step, "num_stages": self.num_stages,
+                    "job_fingerprint": self.fingerprint, "shards_sha256": shards}
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _atomic_write(os.path.join(step_dir(self.ckpt_dir, step), "manifest.json"), lambda tmp: _write_bytes(tmp, data))
+
+    def prune(self, keep: int) -> list[int]:
+        """Remove checkpoints older than the ``keep`` newest complete ones (see :func:`prune`)."""
+        return prune(self.ckpt_dir, self.num_stages, keep)
+
+
+# ------------------------------------------------------------------ loading ---
+
+def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer | None, *, job_fingerprint: str | None = None,
+               restore_rng: bool = True) -> dict[str, Any]:
+    """Load one stage's shard of ``step`` into ``model`` (and ``optimizer``); return its ``extra`` dict.
+
+    Everything is verified before anything is copied; on any problem a
+    CheckpointError names the file and the fault and the model, optimizer and
+    RNG are left exactly as they were.
+    """
+    tensor_path, meta_path = shard_paths(ckpt_dir, step, stage)
+    meta = _read_json(meta_path)
+    _check_meta(meta, meta_path, step, stage, job_fingerprint)
+    tensors = _read_tensors(tensor_path, meta)
+
+    def fail(what: str) -> CheckpointError:
+        return CheckpointError(f"{tensor_path}: {what}; the checkpoint does not match this model "
+                               "(different model, cut or corrupt file)")
+
+    targets = model.state_dict()
+    if sorted(targets) != sorted(meta["model"]):
+        extra_names = sorted(set(meta["model"]) - set(targets))[:3]
+        lacking = sorted(set(targets) - set(meta["model"]))[:3]
+        raise fail(f"holds parameters {extra_names} the model lacks and lacks {lacking}")
+    for name, target in targets.items():
+        value = tensors.get(f"model/{name}")
+        if value is None:
+            raise fail(f"missing tensor model/{name}")
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise fail(f"tensor model/{name} is {tuple(value.shape)} {value.dtype}, the model expects "
+                       f"{tuple(target.shape)} {target.dtype}")
+    expected = {f"model/{name}" for name in targets} | {"rng/torch_cpu"}
+    opt_state = None
+    if optimizer is not None:
+        opt_state, opt_names = rebuild_optimizer_state(meta, tensors, model, optimizer, fail)
+        expected |= opt_names
+    else:  # weights only (e.g. inference): the optimizer's tensors are simply not used
+        expected |= {k for k in tensors if k.startswith(("optim/", "optim_group/"))}
+    rng = tensors.get("rng/torch_cpu")
+    if rng is None or rng.dtype != torch.uint8 or rng.dim() != 1:
+        raise fail("missing or malformed tensor rng/torch_cpu")
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise fail(f"unexpected tensors {unexpected[:3]}")
+    # verified: now copy in (nothing above touched the model, optimizer or RNG)
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(tensors[f"model/{name}"])
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    if restore_rng:
+        torch.set_rng_state(rng)
+    log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)
+    return dict(meta["extra"])
+
+
+def _check_meta(meta: dict, path: str, step: int, stage: int, fingerprint: str | None) -> None:
+    """The shard metadata has the right format, place and (if given) job fingerprint."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a geosched checkpoint (format {str(meta.get('format'))[:40]!r}, "
+                              f"expected {FORMAT!r})")
+    for key, kind in (("step", int), ("stage", int), ("num_stages", int), ("sha256", str),
+                      ("tensor_bytes", int), ("model", list), ("extra", dict), ("job_fingerprint", str)):
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if not all(isinstance(name, str) for name in meta["model"]):
+        raise CheckpointError(f"{path}: field 'model' must list parameter names")
+    if (meta["step"], meta["stage"]) != (step, stage):
+        raise CheckpointError(f"{path}: records step {meta['step']} stage {meta['stage']}, but sits at step "
+                              f"{step} stage {stage}; the file was moved or renamed")
+    if fingerprint is not None and meta["job_fingerprint"] != fingerprint:
+        raise CheckpointError(f"{path}: written for a different job (fingerprint {meta['job_fingerprint']}, "
+                              f"this job {fingerprint}: model shape, layer ranges, seed or precision differ); "
+                              "resume with the same config and plan, or use another --checkpoint-dir")
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from ``path``, bounded in size; CheckpointError if absent, too big or malformed."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_METADATA_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the shard was never completely written") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes; not a shard's metadata")
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The shard's tensors (owned copies), after checking size and sha256 against its metadata."""
+    data = _read_verified(path, meta)
+    try:
+        return {name: value.clone() for name, value in load_tensors(data).items()}
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _read_verified(path: str, meta: dict) -> bytes:
+    """The bytes of the tensor file if its size and sha256 match the metadata."""
+    try:
+        size = os.path.getsize(path)
+        if size != meta["tensor_bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes on disk but {meta['tensor_bytes']} recorded in its "
+                                  "JSON; the file is truncated or was replaced")
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing, though its JSON exists") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise CheckpointError(f"{path}: sha256 does not match the one recorded in its JSON; the file is corrupt")
+    return data
+
+
+# ----------------------------------------------------- completeness, prune ---
+
+def list_steps(ckpt_dir: str | os.PathLike) -> list[int]:
+    """Steps that have a folder in ``ckpt_dir`` (complete or not), oldest first."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint folder {os.fspath(ckpt_dir)!r}: {exc.strerror or exc}") from None
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
+
+
+def verify_step(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> None:
+    """Raise CheckpointError naming the first fault unless every stage's shard of ``step`` verifies."""
+    for stage in range(num_stages):
+        tensor_path, meta_path = shard_paths(ckpt_dir, step, stage)
+        meta = _read_json(meta_path)
+        _check_meta(meta, meta_path, step, stage, None)
+        if meta["num_stages"] != num_stages:
+            raise CheckpointError(f"{meta_path}: written by a job of {meta['num_stages']} stages, not {num_stages}")
+        _read_verified(tensor_path, meta)
+
+
+def latest_complete(ckpt_dir: str | os.PathLike, num_stages: int) -> int | None:
+    """The newest step whose ``num_stages`` shards are all present and verify, or None."""
+    for step in reversed(list_steps(ckpt_dir)):
+        try:
+            verify_step(ckpt_dir, step, num_stages)
+        except CheckpointError as exc:
+            log.info("checkpoint step %d does not count: %s", step, exc)
+            continue
+        return step
+    return None
+
+
+def prune(ckpt_dir: str | os.PathLike, num_stages: int, keep: int) -> list[int]:
+    """Delete step folders older than the ``keep`` newest complete checkpoints; return the steps removed.
+
+    Anything newer than the oldest kept checkpoint stays (a step still being
+    written by slower stages included). Call it from one process only
+    (stage 0, replica 0).
+    """
+    if keep < 1:
+        raise CheckpointError(f"keep must be >= 1 (got {keep}); the newest complete checkpoint is never removed")
+    complete = [s for s in reversed(list_steps(ckpt_dir)) if _counts(ckpt_dir, s, num_stages)][:keep]
+    if len(complete) < keep:
+        return []
+    removed = []
+    for step in list_steps(ckpt_dir):
+        if step >= complete[-1]:
+            break
+        folder = step_dir(ckpt_dir, step)
+        doomed = os.path.join(os.fspath(ckpt_dir), f".deleting-{os.path.basename(folder)}-{secrets.token_hex(4)}")
+        try:
+            os.rename(folder, doomed)  # no longer looks like a step, even if the delete is interrupted
+        except FileNotFoundError:
+            continue  # another process pruned it
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(step)
+    if removed:
+        _fsync_dir(os.fspath(ckpt_dir))
+        log.info("pruned checkpoints %s (keeping %s)", removed, complete)
+    return removed
+
+
+def _counts(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> bool:
+    try:
+        verify_step(ckpt_dir, step, num_stages)
+    except CheckpointError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------- atomicity ---
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> tuple[str, int]:
+    """Write ``path`` via a temporary file in its folder: write, fsync, rename, fsync the folder.
+
+    Returns the sha256 and size of what landed.
+    """
+    folder, base = os.path.split(path)
+    tmp = os.path.join(folder, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write(tmp)
+        digest, size = hashlib.sha256(), 0
+        with open(tmp, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+    return digest.hexdigest(), size
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a rename or a new entry in ``folder`` durable."""
+    fd = os.open(folder or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

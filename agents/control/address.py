@@ -1,0 +1,70 @@
+"""Where the control plane's broker is, and how reaching it fails.
+
+:class:`BrokerAddress` parses ``mqtt://[user[:password]@]host[:port]`` (or
+``mqtts://`` for TLS) and prints itself with the password masked;
+:class:`BrokerAuthError` (credentials or certificate refused: bad input,
+exit code 2) and :class:`BrokerUnreachable` are what
+:class:`agents.control.plane.ControlPlane` raises when connecting fails.
+
+Example::
+
+    BrokerAddress.parse("mqtts://geosched:secret@broker:8883")   # str(): mqtts://geosched:***@broker:8883
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from geosched.errors import GeoschedError, InputError
+
+__all__ = ["BrokerAddress", "BrokerAuthError", "BrokerUnreachable"]
+
+
+class BrokerAuthError(InputError):
+    """The broker refused our credentials or its TLS certificate is not trusted."""
+
+
+class BrokerUnreachable(GeoschedError):
+    """The broker could not be reached in time."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """A parsed broker URL: ``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...``."""
+
+    host: str
+    port: int
+    tls: bool
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        """Parse a broker URL; raise InputError saying what is wrong with it (password masked)."""
+        shown = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise InputError(f"broker URL {shown!r}: {exc}; expected mqtt://host:port") from None
+        if parts.scheme not in ("mqtt", "mqtts"):
+            raise InputError(f"broker URL {shown!r}: scheme must be mqtt:// or mqtts:// (TLS), got {parts.scheme!r}")
+        if not parts.hostname:
+            raise InputError(f"broker URL {shown!r}: no host; expected mqtt://host:port")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise InputError(f"broker URL {shown!r}: must not have a path or query; expected mqtt://host:port")
+        tls = parts.scheme == "mqtts"
+        return cls(
+            host=parts.hostname,
+            port=port or (8883 if tls else 1883),
+            tls=tls,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+        )
+
+    def __str__(self) -> str:
+        """The URL with the password masked, safe for logs and error messages."""
+        user = f"{self.username}{':***' if self.password else ''}@" if self.username else ""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"

@@ -1,0 +1,263 @@
+"""The coordinator of a job: ``geosched job start|status|stop`` over the MQTT control plane.
+
+``start_job`` publishes the plan (retained), waits until every rank of the
+plan's layout is ``ready`` (naming the missing ones after a timeout, and
+failing at once on an agent that reports ``error`` or joins from the wrong
+DC), sends ``start`` (with optional ``routes``), prints one fixed-format line
+per step with a progress bar, and stops the job naming the agent if one goes
+offline (exit 1). ``job_statuses`` reads the retained statuses;
+``stop_job`` sends ``stop``.
+
+Step line (one per training step, the global view over all ranks)::
+
+    step    3/10 [######----] loss 5.4213 | iter  812.4 ms | bubble 41.2% | WAN   1.23 MB/s
+
+Example::
+
+    result = asyncio.run(start_job("mqtt://broker:1883", "demo", Path("plan.yaml").read_text(), steps=10))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from agents.control.plane import AgentsNotReady, ControlPlane, MetricsMessage, StatusMessage
+from geosched.errors import GeoschedError, InputError, PlanError
+
+if TYPE_CHECKING:
+    from agents.layout import JobLayout
+
+log = logging.getLogger(__name__)
+
+STEP_LINE = ("step {step:>4d}/{last:<4d} {bar} loss {loss} | iter {iter_ms:7.1f} ms | bubble {bubble:5.1f}% | "
+             "WAN {wan:7.2f} MB/s")
+BAD_STATES = ("offline", "error", "stopped")
+RETAINED_SETTLE_S = 0.3
+"""How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
+
+
+class AgentLost(GeoschedError):
+    """An agent went offline or failed while the job ran; the job was stopped."""
+
+
+class AgentRefused(InputError):
+    """An agent refused the job before it started (a plan that does not fit it, a corrupt checkpoint)."""
+
+
+@dataclass
+class StepSummary:
+    """The global view of one training step, merged from every rank's metrics."""
+
+    step: int
+    loss: float | None
+    iteration_s: float
+    bubble_fraction: float
+    wan_bytes: int
+
+    def line(self, done: int, total: int, last_step: int) -> str:
+        """The fixed-format progress line."""
+        width = 10
+        filled = min(width, round(width * done / max(total, 1)))
+        bar = "[" + "#" * filled + "-" * (width - filled) + "]"
+        wan = self.wan_bytes / self.iteration_s / 1e6 if self.iteration_s > 0 else 0.0
+        loss = f"{self.loss:.4f}" if self.loss is not None else "   n/a"
+        return STEP_LINE.format(step=self.step, last=last_step, bar=bar, loss=loss,
+                                iter_ms=self.iteration_s * 1e3, bubble=100 * self.bubble_fraction, wan=wan)
+
+
+def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLayout) -> StepSummary:
+    """Merge one step's metrics of every rank (rank -> values) into a :class:`StepSummary`."""
+    losses = [m["loss"] for r, m in metrics.items() if layout.role(r).last and m.get("loss") is not None]
+    return StepSummary(
+        step=step,
+        loss=sum(losses) / len(losses) if losses else None,
+        iteration_s=max(float(m.get("iteration_s", 0.0)) for m in metrics.values()),
+        bubble_fraction=sum(float(m.get("bubble_fraction", 0.0)) for m in metrics.values()) / len(metrics),
+        wan_bytes=sum(int(m.get("wan_bytes", 0)) for m in metrics.values()),
+    )
+
+
+@dataclass
+class JobResult:
+    """What ``start_job`` saw: one summary per step, in order."""
+
+    steps: list[StepSummary] = field(default_factory=list)
+    statuses: dict[int, StatusMessage] = field(default_factory=dict)
+
+
+BeforeStart = Callable[[dict[int, StatusMessage]], Awaitable[dict[str, str]]]
+"""Called with the ready statuses (their ``endpoints``) before ``start``; returns routes."""
+
+
+def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
+    """PlanError naming an agent whose reported DC, stage or replica differs from the layout."""
+    for rank, status in sorted(statuses.items()):
+        role = layout.role(rank)
+        for what, got, want in (("DC", status.dc, role.dc), ("stage", status.stage, role.stage),
+                                ("replica", status.replica, role.replica)):
+            if got is not None and got != want:
+                raise PlanError(f"agent rank {rank} joined with {what} {got!r} but the plan puts rank {rank} in "
+                                f"{what} {want!r}; restart that agent with the plan's rank and DC")
+
+
+def _lost_message(job: str, status: StatusMessage, step: int | None) -> str:
+    parts = [status.dc, *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica))
+                          if v is not None)]
+    where = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
+    detail = status.extra.get("message")
+    at = f" during step {step}" if step is not None else " before training started"
+    return (f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} went {status.state}{at}"
+            f"{': ' + str(detail) if detail else ''}; job stopped")
+
+
+async def start_job(url: str, job: str, plan_text: str, *, steps: int | None = None,
+                    ready_timeout_s: float = 120.0, before_start: BeforeStart | None = None,
+                    out: TextIO | None = sys.stdout, ca_file: str | None = None,
+                    step_timeout_s: float = 600.0) -> JobResult:
+    """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
+
+    Raises AgentsNotReady (naming missing ranks), PlanError (a mismatching
+    agent) or AgentLost (an agent went offline or failed; ``stop`` was sent).
+    """
+    from agents.layout import parse_layout
+
+    layout = parse_layout(plan_text, "plan")
+    ranks = [r.rank for r in layout.roles]
+    steps = steps or layout.job.steps
+    async with ControlPlane(url, job, f"{job}-coordinator", ca_file=ca_file) as cp:
+        async with await cp.subscribe("status", "metrics", ranks=ranks) as sub:
+            await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+            for status in cp.statuses().values():  # refuse before replacing the plan live agents run
+                _check_same_plan(cp.job, status, layout)
+            await cp.publish_plan(plan_text)
+            statuses = await _wait_ready(cp, sub, layout, ready_timeout_s)
+            first = _first_step(statuses)
+            routes = await before_start(statuses) if before_start is not None else {}
+            await cp.publish_command("start", steps=steps, routes=routes)
+            try:
+                return await _follow(cp, sub, layout, first, steps, out, step_timeout_s)
+            except BaseException:
+                with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
+                    await cp.publish_command("stop", timeout=2.0)
+                raise
+
+
+def _first_step(statuses: dict[int, StatusMessage]) -> int:
+    steps = {int(s.extra.get("next_step", 0)) for s in statuses.values()}
+    if len(steps) != 1:
+        raise PlanError(f"agents are at different steps {sorted(steps)}; stop the job and restart every agent")
+    return steps.pop()
+
+
+def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout) -> None:
+    """AgentRefused if ``status`` is a live agent that has another plan open."""
+    from agents.layout import plan_id
+
+    want, other = plan_id(layout.text), status.extra.get("plan_id")
+    if status.state in ("ready", "training") and other not in (None, want):
+        raise AgentRefused(f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
+                           f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
+                           "the agents, or use another --job name")
+
+
+async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: float) -> dict[int, StatusMessage]:
+    """Statuses of every rank once all are ready for this plan; fail early on an error status."""
+    from agents.layout import plan_id
+
+    want_plan = plan_id(layout.text)
+    latest: dict[int, StatusMessage] = {}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
+        if len(ready) == len(layout.roles):
+            check_joined(layout, ready)
+            return ready
+        try:
+            message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
+        except asyncio.TimeoutError:
+            missing = [r.rank for r in layout.roles if r.rank not in ready]
+            seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
+            raise AgentsNotReady(f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
+                                 f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
+                                 missing) from None
+        if not isinstance(message, StatusMessage):
+            continue
+        latest[message.rank] = message
+        _check_same_plan(cp.job, message, layout)
+        if message.extra.get("plan_id") == want_plan:
+            if message.state == "error":
+                raise AgentRefused(_lost_message(cp.job, message, None))
+            check_joined(layout, {message.rank: message})
+
+
+async def _follow(cp: ControlPlane, sub: Any, layout: JobLayout, first: int, steps: int, out: TextIO | None,
+                  step_timeout_s: float) -> JobResult:
+    """Print a line per completed step until every rank reports ``next_step == first + steps``."""
+    ranks = {r.rank for r in layout.roles}
+    end = first + steps
+    result = JobResult()
+    pending: dict[int, dict[int, dict[str, Any]]] = {}
+    finished: set[int] = set()
+    printed = first
+    current: int | None = first
+    while len(finished) < len(ranks):
+        try:
+            message = await sub.get(step_timeout_s)
+        except asyncio.TimeoutError:
+            raise AgentLost(f"job {cp.job!r}: no progress for {step_timeout_s:g} s at step {current}; "
+                            f"ranks not finished: {sorted(ranks - finished)}") from None
+        if isinstance(message, MetricsMessage):
+            pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
+            current = message.step
+        elif isinstance(message, StatusMessage):
+            result.statuses[message.rank] = message
+            if message.state in BAD_STATES:
+                raise AgentLost(_lost_message(cp.job, message, current))
+            if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
+                finished.add(message.rank)
+        while printed < end and (len(pending.get(printed, {})) == len(ranks)
+                                 or (len(finished) == len(ranks) and pending.get(printed))):
+            summary = summarize_step(printed, pending.pop(printed), layout)
+            result.steps.append(summary)
+            if out is not None:
+                print(summary.line(printed - first + 1, steps, end - 1), file=out, flush=True)
+            printed += 1
+    return result
+
+
+async def job_statuses(url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None
+                       ) -> dict[int, StatusMessage]:
+    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive)."""
+    async with ControlPlane(url, job, f"{job}-status-{id(object()) % 100000}", ca_file=ca_file) as cp:
+        async with await cp.subscribe("status"):
+            await asyncio.sleep(settle_s)
+            return cp.statuses()
+
+
+async def stop_job(url: str, job: str, *, ca_file: str | None = None) -> None:
+    """Send ``stop`` to every agent of ``job``."""
+    async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file) as cp:
+        await cp.publish_command("stop")
+
+
+async def checkpoint_job(url: str, job: str, *, after_step: int | None = None, ca_file: str | None = None) -> None:
+    """Ask every agent of ``job`` for a checkpoint after ``after_step`` (None: now, or after the step in progress)."""
+    async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file) as cp:
+        await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
+
+
+def status_table(statuses: dict[int, StatusMessage]) -> str:
+    """A text table of agent statuses, one row per rank."""
+    rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step")]
+    for rank, s in sorted(statuses.items()):
+        rows.append((str(rank), s.state, s.dc or "-", "-" if s.stage is None else str(s.stage),
+                     "-" if s.replica is None else str(s.replica), s.host or "-", str(s.pid or "-"),
+                     str(s.extra.get("next_step", "-"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

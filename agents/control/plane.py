@@ -1,0 +1,473 @@
+"""The MQTT control plane client of a geosched job: connect, reconnect, publish, subscribe.
+
+The topic scheme and payload schemas live in :mod:`agents.control.messages`,
+the broker URL and its errors in :mod:`agents.control.address`, the
+subscription queue in :mod:`agents.control.subscription` (all re-exported
+here): ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
+(retained), ``.../agents/<rank>/metrics``, ``.../command``, ``.../events``.
+An agent's client registers a retained last will ``{"state": "offline"}`` on
+its status topic, so a killed agent shows offline.
+
+Delivery: plan and status are *state*: retained, kept by the client and
+republished after every reconnect (so a restarted broker learns them again);
+subscribers may see the same status twice. Metrics and events are a stream:
+dropped (and counted) while the broker is unreachable. Commands wait for the
+broker (up to ``timeout``) and raise BrokerUnreachable if it stays away.
+
+Example::
+
+    async with ControlPlane("mqtt://user:pw@broker:1883", "demo", "coordinator") as cp:
+        await cp.publish_plan(Path("plan.yaml").read_text())
+        await cp.wait_for_statuses(range(8), state="ready", timeout=60)
+        await cp.publish_command("start", steps=100)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiomqtt
+
+from agents.control.address import BrokerAddress, BrokerAuthError, BrokerUnreachable
+from agents.control.subscription import Subscription
+from agents.control.messages import (
+    AGENT_STATES,
+    COMMANDS,
+    KINDS,
+    MAX_PAYLOAD_BYTES,
+    CommandMessage,
+    ControlMessage,
+    EventMessage,
+    MetricsMessage,
+    PlanMessage,
+    StatusMessage,
+    Topics,
+    check_name,
+    parse_message,
+    validate_fields,
+)
+from geosched.errors import GeoschedError, InputError, ProtocolError
+
+__all__ = [
+    "AGENT_STATES", "COMMANDS", "KINDS", "MAX_PAYLOAD_BYTES", "AgentIdentity", "AgentsNotReady", "BrokerAddress",
+    "BrokerAuthError", "BrokerUnreachable", "CommandMessage", "ControlMessage", "ControlPlane", "ControlStats",
+    "EventMessage", "MetricsMessage", "PlanMessage", "StatusMessage", "Subscription", "Topics", "parse_message",
+]
+
+log = logging.getLogger(__name__)
+
+_REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
+
+
+class AgentsNotReady(GeoschedError):
+    """Agents did not reach the awaited state in time; ``missing`` names their ranks."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+# -- the client ------------------------------------------------------------------
+@dataclass
+class ControlStats:
+    """Counters of one ControlPlane client."""
+
+    received: int = 0
+    dropped_oversize: int = 0
+    dropped_malformed: int = 0
+    dropped_slow_reader: int = 0
+    dropped_offline: int = 0
+    connects: int = 0
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """Who an agent is; gives it a last will and fills these fields into its statuses."""
+
+    rank: int
+    dc: str | None = None
+    stage: int | None = None
+    replica: int | None = None
+
+
+class ControlPlane:
+    """A reconnecting MQTT client for one job; an async context manager.
+
+    Args:
+        url: ``mqtt://[user:pass@]host[:port]`` or ``mqtts://...`` (TLS).
+        job: job name; every topic is under ``geosched/<job>/``.
+        client_id: unique per connection to the broker (a second client with
+            the same id takes over and disconnects the first).
+        username, password: override the credentials in the URL.
+        ca_file: PEM file of CAs to trust for ``mqtts://`` (default: the system's).
+        agent: set for an agent: registers the offline last will of its rank and,
+            on exit, publishes ``stopped`` (or ``error`` if leaving on an
+            exception) unless it already published stopped/error.
+        keepalive: seconds between pings; a dead client is noticed after ~1.5x.
+        connect_timeout: how long entering the context waits for the broker.
+        backoff: (first, cap) seconds between reconnect attempts; doubled each
+            failure and jittered.
+        max_payload: largest payload sent or accepted.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        client_id: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        agent: AgentIdentity | None = None,
+        keepalive: int = 10,
+        connect_timeout: float = 10.0,
+        backoff: tuple[float, float] = (0.1, 5.0),
+        max_payload: int = MAX_PAYLOAD_BYTES,
+    ) -> None:
+        address = BrokerAddress.parse(url)
+        if ca_file is not None and not address.tls:
+            raise InputError(f"broker URL {address}: a CA file was given but the URL is not mqtts://; use mqtts://")
+        if ca_file is not None and not os.path.isfile(ca_file):
+            raise InputError(f"CA file {os.fspath(ca_file)!r} does not exist; give the broker's CA certificate (PEM)")
+        self.address = BrokerAddress(
+            address.host, address.port, address.tls,
+            username if username is not None else address.username,
+            password if password is not None else address.password,
+        )
+        self.job = check_name("job name", job)
+        self.client_id = check_name("MQTT client id", client_id)
+        self.topics = Topics(job)
+        self.agent = agent
+        self.stats = ControlStats()
+        self._ca_file = os.fspath(ca_file) if ca_file is not None else None
+        self._keepalive, self._connect_timeout = keepalive, connect_timeout
+        self._backoff, self._max_payload = backoff, max_payload
+        self._client: aiomqtt.Client | None = None  # set while connected
+        self._connected = asyncio.Event()
+        self._first_connect: asyncio.Future[None] | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._filters: set[str] = set()
+        self._subscriptions: set[Subscription] = set()
+        self._state_out: dict[str, bytes] = {}  # retained payloads we own, republished on reconnect
+        self._statuses: dict[int, StatusMessage] = {}
+        self._plan: PlanMessage | None = None
+        self._seq = int(time.time() * 1000)
+        self._last_error = "no attempt yet"
+        self._own_state: str | None = None  # last state this agent published for itself
+
+    # -- connection ----------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        """True while a broker connection is up."""
+        return self._client is not None
+
+    async def __aenter__(self) -> ControlPlane:
+        self._first_connect = asyncio.get_running_loop().create_future()
+        self._runner = asyncio.create_task(self._run(), name=f"mqtt-{self.client_id}")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._first_connect), self._connect_timeout)
+        except asyncio.TimeoutError:
+            await self._stop_runner()
+            raise BrokerUnreachable(
+                f"cannot reach MQTT broker {self.address} within {self._connect_timeout:g} s ({self._last_error});"
+                " check the URL and that the broker is running"
+            ) from None
+        except BaseException:
+            await self._stop_runner()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.agent is not None and self.connected and self._own_state not in ("stopped", "error"):
+            failed = exc_type is not None and issubclass(exc_type, Exception)
+            with contextlib.suppress(GeoschedError, aiomqtt.MqttError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.publish_status(self.agent.rank, "error" if failed else "stopped"), 2.0)
+        for sub in list(self._subscriptions):
+            sub.close()
+        await self._stop_runner()
+
+    async def _stop_runner(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+
+    def _make_client(self) -> aiomqtt.Client:
+        will = None
+        if self.agent is not None:
+            payload = self._status_payload(self.agent.rank, "offline", {})
+            will = aiomqtt.Will(self.topics.status(self.agent.rank), payload, qos=1, retain=True)
+        return aiomqtt.Client(
+            self.address.host, self.address.port,
+            username=self.address.username, password=self.address.password,
+            identifier=self.client_id, will=will, keepalive=self._keepalive, clean_session=True,
+            tls_params=aiomqtt.TLSParameters(ca_certs=self._ca_file) if self.address.tls else None,
+            timeout=max(2.0, float(self._keepalive)), max_queued_incoming_messages=10_000,
+        )
+
+    async def _run(self) -> None:
+        """Connect, serve, and reconnect with capped, jittered exponential back-off, forever."""
+        delay = self._backoff[0]
+        while True:
+            try:
+                async with self._make_client() as client:
+                    await self._on_connect(client)
+                    delay = self._backoff[0]
+                    async for message in client.messages:
+                        self._dispatch(str(message.topic), bytes(message.payload))
+            except aiomqtt.MqttError as exc:
+                fatal = self._fatal_error(exc)
+                if fatal is not None and self._first_connect is not None and not self._first_connect.done():
+                    self._first_connect.set_exception(fatal)
+                    return
+                self._last_error = str(fatal or exc)
+                if self.stats.connects:
+                    log.warning("MQTT %s: %s; reconnecting in <= %.1f s", self.address, self._last_error, delay)
+            except Exception as exc:  # a bug must not end the control plane silently
+                self._last_error = repr(exc)
+                log.exception("MQTT %s: unexpected error; reconnecting in <= %.1f s", self.address, delay)
+            finally:
+                self._client = None
+                self._connected.clear()
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self._backoff[1])
+
+    def _fatal_error(self, exc: aiomqtt.MqttError) -> GeoschedError | None:
+        """The user-facing error for a failure that retrying cannot fix, else None."""
+        code = getattr(exc, "rc", None)
+        if isinstance(exc, aiomqtt.MqttCodeError) and int(getattr(code, "value", code or 0)) in _REFUSED_CODES:
+            return BrokerAuthError(
+                f"MQTT broker {self.address} refused the credentials of client {self.client_id!r} ({exc});"
+                " check the username and password (in the URL as mqtt://user:pass@host:port, or given separately)"
+            )
+        if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+            return BrokerAuthError(
+                f"TLS certificate of MQTT broker {self.address} is not trusted ({exc.__context__.verify_message});"
+                " pass the broker's CA certificate as the CA file"
+            )
+        return None
+
+    async def _on_connect(self, client: aiomqtt.Client) -> None:
+        """(Re)subscribe every filter, mark connected, then republish our retained state."""
+        done: set[str] = set()
+        while pending := self._filters - done:
+            await client.subscribe([(f, 1) for f in sorted(pending)])
+            done |= pending
+        self._client = client
+        self._connected.set()
+        self.stats.connects += 1
+        if self._first_connect is not None and not self._first_connect.done():
+            self._first_connect.set_result(None)
+        else:
+            log.info("MQTT %s: reconnected as %r", self.address, self.client_id)
+        for topic, payload in list(self._state_out.items()):
+            await client.publish(topic, payload, qos=1, retain=True)
+
+    # -- receiving -----------------------------------------------------------
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        self.stats.received += 1
+        try:
+            message = parse_message(self.job, topic, payload, self._max_payload)
+        except ProtocolError as exc:
+            if len(payload) > self._max_payload:
+                self.stats.dropped_oversize += 1
+            else:
+                self.stats.dropped_malformed += 1
+            log.warning("MQTT %s: dropped a message: %s", self.address, exc)
+            return
+        if message is None:  # a retained topic was cleared
+            if topic == self.topics.plan:
+                self._plan = None
+            self._statuses = {r: s for r, s in self._statuses.items() if self.topics.status(r) != topic}
+            return
+        if isinstance(message, StatusMessage):
+            self._statuses[message.rank] = message
+        elif isinstance(message, PlanMessage):
+            self._plan = message
+        for sub in list(self._subscriptions):
+            if sub.wants(message):
+                sub.offer(message)
+
+    def _count_dropped(self) -> None:
+        self.stats.dropped_slow_reader += 1
+
+    async def subscribe(self, *kinds: str, ranks: Iterable[int] | None = None, queue_size: int = 10_000) -> Subscription:
+        """Start receiving messages of ``kinds`` (see KINDS); returns once the broker confirmed.
+
+        The latest plan and statuses already known to this client are queued first.
+        """
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown or not kinds:
+            raise InputError(f"subscribe: kinds must be some of {', '.join(KINDS)} (got {list(kinds)})")
+        sub = Subscription(frozenset(kinds), frozenset(ranks) if ranks is not None else None, queue_size,
+                           on_drop=self._count_dropped, on_close=self._subscriptions.discard)
+        known: list[ControlMessage] = [*([self._plan] if self._plan else []), *self._statuses.values()]
+        for message in known:
+            if sub.wants(message):
+                sub.offer(message)
+        self._subscriptions.add(sub)
+        new = [self.topics.filter(k) for k in kinds if self.topics.filter(k) not in self._filters]
+        self._filters.update(new)
+        client = self._client
+        if new and client is not None:
+            with contextlib.suppress(aiomqtt.MqttError):  # on failure, the reconnect subscribes
+                await client.subscribe([(f, 1) for f in new])
+        return sub
+
+    async def events(self, *kinds: str, ranks: Iterable[int] | None = None) -> AsyncIterator[ControlMessage]:
+        """Iterate over received messages of ``kinds`` (default: all) until the client closes.
+
+        Leaving the loop early keeps the subscription until the generator is closed;
+        wrap it in ``contextlib.aclosing`` (or use :meth:`subscribe`) in long-lived code.
+        """
+        async with await self.subscribe(*(kinds or KINDS), ranks=ranks) as sub:
+            async for message in sub:
+                yield message
+
+    def statuses(self) -> dict[int, StatusMessage]:
+        """The latest status of every rank seen so far (needs a "status" subscription)."""
+        return dict(self._statuses)
+
+    async def wait_for_statuses(
+        self, ranks: Iterable[int], state: str | Iterable[str] = "ready", timeout: float = 60.0
+    ) -> dict[int, StatusMessage]:
+        """Wait until every rank in ``ranks`` reports ``state``; return their statuses.
+
+        Raises AgentsNotReady naming the ranks that did not, with their last state.
+        """
+        wanted, states = set(ranks), {state} if isinstance(state, str) else set(state)
+        latest: dict[int, StatusMessage] = {}
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with await self.subscribe("status", ranks=wanted) as sub:
+            while missing := sorted(r for r in wanted if r not in latest or latest[r].state not in states):
+                try:
+                    message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
+                except asyncio.TimeoutError:
+                    seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
+                    raise AgentsNotReady(
+                        f"job {self.job!r} on {self.address}: {len(missing)} of {len(wanted)} agents not "
+                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {seen}", missing
+                    ) from None
+                assert isinstance(message, StatusMessage)
+                latest[message.rank] = message
+        return {r: latest[r] for r in sorted(wanted)}
+
+    async def watch_offline(
+        self, ranks: Iterable[int] | None = None, states: Iterable[str] = ("offline",)
+    ) -> AsyncIterator[StatusMessage]:
+        """Yield a rank's status each time it goes offline (or into another of ``states``)."""
+        bad, previous = set(states), {}
+        async for message in self.events("status", ranks=ranks):
+            assert isinstance(message, StatusMessage)
+            was, previous[message.rank] = previous.get(message.rank), message.state
+            if message.state in bad and was != message.state:
+                yield message
+
+    # -- sending -------------------------------------------------------------
+    def _encode(self, kind: str, data: Mapping[str, Any]) -> bytes:
+        try:
+            payload = json.dumps(data, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{kind}: payload is not JSON-serialisable ({exc})") from None
+        validate_fields(kind, json.loads(payload))
+        if len(payload) > self._max_payload:
+            raise ProtocolError(f"{kind}: payload of {len(payload)} bytes exceeds the limit of {self._max_payload}")
+        return payload
+
+    def _status_payload(self, rank: int, state: str, fields: Mapping[str, Any]) -> bytes:
+        data: dict[str, Any] = {"rank": rank, "state": state}
+        if self.agent is not None and self.agent.rank == rank:
+            data.update(dc=self.agent.dc, stage=self.agent.stage, replica=self.agent.replica)
+        data.update(pid=os.getpid(), host=socket.gethostname(), time=time.time())
+        data.update(fields)
+        return self._encode("status", {k: v for k, v in data.items() if v is not None})
+
+    async def _publish_state(self, topic: str, payload: bytes) -> bool:
+        """Publish retained state now if connected; it is republished after every reconnect anyway."""
+        self._state_out[topic] = payload
+        client = self._client
+        if client is None:
+            return False
+        try:
+            await client.publish(topic, payload, qos=1, retain=True)
+            return True
+        except aiomqtt.MqttError:
+            return False
+
+    async def _publish_stream(self, topic: str, payload: bytes, qos: int) -> bool:
+        client = self._client
+        if client is not None:
+            with contextlib.suppress(aiomqtt.MqttError):
+                await client.publish(topic, payload, qos=qos)
+                return True
+        self.stats.dropped_offline += 1
+        return False
+
+    async def publish_status(self, rank: int, state: str, **fields: Any) -> bool:
+        """Publish (retained) the status of ``rank``; True if the broker has it now."""
+        if self.agent is not None and rank == self.agent.rank:
+            self._own_state = state
+        return await self._publish_state(self.topics.status(rank), self._status_payload(rank, state, fields))
+
+    async def publish_plan(self, text: str) -> bool:
+        """Publish (retained) the plan file text; True if the broker has it now."""
+        payload = text.encode()
+        if len(payload) > self._max_payload:
+            raise ProtocolError(f"plan: {len(payload)} bytes exceeds the limit of {self._max_payload}")
+        if not payload:
+            raise ProtocolError("plan: empty text; publish the plan file's contents")
+        return await self._publish_state(self.topics.plan, payload)
+
+    async def publish_metrics(self, rank: int, metrics: Mapping[str, Any]) -> bool:
+        """Publish one step's metrics (must contain ``step``); dropped and counted if offline."""
+        payload = self._encode("metrics", {"rank": rank, "time": time.time(), **metrics})
+        return await self._publish_stream(self.topics.metrics(rank), payload, qos=0)
+
+    async def publish_event(self, level: str, message: str, *, rank: int | None = None, **fields: Any) -> bool:
+        """Publish an error or notice; dropped and counted if offline."""
+        data = {"level": level, "message": message, "rank": rank, "time": time.time(), **fields}
+        payload = self._encode("event", {k: v for k, v in data.items() if v is not None})
+        return await self._publish_stream(self.topics.events, payload, qos=1)
+
+    async def publish_command(
+        self, cmd: str, *, steps: int | None = None, seq: int | None = None, timeout: float = 10.0, **fields: Any
+    ) -> CommandMessage:
+        """Send a command to every agent; waits up to ``timeout`` s for the broker, else BrokerUnreachable."""
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        data = {"cmd": cmd, "seq": seq, "steps": steps, **fields}
+        payload = self._encode("command", {k: v for k, v in data.items() if v is not None})
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            client = self._client
+            if client is None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._connected.wait(), left)
+                continue
+            try:
+                await client.publish(self.topics.command, payload, qos=1, timeout=max(left, 0.1))
+                message = parse_message(self.job, self.topics.command, payload)
+                assert isinstance(message, CommandMessage)
+                return message
+            except aiomqtt.MqttError:
+                await asyncio.sleep(min(0.05, max(left, 0.0)))
+        raise BrokerUnreachable(
+            f"command {cmd!r} not delivered: MQTT broker {self.address} unreachable for {timeout:g} s"
+        )

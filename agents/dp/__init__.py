@@ -1,0 +1,8 @@
+"""Data parallelism inside a datacenter: a stage's replicas sync gradients with torch.distributed.
+
+Owns: the group's description and backend choice (``spec``), the joined
+group with DDP, bucketed all-reduce and failure reports (``group``), the
+heartbeats that name a dead rank (``health``), the seeds' hand-written ring
+all-reduce (``ring``) and a helper that runs a group in local processes
+(``local_group``). Imports torch and the core; nothing else in agents/.
+"""

@@ -1,0 +1,249 @@
+"""A plan as the agents see it: every rank's role, the names of its endpoints, the plan's id.
+
+Pure and torch-free, so every layer of agents/ may import it (the daemon, the
+coordinator, the launcher, the stage runtime). The plan file is the planner's
+(:mod:`planner.plan`: ``geosched plan CONFIG -o plan.yaml``); :func:`parse_layout`
+reads its text (what the coordinator publishes on the broker) with
+:func:`planner.plan.plan_from_dict`, which checks everything against the
+embedded config, and turns it into a :class:`JobLayout`: the config, the
+pipeline (DC and ``[start, end)`` blocks of every stage), the data-parallel
+degree, TCP streams per WAN link, the prediction, and the :class:`RankRole` of
+every rank (rank = stage x dp + replica, the plan's numbering).
+
+Endpoint names (:func:`pipe_name`, :func:`store_name`, :func:`prefill_name`)
+are the keys agents publish their bound addresses under; :func:`plan_id` tags
+those statuses so endpoints of another plan are ignored.
+
+:func:`layout_plan_text` writes a plan for a layout chosen by hand (tests,
+benchmarks, rehearsing a given placement), simulated like any planner plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import yaml
+
+from geosched.config import Config, JobSpec
+from geosched.errors import PlanError
+
+MAX_PLAN_BYTES = 1 << 20
+"""The largest plan text accepted (it also travels as one retained MQTT message)."""
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """Where one process sits in the job: its stage, replica, layers and neighbours."""
+
+    rank: int
+    dc: str
+    stage: int
+    num_stages: int
+    replica: int
+    dp_size: int
+    layers: tuple[int, int]  # blocks [start, end)
+    prev_dc: str | None  # DC of stage-1 (None on the first stage)
+    next_dc: str | None  # DC of stage+1 (None on the last stage)
+    group: str  # data-parallel group name, e.g. "eu/stage2"
+    streams_prev: int = 1  # TCP streams of the link to stage-1 (set by its connecting side)
+    streams_next: int = 1  # TCP streams this rank opens to stage+1
+
+    @property
+    def first(self) -> bool:
+        """Holds the embeddings."""
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        """Holds the head and computes the loss."""
+        return self.stage == self.num_stages - 1
+
+
+def layout_roles(stage_dcs: Sequence[str], stage_layers: Sequence[tuple[int, int]], dp: int,
+                 wan_streams: int = 4) -> list[RankRole]:
+    """Roles of every rank of a layout (rank = stage * dp + replica); inter-DC links get ``wan_streams``."""
+    p = len(stage_dcs)
+    if p < 1 or len(stage_layers) != p or dp < 1:
+        raise PlanError(f"layout needs one DC and one layer range per stage and dp >= 1 "
+                        f"(got {p} DCs, {len(stage_layers)} layer ranges, dp {dp})")
+    for s in range(1, p):
+        if stage_layers[s][0] != stage_layers[s - 1][1]:
+            raise PlanError(f"stage {s} starts at layer {stage_layers[s][0]} but stage {s - 1} ends at "
+                            f"{stage_layers[s - 1][1]}; layer ranges must be contiguous")
+    roles = []
+    for s in range(p):
+        prev_dc = stage_dcs[s - 1] if s > 0 else None
+        next_dc = stage_dcs[s + 1] if s < p - 1 else None
+        for r in range(dp):
+            roles.append(RankRole(
+                rank=s * dp + r, dc=stage_dcs[s], stage=s, num_stages=p, replica=r, dp_size=dp,
+                layers=(int(stage_layers[s][0]), int(stage_layers[s][1])), prev_dc=prev_dc, next_dc=next_dc,
+                group=f"{stage_dcs[s]}/stage{s}",
+                streams_prev=1 if prev_dc in (None, stage_dcs[s]) else wan_streams,
+                streams_next=1 if next_dc in (None, stage_dcs[s]) else wan_streams,
+            ))
+    return roles
+
+
+def pipe_name(stage: int, replica: int) -> str:
+    """Address book name of the link endpoint stage ``stage`` (replica ``replica``) listens on for stage-1."""
+    return f"pipe/s{stage}/r{replica}"
+
+
+def store_name(group: str) -> str:
+    """Address book name of a data-parallel group's rendezvous store."""
+    return f"store/{group}"
+
+
+def prefill_name(rank: int) -> str:
+    """The status endpoint name of a rank's prefill service, e.g. ``prefill/r3``."""
+    return f"prefill/r{rank}"
+
+
+def plan_id(text: str) -> str:
+    """A short id of a plan text; statuses carry it so stale endpoints of another plan are ignored."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Everything a plan says that the agents need."""
+
+    text: str
+    config: Config
+    stage_dcs: tuple[str, ...]
+    stage_layers: tuple[tuple[int, int], ...]
+    dp: int
+    streams: dict[tuple[str, str], int]  # sorted DC pair -> TCP streams
+    roles: tuple[RankRole, ...]
+    predicted_iteration_s: float | None = None
+    predicted_bubble_fraction: float | None = None
+
+    @property
+    def job(self) -> JobSpec:
+        """The job being trained."""
+        return self.config.job
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages."""
+        return len(self.stage_dcs)
+
+    def role(self, rank: int) -> RankRole:
+        """The role of ``rank``; PlanError naming the valid ranks otherwise."""
+        if not 0 <= rank < len(self.roles):
+            raise PlanError(f"rank {rank} is not in the plan: it has ranks 0-{len(self.roles) - 1} "
+                            f"({self.num_stages} stages x dp {self.dp}); start the agent with one of those")
+        return self.roles[rank]
+
+    def wan_boundaries(self) -> list[tuple[int, str, str]]:
+        """(stage, upstream DC, downstream DC) for every stage whose input crosses the WAN."""
+        return [(s, self.stage_dcs[s - 1], self.stage_dcs[s]) for s in range(1, self.num_stages)
+                if self.stage_dcs[s - 1] != self.stage_dcs[s]]
+
+
+def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> set[str]:
+    """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service too)."""
+    role = layout.role(rank)
+    names = {prefill_name(rank)} if prefill else set()
+    if not role.first:
+        names.add(pipe_name(role.stage, role.replica))
+    if role.dp_size > 1 and role.replica == 0:
+        names.add(store_name(role.group))
+    return names
+
+
+def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
+    """PlanError unless ``rank`` exists in the plan and (if given) ``dc`` is its DC."""
+    role = layout.role(rank)
+    if dc is not None and dc != role.dc:
+        known = sorted({r.dc for r in layout.roles})
+        where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
+        raise PlanError(f"agent started for rank {rank} in DC {dc!r}, but {where}; "
+                        f"start it with --dc {role.dc} or pick a rank of DC {dc!r}")
+
+
+def load_plan_file(path: str) -> str:
+    """The text of a plan file; PlanError naming the file if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
+
+
+def parse_layout(text: str, source: str = "plan") -> JobLayout:
+    """Read a plan text; PlanError naming the field for anything malformed or inconsistent."""
+    from planner.plan import plan_from_dict
+
+    if len(text.encode()) > MAX_PLAN_BYTES:
+        raise PlanError(f"{source}: larger than {MAX_PLAN_BYTES >> 10} KiB; not a plan file")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{source}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    try:
+        plan = plan_from_dict(data, source)
+    except PlanError as exc:
+        message = str(exc)
+        raise PlanError(message if message.startswith(source) else f"{source}: {message}") from None
+    stage_dcs = [s.dc for s in plan.stages]
+    stage_layers = [tuple(s.layers) for s in plan.stages]
+    streams = {tuple(sorted(link.between)): link.streams for link in plan.links}
+    try:
+        roles = layout_roles(stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1))
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+    for role, spec in zip(roles, plan.ranks):  # the runtime's numbering is the plan's
+        assert (role.rank, role.dc, role.stage, role.replica, role.group) == (
+            spec.rank, spec.dc, spec.stage, spec.replica, spec.group), (role, spec)
+    return JobLayout(text, plan.config, tuple(stage_dcs), tuple(stage_layers), plan.dp,  # type: ignore[arg-type]
+                     streams, tuple(roles), plan.prediction.iteration_s, plan.prediction.bubble_fraction)
+
+
+def layout_plan_text(config: Config, stage_dcs: list[str] | None = None, dp: int = 1,
+                     stage_layers: list[tuple[int, int]] | None = None) -> str:
+    """A plan file for a chosen layout (default: one stage per DC in config order, blocks split evenly).
+
+    It is simulated and written like a planner plan (``solver.notes`` says it was chosen by hand).
+    """
+    from planner.evaluate import Evaluator
+    from planner.plan import SolverInfo, build_plan, dump_plan
+    from planner.space import Candidate, Problem
+
+    dcs = stage_dcs or [dc.name for dc in config.cluster.datacenters]
+    layers = config.job.model.layers
+    if stage_layers is None:
+        if len(dcs) > layers:
+            raise PlanError(f"{len(dcs)} stages but the model has only {layers} blocks; use fewer stages")
+        bounds = [round(i * layers / len(dcs)) for i in range(len(dcs) + 1)]
+        stage_layers = [(bounds[i], bounds[i + 1]) for i in range(len(dcs))]
+    job = config.job
+    if job.global_batch % (dp * job.microbatch_size):
+        raise PlanError(f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
+                        f"microbatch_size({job.microbatch_size})")
+    problem = Problem(config)
+    cand = Candidate(dp, job.global_batch // (dp * job.microbatch_size), tuple(dcs), tuple(stage_layers))
+    violation = problem.violation(cand)
+    if violation is not None:
+        raise PlanError(f"layout {cand.describe()}: {violation}")
+    evaluation = Evaluator(problem).evaluate(cand)
+    solver = SolverInfo("time", False, 0.0, notes=("layout chosen by hand, not searched",))
+    return dump_plan(build_plan(problem, evaluation, solver))
+
+
+def plan_for_config(config: Config) -> str:
+    """The planner's best plan for ``config`` (minimum iteration time), as plan file text."""
+    from planner.plan import dump_plan
+    from planner.planning import make_plan
+
+    return dump_plan(make_plan(config).plan)
+
+
+__all__ = [
+    "MAX_PLAN_BYTES", "JobLayout", "RankRole", "check_agent_fits", "expected_endpoints", "layout_plan_text",
+    "layout_roles", "load_plan_file", "parse_layout", "pipe_name", "plan_for_config", "plan_id", "prefill_name",
+    "store_name",
+]

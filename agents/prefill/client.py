@@ -1,0 +1,123 @@
+"""Client library of the prefill service: send prompts, get first tokens and KV caches, decode on.
+
+:class:`PrefillClient` holds one ZeroMQ DEALER socket (from the socket
+factory) to an agent's prefill endpoint. ``prefill`` is one blocking
+round trip; ``submit`` / ``receive`` keep many requests in flight.
+:func:`continue_greedy` continues greedy decoding locally from a returned
+KV cache with the same model weights. Example::
+
+    with PrefillClient("tcp://agent:5600", token="s3cret") as client:
+        result = client.prefill("The quick brown fox", deadline_s=2.0)
+        if result.status == "ok":
+            text = continue_greedy(model, result, 20)   # token ids after the prompt
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+import zmq
+
+from agents.prefill.protocol import PrefillRequest, PrefillResponse, decode_response, encode_request, prompt_tokens
+from agents.sockets import CurveClient, make_socket
+from geosched.errors import InputError, LinkError
+from geosched.model import StageModule, decode_step
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+class PrefillClient:
+    """A connection to one prefill endpoint; not thread-safe (one per thread)."""
+
+    def __init__(self, endpoint: str, *, token: str | None = None, curve_client: CurveClient | None = None,
+                 ctx: zmq.Context | None = None, max_response_bytes: int = 256 << 20,
+                 timeout_s: float = 30.0) -> None:
+        if not endpoint.startswith("tcp://"):
+            raise InputError(f"--endpoint must look like tcp://HOST:PORT (got {endpoint!r})")
+        self.endpoint = endpoint
+        self.token = token
+        self.timeout_s = timeout_s
+        self.max_response_bytes = max_response_bytes
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, max_msg_bytes=max_response_bytes,
+                                 curve_client=curve_client)
+        self._early: dict[str | None, PrefillResponse] = {}
+        self._prefix = f"{os.getpid()}-{id(self) & 0xffff:x}"
+
+    def __enter__(self) -> PrefillClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket (and the context if this client made it)."""
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def submit(self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, request_id: str | None = None,
+               deadline_s: float | None = None, priority: int = 0, return_kv: bool = True, top_k: int = 5) -> str:
+        """Send one request without waiting; returns its id."""
+        rid = request_id or f"{self._prefix}-{next(_ids)}"
+        req = PrefillRequest(rid, prompt_tokens(prompt), deadline_s, priority, return_kv, top_k, self.token)
+        self.send_frames(encode_request(req))
+        return rid
+
+    def send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Send raw frames (a request encoded elsewhere, or deliberately malformed ones in tests)."""
+        self._sock.send_multipart(list(frames), copy=False)
+
+    def receive(self, timeout_s: float | None = None) -> PrefillResponse:
+        """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(timeout * 1e3), zmq.POLLIN):
+            raise LinkError(f"no prefill response from {self.endpoint} within {timeout:g} s; "
+                            f"is the agent running and its endpoint right?")
+        frames = self._sock.recv_multipart(copy=False)
+        return decode_response([f.buffer for f in frames], max_kv_frame_bytes=self.max_response_bytes)
+
+    def prefill(self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, timeout_s: float | None = None,
+                **options: object) -> PrefillResponse:
+        """Submit one prompt and wait for its response (options as for :meth:`submit`)."""
+        rid = self.submit(prompt, **options)  # type: ignore[arg-type]
+        if rid in self._early:
+            return self._early.pop(rid)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        end = time.monotonic() + timeout
+        while True:
+            response = self.receive(max(0.0, end - time.monotonic()))
+            if response.id == rid:
+                return response
+            self._early[response.id] = response
+
+
+def continue_greedy(model: StageModule, response: PrefillResponse, max_new_tokens: int) -> list[int]:
+    """Greedy-decode ``max_new_tokens`` tokens after the prompt from the response's KV cache.
+
+    The first one is the service's ``first_token``; the rest run
+    :func:`geosched.model.decode_step` locally on ``model`` (the same weights).
+    """
+    if response.status != "ok" or response.first_token is None:
+        raise InputError(f"cannot decode from a {response.status!r} response: {response.reason}")
+    if response.kv is None:
+        raise InputError("the response carries no KV cache; request it with return_kv=True")
+    if response.prompt_tokens + max_new_tokens - 1 > model.shape.seq_len:
+        raise InputError(f"prompt ({response.prompt_tokens}) + {max_new_tokens} new tokens exceed the model's "
+                         f"seq_len {model.shape.seq_len}; ask for fewer tokens")
+    tokens = [response.first_token]
+    kv = response.kv
+    pos = response.prompt_tokens
+    while len(tokens) < max_new_tokens:
+        logits, kv = decode_step(model, torch.tensor([tokens[-1]]), kv, pos)  # (1, V)
+        tokens.append(int(logits.argmax(dim=-1)))
+        pos += 1
+    return tokens[:max_new_tokens]

@@ -1,0 +1,414 @@
+"""The prefill service of an agent: a ZeroMQ endpoint, a bounded queue, and chunked prefill inside bubbles.
+
+Network I/O runs on the service's own thread (a ROUTER socket made by
+:func:`agents.sockets.make_socket`): it decodes requests
+(:mod:`agents.prefill.protocol`), answers bad ones at once with ``error``,
+applies admission control (bounded queue, bounded KV memory, deadline
+feasibility against the predicted bubble capacity: ``rejected`` with the
+reason), expires queued work past its deadline (``expired``) and sends the
+responses computed elsewhere. It never computes.
+
+Computing happens only in :meth:`PrefillService.fill`, called by the stage
+runtime on the training thread when a receive has not arrived (a bubble):
+it runs queued prompts a chunk of tokens at a time
+(``forward_cached`` against the growing KV cache), sizes each chunk from
+the predicted remaining idle time and the measured seconds per token (an
+EMA), checks ``ready()`` between chunks and returns as soon as the training
+message is there: training waits for at most one chunk. ``serve_idle``
+does the same on a stage that is not training at all. Every request gets
+exactly one response, also when the service closes. Example::
+
+    with PrefillService(model, bind="tcp://127.0.0.1:0") as service:
+        runtime = StageRuntime(..., bubble_filler=service)
+        ...
+        service.metrics()   # dict: tokens/s, TTFT p50/p99, rejected, expired, time split
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import zmq
+
+from agents.prefill.metrics import PrefillMetrics
+from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
+from agents.prefill.protocol import BadRequest, PrefillRequest, PrefillResponse, decode_request, encode_response
+from agents.sockets import CurveServer, ZapAuthenticator, bound_port, make_socket
+from geosched.model import KVCache, StageModule
+
+log = logging.getLogger(__name__)
+
+SAFETY = 0.5  # a chunk may use this share of the predicted remaining idle time
+EMA_WEIGHT = 0.3  # weight of the newest finished prompt in the seconds-per-token estimate
+TYPICAL_CHUNK = 8  # tokens per chunk assumed to seed the seconds-per-token estimate
+POLL_MS = 20  # the network thread wakes at least this often (to expire queued work)
+
+
+class ChunkSpan(NamedTuple):
+    """One prefill chunk run inside ``fill`` (``time.perf_counter`` seconds)."""
+
+    start: float
+    end: float
+    tokens: int
+    request_id: str
+
+
+@dataclass
+class _Job:
+    """A queued or running prefill."""
+
+    req: PrefillRequest
+    identity: bytes
+    arrived: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    kv_bytes: int
+    pos: int = 0
+    kv: KVCache | None = None
+    logits: torch.Tensor | None = None
+    chunks: int = 0
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    started: float | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.req.tokens.numel() - self.pos
+
+
+class PrefillService:
+    """Serves prefill requests on a ZeroMQ endpoint; computes them in chunks inside bubbles."""
+
+    def __init__(self, model: StageModule, *, bind: str = "tcp://127.0.0.1:0", ctx: zmq.Context | None = None,
+                 max_queue: int = 64, max_prompt_tokens: int | None = None, max_kv_bytes: int = 256 << 20,
+                 default_deadline_s: float = 30.0, auth_token: str | None = None,
+                 curve_server: CurveServer | None = None, min_chunk_s: float = 0.001,
+                 max_chunk_s: float = 0.005, sndhwm: int = 1000) -> None:
+        assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
+        self.model = model
+        self.shape = model.shape
+        self.max_queue = max_queue
+        self.max_prompt_tokens = min(max_prompt_tokens or model.shape.seq_len, model.shape.seq_len)
+        self.max_kv_bytes = max_kv_bytes
+        self.default_deadline_s = default_deadline_s
+        self.auth_token = auth_token
+        self.min_chunk_s, self.max_chunk_s = min_chunk_s, max_chunk_s
+        self._kv_per_token = kv_bytes_per_token(model.shape, next(model.parameters()).dtype)
+        self._lock = threading.Lock()
+        self._compute = threading.Lock()  # one computing thread at a time (stages sharing a service)
+        self._queue: list[_Job] = []
+        self._current: _Job | None = None
+        self._outbox: deque[tuple[bytes, PrefillResponse]] = deque()
+        self._kv_reserved = 0
+        self._work = threading.Event()
+        self._stop = threading.Event()
+        self._forecast_share: float | None = None
+        self.metrics_ = PrefillMetrics()
+        self.cost = ChunkCostModel.measure(model)
+        self.sec_per_token = self.cost.seconds(TYPICAL_CHUNK) / TYPICAL_CHUNK  # whole prompts, for admission
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._zap = ZapAuthenticator(self._ctx, curve_server.allowed_clients).start() if curve_server else None
+        max_msg = 4096 + 8 * self.max_prompt_tokens
+        self._sock = make_socket(self._ctx, zmq.ROUTER, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm,
+                                 curve_server=curve_server)
+        host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
+        self.port = bound_port(self._sock)
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._serve, name="prefill-net", daemon=True)
+        self._thread.start()
+        log.info("prefill service on %s: model %s, %.1f us/token", self.endpoint, self.shape, self.sec_per_token * 1e6)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> PrefillService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Answer every pending request with ``error`` (shutting down), stop the thread, close the socket."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(10.0)
+        self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._own_ctx:
+            self._ctx.term()
+
+    # -- forecasts and metrics ----------------------------------------------------------------
+
+    def set_bubble_forecast(self, bubble_s_per_iteration: float, iteration_s: float) -> None:
+        """The predicted bubble time per iteration (from the simulator), until bubbles are measured."""
+        with self._lock:
+            self._forecast_share = max(0.0, min(1.0, bubble_s_per_iteration / max(iteration_s, 1e-9)))
+
+    def bubble_share(self) -> float:
+        """Bubble seconds per wall second: measured over the last seconds, else forecast, else 1 (idle)."""
+        measured = self.metrics_.measured_bubble_share()
+        if measured is not None:
+            return measured
+        return self._forecast_share if self._forecast_share is not None else 1.0
+
+    def record_step(self, compute_s: float, wall_s: float) -> None:
+        """A training step's compute and wall seconds (StepReport.busy_s, iteration_s) for the time split."""
+        with self._lock:
+            self.metrics_.step(compute_s, wall_s)
+
+    def metrics(self) -> dict:
+        """JSON-ready metrics: outcomes, tokens/s, TTFT p50/p99, time split, queue and KV use."""
+        with self._lock:
+            return self.metrics_.snapshot(
+                queue_len=len(self._queue) + (self._current is not None), kv_reserved_bytes=self._kv_reserved,
+                sec_per_token=self.sec_per_token, capacity_tokens_per_s=self.bubble_share() / self.sec_per_token,
+                endpoint=self.endpoint, curve_refused=self._zap.denied if self._zap is not None else 0)
+
+    # -- computing (training thread) ----------------------------------------------------------
+
+    def fill(self, ready: Callable[[], bool], budget_s: float | None, *, in_bubble: bool = True) -> list[ChunkSpan]:
+        """Run queued prefill in chunks until ``ready()`` or the work runs out; return the chunks run.
+
+        ``budget_s`` is the predicted idle time left (None: unknown). Each chunk
+        takes at most half the remaining predicted time (between ``min_chunk_s``
+        and ``max_chunk_s``); past the prediction, chunks of ``min_chunk_s``
+        continue while the message is still not there.
+        """
+        start = time.perf_counter()
+        if in_bubble and budget_s is not None:
+            with self._lock:
+                self.metrics_.offered(budget_s)
+        if not self._compute.acquire(blocking=False):
+            return []  # another thread is computing: this bubble stays idle
+        try:
+            return self._fill_chunks(ready, budget_s, in_bubble, start)
+        finally:
+            self._compute.release()
+
+    def _fill_chunks(self, ready: Callable[[], bool], budget_s: float | None, in_bubble: bool,
+                     start: float) -> list[ChunkSpan]:
+        spans: list[ChunkSpan] = []
+        while not self._stop.is_set() and not ready():
+            job = self._next_job()
+            if job is None:
+                break
+            left = None if budget_s is None else budget_s - (time.perf_counter() - start)
+            target = self.min_chunk_s if left is None or left <= 0 else SAFETY * left
+            target = min(self.max_chunk_s, max(self.min_chunk_s, target))
+            tokens = min(job.remaining, self.cost.tokens_for(target))
+            spans.append(self._run_chunk(job, tokens, in_bubble))
+        return spans
+
+    def serve_idle(self, until: Callable[[], bool], slice_s: float = 0.05) -> None:
+        """Prefill outside training (a stage with no training to do) until ``until()`` is true.
+
+        ``until`` is checked between chunks and at least every 50 ms while the queue is empty.
+        """
+        while not until() and not self._stop.is_set():
+            if self._work.wait(0.05):
+                self.fill(until, slice_s, in_bubble=False)
+
+    def _next_job(self) -> _Job | None:
+        """The running job, else the queued one with the highest priority and earliest deadline."""
+        with self._lock:
+            now = time.monotonic()
+            if self._current is not None and now > self._current.deadline:
+                self._finish(self._current, "expired", "deadline passed during prefill")
+            if self._current is None:
+                self._expire_queued(now)
+                if not self._queue:
+                    self._work.clear()
+                    return None
+                best = max(self._queue, key=lambda j: (j.req.priority, -j.deadline))
+                self._queue.remove(best)
+                self._current = best
+            return self._current
+
+    def _run_chunk(self, job: _Job, tokens: int, in_bubble: bool) -> ChunkSpan:
+        x = job.req.tokens[job.pos:job.pos + tokens].view(1, -1)  # (1, t) int64
+        t0 = time.perf_counter()
+        if job.started is None:
+            job.started = time.monotonic()
+        with torch.no_grad():
+            logits, kv = self.model.forward_cached(x, job.kv, job.pos)  # (1, t, V), per layer (1, H, pos+t, D)
+        t1 = time.perf_counter()
+        seconds = t1 - t0
+        job.kv, job.logits, job.pos = kv, logits[0, -1], job.pos + tokens  # logits of the last position (V,)
+        job.chunks += 1
+        job.compute_s += seconds
+        if in_bubble:
+            job.bubble_s += seconds
+        self.cost.observe(tokens, seconds)
+        with self._lock:
+            self.metrics_.chunk(tokens, seconds, in_bubble)
+            if job.remaining == 0 and self._current is job:
+                self._finish(job, "ok")
+        return ChunkSpan(t0, t1, tokens, job.req.id)
+
+    def _finish(self, job: _Job, status: str, reason: str = "") -> None:
+        """Queue the response of a job (lock held) and release its KV reservation."""
+        if self._current is job:
+            self._current = None
+        self._kv_reserved -= job.kv_bytes
+        now = time.monotonic()
+        if status != "ok":
+            self._respond(job.identity, PrefillResponse(job.req.id, status, reason=reason))
+            return
+        assert job.logits is not None and job.kv is not None
+        self.sec_per_token = (1 - EMA_WEIGHT) * self.sec_per_token + EMA_WEIGHT * job.compute_s / job.pos
+        top = torch.topk(job.logits.float(), job.req.top_k)
+        ttft = now - job.arrived
+        timings = {"queued_ms": ((job.started or now) - job.arrived) * 1e3, "compute_ms": job.compute_s * 1e3,
+                   "ttft_ms": ttft * 1e3, "chunks": job.chunks,
+                   "bubble_share": job.bubble_s / job.compute_s if job.compute_s > 0 else 0.0}
+        self._respond(job.identity, PrefillResponse(
+            job.req.id, "ok", prompt_tokens=job.pos, first_token=int(top.indices[0]),
+            topk_ids=top.indices.tolist(), topk_logits=top.values.tolist(),
+            kv=job.kv if job.req.return_kv else None, timings=timings), ttft)
+
+    def _respond(self, identity: bytes, response: PrefillResponse, ttft_s: float | None = None) -> None:
+        """Hand a response to the network thread (lock held)."""
+        self.metrics_.outcome(response.status, ttft_s)
+        self._outbox.append((identity, response))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending) or closed
+
+    def _expire_queued(self, now: float) -> None:
+        """Answer ``expired`` for queued jobs past their deadline (lock held)."""
+        for job in [j for j in self._queue if now > j.deadline]:
+            self._queue.remove(job)
+            self._finish(job, "expired", f"deadline passed after {(now - job.arrived) * 1e3:.0f} ms in the queue")
+
+    # -- network (service thread) -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(POLL_MS))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            if self._sock in events:
+                for _ in range(256):  # a burst at a time, then send what is ready
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._admit(frames)
+                    except Exception:  # noqa: BLE001 - the service must outlive any one request
+                        log.exception("prefill request failed unexpectedly; answered with error")
+                        self._reply_now(frames[0], None, "error", "internal error in the prefill service")
+            self._expire_paused()
+            with self._lock:
+                self._expire_queued(time.monotonic())
+                if self._stop.is_set():
+                    for job in self._queue + ([self._current] if self._current else []):
+                        self._finish(job, "error", "the agent's prefill service is shutting down; retry elsewhere")
+                    self._queue.clear()
+                outbox, self._outbox = self._outbox, deque()
+            for identity, response in outbox:
+                self._send(identity, response)
+            if self._stop.is_set():
+                return
+
+    def _expire_paused(self) -> None:
+        """Expire the half-done prompt past its deadline when no bubble is computing it."""
+        if self._current is None or not self._compute.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                if self._current is not None and time.monotonic() > self._current.deadline:
+                    self._finish(self._current, "expired", "deadline passed between bubbles, part-way through")
+        finally:
+            self._compute.release()
+
+    def _send(self, identity: bytes, response: PrefillResponse) -> None:
+        try:
+            self._sock.send_multipart([identity, *encode_response(response)], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client's queue is full or it is gone: its loss, not ours
+            log.debug("prefill response %s not sent: %s", response.id, exc)
+
+    def _admit(self, frames: list[bytes]) -> None:
+        """Decode one request and queue it, or answer error/rejected at once."""
+        if len(frames) < 2:
+            with self._lock:
+                self.metrics_.counts["dropped_frames"] += 1
+            return
+        identity, body = frames[0], frames[1:]
+        with self._lock:
+            self.metrics_.counts["received"] += 1
+        try:
+            req = decode_request(body, max_prompt_tokens=self.max_prompt_tokens, vocab=self.shape.vocab)
+        except BadRequest as exc:
+            self._reply_now(identity, exc.request_id, "error", str(exc), count="bad_requests")
+            return
+        if self.auth_token is not None and not hmac.compare_digest((req.auth_token or "").encode(),
+                                                                   self.auth_token.encode()):
+            self._reply_now(identity, req.id, "error", "unauthenticated: missing or wrong token (pass --token)",
+                            count="unauthenticated")
+            return
+        reason = self._admission(req, identity)
+        if reason is not None:
+            self._reply_now(identity, req.id, "rejected", reason)
+
+    def _admission(self, req: PrefillRequest, identity: bytes) -> str | None:
+        """Queue ``req`` and return None, or the reason it cannot be taken."""
+        now = time.monotonic()
+        deadline_s = req.deadline_s if req.deadline_s is not None else self.default_deadline_s
+        n = req.tokens.numel()
+        kv_bytes = n * self._kv_per_token
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                return f"queue full ({len(self._queue)} requests waiting); retry later or send fewer requests"
+            if self._kv_reserved + kv_bytes > self.max_kv_bytes:
+                return (f"KV memory full: {self._kv_reserved} + {kv_bytes} bytes > {self.max_kv_bytes}; "
+                        f"retry later")
+            ahead = sum(j.remaining for j in self._queue if j.req.priority >= req.priority)
+            if self._current is not None:
+                ahead += self._current.remaining
+            share = self.bubble_share()
+            needed = (ahead + n) * self.sec_per_token
+            available = share * deadline_s
+            if needed > available:
+                return (f"cannot meet the deadline: needs {needed * 1e3:.0f} ms of compute ({ahead} tokens ahead + "
+                        f"{n} at {self.sec_per_token * 1e6:.0f} us/token) but bubbles give ~{available * 1e3:.0f} ms "
+                        f"in {deadline_s * 1e3:.0f} ms (bubble share {share:.0%}); allow a later deadline")
+            self._queue.append(_Job(req, identity, now, now + deadline_s, kv_bytes))
+            self._kv_reserved += kv_bytes
+            self._work.set()
+        return None
+
+    def _reply_now(self, identity: bytes, request_id: str | None, status: str, reason: str,
+                   count: str | None = None) -> None:
+        """Answer from the network thread (bad input, auth failure, rejection)."""
+        with self._lock:
+            self.metrics_.outcome(status)
+            if count is not None:
+                self.metrics_.counts[count] += 1
+        log.debug("prefill request %s: %s (%s)", request_id, status, reason)
+        self._send(identity, PrefillResponse(request_id, status, reason=reason))
+
+
+__all__ = ["ChunkSpan", "PrefillService"]

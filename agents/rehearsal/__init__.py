@@ -1,0 +1,8 @@
+"""The one-machine rehearsal and its measurements: ``geosched launch`` and ``geosched profile``.
+
+Owns: the launcher (``launch``: embedded broker, WAN emulator, one agent
+process per rank, coordinator), the prefill load it offers (``prompt_load``),
+calibration of compute and messages on this machine (``calibrate``,
+``link_profile``) and the run report and pictures (``report``). It is the
+top of agents/ with the daemon: it may import every other agents package.
+"""

@@ -1,0 +1,165 @@
+"""The run folder of a training run: ``report.json``, measured timeline (PNG + Chrome trace), loss curve.
+
+Inputs are the per-step reports every rank writes to ``<run>/rank<R>.jsonl``
+(:class:`~agents.stage.report.StepReport` with timed events), the plan's
+layout and the prediction. :func:`build_report` makes the JSON-ready dict;
+:func:`write_run_folder` writes it and the pictures::
+
+    report.json       steps, losses (one per step), predicted_iteration_s,
+                      measured_iteration_s, bubble_fraction_measured,
+                      bubble_fraction_predicted, wan_bytes (per link direction),
+                      per-step detail
+    timeline.png      measured timeline of the last step (replica 0's pipeline)
+    trace.json        the same as a Chrome trace (chrome://tracing, Perfetto)
+    predicted.png     the simulator's timeline for the same layout
+    loss.png          loss per step
+
+Measured iteration time of a step is the slowest rank's; the run's figure is
+the median over steps after the first (the first warms up caches and links).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from agents.stage.report import StepReport, global_loss, measured_timeline
+from geosched.errors import GeoschedError
+
+log = logging.getLogger(__name__)
+
+
+def load_rank_reports(run_dir: str | os.PathLike) -> dict[int, list[StepReport]]:
+    """Every ``rank<R>.jsonl`` in ``run_dir``: rank -> its step reports in step order."""
+    out: dict[int, list[StepReport]] = {}
+    for path in sorted(Path(run_dir).glob("rank*.jsonl")):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    data = json.loads(line)
+                    out.setdefault(int(data["rank"]), []).append(StepReport.from_dict(data))
+    for reports in out.values():
+        reports.sort(key=lambda r: r.step)
+    return out
+
+
+def steady(values: list[float]) -> float:
+    """Median of the values after the first (all of them when there is only one)."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def build_report(layout: Any, reports: Mapping[int, list[StepReport]], *, predicted_iteration_s: float | None,
+                 predicted_bubble_fraction: float | None = None, wan_bytes: Mapping[str, int] | None = None,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``report.json`` content for a run of ``layout`` (a :class:`~agents.layout.JobLayout`)."""
+    missing = [r.rank for r in layout.roles if not reports.get(r.rank)]
+    if missing:
+        raise GeoschedError(f"run report: no step reports from ranks {missing}; see their agent logs")
+    by_step: dict[int, list[StepReport]] = {}
+    for rank_reports in reports.values():
+        for report in rank_reports:
+            by_step.setdefault(report.step, []).append(report)
+    complete = sorted(s for s, rs in by_step.items() if len(rs) == len(layout.roles))
+    schedule = _schedule(layout)
+    per_step = []
+    for step in complete:
+        rs = by_step[step]
+        pipeline = [r for r in rs if r.replica == 0]
+        timeline = measured_timeline(schedule, pipeline)
+        per_step.append({
+            "step": step,
+            "loss": global_loss(r for r in rs if r.stage == layout.num_stages - 1),
+            "iteration_s": max(r.iteration_s for r in rs),
+            "bubble_fraction": timeline.bubble_fraction,
+            "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),
+        })
+    if not per_step:
+        raise GeoschedError("run report: no step completed on every rank")
+    measured = steady([s["iteration_s"] for s in per_step])
+    report: dict[str, Any] = {
+        "steps": [s["step"] for s in per_step],
+        "losses": [s["loss"] for s in per_step],
+        "predicted_iteration_s": predicted_iteration_s,
+        "measured_iteration_s": measured,
+        "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
+        "bubble_fraction_measured": steady([s["bubble_fraction"] for s in per_step]),
+        "bubble_fraction_predicted": predicted_bubble_fraction,
+        "wan_bytes": dict(wan_bytes or {}),
+        "layout": {"stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs,
+                                                                                 layout.stage_layers)],
+                   "dp": layout.dp, "ranks": len(layout.roles), "schedule": layout.job.schedule,
+                   "microbatches": schedule.num_microbatches},
+        "per_step": per_step,
+    }
+    report.update(extra or {})
+    return report
+
+
+def _schedule(layout: Any) -> Any:
+    from agents.stage.session import job_schedule
+
+    return job_schedule(layout.job, layout.num_stages, layout.dp)
+
+
+def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike) -> Path:
+    """A loss-per-step line chart (Agg canvas, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(steps, losses, marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def write_run_folder(run_dir: str | os.PathLike, layout: Any, reports: Mapping[int, list[StepReport]],
+                     report: dict[str, Any], predicted_timeline: Any | None = None) -> dict[str, str]:
+    """Write report.json and the pictures into ``run_dir``; return {what: path}."""
+    from geosched.schedule import write_chrome_trace, write_timeline_png
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    last = report["steps"][-1]
+    pipeline = [r for rs in reports.values() for r in rs if r.step == last and r.replica == 0]
+    timeline = measured_timeline(_schedule(layout), pipeline)
+    written = {
+        "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=f"measured, step {last}")),
+        "trace": str(write_chrome_trace(timeline, run / "trace.json")),
+        "loss": str(write_loss_png(report["steps"], report["losses"], run / "loss.png")),
+    }
+    if predicted_timeline is not None:
+        written["predicted"] = str(write_timeline_png(predicted_timeline, run / "predicted.png", title="predicted"))
+    report["files"] = dict(written)
+    with open(run / "report.json", "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    return {**written, "report": str(run / "report.json")}
+
+
+def report_text(report: Mapping[str, Any]) -> str:
+    """A short human summary of a report."""
+    predicted = report.get("predicted_iteration_s")
+    lines = [
+        f"steps {report['steps'][0]}-{report['steps'][-1]}: loss {report['losses'][0]:.4f} -> "
+        f"{report['losses'][-1]:.4f}",
+        f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
+        + (f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
+           if predicted else ""),
+        f"bubbles: measured {100 * report['bubble_fraction_measured']:.1f}%"
+        + (f", predicted {100 * report['bubble_fraction_predicted']:.1f}%"
+           if report.get("bubble_fraction_predicted") is not None else ""),
+    ]
+    for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
+        lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB")
+    return "\n".join(lines)

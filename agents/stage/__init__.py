@@ -1,0 +1,10 @@
+"""One rank's pipeline stage: the schedule interpreter, its links, and the session that wires them.
+
+Owns: ``runtime`` (``StageRuntime``, which executes a lowered schedule with
+its collaborators as Protocols), ``transport`` (sends and receives between
+stages over WAN links, address books, relay routes), ``session``
+(``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
+group of one rank) and ``report`` (``StepReport``, measured timelines). May
+import ``agents.dp``, ``agents.wan``, ``agents.wanem``, ``agents.layout`` and
+the core.
+"""

@@ -1,0 +1,303 @@
+"""The stage runtime: the one interpreter that executes a pipeline schedule on a real PyTorch stage.
+
+:class:`StageRuntime` runs the lowered action list of its stage (see
+:mod:`geosched.schedule`) once per training step:
+
+====================  ==========================================================
+``RECV_F k``          activation of microbatch k from stage s-1 (becomes the
+                      stage input, ``requires_grad``)
+``F k``               forward; the first stage takes token ids, the last stage
+                      computes the loss against the targets
+``SEND_F k``          send the output activation (detached) to stage s+1
+``RECV_B k``          gradient of the output from stage s+1
+``B k``               ``torch.autograd.backward(output, grad)``; on the last
+                      stage ``(loss / m).backward()``; keeps the input grad
+``SEND_B k``          send the input grad to stage s-1
+``ALL_REDUCE``        average gradients over the stage's data-parallel group
+``STEP``              optimizer step, then zero the gradients
+====================  ==========================================================
+
+Every action is timed (``time.perf_counter``, seconds from the start of the
+step) into :class:`~geosched.schedule.Event` records with the simulator's
+categories, so :func:`agents.stage.report.measured_timeline` builds a
+:class:`~geosched.schedule.Timeline` the same views draw. A receive whose
+message had not arrived when it started (``transport.poll``) is an ``idle``
+event and an :class:`~geosched.schedule.IdleGap`: a bubble. With a
+``bubble_filler`` (the prefill service) the bubble first runs prefill chunks,
+sized to the wait that receive had last step, until the message is there
+(``"prefill"`` events, before the receive's own event).
+
+When an action fails, the runtime raises the error's own GeoschedError class
+(or :class:`~geosched.errors.StageError` for anything else) with the schedule
+grid in the message and the failing action marked ``>1B3<``.
+
+Example::
+
+    runtime = StageRuntime(stage_module, lower(build_schedule("1f1b", 2, 4)), stage=0,
+                           transport=transport, optimizer=torch.optim.AdamW(stage_module.parameters()))
+    report = runtime.run_step(step, microbatches)   # StepReport: loss, iteration_s, events, bytes
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from agents.stage.report import StepReport
+from agents.stage.transport import StageTransport
+from geosched.errors import GeoschedError, StageError
+from geosched.schedule import Action, ActionKind, Event, IdleGap, Schedule, lower, render_grid, validate
+
+log = logging.getLogger(__name__)
+
+K = ActionKind
+Microbatch = tuple[Tensor, Tensor]
+"""(inputs (b, T) int64, targets (b, T) int64), as :mod:`geosched.data` produces them."""
+
+_CATEGORY = {
+    K.FORWARD: "compute", K.BACKWARD: "compute", K.STEP: "compute",
+    K.SEND_F: "comm", K.SEND_B: "comm", K.ALL_REDUCE: "comm",
+}
+
+
+class GradientSync(Protocol):
+    """What ALL_REDUCE needs of a data-parallel group (``agents.dp.group.DataParallelGroup``)."""
+
+    def allreduce_gradients(self, module: nn.Module) -> None:
+        """Replace every ``.grad`` of ``module`` by its average over the group."""
+        ...
+
+
+class StageModel(Protocol):
+    """What the runtime needs of a stage (``geosched.model.StageModule``)."""
+
+    first: bool
+    last: bool
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor: ...
+
+    def parameters(self) -> object: ...
+
+
+class BubbleFiller(Protocol):
+    """Work that runs inside bubbles (``agents.prefill.service.PrefillService``)."""
+
+    def fill(self, ready: Callable[[], bool], budget_s: float | None) -> Sequence[Any]:
+        """Run chunks until ``ready()``; return them (each with ``start``/``end`` perf_counter seconds)."""
+        ...
+
+
+class StageRuntime:
+    """Executes one stage's actions of ``schedule`` for each training step."""
+
+    def __init__(
+        self,
+        module: StageModel,
+        schedule: Schedule,
+        stage: int,
+        *,
+        transport: StageTransport | None,
+        optimizer: torch.optim.Optimizer,
+        grad_sync: GradientSync | None = None,
+        replica: int = 0,
+        recv_timeout_s: float = 120.0,
+        bubble_filler: BubbleFiller | None = None,
+    ) -> None:
+        schedule = lower(schedule)
+        validate(schedule)
+        if not 0 <= stage < schedule.num_stages:
+            raise StageError(f"stage {stage} is not in schedule {schedule.name!r} with {schedule.num_stages} stages")
+        expect_first, expect_last = stage == 0, stage == schedule.num_stages - 1
+        if (module.first, module.last) != (expect_first, expect_last):
+            raise StageError(
+                f"stage {stage} of {schedule.num_stages} needs first={expect_first}, last={expect_last}, "
+                f"but its model part has first={module.first}, last={module.last}; build it with the plan's layer range"
+            )
+        if transport is None and schedule.num_stages > 1:
+            raise StageError(
+                f"stage {stage} of a {schedule.num_stages}-stage pipeline needs a transport to its neighbours")
+        self.module = module
+        self.schedule = schedule
+        self.stage = stage
+        self.replica = replica
+        self.actions = schedule.actions[stage]
+        self.transport = transport
+        self.optimizer = optimizer
+        self.grad_sync = grad_sync
+        self.recv_timeout_s = recv_timeout_s
+        self.bubble_filler = bubble_filler
+        self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
+        self.num_microbatches = schedule.num_microbatches
+        optimizer.zero_grad(set_to_none=True)
+
+    def run_step(self, step: int, microbatches: Sequence[Microbatch] | None = None) -> StepReport:
+        """Run every action of this stage for ``step``; return its timings, loss and traffic.
+
+        ``microbatches`` (``m`` pairs of inputs, targets) is needed on the first
+        stage (inputs) and the last stage (targets); middle stages pass None.
+        """
+        self._check_microbatches(microbatches)
+        state = _StepState(step, microbatches)
+        sent_before = self.transport.bytes_sent() if self.transport is not None else {}
+        started_at = time.time()
+        t0 = state.t0 = time.perf_counter()
+        for action in self.actions:
+            begin = time.perf_counter()
+            try:
+                category = self._execute(action, state)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the grid, keeping GeoschedError classes
+                raise self._failure(action, step, exc) from exc
+            end = time.perf_counter()
+            begin = max(begin, state.filled_until)  # prefill chunks run first in this receive's bubble
+            state.events.append(Event(self.stage, str(action), begin - t0, end - t0, category, action.kind.value))
+            if category == "idle":
+                state.gaps.append(IdleGap(self.stage, begin - t0, end - t0, str(action)))
+        iteration = time.perf_counter() - t0
+        sent_after = self.transport.bytes_sent() if self.transport is not None else {}
+        traffic = {peer: n - sent_before.get(peer, 0) for peer, n in sent_after.items()}
+        loss = sum(state.losses) / len(state.losses) if state.losses else None
+        report = StepReport.from_events(
+            step=step, stage=self.stage, replica=self.replica, loss=loss, iteration_s=iteration,
+            started_at=started_at, events=state.events, idle_gaps=state.gaps, bytes_sent=traffic,
+        )
+        log.debug("stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step,
+                  iteration * 1e3, loss)
+        return report
+
+    # -- one action ---------------------------------------------------------------------------
+
+    def _execute(self, action: Action, state: _StepState) -> str:
+        """Run ``action``; return its timeline category."""
+        kind, mb = action.kind, action.microbatch
+        if kind is K.FORWARD:
+            self._forward(int(mb), state)  # type: ignore[arg-type]
+        elif kind is K.BACKWARD:
+            self._backward(int(mb), state)  # type: ignore[arg-type]
+        elif kind is K.RECV_F:
+            return self._receive(self.stage - 1, "F", int(mb), state)  # type: ignore[arg-type]
+        elif kind is K.RECV_B:
+            return self._receive(self.stage + 1, "B", int(mb), state)  # type: ignore[arg-type]
+        elif kind is K.SEND_F:
+            self._send(state.outputs[mb].detach(), self.stage + 1, "F", int(mb), state.step)  # type: ignore[arg-type]
+        elif kind is K.SEND_B:
+            self._send(state.input_grads.pop(mb), self.stage - 1, "B", int(mb), state.step)  # type: ignore[arg-type]
+        elif kind is K.ALL_REDUCE:
+            if self.grad_sync is not None:
+                self.grad_sync.allreduce_gradients(self.module)  # type: ignore[arg-type]
+        elif kind is K.STEP:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)  # keeps grads in the DP group's flat buckets
+        return _CATEGORY[kind]
+
+    def _forward(self, mb: int, state: _StepState) -> None:
+        if self.module.first:
+            x = state.microbatches[mb][0]  # type: ignore[index]  # (b, T) int64 token ids
+        else:
+            x = state.inputs[mb]  # (b, T, C) received activation, requires_grad
+        out = self.module(x)  # (b, T, C), or logits (b, T, V) on the last stage
+        if self.module.last:
+            loss = self.module.loss(out, state.microbatches[mb][1])  # type: ignore[index]  # scalar
+            state.losses.append(float(loss.detach()))
+            out = loss
+        state.outputs[mb] = out
+
+    def _backward(self, mb: int, state: _StepState) -> None:
+        out = state.outputs.pop(mb)
+        if self.module.last:
+            (out / self.num_microbatches).backward()  # each replica's gradient: mean over its m microbatches
+        else:
+            torch.autograd.backward(out, state.output_grads.pop(mb))
+        if not self.module.first:
+            x = state.inputs.pop(mb)
+            assert x.grad is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
+            state.input_grads[mb] = x.grad
+
+    def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
+        assert self.transport is not None
+        waited = not self.transport.poll(peer, kind, state.step, mb)
+        begin = time.perf_counter()
+        arrived = None
+        if waited and self.bubble_filler is not None:
+            arrived = self._fill_bubble(peer, kind, mb, state)
+        tensor = self.transport.recv(peer, kind, state.step, mb, timeout=self.recv_timeout_s)
+        if waited:  # the next step's bubble forecast: how long this receive waited
+            self._last_wait[(kind, mb)] = (arrived or time.perf_counter()) - begin
+        if kind == "F":
+            state.inputs[mb] = tensor.requires_grad_(True)  # (b, T, C)
+        else:
+            state.output_grads[mb] = tensor  # (b, T, C)
+        return "idle" if waited else "comm"
+
+    def _fill_bubble(self, peer: int, kind: str, mb: int, state: _StepState) -> float | None:
+        """Run prefill chunks until the awaited message is there; record them as "prefill" events.
+
+        The budget is the wait this receive had last step (None the first time).
+        Returns the earliest the message can have arrived if it came during the
+        last chunk (the chunk's start: a forecast that never feeds overruns back),
+        else None.
+        """
+        assert self.transport is not None and self.bubble_filler is not None
+        spans = self.bubble_filler.fill(lambda: self.transport.poll(peer, kind, state.step, mb),  # type: ignore
+                                        budget_s=self._last_wait.get((kind, mb)))
+        for span in spans:
+            state.events.append(Event(self.stage, "PREFILL", span.start - state.t0, span.end - state.t0,
+                                      "prefill", "PREFILL"))
+        if not spans:
+            return None
+        state.filled_until = spans[-1].end
+        return spans[-1].start if self.transport.poll(peer, kind, state.step, mb) else None
+
+    def _send(self, tensor: Tensor, peer: int, kind: str, mb: int, step: int) -> None:
+        assert self.transport is not None
+        self.transport.send(tensor, peer, kind, step, mb)
+
+    # -- checks and errors --------------------------------------------------------------------
+
+    def _check_microbatches(self, microbatches: Sequence[Microbatch] | None) -> None:
+        if not (self.module.first or self.module.last):
+            return
+        if microbatches is None or len(microbatches) != self.num_microbatches:
+            got = "none" if microbatches is None else str(len(microbatches))
+            raise StageError(
+                f"stage {self.stage} needs {self.num_microbatches} microbatches of (inputs, targets) per step, "
+                f"got {got}; feed it from the data Prefetcher with the plan's microbatch count"
+            )
+
+    def _failure(self, action: Action, step: int, exc: Exception) -> GeoschedError:
+        """The error to raise for ``exc`` in ``action``: same GeoschedError class, grid appended."""
+        try:
+            grid = render_grid(self.schedule, mark=action)
+        except Exception as render_exc:  # noqa: BLE001 - a broken view must not hide the real error
+            grid = f"(grid unavailable: {render_exc})"
+        message = (f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {exc}\n"
+                   f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}")
+        log.error("%s", message)
+        cls = type(exc) if isinstance(exc, GeoschedError) else StageError
+        try:
+            return cls(message)
+        except TypeError:  # a subclass with a different constructor
+            return StageError(message)
+
+
+class _StepState:
+    """What one step keeps between actions: stage inputs/outputs and gradients per microbatch."""
+
+    def __init__(self, step: int, microbatches: Sequence[Microbatch] | None) -> None:
+        self.step = step
+        self.microbatches = microbatches
+        self.inputs: dict[int, Tensor] = {}  # received activations (requires_grad)
+        self.outputs: dict[int, Tensor] = {}  # stage outputs; the loss on the last stage
+        self.output_grads: dict[int, Tensor] = {}  # received gradients of the outputs
+        self.input_grads: dict[int, Tensor] = {}  # gradients to send upstream
+        self.losses: list[float] = []
+        self.events: list[Event] = []
+        self.gaps: list[IdleGap] = []
+        self.t0 = 0.0  # perf_counter at the start of the step
+        self.filled_until = 0.0  # perf_counter when the last prefill chunk of this step ended

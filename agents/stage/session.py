@@ -1,0 +1,285 @@
+"""Everything one rank (one process, one GPU) needs to train its pipeline stage, wired from a layout.
+
+:func:`run_rank` is what the agent daemon calls: it builds the stage of the
+model from the rank's layer range (initialised from the job seed, identical
+to the same layers of a one-process model), AdamW with the job's learning
+rate, the data prefetcher (first stage: inputs; last stage: targets; both
+read ``batch(step, replica, ...)`` independently and deterministically),
+the links to the previous and next stage, the data-parallel group, and the
+lowered, validated schedule; then it runs the steps and returns one
+:class:`~agents.stage.report.StepReport` per step (also appended to
+``run_dir/rank<R>.jsonl`` when a run folder is given).
+
+Endpoints are exchanged through an :class:`~agents.stage.transport.AddressBook`:
+a rank listens on port 0 for its previous stage and publishes the bound
+endpoint; replica 0 of each stage hosts its DP group's store on port 0 and
+publishes it. Everything is closed on the way out, also on errors.
+
+Example (one process of a 2-stage, dp-1 job; the other runs ``roles[1]``)::
+
+    roles = layout_roles(["us", "eu"], [(0, 2), (2, 4)], dp=1)
+    book = StoreAddressBook.connect("127.0.0.1", store_port)
+    reports = run_rank(cfg.job, roles[0], steps=10, data=default_corpus_paths(), addresses=book)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents.dp.group import DataParallelGroup, join_group
+from agents.dp.spec import GroupSpec
+from agents.stage.runtime import StageRuntime
+from agents.stage.report import StepReport
+from agents.layout import RankRole, pipe_name, store_name
+from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
+from geosched.config import JobSpec
+from geosched.data import Prefetcher, TextDataset
+from geosched.errors import PlanError
+from geosched.model import PRECISION_DTYPES, build_model, build_stage
+from geosched.schedule import Schedule, build_schedule, lower, validate
+
+log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 10.0
+"""How long replica 0 keeps its group's store up for the other replicas to leave."""
+
+
+def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
+    """The links a :class:`~agents.stage.transport.RelayRouter` routes: one per (stage >= 1, replica).
+
+    ``wan_shape(prev_dc, dc)`` gives the relay's LinkShape for a link between
+    two DCs (None: connect directly); links inside a DC never get a relay.
+    """
+    return [Route(pipe_name(r.stage, r.replica), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
+            for r in roles if not r.first]
+
+
+def num_microbatches(job: JobSpec, dp: int) -> int:
+    """Microbatches per replica and step: global_batch / (dp * microbatch_size), which must be whole."""
+    per_step = dp * job.microbatch_size
+    if job.global_batch % per_step:
+        raise PlanError(f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
+                        f"microbatch_size({job.microbatch_size}) = {per_step}; change one of them")
+    return job.global_batch // per_step
+
+
+def job_schedule(job: JobSpec, num_stages: int, dp: int) -> Schedule:
+    """The job's lowered, validated schedule for ``num_stages`` stages."""
+    schedule = lower(build_schedule(job.schedule, num_stages, num_microbatches(job, dp)))
+    validate(schedule)
+    return schedule
+
+
+class RankSession:
+    """The open resources of one rank: stage model, optimizer, data, links, DP group, runtime.
+
+    Open it with ``with RankSession(...) as session:``, then iterate
+    :meth:`train`. Opening blocks until the neighbours and the group replicas
+    are there (each step bounded by ``connect_timeout_s``).
+    """
+
+    def __init__(self, job: JobSpec, role: RankRole, *, data: TextDataset | str | Sequence[str],
+                 addresses: AddressBook, bind_host: str = "127.0.0.1", advertise_host: str | None = None,
+                 start_step: int = 0,
+                 connect_timeout_s: float = 60.0, recv_timeout_s: float = 120.0,
+                 wan_config: dict[str, Any] | None = None, backend: str | None = None,
+                 bubble_filler: Any = None) -> None:
+        self.job, self.role = job, role
+        self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
+        self.data = data
+        self.addresses = addresses
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host or bind_host  # what peers connect to (bind 0.0.0.0, advertise a name)
+        self.start_step = start_step
+        self.next_step = start_step  # the step train() runs next (a checkpoint saves it)
+        self.connect_timeout_s = connect_timeout_s
+        self.recv_timeout_s = recv_timeout_s
+        self.wan_config = dict(wan_config or {})
+        self.backend = backend
+        self.schedule = job_schedule(job, role.num_stages, role.dp_size)
+        self._stack = ExitStack()
+        self.module: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.transport: LinkTransport | None = None
+        self.group: DataParallelGroup | None = None
+        self.runtime: StageRuntime | None = None
+        self._hosted_store: Any = None
+
+    def __enter__(self) -> RankSession:
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        job, role = self.job, self.role
+        start, end = role.layers
+        self.module = build_stage(job.model, start, end, first=role.first, last=role.last, seed=job.seed,
+                                  dtype=PRECISION_DTYPES[job.precision])
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=job.learning_rate)
+        listener = self._listen_and_host()
+        log.debug("rank %d: listening", role.rank)
+        self.transport = self._connect(listener)
+        log.debug("rank %d: links open", role.rank)
+        self.group = self._join_group()
+        log.debug("rank %d: group joined", role.rank)
+        if role.first or role.last:
+            dataset = self.data if isinstance(self.data, TextDataset) else TextDataset(
+                self.data, seq_len=job.model.seq_len, seed=job.seed)
+            self.prefetcher = self._stack.enter_context(Prefetcher(
+                dataset, role.replica, role.dp_size, job.microbatch_size, self.schedule.num_microbatches,
+                start_step=self.start_step))
+        self.runtime = StageRuntime(
+            self.module, self.schedule, role.stage, transport=self.transport, optimizer=self.optimizer,
+            grad_sync=self.group, replica=role.replica, recv_timeout_s=self.recv_timeout_s,
+            bubble_filler=self.bubble_filler)
+        log.info("rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s", role.rank, role.stage,
+                 role.num_stages, role.replica, role.dp_size, start, end, role.dc)
+
+    def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
+        options = {"connect_timeout_s": self.connect_timeout_s, "recv_timeout_s": self.recv_timeout_s,
+                   **self.wan_config}
+        return WanLinkConfig(link_id=link_id(upstream_stage, self.role.replica), streams=streams, **options)
+
+    def _listen_and_host(self) -> WanLink | None:
+        """Everything that only binds: the link for stage-1 and (replica 0) the group's store."""
+        role, listener = self.role, None
+        if not role.first:
+            config = self._link_config(role.stage - 1, role.streams_prev)
+            listener = WanLink.listen(f"tcp://{self.bind_host}:0", config)
+            self._stack.callback(listener.close)
+            self.addresses.publish(pipe_name(role.stage, role.replica), f"tcp://{self.advertise_host}:{listener.port}")
+        if role.dp_size > 1 and role.replica == 0:
+            store = dist.TCPStore(self.bind_host, 0, role.dp_size, True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.connect_timeout_s))
+            self._hosted_store = store  # lives until close(), after the group is gone
+            self.addresses.publish(store_name(role.group), f"{self.advertise_host}:{store.port}")
+        return listener
+
+    def _connect(self, listener: WanLink | None) -> LinkTransport | None:
+        role = self.role
+        links = {}
+        if listener is not None:
+            links[role.stage - 1] = listener
+        if not role.last:
+            endpoint = self.addresses.lookup(pipe_name(role.stage + 1, role.replica), self.connect_timeout_s)
+            link = WanLink.connect(endpoint, self._link_config(role.stage, role.streams_next))
+            self._stack.callback(link.close)
+            links[role.stage + 1] = link
+        if listener is not None:
+            listener.wait_peer(self.connect_timeout_s)
+        return LinkTransport(links, stage=role.stage) if links else None
+
+    def _join_group(self) -> DataParallelGroup | None:
+        role = self.role
+        if role.dp_size == 1:
+            return None
+        endpoint = self.addresses.lookup(store_name(role.group), self.connect_timeout_s)
+        host, port = endpoint.rsplit(":", 1)
+        spec = GroupSpec(role.group, role.replica, role.dp_size, host, int(port), backend=self.backend,
+                         timeout_s=self.connect_timeout_s, host_store=False)
+        self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
+        return self._stack.enter_context(join_group(spec))
+
+    def _leave_store(self, host: str, port: int) -> None:
+        """Replicas say they have left the group; replica 0 keeps hosting the store until they all have.
+
+        Otherwise a replica still tearing down its group would find the store gone.
+        """
+        keys = [f"geosched-left/{r}" for r in range(1, self.role.dp_size)]
+        try:
+            if self._hosted_store is not None:
+                self._hosted_store.wait(keys, timedelta(seconds=LEAVE_TIMEOUT_S))
+            else:
+                client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+                client.set(f"geosched-left/{self.role.replica}", "1")
+        except Exception as exc:  # noqa: BLE001 - a peer that failed first; nothing left to protect
+            log.debug("rank %d: leaving the group store: %s", self.role.rank, exc)
+
+    def train(self, steps: int) -> Iterator[StepReport]:
+        """Run the next ``steps`` iterations (from ``start_step``, then on); yield each step's report.
+
+        Every rank of the job must be asked for the same steps. At the end the
+        sends are flushed and the DP replicas meet in a barrier.
+        """
+        assert self.runtime is not None, "open the session first (with RankSession(...) as s)"
+        for _ in range(steps):
+            step = self.next_step
+            microbatches = self.prefetcher.get(step) if self.prefetcher is not None else None
+            report = self.runtime.run_step(step, microbatches)
+            self.next_step = step + 1
+            yield report
+        if self.transport is not None:
+            self.transport.flush(self.recv_timeout_s)
+        if self.group is not None:
+            self.group.barrier()  # nobody tears the group down while a replica still reduces
+
+    def close(self) -> None:
+        """Close links, group, store and data producers (idempotent)."""
+        self._stack.close()
+        self._hosted_store = None
+
+
+def run_rank(job: JobSpec, role: RankRole, *, steps: int, data: TextDataset | str | Sequence[str],
+             addresses: AddressBook, run_dir: str | os.PathLike | None = None,
+             on_step: Callable[[StepReport], None] | None = None, threads: int | None = None,
+             **session_options: Any) -> list[StepReport]:
+    """Open a :class:`RankSession`, train ``steps`` steps, close; return the per-step reports.
+
+    ``on_step`` is called with each report as it is made (the daemon publishes
+    it); ``threads`` sets torch's intra-op threads (1 when many ranks share a
+    machine). Other keyword arguments go to :class:`RankSession`.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    out = None
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        out = open(os.path.join(run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
+    reports: list[StepReport] = []
+    try:
+        with RankSession(job, role, data=data, addresses=addresses, **session_options) as session:
+            for report in session.train(steps):
+                reports.append(report)
+                if out is not None:
+                    out.write(json.dumps({"rank": role.rank, **report.to_dict()}) + "\n")
+                    out.flush()
+                if on_step is not None:
+                    on_step(report)
+    finally:
+        if out is not None:
+            out.close()
+    return reports
+
+
+def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step: int = 0) -> list[float]:
+    """The reference: the whole model in one process on the same global batches; loss per step."""
+    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.learning_rate)
+    losses = []
+    for step in range(start_step, start_step + steps):
+        inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
+        loss = model.loss(model(inputs), targets)  # mean over all G * T tokens
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,297 @@
+"""How a pipeline stage moves tensors to and from its neighbour stages.
+
+The stage runtime only sees the small :class:`StageTransport` protocol:
+``send`` (queues, never waits for the wire), ``recv`` (blocks, with a
+timeout), ``poll`` (has it arrived? the prefill service uses it between
+chunks to learn whether training can resume) and byte counters per peer.
+
+:class:`LinkTransport` implements it over one :class:`~agents.wan.link.WanLink`
+per neighbour: pipeline replica r of stage s talks to replica r of stage
+s +- 1, each pair over its own link. Between DCs the link goes through the
+WAN (a WAN emulator relay in tests and ``geosched launch``); between two
+stages in the same DC it is the same WanLink over the DC network (loopback on
+one machine) with one stream and no relay: one code path, measured, with
+exactly-once delivery, and fast enough for activations (torch.distributed
+p2p would tie the two stages into one process group, which the DP group
+already uses).
+
+The downstream stage listens, the upstream one connects. Endpoints are
+exchanged through an :class:`AddressBook`: a listener publishes its bound
+endpoint (port 0: the OS picks a free one) and the connector looks it up.
+:class:`StoreAddressBook` keeps them in a torch ``TCPStore``; with
+``routed=True`` a router (see :class:`RelayRouter`) sits between publish and
+lookup and may hand out a WAN relay's address instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from agents.wan.link import WanLink
+from geosched.errors import LinkError, StageError
+
+log = logging.getLogger(__name__)
+
+KIND_NAMES = {"F": "activation", "B": "gradient"}
+"""Message kinds of the schedule ("F" activation, "B" gradient) -> WanLink kinds."""
+
+
+class StageTransport(Protocol):
+    """Moves activations ("F") and gradients ("B") between a stage and its neighbours."""
+
+    def send(self, tensor: Tensor, peer_stage: int, kind: str, step: int, microbatch: int) -> None:
+        """Queue ``tensor`` for ``peer_stage``; returns at once (do not modify the tensor afterwards)."""
+        ...
+
+    def recv(self, peer_stage: int, kind: str, step: int, microbatch: int, timeout: float | None = None) -> Tensor:
+        """Block until the message from ``peer_stage`` arrives; LinkError after ``timeout`` seconds."""
+        ...
+
+    def poll(self, peer_stage: int, kind: str, step: int, microbatch: int) -> bool:
+        """True once the message has fully arrived (a later ``recv`` will not wait)."""
+        ...
+
+    def bytes_sent(self) -> dict[int, int]:
+        """Bytes queued for each peer stage so far."""
+        ...
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued send is acknowledged by its peer."""
+        ...
+
+    def close(self) -> None:
+        """Release the links."""
+        ...
+
+
+def link_id(upstream_stage: int, replica: int) -> int:
+    """The id both ends of the link between stage s and s+1 of pipeline replica r agree on."""
+    return ((upstream_stage + 1) << 16) | replica
+
+
+class LinkTransport:
+    """A :class:`StageTransport` over one WanLink per neighbour stage.
+
+    Receives are posted on the link as soon as they are polled or awaited, so a
+    message lands straight in its tensor. Sends return a future at once; a
+    failed send is raised by the next call (and by :meth:`flush`).
+    """
+
+    def __init__(self, links: Mapping[int, WanLink], *, stage: int) -> None:
+        self.links = dict(links)
+        self.stage = stage
+        self._sent = {peer: 0 for peer in self.links}
+        self._pending_sends: list[tuple[str, concurrent.futures.Future]] = []
+        self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future] = {}
+
+    def _link(self, peer: int) -> WanLink:
+        link = self.links.get(peer)
+        if link is None:
+            raise StageError(f"stage {self.stage} has no link to stage {peer} (links to {sorted(self.links)})")
+        return link
+
+    def send(self, tensor: Tensor, peer_stage: int, kind: str, step: int, microbatch: int) -> None:
+        """Queue the tensor on the link to ``peer_stage``."""
+        self._raise_failed_sends()
+        link = self._link(peer_stage)
+        future = link.start_send(tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
+        self._sent[peer_stage] += tensor.numel() * tensor.element_size()
+        self._pending_sends.append((f"{kind} step {step} microbatch {microbatch} to stage {peer_stage}", future))
+
+    def _posted_recv(self, peer: int, kind: str, step: int, microbatch: int) -> concurrent.futures.Future:
+        key = (peer, kind, step, microbatch)
+        future = self._posted.get(key)
+        if future is None:
+            future = self._link(peer).start_recv(step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
+            self._posted[key] = future
+        return future
+
+    def poll(self, peer_stage: int, kind: str, step: int, microbatch: int) -> bool:
+        """Post the receive if needed; True if it has completed."""
+        return self._posted_recv(peer_stage, kind, step, microbatch).done()
+
+    def recv(self, peer_stage: int, kind: str, step: int, microbatch: int, timeout: float | None = None) -> Tensor:
+        """The tensor of ``(step, microbatch, kind)`` from ``peer_stage``."""
+        self._raise_failed_sends()
+        future = self._posted_recv(peer_stage, kind, step, microbatch)
+        try:
+            tensor = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise LinkError(
+                f"stage {self.stage}: no {KIND_NAMES[kind]} for step {step} microbatch {microbatch} from stage "
+                f"{peer_stage} ({self._link(peer_stage).endpoint}) within {timeout:g} s; is that stage running?"
+            ) from None
+        del self._posted[(peer_stage, kind, step, microbatch)]
+        return tensor
+
+    def bytes_sent(self) -> dict[int, int]:
+        """Bytes queued per peer stage since the transport was made."""
+        return dict(self._sent)
+
+    def _raise_failed_sends(self) -> None:
+        still = []
+        for what, future in self._pending_sends:
+            if not future.done():
+                still.append((what, future))
+            elif future.exception() is not None:
+                raise LinkError(f"stage {self.stage}: sending {what} failed: {future.exception()}")
+        self._pending_sends = still
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every send has been acknowledged; LinkError naming the first that failed."""
+        for what, future in self._pending_sends:
+            try:
+                future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise LinkError(f"stage {self.stage}: {what} not acknowledged within {timeout:g} s") from None
+            except LinkError as exc:
+                raise LinkError(f"stage {self.stage}: sending {what} failed: {exc}") from None
+        self._pending_sends = []
+
+    def close(self) -> None:
+        """Close every link (pending operations fail with LinkError)."""
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        self._posted.clear()
+
+
+# ---------------------------------------------------------------------------- addresses
+
+
+class AddressBook(Protocol):
+    """Where ranks publish the endpoints they listen on and look up their peers'."""
+
+    def publish(self, name: str, endpoint: str) -> None:
+        """Make ``endpoint`` known under ``name``."""
+        ...
+
+    def lookup(self, name: str, timeout_s: float) -> str:
+        """The endpoint published under ``name``; waits up to ``timeout_s`` for it."""
+        ...
+
+
+class StoreAddressBook:
+    """An :class:`AddressBook` in a torch ``TCPStore`` (host it with ``is_master=True``, port 0 is fine).
+
+    With ``routed=True``, pipeline endpoints are published under ``bound/<name>``
+    and looked up under ``<name>``: a :class:`RelayRouter` fills in the
+    address peers should connect to (a WAN relay's, or the bound one).
+    ``prefix`` keeps the names of successive runs on one store apart.
+    """
+
+    def __init__(self, store: Any, *, routed: bool = False, prefix: str = "") -> None:
+        self.store = store
+        self.routed = routed
+        self.prefix = prefix
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, routed: bool = False, prefix: str = "",
+                timeout_s: float = 60.0) -> StoreAddressBook:
+        """A client of the store at ``host:port``."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store, routed=routed, prefix=prefix)
+
+    def key(self, name: str) -> str:
+        """The store key of ``name``."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def publish(self, name: str, endpoint: str) -> None:
+        """Write ``endpoint`` under ``name`` (or ``bound/<name>`` when routed)."""
+        if self.routed and name.startswith("pipe/"):
+            name = f"bound/{name}"
+        self.store.set(self.key(name), endpoint)
+
+    def set_route(self, name: str, endpoint: str) -> None:
+        """Router side: the endpoint peers of ``name`` connect to."""
+        self.store.set(self.key(name), endpoint)
+
+    def lookup(self, name: str, timeout_s: float) -> str:
+        """Wait for ``name`` and return it; LinkError naming it after ``timeout_s``."""
+        key = self.key(name)
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+            return self.store.get(key).decode()
+        except RuntimeError as exc:  # torch reports store timeouts as RuntimeError subclasses
+            raise LinkError(f"no endpoint published as {name!r} within {timeout_s:g} s ({str(exc).splitlines()[0]}); "
+                            f"is the peer rank running?") from None
+
+
+@dataclass(frozen=True)
+class Route:
+    """One pipeline link to route: the listener's name and, if it crosses the WAN, its shape."""
+
+    name: str
+    relay_shape: Any | None  # agents.wanem.emulator.LinkShape, or None for a direct (intra-DC) link
+
+
+class RelayRouter:
+    """Routes pipeline endpoints of a routed :class:`StoreAddressBook`, starting WAN relays where asked.
+
+    Give it its own store client (``StoreAddressBook.connect``): a TCPStore
+    client must not be shared between threads. For each :class:`Route` it
+    waits for the listener's ``bound/<name>``, starts
+    a :class:`~agents.wanem.emulator.WanRelay` to it when the route has a shape, and
+    publishes the address to connect to under ``<name>``. Runs in a
+    background thread; :meth:`close` stops the relays.
+    """
+
+    def __init__(self, book: StoreAddressBook, routes: Iterable[Route], *, timeout_s: float = 120.0,
+                 make_relay: Callable[[tuple[str, int], Any], Any] | None = None) -> None:
+        self.book = book
+        self.routes = list(routes)
+        self.timeout_s = timeout_s
+        self.make_relay = make_relay or _start_relay
+        self.relays: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="geosched-relay-router", daemon=True)
+
+    def start(self) -> RelayRouter:
+        """Route in the background."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for route in self.routes:
+                bound = self.book.lookup(f"bound/{route.name}", self.timeout_s)
+                if route.relay_shape is None:
+                    self.book.set_route(route.name, bound)
+                    continue
+                host, port = bound.removeprefix("tcp://").rsplit(":", 1)
+                relay = self.make_relay((host, int(port)), route.relay_shape)
+                self.relays[route.name] = relay
+                self.book.set_route(route.name, f"tcp://{relay.host}:{relay.port}")
+                log.info("route %s: %s via relay %s:%d", route.name, bound, relay.host, relay.port)
+        except BaseException as exc:  # noqa: BLE001 - reported by close()
+            self.error = exc
+            log.error("relay router failed: %s", exc)
+
+    def close(self) -> None:
+        """Stop routing and close the relays."""
+        self._thread.join(timeout=1.0)
+        for relay in self.relays.values():
+            relay.close()
+        self.relays.clear()
+
+    def __enter__(self) -> RelayRouter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _start_relay(target: tuple[str, int], shape: Any) -> Any:
+    from agents.wanem.emulator import WanRelay
+
+    return WanRelay(target, shape).start()

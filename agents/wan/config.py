@@ -1,0 +1,80 @@
+"""WanLinkConfig: the settings of one WAN link, checked before a socket exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from agents.sockets import CurveClient, CurveServer
+from geosched.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WanLinkConfig:
+    """Settings of one WAN link (both sides should agree on link_id and chunk limits)."""
+
+    link_id: int = 0
+    """Identifies the link; frames naming another link are dropped (0..2**31)."""
+    streams: int = 4
+    """TCP connections the connecting side opens (1..64); the listening side follows the peer."""
+    chunk_bytes: int = 0
+    """Bytes per chunk sent; 0 picks per message ~16 chunks per stream, 64 KiB..4 MiB (big: less work per byte)."""
+    max_chunk_bytes: int = 16 << 20
+    """Largest chunk accepted from the peer; also sets the sockets' MAXMSGSIZE."""
+    max_tensor_bytes: int = 4 << 30
+    """Largest tensor accepted from the peer (checked before allocating)."""
+    max_inflight_bytes: int = 64 << 20
+    """Unacknowledged bytes in flight per link and direction."""
+    max_staged_bytes: int = 1 << 30
+    """Bytes buffered for messages whose recv is not posted yet; beyond it chunks are refused 'busy'."""
+    stream_queue_s: float = 0.5
+    """Each stream may hold about this many seconds of its measured throughput in flight."""
+    ack_timeout_s: float = 2.0
+    """A stream with chunks in flight and no acknowledgement for this long is resent elsewhere."""
+    connect_timeout_s: float = 10.0
+    """connect() raises LinkError if the peer does not answer on every stream within this time."""
+    send_timeout_s: float = 300.0
+    """Default time for a send to be fully acknowledged before it raises LinkError."""
+    recv_timeout_s: float = 300.0
+    """Default time a recv waits before it raises LinkError."""
+    stale_message_s: float = 600.0
+    """An incomplete message without progress for this long is dropped (its sender is gone)."""
+    io_threads: int = 1
+    """ZeroMQ I/O threads of the link's context."""
+    keep_buffers: bool = True
+    """Tune glibc (process-wide) to reuse libzmq's message buffers instead of re-faulting them (see sockets)."""
+    curve_server: CurveServer | None = None
+    """Listening side: CURVE keys and allowed clients (None: plain TCP)."""
+    curve_client: CurveClient | None = None
+    """Connecting side: CURVE keys and the server's public key (None: plain TCP)."""
+
+    def check(self) -> WanLinkConfig:
+        """Raise ConfigError naming the first field out of range; return self."""
+        limits = {
+            "link_id": (0, 2**31),
+            "streams": (1, 64),
+            "chunk_bytes": (0, 1 << 30),
+            "max_chunk_bytes": (1, 1 << 30),
+            "max_tensor_bytes": (1, 1 << 40),
+            "max_inflight_bytes": (1, 1 << 40),
+            "max_staged_bytes": (0, 1 << 40),
+            "io_threads": (1, 16),
+        }
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in limits:
+                lo, hi = limits[f.name]
+                if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                    raise ConfigError(f"wan.{f.name}: must be an integer in [{lo}, {hi}] (got {value!r})")
+            elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"wan.{f.name}: must be a positive number of seconds (got {value!r})")
+        if self.chunk_bytes > self.max_chunk_bytes:
+            raise ConfigError(
+                f"wan.chunk_bytes ({self.chunk_bytes}) > wan.max_chunk_bytes ({self.max_chunk_bytes}): "
+                "the peer would refuse the chunks"
+            )
+        if self.max_inflight_bytes < self.chunk_bytes:
+            raise ConfigError(
+                f"wan.max_inflight_bytes ({self.max_inflight_bytes}) must hold one chunk ({self.chunk_bytes})"
+            )
+        return self
+

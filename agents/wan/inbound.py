@@ -1,0 +1,294 @@
+"""The receive half of a WanLink's I/O thread: every frame and connection event that comes in.
+
+Mixed into :class:`agents.wan.io.LinkIO` (which owns the sockets and the
+state this code reads). Frames (every header is a msgpack map with ``v``
+(protocol version), ``type`` and ``link``):
+
+* ``data`` header + one raw payload frame (a chunk of a tensor);
+* ``resp`` header (``count``) + one frame of ``count`` little-endian uint64
+  quadruples ``(seq, offset, tx, status)``, status 0 = stored, 1 = busy;
+* ``hello`` (connecting side, on each stream: ``session``, ``stream``,
+  ``streams``) and ``welcome`` (listening side's answer);
+* ``ping``: an empty probe the listening side sends after a disconnect.
+
+A frame that fails validation is dropped, counted by reason in the link's
+metrics and logged at most once a minute per peer; the link keeps serving.
+Connection events come from libzmq socket monitors: failed handshakes are
+counted, and a closed connection is mapped (by its file descriptor) to the
+stream it carried so that stream's chunks in flight are resent at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
+from geosched.errors import LinkError, ProtocolError
+from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header
+
+if TYPE_CHECKING:
+    from agents.wan.config import WanLinkConfig
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_RESPONSES = 4096  # responses per resp frame
+RESP_WIDTH = 4  # (seq, offset, tx, status)
+ACK_BATCH, ACK_DELAY_S = 16, 0.002  # acknowledgements go out 16 at a time or 2 ms after the first
+ACK, BUSY = 0, 1
+READ_BUDGET = 8  # frames read from one socket before acknowledging them and sending again
+TIMER_S = 0.02  # granularity of deadlines and stall checks
+HELLO_EVERY_S = 0.5
+# plain ints: combining zmq's enum flags costs microseconds per call on the hot path
+NOBLOCK, SNDMORE, RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+MORE_NOBLOCK = SNDMORE | NOBLOCK
+
+
+class InboundFrames:
+    """Frame and event handlers of :class:`agents.wan.io.LinkIO` (see there for the attributes)."""
+
+    config: WanLinkConfig
+    listening: bool
+
+    def _read(self, sock: zmq.Socket, now: float) -> None:
+        is_router = sock is self._router
+        for _ in range(READ_BUDGET):
+            try:
+                first = sock.recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = None
+            if is_router:
+                ident = first.bytes
+                if not sock.get(RCVMORE):
+                    self._drop("bad_header", first, "frame without header")
+                    continue
+                header = sock.recv(copy=False)
+                stream = self._ident_stream.get(ident)
+            else:
+                header, stream = first, self._stream_of[sock]
+            dropped = self._on_frame(sock, stream, ident, header, now)
+            if sock.get(RCVMORE):
+                while sock.get(RCVMORE):
+                    sock.recv(copy=False)
+                if not dropped:
+                    self._drop("bad_header", header, "unexpected extra frames")
+
+    def _on_frame(
+        self, sock: zmq.Socket, stream: int | None, ident: bytes | None, frame: zmq.Frame, now: float
+    ) -> bool:
+        """Handle one message; True if it was dropped (and counted)."""
+        if len(frame) > MAX_HEADER_BYTES:
+            return self._drop("bad_header", frame, f"header frame of {len(frame)} bytes")
+        try:
+            h = decode_header(frame.buffer)
+        except ProtocolError as exc:
+            return self._drop("bad_header", frame, str(exc))
+        if h.get("v") != PROTOCOL_VERSION:
+            return self._drop("bad_version", frame, f"protocol version {str(h.get('v'))[:20]}")
+        if h.get("link") != self.config.link_id:
+            return self._drop("unknown_link", frame, f"link id {str(h.get('link'))[:20]}")
+        kind = h.get("type")
+        if kind == "hello" and self.listening:
+            return self._on_hello(ident, h, frame)
+        if stream is None:
+            return self._drop("unknown_peer", frame, f"{str(kind)[:20]} frame before hello")
+        if ident is not None:
+            self._fd_stream[frame.get(zmq.SRCFD)] = stream
+        if kind == "data":
+            return self._on_data(sock, stream, h, frame, now)
+        if kind == "resp":
+            return self._on_responses(sock, stream, h, frame, now)
+        if kind == "welcome" and not self.listening:
+            return self._on_welcome(stream)
+        if kind == "ping":
+            return False
+        return self._drop("bad_header", frame, f"unknown frame type {str(kind)[:20]!r}")
+
+    def _on_data(self, sock: zmq.Socket, stream: int, h: dict, frame: zmq.Frame, now: float) -> bool:
+        if not sock.get(RCVMORE):
+            return self._drop("bad_header", frame, "data header without payload")
+        try:
+            c = parse_chunk_header(
+                h, max_tensor_bytes=self.config.max_tensor_bytes, max_chunk_bytes=self.config.max_chunk_bytes
+            )
+        except RejectedChunk as exc:
+            return self._drop(exc.reason, frame, str(exc))
+        verdict, msg, view = self.recv.begin_chunk(c, now)
+        if verdict == "write":
+            received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))
+            if sock.get(RCVMORE):
+                return self._drop("bad_header", frame, "unexpected extra frames")
+            if received != c.length:
+                return self._drop("oversize", frame, f"payload of {received} bytes, header says {c.length}")
+            if checksum(view) != c.crc:
+                return self._drop("bad_checksum", frame, f"crc32c mismatch in seq {c.seq} offset {c.offset}")
+            self.recv.finish_chunk(msg, c.offset, c.length, now)
+            counters = self.counters.streams[stream]
+            counters.bytes_received += c.length
+            counters.chunks_received += 1
+            self._respond(stream, c, ACK, now)
+            return False
+        sock.recv(copy=False)  # the payload is not needed
+        if verdict == "dup":
+            self.counters.drop("duplicate")
+            self._respond(stream, c, ACK, now)
+        elif verdict == "busy":
+            self.counters.drop("no_buffer")
+            self._respond(stream, c, BUSY, now)
+        else:
+            return self._drop("bad_spec", frame, f"chunk of seq {c.seq} disagrees with its first chunk")
+        return False
+
+    def _respond(self, stream: int, c: ChunkHeader, status: int, now: float) -> None:
+        if not self._responses:
+            self._responses_since = now
+        self._responses.setdefault(stream, []).append((c.seq, c.offset, c.tx, status))
+
+    def _on_responses(self, sock: zmq.Socket, stream: int, h: dict, frame: zmq.Frame, now: float) -> bool:
+        count = h.get("count")
+        if not isinstance(count, int) or not 0 <= count <= MAX_RESPONSES or not sock.get(RCVMORE):
+            return self._drop("bad_header", frame, "malformed resp header")
+        payload = sock.recv(copy=False)
+        if len(payload) != count * RESP_WIDTH * 8:
+            return self._drop("bad_header", frame, f"resp payload of {len(payload)} bytes for {count} entries")
+        rows = np.frombuffer(payload.buffer, dtype="<u8").reshape(count, RESP_WIDTH).tolist()
+        for seq, offset, tx, status in rows:
+            self.send.on_response(stream, seq, offset, tx, status == BUSY, now)
+        return False
+
+    def _on_hello(self, ident: bytes | None, h: dict, frame: zmq.Frame) -> bool:
+        session, index, streams = h.get("session"), h.get("stream"), h.get("streams")
+        if (
+            ident is None
+            or not isinstance(session, str)
+            or len(session) > 64
+            or not isinstance(streams, int)
+            or not 1 <= streams <= 64
+            or not isinstance(index, int)
+            or not 0 <= index < streams
+        ):
+            return self._drop("bad_header", frame, "malformed hello")
+        if session != self.session:
+            self._start_session(session, streams, frame)
+        elif streams != len(self.send.slots):
+            return self._drop(
+                "bad_header", frame, f"hello says {streams} streams, the session has {len(self.send.slots)}"
+            )
+        self._ident_stream[ident] = index
+        self._stream_ident[index] = ident
+        self._fd_stream[frame.get(zmq.SRCFD)] = index
+        self.send.slots[index].up = True
+        self._send_control(index, [self._header("welcome", stream=index)])
+        if len(self._stream_ident) == len(self.send.slots):
+            self._peer_ready.set()
+        return False
+
+    def _start_session(self, session: str, streams: int, frame: zmq.Frame) -> None:
+        """Accept a connecting peer; a new session replaces the old one (the peer restarted)."""
+        peer = f"{_peer_address(frame)} (connected to {self.endpoint})"
+        if self.session is not None:
+            log.warning(
+                "link %d: new session from %s replaces the previous one (peer restarted?); its unfinished sends fail",
+                self.config.link_id,
+                peer,
+            )
+            error = LinkError(f"link {self.config.link_id}: the peer restarted before this send was acknowledged")
+            waiting = self.recv.take_posted()
+            self.send.close(error)
+            self.recv.close(error)
+            self.counters.streams.clear()
+            self.counters.inflight_bytes = 0
+            self._ident_stream.clear()
+            self._fd_stream.clear()
+            self._stream_ident.clear()
+            self._peer_ready.clear()
+            self._responses.clear()
+        else:
+            waiting = []
+        self.session, self.peer = session, peer
+        self.counters.peer = peer
+        self.send, self.recv = self._new_send_state(), self._new_recv_state()
+        for _ in range(streams):
+            self._add_slot(probe_when_down=True)
+        for posted in waiting:
+            self.recv.post(posted)
+
+    def _on_welcome(self, stream: int) -> bool:
+        if not self._welcomed[stream]:
+            self._welcomed[stream] = True
+            self.send.slots[stream].up = True
+            if all(self._welcomed) and not self._started.done():
+                self._started.set_result(None)
+        return False
+
+    def _on_monitor(self, monitor: zmq.Socket, now: float) -> None:
+        stream = self._monitors[monitor]
+        while True:
+            try:
+                message = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, value = message["event"], message["value"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._failed_handshake = True
+                self._drop("auth_failed", None, "CURVE client key refused")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self._failed_handshake = True
+                self._drop("handshake_failed", None, "ZMTP handshake failed (not a geosched peer, or CURVE mismatch)")
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and stream >= 0 and self._welcomed[stream]:
+                self.send.slots[stream].up = True
+            elif event == zmq.EVENT_ACCEPTED:
+                self._fd_stream.pop(value, None)  # a new connection reuses this descriptor
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.counters.disconnects += 1
+                self._on_disconnect(stream if stream >= 0 else self._fd_stream.pop(value, None), now)
+
+    def _on_disconnect(self, stream: int | None, now: float) -> None:
+        """A connection closed: resend what its stream carried, or count a stranger that never identified."""
+        failed, self._failed_handshake = self._failed_handshake, False
+        if stream is not None:
+            self.counters.streams[stream].disconnects += 1
+            self.send.stream_lost(stream, now)
+        elif not failed:
+            # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
+            self._drop("unknown_peer", None, "connection closed before it identified as a stream of this link")
+            self._probe_streams(now)
+
+    def _probe_streams(self, now: float) -> None:
+        """After a disconnect on the ROUTER, find which streams are gone (it cannot route to them)."""
+        ping = self._header("ping")
+        for index, ident in self._stream_ident.items():
+            try:
+                self._router.send_multipart([ident, ping], zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    self.counters.streams[index].disconnects += 1
+                    self.send.stream_lost(index, now)
+
+    def _drop(self, reason: str, frame: zmq.Frame | None, detail: str) -> bool:
+        self.counters.drop(reason)
+        peer = _peer_address(frame) if frame is not None else self.endpoint
+        if self._limiter.should_log(peer):
+            log.warning(
+                "link %d dropped a frame from %s: %s (%s; later drops from this peer are only counted for a minute)",
+                self.config.link_id,
+                peer,
+                reason,
+                detail,
+            )
+        return True
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address") or "unknown peer"
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "unknown peer"

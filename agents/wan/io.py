@@ -1,0 +1,399 @@
+"""The I/O thread of a WanLink: sockets, stream set-up, sending, timers, shutdown.
+
+One background thread per link owns every ZeroMQ socket (sockets are not
+thread-safe); the API queues sends and recvs with :meth:`LinkIO.submit` and
+wakes the thread through a socketpair. Each loop turn: poll, read frames
+(:mod:`agents.wan.inbound`), take new commands, hand chunks to the streams
+(:class:`agents.wan.send.SendState`), send the batched acknowledgements, and
+every ``TIMER_S`` check deadlines, stalls and hellos.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from agents.sockets import (
+    PeerLogLimiter,
+    ZapAuthenticator,
+    bound_port,
+    keep_message_buffers,
+    make_socket,
+    monitor_events,
+)
+from agents.wan.inbound import (
+    ACK_BATCH,
+    ACK_DELAY_S,
+    HELLO_EVERY_S,
+    MAX_RESPONSES,
+    MORE_NOBLOCK,
+    PROTOCOL_VERSION,
+    RESP_WIDTH,
+    SNDMORE,
+    TIMER_S,
+    InboundFrames,
+)
+from agents.wan.metrics import LinkCounters
+from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
+from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from geosched.chunking import AUTO_CHUNK_MIN_LOG2
+from geosched.errors import GeoschedError, LinkError
+from geosched.wire import encode_header
+
+if TYPE_CHECKING:
+    from agents.wan.config import WanLinkConfig
+
+log = logging.getLogger(__name__)
+
+
+def poll_timeout_ms(timeout_s: float) -> int:
+    """A poll timeout in whole milliseconds, rounded up (pyzmq truncates: 0.4 ms would poll 0 ms, a busy spin)."""
+    return max(0, math.ceil(timeout_s * 1000))
+
+
+class LinkIO(InboundFrames):
+    """Everything a WanLink does on the wire, run by one background thread."""
+
+    def __init__(self, endpoint: str, config: WanLinkConfig, *, listening: bool) -> None:
+        self.config = config
+        self.listening = listening
+        self.endpoint = endpoint
+        self.version = PROTOCOL_VERSION
+        self.port = 0
+        role = "listen" if listening else "connect"
+        self.peer = f"the peer of {endpoint}" if listening else endpoint
+        self.counters = LinkCounters(link_id=config.link_id, role=role, peer=self.peer)
+        self.send = self._new_send_state()
+        self.recv = self._new_recv_state()
+        self.session: str | None = None if listening else secrets.token_hex(8)
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closing = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._started: concurrent.futures.Future = concurrent.futures.Future()
+        self._peer_ready = threading.Event()
+        self._limiter = PeerLogLimiter()
+        self._responses: dict[int, list[tuple[int, int, int, int]]] = {}  # stream -> queued acknowledgements
+        self._responses_since = 0.0  # when the oldest queued acknowledgement was queued
+        self._ctx: zmq.Context | None = None
+        self._zap: ZapAuthenticator | None = None
+        self._router: zmq.Socket | None = None
+        self._dealers: list[zmq.Socket] = []
+        self._monitors: dict[zmq.Socket, int] = {}  # monitor socket -> stream (-1: the router)
+        self._stream_of: dict[zmq.Socket, int] = {}
+        self._ident_stream: dict[bytes, int] = {}
+        self._stream_ident: dict[int, bytes] = {}
+        self._fd_stream: dict[int, int] = {}  # listening side: socket descriptor -> stream it carries
+        self._failed_handshake = False
+        self._welcomed: list[bool] = []
+        self._connect_deadline = 0.0
+        self._next_hello = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"wan-link-{config.link_id}-{role}", daemon=True)
+
+    def _new_send_state(self) -> SendState:
+        cfg = self.config
+        return SendState(
+            self.counters,
+            peer=self.peer,
+            link_id=cfg.link_id,
+            max_inflight_bytes=cfg.max_inflight_bytes,
+            stream_queue_s=cfg.stream_queue_s,
+            ack_timeout_s=cfg.ack_timeout_s,
+        )
+
+    def _new_recv_state(self) -> RecvState:
+        return RecvState(
+            self.counters,
+            peer=self.peer,
+            max_staged_bytes=self.config.max_staged_bytes,
+            stale_message_s=self.config.stale_message_s,
+        )
+
+    # ------------------------------------------------------------ API side (any thread)
+
+    def start(self) -> LinkIO:
+        """Start the thread; return once bound (listen) or once every stream is welcomed (connect)."""
+        self._thread.start()
+        try:
+            self._started.result(timeout=self.config.connect_timeout_s + 30.0)
+        except concurrent.futures.TimeoutError:
+            self.close()
+            raise LinkError(
+                f"link to {self.endpoint} did not start within {self.config.connect_timeout_s:g} s"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def submit(self, kind: str, item: OutMessage | PostedRecv) -> None:
+        """Queue a send or recv for the I/O thread (fails its future if the link is closed)."""
+        with self._lock:
+            if not self._closed:
+                self._commands.append((kind, item))
+                self._wake()
+                return
+        fail_future(item.future, LinkError(f"link {self.config.link_id} to {self.peer} is closed"))
+
+    @property
+    def streams(self) -> int:
+        """Streams of the link (on the listening side: as many as the peer opened; 1 before it did)."""
+        return max(1, len(self.send.slots))
+
+    def wait_peer(self, timeout_s: float) -> None:
+        """Block until a connecting peer has said hello on every stream."""
+        if not self._peer_ready.wait(timeout_s):
+            raise LinkError(f"no peer connected to {self.endpoint} within {timeout_s:g} s")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the I/O thread has used so far (0.0 before it started or where threads have no clock)."""
+        ident = self._thread.ident
+        if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:  # the thread has exited
+            return 0.0
+
+    def close(self) -> None:
+        """Ask the thread to stop and wait for it (idempotent)."""
+        self._closing = True
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(10.0)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending (or the link is closed)
+
+    # ------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        error: Exception | None = None
+        try:
+            self._open()
+            self._loop()
+        except GeoschedError as exc:
+            error = exc
+        except Exception as exc:  # a bug: never leave callers hanging
+            log.exception("WAN link %d I/O thread failed", self.config.link_id)
+            error = LinkError(f"link {self.config.link_id} to {self.peer} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._shutdown(error)
+
+    def _open(self) -> None:
+        cfg = self.config
+        if cfg.keep_buffers:
+            keep_message_buffers()
+        self._ctx = zmq.Context(cfg.io_threads)
+        smallest_chunk = cfg.chunk_bytes or min(1 << AUTO_CHUNK_MIN_LOG2, cfg.max_chunk_bytes)
+        hwm = cfg.max_inflight_bytes // smallest_chunk + 256  # the window, not the HWM, bounds the queues
+        common = {
+            "max_msg_bytes": max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8),
+            "sndhwm": hwm,
+            "rcvhwm": hwm,
+        }
+        if self.listening:
+            curve = cfg.curve_server
+            if curve is not None and curve.allowed_clients is not None:
+                self._zap = ZapAuthenticator(self._ctx, curve.allowed_clients).start()
+            self._router = make_socket(
+                self._ctx,
+                zmq.ROUTER,
+                bind=self.endpoint,
+                curve_server=curve,
+                options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
+                **common,
+            )
+            self.port = bound_port(self._router)
+            self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._monitors[monitor_events(self._router)] = -1
+            self._started.set_result(None)
+            return
+        for index in range(cfg.streams):
+            dealer = make_socket(
+                self._ctx,
+                zmq.DEALER,
+                connect=self.endpoint,
+                curve_client=cfg.curve_client,
+                routing_id=f"{self.session}-{index}".encode(),
+                **common,
+            )
+            self._dealers.append(dealer)
+            self._stream_of[dealer] = index
+            self._monitors[monitor_events(dealer)] = index
+            self._add_slot(probe_when_down=False)
+        self._welcomed = [False] * cfg.streams
+        self._connect_deadline = monotonic() + cfg.connect_timeout_s
+
+    def _add_slot(self, *, probe_when_down: bool) -> StreamSlot:
+        slot = StreamSlot(len(self.send.slots), self.counters.add_stream(), probe_when_down)
+        self.send.slots.append(slot)
+        return slot
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        wake_fd = self._wake_r.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
+        for sock in [self._router, *self._dealers, *self._monitors]:
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        next_timer = 0.0
+        while not self._closing:
+            now = monotonic()
+            wake_at = self.send.next_wakeup(now)
+            if self._responses:
+                wake_at = min(wake_at or now + TIMER_S, self._responses_since + ACK_DELAY_S)
+            timeout_s = min(TIMER_S, max(0.0, wake_at - now)) if wake_at is not None else TIMER_S
+            ready = poller.poll(0 if self._commands else poll_timeout_ms(timeout_s))
+            now = monotonic()
+            for sock, _event in ready:
+                if sock == wake_fd:
+                    self._drain_wake()
+                elif sock in self._monitors:
+                    self._on_monitor(sock, now)
+                else:
+                    self._read(sock, now)
+            self._run_commands()
+            self.send.pump(now, self._transmit)
+            self._flush_responses(now)
+            if now >= next_timer:
+                self._timers(now)
+                next_timer = now + TIMER_S
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            kind, item = self._commands.popleft()
+            if kind == "send":
+                self.send.submit(item)
+            else:
+                self.recv.post(item)
+
+    def _timers(self, now: float) -> None:
+        if not self.listening and not self._started.done():
+            if now >= self._connect_deadline:
+                answered = sum(self._welcomed)
+                self._started.set_exception(
+                    LinkError(
+                        f"peer {self.endpoint} unreachable: {answered}/{len(self._welcomed)} streams answered within "
+                        f"{self.config.connect_timeout_s:g} s (is it listening, with link_id {self.config.link_id} "
+                        "and matching CURVE keys?)"
+                    )
+                )
+                self._closing = True
+                return
+            if now >= self._next_hello:
+                self._next_hello = now + HELLO_EVERY_S
+                for index, welcomed in enumerate(self._welcomed):
+                    if not welcomed:
+                        self._send_control(
+                            index,
+                            [self._header("hello", session=self.session, stream=index, streams=len(self._welcomed))],
+                        )
+        self.send.expire(now)
+        self.recv.expire(now)
+        self.counters.tick(now)
+
+    def _shutdown(self, error: Exception | None) -> None:
+        with self._lock:
+            self._closed = True
+            leftovers = list(self._commands)
+            self._commands.clear()
+        err = error or LinkError(f"link {self.config.link_id} to {self.peer} is closed")
+        for _kind, item in leftovers:
+            fail_future(item.future, err)
+        self.send.close(err)
+        self.recv.close(err)
+        if not self._started.done():
+            self._started.set_exception(err)
+        for sock in [self._router, *self._dealers]:
+            if sock is not None:
+                sock.disable_monitor()
+                sock.close(linger=0)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ------------------------------------------------------------ outgoing
+
+    def _header(self, kind: str, **fields: Any) -> bytes:
+        return encode_header({"v": PROTOCOL_VERSION, "type": kind, "link": self.config.link_id, **fields})
+
+    def _transmit(self, stream: int, header: bytes, payload: memoryview) -> int:
+        if self.listening:
+            ident = self._stream_ident.get(stream)
+            if ident is None:
+                return UNREACHABLE
+            sock, first = self._router, ident
+            try:
+                sock.send(first, MORE_NOBLOCK)
+            except zmq.Again:
+                return AGAIN
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return UNREACHABLE
+                raise
+            sock.send(header, SNDMORE)
+        else:
+            sock = self._dealers[stream]
+            try:
+                sock.send(header, MORE_NOBLOCK)
+            except zmq.Again:
+                return AGAIN
+        sock.send(payload, copy=False)
+        return SENT
+
+    def _send_control(self, stream: int, frames: list[bytes]) -> bool:
+        """Best-effort small frames on one stream; False if it could not be queued."""
+        try:
+            if self.listening:
+                ident = self._stream_ident.get(stream)
+                if ident is None:
+                    return False
+                self._router.send_multipart([ident, *frames], zmq.NOBLOCK)
+            else:
+                self._dealers[stream].send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:  # EAGAIN or EHOSTUNREACH: the peer resends or re-acks
+            return False
+        return True
+
+    def _flush_responses(self, now: float) -> None:
+        """Send the queued acknowledgements, batched: ACK_BATCH of them or ACK_DELAY_S after the first."""
+        if not self._responses:
+            return
+        pending = sum(map(len, self._responses.values()))
+        if now - self._responses_since < ACK_DELAY_S and pending < ACK_BATCH:
+            return
+        for stream, items in self._responses.items():
+            for start in range(0, len(items), MAX_RESPONSES):
+                batch = items[start : start + MAX_RESPONSES]
+                payload = np.array(batch, dtype="<u8").tobytes()
+                self._send_control(stream, [self._header("resp", count=len(batch)), payload])
+        self._responses.clear()

@@ -1,0 +1,251 @@
+"""WanLink: a bidirectional tensor link between two agents over K TCP streams (ZeroMQ).
+
+One side :meth:`WanLink.listen` s (one ROUTER socket), the other
+:meth:`WanLink.connect` s K DEALER sockets, each its own TCP connection (the
+address may be a WAN relay's). Tensors are cut into chunks striped across the
+streams, sent zero-copy from the tensor's memory and received straight into
+the destination tensor (one copy, ``recv_into``). Every chunk is
+acknowledged; lost ones are resent and duplicates discarded, so delivery is
+exactly once and in order per ``(step, microbatch, kind)``. See
+:mod:`agents.wan.send` and :mod:`agents.wan.recv` for the protocol and
+:mod:`agents.wan.io` for the I/O thread.
+
+Threading: each link owns one background I/O thread (and its own ZeroMQ
+context) that does all socket work; the API only queues requests and returns
+futures, so it is safe from any thread and from asyncio (``await
+link.send(...)``). We chose a thread over ``zmq.asyncio`` sockets on the
+caller's loop so that acknowledgements, resends and reassembly keep running
+while the caller computes (a training step may hold its loop for seconds),
+and so that callers on plain threads pay no event-loop hop.
+
+Example::
+
+    server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(link_id=7))
+    client = WanLink.connect(f"tcp://127.0.0.1:{server.port}", WanLinkConfig(link_id=7, streams=8))
+    await client.send(activations, step=3, microbatch=1, kind="activation")
+    x = await server.recv(step=3, microbatch=1, kind="activation")
+    client.close(); server.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from agents.sockets import CurveClient, CurveServer
+from agents.wan.config import WanLinkConfig
+from agents.wan.io import LinkIO
+from agents.wan.recv import KINDS, PostedRecv, monotonic
+from agents.wan.send import OutMessage
+from geosched.chunking import auto_chunk_bytes
+from geosched.errors import ConfigError, InputError, LinkError
+from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
+
+log = logging.getLogger(__name__)
+
+
+
+def _check_key(step: int, microbatch: int, kind: str) -> tuple[int, int, str]:
+    for name, value in (("step", step), ("microbatch", microbatch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InputError(f"{name} must be a non-negative int (got {value!r})")
+    if kind not in KINDS:
+        raise InputError(f"kind must be one of {KINDS} (got {kind!r})")
+    return step, microbatch, kind
+
+
+class WanLink:
+    """A multi-stream tensor link; make one with :meth:`listen` or :meth:`connect`."""
+
+    def __init__(self, io: LinkIO) -> None:  # use listen() / connect()
+        self._io = io
+        self.config: WanLinkConfig = io.config
+
+    @classmethod
+    def listen(cls, endpoint: str = "tcp://127.0.0.1:0", config: WanLinkConfig | None = None) -> WanLink:
+        """Bind the listening side (port 0 picks a free port; read it from :attr:`port`)."""
+        return cls(LinkIO(endpoint, (config or WanLinkConfig()).check(), listening=True).start())
+
+    @classmethod
+    def connect(cls, endpoint: str, config: WanLinkConfig | None = None) -> WanLink:
+        """Open ``config.streams`` connections to a listening link (or a relay in front of it).
+
+        Blocks until the peer answered on every stream; raises LinkError naming the address and
+        timeout if it does not within ``config.connect_timeout_s``.
+        """
+        return cls(LinkIO(endpoint, (config or WanLinkConfig()).check(), listening=False).start())
+
+    @classmethod
+    async def open(cls, endpoint: str, config: WanLinkConfig | None = None) -> WanLink:
+        """:meth:`connect` from asyncio without blocking the event loop while the streams come up."""
+        return await asyncio.to_thread(cls.connect, endpoint, config)
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (listening side)."""
+        return self._io.port
+
+    @property
+    def endpoint(self) -> str:
+        """The bound (listening) or connected-to endpoint."""
+        return self._io.endpoint
+
+    def wait_peer(self, timeout_s: float | None = None) -> None:
+        """Listening side: block until a peer has opened its streams; LinkError on timeout."""
+        self._io.wait_peer(self.config.connect_timeout_s if timeout_s is None else timeout_s)
+
+    # ------------------------------------------------------------ futures (any thread)
+
+    def start_send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        timeout_s: float | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue a tensor; the future resolves once the peer holds every byte (do not modify it before)."""
+        key = _check_key(step, microbatch, kind)
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"send() takes a torch.Tensor, got {type(tensor).__name__}")
+        source = contiguous_cpu(tensor.detach())
+        total = tensor_nbytes(source.dtype, source.shape)
+        if total > self.config.max_tensor_bytes:
+            raise InputError(f"tensor of {total} bytes is over wan.max_tensor_bytes ({self.config.max_tensor_bytes})")
+        timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
+        chunk = self.config.chunk_bytes or auto_chunk_bytes(total, self._io.streams, self.config.max_chunk_bytes)
+        base = {
+            "v": self._io.version,
+            "type": "data",
+            "link": self.config.link_id,
+            "step": step,
+            "mb": microbatch,
+            "kind": kind,
+            "dtype": dtype_to_name(source.dtype),
+            "shape": list(source.shape),
+            "total": total,
+            "chunk": chunk,
+        }
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        # the byte view keeps the tensor's memory alive while chunks are in flight
+        msg = OutMessage(key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout)
+        self._io.submit("send", msg)
+        return future
+
+    def start_recv(
+        self,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        out: torch.Tensor | None = None,
+        timeout_s: float | None = None,
+    ) -> concurrent.futures.Future:
+        """Post a recv; the future resolves to the tensor (``out`` itself if given: contiguous, CPU)."""
+        key = _check_key(step, microbatch, kind)
+        if out is not None and (
+            not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.device.type != "cpu"
+        ):
+            raise InputError("recv out= must be a contiguous CPU torch.Tensor")
+        timeout = self.config.recv_timeout_s if timeout_s is None else timeout_s
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._io.submit("recv", PostedRecv(key, future, out, monotonic() + timeout, timeout))
+        return future
+
+    # ------------------------------------------------------------ asyncio
+
+    async def send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send a tensor; returns once the peer holds all of it. LinkError on timeout."""
+        await asyncio.wrap_future(
+            self.start_send(tensor, step=step, microbatch=microbatch, kind=kind, timeout_s=timeout_s)
+        )
+
+    async def recv(
+        self,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        out: torch.Tensor | None = None,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        """Receive the next tensor of ``(step, microbatch, kind)``. LinkError on timeout."""
+        future = self.start_recv(step=step, microbatch=microbatch, kind=kind, out=out, timeout_s=timeout_s)
+        return await asyncio.wrap_future(future)
+
+    # ------------------------------------------------------------ blocking
+
+    def send_sync(
+        self,
+        tensor: torch.Tensor,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        timeout_s: float | None = None,
+    ) -> None:
+        """Blocking :meth:`send` for threads."""
+        timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
+        _wait(self.start_send(tensor, step=step, microbatch=microbatch, kind=kind, timeout_s=timeout), timeout)
+
+    def recv_sync(
+        self,
+        *,
+        step: int,
+        microbatch: int,
+        kind: str = "activation",
+        out: torch.Tensor | None = None,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        """Blocking :meth:`recv` for threads."""
+        timeout = self.config.recv_timeout_s if timeout_s is None else timeout_s
+        return _wait(self.start_recv(step=step, microbatch=microbatch, kind=kind, out=out, timeout_s=timeout), timeout)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters of the link and of each stream (bytes, chunks, resends, drops by reason, bytes/s)."""
+        return self._io.counters.snapshot()
+
+    def io_cpu_s(self) -> float:
+        """CPU seconds this link's I/O thread has used so far (what the link costs its process)."""
+        return self._io.cpu_s()
+
+    def close(self) -> None:
+        """Stop the I/O thread, close every socket; pending sends and recvs fail with LinkError."""
+        self._io.close()
+
+    def __enter__(self) -> WanLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> WanLink:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)
+
+
+def _wait(future: concurrent.futures.Future, timeout_s: float) -> Any:
+    """Result of a link future; the I/O thread enforces the deadline, the margin only guards a dead thread."""
+    try:
+        return future.result(timeout=timeout_s + 10.0)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise LinkError(f"link I/O thread did not answer within {timeout_s + 10.0:g} s") from None

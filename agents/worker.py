@@ -1,0 +1,264 @@
+"""The agent's training thread: one rank's session, its steps, its checkpoints.
+
+:class:`RankWorker` runs on a daemon thread beside the agent's event loop
+(:mod:`agents.daemon`). It opens the rank's
+:class:`~agents.stage.session.RankSession` (binding at once; connecting to peers once
+the job starts, through the agent's address book), then trains each number
+of steps the agent requests and reports through ``post``:
+
+- ``post("step", record)``: one metrics record per step (:func:`metrics_record`);
+- ``post("finished", next_step)``: a requested run of steps is done;
+- ``post("failed", exc)``: the session failed (the agent reports it and exits).
+
+With ``prefill_bind`` set, the worker also opens a
+:class:`~agents.prefill.service.PrefillService` (the job's model shape,
+seeded or ``prefill_weights``), publishes its endpoint as ``prefill/r<R>``,
+lets the runtime fill bubbles with it, serves it outright while there are
+no steps to run (between and after training requests), adds its metrics to every step record
+(``prefill``) and writes them to ``run_dir/prefill-rank<R>.json``.
+
+:class:`RankCheckpoints` is the rank's checkpoint policy on top of
+:mod:`agents.checkpoint.store`: replica 0 of each stage writes a shard every
+``every`` steps and after the steps the coordinator names; ``--resume``
+restores the newest complete checkpoint (every stage's shard present and
+verified); a corrupt one raises CheckpointError and loads nothing.
+Checkpoint ``n`` holds the state after ``n`` steps; a resume trains step ``n`` next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from geosched.errors import LinkError
+
+log = logging.getLogger(__name__)
+
+IDLE_SLICE_S = 0.05
+"""Between training requests: prefill chunk length (nothing waits for the stage)."""
+
+
+CHECKPOINT_NOW = -1
+"""A request (instead of a number of steps): write a checkpoint of the state now."""
+
+
+class StopTraining(Exception):
+    """Raised between steps inside the worker when the agent stops."""
+
+
+def metrics_record(report: Any, role: Any) -> dict[str, Any]:
+    """The metrics message of one step: the StepReport without events, plus bytes sent over the WAN."""
+    data = report.to_dict(with_events=False)
+    wan = 0
+    for peer, nbytes in report.bytes_sent.items():
+        peer_dc = role.prev_dc if peer == role.stage - 1 else role.next_dc
+        if peer_dc is not None and peer_dc != role.dc:
+            wan += nbytes
+    data.update(dc=role.dc, wan_bytes=wan)
+    data.pop("started_at", None)
+    return json.loads(json.dumps(data))
+
+
+class RankCheckpoints:
+    """When and how one rank writes and restores checkpoints."""
+
+    def __init__(self, ckpt_dir: str, layout: Any, role: Any, every: int, resume: bool) -> None:
+        from agents.checkpoint.store import job_fingerprint
+
+        self.ckpt_dir, self.role, self.every, self.resume = ckpt_dir, role, every, resume
+        self.num_stages = layout.num_stages
+        job = layout.job
+        self.fingerprint = job_fingerprint(job.model, role.layers, first=role.first, last=role.last, seed=job.seed,
+                                           num_stages=layout.num_stages, precision=job.precision)
+        self._writer: Any = None
+        self.start_step = self._resume_step() if resume else 0
+
+    def _resume_step(self) -> int:
+        """The newest complete checkpoint; CheckpointError if there are checkpoints but none is complete."""
+        from agents.checkpoint.store import latest_complete, list_steps, verify_step
+
+        step = latest_complete(self.ckpt_dir, self.num_stages)
+        if step is not None:
+            return step
+        steps = list_steps(self.ckpt_dir)
+        if steps:
+            verify_step(self.ckpt_dir, steps[-1], self.num_stages)  # raises, naming the fault
+        log.info("rank %d: no checkpoint in %s; starting from step 0", self.role.rank, self.ckpt_dir)
+        return 0
+
+    def restore(self, module: Any, optimizer: Any) -> None:
+        """Load this stage's shard of the resume step (nothing when starting from 0)."""
+        from agents.checkpoint.store import load_shard
+
+        if self.start_step > 0:
+            load_shard(self.ckpt_dir, self.start_step, self.role.stage, module, optimizer,
+                       job_fingerprint=self.fingerprint)
+            log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
+
+    def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> bool:
+        """Write checkpoint ``step + 1`` if it is due or was asked for; True if written."""
+        done = step + 1
+        due = (self.every > 0 and done % self.every == 0) or step in asked or None in asked
+        asked[:] = [s for s in asked if s is not None and s > step]
+        return self.save_now(done, module, optimizer) if due else False
+
+    def save_now(self, done: int, module: Any, optimizer: Any) -> bool:
+        """Write checkpoint ``done`` (the state after ``done`` steps); True if this rank writes."""
+        from agents.checkpoint.store import CheckpointWriter
+
+        if self.role.replica != 0:  # replicas hold identical state; replica 0 writes
+            return False
+        if self._writer is None:
+            self._writer = CheckpointWriter(self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint)
+        self._writer.save(done, module, optimizer, extra={"next_step": done})
+        return True
+
+
+class RankWorker:
+    """The thread that owns one rank's :class:`~agents.stage.session.RankSession` (see the module docstring).
+
+    It is a daemon thread: a rank stuck on a dead peer cannot keep the process alive.
+    """
+
+    def __init__(self, layout: Any, role: Any, options: Any, book: Any, post: Callable[..., None],
+                 checkpoints: RankCheckpoints | None = None) -> None:
+        self.layout, self.role, self.opts, self.book, self.post = layout, role, options, book, post
+        self.checkpoints = checkpoints
+        self.start_step = checkpoints.start_step if checkpoints is not None else 0
+        self._requests: queue.Queue[int | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._checkpoint_asked: list[int | None] = []
+        self._thread = threading.Thread(target=self._main, name=f"geosched-rank{role.rank}", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread (it opens the session)."""
+        self._thread.start()
+
+    def request_steps(self, steps: int) -> None:
+        """Train ``steps`` more steps once the session is open."""
+        self._requests.put(steps)
+
+    def request_checkpoint(self, step: int | None, idle: bool) -> None:
+        """Checkpoint after ``step``; None: now when ``idle``, else after the step in progress."""
+        if step is None and idle:
+            self._requests.put(CHECKPOINT_NOW)
+        else:
+            self._checkpoint_asked.append(step)
+
+    def stop(self, timeout_s: float) -> None:
+        """Ask the thread to end (between steps) and wait up to ``timeout_s``."""
+        self._stop.set()
+        self._requests.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _main(self) -> None:
+        from agents.stage.session import RankSession
+        from geosched.data import default_corpus_paths
+
+        opts, role = self.opts, self.role
+        if opts.threads is not None:
+            import torch
+
+            torch.set_num_threads(opts.threads)
+        out = None
+        stack = ExitStack()
+        service = None
+        try:
+            if opts.run_dir is not None:
+                os.makedirs(opts.run_dir, exist_ok=True)
+                out = open(os.path.join(opts.run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
+            service = self._open_prefill(stack) if opts.prefill_bind else None
+            session = stack.enter_context(RankSession(
+                self.layout.job, role, data=opts.data or default_corpus_paths(), addresses=self.book,
+                bind_host=opts.bind_host, start_step=self.start_step, connect_timeout_s=opts.connect_timeout_s,
+                recv_timeout_s=opts.recv_timeout_s, wan_config={"chunk_bytes": opts.wan_chunk_bytes},
+                bubble_filler=service))
+            if self.checkpoints is not None:
+                self.checkpoints.restore(session.module, session.optimizer)
+            while (steps := self._next_request(service)) is not None and not self._stop.is_set():
+                if steps == CHECKPOINT_NOW:
+                    if self.checkpoints is not None:
+                        self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
+                    continue
+                for report in session.train(steps):
+                    if out is not None:
+                        out.write(json.dumps({"rank": role.rank, **report.to_dict()}) + "\n")
+                        out.flush()
+                    record = metrics_record(report, role)
+                    if service is not None:
+                        service.record_step(report.busy_s, report.iteration_s)
+                        record["prefill"] = self._prefill_metrics(service)
+                    self.post("step", record)
+                    if self.checkpoints is not None:
+                        self.checkpoints.after_step(report.step, session.module, session.optimizer,
+                                                    self._checkpoint_asked)
+                    if self._stop.is_set():
+                        raise StopTraining
+                session.start_step += steps
+                self.post("finished", session.start_step)
+        except (StopTraining, LinkError) as exc:
+            if self._stop.is_set():
+                log.info("rank %d: worker stopped", role.rank)
+            else:
+                self.post("failed", exc)
+        except BaseException as exc:  # noqa: BLE001 - reported to the agent loop
+            if not self._stop.is_set():
+                self.post("failed", exc)
+        finally:
+            stack.close()  # the session, then the prefill service (answers what is still queued)
+            if service is not None:
+                try:
+                    self._prefill_metrics(service)  # final counts, including what was served after the last step
+                except OSError as exc:
+                    log.warning("rank %d: could not write the final prefill metrics: %s", role.rank, exc)
+            if out is not None:
+                out.close()
+
+    def _next_request(self, service: Any) -> int | None:
+        """The next training request; until one comes, the prefill service (if any) serves outside training."""
+        if service is None:
+            return self._requests.get()
+        while not self._stop.is_set():
+            try:
+                return self._requests.get_nowait()
+            except queue.Empty:  # no training to do: queued prompts need not wait for the next bubble
+                service.serve_idle(lambda: not self._requests.empty() or self._stop.is_set(), IDLE_SLICE_S)
+        return None
+
+    def _open_prefill(self, stack: ExitStack) -> Any:
+        """Load the served model, bind the prefill service, publish its endpoint; closed with ``stack``."""
+        from agents.layout import prefill_name
+        from agents.prefill.model import load_inference_model
+        from agents.prefill.service import PrefillService
+
+        job = self.layout.job
+        model = load_inference_model(job.model, self.opts.prefill_weights, seed=job.seed)
+        service = stack.enter_context(PrefillService(model, bind=self.opts.prefill_bind))
+        host, port = service.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        if host in ("0.0.0.0", "*"):  # bound everywhere: peers reach it at the agent's address
+            host = self.opts.bind_host
+        self.book.publish(prefill_name(self.role.rank), f"tcp://{host}:{port}")
+        return service
+
+    def _prefill_metrics(self, service: Any) -> dict[str, Any]:
+        """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
+        metrics = json.loads(json.dumps(service.metrics()))
+        if self.opts.run_dir is not None:
+            path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(metrics, fh)
+            os.replace(path + ".tmp", path)
+        return metrics
+
