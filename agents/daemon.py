@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -50,11 +49,9 @@ from agents.layout import (
     expected_endpoints,
     load_plan_file,
     parse_layout,
-    pipe_name,
     plan_id,
-    store_name,
 )
-from geosched.errors import GeoschedError, InputError, LinkError, PlanError
+from geosched.errors import GeoschedError, InputError, LinkError
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +75,12 @@ class MqttAddressBook:
     published; peers' endpoints arrive through :meth:`learn`.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 announce: Callable[[dict[str, str]], Any], overrides: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        announce: Callable[[dict[str, str]], Any],
+        overrides: Mapping[str, str] | None = None,
+    ) -> None:
         self._loop, self._announce = loop, announce
         self._cond = threading.Condition()
         self.own: dict[str, str] = {}
@@ -103,13 +104,15 @@ class MqttAddressBook:
         with self._cond:
             self._cond.wait_for(lambda: self._gate or self._stopping is not None)
             found = self._cond.wait_for(
-                lambda: self._stopping is not None or name in self._routes or name in self._seen,
-                timeout=timeout_s)
+                lambda: self._stopping is not None or name in self._routes or name in self._seen, timeout=timeout_s
+            )
             if self._stopping is not None:
                 raise AgentStopping(f"agent stopping ({self._stopping}) while looking up {name!r}")
             if not found:
-                raise LinkError(f"no live agent published the endpoint {name!r} within {timeout_s:g} s "
-                                "after the job started; is that rank running?")
+                raise LinkError(
+                    f"no live agent published the endpoint {name!r} within {timeout_s:g} s "
+                    "after the job started; is that rank running?"
+                )
             return self._routes.get(name) or self._seen[name]
 
     def learn(self, endpoints: Mapping[str, str]) -> None:
@@ -252,8 +255,13 @@ class Agent:
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
             endpoints = message.extra.get("endpoints")
-            if (self.book is not None and message.state in ENDPOINT_STATES and isinstance(endpoints, dict)
-                    and message.extra.get("plan_id") == self.plan_id and message.rank != self.opts.rank):
+            if (
+                self.book is not None
+                and message.state in ENDPOINT_STATES
+                and isinstance(endpoints, dict)
+                and message.extra.get("plan_id") == self.plan_id
+                and message.rank != self.opts.rank
+            ):
                 self.book.learn(endpoints)
         elif isinstance(message, CommandMessage):
             return await self._on_command(message)
@@ -264,8 +272,11 @@ class Agent:
         if new_id == self.plan_id:
             return None
         if self.worker is not None:
-            await self._event("warning", f"rank {self.opts.rank}: a new plan arrived while plan {self.plan_id} "
-                              "is open; stop the job first (geosched job stop)")
+            await self._event(
+                "warning",
+                f"rank {self.opts.rank}: a new plan arrived while plan {self.plan_id} "
+                "is open; stop the job first (geosched job stop)",
+            )
             return None
         try:
             layout = parse_layout(text, "plan from the broker")
@@ -285,8 +296,15 @@ class Agent:
         opts = self.opts
         self.layout = layout
         role = layout.role(opts.rank)
-        await self._set_status("starting", dc=role.dc, stage=role.stage, replica=role.replica,
-                               plan_id=self.plan_id, message=None, endpoints={})
+        await self._set_status(
+            "starting",
+            dc=role.dc,
+            stage=role.stage,
+            replica=role.replica,
+            plan_id=self.plan_id,
+            message=None,
+            endpoints={},
+        )
         checkpoints = None
         if opts.checkpoint_dir is not None:
             try:
@@ -308,8 +326,10 @@ class Agent:
             log.info("rank %d: stop command", self.opts.rank)
             return 0
         if self.worker is None or self._status.get("state") not in ("ready", "training"):
-            await self._event("warning", f"rank {self.opts.rank}: ignored {command.cmd!r}: not ready "
-                              f"(state {self._status.get('state')})")
+            await self._event(
+                "warning",
+                f"rank {self.opts.rank}: ignored {command.cmd!r}: not ready (state {self._status.get('state')})",
+            )
             return None
         if command.cmd == "start":
             routes = command.extra.get("routes") or {}
@@ -320,18 +340,28 @@ class Agent:
         elif command.cmd == "checkpoint":
             step = command.extra.get("step")
             if self.opts.checkpoint_dir is None:
-                await self._event("warning", f"rank {self.opts.rank}: checkpoint asked but the agent has no "
-                                  "--checkpoint-dir; restart it with one")
+                await self._event(
+                    "warning",
+                    f"rank {self.opts.rank}: checkpoint asked but the agent has no "
+                    "--checkpoint-dir; restart it with one",
+                )
                 return None
-            self.worker.request_checkpoint(step if isinstance(step, int) else None,
-                                           idle=self._status.get("state") == "ready")
+            self.worker.request_checkpoint(
+                step if isinstance(step, int) else None, idle=self._status.get("state") == "ready"
+            )
         return None
 
     async def _on_step(self, record: dict[str, Any]) -> None:
         loss = record.get("loss")
-        log.info("rank %d step %d loss %s | iter %.1f ms | bubble %.1f%% | WAN sent %d B", self.opts.rank,
-                 record["step"], "n/a" if loss is None else f"{loss:.4f}", 1e3 * record.get("iteration_s", 0.0),
-                 100 * record.get("bubble_fraction", 0.0), record.get("wan_bytes", 0))
+        log.info(
+            "rank %d step %d loss %s | iter %.1f ms | bubble %.1f%% | WAN sent %d B",
+            self.opts.rank,
+            record["step"],
+            "n/a" if loss is None else f"{loss:.4f}",
+            1e3 * record.get("iteration_s", 0.0),
+            100 * record.get("bubble_fraction", 0.0),
+            record.get("wan_bytes", 0),
+        )
         await self.cp.publish_metrics(self.opts.rank, record)  # type: ignore[union-attr]
 
     async def _on_failure(self, exc: BaseException) -> int:

@@ -61,29 +61,43 @@ class RankRole:
         return self.stage == self.num_stages - 1
 
 
-def layout_roles(stage_dcs: Sequence[str], stage_layers: Sequence[tuple[int, int]], dp: int,
-                 wan_streams: int = 4) -> list[RankRole]:
+def layout_roles(
+    stage_dcs: Sequence[str], stage_layers: Sequence[tuple[int, int]], dp: int, wan_streams: int = 4
+) -> list[RankRole]:
     """Roles of every rank of a layout (rank = stage * dp + replica); inter-DC links get ``wan_streams``."""
     p = len(stage_dcs)
     if p < 1 or len(stage_layers) != p or dp < 1:
-        raise PlanError(f"layout needs one DC and one layer range per stage and dp >= 1 "
-                        f"(got {p} DCs, {len(stage_layers)} layer ranges, dp {dp})")
+        raise PlanError(
+            f"layout needs one DC and one layer range per stage and dp >= 1 "
+            f"(got {p} DCs, {len(stage_layers)} layer ranges, dp {dp})"
+        )
     for s in range(1, p):
         if stage_layers[s][0] != stage_layers[s - 1][1]:
-            raise PlanError(f"stage {s} starts at layer {stage_layers[s][0]} but stage {s - 1} ends at "
-                            f"{stage_layers[s - 1][1]}; layer ranges must be contiguous")
+            raise PlanError(
+                f"stage {s} starts at layer {stage_layers[s][0]} but stage {s - 1} ends at "
+                f"{stage_layers[s - 1][1]}; layer ranges must be contiguous"
+            )
     roles = []
     for s in range(p):
         prev_dc = stage_dcs[s - 1] if s > 0 else None
         next_dc = stage_dcs[s + 1] if s < p - 1 else None
         for r in range(dp):
-            roles.append(RankRole(
-                rank=s * dp + r, dc=stage_dcs[s], stage=s, num_stages=p, replica=r, dp_size=dp,
-                layers=(int(stage_layers[s][0]), int(stage_layers[s][1])), prev_dc=prev_dc, next_dc=next_dc,
-                group=f"{stage_dcs[s]}/stage{s}",
-                streams_prev=1 if prev_dc in (None, stage_dcs[s]) else wan_streams,
-                streams_next=1 if next_dc in (None, stage_dcs[s]) else wan_streams,
-            ))
+            roles.append(
+                RankRole(
+                    rank=s * dp + r,
+                    dc=stage_dcs[s],
+                    stage=s,
+                    num_stages=p,
+                    replica=r,
+                    dp_size=dp,
+                    layers=(int(stage_layers[s][0]), int(stage_layers[s][1])),
+                    prev_dc=prev_dc,
+                    next_dc=next_dc,
+                    group=f"{stage_dcs[s]}/stage{s}",
+                    streams_prev=1 if prev_dc in (None, stage_dcs[s]) else wan_streams,
+                    streams_next=1 if next_dc in (None, stage_dcs[s]) else wan_streams,
+                )
+            )
     return roles
 
 
@@ -134,14 +148,19 @@ class JobLayout:
     def role(self, rank: int) -> RankRole:
         """The role of ``rank``; PlanError naming the valid ranks otherwise."""
         if not 0 <= rank < len(self.roles):
-            raise PlanError(f"rank {rank} is not in the plan: it has ranks 0-{len(self.roles) - 1} "
-                            f"({self.num_stages} stages x dp {self.dp}); start the agent with one of those")
+            raise PlanError(
+                f"rank {rank} is not in the plan: it has ranks 0-{len(self.roles) - 1} "
+                f"({self.num_stages} stages x dp {self.dp}); start the agent with one of those"
+            )
         return self.roles[rank]
 
     def wan_boundaries(self) -> list[tuple[int, str, str]]:
         """(stage, upstream DC, downstream DC) for every stage whose input crosses the WAN."""
-        return [(s, self.stage_dcs[s - 1], self.stage_dcs[s]) for s in range(1, self.num_stages)
-                if self.stage_dcs[s - 1] != self.stage_dcs[s]]
+        return [
+            (s, self.stage_dcs[s - 1], self.stage_dcs[s])
+            for s in range(1, self.num_stages)
+            if self.stage_dcs[s - 1] != self.stage_dcs[s]
+        ]
 
 
 def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> set[str]:
@@ -161,8 +180,10 @@ def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
     if dc is not None and dc != role.dc:
         known = sorted({r.dc for r in layout.roles})
         where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
-        raise PlanError(f"agent started for rank {rank} in DC {dc!r}, but {where}; "
-                        f"start it with --dc {role.dc} or pick a rank of DC {dc!r}")
+        raise PlanError(
+            f"agent started for rank {rank} in DC {dc!r}, but {where}; "
+            f"start it with --dc {role.dc} or pick a rank of DC {dc!r}"
+        )
 
 
 def load_plan_file(path: str) -> str:
@@ -198,13 +219,28 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         raise PlanError(f"{source}: {exc}") from None
     for role, spec in zip(roles, plan.ranks):  # the runtime's numbering is the plan's
         assert (role.rank, role.dc, role.stage, role.replica, role.group) == (
-            spec.rank, spec.dc, spec.stage, spec.replica, spec.group), (role, spec)
-    return JobLayout(text, plan.config, tuple(stage_dcs), tuple(stage_layers), plan.dp,  # type: ignore[arg-type]
-                     streams, tuple(roles), plan.prediction.iteration_s, plan.prediction.bubble_fraction)
+            spec.rank,
+            spec.dc,
+            spec.stage,
+            spec.replica,
+            spec.group,
+        ), (role, spec)
+    return JobLayout(
+        text,
+        plan.config,
+        tuple(stage_dcs),
+        tuple(stage_layers),
+        plan.dp,  # type: ignore[arg-type]
+        streams,
+        tuple(roles),
+        plan.prediction.iteration_s,
+        plan.prediction.bubble_fraction,
+    )
 
 
-def layout_plan_text(config: Config, stage_dcs: list[str] | None = None, dp: int = 1,
-                     stage_layers: list[tuple[int, int]] | None = None) -> str:
+def layout_plan_text(
+    config: Config, stage_dcs: list[str] | None = None, dp: int = 1, stage_layers: list[tuple[int, int]] | None = None
+) -> str:
     """A plan file for a chosen layout (default: one stage per DC in config order, blocks split evenly).
 
     It is simulated and written like a planner plan (``solver.notes`` says it was chosen by hand).
@@ -222,8 +258,9 @@ def layout_plan_text(config: Config, stage_dcs: list[str] | None = None, dp: int
         stage_layers = [(bounds[i], bounds[i + 1]) for i in range(len(dcs))]
     job = config.job
     if job.global_batch % (dp * job.microbatch_size):
-        raise PlanError(f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
-                        f"microbatch_size({job.microbatch_size})")
+        raise PlanError(
+            f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x microbatch_size({job.microbatch_size})"
+        )
     problem = Problem(config)
     cand = Candidate(dp, job.global_batch // (dp * job.microbatch_size), tuple(dcs), tuple(stage_layers))
     violation = problem.violation(cand)
@@ -243,7 +280,18 @@ def plan_for_config(config: Config) -> str:
 
 
 __all__ = [
-    "MAX_PLAN_BYTES", "JobLayout", "RankRole", "check_agent_fits", "expected_endpoints", "layout_plan_text",
-    "layout_roles", "load_plan_file", "parse_layout", "pipe_name", "plan_for_config", "plan_id", "prefill_name",
+    "MAX_PLAN_BYTES",
+    "JobLayout",
+    "RankRole",
+    "check_agent_fits",
+    "expected_endpoints",
+    "layout_plan_text",
+    "layout_roles",
+    "load_plan_file",
+    "parse_layout",
+    "pipe_name",
+    "plan_for_config",
+    "plan_id",
+    "prefill_name",
     "store_name",
 ]

@@ -74,8 +74,15 @@ class RankCheckpoints:
         self.ckpt_dir, self.role, self.every, self.resume = ckpt_dir, role, every, resume
         self.num_stages = layout.num_stages
         job = layout.job
-        self.fingerprint = job_fingerprint(job.model, role.layers, first=role.first, last=role.last, seed=job.seed,
-                                           num_stages=layout.num_stages, precision=job.precision)
+        self.fingerprint = job_fingerprint(
+            job.model,
+            role.layers,
+            first=role.first,
+            last=role.last,
+            seed=job.seed,
+            num_stages=layout.num_stages,
+            precision=job.precision,
+        )
         self._writer: Any = None
         self.start_step = self._resume_step() if resume else 0
 
@@ -97,8 +104,9 @@ class RankCheckpoints:
         from agents.checkpoint.store import load_shard
 
         if self.start_step > 0:
-            load_shard(self.ckpt_dir, self.start_step, self.role.stage, module, optimizer,
-                       job_fingerprint=self.fingerprint)
+            load_shard(
+                self.ckpt_dir, self.start_step, self.role.stage, module, optimizer, job_fingerprint=self.fingerprint
+            )
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
 
     def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> bool:
@@ -126,8 +134,15 @@ class RankWorker:
     It is a daemon thread: a rank stuck on a dead peer cannot keep the process alive.
     """
 
-    def __init__(self, layout: Any, role: Any, options: Any, book: Any, post: Callable[..., None],
-                 checkpoints: RankCheckpoints | None = None) -> None:
+    def __init__(
+        self,
+        layout: Any,
+        role: Any,
+        options: Any,
+        book: Any,
+        post: Callable[..., None],
+        checkpoints: RankCheckpoints | None = None,
+    ) -> None:
         self.layout, self.role, self.opts, self.book, self.post = layout, role, options, book, post
         self.checkpoints = checkpoints
         self.start_step = checkpoints.start_step if checkpoints is not None else 0
@@ -180,11 +195,20 @@ class RankWorker:
                 os.makedirs(opts.run_dir, exist_ok=True)
                 out = open(os.path.join(opts.run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
             service = self._open_prefill(stack) if opts.prefill_bind else None
-            session = stack.enter_context(RankSession(
-                self.layout.job, role, data=opts.data or default_corpus_paths(), addresses=self.book,
-                bind_host=opts.bind_host, start_step=self.start_step, connect_timeout_s=opts.connect_timeout_s,
-                recv_timeout_s=opts.recv_timeout_s, wan_config={"chunk_bytes": opts.wan_chunk_bytes},
-                bubble_filler=service))
+            session = stack.enter_context(
+                RankSession(
+                    self.layout.job,
+                    role,
+                    data=opts.data or default_corpus_paths(),
+                    addresses=self.book,
+                    bind_host=opts.bind_host,
+                    start_step=self.start_step,
+                    connect_timeout_s=opts.connect_timeout_s,
+                    recv_timeout_s=opts.recv_timeout_s,
+                    wan_config={"chunk_bytes": opts.wan_chunk_bytes},
+                    bubble_filler=service,
+                )
+            )
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():
@@ -202,8 +226,9 @@ class RankWorker:
                         record["prefill"] = self._prefill_metrics(service)
                     self.post("step", record)
                     if self.checkpoints is not None:
-                        self.checkpoints.after_step(report.step, session.module, session.optimizer,
-                                                    self._checkpoint_asked)
+                        self.checkpoints.after_step(
+                            report.step, session.module, session.optimizer, self._checkpoint_asked
+                        )
                     if self._stop.is_set():
                         raise StopTraining
                 session.start_step += steps
@@ -261,4 +286,3 @@ class RankWorker:
                 json.dump(metrics, fh)
             os.replace(path + ".tmp", path)
         return metrics
-

@@ -63,8 +63,15 @@ def _worker(group: Any, sizes_mib: list[int], reps: int) -> dict[str, Any]:
                 if rep:
                     times[name].append(time.perf_counter() - start)
                     cpu[name].append(time.process_time() - start_cpu)
-        out[str(mib)] = {name: {"times": times[name], "cpu": cpu[name], "sent": counters[name].sent_elements,
-                                "received": counters[name].received_elements} for name in SCHEMES}
+        out[str(mib)] = {
+            name: {
+                "times": times[name],
+                "cpu": cpu[name],
+                "sent": counters[name].sent_elements,
+                "received": counters[name].received_elements,
+            }
+            for name in SCHEMES
+        }
         del x
         ring.release_scratch()
     return out
@@ -122,16 +129,25 @@ def _summarise(g: int, per_rank: list[dict[str, Any]], sizes_mib: list[int]) -> 
     for mib in sizes_mib:
         n, nbytes = mib * MIB // 4, mib * MIB
         for name in SCHEMES:
-            runs = [max(r[str(mib)][name]["times"][i] for r in per_rank)
-                    for i in range(len(per_rank[0][str(mib)][name]["times"]))]
+            runs = [
+                max(r[str(mib)][name]["times"][i] for r in per_rank)
+                for i in range(len(per_rank[0][str(mib)][name]["times"]))
+            ]
             best, median = min(runs), statistics.median(runs)
             cpu = statistics.median(max(r[str(mib)][name]["cpu"][i] for r in per_rank) for i in range(len(runs)))
             sent = [r[str(mib)][name]["sent"] for r in per_rank]
             received = [r[str(mib)][name]["received"] for r in per_rank]
-            row = {"G": g, "MiB": mib, "scheme": name, "best_ms": best * 1e3, "median_ms": median * 1e3,
-                   "cpu_ms": cpu * 1e3,
-                   "busbw_GBps": 2 * (g - 1) / g * nbytes / best / 1e9,
-                   "sent_per_rank_max": max(sent), "sent_total": sum(sent)}
+            row = {
+                "G": g,
+                "MiB": mib,
+                "scheme": name,
+                "best_ms": best * 1e3,
+                "median_ms": median * 1e3,
+                "cpu_ms": cpu * 1e3,
+                "busbw_GBps": 2 * (g - 1) / g * nbytes / best / 1e9,
+                "sent_per_rank_max": max(sent),
+                "sent_total": sum(sent),
+            }
             if name == "ring":
                 row["theory"] = ring.ring_elements_per_rank(n, g)
                 row["measured_vs_theory"] = max(sent) / row["theory"]
@@ -148,13 +164,17 @@ def _summarise(g: int, per_rank: list[dict[str, Any]], sizes_mib: list[int]) -> 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     native = {(r["G"], r["MiB"]): r["median_ms"] for r in rows if r["scheme"] == "native"}
-    lines = [f"{'G':>2} {'MiB':>5} {'scheme':<17} {'best ms':>8} {'median ms':>9} {'cpu ms':>7} {'busbw GB/s':>10} "
-             f"{'native/this':>11} {'sent/theory':>11}"]
+    lines = [
+        f"{'G':>2} {'MiB':>5} {'scheme':<17} {'best ms':>8} {'median ms':>9} {'cpu ms':>7} {'busbw GB/s':>10} "
+        f"{'native/this':>11} {'sent/theory':>11}"
+    ]
     for r in rows:
         counts = f"{r['measured_vs_theory']:.4f}" if "theory" in r else "-"
-        lines.append(f"{r['G']:>2} {r['MiB']:>5} {r['scheme']:<17} {r['best_ms']:>8.1f} {r['median_ms']:>9.1f} "
-                     f"{r['cpu_ms']:>7.1f} {r['busbw_GBps']:>10.2f} "
-                     f"{native[(r['G'], r['MiB'])] / r['median_ms']:>11.2f} {counts:>11}")
+        lines.append(
+            f"{r['G']:>2} {r['MiB']:>5} {r['scheme']:<17} {r['best_ms']:>8.1f} {r['median_ms']:>9.1f} "
+            f"{r['cpu_ms']:>7.1f} {r['busbw_GBps']:>10.2f} "
+            f"{native[(r['G'], r['MiB'])] / r['median_ms']:>11.2f} {counts:>11}"
+        )
     return "\n".join(lines)
 
 
@@ -179,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for g in args.groups:
         started = time.monotonic()
-        results = run_local_group(_worker, g, sorted(args.sizes_mib), args.reps, timeout_s=120.0,
-                                  deadline_s=3600.0, name=f"bench/g{g}")
+        results = run_local_group(
+            _worker, g, sorted(args.sizes_mib), args.reps, timeout_s=120.0, deadline_s=3600.0, name=f"bench/g{g}"
+        )
         failed = [f"rank {r.rank}: {r.error or f'exit code {r.exitcode}'}" for r in results if r.value is None]
         if failed:
             print(f"allreduce benchmark: G={g} failed: {'; '.join(failed)}", file=sys.stderr)
@@ -190,16 +211,28 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(rows))
 
     g0 = args.groups[0]
-    grad_results = run_local_group(_grad_worker, g0, args.grad_layers, args.grad_width, args.reps, timeout_s=120.0,
-                                   deadline_s=600.0, name="bench/grads")
+    grad_results = run_local_group(
+        _grad_worker,
+        g0,
+        args.grad_layers,
+        args.grad_width,
+        args.reps,
+        timeout_s=120.0,
+        deadline_s=600.0,
+        name="bench/grads",
+    )
     if any(r.value is None for r in grad_results):
         print(f"allreduce benchmark: gradient sync failed: {[r.error for r in grad_results]}", file=sys.stderr)
         return 1
-    grad_ms = {name: 1e3 * min(max(r.value[name][i] for r in grad_results)
-                               for i in range(args.reps)) for name in grad_results[0].value}
+    grad_ms = {
+        name: 1e3 * min(max(r.value[name][i] for r in grad_results) for i in range(args.reps))
+        for name in grad_results[0].value
+    }
     grad_mib = args.grad_layers * (args.grad_width + 1) * args.grad_width * 4 / MIB
-    print(f"\ngradient sync, G={g0}, {args.grad_layers} x Linear({args.grad_width}) = {grad_mib:.0f} MiB of "
-          f"gradients in {2 * args.grad_layers} tensors (backward + sync, best of {args.reps}):")
+    print(
+        f"\ngradient sync, G={g0}, {args.grad_layers} x Linear({args.grad_width}) = {grad_mib:.0f} MiB of "
+        f"gradients in {2 * args.grad_layers} tensors (backward + sync, best of {args.reps}):"
+    )
     for name, ms in grad_ms.items():
         print(f"  {name:<14} {ms:8.1f} ms")
 
@@ -222,16 +255,24 @@ def main(argv: list[str] | None = None) -> int:
         "explicit_vs_per_tensor": grad_ms["per_tensor"] / grad_ms["explicit"],
         "explicit_vs_ddp": grad_ms["ddp"] / grad_ms["explicit"],
         "grad_sync_ms": grad_ms,
-        "G": g0, "MiB": ref_mib, "rows": rows,
+        "G": g0,
+        "MiB": ref_mib,
+        "rows": rows,
     }
     key = f"ring_vs_native_{ref_mib}MiB"
-    print(f"ring vs native at G={g0}, {ref_mib} MiB: native/ring time = {result[key]:.2f} (median), "
-          f"{result[key + '_best']:.2f} (best); CPU time {result[key + '_cpu']:.2f}; target >= 0.8")
-    print(f"explicit bucketed gradient sync vs one all-reduce per tensor: {result['explicit_vs_per_tensor']:.2f}x "
-          f"faster; vs DDP: {result['explicit_vs_ddp']:.2f}x")
-    print(f"ring elements sent / 2(G-1)N/G = {result['ring_elements_vs_theory']:.6f}; "
-          f"all-to-all total {a2a['sent_total']} = G(G-1)N {a2a['theory']}; "
-          f"gather-broadcast root {gb['root_elements']} = 2(G-1)N {gb['theory']}")
+    print(
+        f"ring vs native at G={g0}, {ref_mib} MiB: native/ring time = {result[key]:.2f} (median), "
+        f"{result[key + '_best']:.2f} (best); CPU time {result[key + '_cpu']:.2f}; target >= 0.8"
+    )
+    print(
+        f"explicit bucketed gradient sync vs one all-reduce per tensor: {result['explicit_vs_per_tensor']:.2f}x "
+        f"faster; vs DDP: {result['explicit_vs_ddp']:.2f}x"
+    )
+    print(
+        f"ring elements sent / 2(G-1)N/G = {result['ring_elements_vs_theory']:.6f}; "
+        f"all-to-all total {a2a['sent_total']} = G(G-1)N {a2a['theory']}; "
+        f"gather-broadcast root {gb['root_elements']} = 2(G-1)N {gb['theory']}"
+    )
     if args.json:
         print(json.dumps(result))
     return 0

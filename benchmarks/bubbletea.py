@@ -44,8 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PROMPT_TOKENS = 48
 
 
-def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: int, step_seen: Any,
-               results: Any, stop: Any, service_options: dict) -> None:
+def _rank_main(
+    role: Any,
+    job: Any,
+    store_port: int,
+    core: int | None,
+    steps: int,
+    step_seen: Any,
+    results: Any,
+    stop: Any,
+    service_options: dict,
+) -> None:
     """One stage: pinned to ``core``, serving prefill, training ``steps`` steps with the bubble filler on."""
     try:
         if core is not None:
@@ -64,19 +73,38 @@ def _rank_main(role: Any, job: Any, store_port: int, core: int | None, steps: in
         book = StoreAddressBook.connect("127.0.0.1", store_port, routed=True)
         with PrefillService(model, **service_options) as service:
             results.put(("endpoint", role.stage, service.endpoint))
-            with RankSession(job, role, data=default_corpus_paths(), addresses=book, connect_timeout_s=60,
-                             recv_timeout_s=60, bubble_filler=service) as session:
+            with RankSession(
+                job,
+                role,
+                data=default_corpus_paths(),
+                addresses=book,
+                connect_timeout_s=60,
+                recv_timeout_s=60,
+                bubble_filler=service,
+            ) as session:
                 for report in session.train(steps):
                     service.record_step(report.busy_s, report.iteration_s)
                     if role.stage == 0:
                         step_seen.value = report.step + 1
                     prefill_s = sum(e.end - e.start for e in report.events if e.category == "prefill")
                     chunks = sum(1 for e in report.events if e.category == "prefill")
-                    results.put(("step", role.stage, {
-                        "step": report.step, "iteration_s": report.iteration_s, "busy_s": report.busy_s,
-                        "idle_s": report.idle_s, "comm_s": report.comm_s, "prefill_s": prefill_s, "chunks": chunks,
-                        "loss": report.loss,
-                        "tokens": service.metrics_.prefill_tokens}))
+                    results.put(
+                        (
+                            "step",
+                            role.stage,
+                            {
+                                "step": report.step,
+                                "iteration_s": report.iteration_s,
+                                "busy_s": report.busy_s,
+                                "idle_s": report.idle_s,
+                                "comm_s": report.comm_s,
+                                "prefill_s": prefill_s,
+                                "chunks": chunks,
+                                "loss": report.loss,
+                                "tokens": service.metrics_.prefill_tokens,
+                            },
+                        )
+                    )
             results.put(("metrics", role.stage, service.metrics()))
             service.serve_idle(stop.is_set)  # training is over: answer what is still queued, until the client is done
     except BaseException:  # noqa: BLE001 - handed to the parent
@@ -88,8 +116,16 @@ def _load_on(step: int, warmup: int, phase: int) -> bool:
     return step >= warmup and ((step - warmup) // phase) % 2 == 1 and (step - warmup) % phase != phase - 1
 
 
-def _client_main(endpoints: list[str], step_seen: Any, warmup: int, phase: int, outstanding: int,
-                 training_done: Any, out: Any, deadline_s: float) -> None:
+def _client_main(
+    endpoints: list[str],
+    step_seen: Any,
+    warmup: int,
+    phase: int,
+    outstanding: int,
+    training_done: Any,
+    out: Any,
+    deadline_s: float,
+) -> None:
     """Client process: keep ``outstanding`` prompts in flight per endpoint during load steps; report answers."""
     try:
         out.put(_client(endpoints, step_seen, warmup, phase, outstanding, training_done, deadline_s))
@@ -97,8 +133,15 @@ def _client_main(endpoints: list[str], step_seen: Any, warmup: int, phase: int, 
         out.put({"error": traceback.format_exc()})
 
 
-def _client(endpoints: list[str], step_seen: Any, warmup: int, phase: int, outstanding: int,
-            training_done: Any, deadline_s: float) -> dict[str, Any]:
+def _client(
+    endpoints: list[str],
+    step_seen: Any,
+    warmup: int,
+    phase: int,
+    outstanding: int,
+    training_done: Any,
+    deadline_s: float,
+) -> dict[str, Any]:
     import torch
     import zmq
 
@@ -151,9 +194,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from agents.wanem.emulator import LinkShape
     from geosched.config import JobSpec, ModelSpec
 
-    job = JobSpec(model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=64),
-                  global_batch=args.microbatches * 2, microbatch_size=2, precision="fp32", schedule="1f1b",
-                  seed=3, learning_rate=1e-3)
+    job = JobSpec(
+        model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=64),
+        global_batch=args.microbatches * 2,
+        microbatch_size=2,
+        precision="fp32",
+        schedule="1f1b",
+        seed=3,
+        learning_rate=1e-3,
+    )
     roles = layout_roles(["a", "b"], [(0, args.layers // 2), (args.layers // 2, args.layers)], dp=1, wan_streams=2)
     shape = LinkShape(rtt_ms=args.rtt_ms, link_bytes_per_s=args.link_mbit * 1e6 / 8)
     warmup, phase = args.warmup_steps, args.phase_steps
@@ -168,14 +217,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     pin = [cores[0], cores[1]] if len(cores) >= 2 else [None, None]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    router = RelayRouter(StoreAddressBook.connect("127.0.0.1", store.port, routed=True),
-                         pipeline_routes(roles, lambda a, b: shape)).start()
+    router = RelayRouter(
+        StoreAddressBook.connect("127.0.0.1", store.port, routed=True), pipeline_routes(roles, lambda a, b: shape)
+    ).start()
     ctx = mp.get_context("spawn")
     results, step_seen, stop = ctx.Queue(), ctx.Value("i", 0), ctx.Event()
-    options = {"max_queue": 2 * args.outstanding, "default_deadline_s": 10.0, "max_chunk_s": args.max_chunk_ms / 1e3,
-               "switch_interval_s": args.switch_interval_ms / 1e3}
-    procs = [ctx.Process(target=_rank_main, args=(role, job, store.port, pin[i], steps, step_seen, results, stop,
-                                                  options), daemon=True) for i, role in enumerate(roles)]
+    options = {
+        "max_queue": 2 * args.outstanding,
+        "default_deadline_s": 10.0,
+        "max_chunk_s": args.max_chunk_ms / 1e3,
+        "switch_interval_s": args.switch_interval_ms / 1e3,
+    }
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(role, job, store.port, pin[i], steps, step_seen, results, stop, options),
+            daemon=True,
+        )
+        for i, role in enumerate(roles)
+    ]
     try:
         for p in procs:
             p.start()
@@ -187,9 +247,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             endpoints[stage] = value
         started = time.monotonic()
         training_done, client_out = ctx.Event(), ctx.Queue()
-        client = ctx.Process(target=_client_main, args=([endpoints[0], endpoints[1]], step_seen, warmup, phase,
-                                                        args.outstanding, training_done, client_out, 10.0),
-                             daemon=True)
+        client = ctx.Process(
+            target=_client_main,
+            args=(
+                [endpoints[0], endpoints[1]],
+                step_seen,
+                warmup,
+                phase,
+                args.outstanding,
+                training_done,
+                client_out,
+                10.0,
+            ),
+            daemon=True,
+        )
         client.start()
         procs.append(client)
         messages, finished = [], 0
@@ -221,14 +292,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarise(steps_by_stage, metrics, load, phase_of, wall, args)
 
 
-def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], load: dict, phase_of: Any,
-              wall: float, args: argparse.Namespace) -> dict[str, Any]:
+def summarise(
+    steps_by_stage: dict[int, list[dict]],
+    metrics: dict[int, dict],
+    load: dict,
+    phase_of: Any,
+    wall: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """The JSON figures from the per-step reports and the client's answers."""
     from agents.prefill.metrics import percentile
 
     busy: dict[str, list[float]] = {"off": [], "on": []}
-    split: dict[str, dict[str, list[float]]] = {name: {"training": [], "prefill": [], "comm": [], "idle": []}
-                                                for name in ("off", "on")}
+    split: dict[str, dict[str, list[float]]] = {
+        name: {"training": [], "prefill": [], "comm": [], "idle": []} for name in ("off", "on")
+    }
     iteration: dict[str, list[float]] = {"off": [], "on": []}
     on_tokens, on_wall = 0, 0.0
     for stage, reports in steps_by_stage.items():
@@ -266,9 +344,17 @@ def summarise(steps_by_stage: dict[int, list[dict]], metrics: dict[int, dict], l
         "iteration_ms_without": statistics.median(iteration["off"]) * 1e3,
         "iteration_ms_with": statistics.median(iteration["on"]) * 1e3,
         "steps_measured": {k: len(v) for k, v in iteration.items()},
-        "time_split": {("with_prefill" if name == "on" else "without_prefill"):
-                       {key: statistics.mean(v) for key, v in parts.items()} for name, parts in split.items()},
-        "max_chunk_ms": args.max_chunk_ms, "switch_interval_ms": args.switch_interval_ms, "rtt_ms": args.rtt_ms, "link_mbit": args.link_mbit, "outstanding": args.outstanding,
+        "time_split": {
+            ("with_prefill" if name == "on" else "without_prefill"): {
+                key: statistics.mean(v) for key, v in parts.items()
+            }
+            for name, parts in split.items()
+        },
+        "max_chunk_ms": args.max_chunk_ms,
+        "switch_interval_ms": args.switch_interval_ms,
+        "rtt_ms": args.rtt_ms,
+        "link_mbit": args.link_mbit,
+        "outstanding": args.outstanding,
         "sec_per_token": {s: m.get("sec_per_token") for s, m in metrics.items()},
         "wall_s": wall,
     }
@@ -289,25 +375,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", type=int, default=3, help="pairs of (without, with) phases (default 3)")
     parser.add_argument("--outstanding", type=int, default=6, help="prompts in flight per stage under load")
     parser.add_argument("--max-chunk-ms", type=float, default=2.0, help="longest prefill chunk (default 2 ms)")
-    parser.add_argument("--switch-interval-ms", type=float, default=0.5,
-                        help="Python GIL switch interval in the stage processes (default 0.5 ms; Python's is 5)")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.5,
+        help="Python GIL switch interval in the stage processes (default 0.5 ms; Python's is 5)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.phase_steps, args.phases, args.warmup_steps = 8, 2, 3
     if args.phase_steps < 3 or args.phases < 1 or args.layers < 2:
         parser.error("--phase-steps must be >= 3, --phases >= 1 and --layers >= 2")
     result = run(args)
-    print(f"busy fraction without prefill {result['busy_without_prefill']:.3f}, with prefill "
-          f"{result['busy_with_prefill']:.3f} (target >= 0.90)")
+    print(
+        f"busy fraction without prefill {result['busy_without_prefill']:.3f}, with prefill "
+        f"{result['busy_with_prefill']:.3f} (target >= 0.90)"
+    )
     for name, parts in result["time_split"].items():
         print(f"time {name.replace('_', ' ')}: " + ", ".join(f"{k} {v:.1%}" for k, v in parts.items()))
-    print(f"training slowdown (median iteration with / without) {result['training_slowdown']:.3f} "
-          f"(target <= 1.05): {result['iteration_ms_with']:.1f} ms vs {result['iteration_ms_without']:.1f} ms")
+    print(
+        f"training slowdown (median iteration with / without) {result['training_slowdown']:.3f} "
+        f"(target <= 1.05): {result['iteration_ms_with']:.1f} ms vs {result['iteration_ms_without']:.1f} ms"
+    )
     ms = {k: "n/a" if result[k] is None else f"{result[k]:.0f} ms" for k in ("ttft_p50_ms", "ttft_p99_ms")}
-    print(f"prefill {result['prefill_tokens_per_s']:.0f} tokens/s, TTFT p50 {ms['ttft_p50_ms']}, "
-          f"p99 {ms['ttft_p99_ms']}; requests sent {result['requests_sent']}, ok {result['requests_ok']}, "
-          f"rejected {result['requests_rejected']}, expired {result['requests_expired']}, "
-          f"lost {result['requests_lost']}")
+    print(
+        f"prefill {result['prefill_tokens_per_s']:.0f} tokens/s, TTFT p50 {ms['ttft_p50_ms']}, "
+        f"p99 {ms['ttft_p99_ms']}; requests sent {result['requests_sent']}, ok {result['requests_ok']}, "
+        f"rejected {result['requests_rejected']}, expired {result['requests_expired']}, "
+        f"lost {result['requests_lost']}"
+    )
     if args.json:
         print(json.dumps(result))
     return 0

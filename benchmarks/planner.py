@@ -42,8 +42,15 @@ def run_case(name: str, cfg, time_limit_s: float | None) -> dict:
     outcome = make_plan(cfg, time_limit_s=time_limit_s)
     solve_s = time.perf_counter() - started
     best = outcome.best
-    row = {"case": name, "planner_s": best.iteration_s, "solve_s": solve_s, "proven": outcome.stats.proven,
-           "wan_usd": best.wan_cost_usd, "gpus": outcome.plan.world_size, "plan": best.candidate.describe()}
+    row = {
+        "case": name,
+        "planner_s": best.iteration_s,
+        "solve_s": solve_s,
+        "proven": outcome.stats.proven,
+        "wan_usd": best.wan_cost_usd,
+        "gpus": outcome.plan.world_size,
+        "plan": best.candidate.describe(),
+    }
     problem = Problem(cfg)
     for result in all_baselines(problem, Evaluator(problem), flat_ring=True):
         row[result.name] = result.iteration_s
@@ -83,8 +90,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args()
     rows = []
-    header = (f"{'case':<18} {'planner s':>10} {'solve s':>8} {'GPUs':>6} {'WAN $':>8} "
-              + " ".join(f"{b + ' s (x)':>22}" for b in BASELINES) + f" {'vs brute':>9}")
+    header = (
+        f"{'case':<18} {'planner s':>10} {'solve s':>8} {'GPUs':>6} {'WAN $':>8} "
+        + " ".join(f"{b + ' s (x)':>22}" for b in BASELINES)
+        + f" {'vs brute':>9}"
+    )
     print(header)
     for name, cfg, limit in cases(args.quick):
         row = run_case(name, cfg, limit)
@@ -92,15 +102,20 @@ def main() -> None:
         cells = " ".join(f"{fmt(row[b], '.4g') + ' (' + fmt(row[b + '_ratio'], '.2f') + ')':>22}" for b in BASELINES)
         gap = "-" if row["gap"] is None else f"{row['gap']:+.2%}"
         proven = "" if row["proven"] else "*"
-        print(f"{name:<18} {row['planner_s']:>10.4g} {row['solve_s']:>7.2f}{proven or ' '} {row['gpus']:>6} "
-              f"{row['wan_usd']:>8.3g} {cells} {gap:>9}", flush=True)
+        print(
+            f"{name:<18} {row['planner_s']:>10.4g} {row['solve_s']:>7.2f}{proven or ' '} {row['gpus']:>6} "
+            f"{row['wan_usd']:>8.3g} {cells} {gap:>9}",
+            flush=True,
+        )
     summary = {
         "max_gap_vs_bruteforce": max((r["gap"] for r in rows if r["gap"] is not None), default=None),
         "bruteforce_cases": sum(r["gap"] is not None for r in rows),
-        "min_speedup_vs_any_baseline": min(r[f"{b}_ratio"] for r in rows for b in BASELINES
-                                           if r[f"{b}_ratio"] is not None),
-        "min_speedup_case": min(((r[f"{b}_ratio"], r["case"], b) for r in rows for b in BASELINES
-                                 if r[f"{b}_ratio"] is not None))[1:],
+        "min_speedup_vs_any_baseline": min(
+            r[f"{b}_ratio"] for r in rows for b in BASELINES if r[f"{b}_ratio"] is not None
+        ),
+        "min_speedup_case": min(
+            (r[f"{b}_ratio"], r["case"], b) for r in rows for b in BASELINES if r[f"{b}_ratio"] is not None
+        )[1:],
         "solve_s_largest": next(r["solve_s"] for r in rows if r["case"] == "scale-16dc"),
         "cases": len(rows),
     }
@@ -111,10 +126,12 @@ def main() -> None:
     shipped = [r for r in rows if not r["case"].startswith("random-")]
     summary["speedup_vs_dp_everywhere_shipped"] = {r["case"]: r["dp-everywhere_ratio"] for r in shipped}
     summary["speedup_vs_dp_flat_ring_shipped"] = {r["case"]: r["dp-flat-ring_ratio"] for r in shipped}
-    print("\n(* = time limit hit, not proven optimal)  geomean speed-up: "
-          + ", ".join(f"{b} {fmt(summary['geomean_speedup_vs_' + b.replace('-', '_')], '.2f')}x" for b in BASELINES)
-          + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
-          f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s")
+    print(
+        "\n(* = time limit hit, not proven optimal)  geomean speed-up: "
+        + ", ".join(f"{b} {fmt(summary['geomean_speedup_vs_' + b.replace('-', '_')], '.2f')}x" for b in BASELINES)
+        + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
+        f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s"
+    )
     if args.json:
         summary["rows"] = rows
         print(json.dumps(summary))

@@ -60,8 +60,9 @@ class WanLinkSpec:
     between: tuple[str, str] = spec("the two datacenter names")
     bandwidth_gbps: float = spec("link capacity per direction, Gb/s", gt=0)
     rtt_ms: float = spec("round-trip time, ms", ge=0)
-    per_connection_gbps: float = spec("throughput one TCP connection reaches on this link, Gb/s "
-                                      "(its window / RTT)", gt=0)
+    per_connection_gbps: float = spec(
+        "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", gt=0
+    )
     egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0)
     max_streams: int = spec("most TCP connections a link may open", 64, ge=1)
 
@@ -114,8 +115,9 @@ class ModelSpec:
     seq_len: int = spec("tokens per sequence", ge=1)
     vocab: int = spec("vocabulary size (256 = bytes)", 256, ge=2)
     ffn_mult: int = spec("MLP width as a multiple of hidden", 4, ge=1)
-    custom_layers: tuple[CustomLayer, ...] = spec("explicit per-block costs overriding the GPT formulas "
-                                                  "(one entry per layer)", ())
+    custom_layers: tuple[CustomLayer, ...] = spec(
+        "explicit per-block costs overriding the GPT formulas (one entry per layer)", ()
+    )
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,13 @@ class JobSpec:
     global_batch: int = spec("sequences per iteration, over all replicas", ge=1)
     microbatch_size: int = spec("sequences per microbatch", ge=1)
     precision: Precision = spec("training precision", "bf16")
-    optimizer_bytes_per_param: float = spec("optimizer state bytes per parameter (Adam, mixed precision: 12)",
-                                            12.0, ge=0)
+    optimizer_bytes_per_param: float = spec(
+        "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0
+    )
     schedule: Literal["1f1b", "gpipe"] = spec("pipeline schedule", "1f1b")
-    recompute: Literal["none", "full"] = spec("activation recomputation: 'full' keeps only each block's input "
-                                              "and reruns its forward during backward", "none")
+    recompute: Literal["none", "full"] = spec(
+        "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward", "none"
+    )
     steps: int = spec("training iterations", 100, ge=1)
     seed: int = spec("seed for initialisation and data order", 0, ge=0)
     learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0)
@@ -158,25 +162,31 @@ def _cross_checks(cfg: Config) -> None:
     for i, link in enumerate(cfg.cluster.links):
         for end in link.between:
             if end not in names:
-                raise ConfigError(f"cluster.links[{i}].between: unknown datacenter {end!r}; "
-                                  f"known: {', '.join(names)}")
+                raise ConfigError(f"cluster.links[{i}].between: unknown datacenter {end!r}; known: {', '.join(names)}")
         if link.between[0] == link.between[1]:
-            raise ConfigError(f"cluster.links[{i}].between: a link joins two different datacenters "
-                              f"(got {link.between[0]!r} twice)")
+            raise ConfigError(
+                f"cluster.links[{i}].between: a link joins two different datacenters (got {link.between[0]!r} twice)"
+            )
         key = frozenset(link.between)
         if key in seen:
-            raise ConfigError(f"cluster.links[{i}].between: duplicate of cluster.links[{seen[key]}] "
-                              f"({link.between[0]}-{link.between[1]}); list each pair once")
+            raise ConfigError(
+                f"cluster.links[{i}].between: duplicate of cluster.links[{seen[key]}] "
+                f"({link.between[0]}-{link.between[1]}); list each pair once"
+            )
         seen[key] = i
     job, model = cfg.job, cfg.job.model
     if model.hidden % model.heads:
         raise ConfigError(f"job.model.heads: hidden({model.hidden}) must be divisible by heads({model.heads})")
     if model.custom_layers and len(model.custom_layers) != model.layers:
-        raise ConfigError(f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
-                          f"layers = {model.layers}; give one entry per layer")
+        raise ConfigError(
+            f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
+            f"layers = {model.layers}; give one entry per layer"
+        )
     if job.global_batch % job.microbatch_size:
-        raise ConfigError(f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "
-                          f"microbatch_size({job.microbatch_size})")
+        raise ConfigError(
+            f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "
+            f"microbatch_size({job.microbatch_size})"
+        )
 
 
 def config_from_dict(data: object, source: str = "config") -> Config:

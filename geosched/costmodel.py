@@ -15,8 +15,8 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from geosched import model_counts
 from geosched.chunking import chunks_per_message
@@ -32,6 +32,7 @@ an A100 80GB's HBM2e, 2.0 TB/s (NVIDIA A100 datasheet). The step is memory-bound
 
 
 # ---------------------------------------------------------------- per layer ---
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -66,8 +67,12 @@ def layer_costs(job: JobSpec) -> list[LayerCost]:
     """Per-block costs: the config's ``custom_layers`` if given, else the GPT formulas."""
     m = job.model
     if m.custom_layers:
-        return [LayerCost(c.forward_gflop_per_sample * 1e9, c.params, c.activation_bytes_per_sample,
-                          c.stash_bytes_per_sample) for c in m.custom_layers]
+        return [
+            LayerCost(
+                c.forward_gflop_per_sample * 1e9, c.params, c.activation_bytes_per_sample, c.stash_bytes_per_sample
+            )
+            for c in m.custom_layers
+        ]
     return [gpt_block_cost(job)] * m.layers
 
 
@@ -82,8 +87,12 @@ def head_cost(job: JobSpec) -> LayerCost:
     The stash holds the logits in fp32 for the cross-entropy (``4sV`` bytes).
     """
     m = job.model
-    return LayerCost(forward_flop=m.seq_len * model_counts.head_forward_flops_per_token(m),
-                     params=model_counts.head_params(m), activation_bytes=0, stash_bytes=4 * m.seq_len * m.vocab)
+    return LayerCost(
+        forward_flop=m.seq_len * model_counts.head_forward_flops_per_token(m),
+        params=model_counts.head_params(m),
+        activation_bytes=0,
+        stash_bytes=4 * m.seq_len * m.vocab,
+    )
 
 
 def total_params(job: JobSpec) -> int:
@@ -92,6 +101,7 @@ def total_params(job: JobSpec) -> int:
 
 
 # ------------------------------------------------------------- calibration ---
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -137,7 +147,7 @@ class Calibration:
     stage_times: tuple[StageTime, ...] = ()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> "Calibration":
+    def from_dict(cls, data: Mapping[str, object]) -> Calibration:
         """The calibration in a dict (``profile_job``'s or a file's); fields with a default may be missing."""
         optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional}
@@ -153,7 +163,7 @@ class Calibration:
         return None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Calibration":
+    def load(cls, path: str | os.PathLike) -> Calibration:
         """Read a calibration JSON file."""
         try:
             with open(path, encoding="utf-8") as fh:
@@ -177,6 +187,7 @@ class StageTime:
 
 # ------------------------------------------------------------------ compute ---
 
+
 @dataclass(frozen=True)
 class StageCompute:
     """Forward and backward seconds of one stage for one microbatch, and its optimizer step per iteration."""
@@ -186,8 +197,9 @@ class StageCompute:
     step_s: float = 0.0
 
 
-def optimizer_step_estimate_s(job: JobSpec, params: int, memory_bandwidth_bps: float = ASSUMED_MEMORY_BANDWIDTH_BPS
-                              ) -> float:
+def optimizer_step_estimate_s(
+    job: JobSpec, params: int, memory_bandwidth_bps: float = ASSUMED_MEMORY_BANDWIDTH_BPS
+) -> float:
     """Uncalibrated optimizer step (plus zeroing the gradients) of ``params`` parameters, memory-traffic model.
 
     Adam's update is elementwise and memory-bound (a few FLOPs per byte moved),
@@ -201,8 +213,14 @@ def optimizer_step_estimate_s(job: JobSpec, params: int, memory_bandwidth_bps: f
     return params * per_param / memory_bandwidth_bps
 
 
-def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], first: bool, last: bool,
-                  calibration: Calibration | None = None) -> StageCompute:
+def stage_compute(
+    job: JobSpec,
+    gpu_tflops: float,
+    layers: tuple[int, int],
+    first: bool,
+    last: bool,
+    calibration: Calibration | None = None,
+) -> StageCompute:
     """Time of one microbatch through layers ``[start, end)`` (+ embeddings/head) on one GPU.
 
     FLOP model: ``time = FLOPs / sustained FLOP/s`` with backward = 2x forward,
@@ -228,10 +246,16 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
         if whole is not None:
             fwd, bwd = whole.forward_s, whole.backward_s
         else:
-            fwd = (n * calibration.block_forward_s + first * calibration.embed_forward_s
-                   + last * calibration.head_forward_s)
-            bwd = (n * calibration.block_backward_s + first * calibration.embed_backward_s
-                   + last * calibration.head_backward_s)
+            fwd = (
+                n * calibration.block_forward_s
+                + first * calibration.embed_forward_s
+                + last * calibration.head_forward_s
+            )
+            bwd = (
+                n * calibration.block_backward_s
+                + first * calibration.embed_backward_s
+                + last * calibration.head_backward_s
+            )
         bwd += fwd * (job.recompute == "full")
         per_param = calibration.optimizer_step_s_per_param
         step = params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, params)
@@ -239,15 +263,19 @@ def stage_compute(job: JobSpec, gpu_tflops: float, layers: tuple[int, int], firs
     costs = layer_costs(job)
     flop = sum(c.forward_flop for c in costs[start:end]) + (head_cost(job).forward_flop if last else 0.0)
     fwd = b * flop / (gpu_tflops * 1e12)
-    return StageCompute(fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd,
-                        optimizer_step_estimate_s(job, params))
+    return StageCompute(
+        fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd, optimizer_step_estimate_s(job, params)
+    )
 
 
 def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
     """Parameters held by a stage."""
     costs = layer_costs(job)
-    return (sum(c.params for c in costs[layers[0]:layers[1]]) + (embedding_params(job) if first else 0)
-            + (head_cost(job).params if last else 0))
+    return (
+        sum(c.params for c in costs[layers[0] : layers[1]])
+        + (embedding_params(job) if first else 0)
+        + (head_cost(job).params if last else 0)
+    )
 
 
 def boundary_bytes(job: JobSpec, after_layer: int) -> int:
@@ -258,6 +286,7 @@ def boundary_bytes(job: JobSpec, after_layer: int) -> int:
 
 
 # ------------------------------------------------------------------- memory ---
+
 
 def stage_memory_bytes(job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int) -> int:
     """Peak memory of one GPU holding a stage.
@@ -271,7 +300,7 @@ def stage_memory_bytes(job: JobSpec, layers: tuple[int, int], first: bool, last:
     """
     params = stage_params(job, layers, first, last)
     state = params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
-    blocks = layer_costs(job)[layers[0]:layers[1]]
+    blocks = layer_costs(job)[layers[0] : layers[1]]
     head = head_cost(job).stash_bytes if last else 0
     if job.recompute == "full":
         kept = sum(c.activation_bytes for c in blocks) + head
@@ -289,6 +318,7 @@ def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: 
 
 
 # -------------------------------------------------------------------- WAN ---
+
 
 def wan_effective_bps(link: WanLinkSpec, streams: int) -> float:
     """Usable bits/s of a link with ``streams`` TCP connections: ``min(B, k x per-connection)``.
@@ -318,11 +348,13 @@ def wan_transfer(link: WanLinkSpec, nbytes: int, streams: int, sharing: int) -> 
 
 def intra_transfer(dc: DatacenterSpec, nbytes: int) -> Transfer:
     """A message between two GPUs of one datacenter: ``bytes x 8 / bandwidth + latency``."""
-    return Transfer(link=None, occupancy_s=nbytes * 8 / (dc.intra_bandwidth_gbps * 1e9),
-                    latency_s=dc.intra_latency_us * 1e-6)
+    return Transfer(
+        link=None, occupancy_s=nbytes * 8 / (dc.intra_bandwidth_gbps * 1e9), latency_s=dc.intra_latency_us * 1e-6
+    )
 
 
 # -------------------------------------------------------------- all-reduce ---
+
 
 def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s: float) -> float:
     """Ring all-reduce time, alpha-beta model: ``2(G-1)/G x bytes x 8 / B + 2(G-1) x latency``.
@@ -337,6 +369,7 @@ def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s:
 
 # ------------------------------------------------------- a pipeline's costs ---
 
+
 def message_overhead_s(calibration: Calibration, nbytes: int, streams: int, wan: bool = False) -> float:
     """Stage time one message of ``nbytes`` costs each end on a link of ``streams`` streams (calibrated).
 
@@ -346,9 +379,12 @@ def message_overhead_s(calibration: Calibration, nbytes: int, streams: int, wan:
     """
     cal = calibration
     chunks = chunks_per_message(nbytes, streams)
-    return ((cal.message_overhead_s or 0.0) + (cal.message_overhead_s_per_chunk or 0.0) * chunks
-            + (cal.message_overhead_s_per_byte or 0.0) * nbytes
-            + (cal.message_overhead_s_emulated or 0.0) * wan)
+    return (
+        (cal.message_overhead_s or 0.0)
+        + (cal.message_overhead_s_per_chunk or 0.0) * chunks
+        + (cal.message_overhead_s_per_byte or 0.0) * nbytes
+        + (cal.message_overhead_s_emulated or 0.0) * wan
+    )
 
 
 _MESSAGE_PEER = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}
@@ -365,9 +401,16 @@ class PipelineCosts:
     each direction of a link is a FIFO resource in the simulator.
     """
 
-    def __init__(self, cluster: ClusterSpec, job: JobSpec, stage_dcs: Sequence[str],
-                 stage_layers: Sequence[tuple[int, int]], dp: int, streams: Mapping[tuple[str, str], int],
-                 calibration: Calibration | None = None):
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        job: JobSpec,
+        stage_dcs: Sequence[str],
+        stage_layers: Sequence[tuple[int, int]],
+        dp: int,
+        streams: Mapping[tuple[str, str], int],
+        calibration: Calibration | None = None,
+    ):
         self.cluster, self.job, self.dp = cluster, job, dp
         self.stage_dcs, self.stage_layers = tuple(stage_dcs), tuple(stage_layers)
         p = len(self.stage_dcs)
@@ -375,8 +418,10 @@ class PipelineCosts:
             stage_compute(job, cluster.dc(dc).gpu.tflops, lay, i == 0, i == p - 1, calibration)
             for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
-        self.grad_bytes = [stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
-                           for i, lay in enumerate(self.stage_layers)]
+        self.grad_bytes = [
+            stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
+            for i, lay in enumerate(self.stage_layers)
+        ]
         self._transfers: dict[tuple[int, int], Transfer] = {}
         self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
         cal = calibration
@@ -392,7 +437,8 @@ class PipelineCosts:
             k = 1 if link is None else streams.get(tuple(sorted((a, b))), streams_to_fill(link))
             if self.charges_messages:
                 self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(  # type: ignore[arg-type]
-                    cal, nbytes, k, wan=link is not None)
+                    cal, nbytes, k, wan=link is not None
+                )
             for src, dst in ((s, s + 1), (s + 1, s)):
                 if link is None:
                     tr = intra_transfer(cluster.dc(a), nbytes)
@@ -419,8 +465,9 @@ class PipelineCosts:
     def allreduce_s(self, stage: int) -> float:
         """Gradient all-reduce of ``stage`` among its ``dp`` replicas inside its DC."""
         dc = self.cluster.dc(self.stage_dcs[stage])
-        return ring_allreduce_s(self.grad_bytes[stage], self.dp, dc.intra_bandwidth_gbps * 1e9,
-                                dc.intra_latency_us * 1e-6)
+        return ring_allreduce_s(
+            self.grad_bytes[stage], self.dp, dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
+        )
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
         """The message from ``src_stage`` to ``dst_stage`` (an activation for F, a gradient for B)."""

@@ -72,9 +72,7 @@ def resolve_paths(paths_or_globs: str | Sequence[str]) -> list[str]:
             )
         matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         if not matches:
-            raise InputError(
-                f"data pattern {pattern!r} matches no files; pass --data with existing files or a glob"
-            )
+            raise InputError(f"data pattern {pattern!r} matches no files; pass --data with existing files or a glob")
         found.update(matches)
     return sorted(found)
 
@@ -138,7 +136,7 @@ class TextDataset:
             size = int(self.sizes[doc])
             if offset < size:
                 take = min(size - offset, length - filled)
-                out[filled:filled + take] = self._file(doc)[offset:offset + take]
+                out[filled : filled + take] = self._file(doc)[offset : offset + take]
             else:
                 take = 1
                 out[filled] = self.separator
@@ -174,7 +172,7 @@ class TextDataset:
             )
         per_replica = num_microbatches * microbatch_size
         everyone = self.sample_positions(step, dp_size * per_replica)  # (G,)
-        positions = everyone[replica * per_replica:(replica + 1) * per_replica]  # (m*b,)
+        positions = everyone[replica * per_replica : (replica + 1) * per_replica]  # (m*b,)
         inputs, targets = self._samples(positions)  # (m*b, T) each
         return list(zip(inputs.split(microbatch_size), targets.split(microbatch_size)))
 
@@ -227,8 +225,10 @@ class Prefetcher:
         self._queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=per_queue) for _ in range(self.workers)]
         self._threads = [
             threading.Thread(
-                target=self._produce, args=(step + w, self._queues[w], self._stop),
-                name=f"geosched-prefetch-r{self.request[0]}-{w}", daemon=True,
+                target=self._produce,
+                args=(step + w, self._queues[w], self._stop),
+                name=f"geosched-prefetch-r{self.request[0]}-{w}",
+                daemon=True,
             )
             for w in range(self.workers)
         ]

@@ -56,10 +56,26 @@ from geosched.model_counts import (  # re-exported: one import site for model us
 )
 
 __all__ = [
-    "BACKWARD_FLOPS_PER_FORWARD", "KV", "KVCache", "ModelShape", "PRECISION_DTYPES", "StageModule",
-    "block_forward_flops_per_token", "build_model", "build_stage", "decode_step",
-    "embedding_params", "ffn_mult", "greedy_generate", "head_forward_flops_per_token", "head_params",
-    "layer_params", "prefill", "stage_forward_flops_per_token", "stage_params", "total_params",
+    "BACKWARD_FLOPS_PER_FORWARD",
+    "KV",
+    "KVCache",
+    "ModelShape",
+    "PRECISION_DTYPES",
+    "StageModule",
+    "block_forward_flops_per_token",
+    "build_model",
+    "build_stage",
+    "decode_step",
+    "embedding_params",
+    "ffn_mult",
+    "greedy_generate",
+    "head_forward_flops_per_token",
+    "head_params",
+    "layer_params",
+    "prefill",
+    "stage_forward_flops_per_token",
+    "stage_params",
+    "total_params",
 ]
 
 log = logging.getLogger(__name__)
@@ -114,8 +130,14 @@ class ModelShape:
                 "model.custom_layers only describes costs for planning; a model that is trained needs "
                 "the GPT shape alone (remove custom_layers)"
             )
-        return cls(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, seq_len=spec.seq_len,
-                   vocab=spec.vocab, ffn_mult=ffn_mult(spec))
+        return cls(
+            layers=spec.layers,
+            hidden=spec.hidden,
+            heads=spec.heads,
+            seq_len=spec.seq_len,
+            vocab=spec.vocab,
+            ffn_mult=ffn_mult(spec),
+        )
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -216,17 +238,17 @@ class StageModule(nn.Module):
             self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)
 
     def __repr__(self) -> str:
-        return (f"StageModule(layers=[{self.layer_start}, {self.layer_end}), first={self.first}, "
-                f"last={self.last}, params={sum(p.numel() for p in self.parameters())})")
+        return (
+            f"StageModule(layers=[{self.layer_start}, {self.layer_end}), first={self.first}, "
+            f"last={self.last}, params={sum(p.numel() for p in self.parameters())})"
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         """Training forward: tokens (B, T) or hidden (B, T, C) -> hidden (B, T, C) or logits (B, T, V)."""
         out, _ = self.forward_cached(x)
         return out
 
-    def forward_cached(
-        self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0
-    ) -> tuple[Tensor, KVCache]:
+    def forward_cached(self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0) -> tuple[Tensor, KVCache]:
         """Run T new positions starting at ``start_pos`` against ``kv_cache`` (one KV per block held).
 
         Returns this stage's output for the new positions and the grown cache
@@ -332,13 +354,11 @@ def _as_chain(model: StageModule | Sequence[StageModule]) -> list[StageModule]:
     return stages
 
 
-def _run_chain(
-    stages: list[StageModule], tokens: Tensor, kv: KVCache | None, start_pos: int
-) -> tuple[Tensor, KVCache]:
+def _run_chain(stages: list[StageModule], tokens: Tensor, kv: KVCache | None, start_pos: int) -> tuple[Tensor, KVCache]:
     """Run tokens (B, T) through every stage; kv is the flat per-layer cache of the whole model."""
     x, new_kv = tokens, []
     for stage in stages:
-        held = None if kv is None else kv[stage.layer_start:stage.layer_end]
+        held = None if kv is None else kv[stage.layer_start : stage.layer_end]
         x, stage_kv = stage.forward_cached(x, held, start_pos)
         new_kv.extend(stage_kv)
     return x, new_kv  # logits (B, T, V), one KV per layer
@@ -360,7 +380,7 @@ def prefill(
     kv: KVCache | None = None
     logits = tokens.new_empty(0)
     for start in range(0, tokens.size(1), step):
-        logits, kv = _run_chain(stages, tokens[:, start:start + step], kv, start)  # (B, t, V)
+        logits, kv = _run_chain(stages, tokens[:, start : start + step], kv, start)  # (B, t, V)
     assert kv is not None
     return logits[:, -1], kv  # (B, V)
 

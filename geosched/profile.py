@@ -69,9 +69,18 @@ class StageTiming:
     backward_spread_s: float
 
 
-def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: bool, repeats: int = 5,
-                  warmup: int = 2, device: str = "cpu", progress: Callable[[str], None] | None = None,
-                  microbatches: int = 1) -> StageTiming:
+def measure_stage(
+    job: JobSpec,
+    layers: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+    microbatches: int = 1,
+) -> StageTiming:
     """Time forward and backward of one microbatch through the stage holding ``layers`` (+ embeddings/head).
 
     Each repeat runs as a training step does: the forwards of ``microbatches``
@@ -83,8 +92,9 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    stage = build_stage(job.model, layers[0], layers[1], first=first, last=last, seed=job.seed,
-                        dtype=PRECISION_DTYPES[job.precision]).to(device)
+    stage = build_stage(
+        job.model, layers[0], layers[1], first=first, last=last, seed=job.seed, dtype=PRECISION_DTYPES[job.precision]
+    ).to(device)
     shape = ModelShape.of(job.model)
     b, T = job.microbatch_size, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
@@ -124,12 +134,23 @@ def measure_stage(job: JobSpec, layers: tuple[int, int], *, first: bool, last: b
                 backward.append(time.perf_counter() - t1)
         if progress is not None:
             progress("warm-up" if i < warmup else "timed")
-    return StageTiming(statistics.median(forward), statistics.median(backward),
-                       max(forward) - min(forward), max(backward) - min(backward))
+    return StageTiming(
+        statistics.median(forward),
+        statistics.median(backward),
+        max(forward) - min(forward),
+        max(backward) - min(backward),
+    )
 
 
-def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
-                           progress: Callable[[str], None] | None = None, microbatches: int = 1) -> float:
+def measure_optimizer_step(
+    job: JobSpec,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+    microbatches: int = 1,
+) -> float:
     """Median seconds per parameter of one AdamW step plus zeroing the gradients.
 
     Measured on a first stage (embeddings + up to two blocks: big and small
@@ -141,15 +162,23 @@ def measure_optimizer_step(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    model = build_stage(job.model, 0, min(2, job.model.layers), first=True, last=False, seed=job.seed,
-                        dtype=PRECISION_DTYPES[job.precision]).to(device)
+    model = build_stage(
+        job.model,
+        0,
+        min(2, job.model.layers),
+        first=True,
+        last=False,
+        seed=job.seed,
+        dtype=PRECISION_DTYPES[job.precision],
+    ).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(job.seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
     optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
-    tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.microbatch_size, job.model.seq_len),
-                           generator=g).to(device)  # (b, T)
+    tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.microbatch_size, job.model.seq_len), generator=g).to(
+        device
+    )  # (b, T)
     times = []
     for i in range(warmup + repeats):
         if microbatches > 1:
@@ -207,9 +236,16 @@ StageKey = tuple[tuple[int, int], bool, bool]
 """A plan's stage as the profiler measures it: ``((start, end), first, last)``."""
 
 
-def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu",
-                gpu_name: str | None = None, progress: Progress | None = None,
-                stages: Sequence[StageKey] = ()) -> dict[str, Any]:
+def profile_job(
+    job: JobSpec,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    gpu_name: str | None = None,
+    progress: Progress | None = None,
+    stages: Sequence[StageKey] = (),
+) -> dict[str, Any]:
     """Measure the embeddings, one block and the head; return the calibration as a JSON-ready dict.
 
     The dict holds every :class:`~geosched.costmodel.Calibration` field (times
@@ -218,8 +254,11 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     """
     shape = ModelShape.of(job.model)
     stash = profile_microbatches(job)
-    pieces = {"embed": ((0, 0), True, False), "block": ((0, 1), False, False),
-              "head": ((shape.layers, shape.layers), False, True)}
+    pieces = {
+        "embed": ((0, 0), True, False),
+        "block": ((0, 1), False, False),
+        "head": ((shape.layers, shape.layers), False, True),
+    }
     whole = list(dict.fromkeys((tuple(layers), bool(first), bool(last)) for layers, first, last in stages))
     for (start, end), _, _ in whole:
         if not 0 <= start <= end <= shape.layers:
@@ -228,14 +267,24 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     total, done = (len(pieces) + 1) * (warmup + repeats), 0
     times: dict[str, StageTiming] = {}
     for name, (layers, first, last) in pieces.items():
+
         def tick(phase: str, name: str = name) -> None:
             nonlocal done
             done += 1
             if progress is not None:
                 progress(done, total, f"{name} {phase}")
 
-        times[name] = measure_stage(job, layers, first=first, last=last, repeats=repeats, warmup=warmup,
-                                    device=device, progress=tick, microbatches=stash)
+        times[name] = measure_stage(
+            job,
+            layers,
+            first=first,
+            last=last,
+            repeats=repeats,
+            warmup=warmup,
+            device=device,
+            progress=tick,
+            microbatches=stash,
+        )
 
     def tick_step(phase: str) -> None:
         nonlocal done
@@ -243,8 +292,9 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
         if progress is not None:
             progress(done, total, f"optimizer step {phase}")
 
-    step_per_param = measure_optimizer_step(job, repeats=repeats, warmup=warmup, device=device, progress=tick_step,
-                                            microbatches=stash)
+    step_per_param = measure_optimizer_step(
+        job, repeats=repeats, warmup=warmup, device=device, progress=tick_step, microbatches=stash
+    )
     b = job.microbatch_size
     cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
     for name in ("embed", "block", "head"):
@@ -257,16 +307,31 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
     cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
     cal["optimizer_step_s_per_param"] = step_per_param
     cal.update(measure_activation_bytes(job, device))
-    cal["spread_s"] = {f"{name}_{d}": getattr(t, f"{d}_spread_s") / b
-                       for name, t in times.items() for d in ("forward", "backward")}
-    cal.update({
-        "model": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len,
-                  "vocab": shape.vocab, "ffn_mult": shape.ffn_mult},
-        "microbatch_size": b, "microbatches_in_flight": stash, "precision": job.precision, "device": device,
-        "repeats": repeats, "warmup": warmup,
-        "threads": torch.get_num_threads(), "torch_version": torch.__version__, "host": socket.gethostname(),
-        "created_at": time.time(),
-    })
+    cal["spread_s"] = {
+        f"{name}_{d}": getattr(t, f"{d}_spread_s") / b for name, t in times.items() for d in ("forward", "backward")
+    }
+    cal.update(
+        {
+            "model": {
+                "layers": shape.layers,
+                "hidden": shape.hidden,
+                "heads": shape.heads,
+                "seq_len": shape.seq_len,
+                "vocab": shape.vocab,
+                "ffn_mult": shape.ffn_mult,
+            },
+            "microbatch_size": b,
+            "microbatches_in_flight": stash,
+            "precision": job.precision,
+            "device": device,
+            "repeats": repeats,
+            "warmup": warmup,
+            "threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "host": socket.gethostname(),
+            "created_at": time.time(),
+        }
+    )
     Calibration.from_dict(cal)  # the loader's fields are all there
     return cal
 
@@ -274,8 +339,7 @@ def profile_job(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str 
 def stage_time_record(key: StageKey, forward_s: float, backward_s: float) -> dict[str, Any]:
     """One ``stage_times`` entry of a calibration dict (seconds per sequence), as ``StageTime`` reads it."""
     (start, end), first, last = key
-    return {"start": start, "end": end, "first": first, "last": last, "forward_s": forward_s,
-            "backward_s": backward_s}
+    return {"start": start, "end": end, "first": first, "last": last, "forward_s": forward_s, "backward_s": backward_s}
 
 
 def stage_label(key: StageKey) -> str:
@@ -284,8 +348,15 @@ def stage_label(key: StageKey) -> str:
     return f"stage {start}-{end}" + " +embed" * first + " +head" * last
 
 
-def check_prediction(job: JobSpec, calibration: Calibration, layers: tuple[int, int] = (0, 2), *,
-                     repeats: int = 5, warmup: int = 2, device: str = "cpu") -> dict[str, float]:
+def check_prediction(
+    job: JobSpec,
+    calibration: Calibration,
+    layers: tuple[int, int] = (0, 2),
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+) -> dict[str, float]:
     """Measure a middle stage of ``layers`` and compare with ``stage_compute`` using ``calibration``.
 
     Returns measured and predicted forward+backward seconds per microbatch and

@@ -29,8 +29,9 @@ from geosched.errors import ConfigError
 _MISSING = dataclasses.MISSING
 
 
-def spec(doc: str, default: Any = _MISSING, *, ge: float | None = None, gt: float | None = None,
-         le: float | None = None) -> Any:
+def spec(
+    doc: str, default: Any = _MISSING, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+) -> Any:
     """A dataclass field with a docstring and optional numeric bounds."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
     if default is _MISSING:
@@ -125,8 +126,10 @@ def _join(path: str, key: object) -> str:
 
 def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception]) -> Any:
     if not isinstance(value, dict):
-        raise error(f"{path or 'top level'}: expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(cls))} "
-                    f"(got {_describe(value)})")
+        raise error(
+            f"{path or 'top level'}: expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(cls))} "
+            f"(got {_describe(value)})"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in value:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geosched.costmodel import (ring_allreduce_s, stage_compute, stage_memory_bytes, total_params,
-                                wan_effective_bps)
+from geosched.costmodel import ring_allreduce_s, stage_compute, stage_memory_bytes, total_params, wan_effective_bps
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
 from planner.evaluate import GB, Evaluation, Evaluator
 from planner.feasibility import size_text
@@ -52,16 +51,19 @@ def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> list[tuple[s
     (at most :data:`MAX_ORDERS` steps per threshold) looks for an order using
     only links at least that fast. Returns [] when none is found.
     """
-    speeds = {frozenset(link.between): wan_effective_bps(link, problem.streams(*link.between))
-              for link in problem.cluster.links}
+    speeds = {
+        frozenset(link.between): wan_effective_bps(link, problem.streams(*link.between))
+        for link in problem.cluster.links
+    }
 
     def speed(a: str, b: str) -> float:
         return speeds[frozenset((a, b))]
 
     if len(dcs) == 1:
         return [dcs]
-    thresholds = sorted({speed(*link.between) for link in problem.cluster.links if set(link.between) <= set(dcs)},
-                        reverse=True)
+    thresholds = sorted(
+        {speed(*link.between) for link in problem.cluster.links if set(link.between) <= set(dcs)}, reverse=True
+    )
     for floor in thresholds:
         steps = 0  # per threshold, over all starts
 
@@ -94,8 +96,10 @@ def _slowest(problem: Problem, order: tuple[str, ...], cycle: bool) -> tuple[flo
     links = [problem.link(a, b) for a, b in pairs if a != b]
     if not links:
         return float("inf"), 0.0
-    return (min(wan_effective_bps(lk, problem.streams(*lk.between)) for lk in links),  # type: ignore[union-attr]
-            max(lk.rtt_ms / 2000 for lk in links))  # type: ignore[union-attr]
+    return (
+        min(wan_effective_bps(lk, problem.streams(*lk.between)) for lk in links),  # type: ignore[union-attr]
+        max(lk.rtt_ms / 2000 for lk in links),
+    )  # type: ignore[union-attr]
 
 
 class DataParallelCosts:
@@ -106,8 +110,11 @@ class DataParallelCosts:
 
     def compute_s(self, action: Action) -> float:
         """Whole-model forward/backward of one microbatch, or the ring all-reduce."""
-        return {ActionKind.FORWARD: self.forward_s, ActionKind.BACKWARD: self.backward_s,
-                ActionKind.ALL_REDUCE: self.allreduce_s}.get(action.kind, 0.0)
+        return {
+            ActionKind.FORWARD: self.forward_s,
+            ActionKind.BACKWARD: self.backward_s,
+            ActionKind.ALL_REDUCE: self.allreduce_s,
+        }.get(action.kind, 0.0)
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
         """Never called: a single stage sends nothing."""
@@ -128,8 +135,12 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     hosts = tuple(dc for dc in problem.dcs if need <= problem.memory_bytes[dc])
     if not hosts:
         roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
-        return BaselineResult(name, None, detail=f"infeasible: the whole model needs {size_text(need)} per GPU > "
-                                                 f"{size_text(problem.memory_bytes[roomiest])} in dc {roomiest!r}")
+        return BaselineResult(
+            name,
+            None,
+            detail=f"infeasible: the whole model needs {size_text(need)} per GPU > "
+            f"{size_text(problem.memory_bytes[roomiest])} in dc {roomiest!r}",
+        )
     skipped = [dc for dc in problem.dcs if dc not in hosts]
     sequences = job.global_batch // job.microbatch_size
     gpus = min(sum(problem.gpus[dc] for dc in hosts), sequences)
@@ -142,13 +153,18 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     specs = [problem.cluster.dc(dc) for dc in ring]
     nbytes = total_params(job) * job.bytes_per_element
     if flat_ring:
-        allreduce = ring_allreduce_s(nbytes, gpus, min(wan_bps, *(d.intra_bandwidth_gbps * 1e9 for d in specs)),
-                                     max(wan_lat, *(d.intra_latency_us * 1e-6 for d in specs)))
+        allreduce = ring_allreduce_s(
+            nbytes,
+            gpus,
+            min(wan_bps, *(d.intra_bandwidth_gbps * 1e9 for d in specs)),
+            max(wan_lat, *(d.intra_latency_us * 1e-6 for d in specs)),
+        )
         moved = 2 * (gpus - 1) / gpus * nbytes  # bytes each ring hop carries in one direction
     else:
         k = len(ring)
-        inside = max(ring_allreduce_s(nbytes, d.gpus, d.intra_bandwidth_gbps * 1e9, d.intra_latency_us * 1e-6)
-                     for d in specs)  # = reduce-scatter + all-gather inside the slowest DC
+        inside = max(
+            ring_allreduce_s(nbytes, d.gpus, d.intra_bandwidth_gbps * 1e9, d.intra_latency_us * 1e-6) for d in specs
+        )  # = reduce-scatter + all-gather inside the slowest DC
         across = ring_allreduce_s(nbytes, k, wan_bps, wan_lat) if k > 1 else 0.0
         allreduce, moved = inside + across, 2 * (k - 1) / k * nbytes
     slowest_gpu = min(d.gpu.tflops for d in specs)
@@ -176,8 +192,9 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
         p = sum(counts)
         if min(counts) < 1 or p > problem.layers:
             continue
-        cand = from_split(d, m, tuple(dc for dc, n in zip(path, counts) for _ in range(n)),
-                          even_split(problem.layers, p))
+        cand = from_split(
+            d, m, tuple(dc for dc, n in zip(path, counts) for _ in range(n)), even_split(problem.layers, p)
+        )
         if problem.violation(cand) is not None:
             continue
         ev = evaluator.evaluate(cand)
@@ -185,8 +202,12 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
         if best is None or key > best[:2]:
             best = (p * d, -ev.iteration_s, ev)
     if best is None:
-        return BaselineResult(name, None, detail="infeasible: no data-parallel degree gives every DC a stage "
-                                                 "that fits its memory with at most one stage per block")
+        return BaselineResult(
+            name,
+            None,
+            detail="infeasible: no data-parallel degree gives every DC a stage "
+            "that fits its memory with at most one stage per block",
+        )
     ev = best[2]
     return BaselineResult(name, ev.iteration_s, ev.wan_cost_usd, ev.candidate.describe(), ev)
 
@@ -197,9 +218,17 @@ def atlas_greedy(problem: Problem, evaluator: Evaluator) -> BaselineResult:
     by_free = sorted(problem.dcs, key=lambda dc: (-problem.gpus[dc], problem.dcs.index(dc)))
     roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
     m_most = problem.job.global_batch // problem.job.microbatch_size
-    p_min = next((p for p in range(1, L + 1) if all(
-        problem.fits(roomiest, layers, s, p, m_most)
-        for s, layers in enumerate(from_split(1, m_most, (roomiest,) * p, even_split(L, p)).stage_layers))), None)
+    p_min = next(
+        (
+            p
+            for p in range(1, L + 1)
+            if all(
+                problem.fits(roomiest, layers, s, p, m_most)
+                for s, layers in enumerate(from_split(1, m_most, (roomiest,) * p, even_split(L, p)).stage_layers)
+            )
+        ),
+        None,
+    )
     if p_min is None:
         return BaselineResult(name, None, detail="infeasible: no equal-layer split fits GPU memory")
     results = []
@@ -223,8 +252,10 @@ def _greedy_place(problem: Problem, by_free: list[str], stages: int, dp: int) ->
     placed: list[str] = []
     left = list(by_free)
     while len(placed) < stages:
-        nxt = next((dc for dc in left if problem.gpus[dc] >= dp and (
-            not placed or problem.link(placed[-1], dc) is not None)), None)
+        nxt = next(
+            (dc for dc in left if problem.gpus[dc] >= dp and (not placed or problem.link(placed[-1], dc) is not None)),
+            None,
+        )
         if nxt is None:
             return None
         left.remove(nxt)

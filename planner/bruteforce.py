@@ -13,11 +13,18 @@ iteration time over the space.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from geosched.costmodel import (StageCompute, boundary_bytes, intra_transfer, ring_allreduce_s, stage_compute,
-                                stage_params, wan_transfer)
+from geosched.costmodel import (
+    StageCompute,
+    boundary_bytes,
+    intra_transfer,
+    ring_allreduce_s,
+    stage_compute,
+    stage_params,
+    wan_transfer,
+)
 from planner.baselines import pipeline_baselines
 from planner.evaluate import Evaluation, Evaluator, pipeline_lower_bound
 from planner.search import single_stage
@@ -74,8 +81,9 @@ class _Stage:
         return self._hop[key]
 
 
-def brute_force(problem: Problem, evaluator: Evaluator, hints: Sequence[Candidate] = (),
-                max_nodes: int | None = 5_000_000) -> tuple[Evaluation, BruteForceStats]:
+def brute_force(
+    problem: Problem, evaluator: Evaluator, hints: Sequence[Candidate] = (), max_nodes: int | None = 5_000_000
+) -> tuple[Evaluation, BruteForceStats]:
     """The plan of the decision space with the least simulated iteration time; TooLarge past ``max_nodes``.
 
     ``hints`` (valid candidates, e.g. the planner's answer) only tighten the
@@ -117,8 +125,9 @@ def brute_force(problem: Problem, evaluator: Evaluator, hints: Sequence[Candidat
                     stats.leaves += 1
                     bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo)
                     if bound < best.iteration_s:
-                        leaves.append((bound, from_split(d, m, tuple(dcs), tuple(
-                            e - a for a, e in zip([0] + ends[:-1], ends)))))
+                        leaves.append(
+                            (bound, from_split(d, m, tuple(dcs), tuple(e - a for a, e in zip([0] + ends[:-1], ends))))
+                        )
                     return
                 rest = start + drain + (f[-1] + b[-1] if f else 0.0) + (ar[0] if ar else 0.0)
                 rest += m * -(-left_blocks // left_stages) * cheapest_block
@@ -169,5 +178,8 @@ def brute_force(problem: Problem, evaluator: Evaluator, hints: Sequence[Candidat
 
 def enumerable(problem: Problem, limit: int = 16) -> bool:
     """A rough size test: few blocks and DCs, so :func:`brute_force` finishes quickly."""
-    return problem.layers <= limit and len(problem.dcs) <= 4 and math.prod(
-        1 + problem.gpus[dc] for dc in problem.dcs) <= 10**5
+    return (
+        problem.layers <= limit
+        and len(problem.dcs) <= 4
+        and math.prod(1 + problem.gpus[dc] for dc in problem.dcs) <= 10**5
+    )

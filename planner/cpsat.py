@@ -33,8 +33,14 @@ from fractions import Fraction
 
 from ortools.sat.python import cp_model
 
-from geosched.costmodel import (boundary_bytes, intra_transfer, ring_allreduce_s, stage_compute, stage_params,
-                                wan_transfer)
+from geosched.costmodel import (
+    boundary_bytes,
+    intra_transfer,
+    ring_allreduce_s,
+    stage_compute,
+    stage_params,
+    wan_transfer,
+)
 from planner.space import Candidate, Problem, even_split, from_split
 
 USD_UNIT = 1e-6  # costs in micro-dollars
@@ -108,8 +114,9 @@ def _dc_numbers(problem: Problem, name: str, dp: int, tick: float, nbytes: int) 
     )
 
 
-def _weighted(time_var: cp_model.IntVar, time_hi: int, cost_var: cp_model.IntVar, cost_hi: int,
-              ticks_per_unit: float) -> cp_model.LinearExprT:
+def _weighted(
+    time_var: cp_model.IntVar, time_hi: int, cost_var: cp_model.IntVar, cost_hi: int, ticks_per_unit: float
+) -> cp_model.LinearExprT:
     """``time + w x cost`` with integer coefficients that cannot overflow (cost first if w is huge)."""
     limit = 2**62
     for denominators in (1000, 1):
@@ -122,8 +129,17 @@ def _weighted(time_var: cp_model.IntVar, time_hi: int, cost_var: cp_model.IntVar
 class _Model:
     """Builds the CP-SAT model for one ``(d, m)`` and decodes its solutions."""
 
-    def __init__(self, problem: Problem, dp: int, microbatches: int, goal: Goal, require: dict[str, int],
-                 allowed: set[str] | None, stages: int | None, chain: tuple[str, ...] | None):
+    def __init__(
+        self,
+        problem: Problem,
+        dp: int,
+        microbatches: int,
+        goal: Goal,
+        require: dict[str, int],
+        allowed: set[str] | None,
+        stages: int | None,
+        chain: tuple[str, ...] | None,
+    ):
         self.problem, self.dp, self.m = problem, dp, microbatches
         self.tick = tick_for(problem)
         self.model = cp_model.CpModel()
@@ -136,8 +152,12 @@ class _Model:
         self.nums = {dc: _dc_numbers(problem, dc, dp, self.tick, self.nbytes) for dc in dcs}
         self.max_stages = min(L, sum(problem.gpus[dc] // dp for dc in dcs))
         self.dcs = dcs
-        self.feasible = (bool(dcs) and self.max_stages >= 2 and (stages is None or 2 <= stages <= self.max_stages)
-                         and all(dc in dcs for dc, need in require.items() if need))
+        self.feasible = (
+            bool(dcs)
+            and self.max_stages >= 2
+            and (stages is None or 2 <= stages <= self.max_stages)
+            and all(dc in dcs for dc, need in require.items() if need)
+        )
         if self.feasible:
             self._build(goal, require, stages)
 
@@ -154,10 +174,11 @@ class _Model:
         # bounds: one stage (or a whole round trip, or an all-reduce) never exceeds the horizon
         hops = [nums[dc].hop for dc in dcs] + [
             round(sum(wan_transfer(link, self.nbytes, pr.streams(*link.between), d)[1:]) / self.tick)
-            for link in cluster.links if set(link.between) <= set(dcs)]
+            for link in cluster.links
+            if set(link.between) <= set(dcs)
+        ]
         work_hi = max(nums[dc].block * L + nums[dc].head for dc in dcs)
-        ar_hi = max(nums[dc].ar_block * L + nums[dc].ar_fixed + nums[dc].ar_embedding + nums[dc].ar_head
-                    for dc in dcs)
+        ar_hi = max(nums[dc].ar_block * L + nums[dc].ar_fixed + nums[dc].ar_embedding + nums[dc].ar_head for dc in dcs)
         horizon = work_hi + 2 * P * max(hops) + ar_hi + 1
         new = lambda name, hi=horizon: md.NewIntVar(0, hi, name)  # noqa: E731
         use = {i: md.NewBoolVar(f"use_{i}") for i in dcs}
@@ -172,12 +193,20 @@ class _Model:
         node = {i: k + 1 for k, i in enumerate(dcs)}
         first = {i: md.NewBoolVar(f"first_{i}") for i in dcs}
         last = {i: md.NewBoolVar(f"last_{i}") for i in dcs}
-        arcs = {(i, j): md.NewBoolVar(f"z_{i}_{j}") for i in dcs for j in dcs
-                if i != j and pr.link(i, j) is not None
-                and (self.chain is None or abs(self.chain.index(i) - self.chain.index(j)) == 1)}
-        md.AddCircuit([(0, node[i], first[i]) for i in dcs] + [(node[i], 0, last[i]) for i in dcs]
-                      + [(node[i], node[j], z) for (i, j), z in arcs.items()]
-                      + [(node[i], node[i], use[i].Not()) for i in dcs])
+        arcs = {
+            (i, j): md.NewBoolVar(f"z_{i}_{j}")
+            for i in dcs
+            for j in dcs
+            if i != j
+            and pr.link(i, j) is not None
+            and (self.chain is None or abs(self.chain.index(i) - self.chain.index(j)) == 1)
+        }
+        md.AddCircuit(
+            [(0, node[i], first[i]) for i in dcs]
+            + [(node[i], 0, last[i]) for i in dcs]
+            + [(node[i], node[j], z) for (i, j), z in arcs.items()]
+            + [(node[i], node[i], use[i].Not()) for i in dcs]
+        )
         start = {i: md.NewIntVar(0, P, f"start_{i}") for i in dcs}  # index of the DC's first stage
         inflight = {i: md.NewIntVar(1, P, f"r_{i}") for i in dcs}  # p - start: 1F1B in flight there
         head_blocks, head_time = md.NewIntVar(1, L, "h"), new("head")  # the last stage (with the LM head)
@@ -198,8 +227,7 @@ class _Model:
             md.Add(lead_time == nums[i].block * lead_blocks).OnlyEnforceIf(first[i])
             # body: the stages that are neither the first nor the last of the pipeline
             body, body_blocks = n[i] - first[i] - last[i], md.NewIntVar(0, L, f"body_{i}")
-            md.Add(body_blocks == blocks[i]).OnlyEnforceIf(
-                [first[i].Not(), last[i].Not()])
+            md.Add(body_blocks == blocks[i]).OnlyEnforceIf([first[i].Not(), last[i].Not()])
             md.Add(body_blocks == blocks[i] - head_blocks).OnlyEnforceIf([first[i].Not(), last[i]])
             md.Add(body_blocks == blocks[i] - lead_blocks).OnlyEnforceIf([first[i], last[i].Not()])
             md.Add(body_blocks == blocks[i] - lead_blocks - head_blocks).OnlyEnforceIf([first[i], last[i]])
@@ -263,8 +291,10 @@ class _Model:
             for i in dcs:
                 md.Add(steady >= nums[i].block * q[i])
                 # round trips from the DC's first and last stage, when fewer than m microbatches are in flight
-                for name, flight, trip in (("f", inflight[i] + first[i], suffix[i]),
-                                           ("l", inflight[i] + first[i] - n[i] + 1, after[i] + nums[i].block)):
+                for name, flight, trip in (
+                    ("f", inflight[i] + first[i], suffix[i]),
+                    ("l", inflight[i] + first[i] - n[i] + 1, after[i] + nums[i].block),
+                ):
                     if m < 2:
                         continue
                     short, r = md.NewBoolVar(f"s{name}_{i}"), md.NewIntVar(1, m - 1, f"r{name}_{i}")
@@ -277,18 +307,24 @@ class _Model:
         tail = new("tail")
         if d > 1:  # all-reduce of a stage after its last backward, minus the drain still running below it
             for i in dcs:
-                md.Add(tail >= nums[i].ar_block * lead_blocks + nums[i].ar_fixed + nums[i].ar_embedding
-                       ).OnlyEnforceIf(first[i])  # the first stage finishes last: nothing hides its all-reduce
-                md.Add((rd + rn) * tail >= (rd + rn) * (nums[i].ar_block * q[i] + nums[i].ar_fixed * use[i])
-                       - rn * (work - suffix[i]))
-                md.Add((rd + rn) * tail >= (rd + rn) * (nums[i].ar_block * head_blocks + nums[i].ar_fixed
-                                                         + nums[i].ar_head) - rn * (work - head_time)
-                       ).OnlyEnforceIf(last[i])
+                md.Add(tail >= nums[i].ar_block * lead_blocks + nums[i].ar_fixed + nums[i].ar_embedding).OnlyEnforceIf(
+                    first[i]
+                )  # the first stage finishes last: nothing hides its all-reduce
+                md.Add(
+                    (rd + rn) * tail
+                    >= (rd + rn) * (nums[i].ar_block * q[i] + nums[i].ar_fixed * use[i]) - rn * (work - suffix[i])
+                )
+                md.Add(
+                    (rd + rn) * tail
+                    >= (rd + rn) * (nums[i].ar_block * head_blocks + nums[i].ar_fixed + nums[i].ar_head)
+                    - rn * (work - head_time)
+                ).OnlyEnforceIf(last[i])
         time_hi = (m + 2) * horizon
         self.time = new("T", time_hi)
         md.Add(self.time == (m - 1) * steady + work + 2 * delays + tail)
-        cost_hi = max(1, sum(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT)
-                             for link in cluster.links))
+        cost_hi = max(
+            1, sum(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links)
+        )
         self.cost = md.NewIntVar(0, cost_hi, "cost")
         md.Add(self.cost == sum(cost_terms))
         if goal.max_time_s is not None:
@@ -335,14 +371,29 @@ class _Collector(cp_model.CpSolverSolutionCallback):
         self.found.append(self.model.decode(self))
 
 
-_STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
-           cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
+_STATUS = {
+    cp_model.OPTIMAL: "optimal",
+    cp_model.FEASIBLE: "feasible",
+    cp_model.INFEASIBLE: "infeasible",
+    cp_model.MODEL_INVALID: "invalid",
+    cp_model.UNKNOWN: "unknown",
+}
 
 
-def solve(problem: Problem, dp: int, microbatches: int, goal: Goal = Goal(), *,
-          require: dict[str, int] | None = None, allowed: set[str] | None = None, stages: int | None = None,
-          chain: tuple[str, ...] | None = None, time_limit_s: float | None = None, keep: int = 3,
-          workers: int = 1) -> SolveResult:
+def solve(
+    problem: Problem,
+    dp: int,
+    microbatches: int,
+    goal: Goal = Goal(),
+    *,
+    require: dict[str, int] | None = None,
+    allowed: set[str] | None = None,
+    stages: int | None = None,
+    chain: tuple[str, ...] | None = None,
+    time_limit_s: float | None = None,
+    keep: int = 3,
+    workers: int = 1,
+) -> SolveResult:
     """Solve the model for ``d = dp`` (pipelines of >= 2 stages); the ``keep`` best solutions come back.
 
     ``require`` maps a DC to the fewest GPUs the plan must use there (the

@@ -10,8 +10,8 @@ without simulating them, and checked against the simulator in the tests).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from geosched.costmodel import PipelineCosts
 from geosched.schedule import Schedule, add_gradient_sync, build_schedule, simulate
@@ -35,9 +35,16 @@ class Evaluation:
         return self.iteration_s + weight * self.wan_cost_usd
 
 
-def pipeline_lower_bound(schedule: str, m: int, forward: Sequence[float], backward: Sequence[float],
-                         allreduce: Sequence[float], occupancy: Sequence[float], latency: Sequence[float],
-                         fifo: Sequence[bool]) -> float:
+def pipeline_lower_bound(
+    schedule: str,
+    m: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    allreduce: Sequence[float],
+    occupancy: Sequence[float],
+    latency: Sequence[float],
+    fifo: Sequence[bool],
+) -> float:
     """A time no simulation of this pipeline can beat (stages ``p``, boundaries ``p - 1``).
 
     With ``g_j = occupancy_j + latency_j`` the delay of boundary ``j``, ``A_s``
@@ -69,8 +76,9 @@ def pipeline_lower_bound(schedule: str, m: int, forward: Sequence[float], backwa
         rounds = (m - 1) // in_flight
         best = max(best, start[s] + (rounds + 1) * trip[s] + (m - 1 - rounds * in_flight) * backward[s] + tail)
         if s < p - 1 and fifo[s]:
-            best = max(best, start[s] + forward[s] + backward[s] + g[s] + latency[s] + m * occupancy[s]
-                       + trip[s + 1] + tail)
+            best = max(
+                best, start[s] + forward[s] + backward[s] + g[s] + latency[s] + m * occupancy[s] + trip[s + 1] + tail
+            )
     return best
 
 
@@ -93,8 +101,9 @@ class Evaluator:
     def costs(self, cand: Candidate) -> PipelineCosts:
         """The simulator's cost provider for ``cand`` (links filled with streams)."""
         streams = {tuple(sorted((a, b))): self.problem.streams(a, b) for a, b in zip(cand.path, cand.path[1:])}
-        return PipelineCosts(self.problem.cluster, self.problem.job, cand.stage_dcs, cand.stage_layers,
-                             cand.dp, streams)
+        return PipelineCosts(
+            self.problem.cluster, self.problem.job, cand.stage_dcs, cand.stage_layers, cand.dp, streams
+        )
 
     def evaluate(self, cand: Candidate) -> Evaluation:
         """Simulate ``cand`` (cached)."""
@@ -111,8 +120,10 @@ class Evaluator:
 
     def _wan(self, costs: PipelineCosts, cand: Candidate) -> tuple[dict[tuple[str, str], int], float]:
         wan = costs.wan_bytes_per_iteration(cand.microbatches)
-        cost = sum(nbytes / GB * self.problem.link(a, b).egress_usd_per_gb  # type: ignore[union-attr]
-                   for (a, b), nbytes in wan.items())
+        cost = sum(
+            nbytes / GB * self.problem.link(a, b).egress_usd_per_gb  # type: ignore[union-attr]
+            for (a, b), nbytes in wan.items()
+        )
         return wan, cost
 
     def wan_cost_usd(self, cand: Candidate) -> float:
@@ -126,11 +137,15 @@ class Evaluator:
         p = cand.num_stages
         transfers = [costs.transfer(s, s + 1, "F", 0) for s in range(p - 1)]
         return pipeline_lower_bound(
-            self.problem.schedule, cand.microbatches,
-            [c.forward_s for c in costs.compute], [c.backward_s for c in costs.compute],
+            self.problem.schedule,
+            cand.microbatches,
+            [c.forward_s for c in costs.compute],
+            [c.backward_s for c in costs.compute],
             [costs.allreduce_s(s) for s in range(p)],
-            [t.occupancy_s for t in transfers], [t.latency_s for t in transfers],
-            [t.link is not None for t in transfers])
+            [t.occupancy_s for t in transfers],
+            [t.latency_s for t in transfers],
+            [t.link is not None for t in transfers],
+        )
 
     @property
     def evaluated(self) -> list[Evaluation]:

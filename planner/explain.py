@@ -50,13 +50,16 @@ def _link_detail(problem: Problem, cand_path: tuple[str, ...], dc: str, dp: int)
         link = problem.link(dc, other)
         assert link is not None
         tr = wan_transfer(link, nbytes, problem.streams(dc, other), dp)
-        parts.append(f"its link to {other} ({link.bandwidth_gbps:g} Gb/s, {link.rtt_ms:g} ms RTT) carries "
-                     f"{nbytes / MB:.3g} MB per microbatch x {dp} pipelines: {_duration(tr.occupancy_s)[1:]} each")
+        parts.append(
+            f"its link to {other} ({link.bandwidth_gbps:g} Gb/s, {link.rtt_ms:g} ms RTT) carries "
+            f"{nbytes / MB:.3g} MB per microbatch x {dp} pipelines: {_duration(tr.occupancy_s)[1:]} each"
+        )
     return "; ".join(parts) or None
 
 
-def unused_reasons(problem: Problem, evaluator: Evaluator, best: Evaluation, goal: Goal = Goal(),
-                   time_limit_s: float | None = None) -> list[UnusedReason]:
+def unused_reasons(
+    problem: Problem, evaluator: Evaluator, best: Evaluation, goal: Goal = Goal(), time_limit_s: float | None = None
+) -> list[UnusedReason]:
     """One reason per datacenter with idle GPUs: the best plan that adds (more of) it to the chosen DCs.
 
     On large clusters the counterfactual searches only the chosen DCs plus
@@ -73,31 +76,53 @@ def unused_reasons(problem: Problem, evaluator: Evaluator, best: Evaluation, goa
             continue
         head = f"dc {dc}: {used}/{gpus} GPUs"
         if large and used == 0 and not chosen & set(problem.neighbours[dc]):
-            out.append(UnusedReason(dc, gpus, used, f"{head}: no WAN link joins it to {', '.join(sorted(chosen))}, "
-                                                    f"where the fastest plan runs"))
+            out.append(
+                UnusedReason(
+                    dc,
+                    gpus,
+                    used,
+                    f"{head}: no WAN link joins it to {', '.join(sorted(chosen))}, where the fastest plan runs",
+                )
+            )
             continue
         require = {dc: used + 1, **{other: 1 for other in chosen if other != dc}}
-        alt, _ = search(problem, evaluator, goal, time_limit_s=time_limit_s, require=require,
-                        allowed=chosen | {dc} if large else None, polish_top=1)
+        alt, _ = search(
+            problem,
+            evaluator,
+            goal,
+            time_limit_s=time_limit_s,
+            require=require,
+            allowed=chosen | {dc} if large else None,
+            polish_top=1,
+        )
         if alt is None:
-            why = ("no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
-                   if used == 0 else
-                   f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
-                   f"or breaks memory or links")
+            why = (
+                "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
+                if used == 0
+                else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
+                f"or breaks memory or links"
+            )
             out.append(UnusedReason(dc, gpus, used, f"{head}: {why}"))
             continue
         delta = alt.iteration_s - best.iteration_s
-        what = (f"adding it to {', '.join(p for p in cand.path if p != dc)}" if used == 0
-                else f"using {alt.candidate.gpus_used(dc)} of them")
-        text = (f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration "
-                f"({_duration(delta)}, {delta / best.iteration_s:+.1%})")
+        what = (
+            f"adding it to {', '.join(p for p in cand.path if p != dc)}"
+            if used == 0
+            else f"using {alt.candidate.gpus_used(dc)} of them"
+        )
+        text = (
+            f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration "
+            f"({_duration(delta)}, {delta / best.iteration_s:+.1%})"
+        )
         alt_cand = alt.candidate
         detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
         if detail and used == 0:
             text += f": {detail}"
         elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
-            text += (f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
-                     f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})")
+            text += (
+                f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
+                f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})"
+            )
         if goal.weight > 0 or goal.max_time_s is not None:
             text += f"; WAN ${alt.wan_cost_usd:.4g} vs ${best.wan_cost_usd:.4g} per iteration"
         out.append(UnusedReason(dc, gpus, used, text, alt.iteration_s, alt_cand.describe()))
@@ -130,8 +155,11 @@ def _ranges(values: tuple[int, ...]) -> str:
 def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     """The readable summary ``geosched plan`` prints."""
     pr, job = plan.prediction, plan.config.job
-    status = ("proven optimal: CP-SAT solved every model to optimality" if plan.solver.proven_optimal else
-              "not proven optimal (" + ("; ".join(plan.solver.notes) or "CP-SAT time limits") + ")")
+    status = (
+        "proven optimal: CP-SAT solved every model to optimality"
+        if plan.solver.proven_optimal
+        else "not proven optimal (" + ("; ".join(plan.solver.notes) or "CP-SAT time limits") + ")"
+    )
     lines = [
         f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas = "
         f"{plan.world_size} GPUs, {plan.microbatches} microbatches of {job.microbatch_size}",
@@ -150,8 +178,10 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         lines += ["", f"{'link':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"]
         for link in plan.links:
             name = f"{link.between[0]} -> {link.between[1]}"
-            lines.append(f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
-                         f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}")
+            lines.append(
+                f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
+                f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}"
+            )
     else:
         lines += ["", "no WAN link carries pipeline traffic"]
     if reasons:

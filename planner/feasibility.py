@@ -43,26 +43,32 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
     need = stage_memory_bytes(job, layers, first, last, 1)
     state = stage_memory_bytes(job, layers, first, last, 0)
     roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
-    return (f"{what} needs {size_text(need)} per GPU (weights, gradients and optimizer state "
-            f"{size_text(state)} + activations of one microbatch {size_text(need - state)}) > "
-            f"{problem.memory_bytes[roomiest] / GIB:g} GiB, the most any GPU has (dc {roomiest!r}); "
-            f"use job.recompute: full, a smaller job.microbatch_size, fewer optimizer bytes or GPUs with more memory")
+    return (
+        f"{what} needs {size_text(need)} per GPU (weights, gradients and optimizer state "
+        f"{size_text(state)} + activations of one microbatch {size_text(need - state)}) > "
+        f"{problem.memory_bytes[roomiest] / GIB:g} GiB, the most any GPU has (dc {roomiest!r}); "
+        f"use job.recompute: full, a smaller job.microbatch_size, fewer optimizer bytes or GPUs with more memory"
+    )
 
 
 def check_feasible(problem: Problem) -> None:
     """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint."""
     job, L = problem.job, problem.layers
     if not problem.dp_options():
-        raise PlanInfeasible(f"job.global_batch({job.global_batch}) is not a multiple of "
-                             f"job.microbatchsize_text({job.microbatch_size}); make it one")
+        raise PlanInfeasible(
+            f"job.global_batch({job.global_batch}) is not a multiple of "
+            f"job.microbatchsize_text({job.microbatch_size}); make it one"
+        )
     most = max(problem.memory_bytes.values())
     if L == 1:
         if stage_memory_bytes(job, (0, 1), True, True, 1) > most:
             raise PlanInfeasible(_explain_memory(problem, (0, 1), True, True, "the model (1 block)"))
     else:
-        for layers, first, last, what in (((1, 2), False, False, "one transformer block"),
-                                          ((0, 1), True, False, "the first stage (embeddings + 1 block)"),
-                                          ((L - 1, L), False, True, "the last stage (1 block + LM head)")):
+        for layers, first, last, what in (
+            ((1, 2), False, False, "one transformer block"),
+            ((0, 1), True, False, "the first stage (embeddings + 1 block)"),
+            ((L - 1, L), False, True, "the last stage (1 block + LM head)"),
+        ):
             if stage_memory_bytes(job, layers, first, last, 1) > most:
                 raise PlanInfeasible(_explain_memory(problem, layers, first, last, what))
     # fewest stages the memory allows, with one microbatch in flight (a lower bound for any schedule)
@@ -72,8 +78,13 @@ def check_feasible(problem: Problem) -> None:
     have = sum(problem.gpus[dc] for dc in group)
     if need > have:
         others = [g for g in components(problem)[1:]]
-        hint = (f"; no WAN link joins {', '.join(group)} to {', '.join(dc for g in others for dc in g)}: add one"
-                if others else "; add GPUs or datacenters")
-        raise PlanInfeasible(f"the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its "
-                             f"{L} blocks) but the largest group of linked datacenters ({', '.join(group)}) has only "
-                             f"{have} GPU{'s' if have != 1 else ''}{hint}")
+        hint = (
+            f"; no WAN link joins {', '.join(group)} to {', '.join(dc for g in others for dc in g)}: add one"
+            if others
+            else "; add GPUs or datacenters"
+        )
+        raise PlanInfeasible(
+            f"the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its "
+            f"{L} blocks) but the largest group of linked datacenters ({', '.join(group)}) has only "
+            f"{have} GPU{'s' if have != 1 else ''}{hint}"
+        )

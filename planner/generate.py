@@ -27,45 +27,80 @@ def random_config(seed: int, max_dcs: int = 4, max_gpus: int = 64, max_layers: i
         gpus = max(1, min(gpus, budget - (n - i - 1)))
         budget -= gpus
         name, tflops, mem = rng.choice(GPU_KINDS)
-        dcs.append({"name": f"dc{i}", "gpus": gpus, "gpu": {"name": name, "tflops": tflops, "memory_gib": mem},
-                    "intra_bandwidth_gbps": rng.choice([100, 200, 400]), "intra_latency_us": rng.choice([5, 10])})
+        dcs.append(
+            {
+                "name": f"dc{i}",
+                "gpus": gpus,
+                "gpu": {"name": name, "tflops": tflops, "memory_gib": mem},
+                "intra_bandwidth_gbps": rng.choice([100, 200, 400]),
+                "intra_latency_us": rng.choice([5, 10]),
+            }
+        )
     links = []
     for i in range(n):
         for j in range(i + 1, n):
             if j != i + 1 and rng.random() < 0.35:
                 continue  # some pairs are not linked; the chain dc0-dc1-... always is
             bandwidth = rng.choice([1, 2, 5, 10, 25, 40, 100])
-            links.append({"between": [f"dc{i}", f"dc{j}"], "bandwidth_gbps": bandwidth,
-                          "rtt_ms": rng.choice([5, 10, 20, 40, 80, 150]),
-                          "per_connection_gbps": min(bandwidth, rng.choice([0.5, 1, 2, 5, 10])),
-                          "egress_usd_per_gb": rng.choice([0.01, 0.02, 0.05, 0.09])})
+            links.append(
+                {
+                    "between": [f"dc{i}", f"dc{j}"],
+                    "bandwidth_gbps": bandwidth,
+                    "rtt_ms": rng.choice([5, 10, 20, 40, 80, 150]),
+                    "per_connection_gbps": min(bandwidth, rng.choice([0.5, 1, 2, 5, 10])),
+                    "egress_usd_per_gb": rng.choice([0.01, 0.02, 0.05, 0.09]),
+                }
+            )
     hidden = rng.choice([1024, 2048, 4096])
     job = {
-        "model": {"layers": rng.randint(2, max_layers), "hidden": hidden, "heads": hidden // 128,
-                  "seq_len": rng.choice([1024, 2048]), "vocab": rng.choice([32000, 50257])},
+        "model": {
+            "layers": rng.randint(2, max_layers),
+            "hidden": hidden,
+            "heads": hidden // 128,
+            "seq_len": rng.choice([1024, 2048]),
+            "vocab": rng.choice([32000, 50257]),
+        },
         "global_batch": rng.choice([8, 16, 32]),
         "microbatch_size": rng.choice([1, 1, 2]),
         "precision": "bf16",
         "schedule": rng.choice(["1f1b", "1f1b", "gpipe"]),
         "recompute": rng.choice(["none", "full"]),
     }
-    return config_from_dict({"cluster": {"name": f"random-{seed}", "datacenters": dcs, "links": links}, "job": job},
-                            source=f"random_config({seed})")
+    return config_from_dict(
+        {"cluster": {"name": f"random-{seed}", "datacenters": dcs, "links": links}, "job": job},
+        source=f"random_config({seed})",
+    )
 
 
-def two_datacenters(bandwidth_gbps: float, rtt_ms: float, per_connection_gbps: float,
-                    egress_usd_per_gb: float = 0.09) -> Config:
+def two_datacenters(
+    bandwidth_gbps: float, rtt_ms: float, per_connection_gbps: float, egress_usd_per_gb: float = 0.09
+) -> Config:
     """Two datacenters of 8 H100s, "main" and "far", joined by one link with the given numbers.
 
     A 0.9B GPT with a large batch: with a fast link the plan spreads over
     both; behind a slow one "far" is not worth its WAN hop.
     """
     gpu = {"name": "H100", "tflops": 400, "memory_gib": 80}
-    return config_from_dict({
-        "cluster": {"name": "two-dc", "datacenters": [{"name": "main", "gpus": 8, "gpu": gpu},
-                                                      {"name": "far", "gpus": 8, "gpu": gpu}],
-                    "links": [{"between": ["main", "far"], "bandwidth_gbps": bandwidth_gbps, "rtt_ms": rtt_ms,
-                               "per_connection_gbps": per_connection_gbps,
-                               "egress_usd_per_gb": egress_usd_per_gb}]},
-        "job": {"model": {"layers": 16, "hidden": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000},
-                "global_batch": 64, "microbatch_size": 1}}, source="two_datacenters")
+    return config_from_dict(
+        {
+            "cluster": {
+                "name": "two-dc",
+                "datacenters": [{"name": "main", "gpus": 8, "gpu": gpu}, {"name": "far", "gpus": 8, "gpu": gpu}],
+                "links": [
+                    {
+                        "between": ["main", "far"],
+                        "bandwidth_gbps": bandwidth_gbps,
+                        "rtt_ms": rtt_ms,
+                        "per_connection_gbps": per_connection_gbps,
+                        "egress_usd_per_gb": egress_usd_per_gb,
+                    }
+                ],
+            },
+            "job": {
+                "model": {"layers": 16, "hidden": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000},
+                "global_batch": 64,
+                "microbatch_size": 1,
+            },
+        },
+        source="two_datacenters",
+    )

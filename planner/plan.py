@@ -75,8 +75,10 @@ class SolverInfo:
     """How the plan was found."""
 
     objective: str = spec("time | weighted | cost")
-    proven_optimal: bool = spec("every CP-SAT model (the surrogate) solved to optimality, nothing skipped for time; "
-                                "the simulator then judged its candidates")
+    proven_optimal: bool = spec(
+        "every CP-SAT model (the surrogate) solved to optimality, nothing skipped for time; "
+        "the simulator then judged its candidates"
+    )
     solve_s: float = spec("wall seconds of the search", ge=0)
     weight_s_per_usd: float = spec("--wan-cost-weight", 0.0, ge=0)
     max_iteration_s: float | None = spec("--max-iteration-s", None)
@@ -127,8 +129,10 @@ class Plan:
     def ranks_for_dc(self, dc: str) -> list[RankSpec]:
         """Processes in datacenter ``dc`` (by local rank)."""
         if dc not in {d.name for d in self.config.cluster.datacenters}:
-            raise PlanError(f"unknown datacenter {dc!r}; the plan's datacenters: "
-                            f"{', '.join(d.name for d in self.config.cluster.datacenters)}")
+            raise PlanError(
+                f"unknown datacenter {dc!r}; the plan's datacenters: "
+                f"{', '.join(d.name for d in self.config.cluster.datacenters)}"
+            )
         return [r for r in self.ranks if r.dc == dc]
 
     @property
@@ -138,8 +142,9 @@ class Plan:
 
     def candidate(self) -> Candidate:
         """The decisions as a planner candidate."""
-        return Candidate(self.dp, self.microbatches, tuple(s.dc for s in self.stages),
-                         tuple(s.layers for s in self.stages))
+        return Candidate(
+            self.dp, self.microbatches, tuple(s.dc for s in self.stages), tuple(s.layers for s in self.stages)
+        )
 
 
 def rank_layout(cand: Candidate) -> tuple[RankSpec, ...]:
@@ -148,11 +153,22 @@ def rank_layout(cand: Candidate) -> tuple[RankSpec, ...]:
     p = cand.num_stages
     for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
         for replica in range(cand.dp):
-            ranks.append(RankSpec(
-                rank=s * cand.dp + replica, dc=dc, local_rank=local.get(dc, 0), stage=s, replica=replica,
-                layers=layers, prev_stage=s - 1 if s else None, prev_dc=cand.stage_dcs[s - 1] if s else None,
-                next_stage=s + 1 if s < p - 1 else None, next_dc=cand.stage_dcs[s + 1] if s < p - 1 else None,
-                group=f"{dc}/stage{s}", group_size=cand.dp))
+            ranks.append(
+                RankSpec(
+                    rank=s * cand.dp + replica,
+                    dc=dc,
+                    local_rank=local.get(dc, 0),
+                    stage=s,
+                    replica=replica,
+                    layers=layers,
+                    prev_stage=s - 1 if s else None,
+                    prev_dc=cand.stage_dcs[s - 1] if s else None,
+                    next_stage=s + 1 if s < p - 1 else None,
+                    next_dc=cand.stage_dcs[s + 1] if s < p - 1 else None,
+                    group=f"{dc}/stage{s}",
+                    group_size=cand.dp,
+                )
+            )
             local[dc] = local.get(dc, 0) + 1
     return tuple(ranks)
 
@@ -167,17 +183,44 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
         assert link is not None
         nbytes = wan.get((a, b), 0) + wan.get((b, a), 0)
         streams = problem.streams(a, b)
-        links.append(LinkPlan((a, b), streams, wan_effective_bps(link, streams) / 1e9, nbytes,
-                              nbytes / GB * link.egress_usd_per_gb))
-    dcs = tuple(DcUsage(dc.name, dc.gpus, cand.gpus_used(dc.name), dc.gpus - cand.gpus_used(dc.name),
-                        tuple(s for s, x in enumerate(cand.stage_dcs) if x == dc.name))
-                for dc in cluster.datacenters)
+        links.append(
+            LinkPlan(
+                (a, b), streams, wan_effective_bps(link, streams) / 1e9, nbytes, nbytes / GB * link.egress_usd_per_gb
+            )
+        )
+    dcs = tuple(
+        DcUsage(
+            dc.name,
+            dc.gpus,
+            cand.gpus_used(dc.name),
+            dc.gpus - cand.gpus_used(dc.name),
+            tuple(s for s, x in enumerate(cand.stage_dcs) if x == dc.name),
+        )
+        for dc in cluster.datacenters
+    )
     tokens = job.global_batch * job.model.seq_len
-    prediction = Prediction(ev.iteration_s, ev.bubble_fraction, tokens / ev.iteration_s if ev.iteration_s else 0.0,
-                            sum(wan.values()), ev.wan_cost_usd)
+    prediction = Prediction(
+        ev.iteration_s,
+        ev.bubble_fraction,
+        tokens / ev.iteration_s if ev.iteration_s else 0.0,
+        sum(wan.values()),
+        ev.wan_cost_usd,
+    )
     stages = tuple(StageSpec(s, dc, layers) for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)))
-    return Plan(PLAN_VERSION, problem.schedule, cand.num_stages, cand.dp, cand.microbatches, stages, tuple(links),
-                dcs, prediction, solver, rank_layout(cand), problem.cfg)
+    return Plan(
+        PLAN_VERSION,
+        problem.schedule,
+        cand.num_stages,
+        cand.dp,
+        cand.microbatches,
+        stages,
+        tuple(links),
+        dcs,
+        prediction,
+        solver,
+        rank_layout(cand),
+        problem.cfg,
+    )
 
 
 def dump_plan(plan: Plan) -> str:
@@ -188,11 +231,15 @@ def dump_plan(plan: Plan) -> str:
 def plan_from_dict(data: object, source: str = "plan") -> Plan:
     """Validate plain data into a :class:`Plan`; every inconsistency is a PlanError naming the field."""
     if not isinstance(data, dict):
-        raise PlanError(f"{source}: expected a plan mapping (got {type(data).__name__}); "
-                        "write one with 'geosched plan CONFIG -o plan.yaml'")
+        raise PlanError(
+            f"{source}: expected a plan mapping (got {type(data).__name__}); "
+            "write one with 'geosched plan CONFIG -o plan.yaml'"
+        )
     if data.get("version") != PLAN_VERSION:
-        raise PlanError(f"{source}: version: this geosched reads plan version {PLAN_VERSION} "
-                        f"(got {data.get('version')!r}); re-run 'geosched plan'")
+        raise PlanError(
+            f"{source}: version: this geosched reads plan version {PLAN_VERSION} "
+            f"(got {data.get('version')!r}); re-run 'geosched plan'"
+        )
     try:
         config_from_dict(data.get("config"), source=f"{source}: config")
     except ConfigError as exc:
@@ -201,8 +248,9 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     problem = Problem(plan.config)
     cand = plan.candidate()
     if plan.schedule != plan.config.job.schedule:
-        raise PlanError(f"plan.schedule: {plan.schedule!r} differs from config.job.schedule "
-                        f"{plan.config.job.schedule!r}")
+        raise PlanError(
+            f"plan.schedule: {plan.schedule!r} differs from config.job.schedule {plan.config.job.schedule!r}"
+        )
     if plan.num_stages != len(plan.stages):
         raise PlanError(f"plan.num_stages: {plan.num_stages} but {len(plan.stages)} stages are listed")
     for s, stage in enumerate(plan.stages):
@@ -213,13 +261,16 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
         raise PlanError(f"plan.stages: {problem_text}")
     expected = rank_layout(cand)
     if len(plan.ranks) != len(expected):
-        raise PlanError(f"plan.ranks: {len(plan.ranks)} ranks but stages({plan.num_stages}) x dp({plan.dp}) = "
-                        f"{len(expected)}")
+        raise PlanError(
+            f"plan.ranks: {len(plan.ranks)} ranks but stages({plan.num_stages}) x dp({plan.dp}) = {len(expected)}"
+        )
     for r, (got, want) in enumerate(zip(plan.ranks, expected)):
         if got != want:
             field = next(f for f in RankSpec.__dataclass_fields__ if getattr(got, f) != getattr(want, f))
-            raise PlanError(f"plan.ranks[{r}].{field}: {getattr(got, field)!r} does not match the stages "
-                            f"(expected {getattr(want, field)!r})")
+            raise PlanError(
+                f"plan.ranks[{r}].{field}: {getattr(got, field)!r} does not match the stages "
+                f"(expected {getattr(want, field)!r})"
+            )
     return plan
 
 

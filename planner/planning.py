@@ -59,8 +59,14 @@ class PlanOutcome:
     frontier: list[Evaluation] | None = None
 
 
-def make_plan(cfg: Config, objective: Objective = Objective(), *, time_limit_s: float | None = None,
-              progress: Progress | None = None, with_frontier: bool = False) -> PlanOutcome:
+def make_plan(
+    cfg: Config,
+    objective: Objective = Objective(),
+    *,
+    time_limit_s: float | None = None,
+    progress: Progress | None = None,
+    with_frontier: bool = False,
+) -> PlanOutcome:
     """Plan ``cfg`` for ``objective``; PlanInfeasible (exit 2) names the tightest constraint."""
     if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
         raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
@@ -73,19 +79,29 @@ def make_plan(cfg: Config, objective: Objective = Objective(), *, time_limit_s: 
     else:
         points, stats = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
         if objective.name == "cost":
-            bounded, more = search(problem, evaluator, Goal(max_time_s=objective.max_iteration_s),
-                                   time_limit_s=time_limit_s)
+            bounded, more = search(
+                problem, evaluator, Goal(max_time_s=objective.max_iteration_s), time_limit_s=time_limit_s
+            )
             stats.proven &= more.proven
-            within = [ev for ev in points + ([bounded] if bounded else [])
-                      if ev.iteration_s <= objective.max_iteration_s]
+            within = [
+                ev for ev in points + ([bounded] if bounded else []) if ev.iteration_s <= objective.max_iteration_s
+            ]
             if not within:
-                raise PlanInfeasible(f"no plan meets --max-iteration-s {objective.max_iteration_s:g}: the fastest "
-                                     f"takes {points[0].iteration_s:.4g} s per iteration; raise the bound")
+                raise PlanInfeasible(
+                    f"no plan meets --max-iteration-s {objective.max_iteration_s:g}: the fastest "
+                    f"takes {points[0].iteration_s:.4g} s per iteration; raise the bound"
+                )
             best = min(within, key=lambda ev: (ev.wan_cost_usd, ev.iteration_s))
         elif objective.name == "weighted":
             best = min(points, key=lambda ev: (ev.score(objective.weight), ev.iteration_s))
         else:
             best = points[0]
-    info = SolverInfo(objective.name, stats.proven, time.monotonic() - started, objective.weight,
-                      objective.max_iteration_s, tuple(stats.notes))
+    info = SolverInfo(
+        objective.name,
+        stats.proven,
+        time.monotonic() - started,
+        objective.weight,
+        objective.max_iteration_s,
+        tuple(stats.notes),
+    )
     return PlanOutcome(build_plan(problem, best, info), best, problem, evaluator, stats, points)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from geosched.costmodel import boundary_bytes, stage_compute, wan_transfer
 from planner import baselines
@@ -79,8 +79,9 @@ def estimate_s(problem: Problem, dp: int, microbatches: int) -> float:
     return (microbatches - 1) * blocks * (block.forward_s + block.backward_s) + whole.forward_s + whole.backward_s
 
 
-def chains(problem: Problem, dp: int, must: set[str] | None = None, width: int = CHAIN,
-           keep: int = 1) -> list[tuple[str, ...]]:
+def chains(
+    problem: Problem, dp: int, must: set[str] | None = None, width: int = CHAIN, keep: int = 1
+) -> list[tuple[str, ...]]:
     """Orders of DCs for CP-SAT on large clusters: greedy chains along the fastest links, best ``keep``.
 
     A chain starts at every DC (every DC of ``must``, when given) and grows at
@@ -98,8 +99,12 @@ def chains(problem: Problem, dp: int, must: set[str] | None = None, width: int =
     for start in sorted(must) if must else problem.dcs:
         chain = [start]
         while len(chain) < width:
-            options = [(delay(end, nxt), k, nxt) for k, end in ((0, chain[0]), (1, chain[-1]))
-                       for nxt in problem.neighbours[end] if nxt not in chain]
+            options = [
+                (delay(end, nxt), k, nxt)
+                for k, end in ((0, chain[0]), (1, chain[-1]))
+                for nxt in problem.neighbours[end]
+                if nxt not in chain
+            ]
             if not options:
                 break
             _, k, nxt = min(options)
@@ -145,12 +150,12 @@ def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator
     for s in range(p):
         if split[s] >= 2:
             half = split[s] // 2
-            halves = tuple(split[:s] + [half, split[s] - half] + split[s + 1:])
-            yield from_split(d, m, tuple(dcs[:s + 1] + dcs[s:]), halves)
+            halves = tuple(split[:s] + [half, split[s] - half] + split[s + 1 :])
+            yield from_split(d, m, tuple(dcs[: s + 1] + dcs[s:]), halves)
         if s + 1 < p:  # merge with the next stage, in either one's DC
-            merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2:])
+            merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2 :])
             for keep in {dcs[s], dcs[s + 1]}:
-                yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2:]), merged)
+                yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2 :]), merged)
 
 
 def _two_moves(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:
@@ -165,8 +170,15 @@ def _two_moves(problem: Problem, cand: Candidate, load: list[float]) -> Iterator
                 yield two
 
 
-def polish(problem: Problem, evaluator: Evaluator, start: Evaluation, goal: Goal, deadline: float,
-           require: dict[str, int] | None = None, budget: int = POLISH_SIMULATIONS) -> Evaluation:
+def polish(
+    problem: Problem,
+    evaluator: Evaluator,
+    start: Evaluation,
+    goal: Goal,
+    deadline: float,
+    require: dict[str, int] | None = None,
+    budget: int = POLISH_SIMULATIONS,
+) -> Evaluation:
     """Hill climb from ``start``: move to the first better simulated neighbour until none is (or the
     budget of simulations or the time is spent). On small pipelines a stuck climb also tries pairs of
     block moves; the lower bound skips every candidate that cannot be better, so plateaus cost little."""
@@ -200,10 +212,18 @@ def _meets(cand: Candidate, require: dict[str, int] | None) -> bool:
     return all(cand.gpus_used(dc) >= n for dc, n in (require or {}).items())
 
 
-def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_limit_s: float | None = None,
-           require: dict[str, int] | None = None, allowed: set[str] | None = None,
-           progress: Progress | None = None, polish_top: int = 5,
-           restage: bool = True) -> tuple[Evaluation | None, SearchStats]:
+def search(
+    problem: Problem,
+    evaluator: Evaluator,
+    goal: Goal = Goal(),
+    *,
+    time_limit_s: float | None = None,
+    require: dict[str, int] | None = None,
+    allowed: set[str] | None = None,
+    progress: Progress | None = None,
+    polish_top: int = 5,
+    restage: bool = True,
+) -> tuple[Evaluation | None, SearchStats]:
     """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
 
     ``restage`` re-solves the best two with one stage fewer and one more.
@@ -217,8 +237,11 @@ def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_
     seeds = list(single_stage(problem)) + [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)]
     pool: list[Evaluation] = []
     for cand in seeds:
-        if (allowed is None or set(cand.stage_dcs) <= allowed) and _meets(cand, require) \
-                and problem.violation(cand) is None:
+        if (
+            (allowed is None or set(cand.stage_dcs) <= allowed)
+            and _meets(cand, require)
+            and problem.violation(cand) is None
+        ):
             pool.append(evaluator.evaluate(cand))
 
     def best_time() -> float:
@@ -238,23 +261,41 @@ def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_
             limit = MODEL_LIMIT_S if large else None
             if not math.isinf(left):
                 limit = max(0.05, left * 0.5) if limit is None else min(limit, max(0.05, left * 0.5))
-            result = solve(problem, d, m, goal, require=require, allowed=allowed, chain=chain, time_limit_s=limit,
-                           keep=2 if large else 3, workers=2 if large else 1)
+            result = solve(
+                problem,
+                d,
+                m,
+                goal,
+                require=require,
+                allowed=allowed,
+                chain=chain,
+                time_limit_s=limit,
+                keep=2 if large else 3,
+                workers=2 if large else 1,
+            )
             stats.models += 1
             stats.solve_s += result.wall_s
             stats.proven &= result.status in ("optimal", "infeasible") and not large
             for sol in result.solutions:
                 if problem.violation(sol.candidate) is None and _meets(sol.candidate, require):
                     pool.append(evaluator.evaluate(sol.candidate))
-            log.debug("d=%d m=%d chain=%s: CP-SAT %s in %.2f s, %d solutions; best simulated %.4f s",
-                      d, m, chain, result.status, result.wall_s, len(result.solutions), best_time())
+            log.debug(
+                "d=%d m=%d chain=%s: CP-SAT %s in %.2f s, %d solutions; best simulated %.4f s",
+                d,
+                m,
+                chain,
+                result.status,
+                result.wall_s,
+                len(result.solutions),
+                best_time(),
+            )
         if progress:
             progress((k + 1) / len(options), f"d={d}: best {best_time():.3f} s")
     if not pool:
         return None, stats
     # the surrogate can misjudge the stage count (few microbatches): re-solve the best with p - 1 and p + 1
     tried = set()
-    for ev in sorted(set(pool), key=lambda ev: score(ev, goal))[:(1 if large else 2) if restage else 0]:
+    for ev in sorted(set(pool), key=lambda ev: score(ev, goal))[: (1 if large else 2) if restage else 0]:
         d, p = ev.candidate.dp, ev.candidate.num_stages
         for stages in (p - 1, p + 1):
             if (d, stages) in tried or stages < 2 or time.monotonic() >= deadline:
@@ -262,12 +303,24 @@ def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_
             tried.add((d, stages))
             left = deadline - time.monotonic()
             limit = MODEL_LIMIT_S / 2 if large else None if math.isinf(left) else max(0.05, left / 4)
-            result = solve(problem, d, ev.candidate.microbatches, goal, require=require, allowed=allowed,
-                           chain=ev.candidate.path if large else None, stages=stages, time_limit_s=limit)
+            result = solve(
+                problem,
+                d,
+                ev.candidate.microbatches,
+                goal,
+                require=require,
+                allowed=allowed,
+                chain=ev.candidate.path if large else None,
+                stages=stages,
+                time_limit_s=limit,
+            )
             stats.models += 1
             stats.solve_s += result.wall_s
-            pool += [evaluator.evaluate(s.candidate) for s in result.solutions
-                     if problem.violation(s.candidate) is None and _meets(s.candidate, require)]
+            pool += [
+                evaluator.evaluate(s.candidate)
+                for s in result.solutions
+                if problem.violation(s.candidate) is None and _meets(s.candidate, require)
+            ]
     ranked = sorted(set(pool), key=lambda ev: score(ev, goal))
     finals = []
     if math.isinf(deadline):  # no time limit: the simulation budget alone bounds the climb, so the plan
@@ -282,15 +335,22 @@ def search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), *, time_
         share = (polish_until - time.monotonic()) / (len(starts_list) - k)  # what is left, split over the rest
         finals.append(polish(problem, evaluator, ev, goal, time.monotonic() + share, require))
     best = min(finals + ranked[:1], key=lambda ev: (score(ev, goal), ev.iteration_s, ev.wan_cost_usd))
-    log.debug("search: %d models, %d d pruned, %d simulations; best %s = %.4f s",
-              stats.models, stats.pruned, evaluator.simulations, best.candidate.describe(), best.iteration_s)
+    log.debug(
+        "search: %d models, %d d pruned, %d simulations; best %s = %.4f s",
+        stats.models,
+        stats.pruned,
+        evaluator.simulations,
+        best.candidate.describe(),
+        best.iteration_s,
+    )
     if not math.isfinite(score(best, goal)):
         return None, stats
     return best, stats
 
 
-def plan_search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(),
-                **kwargs: object) -> tuple[Evaluation, SearchStats]:
+def plan_search(
+    problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), **kwargs: object
+) -> tuple[Evaluation, SearchStats]:
     """:func:`search` after the feasibility checks; raises PlanInfeasible when nothing fits."""
     from geosched.errors import PlanInfeasible
 
@@ -301,8 +361,10 @@ def plan_search(problem: Problem, evaluator: Evaluator, goal: Goal = Goal(),
             fastest, _ = search(problem, evaluator, Goal(), time_limit_s=kwargs.get("time_limit_s"))
             got = f"; the fastest plan takes {fastest.iteration_s:.3f} s" if fastest else ""
             raise PlanInfeasible(f"no plan meets --max-iteration-s {goal.max_time_s:g}{got}; raise the bound")
-        raise PlanInfeasible("no plan fits: every placement breaks GPU memory, GPU counts or links "
-                             "(see 'geosched validate-config'); add GPUs, memory or links")
+        raise PlanInfeasible(
+            "no plan fits: every placement breaks GPU memory, GPU counts or links "
+            "(see 'geosched validate-config'); add GPUs, memory or links"
+        )
     return best, stats
 
 
@@ -315,8 +377,14 @@ def pareto(evals: list[Evaluation]) -> list[Evaluation]:
     return out
 
 
-def frontier(problem: Problem, evaluator: Evaluator, *, time_limit_s: float | None = None,
-             weights: int = 4, progress: Progress | None = None) -> tuple[list[Evaluation], SearchStats]:
+def frontier(
+    problem: Problem,
+    evaluator: Evaluator,
+    *,
+    time_limit_s: float | None = None,
+    weights: int = 4,
+    progress: Progress | None = None,
+) -> tuple[list[Evaluation], SearchStats]:
     """The time/cost frontier from the fastest plan, weighted plans over a fixed grid, and the cheapest.
 
     The grid is ``W0 x 4^k`` seconds per dollar, ``W0 = T/C`` of the fastest plan,
@@ -327,7 +395,7 @@ def frontier(problem: Problem, evaluator: Evaluator, *, time_limit_s: float | No
     goals = []
     if fastest.wan_cost_usd > 0:
         base = fastest.iteration_s / fastest.wan_cost_usd
-        goals = [Goal(weight=base * 4.0 ** k) for k in range(-1, weights - 1)] + [Goal(max_time_s=math.inf)]
+        goals = [Goal(weight=base * 4.0**k) for k in range(-1, weights - 1)] + [Goal(max_time_s=math.inf)]
     for goal in goals:
         _, more = search(problem, evaluator, goal, time_limit_s=time_limit_s, polish_top=1, restage=False)
         stats.proven &= more.proven

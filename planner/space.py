@@ -17,8 +17,8 @@ once: the (d, m) choices, the link graph and the memory rule.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from geosched.config import Config, WanLinkSpec
 from geosched.costmodel import GIB, layer_costs, peak_inflight, stage_memory_bytes, streams_to_fill
@@ -145,17 +145,18 @@ class Problem:
         """Microbatches of activations the stage holds at peak under the job's schedule."""
         return peak_inflight(self.schedule, stages, microbatches, stage)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 (a Problem lives for one planning run; the cache is its memo)
     def stage_memory(self, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> int:
         """Peak bytes on one GPU of ``stage`` holding blocks ``layers``."""
-        return stage_memory_bytes(self.job, layers, stage == 0, stage == stages - 1,
-                                  self.inflight(stage, stages, microbatches))
+        return stage_memory_bytes(
+            self.job, layers, stage == 0, stage == stages - 1, self.inflight(stage, stages, microbatches)
+        )
 
     def fits(self, dc: str, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> bool:
         """True when the stage's peak memory fits one GPU of ``dc``."""
         return self.stage_memory(layers, stage, stages, microbatches) <= self.memory_bytes[dc]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 (a Problem lives for one planning run; the cache is its memo)
     def max_blocks(self, dc: str, stage: int, stages: int, microbatches: int) -> int:
         """Most blocks any ``stage`` of ``stages`` may hold on ``dc`` (every window of that many fits).
 
@@ -182,8 +183,10 @@ class Problem:
             return "a plan needs at least one stage and one layer range per stage"
         job = self.job
         if cand.dp * cand.microbatches * job.microbatch_size != job.global_batch:
-            return (f"dp({cand.dp}) x microbatches({cand.microbatches}) x microbatch_size({job.microbatch_size}) "
-                    f"!= global_batch({job.global_batch})")
+            return (
+                f"dp({cand.dp}) x microbatches({cand.microbatches}) x microbatch_size({job.microbatch_size}) "
+                f"!= global_batch({job.global_batch})"
+            )
         expected = 0
         for s, (start, end) in enumerate(cand.stage_layers):
             if start != expected or end <= start:
@@ -202,11 +205,15 @@ class Problem:
                 return f"no WAN link joins {a!r} and {b!r}"
         for dc in path:
             if cand.gpus_used(dc) > self.gpus[dc]:
-                return (f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
-                        f"{self.gpus[dc]} available in dc {dc!r}")
+                return (
+                    f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
+                    f"{self.gpus[dc]} available in dc {dc!r}"
+                )
         for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
             need = self.stage_memory(layers, s, p, cand.microbatches)
             if need > self.memory_bytes[dc]:
-                return (f"stage {s} (blocks {layers[0]}-{layers[1] - 1}) needs {need / GIB:.1f} GiB per GPU > "
-                        f"{self.memory_bytes[dc] / GIB:g} GiB in dc {dc!r}")
+                return (
+                    f"stage {s} (blocks {layers[0]}-{layers[1] - 1}) needs {need / GIB:.1f} GiB per GPU > "
+                    f"{self.memory_bytes[dc] / GIB:g} GiB in dc {dc!r}"
+                )
         return None

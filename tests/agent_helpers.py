@@ -16,7 +16,6 @@ from pathlib import Path
 
 import aiomqtt
 import yaml
-
 from mqtt_brokers import agent_subprocess_env
 
 TINY_CONFIG = {
@@ -28,8 +27,15 @@ TINY_CONFIG = {
         ],
         "links": [{"between": ["us", "eu"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5}],
     },
-    "job": {"model": {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32}, "global_batch": 4,
-            "microbatch_size": 1, "precision": "fp32", "steps": 3, "seed": 3, "learning_rate": 0.003},
+    "job": {
+        "model": {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32},
+        "global_batch": 4,
+        "microbatch_size": 1,
+        "precision": "fp32",
+        "steps": 3,
+        "seed": 3,
+        "learning_rate": 0.003,
+    },
 }
 
 
@@ -58,10 +64,13 @@ def cli(*args: str) -> list[str]:
 def spawn_agent(url: str, job: str, rank: int, dc: str, log_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
     """Start ``geosched agent`` for one rank in its own process group; output to ``agent<R>.log``."""
     with open(log_dir / f"agent{rank}.log", "ab") as log:
-        return subprocess.Popen(cli("agent", "--mqtt", url, "--job", job, "--rank", str(rank), "--dc", dc,
-                                    "--threads", "1", *extra),
-                                stdout=log, stderr=subprocess.STDOUT, env=agent_subprocess_env(),
-                                start_new_session=True)
+        return subprocess.Popen(
+            cli("agent", "--mqtt", url, "--job", job, "--rank", str(rank), "--dc", dc, "--threads", "1", *extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=agent_subprocess_env(),
+            start_new_session=True,
+        )
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
@@ -88,13 +97,19 @@ class _suppress_lookup:
         return exc_type is ProcessLookupError
 
 
-async def read_retained_statuses(host: str, port: int, job: str, users: dict[str, str] | None,
-                                 ranks: int, settle_s: float = 1.0) -> dict[int, dict]:
+async def read_retained_statuses(
+    host: str, port: int, job: str, users: dict[str, str] | None, ranks: int, settle_s: float = 1.0
+) -> dict[int, dict]:
     """What a plain MQTT subscriber (not geosched's client) sees on the job's status topics."""
     user = "watcher" if users else None
     seen: dict[int, dict] = {}
-    async with aiomqtt.Client(host, port, username=user, password=users[user] if users else None,
-                              identifier=f"plain-{os.getpid()}-{time.monotonic_ns() % 10**6}") as client:
+    async with aiomqtt.Client(
+        host,
+        port,
+        username=user,
+        password=users[user] if users else None,
+        identifier=f"plain-{os.getpid()}-{time.monotonic_ns() % 10**6}",
+    ) as client:
         await client.subscribe(f"geosched/{job}/agents/+/status", qos=1)
         try:
             async with asyncio.timeout(settle_s):

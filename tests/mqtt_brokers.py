@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from geosched.processes import child_env
 from agents.control.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
+from geosched.processes import child_env
 
 TEST_USERS = {"geosched": "s3cret-pw", "watcher": "other-pw"}
 BROKER_KINDS = ("mosquitto", "embedded")
@@ -89,8 +89,15 @@ class MosquittoBroker:
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     def _write_config(self) -> Path:
-        lines = [f"listener {self.port} {self.host}", "persistence false", f"max_packet_size {self.max_packet_bytes}",
-                 "log_dest stderr", "log_type error", "log_type warning", "log_type notice"]
+        lines = [
+            f"listener {self.port} {self.host}",
+            "persistence false",
+            f"max_packet_size {self.max_packet_bytes}",
+            "log_dest stderr",
+            "log_type error",
+            "log_type warning",
+            "log_type notice",
+        ]
         if getpass.getuser() == "root":
             lines.append("user root")  # else mosquitto drops to a user that cannot read our files
         if self.users is None:
@@ -100,8 +107,13 @@ class MosquittoBroker:
             passwords.unlink(missing_ok=True)
             for name, password in self.users.items():
                 flags = ["-b"] if passwords.exists() else ["-c", "-b"]
-                subprocess.run(["mosquitto_passwd", *flags, str(passwords), name, password], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+                subprocess.run(
+                    ["mosquitto_passwd", *flags, str(passwords), name, password],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=30,
+                )
             lines += ["allow_anonymous false", f"password_file {passwords}"]
         if self.tls is not None:
             lines += [f"certfile {self.tls[0]}", f"keyfile {self.tls[1]}"]

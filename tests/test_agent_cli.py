@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan, wait_for
-from geosched.cli import main
 from mqtt_brokers import agent_subprocess_env, embedded_broker  # noqa: F401 - fixture
+
+from geosched.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,9 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
     url, job = embedded_broker.url_for("geosched"), "byhand"
     plan = tiny_plan(tmp_path)
     ckpt = tmp_path / "ckpt"
-    agents = [spawn_agent(url, job, rank, dc, tmp_path, "--checkpoint-dir", str(ckpt))
-              for rank, dc in enumerate(["us", "eu"])]
+    agents = [
+        spawn_agent(url, job, rank, dc, tmp_path, "--checkpoint-dir", str(ckpt)) for rank, dc in enumerate(["us", "eu"])
+    ]
     try:
         started = _run("job", "start", str(plan), "--mqtt", url, "--job", job, "--steps", "3")
         assert started.returncode == 0, started.stderr + log_tail(tmp_path)
@@ -42,7 +43,9 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
         assert status.returncode == 0, status.stderr
         table = json.loads(status.stdout)
         assert {r: (s["state"], s["dc"], s["next_step"]) for r, s in table.items()} == {
-            "0": ("ready", "us", 3), "1": ("ready", "eu", 3)}
+            "0": ("ready", "us", 3),
+            "1": ("ready", "eu", 3),
+        }
 
         other = tmp_path / "other.yaml"  # a different plan while this one is open: refused, naming the agents
         other.write_text(plan.read_text().replace("learning_rate: 0.003", "learning_rate: 0.002"))

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import io
-import signal
 import os
+import signal
 from pathlib import Path
 
 import pytest
-
 from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
-from agents.control.coordinator import AgentLost, start_job
 from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
+
+from agents.control.coordinator import AgentLost, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,7 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         lines = out.getvalue().splitlines()
         assert len(lines) == 2 and lines[0].startswith("step    0/1") and "loss" in lines[0] and "WAN" in lines[0]
 
-        seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users,
-                                                  len(DCS)))
+        seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, len(DCS)))
         assert sorted(seen) == [0, 1]
         for rank, status in seen.items():
             assert status["retained"] and status["state"] == "ready" and status["next_step"] == 2

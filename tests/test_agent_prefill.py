@@ -15,10 +15,10 @@ from pathlib import Path
 
 import aiomqtt
 import pytest
-
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from agents.control.coordinator import start_job
 from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
+
+from agents.control.coordinator import start_job
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +49,10 @@ def _send_prompts(endpoints: dict[int, str], stop: threading.Event, answers: lis
 def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):  # noqa: F811
     url, job = mqtt_broker.url_for("geosched"), "pf"
     plan = tiny_plan(tmp_path).read_text()
-    agents = [spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0")
-              for rank, dc in enumerate(["us", "eu"])]
+    agents = [
+        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0")
+        for rank, dc in enumerate(["us", "eu"])
+    ]
     stop, answers, sent, endpoints = threading.Event(), [], [], {}
     sender: list[threading.Thread] = []
 
@@ -65,8 +67,9 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
     async def run() -> list[dict]:
         metrics: list[dict] = []
         user = "watcher" if mqtt_broker.users else None
-        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, username=user,
-                                  password=mqtt_broker.users[user] if user else None) as client:
+        async with aiomqtt.Client(
+            mqtt_broker.host, mqtt_broker.port, username=user, password=mqtt_broker.users[user] if user else None
+        ) as client:
             await client.subscribe(f"geosched/{job}/agents/+/metrics", qos=0)
 
             async def collect() -> None:
@@ -89,28 +92,59 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
         assert any(a.status == "ok" and a.first_token is not None for a in answers)
         assert sorted((m["rank"], m["step"]) for m in metrics) == [(r, s) for r in (0, 1) for s in range(3)]
         for m in metrics:
-            assert {"prefill_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "rejected", "expired",
-                    "training_compute_s", "prefill_compute_s", "idle_s"} <= set(m["prefill"])
+            assert {
+                "prefill_tokens_per_s",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "rejected",
+                "expired",
+                "training_compute_s",
+                "prefill_compute_s",
+                "idle_s",
+            } <= set(m["prefill"])
         assert sum(m["prefill"]["prefill_tokens"] for m in metrics if m["step"] == 2) > 0
     finally:
         stop.set()
         stop_processes(agents)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-bind", "udp://x"], "--prefill-bind"),
-    (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-weights", "w.safetensors"],
-     "needs --prefill-bind"),
-    (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-bind", "tcp://127.0.0.1:0",
-      "--prefill-weights", "missing.safetensors"], "does not exist"),
-    (["launch", "configs/demo-3dc.yaml", "--prefill-rate", "-1"], "--prefill-rate"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-bind", "udp://x"], "--prefill-bind"),
+        (
+            ["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-weights", "w.safetensors"],
+            "needs --prefill-bind",
+        ),
+        (
+            [
+                "agent",
+                "--mqtt",
+                "mqtt://127.0.0.1:1",
+                "--rank",
+                "0",
+                "--prefill-bind",
+                "tcp://127.0.0.1:0",
+                "--prefill-weights",
+                "missing.safetensors",
+            ],
+            "does not exist",
+        ),
+        (["launch", "configs/demo-3dc.yaml", "--prefill-rate", "-1"], "--prefill-rate"),
+    ],
+)
 def test_prefill_flags_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path):
     import subprocess
 
     from agent_helpers import cli
     from mqtt_brokers import agent_subprocess_env
 
-    done = subprocess.run(cli(*args), capture_output=True, text=True, timeout=60, env=agent_subprocess_env(),
-                          cwd=Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        cli(*args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=agent_subprocess_env(),
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr

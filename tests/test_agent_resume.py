@@ -14,10 +14,10 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from agents.control.coordinator import AgentRefused, start_job
 from mqtt_brokers import embedded_broker  # noqa: F401 - fixture
+
+from agents.control.coordinator import AgentRefused, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,10 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
     url = embedded_broker.url_for("geosched")
     plan = tiny_plan(tmp_path).read_text()
     ckpt, saved = tmp_path / "ckpt", tmp_path / "ckpt-at-6"
-    agents = [spawn_agent(url, "full", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
-              for r, dc in enumerate(DCS)]
+    agents = [
+        spawn_agent(url, "full", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+        for r, dc in enumerate(DCS)
+    ]
     try:
         first = _losses(url, "full", plan, 6)  # steps 1-6; checkpoint 5 written after step 5
         shutil.copytree(ckpt, saved)  # what a job stopped here leaves behind
@@ -48,8 +50,10 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
     uninterrupted = first + rest
     assert len(uninterrupted) == 10 and uninterrupted[-1] < uninterrupted[0]
 
-    agents = [spawn_agent(url, "resumed", r, dc, tmp_path, "--checkpoint-dir", str(saved), "--resume")
-              for r, dc in enumerate(DCS)]
+    agents = [
+        spawn_agent(url, "resumed", r, dc, tmp_path, "--checkpoint-dir", str(saved), "--resume")
+        for r, dc in enumerate(DCS)
+    ]
     try:
         resumed = _losses(url, "resumed", plan, 5)  # steps 6-10
     finally:
@@ -65,8 +69,10 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path:
     shard.parent.mkdir(parents=True)
     shard.write_bytes(b"not a safetensors file")
     (ckpt / "step-000005" / "stage-01.json").write_text("{garbage")
-    agents = [spawn_agent(url, "corrupt", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--resume")
-              for r, dc in enumerate(DCS)]
+    agents = [
+        spawn_agent(url, "corrupt", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--resume")
+        for r, dc in enumerate(DCS)
+    ]
     try:
         with pytest.raises(AgentRefused) as info:
             asyncio.run(start_job(url, "corrupt", plan, steps=1, ready_timeout_s=60, out=None))

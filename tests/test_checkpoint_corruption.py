@@ -41,8 +41,10 @@ def ckpt(tmp_path):
 
 def snapshot(model, opt) -> tuple[dict, dict, torch.Tensor]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt_state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                 for i, st in opt.state_dict()["state"].items()}
+    opt_state = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        for i, st in opt.state_dict()["state"].items()
+    }
     return state, opt_state, torch.get_rng_state()
 
 
@@ -52,8 +54,10 @@ def assert_unchanged(model, opt, before) -> None:
     after = opt.state_dict()["state"]
     assert after.keys() == opt_state.keys()
     for i, st in after.items():
-        assert all(torch.equal(v, opt_state[i][k]) if isinstance(v, torch.Tensor) else v == opt_state[i][k]
-                   for k, v in st.items())
+        assert all(
+            torch.equal(v, opt_state[i][k]) if isinstance(v, torch.Tensor) else v == opt_state[i][k]
+            for k, v in st.items()
+        )
     assert torch.equal(torch.get_rng_state(), rng)
 
 
@@ -107,14 +111,17 @@ def not_safetensors(ckpt) -> None:
 
 # checksum_fails: the damage is visible to latest_complete (size/sha256/JSON); the others were
 # written consistently (checksum fixed up) but hold the wrong tensors, which only a load can see
-@pytest.mark.parametrize("corrupt, message, checksum_fails", [
-    (truncate, r"stage-00\.safetensors: \d+ bytes on disk but \d+ recorded", True),
-    (flip_a_byte, r"stage-00\.safetensors: sha256 does not match", True),
-    (garbage_json, r"stage-00\.json: not valid JSON", True),
-    (drop_a_tensor, r"missing tensor optim/blocks\.1\.mlp\.fc\.weight/exp_avg_sq", False),
-    (reshape_a_tensor, r"tensor model/head\.weight is \(256, 8\).*expects \(256, 16\)", False),
-    (not_safetensors, r"stage-00\.safetensors: not a readable safetensors file", False),
-])
+@pytest.mark.parametrize(
+    "corrupt, message, checksum_fails",
+    [
+        (truncate, r"stage-00\.safetensors: \d+ bytes on disk but \d+ recorded", True),
+        (flip_a_byte, r"stage-00\.safetensors: sha256 does not match", True),
+        (garbage_json, r"stage-00\.json: not valid JSON", True),
+        (drop_a_tensor, r"missing tensor optim/blocks\.1\.mlp\.fc\.weight/exp_avg_sq", False),
+        (reshape_a_tensor, r"tensor model/head\.weight is \(256, 8\).*expects \(256, 16\)", False),
+        (not_safetensors, r"stage-00\.safetensors: not a readable safetensors file", False),
+    ],
+)
 def test_each_corruption_is_refused_and_leaves_the_model_untouched(ckpt, corrupt, message, checksum_fails) -> None:
     corrupt(ckpt)
     model, opt = trained(seed=9)  # different weights from the checkpoint's
@@ -151,4 +158,3 @@ def test_a_moved_shard_is_refused(ckpt) -> None:
     model, opt = trained()
     with pytest.raises(CheckpointError, match="records step 2 stage 0, but sits at step 3"):
         load_shard(ckpt, 3, 0, model, opt)
-

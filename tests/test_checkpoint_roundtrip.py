@@ -28,14 +28,16 @@ SEED = 11
 
 
 def fingerprint(stage: int, cuts: list[tuple[int, int]] = CUTS, seed: int = SEED) -> str:
-    return job_fingerprint(SHAPE, cuts[stage], first=stage == 0, last=stage == len(cuts) - 1, seed=seed,
-                           num_stages=len(cuts))
+    return job_fingerprint(
+        SHAPE, cuts[stage], first=stage == 0, last=stage == len(cuts) - 1, seed=seed, num_stages=len(cuts)
+    )
 
 
 def build_pipeline() -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
     """The two stages of SHAPE with their own AdamW, as two ranks would hold them."""
-    stages = [build_stage(SHAPE, a, b, first=i == 0, last=i == len(CUTS) - 1, seed=SEED)
-              for i, (a, b) in enumerate(CUTS)]
+    stages = [
+        build_stage(SHAPE, a, b, first=i == 0, last=i == len(CUTS) - 1, seed=SEED) for i, (a, b) in enumerate(CUTS)
+    ]
     return stages, [torch.optim.AdamW(s.parameters(), lr=3e-3, weight_decay=0.1) for s in stages]
 
 
@@ -77,8 +79,10 @@ def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path) -> None:
 
     assert latest_complete(tmp_path, len(CUTS)) == 3
     fresh, fresh_opts = build_pipeline()
-    extras = [load_shard(tmp_path, 3, i, s, o, job_fingerprint=fingerprint(i))
-              for i, (s, o) in enumerate(zip(fresh, fresh_opts))]
+    extras = [
+        load_shard(tmp_path, 3, i, s, o, job_fingerprint=fingerprint(i))
+        for i, (s, o) in enumerate(zip(fresh, fresh_opts))
+    ]
     assert extras == [{"next_step": 3}] * 2
     resumed = train(fresh, fresh_opts, range(extras[0]["next_step"], 6))
     assert resumed == uninterrupted  # exact float equality, not approximate
@@ -96,8 +100,13 @@ def test_layout_and_manifest(tmp_path) -> None:
     train(stages, optimizers, range(0, 1))
     save_all(tmp_path, 1, stages, optimizers)
     folder = step_dir(tmp_path, 1)
-    assert sorted(os.listdir(folder)) == ["manifest.json", "stage-00.json", "stage-00.safetensors",
-                                          "stage-01.json", "stage-01.safetensors"]
+    assert sorted(os.listdir(folder)) == [
+        "manifest.json",
+        "stage-00.json",
+        "stage-00.safetensors",
+        "stage-01.json",
+        "stage-01.safetensors",
+    ]
     manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
     meta = json.loads(open(shard_paths(tmp_path, 1, 1)[1]).read())
     assert manifest["num_stages"] == 2 and manifest["shards_sha256"]["01"] == meta["sha256"]

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from agents.dp.group import DataParallelGroup, join_group
-from agents.dp.spec import GroupSpec
 from agents.dp.health import HeartbeatMonitor
 from agents.dp.local_group import run_local_group
+from agents.dp.spec import GroupSpec
 from geosched.errors import CollectiveError
 
 TIMEOUT_S = 10.0
@@ -26,10 +26,12 @@ def _die_during_allreduce(group: DataParallelGroup, victim: int, scheme: str, ho
     x = torch.ones(4 * 2**20)
     group.barrier()
     if group.rank == victim:
+
         def die() -> None:
             if how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
+
         threading.Timer(KILL_AFTER_S, die).start()
     start, rounds = time.monotonic(), 0
     try:
@@ -45,13 +47,17 @@ def _die_during_allreduce(group: DataParallelGroup, victim: int, scheme: str, ho
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("size", "victim", "scheme", "how", "host_store"), [
-    (3, 1, "ring", "exit", False),
-    (2, 0, "native", "sigkill", True),  # the victim also hosts the store
-])
+@pytest.mark.parametrize(
+    ("size", "victim", "scheme", "how", "host_store"),
+    [
+        (3, 1, "ring", "exit", False),
+        (2, 0, "native", "sigkill", True),  # the victim also hosts the store
+    ],
+)
 def test_killed_rank_is_named_by_survivors(size: int, victim: int, scheme: str, how: str, host_store: bool) -> None:
-    results = run_local_group(_die_during_allreduce, size, victim, scheme, how, timeout_s=TIMEOUT_S,
-                              host_store=host_store, deadline_s=120)
+    results = run_local_group(
+        _die_during_allreduce, size, victim, scheme, how, timeout_s=TIMEOUT_S, host_store=host_store, deadline_s=120
+    )
     assert results[victim].value is None
     assert results[victim].exitcode == (-signal.SIGKILL if how == "sigkill" else 3)
     for res in results:

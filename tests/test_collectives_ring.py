@@ -16,8 +16,8 @@ from torch import nn
 
 from agents.dp import ring
 from agents.dp.group import DataParallelGroup, join_group
-from agents.dp.spec import GroupSpec
 from agents.dp.local_group import run_local_group
+from agents.dp.spec import GroupSpec
 from geosched.errors import ConfigError, InputError
 
 BIG = 1_000_003
@@ -52,16 +52,27 @@ def _allreduce_checks(group: DataParallelGroup) -> list[dict[str, object]]:
         for dtype in (torch.float32, torch.int64):
             for op in ("sum", "avg"):
                 native = group.allreduce(_rank_data(rank, n, dtype), op)
-                schemes = {"ring": ring.ring_allreduce, "all_to_all": ring.all_to_all_allreduce,
-                           "gather_broadcast": ring.gather_broadcast_allreduce}
+                schemes = {
+                    "ring": ring.ring_allreduce,
+                    "all_to_all": ring.all_to_all_allreduce,
+                    "gather_broadcast": ring.gather_broadcast_allreduce,
+                }
                 for scheme, fn in schemes.items():
                     counter = ring.ElementCounter()
                     got = _rank_data(rank, n, dtype)
                     fn(got, op, counter=counter)
-                    rows.append(dict(n=n, dtype=str(dtype), op=op, scheme=scheme,
-                                     equal_native=_close(got, native), equal_reference=_close(
-                                         got, _expected(g, n, dtype, op)),
-                                     sent=counter.sent_elements, received=counter.received_elements))
+                    rows.append(
+                        dict(
+                            n=n,
+                            dtype=str(dtype),
+                            op=op,
+                            scheme=scheme,
+                            equal_native=_close(got, native),
+                            equal_reference=_close(got, _expected(g, n, dtype, op)),
+                            sent=counter.sent_elements,
+                            received=counter.received_elements,
+                        )
+                    )
     return rows
 
 
@@ -233,9 +244,13 @@ def test_ring_and_naive_equal_native_and_ddp_paths_agree(size: int) -> None:
         for key, ok in res.value["gradients"].items():
             assert ok, (res.rank, key)
     for n in {1, max(1, size - 1), size, BIG}:
+
         def total(scheme: str, field: str, n: int = n) -> list[int]:
-            return [next(r[field] for r in res.value["allreduce"] if r["scheme"] == scheme and r["n"] == n)
-                    for res in results]
+            return [
+                next(r[field] for r in res.value["allreduce"] if r["scheme"] == scheme and r["n"] == n)
+                for res in results
+            ]
+
         assert sum(total("ring", "received")) == sum(total("ring", "sent"))
         assert sum(total("all_to_all", "sent")) == ring.all_to_all_elements_total(n, size)
         root = total("gather_broadcast", "sent")[0] + total("gather_broadcast", "received")[0]

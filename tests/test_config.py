@@ -117,14 +117,29 @@ def test_cli_subprocess_exit_code_and_one_line(tmp_path):
     _break_negative_gpus(data)
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.run([sys.executable, "-m", "geosched.cli", "validate-config", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "validate-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"geosched validate-config: error: {path}: cluster.datacenters[1].gpus: must be >= 1 (got -4)"]
-    ok = subprocess.run([sys.executable, "-m", "geosched.cli", "validate-config",
-                         os.path.join(ROOT, "configs", "demo-3dc.yaml"), "--json"],
-                        capture_output=True, text=True, timeout=120)
+        f"geosched validate-config: error: {path}: cluster.datacenters[1].gpus: must be >= 1 (got -4)"
+    ]
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geosched.cli",
+            "validate-config",
+            os.path.join(ROOT, "configs", "demo-3dc.yaml"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert '"total_gpus": 6' in ok.stdout
 

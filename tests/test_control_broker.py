@@ -53,6 +53,7 @@ async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
 
 def connect_packet(client_id: str, keepalive: int, will: tuple[str, bytes] | None = None) -> bytes:
     """A hand-built MQTT 3.1.1 CONNECT (clean session, optional retained QoS 1 will)."""
+
     def string(data: bytes) -> bytes:
         return len(data).to_bytes(2, "big") + data
 
@@ -82,13 +83,17 @@ def test_pubsub_wildcards_retained_and_qos() -> None:
                 async with client(broker, "sub") as sub:
                     await sub.subscribe("job/agents/+/status", qos=1)
                     await sub.subscribe("job/#", qos=0)  # overlapping: retained sent again at QoS 0
-                    assert await receive(sub) == [("job/agents/1/status", b"ready", True, 1),
-                                                  ("job/agents/1/status", b"ready", True, 0)]
+                    assert await receive(sub) == [
+                        ("job/agents/1/status", b"ready", True, 1),
+                        ("job/agents/1/status", b"ready", True, 0),
+                    ]
                     await pub.publish("job/agents/3/status", b"x", qos=2)  # QoS 2 in, QoS 1 out
                     await pub.publish("job/command", b"go", qos=0)
                     await pub.publish("$SYS/uptime", b"1", qos=0)  # '#' must not match $-topics
-                    assert await receive(sub) == [("job/agents/3/status", b"x", False, 1),
-                                                  ("job/command", b"go", False, 0)]
+                    assert await receive(sub) == [
+                        ("job/agents/3/status", b"x", False, 1),
+                        ("job/command", b"go", False, 0),
+                    ]
                     await sub.unsubscribe("job/#")
                     await pub.publish("job/command", b"again", qos=1)
                     assert await receive(sub, 0.3) == []
@@ -115,13 +120,16 @@ def test_oversize_packet_drops_the_client_and_fires_its_will() -> None:
     run(scenario())
 
 
-@pytest.mark.parametrize(("garbage", "then_eof"), [
-    (b"\x30\x02\x00\x00", False),                # PUBLISH before CONNECT
-    (b"\x10\xff\xff\xff\xff\x01", False),        # remaining length longer than 4 bytes
-    (b"\x10\xff\xff\xff\x7f", False),            # a 256 MiB CONNECT announced: refused unread
-    (connect_packet("c", 0)[:-3] + b"\x00\x05c", False),  # client id length overruns the packet
-    (connect_packet("c", 0)[:8], True),             # truncated CONNECT, then the peer hangs up
-])
+@pytest.mark.parametrize(
+    ("garbage", "then_eof"),
+    [
+        (b"\x30\x02\x00\x00", False),  # PUBLISH before CONNECT
+        (b"\x10\xff\xff\xff\xff\x01", False),  # remaining length longer than 4 bytes
+        (b"\x10\xff\xff\xff\x7f", False),  # a 256 MiB CONNECT announced: refused unread
+        (connect_packet("c", 0)[:-3] + b"\x00\x05c", False),  # client id length overruns the packet
+        (connect_packet("c", 0)[:8], True),  # truncated CONNECT, then the peer hangs up
+    ],
+)
 def test_bad_peers_are_disconnected(garbage: bytes, then_eof: bool) -> None:
     async def scenario() -> None:
         async with EmbeddedBroker(max_packet_bytes=4096) as broker:

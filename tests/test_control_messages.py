@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from agents.control.plane import BrokerAddress
 from agents.control.messages import (
     CommandMessage,
     EventMessage,
@@ -17,25 +16,35 @@ from agents.control.messages import (
     check_name,
     parse_message,
 )
+from agents.control.plane import BrokerAddress
 from geosched.errors import InputError, ProtocolError
 
 
 def test_broker_urls() -> None:
     plain = BrokerAddress.parse("mqtt://broker.example")
-    assert (plain.host, plain.port, plain.tls, plain.username, plain.password) == ("broker.example", 1883, False, None, None)
+    assert (plain.host, plain.port, plain.tls, plain.username, plain.password) == (
+        "broker.example",
+        1883,
+        False,
+        None,
+        None,
+    )
     tls = BrokerAddress.parse("mqtts://ops%40eu:p%3Ass@10.0.0.5")
     assert (tls.port, tls.tls, tls.username, tls.password) == (8883, True, "ops@eu", "p:ss")
     assert str(tls) == "mqtts://ops@eu:***@10.0.0.5:8883"  # password never shown
     assert BrokerAddress.parse("mqtt://[::1]:1884").host == "::1"
 
 
-@pytest.mark.parametrize(("url", "complaint"), [
-    ("http://u:hunter2@h:1883", "scheme must be mqtt:// or mqtts://"),
-    ("mqtt://:1883", "no host"),
-    ("mqtt://h:99999", "Port out of range"),
-    ("mqtt://h:1883/topic", "must not have a path"),
-    ("broker:1883", "scheme must be"),
-])
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("http://u:hunter2@h:1883", "scheme must be mqtt:// or mqtts://"),
+        ("mqtt://:1883", "no host"),
+        ("mqtt://h:99999", "Port out of range"),
+        ("mqtt://h:1883/topic", "must not have a path"),
+        ("broker:1883", "scheme must be"),
+    ],
+)
 def test_bad_broker_urls_name_the_problem(url: str, complaint: str) -> None:
     with pytest.raises(InputError, match=complaint) as caught:
         BrokerAddress.parse(url)
@@ -45,8 +54,12 @@ def test_bad_broker_urls_name_the_problem(url: str, complaint: str) -> None:
 def test_topic_names_and_job_names() -> None:
     topics = Topics("demo-3dc")
     assert (topics.plan, topics.status(4), topics.metrics(4), topics.command, topics.events) == (
-        "geosched/demo-3dc/plan", "geosched/demo-3dc/agents/4/status", "geosched/demo-3dc/agents/4/metrics",
-        "geosched/demo-3dc/command", "geosched/demo-3dc/events")
+        "geosched/demo-3dc/plan",
+        "geosched/demo-3dc/agents/4/status",
+        "geosched/demo-3dc/agents/4/metrics",
+        "geosched/demo-3dc/command",
+        "geosched/demo-3dc/events",
+    )
     assert topics.filter("status") == "geosched/demo-3dc/agents/+/status"
     for bad in ("", "a/b", "job+", "x" * 65, "caf\u00e9"):
         with pytest.raises(InputError, match="use 1-64 characters"):
@@ -69,21 +82,24 @@ def test_parse_every_kind_and_keep_unknown_fields() -> None:
     assert parse_message("j", "geosched/j/agents/2/status", b"") is None  # cleared retained topic
 
 
-@pytest.mark.parametrize(("topic", "payload", "complaint"), [
-    ("agents/2/status", b'{"rank": 2}', "status.state: required"),
-    ("agents/2/status", b'{"rank": -2, "state": "ready"}', "status.rank: must be >= 0"),
-    ("agents/2/status", b'{"rank": 2, "state": "ready", "stage": "1"}', "status.stage: expected int"),
-    ("agents/2/status", b'{"rank": 2, "state": "ready", "time": "now"}', "status.time: expected int/float"),
-    ("agents/2/metrics", b'{"rank": 2, "step": 1.5}', "metrics.step: expected int"),
-    ("command", b'{"cmd": "stop", "seq": false}', "command.seq: expected int"),
-    ("events", b'{"level": "fatal", "message": "x"}', "event.level: must be one of info|warning|error"),
-    ("events", b'"just a string"', "payload must be a JSON object"),
-    ("agents/02x/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
-    ("agents/02/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
-    ("agents/\u00b2/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
-    ("agents/2/logs", b"{}", "not a topic of job"),
-    ("command", b"{", "not JSON"),
-])
+@pytest.mark.parametrize(
+    ("topic", "payload", "complaint"),
+    [
+        ("agents/2/status", b'{"rank": 2}', "status.state: required"),
+        ("agents/2/status", b'{"rank": -2, "state": "ready"}', "status.rank: must be >= 0"),
+        ("agents/2/status", b'{"rank": 2, "state": "ready", "stage": "1"}', "status.stage: expected int"),
+        ("agents/2/status", b'{"rank": 2, "state": "ready", "time": "now"}', "status.time: expected int/float"),
+        ("agents/2/metrics", b'{"rank": 2, "step": 1.5}', "metrics.step: expected int"),
+        ("command", b'{"cmd": "stop", "seq": false}', "command.seq: expected int"),
+        ("events", b'{"level": "fatal", "message": "x"}', "event.level: must be one of info|warning|error"),
+        ("events", b'"just a string"', "payload must be a JSON object"),
+        ("agents/02x/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
+        ("agents/02/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
+        ("agents/\u00b2/status", b'{"rank": 2, "state": "ready"}', "not a topic of job"),
+        ("agents/2/logs", b"{}", "not a topic of job"),
+        ("command", b"{", "not JSON"),
+    ],
+)
 def test_bad_payloads_name_the_problem(topic: str, payload: bytes, complaint: str) -> None:
     with pytest.raises(ProtocolError, match=complaint):
         parse_message("j", f"geosched/j/{topic}", payload)

@@ -63,8 +63,13 @@ def run(coro: Awaitable[T], timeout: float = 30.0) -> T:
 def plain_client(broker: RunningBroker, identifier: str) -> aiomqtt.Client:
     """A bare aiomqtt client (not geosched code) logged in as the watcher user."""
     users = broker.users or {}
-    return aiomqtt.Client(broker.host, broker.port, identifier=identifier,
-                          username="watcher" if users else None, password=users.get("watcher"))
+    return aiomqtt.Client(
+        broker.host,
+        broker.port,
+        identifier=identifier,
+        username="watcher" if users else None,
+        password=users.get("watcher"),
+    )
 
 
 async def collect(client: aiomqtt.Client, count: int, timeout: float = 5.0) -> list[aiomqtt.Message]:
@@ -83,14 +88,18 @@ def test_retained_status_and_plan_are_visible_to_a_plain_subscriber(mqtt_broker:
         url = mqtt_broker.url_for()
         async with ControlPlane(url, JOB, "coordinator") as coordinator:
             assert await coordinator.publish_plan("stages: 3\n")
-            agents = [ControlPlane(url, JOB, f"agent-{r}", agent=AgentIdentity(r, dc="eu", stage=r, replica=0))
-                      for r in range(3)]
+            agents = [
+                ControlPlane(url, JOB, f"agent-{r}", agent=AgentIdentity(r, dc="eu", stage=r, replica=0))
+                for r in range(3)
+            ]
             for rank, cp in enumerate(agents):
                 await cp.__aenter__()
                 assert await cp.publish_status(rank, "ready", gpu="cpu")
             async with plain_client(mqtt_broker, "plain-watcher") as watcher:
                 await watcher.subscribe(f"geosched/{JOB}/agents/+/status", qos=1)
-                statuses = {json.loads(m.payload)["rank"]: (m, json.loads(m.payload)) for m in await collect(watcher, 3)}
+                statuses = {
+                    json.loads(m.payload)["rank"]: (m, json.loads(m.payload)) for m in await collect(watcher, 3)
+                }
                 await watcher.subscribe(f"geosched/{JOB}/plan", qos=1)
                 (plan,) = await collect(watcher, 1)
             for cp in agents:
@@ -108,9 +117,9 @@ def test_retained_status_and_plan_are_visible_to_a_plain_subscriber(mqtt_broker:
 @pytest.mark.slow
 def test_killed_agent_process_shows_offline(mqtt_broker: RunningBroker) -> None:
     url = mqtt_broker.url_for()
-    agent = subprocess.Popen([PYTHON, "-c", AGENT_SCRIPT, url, "5"], stdout=subprocess.PIPE,
-                             env=agent_subprocess_env())
+    agent = subprocess.Popen([PYTHON, "-c", AGENT_SCRIPT, url, "5"], stdout=subprocess.PIPE, env=agent_subprocess_env())
     try:
+
         async def scenario() -> StatusMessage:
             async with ControlPlane(url, JOB, "coordinator", **FAST) as cp:
                 ready = await cp.wait_for_statuses([5], "ready", timeout=20)
@@ -121,7 +130,13 @@ def test_killed_agent_process_shows_offline(mqtt_broker: RunningBroker) -> None:
             raise AssertionError("watch ended without an offline status")
 
         offline = run(scenario())
-        assert (offline.rank, offline.state, offline.dc, offline.stage, offline.pid) == (5, "offline", "eu", 1, agent.pid)
+        assert (offline.rank, offline.state, offline.dc, offline.stage, offline.pid) == (
+            5,
+            "offline",
+            "eu",
+            1,
+            agent.pid,
+        )
     finally:
         agent.kill()
         agent.wait(timeout=10)
@@ -132,11 +147,16 @@ def test_killed_agent_process_shows_offline(mqtt_broker: RunningBroker) -> None:
 def test_commands_reach_every_subscribed_agent(mqtt_broker: RunningBroker) -> None:
     async def scenario() -> list[list[CommandMessage]]:
         url = mqtt_broker.url_for()
-        async with ControlPlane(url, JOB, "agent-0") as a0, ControlPlane(url, JOB, "agent-1") as a1, \
-                ControlPlane(url, JOB, "coordinator") as coordinator:
+        async with (
+            ControlPlane(url, JOB, "agent-0") as a0,
+            ControlPlane(url, JOB, "agent-1") as a1,
+            ControlPlane(url, JOB, "coordinator") as coordinator,
+        ):
             subs = [await a0.subscribe("command"), await a1.subscribe("command")]
-            sent = [await coordinator.publish_command("start", steps=7),
-                    await coordinator.publish_command("checkpoint", tag="mid")]
+            sent = [
+                await coordinator.publish_command("start", steps=7),
+                await coordinator.publish_command("checkpoint", tag="mid"),
+            ]
             received = [[await sub.get(5.0), await sub.get(5.0)] for sub in subs]
             assert sent == received[0]
             return received
@@ -181,8 +201,12 @@ def test_bad_payloads_are_dropped_and_counted(mqtt_broker: RunningBroker) -> Non
             async with plain_client(mqtt_broker, "rogue") as rogue:
                 for topic, payload in bad:
                     await rogue.publish(f"geosched/{JOB}/{topic}", payload, qos=1)
-                await rogue.publish(f"geosched/{JOB}/events", b'{"level":"info","message":"' + b"x" * 5000 + b'"}', qos=1)
-                await rogue.publish(f"geosched/{JOB}/agents/3/status", b'{"rank":3,"state":"ready","gpu_util":0.5}', qos=1)
+                await rogue.publish(
+                    f"geosched/{JOB}/events", b'{"level":"info","message":"' + b"x" * 5000 + b'"}', qos=1
+                )
+                await rogue.publish(
+                    f"geosched/{JOB}/agents/3/status", b'{"rank":3,"state":"ready","gpu_util":0.5}', qos=1
+                )
             await cp.publish_metrics(3, {"step": 1, "loss": 2.5})
             await cp.publish_event("warning", "slow link", rank=3)
             received = [await sub.get(5.0) for _ in range(3)]
@@ -218,8 +242,10 @@ def test_wrong_password_is_refused_with_a_clear_error(mqtt_broker: RunningBroker
 def test_reconnect_after_broker_restart_resubscribes_and_republishes(mqtt_broker: RunningBroker) -> None:
     async def scenario() -> None:
         url = mqtt_broker.url_for()
-        async with ControlPlane(url, JOB, "agent-2", agent=AgentIdentity(2, dc="us"), **FAST) as agent, \
-                ControlPlane(url, JOB, "coordinator", **FAST) as coordinator:
+        async with (
+            ControlPlane(url, JOB, "agent-2", agent=AgentIdentity(2, dc="us"), **FAST) as agent,
+            ControlPlane(url, JOB, "coordinator", **FAST) as coordinator,
+        ):
             commands = await agent.subscribe("command")
             await agent.publish_status(2, "training", step=10)
             await coordinator.publish_plan("plan: v1\n")
@@ -280,8 +306,9 @@ def test_unreachable_broker_is_a_clear_error() -> None:
 
     async def scenario() -> None:
         with pytest.raises(BrokerUnreachable, match=f"127.0.0.1:{port} within 0.5 s.*refused"):
-            async with ControlPlane(f"mqtt://127.0.0.1:{port}", JOB, "agent-0", connect_timeout=0.5,
-                                    backoff=(0.05, 0.1)):
+            async with ControlPlane(
+                f"mqtt://127.0.0.1:{port}", JOB, "agent-0", connect_timeout=0.5, backoff=(0.05, 0.1)
+            ):
                 pass
 
     run(scenario())
@@ -313,9 +340,31 @@ def make_tls_certificate(workdir: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = workdir / "broker.crt", workdir / "broker.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 

@@ -43,7 +43,7 @@ def test_stream_joins_files_with_a_separator_and_reads_across_boundaries(corpus)
     assert len(ds) == len(stream)
     assert ds.read(0, len(stream)).tobytes() == stream
     for start in range(0, len(stream) - 9):
-        assert ds.read(start, 9).tobytes() == stream[start:start + 9]
+        assert ds.read(start, 9).tobytes() == stream[start : start + 9]
 
 
 def test_samples_are_windows_of_the_stream_with_shifted_targets(corpus) -> None:
@@ -52,7 +52,7 @@ def test_samples_are_windows_of_the_stream_with_shifted_targets(corpus) -> None:
     inputs, targets = ds.global_batch(step=3, global_batch_size=5)
     assert inputs.shape == targets.shape == (5, 8) and inputs.dtype == torch.int64
     for pos, row_in, row_t in zip(ds.sample_positions(3, 5), inputs, targets):
-        window = stream[int(pos):int(pos) + 9]
+        window = stream[int(pos) : int(pos) + 9]
         assert bytes(row_in.tolist()) == window[:-1] and bytes(row_t.tolist()) == window[1:]
 
 

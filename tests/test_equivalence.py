@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from agents.layout import RankRole, layout_roles
-from agents.stage.session import job_schedule, pipeline_routes, run_rank, train_one_process
 from agents.stage.report import StepReport, global_loss, measured_timeline
+from agents.stage.session import job_schedule, pipeline_routes, run_rank, train_one_process
 from agents.stage.transport import RelayRouter, StoreAddressBook
 from agents.wanem.emulator import LinkShape
 from geosched.config import JobSpec, ModelSpec
@@ -35,8 +35,14 @@ SCHEDULES = ("gpipe", "1f1b")
 STAGE_DCS = ["us", "us", "eu", "ap"]
 STAGE_LAYERS = [(0, 1), (1, 2), (2, 3), (3, 4)]
 DP = 2
-JOB = JobSpec(model=ModelSpec(layers=4, hidden=32, heads=4, seq_len=32), global_batch=16, microbatch_size=2,
-              precision="fp32", seed=11, learning_rate=3e-3)
+JOB = JobSpec(
+    model=ModelSpec(layers=4, hidden=32, heads=4, seq_len=32),
+    global_batch=16,
+    microbatch_size=2,
+    precision="fp32",
+    seed=11,
+    learning_rate=3e-3,
+)
 WAN = LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6)
 
 
@@ -45,8 +51,16 @@ def _rank_main(role: RankRole, job: JobSpec, schedules: tuple[str, ...], store_p
     try:
         for name in schedules:
             book = StoreAddressBook.connect("127.0.0.1", store_port, routed=True, prefix=name)
-            reports = run_rank(replace(job, schedule=name), role, steps=STEPS, data=default_corpus_paths(),
-                               addresses=book, threads=1, connect_timeout_s=40, recv_timeout_s=40)
+            reports = run_rank(
+                replace(job, schedule=name),
+                role,
+                steps=STEPS,
+                data=default_corpus_paths(),
+                addresses=book,
+                threads=1,
+                connect_timeout_s=40,
+                recv_timeout_s=40,
+            )
             results.put((name, role.rank, [r.to_dict() for r in reports]))
     except BaseException:  # noqa: BLE001 - handed to the test
         results.put(("error", role.rank, traceback.format_exc()))
@@ -60,14 +74,20 @@ def pipelined_runs():
     """Run both schedules on 8 rank processes; return {schedule: {rank: [StepReport]}} and the relays' stats."""
     roles = layout_roles(STAGE_DCS, STAGE_LAYERS, DP)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    routers = [RelayRouter(StoreAddressBook.connect("127.0.0.1", store.port, routed=True, prefix=name),
-                           pipeline_routes(roles, lambda a, b: WAN)).start() for name in SCHEDULES]
+    routers = [
+        RelayRouter(
+            StoreAddressBook.connect("127.0.0.1", store.port, routed=True, prefix=name),
+            pipeline_routes(roles, lambda a, b: WAN),
+        ).start()
+        for name in SCHEDULES
+    ]
     ctx = mp.get_context("forkserver")  # children fork from a server that imported torch once
     # preloaded once in the server; AdamW alone imports torch._dynamo (~3 s per process otherwise)
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.wan.link", "agents.dp.group"])
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(role, JOB, SCHEDULES, store.port, results), daemon=True)
-             for role in roles]
+    procs = [
+        ctx.Process(target=_rank_main, args=(role, JOB, SCHEDULES, store.port, results), daemon=True) for role in roles
+    ]
     finished = False
     try:
         for p in procs:
@@ -80,8 +100,11 @@ def pipelined_runs():
                 pytest.fail("pipelined ranks did not report within 150 s")
             assert name != "error", f"rank {rank} failed:\n{payload}"
             runs[name][rank] = [StepReport.from_dict(d) for d in payload]
-        relay_stats = {(name, route): relay.stats()
-                       for name, router in zip(SCHEDULES, routers) for route, relay in router.relays.items()}
+        relay_stats = {
+            (name, route): relay.stats()
+            for name, router in zip(SCHEDULES, routers)
+            for route, relay in router.relays.items()
+        }
         finished = True
         yield runs, relay_stats
     finally:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from agent_helpers import cli, wait_for
 from mqtt_brokers import agent_subprocess_env
 
@@ -57,9 +56,24 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
     run = tmp_path / "run"
-    done = subprocess.run(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--plan", str(plan), "--steps", "3",
-                              "--run-dir", str(run), "--json"), capture_output=True, text=True, timeout=240,
-                          env=agent_subprocess_env(), cwd=tmp_path)
+    done = subprocess.run(
+        cli(
+            "launch",
+            str(ROOT / "configs/demo-3dc.yaml"),
+            "--plan",
+            str(plan),
+            "--steps",
+            "3",
+            "--run-dir",
+            str(run),
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=agent_subprocess_env(),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == json.loads((run / "report.json").read_text())
@@ -84,9 +98,13 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
 def test_ctrl_c_stops_every_child(tmp_path: Path):
     """Planned by the planner this time (whatever layout it picks), interrupted during training."""
     run = tmp_path / "run"
-    launcher = subprocess.Popen(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--steps", "1000",
-                                    "--run-dir", str(run)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=agent_subprocess_env(), cwd=tmp_path)
+    launcher = subprocess.Popen(
+        cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--steps", "1000", "--run-dir", str(run)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=agent_subprocess_env(),
+        cwd=tmp_path,
+    )
     try:
         wait_for(lambda: any(p.stat().st_size > 0 for p in run.glob("rank*.jsonl")), 120, "the first training step")
         agents = _children(launcher.pid)

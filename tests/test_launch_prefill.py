@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from agent_helpers import cli
 from mqtt_brokers import agent_subprocess_env
 
@@ -24,9 +23,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _launch(tmp_path: Path, plan: Path, name: str, *extra: str) -> tuple[dict, Path]:
     run = tmp_path / name
-    done = subprocess.run(cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--plan", str(plan), "--steps", "3",
-                              "--run-dir", str(run), "--no-calibrate", "--json", *extra),
-                          capture_output=True, text=True, timeout=240, env=agent_subprocess_env(), cwd=tmp_path)
+    done = subprocess.run(
+        cli(
+            "launch",
+            str(ROOT / "configs/demo-3dc.yaml"),
+            "--plan",
+            str(plan),
+            "--steps",
+            "3",
+            "--run-dir",
+            str(run),
+            "--no-calibrate",
+            "--json",
+            *extra,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=agent_subprocess_env(),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1]), run
 

@@ -45,16 +45,26 @@ def test_simulate_a_config_needs_stages_or_a_plan(capsys) -> None:
     assert "geosched plan" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda d: [dc["gpu"].update(memory_gib=0.001) for dc in d["cluster"]["datacenters"]],
-     ["needs", "GiB", "0.001 GiB", "recompute"]),
-    (lambda d: (d["cluster"].update(links=[]), [dc.update(gpus=1) for dc in d["cluster"]["datacenters"]],
-                [dc["gpu"].update(memory_gib=0.05) for dc in d["cluster"]["datacenters"]]),
-     ["pipeline stages", "no WAN link joins"]),
-    (lambda d: d["job"].update(global_batch=15), ["job.global_batch", "microbatch_size"]),
-    (lambda d: d["cluster"]["datacenters"][0].update(gpuz=3), ["datacenters[0].gpuz", "unknown key"]),
-    (lambda d: d["cluster"]["links"][0].update(between=["us", "mars"]), ["links[0].between", "mars"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda d: [dc["gpu"].update(memory_gib=0.001) for dc in d["cluster"]["datacenters"]],
+            ["needs", "GiB", "0.001 GiB", "recompute"],
+        ),
+        (
+            lambda d: (
+                d["cluster"].update(links=[]),
+                [dc.update(gpus=1) for dc in d["cluster"]["datacenters"]],
+                [dc["gpu"].update(memory_gib=0.05) for dc in d["cluster"]["datacenters"]],
+            ),
+            ["pipeline stages", "no WAN link joins"],
+        ),
+        (lambda d: d["job"].update(global_batch=15), ["job.global_batch", "microbatch_size"]),
+        (lambda d: d["cluster"]["datacenters"][0].update(gpuz=3), ["datacenters[0].gpuz", "unknown key"]),
+        (lambda d: d["cluster"]["links"][0].update(between=["us", "mars"]), ["links[0].between", "mars"]),
+    ],
+)
 def test_infeasible_and_malformed_configs_exit_2_naming_the_constraint(tmp_path, capsys, change, words) -> None:
     assert main(["plan", write(tmp_path, edited(change))]) == 2
     err = capsys.readouterr().err
@@ -81,13 +91,17 @@ def test_time_limit_returns_a_plan_and_says_it_is_not_proven(capsys) -> None:
 
 @pytest.mark.slow
 def test_real_process_exit_code_and_one_line_error(tmp_path) -> None:
-    bad = write(tmp_path, edited(lambda d: [dc["gpu"].update(memory_gib=0.001)
-                                            for dc in d["cluster"]["datacenters"]]))
-    done = subprocess.run([sys.executable, "-m", "geosched.cli", "plan", bad], capture_output=True, text=True,
-                          timeout=120)
+    bad = write(tmp_path, edited(lambda d: [dc["gpu"].update(memory_gib=0.001) for dc in d["cluster"]["datacenters"]]))
+    done = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "plan", bad], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("geosched plan: error: ") and done.stderr.count("\n") == 1
     assert "Traceback" not in done.stderr
-    ok = subprocess.run([sys.executable, "-m", "geosched.cli", "plan", "configs/demo-3dc.yaml", "--json"],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "plan", "configs/demo-3dc.yaml", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0 and json.loads(ok.stdout)["world_size"] >= 1

@@ -33,8 +33,11 @@ def test_pareto_frontier_is_sorted_and_non_dominated() -> None:
         assert times == sorted(times) and costs == sorted(costs, reverse=True)
         for a in points:
             for b in points:
-                dominates = (b.iteration_s <= a.iteration_s and b.wan_cost_usd <= a.wan_cost_usd
-                             and (b.iteration_s, b.wan_cost_usd) != (a.iteration_s, a.wan_cost_usd))
+                dominates = (
+                    b.iteration_s <= a.iteration_s
+                    and b.wan_cost_usd <= a.wan_cost_usd
+                    and (b.iteration_s, b.wan_cost_usd) != (a.iteration_s, a.wan_cost_usd)
+                )
                 assert not dominates, (a.candidate.describe(), b.candidate.describe())
     assert len(make_plan(LINKED, with_frontier=True).frontier) >= 2
 

@@ -70,8 +70,7 @@ def test_violation_names_the_broken_rule() -> None:
 def test_missing_link_is_outside_the_space() -> None:
     for seed in range(100):  # the first random cluster with an unlinked pair
         problem = Problem(random_config(seed))
-        unlinked = [(a, b) for a in problem.dcs for b in problem.dcs
-                    if a != b and problem.cluster.link(a, b) is None]
+        unlinked = [(a, b) for a in problem.dcs for b in problem.dcs if a != b and problem.cluster.link(a, b) is None]
         if unlinked:
             break
     a, b = unlinked[0]
@@ -107,17 +106,22 @@ def test_plan_file_round_trip_and_rank_layout(tmp_path) -> None:
 def test_data_parallel_ranks_form_intra_dc_groups() -> None:
     _, plan = _plan_for("configs/demo-3dc.yaml", ("eu",), 2)
     assert [(r.rank, r.stage, r.replica, r.group, r.group_size) for r in plan.ranks] == [
-        (0, 0, 0, "eu/stage0", 2), (1, 0, 1, "eu/stage0", 2)]
+        (0, 0, 0, "eu/stage0", 2),
+        (1, 0, 1, "eu/stage0", 2),
+    ]
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda d: d.update(version=7), "version"),
-    (lambda d: d["ranks"][1].update(dc="ap"), "ranks[1].dc"),
-    (lambda d: d["stages"][0].update(layers=[0, 5]), "plan.stages"),
-    (lambda d: d.update(dp=0), "plan.dp"),
-    (lambda d: d.update(bogus=1), "plan.bogus"),
-    (lambda d: d["config"]["cluster"]["datacenters"][0].update(gpus=0), "gpus"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.update(version=7), "version"),
+        (lambda d: d["ranks"][1].update(dc="ap"), "ranks[1].dc"),
+        (lambda d: d["stages"][0].update(layers=[0, 5]), "plan.stages"),
+        (lambda d: d.update(dp=0), "plan.dp"),
+        (lambda d: d.update(bogus=1), "plan.bogus"),
+        (lambda d: d["config"]["cluster"]["datacenters"][0].update(gpus=0), "gpus"),
+    ],
+)
 def test_malformed_plan_names_the_field(tmp_path, edit, field) -> None:
     _, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
     data = yaml.safe_load(dump_plan(plan))

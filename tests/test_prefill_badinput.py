@@ -132,8 +132,9 @@ def test_curve_clients_without_an_allowed_key_are_refused_and_counted(model, tmp
             with PrefillClient(svc.endpoint, curve_client=curve(allowed_dir / "good.key"), timeout_s=10) as good:
                 result = good.prefill("hello")
                 assert result.status == "ok"
-                assert result.first_token == int(torch.topk(
-                    model.forward_cached(torch.tensor([list(b"hello")]))[0][0, -1], 1).indices[0])
+                assert result.first_token == int(
+                    torch.topk(model.forward_cached(torch.tensor([list(b"hello")]))[0][0, -1], 1).indices[0]
+                )
             metrics = svc.metrics()
             assert metrics["curve_refused"] >= 1 and metrics["received"] == 1
         finally:

@@ -16,9 +16,9 @@ import torch
 
 from agents.prefill.client import PrefillClient
 from agents.prefill.service import PrefillService
-from agents.stage.session import job_schedule, train_one_process
-from agents.stage.runtime import StageRuntime
 from agents.stage.report import StepReport
+from agents.stage.runtime import StageRuntime
+from agents.stage.session import job_schedule, train_one_process
 from agents.stage.transport import LinkTransport, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
@@ -56,9 +56,16 @@ def train(dataset: TextDataset, fillers: list[PrefillService | None]) -> list[li
         for stage, link in ((0, connector), (1, listener)):
             start, end = (0, 2) if stage == 0 else (2, 4)
             module = build_stage(MODEL, start, end, first=stage == 0, last=stage == 1, seed=JOB.seed)
-            runtimes.append(StageRuntime(
-                module, schedule, stage, transport=LinkTransport({1 - stage: link}, stage=stage),
-                optimizer=torch.optim.AdamW(module.parameters(), lr=JOB.learning_rate), bubble_filler=fillers[stage]))
+            runtimes.append(
+                StageRuntime(
+                    module,
+                    schedule,
+                    stage,
+                    transport=LinkTransport({1 - stage: link}, stage=stage),
+                    optimizer=torch.optim.AdamW(module.parameters(), lr=JOB.learning_rate),
+                    bubble_filler=fillers[stage],
+                )
+            )
         m = runtimes[0].num_microbatches
 
         def drive(runtime: StageRuntime) -> list[StepReport]:
@@ -120,8 +127,10 @@ def test_ten_times_the_bubble_capacity_is_answered_and_training_is_unchanged(dat
     assert reference_losses == pytest.approx(train_one_process(JOB, dataset, STEPS), rel=1e-5)
 
     models = [build_model(MODEL, seed=1).eval() for _ in range(2)]
-    with PrefillService(models[0], max_queue=MAX_QUEUE, max_kv_bytes=MAX_KV) as s0, \
-            PrefillService(models[1], max_queue=MAX_QUEUE, max_kv_bytes=MAX_KV) as s1:
+    with (
+        PrefillService(models[0], max_queue=MAX_QUEUE, max_kv_bytes=MAX_KV) as s0,
+        PrefillService(models[1], max_queue=MAX_QUEUE, max_kv_bytes=MAX_KV) as s1,
+    ):
         services = [s0, s1]
         bubble_share = sum(r.idle_s for r in reference[1]) / sum(r.iteration_s for r in reference[1])
         loads = [LoadGenerator(s.endpoint, 10 * bubble_share / s.sec_per_token) for s in services]

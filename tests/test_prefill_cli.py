@@ -43,13 +43,32 @@ def endpoint(weights):
 def test_cli_prefills_and_decodes_like_the_local_model(endpoint, weights):
     prompt = "Once upon a time"
     done = subprocess.run(
-        [sys.executable, "-m", "geosched.cli", "prefill", "--endpoint", endpoint, "--token", "tok", "--decode", "8",
-         "--weights", str(weights), "--config", CONFIG, "--json", prompt],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "geosched.cli",
+            "prefill",
+            "--endpoint",
+            endpoint,
+            "--token",
+            "tok",
+            "--decode",
+            "8",
+            "--weights",
+            str(weights),
+            "--config",
+            CONFIG,
+            "--json",
+            prompt,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     model = build_model(load_config(CONFIG).job.model, seed=99)
-    expected = greedy_generate(model, torch.tensor([list(prompt.encode())]), 8)[0, len(prompt):].tolist()
+    expected = greedy_generate(model, torch.tensor([list(prompt.encode())]), 8)[0, len(prompt) :].tolist()
     assert out["status"] == "ok" and out["prompt_tokens"] == len(prompt)
     assert out["first_token"] == expected[0] and out["decoded_tokens"] == expected
 

@@ -78,8 +78,10 @@ def test_greedy_decoding_from_the_returned_cache_equals_decoding_from_scratch(se
             expected = greedy_generate(model, tokens.view(1, -1), 12)[0, length:].tolist()
             assert continue_greedy(model, result, 12) == expected
         text = client.prefill("The quick brown fox")
-        assert continue_greedy(model, text, 5) == greedy_generate(
-            model, torch.tensor([list(b"The quick brown fox")]), 5)[0, 19:].tolist()
+        assert (
+            continue_greedy(model, text, 5)
+            == greedy_generate(model, torch.tensor([list(b"The quick brown fox")]), 5)[0, 19:].tolist()
+        )
         no_kv = client.prefill("abc", return_kv=False)
         assert no_kv.status == "ok" and no_kv.kv is None
         with pytest.raises(InputError, match="no KV cache"):
@@ -87,8 +89,10 @@ def test_greedy_decoding_from_the_returned_cache_equals_decoding_from_scratch(se
 
 
 def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(model):
-    with PrefillService(model, min_chunk_s=1e-9, max_chunk_s=1e-9) as service, \
-            PrefillClient(service.endpoint) as client:
+    with (
+        PrefillService(model, min_chunk_s=1e-9, max_chunk_s=1e-9) as service,
+        PrefillClient(service.endpoint) as client,
+    ):
         rid = client.submit(list(range(10)))
         assert wait_until(lambda: service.metrics()["queue_len"] == 1)
         checks = iter([False, False, True])
@@ -104,8 +108,10 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
 
 
 def test_chunk_size_follows_the_remaining_budget(model):
-    with PrefillService(model, min_chunk_s=1e-9, max_chunk_s=10.0) as service, \
-            PrefillClient(service.endpoint) as client:
+    with (
+        PrefillService(model, min_chunk_s=1e-9, max_chunk_s=10.0) as service,
+        PrefillClient(service.endpoint) as client,
+    ):
         client.submit(list(range(30)))
         assert wait_until(lambda: service.metrics()["queue_len"] == 1)
         small = service.fill(lambda: False, budget_s=0.0)  # no predicted idle time: smallest chunks
@@ -129,8 +135,10 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
 
 def test_admission_control_rejects_at_once_with_the_reason(model):
     kv_per_prompt = 20 * kv_bytes_per_token(SHAPE)
-    with PrefillService(model, max_queue=3, max_kv_bytes=int(2.5 * kv_per_prompt)) as service, \
-            PrefillClient(service.endpoint) as client:
+    with (
+        PrefillService(model, max_queue=3, max_kv_bytes=int(2.5 * kv_per_prompt)) as service,
+        PrefillClient(service.endpoint) as client,
+    ):
         service.set_bubble_forecast(bubble_s_per_iteration=0.0, iteration_s=1.0)  # no bubbles at all
         hopeless = client.prefill(list(range(20)), deadline_s=0.5)
         assert hopeless.status == "rejected" and "cannot meet the deadline" in hopeless.reason

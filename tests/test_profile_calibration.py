@@ -10,18 +10,27 @@ import pytest
 import torch
 import yaml
 
-from agents.rehearsal.calibrate import block_unit, calibrate, plan_options, plan_stages
 from agents.layout import parse_layout
+from agents.rehearsal.calibrate import block_unit, calibrate, plan_options, plan_stages
 from agents.rehearsal.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
 from agents.wanem.emulator import LinkShape
 from geosched.chunking import chunks_per_message
 from geosched.cli import main
 from geosched.config import load_config
-from geosched.costmodel import (ASSUMED_MEMORY_BANDWIDTH_BPS, Calibration, PipelineCosts, boundary_bytes,
-                                gpt_block_cost, message_overhead_s, stage_compute, stage_params, total_params)
+from geosched.costmodel import (
+    ASSUMED_MEMORY_BANDWIDTH_BPS,
+    Calibration,
+    PipelineCosts,
+    boundary_bytes,
+    gpt_block_cost,
+    message_overhead_s,
+    stage_compute,
+    stage_params,
+    total_params,
+)
 from geosched.errors import InputError
-from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 from geosched.processes import child_env
+from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 from geosched.schedule import build_schedule, lower, simulate
 
 DEMO = "configs/demo-3dc.yaml"
@@ -50,8 +59,9 @@ def config_with(tmp_path, model: dict, microbatch: int = 2) -> str:
 def test_cli_writes_a_calibration_that_the_cost_model_loads(tmp_path, capsys) -> None:
     config = config_with(tmp_path, TINY, microbatch=2)
     out = tmp_path / "calibration.json"
-    code = main(["profile", config, "-o", str(out), "--repeats", "2", "--warmup", "1", "--threads", "1",
-                 "--json", "--check"])
+    code = main(
+        ["profile", config, "-o", str(out), "--repeats", "2", "--warmup", "1", "--threads", "1", "--json", "--check"]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     printed = json.loads(captured.out.strip().splitlines()[-1])
@@ -114,13 +124,16 @@ def test_check_prediction_reports_both_sides(tmp_path) -> None:
     assert check["predicted_over_measured"] == pytest.approx(check["predicted_s"] / check["measured_s"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--threads", "-1"], "--threads must be >= 1, or 0"),
-    (["--device", "tpu"], "--device 'tpu' is not supported"),
-    (["--co-located", "0"], "--co-located must be >= 1"),
-    (["-o", "/nonexistent-dir/cal.json", "--repeats", "1", "--warmup", "0"], "cannot write calibration"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--threads", "-1"], "--threads must be >= 1, or 0"),
+        (["--device", "tpu"], "--device 'tpu' is not supported"),
+        (["--co-located", "0"], "--co-located must be >= 1"),
+        (["-o", "/nonexistent-dir/cal.json", "--repeats", "1", "--warmup", "0"], "cannot write calibration"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> None:
     config = config_with(tmp_path, {**TINY, "layers": 1})
     assert main(["profile", config, *argv]) == 2
@@ -146,8 +159,17 @@ def test_optimizer_step_is_measured_and_priced(tmp_path) -> None:
 
 def test_old_calibration_files_load_and_fall_back_to_the_traffic_model(tmp_path) -> None:
     job = load_config(config_with(tmp_path, TINY)).job
-    old = {f: 1e-4 for f in ("block_forward_s", "block_backward_s", "head_forward_s", "head_backward_s",
-                             "embed_forward_s", "embed_backward_s")}
+    old = {
+        f: 1e-4
+        for f in (
+            "block_forward_s",
+            "block_backward_s",
+            "head_forward_s",
+            "head_backward_s",
+            "embed_forward_s",
+            "embed_backward_s",
+        )
+    }
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"gpu_name": "cpu", "tflops": 0.5, **old}))
     calibration = Calibration.load(path)
@@ -174,13 +196,23 @@ def test_message_costs_through_the_wan_emulator_on_striped_streams(tmp_path) -> 
     job = load_config(config_with(tmp_path, TINY)).job
     nbytes = 4 * 65536  # 256 KiB: two 64 KiB stripes on each of 2 streams
     before = _children()
-    costs = measure_message_costs(nbytes, block_unit(job), rounds=2, units=2, streams=2,
-                                  emulated=LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6, window_bytes=1 << 20))
+    costs = measure_message_costs(
+        nbytes,
+        block_unit(job),
+        rounds=2,
+        units=2,
+        streams=2,
+        emulated=LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6, window_bytes=1 << 20),
+    )
     assert costs["message_overhead_s_emulated"] >= 0 and costs["message_overhead_s_per_chunk"] >= 0
     assert 0 < costs["message_latency_s"] < 1.0
     assert _children() == before  # the echo peer, the relay and the busy process have all exited
-    bad = subprocess.run([sys.executable, "-m", "agents.rehearsal.link_profile", "--relay"], capture_output=True, text=True,
-                         env=child_env())
+    bad = subprocess.run(
+        [sys.executable, "-m", "agents.rehearsal.link_profile", "--relay"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     assert bad.returncode != 0 and "usage: python -m agents.rehearsal.link_profile" in bad.stderr
 
 
@@ -196,9 +228,17 @@ def test_the_emulator_share_is_charged_on_inter_dc_messages_only(tmp_path) -> No
     config = load_config(config_with(tmp_path, TINY))
     job = config.job
     times = {f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head") for d in ("forward", "backward")}
-    cal = Calibration.from_dict({"gpu_name": "cpu", "tflops": 1.0, **times, "message_overhead_s": 1e-3,
-                                 "message_overhead_s_per_chunk": 0.0, "message_overhead_s_per_byte": 0.0,
-                                 "message_overhead_s_emulated": 4e-4})
+    cal = Calibration.from_dict(
+        {
+            "gpu_name": "cpu",
+            "tflops": 1.0,
+            **times,
+            "message_overhead_s": 1e-3,
+            "message_overhead_s_per_chunk": 0.0,
+            "message_overhead_s_per_byte": 0.0,
+            "message_overhead_s_emulated": 4e-4,
+        }
+    )
     a, b = (dc.name for dc in config.cluster.datacenters[:2])
     assert message_overhead_s(cal, 1024, 1) == pytest.approx(1e-3)
     assert message_overhead_s(cal, 1024, 1, wan=True) == pytest.approx(1.4e-3)
@@ -213,10 +253,20 @@ def test_the_emulator_share_is_charged_on_inter_dc_messages_only(tmp_path) -> No
 def test_message_costs_become_stage_time_on_sends_and_receives(tmp_path) -> None:
     config = load_config(config_with(tmp_path, TINY))
     job = config.job
-    base = {"gpu_name": "cpu", "tflops": 1.0, **{f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head")
-                                                  for d in ("forward", "backward")}}
-    charged = Calibration.from_dict({**base, "message_overhead_s": 2e-3, "message_overhead_s_per_chunk": 1e-4,
-                                     "message_overhead_s_per_byte": 1e-9, "message_latency_s": 5e-3})
+    base = {
+        "gpu_name": "cpu",
+        "tflops": 1.0,
+        **{f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head") for d in ("forward", "backward")},
+    }
+    charged = Calibration.from_dict(
+        {
+            **base,
+            "message_overhead_s": 2e-3,
+            "message_overhead_s_per_chunk": 1e-4,
+            "message_overhead_s_per_byte": 1e-9,
+            "message_latency_s": 5e-3,
+        }
+    )
     dcs = [config.cluster.datacenters[0].name] * 2
     schedule = lower(build_schedule("1f1b", 2, 2))
     plain = PipelineCosts(config.cluster, job, dcs, [(0, 1), (1, 2)], 1, {}, calibration=Calibration.from_dict(base))
@@ -239,8 +289,10 @@ def test_co_located_profile_runs_copies_at_once_and_keeps_the_medians(tmp_path) 
     with pytest.raises(InputError, match="co_located must be >= 1"):
         calibrate(job, co_located=0)
     whole = calibrate(job, repeats=1, warmup=0, co_located=2, link=False, stages=plan_stages([(0, 1), (1, 2)]))
-    assert [(t["start"], t["end"], t["first"], t["last"]) for t in whole["stage_times"]] == [(0, 1, True, False),
-                                                                                            (1, 2, False, True)]
+    assert [(t["start"], t["end"], t["first"], t["last"]) for t in whole["stage_times"]] == [
+        (0, 1, True, False),
+        (1, 2, False, True),
+    ]
     assert all(t["forward_s"] > 0 and t["backward_s"] > 0 for t in whole["stage_times"])
 
 
@@ -273,8 +325,10 @@ def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
     plan = tmp_path / "plan.yaml"
     assert main(["plan", config, "-o", str(plan), "--no-explain"]) == 0
     out = tmp_path / "calibration.json"
-    assert main(["profile", config, "-o", str(out), "--repeats", "1", "--warmup", "0", "--no-link",
-                 "--plan", str(plan)]) == 0
+    assert (
+        main(["profile", config, "-o", str(out), "--repeats", "1", "--warmup", "0", "--no-link", "--plan", str(plan)])
+        == 0
+    )
     printed = capsys.readouterr().out
     cal = Calibration.load(out)
     assert cal.stage_times and "(whole, from the plan)" in printed
@@ -287,7 +341,9 @@ def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
     options = plan_options(layout)  # a real cluster: its stages and its first WAN link's streams
     assert options == {"stages": plan_stages(layout.stage_layers), "streams": layout.streams[tuple(sorted((up, down)))]}
     rehearsal = plan_options(layout, wan_scale=0.05)["emulated"]  # + the emulator's shape of that link
-    assert rehearsal.link_bytes_per_s == pytest.approx(layout.config.cluster.link(up, down).bandwidth_gbps * 1e9 / 8 * 0.05)
+    assert rehearsal.link_bytes_per_s == pytest.approx(
+        layout.config.cluster.link(up, down).bandwidth_gbps * 1e9 / 8 * 0.05
+    )
     (tmp_path / "other").mkdir()
     other = config_with(tmp_path / "other", {**TINY, "hidden": 64})
     assert main(["profile", other, "--repeats", "1", "--no-link", "--plan", str(plan)]) == 2
@@ -297,8 +353,16 @@ def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
 
 def test_message_overhead_counts_the_chunks_a_link_stripes_a_message_into() -> None:
     times = {f"{piece}_{d}_s": 1e-3 for piece in ("embed", "block", "head") for d in ("forward", "backward")}
-    cal = Calibration.from_dict({"gpu_name": "cpu", "tflops": 1.0, **times, "message_overhead_s": 1e-3,
-                                 "message_overhead_s_per_chunk": 1e-4, "message_overhead_s_per_byte": 0.0})
+    cal = Calibration.from_dict(
+        {
+            "gpu_name": "cpu",
+            "tflops": 1.0,
+            **times,
+            "message_overhead_s": 1e-3,
+            "message_overhead_s_per_chunk": 1e-4,
+            "message_overhead_s_per_byte": 0.0,
+        }
+    )
     kib = 1024
     assert chunks_per_message(128 * kib, 1) == 1 and chunks_per_message(128 * kib, 2) == 2  # 64 KiB stripes
     assert message_overhead_s(cal, 128 * kib, 1) == pytest.approx(1e-3 + 1e-4)
@@ -309,8 +373,9 @@ def test_message_overhead_counts_the_chunks_a_link_stripes_a_message_into() -> N
 def test_message_cost_terms_are_solved_from_the_three_probe_settings() -> None:
     fixed, per_chunk, per_byte = 3e-4, 1e-4, 2e-10
     n = 128 << 10
-    settings = [(size, chunks, fixed + per_chunk * chunks + per_byte * size)
-                for size, chunks in ((n, 1), (8 * n, 1), (n, 2))]
+    settings = [
+        (size, chunks, fixed + per_chunk * chunks + per_byte * size) for size, chunks in ((n, 1), (8 * n, 1), (n, 2))
+    ]
     assert solve_message_terms(settings) == pytest.approx((fixed, per_chunk, per_byte))
     # noise that would make a term negative is clamped to 0, never a negative stage time
     assert min(solve_message_terms([(n, 1, 5e-4), (8 * n, 1, 4e-4), (n, 2, 3e-4)])) == 0.0

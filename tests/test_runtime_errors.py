@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agents.layout import layout_roles
-from agents.stage.session import job_schedule, num_microbatches
 from agents.stage.runtime import StageRuntime
+from agents.stage.session import job_schedule, num_microbatches
 from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
@@ -28,8 +28,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def runtime(stage: int, link: WanLink | None, shape: ModelSpec = MODEL, **options) -> StageRuntime:
     module = build_stage(shape, stage, stage + 1, first=stage == 0, last=stage == 1, seed=1)
     transport = None if link is None else LinkTransport({1 - stage: link}, stage=stage)
-    return StageRuntime(module, job_schedule(JOB, 2, 1), stage, transport=transport,
-                        optimizer=torch.optim.AdamW(module.parameters()), **options)
+    return StageRuntime(
+        module,
+        job_schedule(JOB, 2, 1),
+        stage,
+        transport=transport,
+        optimizer=torch.optim.AdamW(module.parameters()),
+        **options,
+    )
 
 
 def test_failing_actions_are_marked_in_the_grid(link_pair):
@@ -57,8 +63,9 @@ def test_failing_actions_are_marked_in_the_grid(link_pair):
 
 def test_wrong_microbatch_count_is_refused():
     module = build_stage(MODEL, 0, 2, first=True, last=True, seed=1)
-    single = StageRuntime(module, job_schedule(JOB, 1, 1), 0, transport=None,
-                          optimizer=torch.optim.AdamW(module.parameters()))
+    single = StageRuntime(
+        module, job_schedule(JOB, 1, 1), 0, transport=None, optimizer=torch.optim.AdamW(module.parameters())
+    )
     data = TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=1).batch(0, 0, 1, 2, 2)
     assert single.run_step(0, data).loss > 0  # one stage: no transport needed
     with pytest.raises(StageError, match="needs 2 microbatches .* got 1"):
@@ -69,8 +76,13 @@ def test_stage_and_model_part_must_agree(link_pair):
     _, connector = link_pair
     middle = build_stage(MODEL, 0, 1, first=False, last=False, seed=1)  # no embeddings: cannot be stage 0
     with pytest.raises(StageError, match="needs first=True, last=False"):
-        StageRuntime(middle, job_schedule(JOB, 2, 1), 0, transport=LinkTransport({1: connector}, stage=0),
-                     optimizer=torch.optim.AdamW(middle.parameters()))
+        StageRuntime(
+            middle,
+            job_schedule(JOB, 2, 1),
+            0,
+            transport=LinkTransport({1: connector}, stage=0),
+            optimizer=torch.optim.AdamW(middle.parameters()),
+        )
     first = build_stage(MODEL, 0, 1, first=True, last=False, seed=1)
     with pytest.raises(StageError, match="needs a transport"):
         StageRuntime(first, job_schedule(JOB, 2, 1), 0, transport=None, optimizer=torch.optim.AdamW(first.parameters()))

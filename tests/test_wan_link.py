@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from agents.wan.config import WanLinkConfig
-from agents.wan.link import WanLink
 from agents.wan.io import poll_timeout_ms
+from agents.wan.link import WanLink
 from geosched.chunking import auto_chunk_bytes
 from geosched.errors import InputError, LinkError, ProtocolError
 

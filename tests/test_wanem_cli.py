@@ -17,22 +17,24 @@ from geosched.cli import main
 CLI = [sys.executable, "-m", "geosched.cli", "wanem"]
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--target", "nohost"], "--target"),
-    (["--rtt-ms", "5"], "--target"),
-    (["--target", "127.0.0.1:1", "--link-mbps", "-3"], "--link-mbps"),
-    (["--target", "127.0.0.1:1", "--window-kb", "0"], "--window-kb"),
-    (["--target", "127.0.0.1:1", "--rtt-ms", "-1"], "--rtt-ms"),
-    (["--target", "127.0.0.1:1", "--reset-every-s", "0"], "--reset-every-s"),
-    (["--target", "127.0.0.1:1", "--listen", "127.0.0.1:99999"], "--listen"),
-    (["--target", "127.0.0.1:1", "--route", "us-eu=127.0.0.1:1"], "--route"),
-    (["--target", "127.0.0.1:1", "--rtt-ms", "fast"], "--rtt-ms"),
-    (["configs/demo-3dc.yaml"], "--route"),
-    (["configs/demo-3dc.yaml", "--route", "us-mars=127.0.0.1:1"], "us-mars"),
-    (["configs/demo-3dc.yaml", "--route", "us-eu"], "--route"),
-])
-def test_bad_flags_are_one_line_and_exit_2(argv: list[str], names: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--target", "nohost"], "--target"),
+        (["--rtt-ms", "5"], "--target"),
+        (["--target", "127.0.0.1:1", "--link-mbps", "-3"], "--link-mbps"),
+        (["--target", "127.0.0.1:1", "--window-kb", "0"], "--window-kb"),
+        (["--target", "127.0.0.1:1", "--rtt-ms", "-1"], "--rtt-ms"),
+        (["--target", "127.0.0.1:1", "--reset-every-s", "0"], "--reset-every-s"),
+        (["--target", "127.0.0.1:1", "--listen", "127.0.0.1:99999"], "--listen"),
+        (["--target", "127.0.0.1:1", "--route", "us-eu=127.0.0.1:1"], "--route"),
+        (["--target", "127.0.0.1:1", "--rtt-ms", "fast"], "--rtt-ms"),
+        (["configs/demo-3dc.yaml"], "--route"),
+        (["configs/demo-3dc.yaml", "--route", "us-mars=127.0.0.1:1"], "us-mars"),
+        (["configs/demo-3dc.yaml", "--route", "us-eu"], "--route"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse's own errors exit; ours return 2
         raise SystemExit(main(["wanem", *argv]))
     assert exit_info.value.code == 2
@@ -86,9 +88,23 @@ def _events(proc: subprocess.Popen, kind: str) -> dict:
 
 @pytest.mark.slow
 def test_foreground_relay_serves_resets_on_sigusr1_and_stops_on_sigterm(echo_port: int) -> None:
-    proc = subprocess.Popen([*CLI, "--target", f"127.0.0.1:{echo_port}", "--rtt-ms", "4", "--link-mbps", "80",
-                             "--window-kb", "64", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "--target",
+            f"127.0.0.1:{echo_port}",
+            "--rtt-ms",
+            "4",
+            "--link-mbps",
+            "80",
+            "--window-kb",
+            "64",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         listening = _events(proc, "listening")
         assert listening["window_bytes"] == 64_000 and listening["link_bytes_per_s"] == 10e6
@@ -117,9 +133,24 @@ def test_foreground_relay_serves_resets_on_sigusr1_and_stops_on_sigterm(echo_por
 
 @pytest.mark.slow
 def test_config_form_runs_one_relay_per_route(echo_port: int) -> None:
-    out = subprocess.run([*CLI, "configs/demo-3dc.yaml", "--scale", "0.5", "--route", f"us-eu=127.0.0.1:{echo_port}",
-                          "--route", f"ap-eu=127.0.0.1:{echo_port}", "--duration", "1.2", "--json"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            *CLI,
+            "configs/demo-3dc.yaml",
+            "--scale",
+            "0.5",
+            "--route",
+            f"us-eu=127.0.0.1:{echo_port}",
+            "--route",
+            f"ap-eu=127.0.0.1:{echo_port}",
+            "--duration",
+            "1.2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     listening = {r["route"]: r for r in records if r["event"] == "listening"}

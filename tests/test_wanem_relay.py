@@ -105,8 +105,10 @@ def test_concurrent_transfers_arrive_intact_both_ways(echo: EchoServer, name: st
     payloads = [os.urandom(n) for n in (1, 1000, 300_000, 3_000_000)]
     results: dict[int, bytes] = {}
     with WanRelay(echo.address, SHAPES[name]) as relay:
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, round_trip(relay.port, payloads[i])))
-                   for i in range(len(payloads))]
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, round_trip(relay.port, payloads[i])))
+            for i in range(len(payloads))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -179,7 +181,11 @@ def test_unreachable_target_resets_the_client() -> None:
 
 
 def _open_fds() -> set[str]:
-    return {f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}" for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")}
+    return {
+        f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}"
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    }
 
 
 def test_close_leaves_no_thread_or_socket(echo: EchoServer) -> None:
@@ -210,8 +216,9 @@ def test_set_shape_applies_to_new_traffic(echo: EchoServer) -> None:
 class _Link:
     """Stands in for a config link: only the attributes shape_for_link reads."""
 
-    def __init__(self, between: tuple[str, str], bandwidth_gbps: float, rtt_ms: float,
-                 per_connection_gbps: float) -> None:
+    def __init__(
+        self, between: tuple[str, str], bandwidth_gbps: float, rtt_ms: float, per_connection_gbps: float
+    ) -> None:
         self.between, self.bandwidth_gbps = between, bandwidth_gbps
         self.rtt_ms, self.per_connection_gbps = rtt_ms, per_connection_gbps
         self.egress_usd_per_gb = 0.02

@@ -20,8 +20,9 @@ import torch
 from geosched.errors import CheckpointError
 
 
-def flatten_state(model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], dict]:
+def flatten_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Named tensors and JSON metadata for the model's state and the optimizer's state."""
     tensors = {f"model/{name}": value.detach().cpu().contiguous() for name, value in model.state_dict().items()}
     meta: dict[str, Any] = {"model": sorted(model.state_dict()), "optimizer": None}
@@ -56,8 +57,12 @@ def flatten_state(model: torch.nn.Module,
                 tuples.append(key)
             hyper[key] = value
         groups.append({"hyper": hyper, "tuple_keys": tuples, "tensor_keys": group_tensors})
-    meta["optimizer"] = {"class": type(optimizer).__name__, "param_names": group_names, "param_groups": groups,
-                         "state": opt_state}
+    meta["optimizer"] = {
+        "class": type(optimizer).__name__,
+        "param_names": group_names,
+        "param_groups": groups,
+        "state": opt_state,
+    }
     return tensors, meta
 
 
@@ -73,9 +78,13 @@ def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return out
 
 
-def rebuild_optimizer_state(meta: dict, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer,
-                            fail: Callable[[str], CheckpointError]) -> tuple[dict, set[str]]:
+def rebuild_optimizer_state(
+    meta: dict,
+    tensors: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fail: Callable[[str], CheckpointError],
+) -> tuple[dict, set[str]]:
     """The optimizer ``state_dict`` the shard describes, checked against the live optimizer."""
     saved = meta.get("optimizer")
     if not isinstance(saved, dict):
@@ -100,8 +109,7 @@ def rebuild_optimizer_state(meta: dict, tensors: dict[str, torch.Tensor], model:
                 if value is None:
                     raise fail(f"missing tensor {tname}")
                 if value.dim() != 0 and value.shape != params[name].shape:
-                    raise fail(f"tensor {tname} is {tuple(value.shape)}, the parameter is "
-                               f"{tuple(params[name].shape)}")
+                    raise fail(f"tensor {tname} is {tuple(value.shape)}, the parameter is {tuple(params[name].shape)}")
                 entry[key] = value
                 used.add(tname)
             state[index[name]] = entry

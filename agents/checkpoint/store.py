@@ -81,17 +81,32 @@ def shard_paths(ckpt_dir: str | os.PathLike, step: int, stage: int) -> tuple[str
     return base + ".safetensors", base + ".json"
 
 
-def job_fingerprint(shape: ShapeLike, layers: tuple[int, int], *, first: bool, last: bool, seed: int,
-                    num_stages: int, precision: str = "fp32") -> str:
+def job_fingerprint(
+    shape: ShapeLike,
+    layers: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    seed: int,
+    num_stages: int,
+    precision: str = "fp32",
+) -> str:
     """A short hash of what a shard must match: model shape, the stage's layers, the cut, seed and precision."""
     model = ModelShape.of(shape)
-    key = {"model": [model.layers, model.hidden, model.heads, model.seq_len, model.vocab, model.ffn_mult],
-           "layers": list(layers), "first": first, "last": last, "seed": seed, "num_stages": num_stages,
-           "precision": precision}
+    key = {
+        "model": [model.layers, model.hidden, model.heads, model.seq_len, model.vocab, model.ffn_mult],
+        "layers": list(layers),
+        "first": first,
+        "last": last,
+        "seed": seed,
+        "num_stages": num_stages,
+        "precision": precision,
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------ writing ---
+
 
 class CheckpointWriter:
     """Writes one stage's shards into ``ckpt_dir`` (create it on replica 0 of the stage only).
@@ -108,8 +123,10 @@ class CheckpointWriter:
         try:
             os.makedirs(self.ckpt_dir, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint folder {self.ckpt_dir!r}: {exc.strerror or exc}; "
-                                  "pick a writable --checkpoint-dir") from None
+            raise CheckpointError(
+                f"cannot create checkpoint folder {self.ckpt_dir!r}: {exc.strerror or exc}; "
+                "pick a writable --checkpoint-dir"
+            ) from None
         for step in list_steps(self.ckpt_dir):
             meta_path = shard_paths(self.ckpt_dir, step, stage)[1]
             try:
@@ -120,10 +137,16 @@ class CheckpointWriter:
                 raise CheckpointError(
                     f"{meta_path}: this folder holds checkpoints of a different job (fingerprint "
                     f"{meta.get('job_fingerprint')}, {meta.get('num_stages')} stages; this job has {job_fingerprint}, "
-                    f"{num_stages} stages); use another --checkpoint-dir or remove the old checkpoints")
+                    f"{num_stages} stages); use another --checkpoint-dir or remove the old checkpoints"
+                )
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             extra: dict[str, Any] | None = None) -> str:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
         """Write the shard of ``step`` (optimizer steps completed) atomically; return its metadata path."""
         started = time.perf_counter()
         tensors, meta = flatten_state(model, optimizer)
@@ -140,17 +163,28 @@ class CheckpointWriter:
         tensor_path, meta_path = shard_paths(self.ckpt_dir, step, self.stage)
         header = {"format": FORMAT, "step": str(step), "stage": str(self.stage)}
         sha, nbytes = _atomic_write(tensor_path, lambda tmp: save_file(tensors, tmp, metadata=header))
-        meta.update({
-            "format": FORMAT, "step": step, "stage": self.stage, "num_stages": self.num_stages,
-            "job_fingerprint": self.fingerprint, "tensor_file": os.path.basename(tensor_path),
-            "tensor_bytes": nbytes, "sha256": sha, "extra": extra, "torch_version": torch.__version__,
-            "host": socket.gethostname(), "written_at": time.time(),
-        })
+        meta.update(
+            {
+                "format": FORMAT,
+                "step": step,
+                "stage": self.stage,
+                "num_stages": self.num_stages,
+                "job_fingerprint": self.fingerprint,
+                "tensor_file": os.path.basename(tensor_path),
+                "tensor_bytes": nbytes,
+                "sha256": sha,
+                "extra": extra,
+                "torch_version": torch.__version__,
+                "host": socket.gethostname(),
+                "written_at": time.time(),
+            }
+        )
         data = json.dumps(meta, indent=1, sort_keys=True).encode()
         _atomic_write(meta_path, lambda tmp: _write_bytes(tmp, data))
         self._write_manifest_if_complete(step)
-        log.info("checkpoint step %d stage %d: %d bytes in %.3f s", step, self.stage, nbytes,
-                 time.perf_counter() - started)
+        log.info(
+            "checkpoint step %d stage %d: %d bytes in %.3f s", step, self.stage, nbytes, time.perf_counter() - started
+        )
         return meta_path
 
     def _write_manifest_if_complete(self, step: int) -> None:
@@ -161,8 +195,13 @@ class CheckpointWriter:
                 shards[f"{stage:02d}"] = _read_json(shard_paths(self.ckpt_dir, step, stage)[1])["sha256"]
             except (CheckpointError, KeyError):
                 return
-        manifest = {"format": FORMAT, "step": step, "num_stages": self.num_stages,
-                    "job_fingerprint": self.fingerprint, "shards_sha256": shards}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "num_stages": self.num_stages,
+            "job_fingerprint": self.fingerprint,
+            "shards_sha256": shards,
+        }
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _atomic_write(os.path.join(step_dir(self.ckpt_dir, step), "manifest.json"), lambda tmp: _write_bytes(tmp, data))
 
@@ -173,9 +212,17 @@ class CheckpointWriter:
 
 # ------------------------------------------------------------------ loading ---
 
-def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer | None, *, job_fingerprint: str | None = None,
-               restore_rng: bool = True) -> dict[str, Any]:
+
+def load_shard(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    stage: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    job_fingerprint: str | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
     """Load one stage's shard of ``step`` into ``model`` (and ``optimizer``); return its ``extra`` dict.
 
     Everything is verified before anything is copied; on any problem a
@@ -188,8 +235,9 @@ def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.
     tensors = _read_tensors(tensor_path, meta)
 
     def fail(what: str) -> CheckpointError:
-        return CheckpointError(f"{tensor_path}: {what}; the checkpoint does not match this model "
-                               "(different model, cut or corrupt file)")
+        return CheckpointError(
+            f"{tensor_path}: {what}; the checkpoint does not match this model (different model, cut or corrupt file)"
+        )
 
     targets = model.state_dict()
     if sorted(targets) != sorted(meta["model"]):
@@ -201,8 +249,10 @@ def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.
         if value is None:
             raise fail(f"missing tensor model/{name}")
         if value.shape != target.shape or value.dtype != target.dtype:
-            raise fail(f"tensor model/{name} is {tuple(value.shape)} {value.dtype}, the model expects "
-                       f"{tuple(target.shape)} {target.dtype}")
+            raise fail(
+                f"tensor model/{name} is {tuple(value.shape)} {value.dtype}, the model expects "
+                f"{tuple(target.shape)} {target.dtype}"
+            )
     expected = {f"model/{name}" for name in targets} | {"rng/torch_cpu"}
     opt_state = None
     if optimizer is not None:
@@ -231,21 +281,34 @@ def load_shard(ckpt_dir: str | os.PathLike, step: int, stage: int, model: torch.
 def _check_meta(meta: dict, path: str, step: int, stage: int, fingerprint: str | None) -> None:
     """The shard metadata has the right format, place and (if given) job fingerprint."""
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a geosched checkpoint (format {str(meta.get('format'))[:40]!r}, "
-                              f"expected {FORMAT!r})")
-    for key, kind in (("step", int), ("stage", int), ("num_stages", int), ("sha256", str),
-                      ("tensor_bytes", int), ("model", list), ("extra", dict), ("job_fingerprint", str)):
+        raise CheckpointError(
+            f"{path}: not a geosched checkpoint (format {str(meta.get('format'))[:40]!r}, expected {FORMAT!r})"
+        )
+    for key, kind in (
+        ("step", int),
+        ("stage", int),
+        ("num_stages", int),
+        ("sha256", str),
+        ("tensor_bytes", int),
+        ("model", list),
+        ("extra", dict),
+        ("job_fingerprint", str),
+    ):
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
     if not all(isinstance(name, str) for name in meta["model"]):
         raise CheckpointError(f"{path}: field 'model' must list parameter names")
     if (meta["step"], meta["stage"]) != (step, stage):
-        raise CheckpointError(f"{path}: records step {meta['step']} stage {meta['stage']}, but sits at step "
-                              f"{step} stage {stage}; the file was moved or renamed")
+        raise CheckpointError(
+            f"{path}: records step {meta['step']} stage {meta['stage']}, but sits at step "
+            f"{step} stage {stage}; the file was moved or renamed"
+        )
     if fingerprint is not None and meta["job_fingerprint"] != fingerprint:
-        raise CheckpointError(f"{path}: written for a different job (fingerprint {meta['job_fingerprint']}, "
-                              f"this job {fingerprint}: model shape, layer ranges, seed or precision differ); "
-                              "resume with the same config and plan, or use another --checkpoint-dir")
+        raise CheckpointError(
+            f"{path}: written for a different job (fingerprint {meta['job_fingerprint']}, "
+            f"this job {fingerprint}: model shape, layer ranges, seed or precision differ); "
+            "resume with the same config and plan, or use another --checkpoint-dir"
+        )
 
 
 def _read_json(path: str) -> dict:
@@ -282,8 +345,10 @@ def _read_verified(path: str, meta: dict) -> bytes:
     try:
         size = os.path.getsize(path)
         if size != meta["tensor_bytes"]:
-            raise CheckpointError(f"{path}: {size} bytes on disk but {meta['tensor_bytes']} recorded in its "
-                                  "JSON; the file is truncated or was replaced")
+            raise CheckpointError(
+                f"{path}: {size} bytes on disk but {meta['tensor_bytes']} recorded in its "
+                "JSON; the file is truncated or was replaced"
+            )
         with open(path, "rb") as fh:
             data = fh.read()
     except FileNotFoundError:
@@ -296,6 +361,7 @@ def _read_verified(path: str, meta: dict) -> bytes:
 
 
 # ----------------------------------------------------- completeness, prune ---
+
 
 def list_steps(ckpt_dir: str | os.PathLike) -> list[int]:
     """Steps that have a folder in ``ckpt_dir`` (complete or not), oldest first."""
@@ -370,6 +436,7 @@ def _counts(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> bool:
 
 
 # --------------------------------------------------------------- atomicity ---
+
 
 def _atomic_write(path: str, write: Callable[[str], None]) -> tuple[str, int]:
     """Write ``path`` via a temporary file in its folder: write, fsync, rename, fsync the folder.

@@ -373,7 +373,7 @@ class EmbeddedBroker:
                 self._handle(client, kind, flags, _Body(body))
         except _ProtocolViolation as exc:
             log.warning("broker: closing %s (%s): %s", client.client_id if client else "client", peer, exc)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             log.debug("broker: connection from %s ended", peer)
         finally:
             writer.close()  # flushes what was queued (a CONNACK refusal), then closes
@@ -391,7 +391,12 @@ class EmbeddedBroker:
             writer.write(_packet(CONNACK, bytes([0, BAD_PROTOCOL])))
             return None, 0
         flags, keepalive = body.u8(), body.u16()
-        if flags & 0x01 or (not flags & 0x04 and flags & 0x38) or (flags >> 3 & 3) == 3 or (flags & 0x40 and not flags & 0x80):
+        if (
+            flags & 0x01
+            or (not flags & 0x04 and flags & 0x38)
+            or (flags >> 3 & 3) == 3
+            or (flags & 0x40 and not flags & 0x80)
+        ):
             raise _ProtocolViolation("invalid CONNECT flags")
         client_id = body.string()
         will = _Will(body.string(), body.binary(), flags >> 3 & 3, bool(flags & 0x20)) if flags & 0x04 else None

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEP_LINE = ("step {step:>4d}/{last:<4d} {bar} loss {loss} | iter {iter_ms:7.1f} ms | bubble {bubble:5.1f}% | "
-             "WAN {wan:7.2f} MB/s")
+STEP_LINE = (
+    "step {step:>4d}/{last:<4d} {bar} loss {loss} | iter {iter_ms:7.1f} ms | bubble {bubble:5.1f}% | "
+    "WAN {wan:7.2f} MB/s"
+)
 BAD_STATES = ("offline", "error", "stopped")
 RETAINED_SETTLE_S = 0.3
 """How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
@@ -67,8 +69,15 @@ class StepSummary:
         bar = "[" + "#" * filled + "-" * (width - filled) + "]"
         wan = self.wan_bytes / self.iteration_s / 1e6 if self.iteration_s > 0 else 0.0
         loss = f"{self.loss:.4f}" if self.loss is not None else "   n/a"
-        return STEP_LINE.format(step=self.step, last=last_step, bar=bar, loss=loss,
-                                iter_ms=self.iteration_s * 1e3, bubble=100 * self.bubble_fraction, wan=wan)
+        return STEP_LINE.format(
+            step=self.step,
+            last=last_step,
+            bar=bar,
+            loss=loss,
+            iter_ms=self.iteration_s * 1e3,
+            bubble=100 * self.bubble_fraction,
+            wan=wan,
+        )
 
 
 def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLayout) -> StepSummary:
@@ -99,27 +108,44 @@ def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
     """PlanError naming an agent whose reported DC, stage or replica differs from the layout."""
     for rank, status in sorted(statuses.items()):
         role = layout.role(rank)
-        for what, got, want in (("DC", status.dc, role.dc), ("stage", status.stage, role.stage),
-                                ("replica", status.replica, role.replica)):
+        for what, got, want in (
+            ("DC", status.dc, role.dc),
+            ("stage", status.stage, role.stage),
+            ("replica", status.replica, role.replica),
+        ):
             if got is not None and got != want:
-                raise PlanError(f"agent rank {rank} joined with {what} {got!r} but the plan puts rank {rank} in "
-                                f"{what} {want!r}; restart that agent with the plan's rank and DC")
+                raise PlanError(
+                    f"agent rank {rank} joined with {what} {got!r} but the plan puts rank {rank} in "
+                    f"{what} {want!r}; restart that agent with the plan's rank and DC"
+                )
 
 
 def _lost_message(job: str, status: StatusMessage, step: int | None) -> str:
-    parts = [status.dc, *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica))
-                          if v is not None)]
+    parts = [
+        status.dc,
+        *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
+    ]
     where = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
     detail = status.extra.get("message")
     at = f" during step {step}" if step is not None else " before training started"
-    return (f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} went {status.state}{at}"
-            f"{': ' + str(detail) if detail else ''}; job stopped")
+    return (
+        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} went {status.state}{at}"
+        f"{': ' + str(detail) if detail else ''}; job stopped"
+    )
 
 
-async def start_job(url: str, job: str, plan_text: str, *, steps: int | None = None,
-                    ready_timeout_s: float = 120.0, before_start: BeforeStart | None = None,
-                    out: TextIO | None = sys.stdout, ca_file: str | None = None,
-                    step_timeout_s: float = 600.0) -> JobResult:
+async def start_job(
+    url: str,
+    job: str,
+    plan_text: str,
+    *,
+    steps: int | None = None,
+    ready_timeout_s: float = 120.0,
+    before_start: BeforeStart | None = None,
+    out: TextIO | None = sys.stdout,
+    ca_file: str | None = None,
+    step_timeout_s: float = 600.0,
+) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
     Raises AgentsNotReady (naming missing ranks), PlanError (a mismatching
@@ -161,9 +187,11 @@ def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout) -> None
 
     want, other = plan_id(layout.text), status.extra.get("plan_id")
     if status.state in ("ready", "training") and other not in (None, want):
-        raise AgentRefused(f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
-                           f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
-                           "the agents, or use another --job name")
+        raise AgentRefused(
+            f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
+            f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
+            "the agents, or use another --job name"
+        )
 
 
 async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: float) -> dict[int, StatusMessage]:
@@ -180,12 +208,14 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
             return ready
         try:
             message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
             seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
-            raise AgentsNotReady(f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
-                                 f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
-                                 missing) from None
+            raise AgentsNotReady(
+                f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
+                f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
+                missing,
+            ) from None
         if not isinstance(message, StatusMessage):
             continue
         latest[message.rank] = message
@@ -196,8 +226,9 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
             check_joined(layout, {message.rank: message})
 
 
-async def _follow(cp: ControlPlane, sub: Any, layout: JobLayout, first: int, steps: int, out: TextIO | None,
-                  step_timeout_s: float) -> JobResult:
+async def _follow(
+    cp: ControlPlane, sub: Any, layout: JobLayout, first: int, steps: int, out: TextIO | None, step_timeout_s: float
+) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``."""
     ranks = {r.rank for r in layout.roles}
     end = first + steps
@@ -209,9 +240,11 @@ async def _follow(cp: ControlPlane, sub: Any, layout: JobLayout, first: int, ste
     while len(finished) < len(ranks):
         try:
             message = await sub.get(step_timeout_s)
-        except asyncio.TimeoutError:
-            raise AgentLost(f"job {cp.job!r}: no progress for {step_timeout_s:g} s at step {current}; "
-                            f"ranks not finished: {sorted(ranks - finished)}") from None
+        except TimeoutError:
+            raise AgentLost(
+                f"job {cp.job!r}: no progress for {step_timeout_s:g} s at step {current}; "
+                f"ranks not finished: {sorted(ranks - finished)}"
+            ) from None
         if isinstance(message, MetricsMessage):
             pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
             current = message.step
@@ -221,8 +254,9 @@ async def _follow(cp: ControlPlane, sub: Any, layout: JobLayout, first: int, ste
                 raise AgentLost(_lost_message(cp.job, message, current))
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
-        while printed < end and (len(pending.get(printed, {})) == len(ranks)
-                                 or (len(finished) == len(ranks) and pending.get(printed))):
+        while printed < end and (
+            len(pending.get(printed, {})) == len(ranks) or (len(finished) == len(ranks) and pending.get(printed))
+        ):
             summary = summarize_step(printed, pending.pop(printed), layout)
             result.steps.append(summary)
             if out is not None:
@@ -231,8 +265,9 @@ async def _follow(cp: ControlPlane, sub: Any, layout: JobLayout, first: int, ste
     return result
 
 
-async def job_statuses(url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None
-                       ) -> dict[int, StatusMessage]:
+async def job_statuses(
+    url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None
+) -> dict[int, StatusMessage]:
     """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive)."""
     async with ControlPlane(url, job, f"{job}-status-{id(object()) % 100000}", ca_file=ca_file) as cp:
         async with await cp.subscribe("status"):
@@ -256,8 +291,17 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
     """A text table of agent statuses, one row per rank."""
     rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step")]
     for rank, s in sorted(statuses.items()):
-        rows.append((str(rank), s.state, s.dc or "-", "-" if s.stage is None else str(s.stage),
-                     "-" if s.replica is None else str(s.replica), s.host or "-", str(s.pid or "-"),
-                     str(s.extra.get("next_step", "-"))))
+        rows.append(
+            (
+                str(rank),
+                s.state,
+                s.dc or "-",
+                "-" if s.stage is None else str(s.stage),
+                "-" if s.replica is None else str(s.replica),
+                s.host or "-",
+                str(s.pid or "-"),
+                str(s.extra.get("next_step", "-")),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from geosched.errors import InputError, ProtocolError
 
@@ -163,18 +163,29 @@ class EventMessage:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-ControlMessage = Union[PlanMessage, StatusMessage, MetricsMessage, CommandMessage, EventMessage]
+ControlMessage = PlanMessage | StatusMessage | MetricsMessage | CommandMessage | EventMessage
 
 _INT, _NUM, _STR = (int,), (int, float), (str,)
 # field -> (accepted types, required, allowed values or None)
 _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[str, ...] | None]]] = {
-    "status": {"rank": (_INT, True, None), "state": (_STR, True, AGENT_STATES), "dc": (_STR, False, None),
-               "stage": (_INT, False, None), "replica": (_INT, False, None), "pid": (_INT, False, None),
-               "host": (_STR, False, None), "time": (_NUM, False, None)},
+    "status": {
+        "rank": (_INT, True, None),
+        "state": (_STR, True, AGENT_STATES),
+        "dc": (_STR, False, None),
+        "stage": (_INT, False, None),
+        "replica": (_INT, False, None),
+        "pid": (_INT, False, None),
+        "host": (_STR, False, None),
+        "time": (_NUM, False, None),
+    },
     "metrics": {"rank": (_INT, True, None), "step": (_INT, True, None), "time": (_NUM, False, None)},
     "command": {"cmd": (_STR, True, COMMANDS), "seq": (_INT, True, None), "steps": (_INT, False, None)},
-    "event": {"level": (_STR, True, EVENT_LEVELS), "message": (_STR, True, None), "rank": (_INT, False, None),
-              "time": (_NUM, False, None)},
+    "event": {
+        "level": (_STR, True, EVENT_LEVELS),
+        "message": (_STR, True, None),
+        "rank": (_INT, False, None),
+        "time": (_NUM, False, None),
+    },
 }
 
 
@@ -219,7 +230,12 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
     levels = topic[len(topics.root) + 1 :].split("/") if topic.startswith(topics.root + "/") else []
     if topic in (topics.command, topics.events):
         kind, topic_rank = ("command" if topic == topics.command else "event"), None
-    elif len(levels) == 3 and levels[0] == "agents" and levels[2] in ("status", "metrics") and _RANK_RE.fullmatch(levels[1]):
+    elif (
+        len(levels) == 3
+        and levels[0] == "agents"
+        and levels[2] in ("status", "metrics")
+        and _RANK_RE.fullmatch(levels[1])
+    ):
         kind, topic_rank = levels[2], int(levels[1])
     else:
         raise ProtocolError(f"{topic}: not a topic of job {job!r}")
@@ -241,5 +257,10 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
 
 def kind_of(message: ControlMessage) -> str:
     """The kind name (one of KINDS) of a typed message."""
-    return {PlanMessage: "plan", StatusMessage: "status", MetricsMessage: "metrics",
-            CommandMessage: "command", EventMessage: "event"}[type(message)]
+    return {
+        PlanMessage: "plan",
+        StatusMessage: "status",
+        MetricsMessage: "metrics",
+        CommandMessage: "command",
+        EventMessage: "event",
+    }[type(message)]

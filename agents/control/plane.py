@@ -41,7 +41,6 @@ from typing import Any
 import aiomqtt
 
 from agents.control.address import BrokerAddress, BrokerAuthError, BrokerUnreachable
-from agents.control.subscription import Subscription
 from agents.control.messages import (
     AGENT_STATES,
     COMMANDS,
@@ -58,12 +57,30 @@ from agents.control.messages import (
     parse_message,
     validate_fields,
 )
+from agents.control.subscription import Subscription
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
 __all__ = [
-    "AGENT_STATES", "COMMANDS", "KINDS", "MAX_PAYLOAD_BYTES", "AgentIdentity", "AgentsNotReady", "BrokerAddress",
-    "BrokerAuthError", "BrokerUnreachable", "CommandMessage", "ControlMessage", "ControlPlane", "ControlStats",
-    "EventMessage", "MetricsMessage", "PlanMessage", "StatusMessage", "Subscription", "Topics", "parse_message",
+    "AGENT_STATES",
+    "COMMANDS",
+    "KINDS",
+    "MAX_PAYLOAD_BYTES",
+    "AgentIdentity",
+    "AgentsNotReady",
+    "BrokerAddress",
+    "BrokerAuthError",
+    "BrokerUnreachable",
+    "CommandMessage",
+    "ControlMessage",
+    "ControlPlane",
+    "ControlStats",
+    "EventMessage",
+    "MetricsMessage",
+    "PlanMessage",
+    "StatusMessage",
+    "Subscription",
+    "Topics",
+    "parse_message",
 ]
 
 log = logging.getLogger(__name__)
@@ -143,7 +160,9 @@ class ControlPlane:
         if ca_file is not None and not os.path.isfile(ca_file):
             raise InputError(f"CA file {os.fspath(ca_file)!r} does not exist; give the broker's CA certificate (PEM)")
         self.address = BrokerAddress(
-            address.host, address.port, address.tls,
+            address.host,
+            address.port,
+            address.tls,
             username if username is not None else address.username,
             password if password is not None else address.password,
         )
@@ -179,7 +198,7 @@ class ControlPlane:
         self._runner = asyncio.create_task(self._run(), name=f"mqtt-{self.client_id}")
         try:
             await asyncio.wait_for(asyncio.shield(self._first_connect), self._connect_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._stop_runner()
             raise BrokerUnreachable(
                 f"cannot reach MQTT broker {self.address} within {self._connect_timeout:g} s ({self._last_error});"
@@ -214,11 +233,17 @@ class ControlPlane:
             payload = self._status_payload(self.agent.rank, "offline", {})
             will = aiomqtt.Will(self.topics.status(self.agent.rank), payload, qos=1, retain=True)
         return aiomqtt.Client(
-            self.address.host, self.address.port,
-            username=self.address.username, password=self.address.password,
-            identifier=self.client_id, will=will, keepalive=self._keepalive, clean_session=True,
+            self.address.host,
+            self.address.port,
+            username=self.address.username,
+            password=self.address.password,
+            identifier=self.client_id,
+            will=will,
+            keepalive=self._keepalive,
+            clean_session=True,
             tls_params=aiomqtt.TLSParameters(ca_certs=self._ca_file) if self.address.tls else None,
-            timeout=max(2.0, float(self._keepalive)), max_queued_incoming_messages=10_000,
+            timeout=max(2.0, float(self._keepalive)),
+            max_queued_incoming_messages=10_000,
         )
 
     async def _run(self) -> None:
@@ -307,7 +332,9 @@ class ControlPlane:
     def _count_dropped(self) -> None:
         self.stats.dropped_slow_reader += 1
 
-    async def subscribe(self, *kinds: str, ranks: Iterable[int] | None = None, queue_size: int = 10_000) -> Subscription:
+    async def subscribe(
+        self, *kinds: str, ranks: Iterable[int] | None = None, queue_size: int = 10_000
+    ) -> Subscription:
         """Start receiving messages of ``kinds`` (see KINDS); returns once the broker confirmed.
 
         The latest plan and statuses already known to this client are queued first.
@@ -315,8 +342,13 @@ class ControlPlane:
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
             raise InputError(f"subscribe: kinds must be some of {', '.join(KINDS)} (got {list(kinds)})")
-        sub = Subscription(frozenset(kinds), frozenset(ranks) if ranks is not None else None, queue_size,
-                           on_drop=self._count_dropped, on_close=self._subscriptions.discard)
+        sub = Subscription(
+            frozenset(kinds),
+            frozenset(ranks) if ranks is not None else None,
+            queue_size,
+            on_drop=self._count_dropped,
+            on_close=self._subscriptions.discard,
+        )
         known: list[ControlMessage] = [*([self._plan] if self._plan else []), *self._statuses.values()]
         for message in known:
             if sub.wants(message):
@@ -358,11 +390,12 @@ class ControlPlane:
             while missing := sorted(r for r in wanted if r not in latest or latest[r].state not in states):
                 try:
                     message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
                     raise AgentsNotReady(
                         f"job {self.job!r} on {self.address}: {len(missing)} of {len(wanted)} agents not "
-                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {seen}", missing
+                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {seen}",
+                        missing,
                     ) from None
                 assert isinstance(message, StatusMessage)
                 latest[message.rank] = message

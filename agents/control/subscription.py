@@ -26,8 +26,15 @@ class Subscription:
     ``on_close`` is called once when it closes (the plane forgets it).
     """
 
-    def __init__(self, kinds: frozenset[str], ranks: frozenset[int] | None, size: int, *,
-                 on_drop: Callable[[], None], on_close: Callable[[Subscription], None]) -> None:
+    def __init__(
+        self,
+        kinds: frozenset[str],
+        ranks: frozenset[int] | None,
+        size: int,
+        *,
+        on_drop: Callable[[], None],
+        on_close: Callable[[Subscription], None],
+    ) -> None:
         self.kinds, self.ranks = kinds, ranks
         self._on_drop, self._on_close = on_drop, on_close
         self._queue: asyncio.Queue[ControlMessage | None] = asyncio.Queue(size)
@@ -37,7 +44,9 @@ class Subscription:
         """True when this subscription should receive ``message``."""
         if kind_of(message) not in self.kinds:
             return False
-        return self.ranks is None or not isinstance(message, (StatusMessage, MetricsMessage)) or message.rank in self.ranks
+        return (
+            self.ranks is None or not isinstance(message, (StatusMessage, MetricsMessage)) or message.rank in self.ranks
+        )
 
     def offer(self, message: ControlMessage) -> None:
         """Queue ``message`` without waiting (dropped and counted when the queue is full)."""

@@ -28,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,7 +43,6 @@ from geosched.errors import CollectiveError, ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-
 
 
 class DataParallelGroup:
@@ -78,21 +75,30 @@ class DataParallelGroup:
         if spec.size == 1:
             return
         if dist.is_initialized():
-            raise CollectiveError("torch.distributed is already initialised in this process; "
-                                  "each process joins exactly one data-parallel group")
+            raise CollectiveError(
+                "torch.distributed is already initialised in this process; "
+                "each process joins exactly one data-parallel group"
+            )
         master = spec.host_store and spec.rank == 0
         where = f"{spec.store_host}:{spec.store_port}"
         try:
             if not master:  # TCPStore's own connect retries can overrun the timeout
                 wait_for_listener(spec.store_host, spec.store_port, spec.timeout_s)
-            base = dist.TCPStore(spec.store_host, spec.store_port, spec.size, master,
-                                 timeout=store_timeout(spec.timeout_s), wait_for_workers=False)
+            base = dist.TCPStore(
+                spec.store_host,
+                spec.store_port,
+                spec.size,
+                master,
+                timeout=store_timeout(spec.timeout_s),
+                wait_for_workers=False,
+            )
         except Exception as exc:  # noqa: BLE001 - translated at the boundary
             who = "rank 0 (the store host) is missing" if spec.host_store else "the external store is down"
             text = str(exc).strip().splitlines()
             raise CollectiveError(
                 f"group {spec.name!r}: rank {spec.rank} could not reach the store at {where} within "
-                f"{spec.timeout_s:g} s: {who} ({text[0] if text else type(exc).__name__})") from None
+                f"{spec.timeout_s:g} s: {who} ({text[0] if text else type(exc).__name__})"
+            ) from None
         if master and spec.store_port == 0:  # the OS picked the port; peers learn it from self.spec
             spec = self.spec = dataclasses.replace(spec, store_port=base.port)
         self._store = dist.PrefixStore(spec.name, base)
@@ -104,15 +110,19 @@ class DataParallelGroup:
                 torch.cuda.set_device(spec.local_rank)
             with self.guard("init_process_group"):
                 dist.init_process_group(
-                    self.backend, store=self._store, rank=spec.rank, world_size=spec.size,
+                    self.backend,
+                    store=self._store,
+                    rank=spec.rank,
+                    world_size=spec.size,
                     timeout=store_timeout(spec.timeout_s),
                     device_id=self.device if self.backend == "nccl" else None,
                 )
         except BaseException:
             self.close()
             raise
-        log.info("joined group %s as rank %d of %d (%s, store %s)", spec.name, spec.rank, spec.size,
-                 self.backend, where)
+        log.info(
+            "joined group %s as rank %d of %d (%s, store %s)", spec.name, spec.rank, spec.size, self.backend, where
+        )
 
     def _rendezvous(self) -> None:
         """Every rank announces itself; after timeout_s the missing ones are named."""
@@ -130,7 +140,8 @@ class DataParallelGroup:
             raise CollectiveError(
                 f"group {spec.name!r}: rank(s) {missing or 'unknown'} did not join within "
                 f"{spec.timeout_s:g} s (rank {spec.rank} of {spec.size} waited at "
-                f"{spec.store_host}:{spec.store_port}); start them or lower the group size") from None
+                f"{spec.store_host}:{spec.store_port}); start them or lower the group size"
+            ) from None
 
     def close(self) -> None:
         """Destroy the process group and stop the heartbeat; safe to call twice.
@@ -184,7 +195,8 @@ class DataParallelGroup:
             raise CollectiveError(
                 f"{what} failed in group {self.spec.name!r} (rank {self.rank} of {self.size}, "
                 f"timeout {self.spec.timeout_s:g} s): {cause}; "
-                f"backend said: {text[0] if text else type(exc).__name__}") from None
+                f"backend said: {text[0] if text else type(exc).__name__}"
+            ) from None
 
     # ------------------------------------------------------------ collectives
 
@@ -215,7 +227,10 @@ class DataParallelGroup:
     # ------------------------------------------------------------ gradients
 
     def wrap(
-        self, module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, comm_hook: str = "native",
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        comm_hook: str = "native",
     ) -> nn.Module:
         """Wrap a stage module in DistributedDataParallel on this group (the module itself when size 1).
 
@@ -230,8 +245,11 @@ class DataParallelGroup:
         if self.size == 1:
             return module
         ddp = nn.parallel.DistributedDataParallel(
-            module, device_ids=[self.spec.local_rank] if self.backend == "nccl" else None,
-            bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=False, gradient_as_bucket_view=True,
+            module,
+            device_ids=[self.spec.local_rank] if self.backend == "nccl" else None,
+            bucket_cap_mb=bucket_cap_mb,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
         )
         if comm_hook == "ring":
             ddp.register_comm_hook(ring.RingHookState(counter=self.counter), ring.ring_allreduce_hook)
@@ -290,8 +308,7 @@ class DataParallelGroup:
         """
         if self.size == 1:
             return
-        params = [p for p in (module.parameters() if isinstance(module, nn.Module) else module)
-                  if p.requires_grad]
+        params = [p for p in (module.parameters() if isinstance(module, nn.Module) else module) if p.requires_grad]
         key = (*(id(p) for p in params), int(bucket_cap_mb * 2**20))
         buckets = self._buckets.get(key)
         if buckets is None:
@@ -325,7 +342,7 @@ class _GradientBuckets:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         views, offset = [], 0
         for p in params:
-            views.append(flat[offset:offset + p.numel()].view_as(p))
+            views.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.buckets.append((flat, params, views))
 
@@ -340,8 +357,7 @@ class _GradientBuckets:
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
-            works.append(dist.all_reduce(flat, dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
-                                         async_op=True))
+            works.append(dist.all_reduce(flat, dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM, async_op=True))
         for (flat, _, _), work in zip(self.buckets, works):
             work.wait()
             if not native_avg:

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from agents.dp.group import join_group
-from agents.dp.spec import GroupSpec
 from agents.dp.health import store_timeout
+from agents.dp.spec import GroupSpec
+
 
 @dataclass
 class LocalRankResult:
@@ -32,8 +33,9 @@ class LocalRankResult:
     exitcode: int | None = None
 
 
-def _local_worker(rank: int, spec: GroupSpec, fn: Callable[..., object], args: tuple[object, ...],
-                  threads: int, results: Any) -> None:
+def _local_worker(
+    rank: int, spec: GroupSpec, fn: Callable[..., object], args: tuple[object, ...], threads: int, results: Any
+) -> None:
     torch.set_num_threads(threads)
     try:
         with join_group(dataclasses.replace(spec, rank=rank)) as group:
@@ -42,9 +44,16 @@ def _local_worker(rank: int, spec: GroupSpec, fn: Callable[..., object], args: t
         results.put((rank, None, f"{type(exc).__name__}: {exc}"))
 
 
-def run_local_group(fn: Callable[..., object], size: int, *args: object, timeout_s: float = 30.0,
-                    deadline_s: float = 300.0, name: str = "local", host_store: bool = False,
-                    threads: int = 1) -> list[LocalRankResult]:
+def run_local_group(
+    fn: Callable[..., object],
+    size: int,
+    *args: object,
+    timeout_s: float = 30.0,
+    deadline_s: float = 300.0,
+    name: str = "local",
+    host_store: bool = False,
+    threads: int = 1,
+) -> list[LocalRankResult]:
     """Run ``fn(group, *args)`` in ``size`` fresh processes forming one gloo group on 127.0.0.1.
 
     For tests, benchmarks and rehearsals on one machine. The caller hosts the
@@ -64,8 +73,9 @@ def run_local_group(fn: Callable[..., object], size: int, *args: object, timeout
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=store_timeout(timeout_s), wait_for_workers=False)
         port = store.port
     spec = GroupSpec(name, 0, size, "127.0.0.1", port, backend="gloo", timeout_s=timeout_s, host_store=host_store)
-    procs = [ctx.Process(target=_local_worker, args=(r, spec, fn, args, threads, results), daemon=True)
-             for r in range(size)]
+    procs = [
+        ctx.Process(target=_local_worker, args=(r, spec, fn, args, threads, results), daemon=True) for r in range(size)
+    ]
     out = [LocalRankResult(r) for r in range(size)]
     deadline, pending = time.monotonic() + deadline_s, set(range(size))
     try:

@@ -107,9 +107,7 @@ def _check_tensor(tensor: torch.Tensor, op: str) -> None:
     if op not in ("sum", "avg"):
         raise InputError(f"all-reduce op must be 'sum' or 'avg' (got {op!r})")
     if tensor.dtype == torch.bool or tensor.is_complex():
-        raise InputError(
-            f"all-reduce needs a floating or integer tensor (got {tensor.dtype}); cast it first"
-        )
+        raise InputError(f"all-reduce needs a floating or integer tensor (got {tensor.dtype}); cast it first")
 
 
 def _divide(t: torch.Tensor, g: int) -> None:
@@ -132,8 +130,9 @@ def _write_back(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _begin(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None,
-           counter: ElementCounter | None) -> tuple[dist.ProcessGroup | None, int, int]:
+def _begin(
+    tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None, counter: ElementCounter | None
+) -> tuple[dist.ProcessGroup | None, int, int]:
     """Check the arguments of an all-reduce, count the call; return ``(group, rank, size)``."""
     _check_tensor(tensor, op)
     if counter is not None:
@@ -286,9 +285,7 @@ def all_to_all_allreduce(
     scratch = _scratch(2 * flat.numel(), flat.dtype, flat.device)
     original, buf = scratch[: flat.numel()].copy_(flat), scratch[flat.numel() :]
     for k in range(1, g):
-        recv_works, send_works = _exchange(
-            [(original, 0)], [(buf, 0)], (rank + k) % g, (rank - k) % g, group, counter
-        )
+        recv_works, send_works = _exchange([(original, 0)], [(buf, 0)], (rank + k) % g, (rank - k) % g, group, counter)
         _wait(recv_works + send_works)
         flat.add_(buf)
     if op == "avg":
@@ -345,9 +342,7 @@ class RingHookState:
     chunk_elements: int | None = None
 
 
-def ring_allreduce_hook(
-    state: RingHookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def ring_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the gradient bucket with :func:`ring_allreduce`.
 
     Usage: ``ddp.register_comm_hook(RingHookState(), ring_allreduce_hook)``.
@@ -361,5 +356,6 @@ def ring_allreduce_hook(
 
 # DDP compares the hook's annotations with the real objects, not the strings
 # that ``from __future__ import annotations`` leaves.
-ring_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=RingHookState,
-                                           **{"return": torch.futures.Future[torch.Tensor]})
+ring_allreduce_hook.__annotations__.update(
+    bucket=dist.GradBucket, state=RingHookState, **{"return": torch.futures.Future[torch.Tensor]}
+)

@@ -13,6 +13,7 @@ from geosched.errors import ConfigError
 
 BACKENDS = ("gloo", "nccl")
 
+
 @dataclass(frozen=True)
 class GroupSpec:
     """Where one process sits in its stage's data-parallel group."""
@@ -56,9 +57,7 @@ class GroupSpec:
             raise ConfigError(f"group spec {self.name!r}: " + "; ".join(problems))
 
     @classmethod
-    def from_env(
-        cls, name: str = "dp", env: Mapping[str, str] | None = None, **overrides: object
-    ) -> GroupSpec:
+    def from_env(cls, name: str = "dp", env: Mapping[str, str] | None = None, **overrides: object) -> GroupSpec:
         """Build a spec from torchrun's variables: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
         When torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True)
@@ -72,16 +71,22 @@ class GroupSpec:
                 "or export MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE"
             )
         values: dict[str, object] = {}
-        for key, field_name in (("MASTER_PORT", "store_port"), ("RANK", "rank"),
-                                ("WORLD_SIZE", "size"), ("LOCAL_RANK", "local_rank")):
+        for key, field_name in (
+            ("MASTER_PORT", "store_port"),
+            ("RANK", "rank"),
+            ("WORLD_SIZE", "size"),
+            ("LOCAL_RANK", "local_rank"),
+        ):
             raw = env.get(key, "0")
             try:
                 values[field_name] = int(raw)
             except ValueError:
                 raise ConfigError(f"environment: {key} must be an integer (got {raw!r})") from None
         kwargs: dict[str, object] = dict(
-            name=name, store_host=env["MASTER_ADDR"],
-            host_store=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True", **values,
+            name=name,
+            store_host=env["MASTER_ADDR"],
+            host_store=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+            **values,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -96,4 +101,3 @@ def choose_backend(requested: str | None = None) -> str:
     if requested == "gloo" and not dist.is_gloo_available():
         raise ConfigError("backend: this torch build has no gloo; use 'nccl' or leave it unset")
     return requested
-

@@ -36,9 +36,16 @@ _ids = itertools.count()
 class PrefillClient:
     """A connection to one prefill endpoint; not thread-safe (one per thread)."""
 
-    def __init__(self, endpoint: str, *, token: str | None = None, curve_client: CurveClient | None = None,
-                 ctx: zmq.Context | None = None, max_response_bytes: int = 256 << 20,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        curve_client: CurveClient | None = None,
+        ctx: zmq.Context | None = None,
+        max_response_bytes: int = 256 << 20,
+        timeout_s: float = 30.0,
+    ) -> None:
         if not endpoint.startswith("tcp://"):
             raise InputError(f"--endpoint must look like tcp://HOST:PORT (got {endpoint!r})")
         self.endpoint = endpoint
@@ -47,10 +54,11 @@ class PrefillClient:
         self.max_response_bytes = max_response_bytes
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, max_msg_bytes=max_response_bytes,
-                                 curve_client=curve_client)
+        self._sock = make_socket(
+            self._ctx, zmq.DEALER, connect=endpoint, max_msg_bytes=max_response_bytes, curve_client=curve_client
+        )
         self._early: dict[str | None, PrefillResponse] = {}
-        self._prefix = f"{os.getpid()}-{id(self) & 0xffff:x}"
+        self._prefix = f"{os.getpid()}-{id(self) & 0xFFFF:x}"
 
     def __enter__(self) -> PrefillClient:
         return self
@@ -64,8 +72,16 @@ class PrefillClient:
         if self._own_ctx:
             self._ctx.term()
 
-    def submit(self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, request_id: str | None = None,
-               deadline_s: float | None = None, priority: int = 0, return_kv: bool = True, top_k: int = 5) -> str:
+    def submit(
+        self,
+        prompt: str | bytes | Sequence[int] | torch.Tensor,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        return_kv: bool = True,
+        top_k: int = 5,
+    ) -> str:
         """Send one request without waiting; returns its id."""
         rid = request_id or f"{self._prefix}-{next(_ids)}"
         req = PrefillRequest(rid, prompt_tokens(prompt), deadline_s, priority, return_kv, top_k, self.token)
@@ -80,13 +96,16 @@ class PrefillClient:
         """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(timeout * 1e3), zmq.POLLIN):
-            raise LinkError(f"no prefill response from {self.endpoint} within {timeout:g} s; "
-                            f"is the agent running and its endpoint right?")
+            raise LinkError(
+                f"no prefill response from {self.endpoint} within {timeout:g} s; "
+                f"is the agent running and its endpoint right?"
+            )
         frames = self._sock.recv_multipart(copy=False)
         return decode_response([f.buffer for f in frames], max_kv_frame_bytes=self.max_response_bytes)
 
-    def prefill(self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, timeout_s: float | None = None,
-                **options: object) -> PrefillResponse:
+    def prefill(
+        self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, timeout_s: float | None = None, **options: object
+    ) -> PrefillResponse:
         """Submit one prompt and wait for its response (options as for :meth:`submit`)."""
         rid = self.submit(prompt, **options)  # type: ignore[arg-type]
         if rid in self._early:
@@ -111,8 +130,10 @@ def continue_greedy(model: StageModule, response: PrefillResponse, max_new_token
     if response.kv is None:
         raise InputError("the response carries no KV cache; request it with return_kv=True")
     if response.prompt_tokens + max_new_tokens - 1 > model.shape.seq_len:
-        raise InputError(f"prompt ({response.prompt_tokens}) + {max_new_tokens} new tokens exceed the model's "
-                         f"seq_len {model.shape.seq_len}; ask for fewer tokens")
+        raise InputError(
+            f"prompt ({response.prompt_tokens}) + {max_new_tokens} new tokens exceed the model's "
+            f"seq_len {model.shape.seq_len}; ask for fewer tokens"
+        )
     tokens = [response.first_token]
     kv = response.kv
     pos = response.prompt_tokens

@@ -29,8 +29,16 @@ class PrefillMetrics:
 
     def __init__(self) -> None:
         self.started = time.monotonic()
-        self.counts = {"received": 0, "ok": 0, "rejected": 0, "expired": 0, "error": 0,
-                       "bad_requests": 0, "unauthenticated": 0, "dropped_frames": 0}
+        self.counts = {
+            "received": 0,
+            "ok": 0,
+            "rejected": 0,
+            "expired": 0,
+            "error": 0,
+            "bad_requests": 0,
+            "unauthenticated": 0,
+            "dropped_frames": 0,
+        }
         self.prefill_tokens = 0
         self.chunks = 0
         self.bubble_compute_s = 0.0  # prefill compute inside training bubbles
@@ -93,8 +101,11 @@ class PrefillMetrics:
             "training_compute_s": self.training_compute_s,
             "training_wall_s": self.training_wall_s,
             "idle_s": idle,
-            "busy_fraction": ((self.training_compute_s + self.bubble_compute_s) / self.training_wall_s
-                              if self.training_wall_s > 0 else None),
+            "busy_fraction": (
+                (self.training_compute_s + self.bubble_compute_s) / self.training_wall_s
+                if self.training_wall_s > 0
+                else None
+            ),
             "ttft_p50_ms": None if p50 is None else p50 * 1e3,
             "ttft_p99_ms": None if p99 is None else p99 * 1e3,
             "bubble_share": self.measured_bubble_share(),

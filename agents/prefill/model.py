@@ -32,8 +32,9 @@ def save_inference_weights(model: StageModule, path: str | os.PathLike) -> None:
     save_file(tensors, str(path))
 
 
-def load_inference_model(shape: ShapeLike, weights: str | os.PathLike | None, *, seed: int = 0,
-                         dtype: torch.dtype = torch.float32) -> StageModule:
+def load_inference_model(
+    shape: ShapeLike, weights: str | os.PathLike | None, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> StageModule:
     """The whole model of ``shape`` in eval mode, with weights from a safetensors file.
 
     ``weights`` None keeps the seeded initial weights (a demo model). Raises
@@ -45,8 +46,10 @@ def load_inference_model(shape: ShapeLike, weights: str | os.PathLike | None, *,
         from safetensors.torch import load_file
 
         if not os.path.isfile(weights):
-            raise InputError(f"weights file {str(weights)!r} does not exist; pass a .safetensors file "
-                             f"written by save_inference_weights or a training checkpoint")
+            raise InputError(
+                f"weights file {str(weights)!r} does not exist; pass a .safetensors file "
+                f"written by save_inference_weights or a training checkpoint"
+            )
         try:
             tensors = load_file(str(weights))
         except (SafetensorError, OSError, ValueError) as exc:
@@ -55,12 +58,16 @@ def load_inference_model(shape: ShapeLike, weights: str | os.PathLike | None, *,
         missing = sorted(set(expected) - set(tensors))
         unknown = sorted(set(tensors) - set(expected))
         if missing or unknown:
-            raise InputError(f"weights {str(weights)!r} do not fit the model shape: missing {missing[:3]}, "
-                             f"unexpected {unknown[:3]}; check --config matches the weights")
+            raise InputError(
+                f"weights {str(weights)!r} do not fit the model shape: missing {missing[:3]}, "
+                f"unexpected {unknown[:3]}; check --config matches the weights"
+            )
         for name, tensor in tensors.items():
             if tensor.shape != expected[name].shape:
-                raise InputError(f"weights {str(weights)!r}: {name} is {list(tensor.shape)}, the model expects "
-                                 f"{list(expected[name].shape)}; check --config matches the weights")
+                raise InputError(
+                    f"weights {str(weights)!r}: {name} is {list(tensor.shape)}, the model expects "
+                    f"{list(expected[name].shape)}; check --config matches the weights"
+                )
         model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
     model.eval()
     for p in model.parameters():
@@ -74,8 +81,9 @@ def kv_bytes_per_token(shape: ShapeLike, dtype: torch.dtype = torch.float32) -> 
     return 2 * s.layers * s.hidden * dtype.itemsize
 
 
-def inference_memory_bytes(shape: ShapeLike, max_tokens: int, max_kv_bytes: int,
-                           dtype: torch.dtype = torch.float32) -> int:
+def inference_memory_bytes(
+    shape: ShapeLike, max_tokens: int, max_kv_bytes: int, dtype: torch.dtype = torch.float32
+) -> int:
     """Memory an agent needs to serve prefill: weights + KV budget + one chunk's activations.
 
     Weights: every parameter once. KV: ``max_kv_bytes`` (the service's bound

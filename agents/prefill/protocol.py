@@ -98,8 +98,14 @@ def prompt_tokens(prompt: str | bytes | Sequence[int] | torch.Tensor) -> torch.T
 
 def encode_request(req: PrefillRequest) -> list[bytes | memoryview]:
     """Frames of a request: header and the prompt as int64 token ids."""
-    header: dict[str, Any] = {"v": VERSION, "id": req.id, "prompt": "tokens", "priority": req.priority,
-                              "return_kv": req.return_kv, "top_k": req.top_k}
+    header: dict[str, Any] = {
+        "v": VERSION,
+        "id": req.id,
+        "prompt": "tokens",
+        "priority": req.priority,
+        "return_kv": req.return_kv,
+        "top_k": req.top_k,
+    }
     if req.deadline_s is not None:
         header["deadline_ms"] = req.deadline_s * 1e3
     if req.auth_token is not None:
@@ -167,8 +173,7 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
     if count == 0:
         raise BadRequest("prompt is empty; send at least one token", rid)
     if count > max_prompt_tokens:
-        raise BadRequest(f"prompt of {count} tokens exceeds this agent's limit of {max_prompt_tokens}; "
-                         f"shorten it", rid)
+        raise BadRequest(f"prompt of {count} tokens exceeds this agent's limit of {max_prompt_tokens}; shorten it", rid)
     if kind == "text":
         tokens = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
     else:
@@ -187,9 +192,13 @@ def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
         header["reason"] = resp.reason[:MAX_REASON_CHARS]
         return [wire.encode_header(header)]
     kv = resp.kv or []
-    header.update(prompt_tokens=resp.prompt_tokens, first_token=resp.first_token,
-                  topk_ids=list(resp.topk_ids), topk_logits=[float(x) for x in resp.topk_logits],
-                  kv_layers=len(kv))
+    header.update(
+        prompt_tokens=resp.prompt_tokens,
+        first_token=resp.first_token,
+        topk_ids=list(resp.topk_ids),
+        topk_logits=[float(x) for x in resp.topk_logits],
+        kv_layers=len(kv),
+    )
     header.update({k: float(resp.timings.get(k, 0.0)) for k in TIMING_FIELDS})
     frames: list[bytes | memoryview] = []
     if kv:
@@ -226,7 +235,13 @@ def decode_response(frames: Sequence[bytes], *, max_kv_frame_bytes: int) -> Pref
     topk_ids = wire.require(header, "topk_ids", list)
     topk_logits = wire.require(header, "topk_logits", list)
     timings = {k: float(wire.require(header, k, (int, float))) for k in TIMING_FIELDS}
-    return PrefillResponse(rid, status, prompt_tokens=wire.require_int(header, "prompt_tokens"),
-                           first_token=wire.require_int(header, "first_token"),
-                           topk_ids=[int(i) for i in topk_ids], topk_logits=[float(x) for x in topk_logits],
-                           kv=kv, timings=timings)
+    return PrefillResponse(
+        rid,
+        status,
+        prompt_tokens=wire.require_int(header, "prompt_tokens"),
+        first_token=wire.require_int(header, "first_token"),
+        topk_ids=[int(i) for i in topk_ids],
+        topk_logits=[float(x) for x in topk_logits],
+        kv=kv,
+        timings=timings,
+    )

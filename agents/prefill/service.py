@@ -87,11 +87,22 @@ class _Job:
 class PrefillService:
     """Serves prefill requests on a ZeroMQ endpoint; computes them in chunks inside bubbles."""
 
-    def __init__(self, model: StageModule, *, bind: str = "tcp://127.0.0.1:0", ctx: zmq.Context | None = None,
-                 max_queue: int = 64, max_prompt_tokens: int | None = None, max_kv_bytes: int = 256 << 20,
-                 default_deadline_s: float = 30.0, auth_token: str | None = None,
-                 curve_server: CurveServer | None = None, min_chunk_s: float = 0.001,
-                 max_chunk_s: float = 0.005, sndhwm: int = 1000) -> None:
+    def __init__(
+        self,
+        model: StageModule,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        ctx: zmq.Context | None = None,
+        max_queue: int = 64,
+        max_prompt_tokens: int | None = None,
+        max_kv_bytes: int = 256 << 20,
+        default_deadline_s: float = 30.0,
+        auth_token: str | None = None,
+        curve_server: CurveServer | None = None,
+        min_chunk_s: float = 0.001,
+        max_chunk_s: float = 0.005,
+        sndhwm: int = 1000,
+    ) -> None:
         assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
         self.model = model
         self.shape = model.shape
@@ -118,8 +129,9 @@ class PrefillService:
         self._ctx = ctx or zmq.Context()
         self._zap = ZapAuthenticator(self._ctx, curve_server.allowed_clients).start() if curve_server else None
         max_msg = 4096 + 8 * self.max_prompt_tokens
-        self._sock = make_socket(self._ctx, zmq.ROUTER, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm,
-                                 curve_server=curve_server)
+        self._sock = make_socket(
+            self._ctx, zmq.ROUTER, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm, curve_server=curve_server
+        )
         host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
         self.port = bound_port(self._sock)
         self.endpoint = f"tcp://{host}:{self.port}"
@@ -175,9 +187,13 @@ class PrefillService:
         """JSON-ready metrics: outcomes, tokens/s, TTFT p50/p99, time split, queue and KV use."""
         with self._lock:
             return self.metrics_.snapshot(
-                queue_len=len(self._queue) + (self._current is not None), kv_reserved_bytes=self._kv_reserved,
-                sec_per_token=self.sec_per_token, capacity_tokens_per_s=self.bubble_share() / self.sec_per_token,
-                endpoint=self.endpoint, curve_refused=self._zap.denied if self._zap is not None else 0)
+                queue_len=len(self._queue) + (self._current is not None),
+                kv_reserved_bytes=self._kv_reserved,
+                sec_per_token=self.sec_per_token,
+                capacity_tokens_per_s=self.bubble_share() / self.sec_per_token,
+                endpoint=self.endpoint,
+                curve_refused=self._zap.denied if self._zap is not None else 0,
+            )
 
     # -- computing (training thread) ----------------------------------------------------------
 
@@ -200,8 +216,9 @@ class PrefillService:
         finally:
             self._compute.release()
 
-    def _fill_chunks(self, ready: Callable[[], bool], budget_s: float | None, in_bubble: bool,
-                     start: float) -> list[ChunkSpan]:
+    def _fill_chunks(
+        self, ready: Callable[[], bool], budget_s: float | None, in_bubble: bool, start: float
+    ) -> list[ChunkSpan]:
         spans: list[ChunkSpan] = []
         while not self._stop.is_set() and not ready():
             job = self._next_job()
@@ -240,7 +257,7 @@ class PrefillService:
             return self._current
 
     def _run_chunk(self, job: _Job, tokens: int, in_bubble: bool) -> ChunkSpan:
-        x = job.req.tokens[job.pos:job.pos + tokens].view(1, -1)  # (1, t) int64
+        x = job.req.tokens[job.pos : job.pos + tokens].view(1, -1)  # (1, t) int64
         t0 = time.perf_counter()
         if job.started is None:
             job.started = time.monotonic()
@@ -273,13 +290,27 @@ class PrefillService:
         self.sec_per_token = (1 - EMA_WEIGHT) * self.sec_per_token + EMA_WEIGHT * job.compute_s / job.pos
         top = torch.topk(job.logits.float(), job.req.top_k)
         ttft = now - job.arrived
-        timings = {"queued_ms": ((job.started or now) - job.arrived) * 1e3, "compute_ms": job.compute_s * 1e3,
-                   "ttft_ms": ttft * 1e3, "chunks": job.chunks,
-                   "bubble_share": job.bubble_s / job.compute_s if job.compute_s > 0 else 0.0}
-        self._respond(job.identity, PrefillResponse(
-            job.req.id, "ok", prompt_tokens=job.pos, first_token=int(top.indices[0]),
-            topk_ids=top.indices.tolist(), topk_logits=top.values.tolist(),
-            kv=job.kv if job.req.return_kv else None, timings=timings), ttft)
+        timings = {
+            "queued_ms": ((job.started or now) - job.arrived) * 1e3,
+            "compute_ms": job.compute_s * 1e3,
+            "ttft_ms": ttft * 1e3,
+            "chunks": job.chunks,
+            "bubble_share": job.bubble_s / job.compute_s if job.compute_s > 0 else 0.0,
+        }
+        self._respond(
+            job.identity,
+            PrefillResponse(
+                job.req.id,
+                "ok",
+                prompt_tokens=job.pos,
+                first_token=int(top.indices[0]),
+                topk_ids=top.indices.tolist(),
+                topk_logits=top.values.tolist(),
+                kv=job.kv if job.req.return_kv else None,
+                timings=timings,
+            ),
+            ttft,
+        )
 
     def _respond(self, identity: bytes, response: PrefillResponse, ttft_s: float | None = None) -> None:
         """Hand a response to the network thread (lock held)."""
@@ -364,10 +395,16 @@ class PrefillService:
         except BadRequest as exc:
             self._reply_now(identity, exc.request_id, "error", str(exc), count="bad_requests")
             return
-        if self.auth_token is not None and not hmac.compare_digest((req.auth_token or "").encode(),
-                                                                   self.auth_token.encode()):
-            self._reply_now(identity, req.id, "error", "unauthenticated: missing or wrong token (pass --token)",
-                            count="unauthenticated")
+        if self.auth_token is not None and not hmac.compare_digest(
+            (req.auth_token or "").encode(), self.auth_token.encode()
+        ):
+            self._reply_now(
+                identity,
+                req.id,
+                "error",
+                "unauthenticated: missing or wrong token (pass --token)",
+                count="unauthenticated",
+            )
             return
         reason = self._admission(req, identity)
         if reason is not None:
@@ -383,8 +420,7 @@ class PrefillService:
             if len(self._queue) >= self.max_queue:
                 return f"queue full ({len(self._queue)} requests waiting); retry later or send fewer requests"
             if self._kv_reserved + kv_bytes > self.max_kv_bytes:
-                return (f"KV memory full: {self._kv_reserved} + {kv_bytes} bytes > {self.max_kv_bytes}; "
-                        f"retry later")
+                return f"KV memory full: {self._kv_reserved} + {kv_bytes} bytes > {self.max_kv_bytes}; retry later"
             ahead = sum(j.remaining for j in self._queue if j.req.priority >= req.priority)
             if self._current is not None:
                 ahead += self._current.remaining
@@ -392,16 +428,19 @@ class PrefillService:
             needed = (ahead + n) * self.sec_per_token
             available = share * deadline_s
             if needed > available:
-                return (f"cannot meet the deadline: needs {needed * 1e3:.0f} ms of compute ({ahead} tokens ahead + "
-                        f"{n} at {self.sec_per_token * 1e6:.0f} us/token) but bubbles give ~{available * 1e3:.0f} ms "
-                        f"in {deadline_s * 1e3:.0f} ms (bubble share {share:.0%}); allow a later deadline")
+                return (
+                    f"cannot meet the deadline: needs {needed * 1e3:.0f} ms of compute ({ahead} tokens ahead + "
+                    f"{n} at {self.sec_per_token * 1e6:.0f} us/token) but bubbles give ~{available * 1e3:.0f} ms "
+                    f"in {deadline_s * 1e3:.0f} ms (bubble share {share:.0%}); allow a later deadline"
+                )
             self._queue.append(_Job(req, identity, now, now + deadline_s, kv_bytes))
             self._kv_reserved += kv_bytes
             self._work.set()
         return None
 
-    def _reply_now(self, identity: bytes, request_id: str | None, status: str, reason: str,
-                   count: str | None = None) -> None:
+    def _reply_now(
+        self, identity: bytes, request_id: str | None, status: str, reason: str, count: str | None = None
+    ) -> None:
         """Answer from the network thread (bad input, auth failure, rejection)."""
         with self._lock:
             self.metrics_.outcome(status)

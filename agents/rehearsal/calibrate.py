@@ -45,9 +45,20 @@ WORKER_TIMEOUT_S = 600.0
 """Longest a co-located copy may take."""
 
 
-def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu", gpu_name: str | None = None,
-              co_located: int = 1, link: bool = True, progress: Progress | None = None,
-              stages: Sequence[StageKey] = (), streams: int = 1, emulated: Any = None) -> dict[str, Any]:
+def calibrate(
+    job: JobSpec,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    gpu_name: str | None = None,
+    co_located: int = 1,
+    link: bool = True,
+    progress: Progress | None = None,
+    stages: Sequence[StageKey] = (),
+    streams: int = 1,
+    emulated: Any = None,
+) -> dict[str, Any]:
     """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs.
 
     ``stages``: a plan's stages (:func:`plan_stages`), each also measured whole.
@@ -60,13 +71,21 @@ def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = 
     if co_located < 1:
         raise InputError(f"co_located must be >= 1 (got {co_located}): how many ranks share this host")
     if co_located == 1:
-        cal = profile_job(job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress,
-                          stages=stages)
+        cal = profile_job(
+            job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress, stages=stages
+        )
     else:
         if progress is not None:
             progress(0, 1, f"compute ({co_located} co-located copies)")
-        cal = _profile_co_located(job, co_located, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name,
-                                  stages=[[list(layers), first, last] for layers, first, last in stages])
+        cal = _profile_co_located(
+            job,
+            co_located,
+            repeats=repeats,
+            warmup=warmup,
+            device=device,
+            gpu_name=gpu_name,
+            stages=[[list(layers), first, last] for layers, first, last in stages],
+        )
         if progress is not None:
             progress(1, 1, f"compute ({co_located} co-located copies)")
     cal["co_located"] = co_located
@@ -76,12 +95,19 @@ def calibrate(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = 
         if progress is not None:
             progress(0, 1, "message costs (echo peer process)")
 
-        costs = measure_message_costs(cal["activation_bytes_per_sequence"] * job.microbatch_size,
-                                      block_unit(job, device), streams=streams,
-                                      emulated=emulated)
+        costs = measure_message_costs(
+            cal["activation_bytes_per_sequence"] * job.microbatch_size,
+            block_unit(job, device),
+            streams=streams,
+            emulated=emulated,
+        )
         if device != "cpu":
-            for key in ("message_overhead_s", "message_overhead_s_per_chunk", "message_overhead_s_per_byte",
-                        "message_overhead_s_emulated"):
+            for key in (
+                "message_overhead_s",
+                "message_overhead_s_per_chunk",
+                "message_overhead_s_per_byte",
+                "message_overhead_s_emulated",
+            ):
                 costs[key] = None
         cal.update(costs)
         if progress is not None:
@@ -98,8 +124,9 @@ def block_unit(job: JobSpec, device: str = "cpu") -> Callable[[], None]:
 
     dtype = PRECISION_DTYPES[job.precision]
     block = build_stage(job.model, 0, 1, first=False, last=False, seed=job.seed, dtype=dtype).to(device)
-    x = torch.randn(job.microbatch_size, job.model.seq_len, job.model.hidden, device=device, dtype=dtype,
-                    requires_grad=True)  # (b, T, C)
+    x = torch.randn(
+        job.microbatch_size, job.model.seq_len, job.model.hidden, device=device, dtype=dtype, requires_grad=True
+    )  # (b, T, C)
     grad = torch.randn_like(x)
 
     def unit() -> None:
@@ -123,8 +150,15 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     procs = []
     for i in range(copies):
         cpu = cpus[i] if len(cpus) >= copies else -1
-        procs.append(subprocess.Popen([sys.executable, "-m", "agents.rehearsal.calibrate", "--worker", str(cpu), request],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "agents.rehearsal.calibrate", "--worker", str(cpu), request],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=child_env(),
+            )
+        )
     cals = []
     try:
         for p in procs:
@@ -143,9 +177,13 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
         if key.endswith(("_s", "_s_per_param")) and isinstance(value, float):
             out_cal[key] = statistics.median(c[key] for c in cals)
     out_cal["tflops"] = out_cal["tflops"] * cals[0]["block_forward_s"] / out_cal["block_forward_s"]
-    out_cal["stage_times"] = [{**stage, **{key: statistics.median(c["stage_times"][i][key] for c in cals)
-                                           for key in ("forward_s", "backward_s")}}
-                              for i, stage in enumerate(out_cal["stage_times"])]
+    out_cal["stage_times"] = [
+        {
+            **stage,
+            **{key: statistics.median(c["stage_times"][i][key] for c in cals) for key in ("forward_s", "backward_s")},
+        }
+        for i, stage in enumerate(out_cal["stage_times"])
+    ]
     return out_cal
 
 
@@ -176,7 +214,10 @@ def plan_stages(stage_layers: Sequence[tuple[int, int]]) -> list[StageKey]:
 
 
 def _worker_main(cpu: int, request_json: str) -> None:
-    """One co-located copy (``python -m agents.rehearsal.calibrate --worker CPU REQUEST``): calibration JSON on stdout."""
+    """One co-located copy (``python -m agents.rehearsal.calibrate --worker CPU REQUEST``).
+
+    Prints the calibration JSON on stdout.
+    """
     import torch
 
     request = json.loads(request_json)

@@ -49,9 +49,12 @@ DEFAULT_WAN_SCALE = 0.05
 def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None = None) -> Config:
     """The cluster as rehearsed here: WAN bandwidths x ``wan_scale`` (what the relays emulate) and,
     when ``cpu_tflops`` is given, every DC's GPU replaced by this machine's measured core."""
-    links = tuple(dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * wan_scale,
-                                      per_connection_gbps=lk.per_connection_gbps * wan_scale)
-                  for lk in config.cluster.links)
+    links = tuple(
+        dataclasses.replace(
+            lk, bandwidth_gbps=lk.bandwidth_gbps * wan_scale, per_connection_gbps=lk.per_connection_gbps * wan_scale
+        )
+        for lk in config.cluster.links
+    )
     dcs = config.cluster.datacenters
     if cpu_tflops is not None:
         dcs = tuple(dataclasses.replace(dc, gpu=dataclasses.replace(dc.gpu, tflops=cpu_tflops)) for dc in dcs)
@@ -66,7 +69,8 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
     """
     import torch
 
-    from agents.rehearsal.calibrate import calibrate as measure, plan_options
+    from agents.rehearsal.calibrate import calibrate as measure
+    from agents.rehearsal.calibrate import plan_options
     from geosched.costmodel import Calibration
 
     threads = torch.get_num_threads()
@@ -86,8 +90,15 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
     from geosched.schedule import simulate
 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
-    costs = PipelineCosts(config.cluster, layout.job, layout.stage_dcs, layout.stage_layers, layout.dp,
-                          layout.streams, calibration=calibration)
+    costs = PipelineCosts(
+        config.cluster,
+        layout.job,
+        layout.stage_dcs,
+        layout.stage_layers,
+        layout.dp,
+        layout.streams,
+        calibration=calibration,
+    )
     return simulate(job_schedule(layout.job, layout.num_stages, layout.dp), costs)
 
 
@@ -99,8 +110,11 @@ def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
     """
     from geosched.costmodel import boundary_bytes
 
-    sizes = [boundary_bytes(layout.job, layout.stage_layers[s - 1][1]) // max(1, layout.streams.get(
-        tuple(sorted((a, b))), 1)) for s, a, b in layout.wan_boundaries()]
+    sizes = [
+        boundary_bytes(layout.job, layout.stage_layers[s - 1][1])
+        // max(1, layout.streams.get(tuple(sorted((a, b))), 1))
+        for s, a, b in layout.wan_boundaries()
+    ]
     return max(floor, min(sizes)) if sizes else 0
 
 
@@ -116,12 +130,29 @@ class AgentProcesses:
         """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder."""
         env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         for role in self.layout.roles:
-            cmd = [sys.executable, "-m", "geosched.cli", "agent", "--mqtt", self.url, "--job", self.job,
-                   "--rank", str(role.rank), "--dc", role.dc, "--threads", "1", "--run-dir", str(self.run_dir),
-                   *self.extra_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "geosched.cli",
+                "agent",
+                "--mqtt",
+                self.url,
+                "--job",
+                self.job,
+                "--rank",
+                str(role.rank),
+                "--dc",
+                role.dc,
+                "--threads",
+                "1",
+                "--run-dir",
+                str(self.run_dir),
+                *self.extra_args,
+            ]
             with open(self.run_dir / f"agent{role.rank}.log", "ab") as logfile:
-                self.procs[role.rank] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env,
-                                                         start_new_session=True, cwd=REPO_ROOT)
+                self.procs[role.rank] = subprocess.Popen(
+                    cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO_ROOT
+                )
         return self
 
     def wait(self, timeout_s: float) -> dict[int, int | None]:
@@ -184,7 +215,7 @@ class RelayRoutes:
             ends[name] = (role.prev_dc, role.dc)
         self.route_links = ends
         self.emulator = WanEmulator(routes, link_ends=ends).start()
-        return {name: "tcp://%s:%d" % self.emulator.address(name) for name in routes}
+        return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}
 
     def wan_bytes(self) -> dict[str, int]:
         """Bytes the relays carried per link direction, e.g. ``{"us->eu": n, "eu->us": m}``."""
@@ -203,11 +234,21 @@ class RelayRoutes:
             self.emulator.close()
 
 
-def launch(config_path: str, *, plan_path: str | None = None, steps: int | None = None,
-           run_dir: str | os.PathLike | None = None, mqtt: str | None = None, job: str = "launch",
-           wan_scale: float = DEFAULT_WAN_SCALE, ready_timeout_s: float = 120.0,
-           out: TextIO | None = sys.stdout, agent_args: list[str] | None = None,
-           calibration: Any = "measure", prefill_rate: float = 0.0) -> dict[str, Any]:
+def launch(
+    config_path: str,
+    *,
+    plan_path: str | None = None,
+    steps: int | None = None,
+    run_dir: str | os.PathLike | None = None,
+    mqtt: str | None = None,
+    job: str = "launch",
+    wan_scale: float = DEFAULT_WAN_SCALE,
+    ready_timeout_s: float = 120.0,
+    out: TextIO | None = sys.stdout,
+    agent_args: list[str] | None = None,
+    calibration: Any = "measure",
+    prefill_rate: float = 0.0,
+) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
     ``prefill_rate`` > 0: every agent serves prefill (``--prefill-bind``) and a
@@ -220,10 +261,9 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.coordinator import start_job, stop_job
-    from agents.layout import load_plan_file
-    from agents.layout import parse_layout, plan_for_config
-    from geosched.config import load_config
+    from agents.layout import load_plan_file, parse_layout, plan_for_config
     from agents.rehearsal.report import build_report, load_rank_reports, report_text, write_run_folder
+    from geosched.config import load_config
 
     config = load_config(config_path)
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
@@ -255,12 +295,24 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
             stack.callback(load.stop, 0.0)  # on errors: stop at once (a no-op once stopped)
         agents = stack.enter_context(AgentProcesses(layout, mqtt, job, run, chunk_args + list(agent_args or [])))
         if out is not None:
-            print(f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
-                  f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}, broker {mqtt}, run folder {run}",
-                  file=out, flush=True)
+            print(
+                f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
+                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}, broker {mqtt}, run folder {run}",
+                file=out,
+                flush=True,
+            )
         started = time.monotonic()
-        asyncio.run(start_job(mqtt, job, text, steps=steps, ready_timeout_s=ready_timeout_s,
-                              before_start=relays if load is None else _with_load(relays, load), out=out))
+        asyncio.run(
+            start_job(
+                mqtt,
+                job,
+                text,
+                steps=steps,
+                ready_timeout_s=ready_timeout_s,
+                before_start=relays if load is None else _with_load(relays, load),
+                out=out,
+            )
+        )
         wall_s = time.monotonic() - started
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
@@ -268,11 +320,20 @@ def launch(config_path: str, *, plan_path: str | None = None, steps: int | None 
         codes = agents.wait(20.0)
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
-    report = build_report(layout, reports, predicted_iteration_s=predicted.iteration_s,
-                          predicted_bubble_fraction=predicted.bubble_fraction, wan_bytes=wan,
-                          extra={"wan_scale": wan_scale, "wall_s": wall_s, "agent_exit_codes": codes,
-                                 "calibrated": calibration is not None,
-                                 "predicted_unscaled_iteration_s": layout.predicted_iteration_s})
+    report = build_report(
+        layout,
+        reports,
+        predicted_iteration_s=predicted.iteration_s,
+        predicted_bubble_fraction=predicted.bubble_fraction,
+        wan_bytes=wan,
+        extra={
+            "wan_scale": wan_scale,
+            "wall_s": wall_s,
+            "agent_exit_codes": codes,
+            "calibrated": calibration is not None,
+            "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
+        },
+    )
     if load is not None:
         from agents.rehearsal.prompt_load import prefill_section
 

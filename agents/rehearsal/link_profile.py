@@ -56,7 +56,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,8 +75,15 @@ PINGS = 40
 """Ping-pongs per size for the latency (after PINGS // 4 untimed)."""
 
 
-def measure_message_costs(activation_bytes: int, work: Callable[[], object], *, rounds: int = 8,
-                          units: int = 6, streams: int = 1, emulated: LinkShape | None = None) -> dict[str, Any]:
+def measure_message_costs(
+    activation_bytes: int,
+    work: Callable[[], object],
+    *,
+    rounds: int = 8,
+    units: int = 6,
+    streams: int = 1,
+    emulated: LinkShape | None = None,
+) -> dict[str, Any]:
     """Stage time per message (fixed + per chunk + per byte) and one-way latency, as calibration fields.
 
     ``work()`` is one compute unit of the stage; each of ``rounds`` rounds
@@ -99,26 +105,39 @@ def measure_message_costs(activation_bytes: int, work: Callable[[], object], *, 
     try:
         ports = _peer_line(peer).split()
         whole = WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S)
-        halves = WanLinkConfig(link_id=LINK_ID + 1, streams=split_streams, chunk_bytes=split,
-                               connect_timeout_s=PEER_TIMEOUT_S)
+        halves = WanLinkConfig(
+            link_id=LINK_ID + 1, streams=split_streams, chunk_bytes=split, connect_timeout_s=PEER_TIMEOUT_S
+        )
         with ExitStack() as stack:
             link = stack.enter_context(WanLink.connect(f"tcp://127.0.0.1:{ports[0]}", whole))
             split_link = stack.enter_context(WanLink.connect(f"tcp://127.0.0.1:{ports[1]}", halves))
             if emulated is not None:  # before any echo: the peer waits for all of its links
                 relay = _helper("--relay", json.dumps(asdict(emulated)), ports[2])
-                relayed = stack.enter_context(WanLink.connect(
-                    f"tcp://127.0.0.1:{_peer_line(relay, 'WAN emulator relay')}",
-                    WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S)))
+                relayed = stack.enter_context(
+                    WanLink.connect(
+                        f"tcp://127.0.0.1:{_peer_line(relay, 'WAN emulator relay')}",
+                        WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
+                    )
+                )
             probe = _Probe(link, work)
             latency = probe.latency(small)
-            settings = [(small, chunks_per_message(small, 1), probe.overhead(small, rounds, units)),
-                        (SIZE_FACTOR * small, chunks_per_message(SIZE_FACTOR * small, 1),
-                         probe.overhead(SIZE_FACTOR * small, rounds, units)),
-                        (small, -(-small // split), _Probe(split_link, work).overhead(small, rounds, units))]
+            settings = [
+                (small, chunks_per_message(small, 1), probe.overhead(small, rounds, units)),
+                (
+                    SIZE_FACTOR * small,
+                    chunks_per_message(SIZE_FACTOR * small, 1),
+                    probe.overhead(SIZE_FACTOR * small, rounds, units),
+                ),
+                (small, -(-small // split), _Probe(split_link, work).overhead(small, rounds, units)),
+            ]
             extra = {}
             if emulated is not None:
-                cost = _busy_while(cpu, lambda: _Probe(relayed, work).overhead(
-                    small, rounds, units, **_spacing(emulated, small, latency, work)))
+                cost = _busy_while(
+                    cpu,
+                    lambda: _Probe(relayed, work).overhead(
+                        small, rounds, units, **_spacing(emulated, small, latency, work)
+                    ),
+                )
                 extra["message_overhead_s_emulated"] = max(0.0, cost - settings[0][2])
             link.start_send(torch.zeros(1), step=0, microbatch=0)  # "done": the peer says ok and closes
             _peer_line(peer)
@@ -168,8 +187,14 @@ def _busy_while(cpu: int | None, measure: Callable[[], float]) -> float:
 
 def _helper(*args: str) -> subprocess.Popen:
     """``python -m agents.rehearsal.link_profile ARGS``: one of the probe's helper processes (see USAGE)."""
-    return subprocess.Popen([sys.executable, "-m", "agents.rehearsal.link_profile", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    return subprocess.Popen(
+        [sys.executable, "-m", "agents.rehearsal.link_profile", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
 
 
 def solve_message_terms(settings: list[tuple[int, int, float]]) -> tuple[float, float, float]:
@@ -262,9 +287,11 @@ def _echo_peer(cpu: int | None, split_chunk: int, count: int) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
-    configs = [WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
-               WanLinkConfig(link_id=LINK_ID + 1, streams=1, chunk_bytes=split_chunk, connect_timeout_s=PEER_TIMEOUT_S),
-               WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S)][:count]
+    configs = [
+        WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
+        WanLinkConfig(link_id=LINK_ID + 1, streams=1, chunk_bytes=split_chunk, connect_timeout_s=PEER_TIMEOUT_S),
+        WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
+    ][:count]
     with ExitStack() as stack:
         links = [stack.enter_context(WanLink.listen("tcp://127.0.0.1:0", config)) for config in configs]
         print(*(link.port for link in links), flush=True)
@@ -327,9 +354,11 @@ def _other_cpu() -> int | None:
     return others[0] if others else None
 
 
-USAGE = ("usage: python -m agents.rehearsal.link_profile --echo-peer CPU SPLIT_CHUNK_BYTES LINKS   (CPU -1: not pinned)\n"
-         "       python -m agents.rehearsal.link_profile --relay SHAPE_JSON PORT\n"
-         "       python -m agents.rehearsal.link_profile --busy CPU")
+USAGE = (
+    "usage: python -m agents.rehearsal.link_profile --echo-peer CPU SPLIT_CHUNK_BYTES LINKS   (CPU -1: not pinned)\n"
+    "       python -m agents.rehearsal.link_profile --relay SHAPE_JSON PORT\n"
+    "       python -m agents.rehearsal.link_profile --busy CPU"
+)
 HELPER_ARGS = {"--echo-peer": 3, "--relay": 2, "--busy": 1}
 
 if __name__ == "__main__":  # the probe's helper processes

@@ -38,8 +38,9 @@ STATUSES = ("ok", "rejected", "expired", "error")
 class PrefillLoad:
     """A Poisson stream of random byte prompts to several prefill endpoints, on its own thread."""
 
-    def __init__(self, rate: float, *, deadline_s: float = 5.0, prompt_tokens: tuple[int, int] = (8, 48),
-                 seed: int = 0) -> None:
+    def __init__(
+        self, rate: float, *, deadline_s: float = 5.0, prompt_tokens: tuple[int, int] = (8, 48), seed: int = 0
+    ) -> None:
         self.rate, self.deadline_s, self.prompt_tokens = rate, deadline_s, prompt_tokens
         self._rng = random.Random(seed)
         self._stop_sending = threading.Event()
@@ -140,29 +141,47 @@ def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
         rank = path.stem.removeprefix("prefill-rank")
         m = json.loads(path.read_text())
         agents[rank] = {
-            "training_compute_s": m.get("training_compute_s"), "prefill_compute_s": m.get("prefill_compute_s"),
-            "idle_s": m.get("idle_s"), "training_wall_s": m.get("training_wall_s"),
-            "busy_fraction": m.get("busy_fraction"), "prefill_tokens": m.get("prefill_tokens"),
-            "prefill_chunks": m.get("prefill_chunks"), "ok": m.get("ok"), "rejected": m.get("rejected"),
-            "expired": m.get("expired"), "ttft_p50_ms": m.get("ttft_p50_ms"), "ttft_p99_ms": m.get("ttft_p99_ms"),
+            "training_compute_s": m.get("training_compute_s"),
+            "prefill_compute_s": m.get("prefill_compute_s"),
+            "idle_s": m.get("idle_s"),
+            "training_wall_s": m.get("training_wall_s"),
+            "busy_fraction": m.get("busy_fraction"),
+            "prefill_tokens": m.get("prefill_tokens"),
+            "prefill_chunks": m.get("prefill_chunks"),
+            "ok": m.get("ok"),
+            "rejected": m.get("rejected"),
+            "expired": m.get("expired"),
+            "ttft_p50_ms": m.get("ttft_p50_ms"),
+            "ttft_p99_ms": m.get("ttft_p99_ms"),
             "requests_sent": load.per_rank_sent.get(int(rank), 0),
         }
     return {
-        "rate_per_s": load.rate, "deadline_s": load.deadline_s,
-        "requests_sent": load.counts["sent"], "ok": load.counts["ok"], "rejected": load.counts["rejected"],
-        "expired": load.counts["expired"], "error": load.counts["error"], "lost": load.outstanding,
-        "prefill_tokens": load.ok_tokens, "tokens_per_s": load.ok_tokens / duration, "load_s": duration,
-        "ttft_p50_ms": None if p50 is None else p50 * 1e3, "ttft_p99_ms": None if p99 is None else p99 * 1e3,
+        "rate_per_s": load.rate,
+        "deadline_s": load.deadline_s,
+        "requests_sent": load.counts["sent"],
+        "ok": load.counts["ok"],
+        "rejected": load.counts["rejected"],
+        "expired": load.counts["expired"],
+        "error": load.counts["error"],
+        "lost": load.outstanding,
+        "prefill_tokens": load.ok_tokens,
+        "tokens_per_s": load.ok_tokens / duration,
+        "load_s": duration,
+        "ttft_p50_ms": None if p50 is None else p50 * 1e3,
+        "ttft_p99_ms": None if p99 is None else p99 * 1e3,
         "agents": agents,
     }
 
 
 def prefill_text(section: Mapping[str, Any]) -> str:
     """One line for the launch summary."""
+
     def ms(v: Any) -> str:
         return "n/a" if v is None else f"{v:.1f} ms"
 
-    return (f"prefill: {section['requests_sent']} sent at {section['rate_per_s']:g}/s -> {section['ok']} ok, "
-            f"{section['rejected']} rejected, {section['expired']} expired, {section['error']} error, "
-            f"{section['lost']} lost | {section['tokens_per_s']:.0f} tokens/s | TTFT p50 "
-            f"{ms(section['ttft_p50_ms'])} p99 {ms(section['ttft_p99_ms'])}")
+    return (
+        f"prefill: {section['requests_sent']} sent at {section['rate_per_s']:g}/s -> {section['ok']} ok, "
+        f"{section['rejected']} rejected, {section['expired']} expired, {section['error']} error, "
+        f"{section['lost']} lost | {section['tokens_per_s']:.0f} tokens/s | TTFT p50 "
+        f"{ms(section['ttft_p50_ms'])} p99 {ms(section['ttft_p99_ms'])}"
+    )

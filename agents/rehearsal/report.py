@@ -53,9 +53,15 @@ def steady(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def build_report(layout: Any, reports: Mapping[int, list[StepReport]], *, predicted_iteration_s: float | None,
-                 predicted_bubble_fraction: float | None = None, wan_bytes: Mapping[str, int] | None = None,
-                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_report(
+    layout: Any,
+    reports: Mapping[int, list[StepReport]],
+    *,
+    predicted_iteration_s: float | None,
+    predicted_bubble_fraction: float | None = None,
+    wan_bytes: Mapping[str, int] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The ``report.json`` content for a run of ``layout`` (a :class:`~agents.layout.JobLayout`)."""
     missing = [r.rank for r in layout.roles if not reports.get(r.rank)]
     if missing:
@@ -71,13 +77,15 @@ def build_report(layout: Any, reports: Mapping[int, list[StepReport]], *, predic
         rs = by_step[step]
         pipeline = [r for r in rs if r.replica == 0]
         timeline = measured_timeline(schedule, pipeline)
-        per_step.append({
-            "step": step,
-            "loss": global_loss(r for r in rs if r.stage == layout.num_stages - 1),
-            "iteration_s": max(r.iteration_s for r in rs),
-            "bubble_fraction": timeline.bubble_fraction,
-            "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),
-        })
+        per_step.append(
+            {
+                "step": step,
+                "loss": global_loss(r for r in rs if r.stage == layout.num_stages - 1),
+                "iteration_s": max(r.iteration_s for r in rs),
+                "bubble_fraction": timeline.bubble_fraction,
+                "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),
+            }
+        )
     if not per_step:
         raise GeoschedError("run report: no step completed on every rank")
     measured = steady([s["iteration_s"] for s in per_step])
@@ -90,10 +98,13 @@ def build_report(layout: Any, reports: Mapping[int, list[StepReport]], *, predic
         "bubble_fraction_measured": steady([s["bubble_fraction"] for s in per_step]),
         "bubble_fraction_predicted": predicted_bubble_fraction,
         "wan_bytes": dict(wan_bytes or {}),
-        "layout": {"stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs,
-                                                                                 layout.stage_layers)],
-                   "dp": layout.dp, "ranks": len(layout.roles), "schedule": layout.job.schedule,
-                   "microbatches": schedule.num_microbatches},
+        "layout": {
+            "stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs, layout.stage_layers)],
+            "dp": layout.dp,
+            "ranks": len(layout.roles),
+            "schedule": layout.job.schedule,
+            "microbatches": schedule.num_microbatches,
+        },
         "per_step": per_step,
     }
     report.update(extra or {})
@@ -124,8 +135,13 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
     return Path(path)
 
 
-def write_run_folder(run_dir: str | os.PathLike, layout: Any, reports: Mapping[int, list[StepReport]],
-                     report: dict[str, Any], predicted_timeline: Any | None = None) -> dict[str, str]:
+def write_run_folder(
+    run_dir: str | os.PathLike,
+    layout: Any,
+    reports: Mapping[int, list[StepReport]],
+    report: dict[str, Any],
+    predicted_timeline: Any | None = None,
+) -> dict[str, str]:
     """Write report.json and the pictures into ``run_dir``; return {what: path}."""
     from geosched.schedule import write_chrome_trace, write_timeline_png
 
@@ -154,11 +170,17 @@ def report_text(report: Mapping[str, Any]) -> str:
         f"steps {report['steps'][0]}-{report['steps'][-1]}: loss {report['losses'][0]:.4f} -> "
         f"{report['losses'][-1]:.4f}",
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
-        + (f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
-           if predicted else ""),
+        + (
+            f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
+            if predicted
+            else ""
+        ),
         f"bubbles: measured {100 * report['bubble_fraction_measured']:.1f}%"
-        + (f", predicted {100 * report['bubble_fraction_predicted']:.1f}%"
-           if report.get("bubble_fraction_predicted") is not None else ""),
+        + (
+            f", predicted {100 * report['bubble_fraction_predicted']:.1f}%"
+            if report.get("bubble_fraction_predicted") is not None
+            else ""
+        ),
     ]
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB")

@@ -45,15 +45,37 @@ class StepReport:
     idle_gaps: list[IdleGap] = field(default_factory=list)
 
     @classmethod
-    def from_events(cls, *, step: int, stage: int, replica: int, loss: float | None, iteration_s: float,
-                    started_at: float, events: list[Event], idle_gaps: list[IdleGap],
-                    bytes_sent: dict[int, int]) -> StepReport:
+    def from_events(
+        cls,
+        *,
+        step: int,
+        stage: int,
+        replica: int,
+        loss: float | None,
+        iteration_s: float,
+        started_at: float,
+        events: list[Event],
+        idle_gaps: list[IdleGap],
+        bytes_sent: dict[int, int],
+    ) -> StepReport:
         """Sum the event durations into busy/comm/idle seconds."""
         spent = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
         for e in events:
             spent[e.category] = spent.get(e.category, 0.0) + (e.end - e.start)
-        return cls(step, stage, replica, loss, iteration_s, spent["compute"], spent["comm"], spent["idle"],
-                   started_at, dict(bytes_sent), list(events), list(idle_gaps))
+        return cls(
+            step,
+            stage,
+            replica,
+            loss,
+            iteration_s,
+            spent["compute"],
+            spent["comm"],
+            spent["idle"],
+            started_at,
+            dict(bytes_sent),
+            list(events),
+            list(idle_gaps),
+        )
 
     @property
     def bubble_fraction(self) -> float:
@@ -77,10 +99,15 @@ class StepReport:
     def from_dict(cls, data: Mapping[str, Any]) -> StepReport:
         """Inverse of :meth:`to_dict`."""
         return cls(
-            step=int(data["step"]), stage=int(data["stage"]), replica=int(data["replica"]),
+            step=int(data["step"]),
+            stage=int(data["stage"]),
+            replica=int(data["replica"]),
             loss=None if data["loss"] is None else float(data["loss"]),
-            iteration_s=float(data["iteration_s"]), busy_s=float(data["busy_s"]),
-            comm_s=float(data["comm_s"]), idle_s=float(data["idle_s"]), started_at=float(data["started_at"]),
+            iteration_s=float(data["iteration_s"]),
+            busy_s=float(data["busy_s"]),
+            comm_s=float(data["comm_s"]),
+            idle_s=float(data["idle_s"]),
+            started_at=float(data["started_at"]),
             bytes_sent={int(k): int(v) for k, v in data.get("bytes_sent", {}).items()},
             events=[Event(**e) for e in data.get("events", [])],
             idle_gaps=[IdleGap(**g) for g in data.get("idle_gaps", [])],
@@ -96,7 +123,8 @@ def measured_timeline(schedule: Schedule, reports: Iterable[StepReport]) -> Time
     steps = {(r.step, r.replica) for r in by_stage.values()}
     if len(steps) != 1:
         raise StageError(
-            f"measured timeline mixes (step, replica) pairs {sorted(steps)}; pass one step of one pipeline")
+            f"measured timeline mixes (step, replica) pairs {sorted(steps)}; pass one step of one pipeline"
+        )
     origin = min(r.started_at for r in by_stage.values())
     events: list[Event] = []
     gaps: list[IdleGap] = []

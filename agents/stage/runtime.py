@@ -60,8 +60,12 @@ Microbatch = tuple[Tensor, Tensor]
 """(inputs (b, T) int64, targets (b, T) int64), as :mod:`geosched.data` produces them."""
 
 _CATEGORY = {
-    K.FORWARD: "compute", K.BACKWARD: "compute", K.STEP: "compute",
-    K.SEND_F: "comm", K.SEND_B: "comm", K.ALL_REDUCE: "comm",
+    K.FORWARD: "compute",
+    K.BACKWARD: "compute",
+    K.STEP: "compute",
+    K.SEND_F: "comm",
+    K.SEND_B: "comm",
+    K.ALL_REDUCE: "comm",
 }
 
 
@@ -122,7 +126,8 @@ class StageRuntime:
             )
         if transport is None and schedule.num_stages > 1:
             raise StageError(
-                f"stage {stage} of a {schedule.num_stages}-stage pipeline needs a transport to its neighbours")
+                f"stage {stage} of a {schedule.num_stages}-stage pipeline needs a transport to its neighbours"
+            )
         self.module = module
         self.schedule = schedule
         self.stage = stage
@@ -164,11 +169,19 @@ class StageRuntime:
         traffic = {peer: n - sent_before.get(peer, 0) for peer, n in sent_after.items()}
         loss = sum(state.losses) / len(state.losses) if state.losses else None
         report = StepReport.from_events(
-            step=step, stage=self.stage, replica=self.replica, loss=loss, iteration_s=iteration,
-            started_at=started_at, events=state.events, idle_gaps=state.gaps, bytes_sent=traffic,
+            step=step,
+            stage=self.stage,
+            replica=self.replica,
+            loss=loss,
+            iteration_s=iteration,
+            started_at=started_at,
+            events=state.events,
+            idle_gaps=state.gaps,
+            bytes_sent=traffic,
         )
-        log.debug("stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step,
-                  iteration * 1e3, loss)
+        log.debug(
+            "stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step, iteration * 1e3, loss
+        )
         return report
 
     # -- one action ---------------------------------------------------------------------------
@@ -244,11 +257,14 @@ class StageRuntime:
         else None.
         """
         assert self.transport is not None and self.bubble_filler is not None
-        spans = self.bubble_filler.fill(lambda: self.transport.poll(peer, kind, state.step, mb),  # type: ignore
-                                        budget_s=self._last_wait.get((kind, mb)))
+        spans = self.bubble_filler.fill(
+            lambda: self.transport.poll(peer, kind, state.step, mb),  # type: ignore
+            budget_s=self._last_wait.get((kind, mb)),
+        )
         for span in spans:
-            state.events.append(Event(self.stage, "PREFILL", span.start - state.t0, span.end - state.t0,
-                                      "prefill", "PREFILL"))
+            state.events.append(
+                Event(self.stage, "PREFILL", span.start - state.t0, span.end - state.t0, "prefill", "PREFILL")
+            )
         if not spans:
             return None
         state.filled_until = spans[-1].end
@@ -276,8 +292,10 @@ class StageRuntime:
             grid = render_grid(self.schedule, mark=action)
         except Exception as render_exc:  # noqa: BLE001 - a broken view must not hide the real error
             grid = f"(grid unavailable: {render_exc})"
-        message = (f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {exc}\n"
-                   f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}")
+        message = (
+            f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {exc}\n"
+            f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}"
+        )
         log.error("%s", message)
         cls = type(exc) if isinstance(exc, GeoschedError) else StageError
         try:

@@ -29,7 +29,6 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,9 +37,9 @@ import torch.distributed as dist
 
 from agents.dp.group import DataParallelGroup, join_group
 from agents.dp.spec import GroupSpec
-from agents.stage.runtime import StageRuntime
-from agents.stage.report import StepReport
 from agents.layout import RankRole, pipe_name, store_name
+from agents.stage.report import StepReport
+from agents.stage.runtime import StageRuntime
 from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
@@ -62,16 +61,21 @@ def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], A
     ``wan_shape(prev_dc, dc)`` gives the relay's LinkShape for a link between
     two DCs (None: connect directly); links inside a DC never get a relay.
     """
-    return [Route(pipe_name(r.stage, r.replica), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
-            for r in roles if not r.first]
+    return [
+        Route(pipe_name(r.stage, r.replica), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
+        for r in roles
+        if not r.first
+    ]
 
 
 def num_microbatches(job: JobSpec, dp: int) -> int:
     """Microbatches per replica and step: global_batch / (dp * microbatch_size), which must be whole."""
     per_step = dp * job.microbatch_size
     if job.global_batch % per_step:
-        raise PlanError(f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
-                        f"microbatch_size({job.microbatch_size}) = {per_step}; change one of them")
+        raise PlanError(
+            f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
+            f"microbatch_size({job.microbatch_size}) = {per_step}; change one of them"
+        )
     return job.global_batch // per_step
 
 
@@ -90,12 +94,22 @@ class RankSession:
     are there (each step bounded by ``connect_timeout_s``).
     """
 
-    def __init__(self, job: JobSpec, role: RankRole, *, data: TextDataset | str | Sequence[str],
-                 addresses: AddressBook, bind_host: str = "127.0.0.1", advertise_host: str | None = None,
-                 start_step: int = 0,
-                 connect_timeout_s: float = 60.0, recv_timeout_s: float = 120.0,
-                 wan_config: dict[str, Any] | None = None, backend: str | None = None,
-                 bubble_filler: Any = None) -> None:
+    def __init__(
+        self,
+        job: JobSpec,
+        role: RankRole,
+        *,
+        data: TextDataset | str | Sequence[str],
+        addresses: AddressBook,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        start_step: int = 0,
+        connect_timeout_s: float = 60.0,
+        recv_timeout_s: float = 120.0,
+        wan_config: dict[str, Any] | None = None,
+        backend: str | None = None,
+        bubble_filler: Any = None,
+    ) -> None:
         self.job, self.role = job, role
         self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
         self.data = data
@@ -132,8 +146,15 @@ class RankSession:
     def _open(self) -> None:
         job, role = self.job, self.role
         start, end = role.layers
-        self.module = build_stage(job.model, start, end, first=role.first, last=role.last, seed=job.seed,
-                                  dtype=PRECISION_DTYPES[job.precision])
+        self.module = build_stage(
+            job.model,
+            start,
+            end,
+            first=role.first,
+            last=role.last,
+            seed=job.seed,
+            dtype=PRECISION_DTYPES[job.precision],
+        )
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=job.learning_rate)
         listener = self._listen_and_host()
         log.debug("rank %d: listening", role.rank)
@@ -142,21 +163,50 @@ class RankSession:
         self.group = self._join_group()
         log.debug("rank %d: group joined", role.rank)
         if role.first or role.last:
-            dataset = self.data if isinstance(self.data, TextDataset) else TextDataset(
-                self.data, seq_len=job.model.seq_len, seed=job.seed)
-            self.prefetcher = self._stack.enter_context(Prefetcher(
-                dataset, role.replica, role.dp_size, job.microbatch_size, self.schedule.num_microbatches,
-                start_step=self.start_step))
+            dataset = (
+                self.data
+                if isinstance(self.data, TextDataset)
+                else TextDataset(self.data, seq_len=job.model.seq_len, seed=job.seed)
+            )
+            self.prefetcher = self._stack.enter_context(
+                Prefetcher(
+                    dataset,
+                    role.replica,
+                    role.dp_size,
+                    job.microbatch_size,
+                    self.schedule.num_microbatches,
+                    start_step=self.start_step,
+                )
+            )
         self.runtime = StageRuntime(
-            self.module, self.schedule, role.stage, transport=self.transport, optimizer=self.optimizer,
-            grad_sync=self.group, replica=role.replica, recv_timeout_s=self.recv_timeout_s,
-            bubble_filler=self.bubble_filler)
-        log.info("rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s", role.rank, role.stage,
-                 role.num_stages, role.replica, role.dp_size, start, end, role.dc)
+            self.module,
+            self.schedule,
+            role.stage,
+            transport=self.transport,
+            optimizer=self.optimizer,
+            grad_sync=self.group,
+            replica=role.replica,
+            recv_timeout_s=self.recv_timeout_s,
+            bubble_filler=self.bubble_filler,
+        )
+        log.info(
+            "rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s",
+            role.rank,
+            role.stage,
+            role.num_stages,
+            role.replica,
+            role.dp_size,
+            start,
+            end,
+            role.dc,
+        )
 
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
-        options = {"connect_timeout_s": self.connect_timeout_s, "recv_timeout_s": self.recv_timeout_s,
-                   **self.wan_config}
+        options = {
+            "connect_timeout_s": self.connect_timeout_s,
+            "recv_timeout_s": self.recv_timeout_s,
+            **self.wan_config,
+        }
         return WanLinkConfig(link_id=link_id(upstream_stage, self.role.replica), streams=streams, **options)
 
     def _listen_and_host(self) -> WanLink | None:
@@ -168,8 +218,14 @@ class RankSession:
             self._stack.callback(listener.close)
             self.addresses.publish(pipe_name(role.stage, role.replica), f"tcp://{self.advertise_host}:{listener.port}")
         if role.dp_size > 1 and role.replica == 0:
-            store = dist.TCPStore(self.bind_host, 0, role.dp_size, True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.connect_timeout_s))
+            store = dist.TCPStore(
+                self.bind_host,
+                0,
+                role.dp_size,
+                True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.connect_timeout_s),
+            )
             self._hosted_store = store  # lives until close(), after the group is gone
             self.addresses.publish(store_name(role.group), f"{self.advertise_host}:{store.port}")
         return listener
@@ -194,8 +250,16 @@ class RankSession:
             return None
         endpoint = self.addresses.lookup(store_name(role.group), self.connect_timeout_s)
         host, port = endpoint.rsplit(":", 1)
-        spec = GroupSpec(role.group, role.replica, role.dp_size, host, int(port), backend=self.backend,
-                         timeout_s=self.connect_timeout_s, host_store=False)
+        spec = GroupSpec(
+            role.group,
+            role.replica,
+            role.dp_size,
+            host,
+            int(port),
+            backend=self.backend,
+            timeout_s=self.connect_timeout_s,
+            host_store=False,
+        )
         self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
         return self._stack.enter_context(join_group(spec))
 
@@ -238,10 +302,18 @@ class RankSession:
         self._hosted_store = None
 
 
-def run_rank(job: JobSpec, role: RankRole, *, steps: int, data: TextDataset | str | Sequence[str],
-             addresses: AddressBook, run_dir: str | os.PathLike | None = None,
-             on_step: Callable[[StepReport], None] | None = None, threads: int | None = None,
-             **session_options: Any) -> list[StepReport]:
+def run_rank(
+    job: JobSpec,
+    role: RankRole,
+    *,
+    steps: int,
+    data: TextDataset | str | Sequence[str],
+    addresses: AddressBook,
+    run_dir: str | os.PathLike | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    threads: int | None = None,
+    **session_options: Any,
+) -> list[StepReport]:
     """Open a :class:`RankSession`, train ``steps`` steps, close; return the per-step reports.
 
     ``on_step`` is called with each report as it is made (the daemon publishes

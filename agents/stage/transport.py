@@ -194,8 +194,9 @@ class StoreAddressBook:
         self.prefix = prefix
 
     @classmethod
-    def connect(cls, host: str, port: int, *, routed: bool = False, prefix: str = "",
-                timeout_s: float = 60.0) -> StoreAddressBook:
+    def connect(
+        cls, host: str, port: int, *, routed: bool = False, prefix: str = "", timeout_s: float = 60.0
+    ) -> StoreAddressBook:
         """A client of the store at ``host:port``."""
         import torch.distributed as dist
 
@@ -223,8 +224,10 @@ class StoreAddressBook:
             self.store.wait([key], timedelta(seconds=timeout_s))
             return self.store.get(key).decode()
         except RuntimeError as exc:  # torch reports store timeouts as RuntimeError subclasses
-            raise LinkError(f"no endpoint published as {name!r} within {timeout_s:g} s ({str(exc).splitlines()[0]}); "
-                            f"is the peer rank running?") from None
+            raise LinkError(
+                f"no endpoint published as {name!r} within {timeout_s:g} s ({str(exc).splitlines()[0]}); "
+                f"is the peer rank running?"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,14 @@ class RelayRouter:
     background thread; :meth:`close` stops the relays.
     """
 
-    def __init__(self, book: StoreAddressBook, routes: Iterable[Route], *, timeout_s: float = 120.0,
-                 make_relay: Callable[[tuple[str, int], Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        book: StoreAddressBook,
+        routes: Iterable[Route],
+        *,
+        timeout_s: float = 120.0,
+        make_relay: Callable[[tuple[str, int], Any], Any] | None = None,
+    ) -> None:
         self.book = book
         self.routes = list(routes)
         self.timeout_s = timeout_s

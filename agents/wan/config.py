@@ -77,4 +77,3 @@ class WanLinkConfig:
                 f"wan.max_inflight_bytes ({self.max_inflight_bytes}) must hold one chunk ({self.chunk_bytes})"
             )
         return self
-

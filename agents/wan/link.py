@@ -32,22 +32,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from agents.sockets import CurveClient, CurveServer
 from agents.wan.config import WanLinkConfig
 from agents.wan.io import LinkIO
 from agents.wan.recv import KINDS, PostedRecv, monotonic
 from agents.wan.send import OutMessage
 from geosched.chunking import auto_chunk_bytes
-from geosched.errors import ConfigError, InputError, LinkError
+from geosched.errors import InputError, LinkError
 from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
 
 log = logging.getLogger(__name__)
-
 
 
 def _check_key(step: int, microbatch: int, kind: str) -> tuple[int, int, str]:

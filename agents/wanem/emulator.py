@@ -46,11 +46,19 @@ class WanRelay:
     link's capacity (see :class:`WanEmulator`).
     """
 
-    def __init__(self, target: Address, shape: LinkShape, listen: Address = ("127.0.0.1", 0), *,
-                 reset_every_s: float | None = None, socket_buffer_bytes: int = 256 * 1024,
-                 max_chunk_bytes: int = 256 * 1024, max_queued_bytes: int = 16 * 1024 * 1024,
-                 loop_thread: LoopThread | None = None,
-                 pacers: tuple[LinkPacer, LinkPacer] | None = None) -> None:
+    def __init__(
+        self,
+        target: Address,
+        shape: LinkShape,
+        listen: Address = ("127.0.0.1", 0),
+        *,
+        reset_every_s: float | None = None,
+        socket_buffer_bytes: int = 256 * 1024,
+        max_chunk_bytes: int = 256 * 1024,
+        max_queued_bytes: int = 16 * 1024 * 1024,
+        loop_thread: LoopThread | None = None,
+        pacers: tuple[LinkPacer, LinkPacer] | None = None,
+    ) -> None:
         if reset_every_s is not None and not reset_every_s > 0:
             raise InputError(f"reset_every_s: must be > 0 seconds or None (got {reset_every_s})")
         self.target = (str(target[0]), int(target[1]))
@@ -59,8 +67,14 @@ class WanRelay:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.max_queued_bytes = max_queued_bytes
-        self.counters = {"bytes_to_target": 0, "bytes_to_client": 0, "connections_total": 0,
-                         "resets": 0, "reset_events": 0, "connect_failures": 0}
+        self.counters = {
+            "bytes_to_target": 0,
+            "bytes_to_client": 0,
+            "connections_total": 0,
+            "resets": 0,
+            "reset_events": 0,
+            "connect_failures": 0,
+        }
         self._sock = _listening_socket(listen, socket_buffer_bytes)
         self.host: str = self._sock.getsockname()[0]
         self.port: int = self._sock.getsockname()[1]
@@ -86,16 +100,20 @@ class WanRelay:
         try:
             info = socket.getaddrinfo(*self.target, type=socket.SOCK_STREAM)[0]
         except OSError as exc:
-            raise InputError(f"target {self.target[0]}:{self.target[1]}: cannot resolve ({exc}); "
-                             "give an IP address or a resolvable host name") from None
+            raise InputError(
+                f"target {self.target[0]}:{self.target[1]}: cannot resolve ({exc}); "
+                "give an IP address or a resolvable host name"
+            ) from None
         self.target_address = (info[0], info[4])  # (family, sockaddr) resolved once
         if self.loop_thread is None:
             self.loop_thread = LoopThread(f"wanem:{self.port}")
             self._own_loop = True
         if self.pacers is None:
             self._own_pacers = True
-            self.pacers = (LinkPacer(self.loop, self.shape.link_bytes_per_s),
-                           LinkPacer(self.loop, self.shape.link_bytes_per_s))
+            self.pacers = (
+                LinkPacer(self.loop, self.shape.link_bytes_per_s),
+                LinkPacer(self.loop, self.shape.link_bytes_per_s),
+            )
         try:
             self.loop_thread.call(self._start)
         except BaseException:
@@ -218,8 +236,9 @@ def shape_for_link(link: Any, scale: float = 1.0) -> LinkShape:
     window = None
     if per_connection is not None and rtt_s > 0:
         window = max(1, int(per_connection * 1e9 / 8 * scale * rtt_s))
-    return LinkShape(rtt_ms=float(link.rtt_ms), link_bytes_per_s=link.bandwidth_gbps * 1e9 / 8 * scale,
-                     window_bytes=window)
+    return LinkShape(
+        rtt_ms=float(link.rtt_ms), link_bytes_per_s=link.bandwidth_gbps * 1e9 / 8 * scale, window_bytes=window
+    )
 
 
 class WanEmulator:
@@ -232,24 +251,41 @@ class WanEmulator:
     a random port on 127.0.0.1).
     """
 
-    def __init__(self, routes: Mapping[str, tuple[Address, LinkShape]], reset_every_s: float | None = None, *,
-                 link_ends: Mapping[str, tuple[str, str]] | None = None,
-                 listen: Mapping[str, Address] | None = None, **relay_options: Any) -> None:
+    def __init__(
+        self,
+        routes: Mapping[str, tuple[Address, LinkShape]],
+        reset_every_s: float | None = None,
+        *,
+        link_ends: Mapping[str, tuple[str, str]] | None = None,
+        listen: Mapping[str, Address] | None = None,
+        **relay_options: Any,
+    ) -> None:
         self._loop_thread: LoopThread | None = None
         self._routes = dict(routes)
         self._link_ends = dict(link_ends or {})
         self.relays: dict[str, WanRelay] = {}
         try:
             for name, (target, shape) in self._routes.items():
-                self.relays[name] = WanRelay(target, shape, (listen or {}).get(name, ("127.0.0.1", 0)),
-                                             reset_every_s=reset_every_s, **relay_options)
+                self.relays[name] = WanRelay(
+                    target,
+                    shape,
+                    (listen or {}).get(name, ("127.0.0.1", 0)),
+                    reset_every_s=reset_every_s,
+                    **relay_options,
+                )
         except BaseException:
             self.close()
             raise
 
     @classmethod
-    def from_links(cls, links: Iterable[Any], targets: Mapping[tuple[str, str], Address], scale: float = 1.0,
-                   reset_every_s: float | None = None, **options: Any) -> WanEmulator:
+    def from_links(
+        cls,
+        links: Iterable[Any],
+        targets: Mapping[tuple[str, str], Address],
+        scale: float = 1.0,
+        reset_every_s: float | None = None,
+        **options: Any,
+    ) -> WanEmulator:
         """One route ``"a-b"`` per ``targets[(a, b)]``: clients in DC a reach the listener in DC b."""
         links = list(links)
         routes: dict[str, tuple[Address, LinkShape]] = {}
@@ -258,8 +294,10 @@ class WanEmulator:
             link = next((lk for lk in links if set(lk.between) == {a, b}), None)
             if link is None:
                 known = ", ".join("-".join(lk.between) for lk in links) or "none"
-                raise InputError(f"targets: no WAN link between {a!r} and {b!r} (links: {known}); "
-                                 "add it to cluster.links or fix the route")
+                raise InputError(
+                    f"targets: no WAN link between {a!r} and {b!r} (links: {known}); "
+                    "add it to cluster.links or fix the route"
+                )
             routes[f"{a}-{b}"] = (target, shape_for_link(link, scale))
             ends[f"{a}-{b}"] = (a, b)
         return cls(routes, reset_every_s, link_ends=ends, **options)
@@ -275,8 +313,10 @@ class WanEmulator:
                 relay.loop_thread = self._loop_thread
                 a, b = self._link_ends.get(name, (f"{name}:client", f"{name}:target"))
                 rate = relay.shape.link_bytes_per_s
-                relay.pacers = (pacers.setdefault((a, b), LinkPacer(self._loop_thread.loop, rate)),
-                                pacers.setdefault((b, a), LinkPacer(self._loop_thread.loop, rate)))
+                relay.pacers = (
+                    pacers.setdefault((a, b), LinkPacer(self._loop_thread.loop, rate)),
+                    pacers.setdefault((b, a), LinkPacer(self._loop_thread.loop, rate)),
+                )
                 relay.start()
         except BaseException:
             self.close()

@@ -60,7 +60,9 @@ class LinkShape:
         if not self.rtt_ms >= 0:
             raise InputError(f"LinkShape.rtt_ms: must be >= 0 (got {self.rtt_ms})")
         if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
-            raise InputError(f"LinkShape.link_bytes_per_s: must be > 0 or None for no cap (got {self.link_bytes_per_s})")
+            raise InputError(
+                f"LinkShape.link_bytes_per_s: must be > 0 or None for no cap (got {self.link_bytes_per_s})"
+            )
         if self.window_bytes is not None and not self.window_bytes >= 1:
             raise InputError(f"LinkShape.window_bytes: must be >= 1 or None for no cap (got {self.window_bytes})")
 

@@ -26,15 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start = sub.add_parser("start", help="publish the plan, wait for the agents, train")
     start.add_argument("plan", help="plan file (from 'geosched plan')")
     start.add_argument("--steps", type=int, help="training steps (default: the job's steps)")
-    start.add_argument("--ready-timeout", type=float, default=120.0,
-                       help="seconds to wait for every agent to be ready (default 120)")
+    start.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="seconds to wait for every agent to be ready (default 120)"
+    )
     start.add_argument("--json", action="store_true", help="print the step summaries as JSON at the end")
     status = sub.add_parser("status", help="table of the agents' retained statuses")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
     sub.add_parser("stop", help="tell every agent of the job to stop")
     checkpoint = sub.add_parser("checkpoint", help="ask every agent (with --checkpoint-dir) for a checkpoint")
-    checkpoint.add_argument("--after-step", type=int, help="after this step (0-based; default: now if idle, "
-                                                            "else after the step in progress)")
+    checkpoint.add_argument(
+        "--after-step",
+        type=int,
+        help="after this step (0-based; default: now if idle, else after the step in progress)",
+    )
     for p in (start, status, sub.choices["stop"], checkpoint):
         add_mqtt_arguments(p)
 
@@ -50,17 +54,39 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps < 1:
             raise InputError(f"--steps: must be >= 1 (got {args.steps})")
         text = load_plan_file(args.plan)
-        result = asyncio.run(coordinator.start_job(url, args.job, text, steps=args.steps,
-                                                   ready_timeout_s=args.ready_timeout, ca_file=args.ca_file,
-                                                   out=sys.stderr if args.json else sys.stdout))
+        result = asyncio.run(
+            coordinator.start_job(
+                url,
+                args.job,
+                text,
+                steps=args.steps,
+                ready_timeout_s=args.ready_timeout,
+                ca_file=args.ca_file,
+                out=sys.stderr if args.json else sys.stdout,
+            )
+        )
         if args.json:
             print(json.dumps({"steps": [vars(s) for s in result.steps]}))
         return 0
     if args.action == "status":
         statuses = asyncio.run(coordinator.job_statuses(url, args.job, ca_file=args.ca_file))
         if args.json:
-            print(json.dumps({str(r): {"state": s.state, "dc": s.dc, "stage": s.stage, "replica": s.replica,
-                                       "host": s.host, "pid": s.pid, **s.extra} for r, s in statuses.items()}))
+            print(
+                json.dumps(
+                    {
+                        str(r): {
+                            "state": s.state,
+                            "dc": s.dc,
+                            "stage": s.stage,
+                            "replica": s.replica,
+                            "host": s.host,
+                            "pid": s.pid,
+                            **s.extra,
+                        }
+                        for r, s in statuses.items()
+                    }
+                )
+            )
         else:
             print(coordinator.status_table(statuses) if statuses else f"no agents of job {args.job!r}")
         return 0

@@ -23,7 +23,9 @@ from geosched.errors import InputError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched launch``."""
-    from agents.rehearsal.launch import DEFAULT_WAN_SCALE  # a light import: agents.rehearsal.launch defers its heavy ones
+    from agents.rehearsal.launch import (
+        DEFAULT_WAN_SCALE,  # a light import: agents.rehearsal.launch defers its heavy ones
+    )
 
     parser.add_argument("config", help="cluster + job config, e.g. configs/demo-3dc.yaml")
     parser.add_argument("--plan", help="plan file to run (default: plan the config now)")
@@ -31,18 +33,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", help="run folder (default runs/launch-<time>)")
     parser.add_argument("--mqtt", help="use this broker instead of starting an embedded one")
     parser.add_argument("--job", default="launch", help="job name on the broker (default launch)")
-    parser.add_argument("--wan-scale", type=float, default=DEFAULT_WAN_SCALE,
-                        help=f"multiply WAN bandwidths by this in the emulator (default {DEFAULT_WAN_SCALE}; "
-                             "delays are kept)")
-    parser.add_argument("--ready-timeout", type=float, default=120.0,
-                        help="seconds to wait for every agent to be ready (default 120)")
-    parser.add_argument("--calibration", help="calibration file from 'geosched profile' for the prediction "
-                                              "(default: profile the model here first)")
-    parser.add_argument("--no-calibrate", action="store_true",
-                        help="predict with the config's GPU FLOP rates instead of measuring this machine")
-    parser.add_argument("--prefill-rate", type=float, default=0.0,
-                        help="prefill requests per second (Poisson) sent to the agents while training; every "
-                             "agent serves prefill in its bubbles (default 0: off)")
+    parser.add_argument(
+        "--wan-scale",
+        type=float,
+        default=DEFAULT_WAN_SCALE,
+        help=f"multiply WAN bandwidths by this in the emulator (default {DEFAULT_WAN_SCALE}; delays are kept)",
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="seconds to wait for every agent to be ready (default 120)"
+    )
+    parser.add_argument(
+        "--calibration",
+        help="calibration file from 'geosched profile' for the prediction (default: profile the model here first)",
+    )
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="predict with the config's GPU FLOP rates instead of measuring this machine",
+    )
+    parser.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=0.0,
+        help="prefill requests per second (Poisson) sent to the agents while training; every "
+        "agent serves prefill in its bubbles (default 0: off)",
+    )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -63,10 +78,19 @@ def run(args: argparse.Namespace) -> int:
         from geosched.costmodel import Calibration
 
         calibration = Calibration.load(args.calibration)
-    report = launch(args.config, plan_path=args.plan, steps=args.steps, run_dir=args.run_dir, mqtt=args.mqtt,
-                    job=args.job, wan_scale=args.wan_scale, ready_timeout_s=args.ready_timeout,
-                    out=sys.stderr if args.json else sys.stdout, calibration=calibration,
-                    prefill_rate=args.prefill_rate)
+    report = launch(
+        args.config,
+        plan_path=args.plan,
+        steps=args.steps,
+        run_dir=args.run_dir,
+        mqtt=args.mqtt,
+        job=args.job,
+        wan_scale=args.wan_scale,
+        ready_timeout_s=args.ready_timeout,
+        out=sys.stderr if args.json else sys.stdout,
+        calibration=calibration,
+        prefill_rate=args.prefill_rate,
+    )
     if args.json:
         print(json.dumps(report))
     return 0

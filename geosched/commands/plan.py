@@ -26,15 +26,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="PLAN", help="write the plan file (YAML) here")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     objective = parser.add_mutually_exclusive_group()
-    objective.add_argument("--wan-cost-weight", type=float, default=0.0, metavar="S_PER_USD",
-                           help="minimise iteration seconds + this x WAN dollars per iteration")
-    objective.add_argument("--max-iteration-s", type=float, metavar="S",
-                           help="minimise WAN cost among plans at most this slow")
+    objective.add_argument(
+        "--wan-cost-weight",
+        type=float,
+        default=0.0,
+        metavar="S_PER_USD",
+        help="minimise iteration seconds + this x WAN dollars per iteration",
+    )
+    objective.add_argument(
+        "--max-iteration-s", type=float, metavar="S", help="minimise WAN cost among plans at most this slow"
+    )
     parser.add_argument("--pareto", action="store_true", help="also list the time/cost frontier")
-    parser.add_argument("--time-limit", type=float, metavar="S",
-                        help="stop searching after S seconds and keep the best plan found (not proven optimal)")
-    parser.add_argument("--baselines", action="store_true",
-                        help="also simulate the baselines (data parallel everywhere, equal pipeline, Atlas greedy)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="S",
+        help="stop searching after S seconds and keep the best plan found (not proven optimal)",
+    )
+    parser.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also simulate the baselines (data parallel everywhere, equal pipeline, Atlas greedy)",
+    )
     parser.add_argument("--no-explain", action="store_true", help="skip the why-idle counterfactuals (faster)")
 
 
@@ -51,18 +64,26 @@ def run(args: argparse.Namespace) -> int:
     from geosched.config import load_config
     from geosched.errors import InputError
     from planner.baselines import all_baselines
+    from planner.cpsat import Goal
     from planner.explain import summary_dict, summary_text, unused_reasons
     from planner.plan import dump_plan
     from planner.planning import Objective, make_plan
-    from planner.cpsat import Goal
 
     cfg = load_config(args.config)
     objective = Objective(args.wan_cost_weight, args.max_iteration_s)
-    outcome = make_plan(cfg, objective, time_limit_s=args.time_limit, with_frontier=args.pareto,
-                        progress=_progress if sys.stderr.isatty() and not args.json else None)
+    outcome = make_plan(
+        cfg,
+        objective,
+        time_limit_s=args.time_limit,
+        with_frontier=args.pareto,
+        progress=_progress if sys.stderr.isatty() and not args.json else None,
+    )
     goal = Goal(weight=objective.weight)
-    reasons = [] if args.no_explain else unused_reasons(outcome.problem, outcome.evaluator, outcome.best, goal,
-                                                        time_limit_s=args.time_limit)
+    reasons = (
+        []
+        if args.no_explain
+        else unused_reasons(outcome.problem, outcome.evaluator, outcome.best, goal, time_limit_s=args.time_limit)
+    )
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as fh:
@@ -70,14 +91,22 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise InputError(f"cannot write -o {args.output!r}: {exc.strerror or exc}; pick a writable path") from None
     summary = summary_dict(outcome.plan, reasons)
-    frontier = [{"iteration_s": ev.iteration_s, "wan_usd_per_iteration": ev.wan_cost_usd,
-                 "plan": ev.candidate.describe()} for ev in outcome.frontier or []]
+    frontier = [
+        {"iteration_s": ev.iteration_s, "wan_usd_per_iteration": ev.wan_cost_usd, "plan": ev.candidate.describe()}
+        for ev in outcome.frontier or []
+    ]
     baselines = []
     if args.baselines:
         for b in all_baselines(outcome.problem, outcome.evaluator):
-            baselines.append({"name": b.name, "iteration_s": b.iteration_s, "wan_usd_per_iteration": b.wan_cost_usd,
-                              "speedup": b.iteration_s / outcome.best.iteration_s if b.iteration_s else None,
-                              "detail": b.detail})
+            baselines.append(
+                {
+                    "name": b.name,
+                    "iteration_s": b.iteration_s,
+                    "wan_usd_per_iteration": b.wan_cost_usd,
+                    "speedup": b.iteration_s / outcome.best.iteration_s if b.iteration_s else None,
+                    "detail": b.detail,
+                }
+            )
     if args.json:
         print(json.dumps({**summary, "frontier": frontier, "baselines": baselines, "plan_file": args.output}))
         return 0
@@ -92,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             speed = f"{b['iteration_s']:.4g} s, planner {b['speedup']:.2f}x faster" if b["iteration_s"] else "-"
             print(f"  {b['name']:<14} {speed}: {b['detail']}")
     if args.output:
-        print(f"\nwrote {args.output} ({outcome.plan.world_size} ranks); "
-              f"check it with 'geosched simulate {args.output}'")
+        print(
+            f"\nwrote {args.output} ({outcome.plan.world_size} ranks); check it with 'geosched simulate {args.output}'"
+        )
     return 0

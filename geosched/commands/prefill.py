@@ -43,8 +43,10 @@ def _load_local_model(args: argparse.Namespace):  # -> StageModule
     from geosched.config import load_config
 
     if args.config is None or (args.weights is None and args.seed is None):
-        raise InputError("--decode needs the served model locally: pass --config (its job.model) and --weights "
-                         "(or --seed for the seeded demo model)")
+        raise InputError(
+            "--decode needs the served model locally: pass --config (its job.model) and --weights "
+            "(or --seed for the seeded demo model)"
+        )
     job = load_config(args.config).job
     return load_inference_model(job.model, args.weights, seed=job.seed if args.seed is None else args.seed)
 
@@ -63,14 +65,24 @@ def run(args: argparse.Namespace) -> int:
     model = _load_local_model(args) if args.decode else None
     curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
     with PrefillClient(args.endpoint, token=args.token, curve_client=curve, timeout_s=args.timeout) as client:
-        result = client.prefill(args.prompt, deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1e3,
-                                priority=args.priority, top_k=args.top_k, return_kv=bool(args.decode))
+        result = client.prefill(
+            args.prompt,
+            deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1e3,
+            priority=args.priority,
+            top_k=args.top_k,
+            return_kv=bool(args.decode),
+        )
     out: dict = {"id": result.id, "status": result.status}
     if result.status != "ok":
         out["reason"] = result.reason
     else:
-        out.update(prompt_tokens=result.prompt_tokens, first_token=result.first_token,
-                   topk_ids=result.topk_ids, topk_logits=result.topk_logits, **result.timings)
+        out.update(
+            prompt_tokens=result.prompt_tokens,
+            first_token=result.first_token,
+            topk_ids=result.topk_ids,
+            topk_logits=result.topk_logits,
+            **result.timings,
+        )
         if model is not None:
             tokens = continue_greedy(model, result, args.decode)
             out["decoded_tokens"] = tokens
@@ -80,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
     elif result.status != "ok":
         sys.stderr.write(f"geosched prefill: {result.status}: {result.reason}\n")
     else:
-        print(f"first token {result.first_token} ({bytes([result.first_token % 256])!r}), "
-              f"{result.prompt_tokens} prompt tokens, ttft {result.timings['ttft_ms']:.1f} ms "
-              f"(queued {result.timings['queued_ms']:.1f} ms, computed {result.timings['compute_ms']:.1f} ms "
-              f"in {int(result.timings['chunks'])} chunks, {result.timings['bubble_share']:.0%} inside bubbles)")
+        print(
+            f"first token {result.first_token} ({bytes([result.first_token % 256])!r}), "
+            f"{result.prompt_tokens} prompt tokens, ttft {result.timings['ttft_ms']:.1f} ms "
+            f"(queued {result.timings['queued_ms']:.1f} ms, computed {result.timings['compute_ms']:.1f} ms "
+            f"in {int(result.timings['chunks'])} chunks, {result.timings['bubble_share']:.0%} inside bubbles)"
+        )
         if "decoded_text" in out:
             print(f"decoded: {out['decoded_text']!r}")
     return 0 if result.status == "ok" else 1

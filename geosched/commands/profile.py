@@ -37,21 +37,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the flags of ``geosched profile``."""
     parser.add_argument("config", help="cluster/job config (YAML) whose job.model is measured")
     parser.add_argument("-o", "--output", metavar="JSON", help="write the calibration file here")
-    parser.add_argument("--repeats", type=int, default=5, help="timed iterations per piece; the median is kept "
-                        "(default 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed iterations per piece; the median is kept (default 5)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as the agents "
-                        "of 'geosched launch' run; 0 = torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1, as the agents of 'geosched launch' run; 0 = torch's choice)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device to measure: cpu (default) or cuda[:N]")
     parser.add_argument("--gpu-name", help="name stored in the file (default: the detected device name)")
-    parser.add_argument("--co-located", type=int, default=1, metavar="N", help="measure N copies at once, one per "
-                        "CPU, as N ranks sharing this host run (default 1)")
-    parser.add_argument("--plan", metavar="PLAN", help="also measure each stage of this plan file whole (the "
-                        "cost model then prices those stages from their own times), and message costs on its "
-                        "WAN streams")
+    parser.add_argument(
+        "--co-located",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure N copies at once, one per CPU, as N ranks sharing this host run (default 1)",
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="PLAN",
+        help="also measure each stage of this plan file whole (the "
+        "cost model then prices those stages from their own times), and message costs on its "
+        "WAN streams",
+    )
     parser.add_argument("--no-link", action="store_true", help="skip measuring the per-message link costs")
-    parser.add_argument("--check", action="store_true", help="also compare a measured 2-layer stage with the "
-                        "cost model's prediction from this calibration")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also compare a measured 2-layer stage with the cost model's prediction from this calibration",
+    )
     parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object on stdout")
 
 
@@ -59,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     """Profile the job's model and write/print the calibration."""
     import torch
 
+    from agents.rehearsal.calibrate import calibrate
     from geosched.config import load_config
     from geosched.costmodel import Calibration
-    from agents.rehearsal.calibrate import calibrate
     from geosched.profile import check_prediction, write_calibration
 
     if args.repeats < 1:
@@ -80,13 +97,28 @@ def run(args: argparse.Namespace) -> int:
     job = load_config(args.config).job
     options = _plan_options(args.plan, job) if args.plan else {}
     bar = ProgressBar(sys.stderr)
-    cal = calibrate(job, repeats=args.repeats, warmup=args.warmup, device=args.device, gpu_name=args.gpu_name,
-                    co_located=args.co_located, link=not args.no_link, progress=bar, **options)
+    cal = calibrate(
+        job,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        device=args.device,
+        gpu_name=args.gpu_name,
+        co_located=args.co_located,
+        link=not args.no_link,
+        progress=bar,
+        **options,
+    )
     bar.finish()
     if args.check:
         calibration = Calibration.from_dict(cal)
-        cal["check"] = check_prediction(job, calibration, (0, min(2, job.model.layers)), repeats=args.repeats,
-                                        warmup=args.warmup, device=args.device)
+        cal["check"] = check_prediction(
+            job,
+            calibration,
+            (0, min(2, job.model.layers)),
+            repeats=args.repeats,
+            warmup=args.warmup,
+            device=args.device,
+        )
     if args.output:
         write_calibration(cal, args.output)
     if args.json:
@@ -98,14 +130,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_options(path: str, job: Any) -> dict[str, Any]:
     """What to measure for the plan at ``path`` (its stages, its WAN streams); InputError if it is for another model."""
+    from agents.layout import load_plan_file, parse_layout
     from agents.rehearsal.calibrate import plan_options
-    from agents.layout import load_plan_file
-    from agents.layout import parse_layout
 
     layout = parse_layout(load_plan_file(path), path)
     if layout.job.model != job.model:
-        raise InputError(f"--plan {path}: its model ({layout.job.model}) is not the config's ({job.model}); "
-                         "pass the config the plan was made from")
+        raise InputError(
+            f"--plan {path}: its model ({layout.job.model}) is not the config's ({job.model}); "
+            "pass the config the plan was made from"
+        )
     return plan_options(layout)
 
 
@@ -172,14 +205,21 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
         lines.append(f"measured as {cal['co_located']} co-located copies (median)")
     if cal.get("message_latency_s") is not None:
         cost = cal.get("message_overhead_s")
-        cost_text = "no stage time on this device" if cost is None else (
-            f"{cost * 1e6:.0f} us + {cal['message_overhead_s_per_chunk'] * 1e6:.0f} us/chunk + "
-            f"{cal['message_overhead_s_per_byte'] * 1e9:.3f} ns/byte of stage time")
+        cost_text = (
+            "no stage time on this device"
+            if cost is None
+            else (
+                f"{cost * 1e6:.0f} us + {cal['message_overhead_s_per_chunk'] * 1e6:.0f} us/chunk + "
+                f"{cal['message_overhead_s_per_byte'] * 1e9:.3f} ns/byte of stage time"
+            )
+        )
         lines.append(f"per pipeline message: {cal['message_latency_s'] * 1e6:.0f} us latency, {cost_text}")
     if "check" in cal:
         c = cal["check"]
         n = c["layers"][1] - c["layers"][0]
-        lines.append(f"check: {n}-layer stage measured {c['measured_s'] * ms:.3f} ms, predicted "
-                     f"{c['predicted_s'] * ms:.3f} ms (predicted/measured {c['predicted_over_measured']:.3f})")
+        lines.append(
+            f"check: {n}-layer stage measured {c['measured_s'] * ms:.3f} ms, predicted "
+            f"{c['predicted_s'] * ms:.3f} ms (predicted/measured {c['predicted_over_measured']:.3f})"
+        )
     lines.append(f"wrote {output}" if output else "not written (pass -o calibration.json to keep it)")
     return "\n".join(lines)

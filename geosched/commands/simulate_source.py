@@ -49,13 +49,18 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
             raise InputError(f"{args.source} is a plan: it fixes stages and microbatches; drop --stages/--microbatches")
         plan = load_plan(args.source)
         if args.schedule and args.schedule != plan.schedule:
-            raise InputError(f"{args.source} was planned for --schedule {plan.schedule}; drop --schedule "
-                             f"or re-plan with job.schedule: {args.schedule}")
+            raise InputError(
+                f"{args.source} was planned for --schedule {plan.schedule}; drop --schedule "
+                f"or re-plan with job.schedule: {args.schedule}"
+            )
         problem = Problem(plan.config)
         cand = plan.candidate()
-        info = {"source": args.source, "plan": cand.describe(),
-                "predicted_iteration_s": plan.prediction.iteration_s,
-                "wan_usd_per_iteration": plan.prediction.wan_usd_per_iteration}
+        info = {
+            "source": args.source,
+            "plan": cand.describe(),
+            "predicted_iteration_s": plan.prediction.iteration_s,
+            "wan_usd_per_iteration": plan.prediction.wan_usd_per_iteration,
+        }
         return build_schedule(plan.schedule, cand.num_stages, cand.microbatches), Evaluator(problem).costs(cand), info
     if isinstance(data, dict) and "cluster" in data:
         return _from_config(args)
@@ -72,8 +77,10 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     cfg = load_config(args.source)
     problem = Problem(cfg)
     if args.stages is None:
-        raise InputError(f"{args.source} is a config: pass --stages P (equal blocks, one pipeline), or plan it "
-                         f"first: 'geosched plan {args.source} -o plan.yaml' then 'geosched simulate plan.yaml'")
+        raise InputError(
+            f"{args.source} is a config: pass --stages P (equal blocks, one pipeline), or plan it "
+            f"first: 'geosched plan {args.source} -o plan.yaml' then 'geosched simulate plan.yaml'"
+        )
     p, L = args.stages, problem.layers
     if not 1 <= p <= L:
         raise InputError(f"--stages must be between 1 and the model's {L} blocks (got {p})")
@@ -91,8 +98,10 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     path = [dc for dc in problem.dcs if counts[dc]]
     for a, b in zip(path, path[1:]):
         if cfg.cluster.link(a, b) is None:
-            raise InputError(f"stages spread in config order cross from {a!r} to {b!r} but no WAN link joins them; "
-                             f"use fewer --stages or 'geosched plan {args.source}'")
+            raise InputError(
+                f"stages spread in config order cross from {a!r} to {b!r} but no WAN link joins them; "
+                f"use fewer --stages or 'geosched plan {args.source}'"
+            )
     cand = from_split(1, m, stage_dcs, even_split(L, p))
     costs = Evaluator(problem).costs(cand)
     schedule = build_schedule(args.schedule or job.schedule, p, m)

@@ -52,8 +52,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
         return 0
     print(f"{args.config}: ok")
-    print(f"  cluster {summary['cluster']}: {len(summary['datacenters'])} datacenters, "
-          f"{summary['total_gpus']} GPUs, {len(summary['links'])} WAN links")
-    print(f"  model: {summary['model_params'] / 1e9:.3f} B parameters, global batch {cfg.job.global_batch} "
-          f"in microbatches of {cfg.job.microbatch_size}")
+    print(
+        f"  cluster {summary['cluster']}: {len(summary['datacenters'])} datacenters, "
+        f"{summary['total_gpus']} GPUs, {len(summary['links'])} WAN links"
+    )
+    print(
+        f"  model: {summary['model_params'] / 1e9:.3f} B parameters, global batch {cfg.job.global_batch} "
+        f"in microbatches of {cfg.job.microbatch_size}"
+    )
     return 0

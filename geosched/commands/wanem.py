@@ -34,8 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time in ms (RTT/2 each way)")
     parser.add_argument("--link-mbps", type=float, help="link cap per direction in Mbit/s, shared by all connections")
     parser.add_argument("--window-kb", type=float, help="per-connection bytes in flight, kB (1000 B): window/RTT each")
-    parser.add_argument("--route", action="append", default=[], metavar="A-B[:PORT]=HOST:PORT",
-                        help="config form: relay clients in DC A to DC B's listener (repeatable)")
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="A-B[:PORT]=HOST:PORT",
+        help="config form: relay clients in DC A to DC B's listener (repeatable)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="config form: multiply link bandwidths")
     parser.add_argument("--reset-every-s", type=float, help="reset every connection this often (fault injection)")
     parser.add_argument("--duration", type=float, help="stop after this many seconds (default: run until stopped)")
@@ -66,12 +71,13 @@ def _single_route(args: argparse.Namespace) -> tuple[dict, dict, dict]:
         raise InputError(f"--rtt-ms: must be >= 0 (got {args.rtt_ms})")
     _positive(args.link_mbps, "--link-mbps", "omit it for no link cap")
     _positive(args.window_kb, "--window-kb", "omit it for no per-connection window")
-    shape = LinkShape(rtt_ms=args.rtt_ms,
-                      link_bytes_per_s=None if args.link_mbps is None else args.link_mbps * 1e6 / 8,
-                      window_bytes=None if args.window_kb is None else max(1, int(args.window_kb * 1000)))
+    shape = LinkShape(
+        rtt_ms=args.rtt_ms,
+        link_bytes_per_s=None if args.link_mbps is None else args.link_mbps * 1e6 / 8,
+        window_bytes=None if args.window_kb is None else max(1, int(args.window_kb * 1000)),
+    )
     name = "relay"
-    return ({name: (parse_address(args.target, "--target"), shape)}, {},
-            {name: parse_address(args.listen, "--listen")})
+    return ({name: (parse_address(args.target, "--target"), shape)}, {}, {name: parse_address(args.listen, "--listen")})
 
 
 def _config_routes(args: argparse.Namespace) -> tuple[dict, dict, dict]:
@@ -91,8 +97,12 @@ def _config_routes(args: argparse.Namespace) -> tuple[dict, dict, dict]:
         pair, _, port = left.partition(":")
         if not sep or (port and not port.isdigit()):
             raise InputError(f"--route: expected A-B[:LISTEN_PORT]=HOST:PORT (got {text!r})")
-        found = [(lk, pair[:i], pair[i + 1:]) for lk in links for i, ch in enumerate(pair)
-                 if ch == "-" and set(lk.between) == {pair[:i], pair[i + 1:]}]
+        found = [
+            (lk, pair[:i], pair[i + 1 :])
+            for lk in links
+            for i, ch in enumerate(pair)
+            if ch == "-" and set(lk.between) == {pair[:i], pair[i + 1 :]}
+        ]
         if not found:
             known = ", ".join("-".join(lk.between) for lk in links) or "none"
             raise InputError(f"--route {text!r}: no WAN link {pair!r} in {args.config} (links: {known})")
@@ -121,19 +131,31 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--listen: cannot listen ({exc.strerror or exc}); choose a free port or port 0") from None
     stop = threading.Event()
     resets = threading.Event()
-    handlers = {signal.SIGINT: lambda *_: stop.set(), signal.SIGTERM: lambda *_: stop.set(),
-                signal.SIGUSR1: lambda *_: resets.set()}
+    handlers = {
+        signal.SIGINT: lambda *_: stop.set(),
+        signal.SIGTERM: lambda *_: stop.set(),
+        signal.SIGUSR1: lambda *_: resets.set(),
+    }
     previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         with emulator.start():
             for name, (target, shape) in routes.items():
                 host, port = emulator.address(name)
-                _emit(args, {"event": "listening", "route": name, "listen": f"{host}:{port}",
-                             "target": f"{target[0]}:{target[1]}", "rtt_ms": shape.rtt_ms,
-                             "link_bytes_per_s": shape.link_bytes_per_s, "window_bytes": shape.window_bytes},
-                      f"wanem {name}: {host}:{port} -> {target[0]}:{target[1]}  rtt {shape.rtt_ms:g} ms  "
-                      f"link {_mbps(shape.link_bytes_per_s)}  window {_kb(shape.window_bytes)}  "
-                      f"(SIGUSR1 resets connections)")
+                _emit(
+                    args,
+                    {
+                        "event": "listening",
+                        "route": name,
+                        "listen": f"{host}:{port}",
+                        "target": f"{target[0]}:{target[1]}",
+                        "rtt_ms": shape.rtt_ms,
+                        "link_bytes_per_s": shape.link_bytes_per_s,
+                        "window_bytes": shape.window_bytes,
+                    },
+                    f"wanem {name}: {host}:{port} -> {target[0]}:{target[1]}  rtt {shape.rtt_ms:g} ms  "
+                    f"link {_mbps(shape.link_bytes_per_s)}  window {_kb(shape.window_bytes)}  "
+                    f"(SIGUSR1 resets connections)",
+                )
             _serve(args, emulator, stop, resets)
     finally:
         for sig, handler in previous.items():
@@ -165,11 +187,20 @@ def _serve(args: argparse.Namespace, emulator: Any, stop: threading.Event, reset
         for name, cur in stats.items():
             up = (cur["bytes_to_target"] - last[name]["bytes_to_target"]) / elapsed
             down = (cur["bytes_to_client"] - last[name]["bytes_to_client"]) / elapsed
-            _emit(args, dict(cur, event="stats", route=name, t=round(now - start, 3),
-                             to_target_bytes_per_s=round(up), to_client_bytes_per_s=round(down)),
-                  f"wanem {name}: t={now - start:5.1f}s  to target {up / 1e6:8.2f} MB/s  "
-                  f"to client {down / 1e6:8.2f} MB/s  conns {cur['connections_open']} open "
-                  f"{cur['connections_total']} total  resets {cur['resets']}")
+            _emit(
+                args,
+                dict(
+                    cur,
+                    event="stats",
+                    route=name,
+                    t=round(now - start, 3),
+                    to_target_bytes_per_s=round(up),
+                    to_client_bytes_per_s=round(down),
+                ),
+                f"wanem {name}: t={now - start:5.1f}s  to target {up / 1e6:8.2f} MB/s  "
+                f"to client {down / 1e6:8.2f} MB/s  conns {cur['connections_open']} open "
+                f"{cur['connections_total']} total  resets {cur['resets']}",
+            )
         last, last_time = stats, now
     sys.stdout.flush()
 
