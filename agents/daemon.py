@@ -42,7 +42,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.control.plane import AgentIdentity, CommandMessage, ControlPlane, PlanMessage, StatusMessage
+from agents.control.messages import CommandMessage, PlanMessage, StatusMessage
+from agents.control.plane import AgentIdentity, ControlPlane
 from agents.layout import (
     JobLayout,
     check_agent_fits,

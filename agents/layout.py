@@ -211,8 +211,8 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         message = str(exc)
         raise PlanError(message if message.startswith(source) else f"{source}: {message}") from None
     stage_dcs = [s.dc for s in plan.stages]
-    stage_layers = [tuple(s.layers) for s in plan.stages]
-    streams = {tuple(sorted(link.between)): link.streams for link in plan.links}
+    stage_layers = [s.layers for s in plan.stages]
+    streams = {(min(link.between), max(link.between)): link.streams for link in plan.links}  # sorted DC pair
     try:
         roles = layout_roles(stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1))
     except PlanError as exc:
@@ -230,7 +230,7 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         plan.config,
         tuple(stage_dcs),
         tuple(stage_layers),
-        plan.dp,  # type: ignore[arg-type]
+        plan.dp,
         streams,
         tuple(roles),
         plan.prediction.iteration_s,

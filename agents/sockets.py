@@ -47,7 +47,7 @@ PUBLIC_SUFFIX = ".key.pub"
 # ---------------------------------------------------------------- key files
 
 
-def write_keypair(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, Path]:
+def write_keypair(directory: str | os.PathLike[str], name: str, *, force: bool = False) -> tuple[Path, Path]:
     """Generate a CURVE keypair as ``DIR/NAME.key`` (secret, mode 0600) and ``DIR/NAME.key.pub``.
 
     Raises InputError for a bad name, a missing directory, or existing files without ``force``.
@@ -74,7 +74,7 @@ def write_keypair(directory: str | os.PathLike, name: str, *, force: bool = Fals
     return secret_path, public_path
 
 
-def _load_certificate(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+def _load_certificate(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -84,7 +84,7 @@ def _load_certificate(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def load_keypair(path: str | os.PathLike) -> tuple[bytes, bytes]:
+def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a ``NAME.key`` file; ConfigError if absent or public-only."""
     public, secret = _load_certificate(path)
     if secret is None:
@@ -92,12 +92,12 @@ def load_keypair(path: str | os.PathLike) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def load_public_key(path: str | os.PathLike) -> bytes:
+def load_public_key(path: str | os.PathLike[str]) -> bytes:
     """The Z85 public key from a ``NAME.key.pub`` (or ``NAME.key``) file."""
     return _load_certificate(path)[0]
 
 
-def load_allowed_keys(directory: str | os.PathLike) -> frozenset[bytes]:
+def load_allowed_keys(directory: str | os.PathLike[str]) -> frozenset[bytes]:
     """Public keys of every ``*.key.pub`` file in a directory; ConfigError if there are none."""
     folder = Path(directory)
     if not folder.is_dir():
@@ -121,7 +121,7 @@ class CurveServer:
 
     @classmethod
     def from_files(
-        cls, key_file: str | os.PathLike, allowed_clients_dir: str | os.PathLike | None = None
+        cls, key_file: str | os.PathLike[str], allowed_clients_dir: str | os.PathLike[str] | None = None
     ) -> CurveServer:
         """Load the server keypair and, optionally, the directory of allowed client keys."""
         public, secret = load_keypair(key_file)
@@ -141,7 +141,7 @@ class CurveClient:
     """Z85 public key of the server it connects to."""
 
     @classmethod
-    def from_files(cls, key_file: str | os.PathLike, server_public_file: str | os.PathLike) -> CurveClient:
+    def from_files(cls, key_file: str | os.PathLike[str], server_public_file: str | os.PathLike[str]) -> CurveClient:
         """Load this client's keypair and the server's public key."""
         public, secret = load_keypair(key_file)
         return cls(public, secret, load_public_key(server_public_file))
@@ -151,7 +151,7 @@ class CurveClient:
 
 
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[zmq.Socket[bytes]],
     socket_type: int,
     *,
     max_msg_bytes: int,
@@ -166,7 +166,7 @@ def make_socket(
     curve_server: CurveServer | None = None,
     curve_client: CurveClient | None = None,
     options: Mapping[int, int | bytes] | None = None,
-) -> zmq.Socket:
+) -> zmq.Socket[bytes]:
     """Create, configure and bind or connect one ZeroMQ socket.
 
     ``max_msg_bytes`` is mandatory: libzmq disconnects a peer that sends a
@@ -231,7 +231,7 @@ def keep_message_buffers(mmap_threshold: int = 64 << 20) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
-        ok = libc.mallopt(m_mmap_threshold, mmap_threshold) == 1
+        ok: bool = libc.mallopt(m_mmap_threshold, mmap_threshold) == 1
         ok = ok and libc.mallopt(m_trim_threshold, 4 * mmap_threshold) == 1
     except (OSError, AttributeError):
         return False
@@ -239,7 +239,7 @@ def keep_message_buffers(mmap_threshold: int = 64 << 20) -> bool:
     return ok
 
 
-def bound_port(sock: zmq.Socket) -> int:
+def bound_port(sock: zmq.Socket[bytes]) -> int:
     """The TCP port a socket is bound to (after binding port 0)."""
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(endpoint.rsplit(":", 1)[1])
@@ -275,8 +275,8 @@ class ZapAuthenticator:
     :meth:`start`/:meth:`stop`.
     """
 
-    def __init__(self, ctx: zmq.Context, allowed: Iterable[bytes] | None) -> None:
-        self._ctx = zmq.Context.shadow(ctx.underlying)
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allowed: Iterable[bytes] | None) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
         self._allowed = None if allowed is None else frozenset(allowed)
         self._limiter = PeerLogLimiter()
         self._stop = threading.Event()
@@ -319,7 +319,7 @@ class ZapAuthenticator:
                                 [frames[0], b"", b"1.0", frames[3], b"500", b"internal error", b"", b""]
                             )
 
-    def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         if len(frames) < 8 or frames[2] != b"1.0":
             return
         routing, _empty, version, request_id, _domain, address, _identity, mechanism = frames[:8]
@@ -341,7 +341,7 @@ class ZapAuthenticator:
         sock.send_multipart([routing, b"", version, request_id, status, why.encode(), b"", b""])
 
 
-def monitor_events(sock: zmq.Socket) -> zmq.Socket:
+def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
     """A PAIR socket receiving this socket's connection events (read with zmq.utils.monitor)."""
     events = (
         zmq.EVENT_ACCEPTED

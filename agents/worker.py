@@ -62,7 +62,8 @@ def metrics_record(report: Any, role: Any) -> dict[str, Any]:
             wan += nbytes
     data.update(dc=role.dc, wan_bytes=wan)
     data.pop("started_at", None)
-    return json.loads(json.dumps(data))
+    record: dict[str, Any] = json.loads(json.dumps(data))  # JSON-safe: what the control plane sends
+    return record
 
 
 class RankCheckpoints:
@@ -279,7 +280,7 @@ class RankWorker:
 
     def _prefill_metrics(self, service: Any) -> dict[str, Any]:
         """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
-        metrics = json.loads(json.dumps(service.metrics()))
+        metrics: dict[str, Any] = json.loads(json.dumps(service.metrics()))
         if self.opts.run_dir is not None:
             path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
             with open(path + ".tmp", "w", encoding="utf-8") as fh:

@@ -22,15 +22,12 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import benchmark_parser, emit
 
 MIB = 1 << 20
 SCHEMES = ("native", "ring", "all_to_all", "gather_broadcast")
@@ -180,9 +177,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print a table and ratios (and, with --json, one JSON object last)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="G=2; 1, 16, 64 MiB only (under a minute)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser = benchmark_parser(__doc__, "G=2; 1, 16, 64 MiB only (under a minute)")
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="group sizes G (default 2 4)")
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="tensor sizes")
     parser.add_argument("--reps", type=int, default=7, help="timed runs per scheme and size (default 7)")
@@ -273,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         f"all-to-all total {a2a['sent_total']} = G(G-1)N {a2a['theory']}; "
         f"gather-broadcast root {gb['root_elements']} = 2(G-1)N {gb['theory']}"
     )
-    if args.json:
-        print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

@@ -28,18 +28,15 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread
 
 PROMPT_TOKENS = 48
 
@@ -57,17 +54,13 @@ def _rank_main(
 ) -> None:
     """One stage: pinned to ``core``, serving prefill, training ``steps`` steps with the bubble filler on."""
     try:
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-        import torch
-
+        pin_one_thread(core)
         from agents.prefill.service import PrefillService
         from agents.stage.session import RankSession
         from agents.stage.transport import StoreAddressBook
         from geosched.data import default_corpus_paths
         from geosched.model import build_model
 
-        torch.set_num_threads(1)
         sys.setswitchinterval(service_options.pop("switch_interval_s"))  # GIL hand-over to the link's I/O threads
         model = build_model(job.model, seed=job.seed + 1).eval()  # the served model: any GPT of this project
         book = StoreAddressBook.connect("127.0.0.1", store_port, routed=True)
@@ -116,19 +109,10 @@ def _load_on(step: int, warmup: int, phase: int) -> bool:
     return step >= warmup and ((step - warmup) // phase) % 2 == 1 and (step - warmup) % phase != phase - 1
 
 
-def _client_main(
-    endpoints: list[str],
-    step_seen: Any,
-    warmup: int,
-    phase: int,
-    outstanding: int,
-    training_done: Any,
-    out: Any,
-    deadline_s: float,
-) -> None:
-    """Client process: keep ``outstanding`` prompts in flight per endpoint during load steps; report answers."""
+def _client_main(out: Any, *client_args: Any) -> None:
+    """Client process: :func:`_client`'s report (or its error) put on ``out``."""
     try:
-        out.put(_client(endpoints, step_seen, warmup, phase, outstanding, training_done, deadline_s))
+        out.put(_client(*client_args))
     except BaseException:  # noqa: BLE001 - handed to the parent
         out.put({"error": traceback.format_exc()})
 
@@ -142,6 +126,7 @@ def _client(
     training_done: Any,
     deadline_s: float,
 ) -> dict[str, Any]:
+    """Keep ``outstanding`` prompts in flight per endpoint during load steps; the answers and their TTFT."""
     import torch
     import zmq
 
@@ -214,8 +199,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return None
         return "on" if ((step - warmup) // phase) % 2 else "off"
 
-    cores = sorted(os.sched_getaffinity(0))
-    pin = [cores[0], cores[1]] if len(cores) >= 2 else [None, None]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     router = RelayRouter(
         StoreAddressBook.connect("127.0.0.1", store.port, routed=True), pipeline_routes(roles, lambda a, b: shape)
@@ -231,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(role, job, store.port, pin[i], steps, step_seen, results, stop, options),
+            args=(role, job, store.port, cpu_for(i), steps, step_seen, results, stop, options),
             daemon=True,
         )
         for i, role in enumerate(roles)
@@ -250,13 +233,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = ctx.Process(
             target=_client_main,
             args=(
+                client_out,
                 [endpoints[0], endpoints[1]],
                 step_seen,
                 warmup,
                 phase,
                 args.outstanding,
                 training_done,
-                client_out,
                 10.0,
             ),
             daemon=True,
@@ -277,10 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.monotonic() - started
     finally:
         stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, 30)
         router.close()
     steps_by_stage: dict[int, list[dict]] = {0: [], 1: []}
     metrics: dict[int, dict] = {}
@@ -362,9 +342,7 @@ def summarise(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the figures and the targets (and, with --json, one JSON object last)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short phases (under a minute)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser = benchmark_parser(__doc__, "short phases (under a minute)")
     parser.add_argument("--rtt-ms", type=float, default=30.0, help="emulated WAN round trip (default 30)")
     parser.add_argument("--link-mbit", type=float, default=200.0, help="emulated WAN link cap (default 200)")
     parser.add_argument("--layers", type=int, default=4, help="model layers, split over 2 stages (default 4)")
@@ -404,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         f"rejected {result['requests_rejected']}, expired {result['requests_expired']}, "
         f"lost {result['requests_lost']}"
     )
-    if args.json:
-        print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

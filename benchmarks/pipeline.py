@@ -37,21 +37,18 @@ longest span over the ranks; the mean wall time per step is in the JSON too.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import queue
 import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread
 
-from geosched.config import JobSpec, ModelSpec, config_from_dict  # noqa: E402
+from geosched.config import JobSpec, ModelSpec, config_from_dict
 
 JOB = JobSpec(
     model=ModelSpec(layers=4, hidden=128, heads=4, seq_len=64),
@@ -67,32 +64,12 @@ LINK = {"between": ["us", "eu"], "bandwidth_gbps": 0.2, "rtt_ms": 10.0, "per_con
 STREAMS = 2
 
 
-def _pin(cpu: int | None) -> None:
-    import torch
-
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
-
-
-def _cpu_for(rank: int) -> int | None:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return cpus[rank % len(cpus)] if len(cpus) >= 2 else None
-
-
 def _link_shape() -> Any:
     """The WAN emulator's shape of LINK."""
     from agents.wanem.emulator import shape_for_link
     from geosched.config import WanLinkSpec
 
-    return shape_for_link(
-        WanLinkSpec(
-            between=("us", "eu"),
-            bandwidth_gbps=LINK["bandwidth_gbps"],
-            rtt_ms=LINK["rtt_ms"],
-            per_connection_gbps=LINK["per_connection_gbps"],
-        )
-    )
+    return shape_for_link(WanLinkSpec(**{**LINK, "between": tuple(LINK["between"])}))
 
 
 def _free_port() -> int:
@@ -131,7 +108,7 @@ def _geosched_rank(
     seconds as the run (this machine's speed drifts within seconds).
     """
     try:
-        _pin(_cpu_for(role.rank))
+        pin_one_thread(cpu_for(role.rank))
         import torch.distributed as dist
 
         from agents.stage.session import run_rank
@@ -186,7 +163,7 @@ def _geosched_rank(
 def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) -> None:
     """One stage trained by torch.distributed.pipelining's Schedule1F1B over gloo."""
     try:
-        _pin(_cpu_for(rank))
+        pin_one_thread(cpu_for(rank))
         import torch
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -226,8 +203,8 @@ def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) ->
 def _profile(job: JobSpec, repeats: int, results: Any) -> None:
     """Calibrate as the stages run: each stage whole, one thread each, both cores busy, plus per-message costs."""
     try:
-        copies = 2 if _cpu_for(0) is not None else 1  # before pinning: then this process sees one CPU
-        _pin(_cpu_for(0))
+        copies = 2 if cpu_for(0) is not None else 1  # before pinning: then this process sees one CPU
+        pin_one_thread(cpu_for(0))
         from agents.rehearsal.calibrate import calibrate, plan_stages
 
         results.put(
@@ -264,11 +241,7 @@ def _collect(results: Any, procs: list[Any], name: str, timeout_s: float = 180) 
                 raise SystemExit(f"{name}: rank {rank} failed: {payload}")
             out[rank] = payload
     finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs, 20)
     return out
 
 
@@ -399,7 +372,7 @@ def with_stage_times(calibration: dict[str, Any], alone: dict[int, list[tuple[fl
 
 
 def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
-    """One round: (b) torch and geosched over loopback, A B B A; then calibrate, (a) over the emulated WAN, calibrate."""
+    """One round: (b) torch and geosched over loopback, A B B A; calibrate, (a) over the emulated WAN, calibrate."""
     runs: dict[str, list[dict[int, list]]] = {"torch": [], "geosched": []}
     order = ["torch", "geosched"] if torch_first else ["geosched", "torch"]
     for name in order + order[::-1]:  # A B B A: a drift that is linear in time cancels out
@@ -454,14 +427,10 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
 
 def main(argv: list[str] | None = None) -> int:
     """Run the rounds; print a line per round and, with --json, one JSON object last."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--quick", action="store_true", help="fewer steps, one round, one calibration per round (under a minute)"
-    )
+    parser = benchmark_parser(__doc__, "fewer steps, one round, one calibration per round (under a minute)")
     parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
     parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 5)
@@ -511,14 +480,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch_pipelining_iteration_s": statistics.median(one["torch_pipelining_iteration_s"] for one in per_round),
         "per_round": per_round,
         "link": LINK,
-        "pinned": _cpu_for(0) is not None,
+        "pinned": cpu_for(0) is not None,
     }
     print(
         f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 15%), throughput vs torch "
         f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 0.9x); medians over {rounds} rounds"
     )
-    if args.json:
-        print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

@@ -14,23 +14,20 @@ speed-up over each baseline.
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import benchmark_parser, emit
 
-from geosched.config import load_config  # noqa: E402
-from planner.baselines import all_baselines  # noqa: E402
-from planner.bruteforce import brute_force, enumerable  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
-from planner.generate import random_config, two_datacenters  # noqa: E402
-from planner.planning import make_plan  # noqa: E402
-from planner.space import Problem  # noqa: E402
+from geosched.config import load_config
+from planner.baselines import all_baselines
+from planner.bruteforce import brute_force, enumerable
+from planner.evaluate import Evaluator
+from planner.generate import random_config, two_datacenters
+from planner.planning import make_plan
+from planner.space import Problem
 
 BASELINES = ("dp-everywhere", "equal-pipeline", "atlas-greedy", "dp-flat-ring")
 QUICK_LIMIT_S = {"gpt3-3dc": 8.0}  # --quick: time limits (s) for the slowest configs; the others run to the end
@@ -85,10 +82,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="10 generated clusters, time limits on the largest")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__, "10 generated clusters, time limits on the largest").parse_args()
     rows = []
     header = (
         f"{'case':<18} {'planner s':>10} {'solve s':>8} {'GPUs':>6} {'WAN $':>8} "
@@ -132,9 +126,7 @@ def main() -> None:
         + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
         f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s"
     )
-    if args.json:
-        summary["rows"] = rows
-        print(json.dumps(summary))
+    emit({**summary, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import resource
 import statistics
@@ -31,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import benchmark_parser, emit, join_or_kill
 
 MIB = 1 << 20
 
@@ -130,9 +128,7 @@ class Helper:
         """Ask the process to quit and wait for it."""
         with contextlib.suppress(OSError):
             self.conn.send(None)
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        join_or_kill([self.proc], 30)
 
 
 _HELPERS: dict[str, Helper] = {}
@@ -249,9 +245,7 @@ def _make_curve_dir(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table (and, with --json, one JSON object last)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller tensors, fewer repeats (under a minute)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser = benchmark_parser(__doc__, "smaller tensors, fewer repeats (under a minute)")
     parser.add_argument("--link-mbit", type=float, default=200.0, help="emulated link cap in Mbit/s (default 200)")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="emulated round-trip time in ms (default 40)")
     parser.add_argument(
@@ -347,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     keys_dir.cleanup()
     for helper in _HELPERS.values():
         helper.close()
-    if args.json:
-        print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

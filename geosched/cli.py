@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 from geosched.errors import GeoschedError
 
@@ -41,7 +42,7 @@ EPILOG = """examples:
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line and exit code 2."""
 
-    def error(self, message: str) -> None:  # pragma: no cover - exercised via CLI tests
+    def error(self, message: str) -> NoReturn:  # pragma: no cover - exercised via CLI tests
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
         raise SystemExit(2)
 

@@ -158,7 +158,7 @@ def _cross_checks(cfg: Config) -> None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"cluster.datacenters[{i}].name: duplicate datacenter {name!r}; names must be unique")
-    seen: dict[frozenset, int] = {}
+    seen: dict[frozenset[str], int] = {}
     for i, link in enumerate(cfg.cluster.links):
         for end in link.between:
             if end not in names:
@@ -198,7 +198,7 @@ def config_from_dict(data: object, source: str = "config") -> Config:
     return cfg
 
 
-def load_config(path: str | os.PathLike) -> Config:
+def load_config(path: str | os.PathLike[str]) -> Config:
     """Load and validate a YAML config file."""
     path = os.fspath(path)
     data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml")

@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from geosched import model_counts
 from geosched.chunking import chunks_per_message
@@ -147,12 +148,12 @@ class Calibration:
     stage_times: tuple[StageTime, ...] = ()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> Calibration:
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
         """The calibration in a dict (``profile_job``'s or a file's); fields with a default may be missing."""
         optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional}
         if "stage_times" in fields:
-            fields["stage_times"] = tuple(StageTime(**dict(t)) for t in fields["stage_times"])  # type: ignore[union-attr]
+            fields["stage_times"] = tuple(StageTime(**dict(t)) for t in fields["stage_times"])
         return cls(**fields)
 
     def stage_time(self, layers: tuple[int, int], first: bool, last: bool) -> StageTime | None:
@@ -163,7 +164,7 @@ class Calibration:
         return None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Calibration:
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
         """Read a calibration JSON file."""
         try:
             with open(path, encoding="utf-8") as fh:
@@ -434,9 +435,9 @@ class PipelineCosts:
             link = cluster.link(a, b) if a != b else None
             if a != b and link is None:
                 raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
-            k = 1 if link is None else streams.get(tuple(sorted((a, b))), streams_to_fill(link))
-            if self.charges_messages:
-                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(  # type: ignore[arg-type]
+            k = 1 if link is None else streams.get((min(a, b), max(a, b)), streams_to_fill(link))
+            if cal is not None and self.charges_messages:
+                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(
                     cal, nbytes, k, wan=link is not None
                 )
             for src, dst in ((s, s + 1), (s + 1, s)):

@@ -174,7 +174,7 @@ class TextDataset:
         everyone = self.sample_positions(step, dp_size * per_replica)  # (G,)
         positions = everyone[replica * per_replica : (replica + 1) * per_replica]  # (m*b,)
         inputs, targets = self._samples(positions)  # (m*b, T) each
-        return list(zip(inputs.split(microbatch_size), targets.split(microbatch_size)))
+        return list(zip(torch.split(inputs, microbatch_size), torch.split(targets, microbatch_size)))
 
     def fingerprint(self) -> dict[str, int]:
         """What must match for a saved data position to mean the same batches (machine-independent)."""
@@ -186,6 +186,9 @@ class _Failure:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+_Produced = tuple[int, list[Microbatch]] | _Failure  # what a producer queues: (step, its microbatches) or its error
 
 
 class Prefetcher:
@@ -222,7 +225,7 @@ class Prefetcher:
         self._base = self._next = step
         self._stop = threading.Event()
         per_queue = -(-self.depth // self.workers)
-        self._queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=per_queue) for _ in range(self.workers)]
+        self._queues: list[queue.Queue[_Produced]] = [queue.Queue(maxsize=per_queue) for _ in range(self.workers)]
         self._threads = [
             threading.Thread(
                 target=self._produce,
@@ -235,7 +238,7 @@ class Prefetcher:
         for thread in self._threads:
             thread.start()
 
-    def _produce(self, step: int, out: queue.Queue[Any], stop: threading.Event) -> None:
+    def _produce(self, step: int, out: queue.Queue[_Produced], stop: threading.Event) -> None:
         try:
             while not stop.is_set():
                 item = (step, self.dataset.batch(step, *self.request))
@@ -246,7 +249,7 @@ class Prefetcher:
             self._put(out, _Failure(exc), stop)
 
     @staticmethod
-    def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    def _put(out: queue.Queue[_Produced], item: _Produced, stop: threading.Event) -> bool:
         while not stop.is_set():
             try:
                 out.put(item, timeout=0.05)

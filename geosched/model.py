@@ -146,6 +146,10 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+class ResidualProjection(nn.Linear):
+    """A linear layer that writes into the residual stream: its weights start smaller (see _init_parameters)."""
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention that can extend a (K, V) cache."""
 
@@ -153,8 +157,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.heads = shape.heads
         self.qkv = nn.Linear(shape.hidden, 3 * shape.hidden)
-        self.proj = nn.Linear(shape.hidden, shape.hidden)
-        self.proj.residual_projection = True  # scaled init, see _init_parameters
+        self.proj = ResidualProjection(shape.hidden, shape.hidden)
 
     def forward(self, x: Tensor, past: KV | None = None) -> tuple[Tensor, KV]:
         """Attend the T new positions of ``x`` to ``past`` and themselves; return output and grown KV."""
@@ -187,12 +190,12 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.fc = nn.Linear(shape.hidden, shape.ffn_mult * shape.hidden)
-        self.proj = nn.Linear(shape.ffn_mult * shape.hidden, shape.hidden)
-        self.proj.residual_projection = True
+        self.proj = ResidualProjection(shape.ffn_mult * shape.hidden, shape.hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)."""
-        return self.proj(F.gelu(self.fc(x)))  # (B, T, fC) -> (B, T, C)
+        out: Tensor = self.proj(F.gelu(self.fc(x)))  # (B, T, fC) -> (B, T, C)
+        return out
 
 
 class Block(nn.Module):
@@ -314,7 +317,7 @@ def _init_parameters(module: nn.Module, seed: int, layers: int) -> None:
                 elif leaf == "bias":
                     param.zero_()
                 else:
-                    std = residual_std if getattr(sub, "residual_projection", False) else INIT_STD
+                    std = residual_std if isinstance(sub, ResidualProjection) else INIT_STD
                     gen = torch.Generator().manual_seed(parameter_seed(seed, name))
                     values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
                     param.copy_(values)  # drawn in float32, then cast: same values for every dtype

@@ -35,13 +35,18 @@ DEFAULT_FFN_MULT = 4
 
 
 class ShapeLike(Protocol):
-    """Anything with the five model-shape integers (ModelShape, config ModelSpec)."""
+    """Anything with the five model-shape integers (ModelShape, config ModelSpec); read-only."""
 
-    layers: int
-    hidden: int
-    heads: int
-    seq_len: int
-    vocab: int
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
 
 
 def ffn_mult(shape: ShapeLike) -> int:

@@ -43,7 +43,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -259,7 +259,7 @@ def profile_job(
         "block": ((0, 1), False, False),
         "head": ((shape.layers, shape.layers), False, True),
     }
-    whole = list(dict.fromkeys((tuple(layers), bool(first), bool(last)) for layers, first, last in stages))
+    whole = list(dict.fromkeys(((start, end), bool(first), bool(last)) for (start, end), first, last in stages))
     for (start, end), _, _ in whole:
         if not 0 <= start <= end <= shape.layers:
             raise InputError(f"stage layers [{start}, {end}) are outside the model's {shape.layers} layers")
@@ -348,6 +348,15 @@ def stage_label(key: StageKey) -> str:
     return f"stage {start}-{end}" + " +embed" * first + " +head" * last
 
 
+class PredictionCheck(TypedDict):
+    """What :func:`check_prediction` returns (a calibration file's ``check`` entry)."""
+
+    layers: list[int]
+    measured_s: float
+    predicted_s: float
+    predicted_over_measured: float  # predicted / measured
+
+
 def check_prediction(
     job: JobSpec,
     calibration: Calibration,
@@ -356,7 +365,7 @@ def check_prediction(
     repeats: int = 5,
     warmup: int = 2,
     device: str = "cpu",
-) -> dict[str, float]:
+) -> PredictionCheck:
     """Measure a middle stage of ``layers`` and compare with ``stage_compute`` using ``calibration``.
 
     Returns measured and predicted forward+backward seconds per microbatch and
@@ -369,7 +378,7 @@ def check_prediction(
     return {"layers": list(layers), "measured_s": m, "predicted_s": p, "predicted_over_measured": p / m}
 
 
-def write_calibration(cal: dict[str, Any], path: str | os.PathLike) -> str:
+def write_calibration(cal: dict[str, Any], path: str | os.PathLike[str]) -> str:
     """Write the calibration JSON (via a temporary file and rename); return the path."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -20,13 +20,14 @@ import difflib
 import os
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
 from geosched.errors import ConfigError
 
 _MISSING = dataclasses.MISSING
+T = TypeVar("T")
 
 
 def spec(
@@ -59,14 +60,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def load_dataclass(cls: type, data: Any, path: str = "", error: type[Exception] = ConfigError) -> Any:
+def load_dataclass(cls: type[T], data: Any, path: str = "", error: type[Exception] = ConfigError) -> T:
     """Build ``cls`` from plain data, raising ``error`` with a dotted path on the first problem."""
-    return _convert(cls, data, path, error)
+    return typing.cast(T, _convert(cls, data, path, error))
 
 
 def _convert(tp: Any, value: Any, path: str, error: type[Exception]) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, path, error)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -141,7 +142,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception])
     for name, field in fields.items():
         sub = _join(path, name)
         if name not in value:
-            if field.default is _MISSING and field.default_factory is _MISSING:  # type: ignore[misc]
+            if field.default is _MISSING and field.default_factory is _MISSING:
                 doc = field.metadata.get("doc", "")
                 raise error(f"{sub}: missing required field ({doc})" if doc else f"{sub}: missing required field")
             continue
@@ -151,7 +152,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception])
     return cls(**kwargs)
 
 
-def _check_bounds(field: dataclasses.Field, value: Any, path: str, error: type[Exception]) -> None:
+def _check_bounds(field: dataclasses.Field[Any], value: Any, path: str, error: type[Exception]) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     meta = field.metadata
@@ -208,6 +209,6 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             path += "[]"
         if typing.get_origin(inner) in (Union, types.UnionType):
             inner = next((a for a in typing.get_args(inner) if a is not type(None)), inner)
-        if dataclasses.is_dataclass(inner):
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
             rows.extend(field_docs(inner, path + "."))
     return rows

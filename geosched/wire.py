@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import crc32c
 import msgpack
@@ -38,6 +38,7 @@ MAX_HEADER_ITEMS = 64  # most keys in the header map / items in one of its array
 MAX_DIMS = 16  # most dimensions of a tensor shape
 
 _QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+T = TypeVar("T")
 
 
 def _all_dtypes() -> dict[str, torch.dtype]:
@@ -105,6 +106,10 @@ def decode_header(data: bytes | memoryview, *, max_bytes: int = MAX_HEADER_BYTES
     return header
 
 
+@overload
+def require(header: Mapping[str, Any], key: str, kind: type[T]) -> T: ...
+@overload
+def require(header: Mapping[str, Any], key: str, kind: tuple[type, ...]) -> Any: ...
 def require(header: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     """``header[key]`` if present and of type ``kind`` (bool is never an int); else ProtocolError."""
     value = header.get(key)
@@ -159,7 +164,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A flat read-only byte view of a contiguous CPU tensor (no copy; call contiguous_cpu first)."""
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(byte_array(tensor)).toreadonly()
+    return byte_array(tensor).data.toreadonly()  # .data: the array's buffer, as memoryview(array) gives it
 
 
 def byte_array(tensor: torch.Tensor) -> np.ndarray:
@@ -197,4 +202,6 @@ def tensor_from_buffer(
 
 def checksum(data: bytes | memoryview | np.ndarray) -> int:
     """CRC32C of a buffer (hardware accelerated where available)."""
+    if isinstance(data, np.ndarray):
+        data = data.data  # the same buffer (numpy's stubs make ndarray a Buffer only on Python >= 3.12)
     return crc32c.crc32c(data)

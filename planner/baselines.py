@@ -93,13 +93,13 @@ def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> list[tuple[s
 def _slowest(problem: Problem, order: tuple[str, ...], cycle: bool) -> tuple[float, float]:
     """(bits/s, latency s) of the slowest WAN hop of ``order``: (inf, 0) with no hop."""
     pairs = list(zip(order, order[1:])) + ([(order[-1], order[0])] if cycle and len(order) > 1 else [])
-    links = [problem.link(a, b) for a, b in pairs if a != b]
+    links = [problem.require_link(a, b) for a, b in pairs if a != b]
     if not links:
         return float("inf"), 0.0
     return (
-        min(wan_effective_bps(lk, problem.streams(*lk.between)) for lk in links),  # type: ignore[union-attr]
+        min(wan_effective_bps(lk, problem.streams(*lk.between)) for lk in links),
         max(lk.rtt_ms / 2000 for lk in links),
-    )  # type: ignore[union-attr]
+    )
 
 
 class DataParallelCosts:
@@ -172,7 +172,7 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     schedule = add_gradient_sync(build_schedule(problem.schedule, 1, per_gpu))
     timeline = simulate(schedule, DataParallelCosts(compute.forward_s, compute.backward_s, allreduce), check=False)
     hops = list(zip(ring, ring[1:])) + ([(ring[-1], ring[0])] if len(ring) > 1 else [])
-    cost = sum(moved / GB * problem.link(a, b).egress_usd_per_gb for a, b in hops)  # type: ignore[union-attr]
+    cost = sum(moved / GB * problem.require_link(a, b).egress_usd_per_gb for a, b in hops)
     detail = f"{gpus} GPUs x {per_gpu} microbatches, ring {'-'.join(ring)}, all-reduce {allreduce:.3f} s"
     if skipped:
         detail += f"; left out: {', '.join(skipped)} (the whole model needs {size_text(need)} per GPU)"

@@ -53,8 +53,8 @@ class _Stage:
 
     def __init__(self, problem: Problem, dp: int):
         self.problem, self.dp = problem, dp
-        self._compute: dict[tuple, tuple[float, float, float]] = {}
-        self._hop: dict[tuple, tuple[float, float, bool]] = {}
+        self._compute: dict[tuple[str, int, int, bool, bool], tuple[float, float, float]] = {}
+        self._hop: dict[tuple[str, str, int], tuple[float, float, bool]] = {}
 
     def compute(self, dc: str, start: int, end: int, first: bool, last: bool) -> tuple[float, float, float]:
         key = (dc, start, end, first, last)
@@ -74,8 +74,7 @@ class _Stage:
             if a == b:
                 tr, fifo = intra_transfer(self.problem.cluster.dc(a), nbytes), False
             else:
-                link = self.problem.link(a, b)
-                assert link is not None
+                link = self.problem.require_link(a, b)
                 tr, fifo = wan_transfer(link, nbytes, self.problem.streams(a, b), self.dp), True
             self._hop[key] = (tr.occupancy_s, tr.latency_s, fifo)
         return self._hop[key]
@@ -151,19 +150,25 @@ def brute_force(
                         if s:
                             o, la, fi = cache.hop(dcs[-1], dc, done)
                             new_start, new_drain = start + f[-1] + o + la, drain + b[-1] + o + la
-                            occ.append(o), lat.append(la), fifo.append(fi)
+                            occ.append(o)
+                            lat.append(la)
+                            fifo.append(fi)
                         else:
                             new_start = new_drain = 0.0
                         ar0 = ar[0] if ar else ars
                         bound = max(busy_bound, new_start + m * (fs + bs) + max(ars, new_drain + ar0))
-                        dcs.append(dc), ends.append(done + x), f.append(fs), b.append(bs), ar.append(ars)
+                        dcs.append(dc)
+                        ends.append(done + x)
+                        f.append(fs)
+                        b.append(bs)
+                        ar.append(ars)
                         if bound < best.iteration_s:
                             descend(new_start, new_drain, bound)
                         for stack in (dcs, ends, f, b, ar):
                             stack.pop()
                         if s:
-                            for stack in (occ, lat, fifo):
-                                stack.pop()
+                            for hop_stack in (occ, lat, fifo):
+                                hop_stack.pop()
 
             descend(0.0, 0.0, 0.0)
     for bound, cand in sorted(leaves, key=lambda item: item[0]):

@@ -126,6 +126,19 @@ def _weighted(
     return (time_hi + 1) * cost_var + time_var  # lexicographic: cost, then time
 
 
+@dataclass(frozen=True)
+class _Decisions:
+    """The variables :meth:`_Model.decode` reads back: the path, stages and blocks per DC, the end stages."""
+
+    first: dict[str, cp_model.IntVar]  # the DC hosting the first stage
+    last: dict[str, cp_model.IntVar]  # the DC hosting the last stage
+    arcs: dict[tuple[str, str], cp_model.IntVar]  # the path goes from DC i straight to DC j
+    n: dict[str, cp_model.IntVar]  # stages per DC
+    blocks: dict[str, cp_model.IntVar]  # blocks per DC
+    head: cp_model.IntVar  # blocks of the last stage (with the LM head)
+    lead: cp_model.IntVar  # blocks of the first stage (with the embeddings)
+
+
 class _Model:
     """Builds the CP-SAT model for one ``(d, m)`` and decodes its solutions."""
 
@@ -180,81 +193,84 @@ class _Model:
         work_hi = max(nums[dc].block * L + nums[dc].head for dc in dcs)
         ar_hi = max(nums[dc].ar_block * L + nums[dc].ar_fixed + nums[dc].ar_embedding + nums[dc].ar_head for dc in dcs)
         horizon = work_hi + 2 * P * max(hops) + ar_hi + 1
-        new = lambda name, hi=horizon: md.NewIntVar(0, hi, name)  # noqa: E731
-        use = {i: md.NewBoolVar(f"use_{i}") for i in dcs}
-        n = {i: md.NewIntVar(0, min(P, pr.gpus[i] // d), f"n_{i}") for i in dcs}
-        blocks = {i: md.NewIntVar(0, L, f"L_{i}") for i in dcs}
-        p = md.NewIntVar(2, P, "p")
-        md.Add(p == sum(n.values()))
-        md.Add(sum(blocks.values()) == L)
+
+        def new(name: str, hi: int = horizon) -> cp_model.IntVar:
+            return md.new_int_var(0, hi, name)
+
+        use = {i: md.new_bool_var(f"use_{i}") for i in dcs}
+        n = {i: md.new_int_var(0, min(P, pr.gpus[i] // d), f"n_{i}") for i in dcs}
+        blocks = {i: md.new_int_var(0, L, f"L_{i}") for i in dcs}
+        p = md.new_int_var(2, P, "p")
+        md.add(p == sum(n.values()))
+        md.add(sum(blocks.values()) == L)
         if stages is not None:
-            md.Add(p == stages)
+            md.add(p == stages)
         # the path: a circuit through a dummy node 0 (0 -> first DC, last DC -> 0), unused DCs skipped
         node = {i: k + 1 for k, i in enumerate(dcs)}
-        first = {i: md.NewBoolVar(f"first_{i}") for i in dcs}
-        last = {i: md.NewBoolVar(f"last_{i}") for i in dcs}
+        first = {i: md.new_bool_var(f"first_{i}") for i in dcs}
+        last = {i: md.new_bool_var(f"last_{i}") for i in dcs}
         arcs = {
-            (i, j): md.NewBoolVar(f"z_{i}_{j}")
+            (i, j): md.new_bool_var(f"z_{i}_{j}")
             for i in dcs
             for j in dcs
             if i != j
             and pr.link(i, j) is not None
             and (self.chain is None or abs(self.chain.index(i) - self.chain.index(j)) == 1)
         }
-        md.AddCircuit(
+        md.add_circuit(
             [(0, node[i], first[i]) for i in dcs]
             + [(node[i], 0, last[i]) for i in dcs]
             + [(node[i], node[j], z) for (i, j), z in arcs.items()]
-            + [(node[i], node[i], use[i].Not()) for i in dcs]
+            + [(node[i], node[i], use[i].negated()) for i in dcs]
         )
-        start = {i: md.NewIntVar(0, P, f"start_{i}") for i in dcs}  # index of the DC's first stage
-        inflight = {i: md.NewIntVar(1, P, f"r_{i}") for i in dcs}  # p - start: 1F1B in flight there
-        head_blocks, head_time = md.NewIntVar(1, L, "h"), new("head")  # the last stage (with the LM head)
-        lead_blocks, lead_time = md.NewIntVar(1, L, "e"), new("lead")  # the first stage (with the embeddings)
-        q = {i: md.NewIntVar(0, L, f"q_{i}") for i in dcs}  # most blocks of the DC's other stages
+        start = {i: md.new_int_var(0, P, f"start_{i}") for i in dcs}  # index of the DC's first stage
+        inflight = {i: md.new_int_var(1, P, f"r_{i}") for i in dcs}  # p - start: 1F1B in flight there
+        head_blocks, head_time = md.new_int_var(1, L, "h"), new("head")  # the last stage (with the LM head)
+        lead_blocks, lead_time = md.new_int_var(1, L, "e"), new("lead")  # the first stage (with the embeddings)
+        q = {i: md.new_int_var(0, L, f"q_{i}") for i in dcs}  # most blocks of the DC's other stages
         for i in dcs:
-            md.Add(n[i] >= use[i])
-            md.Add(n[i] <= min(P, pr.gpus[i] // d) * use[i])
-            md.Add(blocks[i] >= n[i])
-            md.Add(blocks[i] <= L * use[i])
-            md.Add(q[i] <= L * use[i])
-            md.Add(start[i] == 0).OnlyEnforceIf(first[i])
-            md.Add(start[i] == 0).OnlyEnforceIf(use[i].Not())
-            md.Add(start[i] + n[i] == p).OnlyEnforceIf(last[i])
-            md.Add(inflight[i] == p - start[i] - first[i]).OnlyEnforceIf(use[i])  # at its first body stage
-            md.Add(inflight[i] == 1).OnlyEnforceIf(use[i].Not())
-            md.Add(head_time == nums[i].block * head_blocks + nums[i].head).OnlyEnforceIf(last[i])
-            md.Add(lead_time == nums[i].block * lead_blocks).OnlyEnforceIf(first[i])
+            md.add(n[i] >= use[i])
+            md.add(n[i] <= min(P, pr.gpus[i] // d) * use[i])
+            md.add(blocks[i] >= n[i])
+            md.add(blocks[i] <= L * use[i])
+            md.add(q[i] <= L * use[i])
+            md.add(start[i] == 0).only_enforce_if(first[i])
+            md.add(start[i] == 0).only_enforce_if(use[i].negated())
+            md.add(start[i] + n[i] == p).only_enforce_if(last[i])
+            md.add(inflight[i] == p - start[i] - first[i]).only_enforce_if(use[i])  # at its first body stage
+            md.add(inflight[i] == 1).only_enforce_if(use[i].negated())
+            md.add(head_time == nums[i].block * head_blocks + nums[i].head).only_enforce_if(last[i])
+            md.add(lead_time == nums[i].block * lead_blocks).only_enforce_if(first[i])
             # body: the stages that are neither the first nor the last of the pipeline
-            body, body_blocks = n[i] - first[i] - last[i], md.NewIntVar(0, L, f"body_{i}")
-            md.Add(body_blocks == blocks[i]).OnlyEnforceIf([first[i].Not(), last[i].Not()])
-            md.Add(body_blocks == blocks[i] - head_blocks).OnlyEnforceIf([first[i].Not(), last[i]])
-            md.Add(body_blocks == blocks[i] - lead_blocks).OnlyEnforceIf([first[i], last[i].Not()])
-            md.Add(body_blocks == blocks[i] - lead_blocks - head_blocks).OnlyEnforceIf([first[i], last[i]])
-            md.Add(body_blocks >= body)
-            product = md.NewIntVar(0, L * P, f"qn_{i}")
-            md.AddMultiplicationEquality(product, [q[i], body])
-            md.Add(product >= body_blocks)
+            body, body_blocks = n[i] - first[i] - last[i], md.new_int_var(0, L, f"body_{i}")
+            md.add(body_blocks == blocks[i]).only_enforce_if([first[i].negated(), last[i].negated()])
+            md.add(body_blocks == blocks[i] - head_blocks).only_enforce_if([first[i].negated(), last[i]])
+            md.add(body_blocks == blocks[i] - lead_blocks).only_enforce_if([first[i], last[i].negated()])
+            md.add(body_blocks == blocks[i] - lead_blocks - head_blocks).only_enforce_if([first[i], last[i]])
+            md.add(body_blocks >= body)
+            product = md.new_int_var(0, L * P, f"qn_{i}")
+            md.add_multiplication_equality(product, [q[i], body])
+            md.add(product >= body_blocks)
             mid, as_first, as_last = self._caps(i)
-            cap = md.NewIntVar(0, L, f"cap_{i}")
-            md.AddElement(inflight[i], mid, cap)  # (GPipe: the same cap at every index)
-            md.Add(q[i] <= cap)
-            cap_first = md.NewIntVar(0, L, f"capf_{i}")
-            md.AddElement(p, as_first, cap_first)
-            md.Add(lead_blocks <= cap_first).OnlyEnforceIf(first[i])
-            md.Add(head_blocks <= as_last).OnlyEnforceIf(last[i])
+            cap = md.new_int_var(0, L, f"cap_{i}")
+            md.add_element(inflight[i], mid, cap)  # (GPipe: the same cap at every index)
+            md.add(q[i] <= cap)
+            cap_first = md.new_int_var(0, L, f"capf_{i}")
+            md.add_element(p, as_first, cap_first)
+            md.add(lead_blocks <= cap_first).only_enforce_if(first[i])
+            md.add(head_blocks <= as_last).only_enforce_if(last[i])
             if require.get(i):
-                md.Add(d * n[i] >= require[i])
+                md.add(d * n[i] >= require[i])
         for (i, j), z in arcs.items():
-            md.Add(start[j] == start[i] + n[i]).OnlyEnforceIf(z)
+            md.add(start[j] == start[i] + n[i]).only_enforce_if(z)
         # WAN: occupancy per microbatch, one-way delays, egress
         occupancy, cost_terms, wan_delay, hop = new("occ"), [], [], {}
         for (i, j), z in arcs.items():
-            link = pr.link(i, j)
+            link = pr.require_link(i, j)
             tr = wan_transfer(link, self.nbytes, pr.streams(i, j), d)
             occ = round(tr.occupancy_s / self.tick)
             hop[i, j] = occ + round(tr.latency_s / self.tick)
-            md.Add(occupancy >= occ * z)
+            md.add(occupancy >= occ * z)
             wan_delay.append(hop[i, j] * z)
             cost_terms.append(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
         work = sum(nums[i].block * blocks[i] + nums[i].head * last[i] for i in dcs)  # all stage times
@@ -264,32 +280,32 @@ class _Model:
         after = {i: new(f"A_{i}") for i in dcs}
         for i in dcs:
             own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
-            md.Add(suffix[i] == own + after[i])
-            md.Add(after[i] == 0).OnlyEnforceIf(last[i])
-            md.Add(after[i] == 0).OnlyEnforceIf(use[i].Not())
+            md.add(suffix[i] == own + after[i])
+            md.add(after[i] == 0).only_enforce_if(last[i])
+            md.add(after[i] == 0).only_enforce_if(use[i].negated())
         for (i, j), z in arcs.items():
-            md.Add(after[i] == suffix[j] + 2 * hop[i, j]).OnlyEnforceIf(z)
+            md.add(after[i] == suffix[j] + 2 * hop[i, j]).only_enforce_if(z)
         c0 = stage_compute(pr.job, 1.0, (0, 1), False, False)
         ratio = Fraction(c0.backward_s / c0.forward_s).limit_denominator(100)  # b = ratio x f
         rn, rd = ratio.numerator, ratio.denominator
         if pr.schedule == "gpipe":
             cf, cb = new("cf"), new("cb")
             for i in dcs:
-                md.Add((rd + rn) * cf >= rd * nums[i].block * q[i])
-                md.Add((rd + rn) * cb >= rn * nums[i].block * q[i])
+                md.add((rd + rn) * cf >= rd * nums[i].block * q[i])
+                md.add((rd + rn) * cb >= rn * nums[i].block * q[i])
             for special in (head_time, lead_time):
-                md.Add((rd + rn) * cf >= rd * special)
-                md.Add((rd + rn) * cb >= rn * special)
-            md.Add(cf >= occupancy)
-            md.Add(cb >= occupancy)
+                md.add((rd + rn) * cf >= rd * special)
+                md.add((rd + rn) * cb >= rn * special)
+            md.add(cf >= occupancy)
+            md.add(cb >= occupancy)
             steady = cf + cb
         else:
             steady = new("cycle")
-            md.Add(steady >= occupancy)
-            md.Add(steady >= head_time)
-            md.Add(steady >= lead_time)
+            md.add(steady >= occupancy)
+            md.add(steady >= head_time)
+            md.add(steady >= lead_time)
             for i in dcs:
-                md.Add(steady >= nums[i].block * q[i])
+                md.add(steady >= nums[i].block * q[i])
                 # round trips from the DC's first and last stage, when fewer than m microbatches are in flight
                 for name, flight, trip in (
                     ("f", inflight[i] + first[i], suffix[i]),
@@ -297,67 +313,69 @@ class _Model:
                 ):
                     if m < 2:
                         continue
-                    short, r = md.NewBoolVar(f"s{name}_{i}"), md.NewIntVar(1, m - 1, f"r{name}_{i}")
-                    md.Add(flight <= m - 1).OnlyEnforceIf(short)
-                    md.Add(flight >= m).OnlyEnforceIf(short.Not())
-                    md.Add(r == flight).OnlyEnforceIf(short)
+                    short, r = md.new_bool_var(f"s{name}_{i}"), md.new_int_var(1, m - 1, f"r{name}_{i}")
+                    md.add(flight <= m - 1).only_enforce_if(short)
+                    md.add(flight >= m).only_enforce_if(short.negated())
+                    md.add(r == flight).only_enforce_if(short)
                     prod = new(f"rc{name}_{i}", horizon * m)
-                    md.AddMultiplicationEquality(prod, [r, steady])
-                    md.Add(prod >= trip).OnlyEnforceIf([short, use[i]])
+                    md.add_multiplication_equality(prod, [r, steady])
+                    md.add(prod >= trip).only_enforce_if([short, use[i]])
         tail = new("tail")
         if d > 1:  # all-reduce of a stage after its last backward, minus the drain still running below it
             for i in dcs:
-                md.Add(tail >= nums[i].ar_block * lead_blocks + nums[i].ar_fixed + nums[i].ar_embedding).OnlyEnforceIf(
-                    first[i]
-                )  # the first stage finishes last: nothing hides its all-reduce
-                md.Add(
+                md.add(
+                    tail >= nums[i].ar_block * lead_blocks + nums[i].ar_fixed + nums[i].ar_embedding
+                ).only_enforce_if(first[i])  # the first stage finishes last: nothing hides its all-reduce
+                md.add(
                     (rd + rn) * tail
                     >= (rd + rn) * (nums[i].ar_block * q[i] + nums[i].ar_fixed * use[i]) - rn * (work - suffix[i])
                 )
-                md.Add(
+                md.add(
                     (rd + rn) * tail
                     >= (rd + rn) * (nums[i].ar_block * head_blocks + nums[i].ar_fixed + nums[i].ar_head)
                     - rn * (work - head_time)
-                ).OnlyEnforceIf(last[i])
+                ).only_enforce_if(last[i])
         time_hi = (m + 2) * horizon
         self.time = new("T", time_hi)
-        md.Add(self.time == (m - 1) * steady + work + 2 * delays + tail)
+        md.add(self.time == (m - 1) * steady + work + 2 * delays + tail)
         cost_hi = max(
             1, sum(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links)
         )
-        self.cost = md.NewIntVar(0, cost_hi, "cost")
-        md.Add(self.cost == sum(cost_terms))
+        self.cost = md.new_int_var(0, cost_hi, "cost")
+        md.add(self.cost == sum(cost_terms))
         if goal.max_time_s is not None:
             if goal.max_time_s / self.tick < time_hi:
-                md.Add(self.time <= math.floor(goal.max_time_s / self.tick))
-            md.Minimize(self.cost)
+                md.add(self.time <= math.floor(goal.max_time_s / self.tick))
+            md.minimize(self.cost)
         elif goal.weight > 0:
-            md.Minimize(_weighted(self.time, time_hi, self.cost, cost_hi, goal.weight * USD_UNIT / self.tick))
+            md.minimize(_weighted(self.time, time_hi, self.cost, cost_hi, goal.weight * USD_UNIT / self.tick))
         else:
-            md.Minimize(self.time)
-        self.vars = dict(first=first, arcs=arcs, n=n, blocks=blocks, last=last, head=head_blocks, lead=lead_blocks)
+            md.minimize(self.time)
+        self.vars = _Decisions(
+            first=first, last=last, arcs=arcs, n=n, blocks=blocks, head=head_blocks, lead=lead_blocks
+        )
 
     def decode(self, values: cp_model.CpSolverSolutionCallback | cp_model.CpSolver) -> Solution:
         """The candidate of the current solution: each DC's blocks spread evenly, the extra ones later."""
         v = self.vars
-        dc = next(i for i, lit in v["first"].items() if values.Value(lit))
+        dc = next(i for i, lit in v.first.items() if values.value(lit))
         path = [dc]
-        while not values.Value(v["last"][dc]):
-            dc = next(j for (i, j), z in v["arcs"].items() if i == dc and values.Value(z))
+        while not values.value(v.last[dc]):
+            dc = next(j for (i, j), z in v.arcs.items() if i == dc and values.value(z))
             path.append(dc)
         stage_dcs: list[str] = []
         split: list[int] = []
         for dc in path:
-            count, nblocks = values.Value(v["n"][dc]), values.Value(v["blocks"][dc])
-            lead = values.Value(v["lead"]) if dc == path[0] else 0
-            head = values.Value(v["head"]) if dc == path[-1] else 0
+            count, nblocks = values.value(v.n[dc]), values.value(v.blocks[dc])
+            lead = values.value(v.lead) if dc == path[0] else 0
+            head = values.value(v.head) if dc == path[-1] else 0
             body = count - (dc == path[0]) - (dc == path[-1])
             split += [lead] if lead else []
             split += list(reversed(even_split(nblocks - lead - head, body))) if body else []
             split += [head] if head else []
             stage_dcs += [dc] * count
         cand = from_split(self.dp, self.m, tuple(stage_dcs), tuple(split))
-        return Solution(cand, values.Value(self.time) * self.tick)
+        return Solution(cand, values.value(self.time) * self.tick)
 
 
 class _Collector(cp_model.CpSolverSolutionCallback):
@@ -365,7 +383,8 @@ class _Collector(cp_model.CpSolverSolutionCallback):
 
     def __init__(self, model: _Model):
         super().__init__()
-        self.model, self.found = model, []
+        self.model = model
+        self.found: list[Solution] = []
 
     def on_solution_callback(self) -> None:  # noqa: N802 - OR-Tools API name
         self.found.append(self.model.decode(self))
@@ -415,8 +434,8 @@ def solve(
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     collector = _Collector(model)
-    status = solver.Solve(model.model, collector)
+    status = solver.solve(model.model, collector)
     name = _STATUS.get(status, "unknown")
     if name == "invalid":  # pragma: no cover - a bug in the model, not in the input
-        raise RuntimeError(f"CP-SAT rejected the planner model: {model.model.Validate()}")
-    return SolveResult(name, collector.found[-keep:] if keep else [], solver.WallTime())
+        raise RuntimeError(f"CP-SAT rejected the planner model: {model.model.validate()}")
+    return SolveResult(name, collector.found[-keep:] if keep else [], solver.wall_time)

@@ -100,7 +100,7 @@ class Evaluator:
 
     def costs(self, cand: Candidate) -> PipelineCosts:
         """The simulator's cost provider for ``cand`` (links filled with streams)."""
-        streams = {tuple(sorted((a, b))): self.problem.streams(a, b) for a, b in zip(cand.path, cand.path[1:])}
+        streams = {(min(a, b), max(a, b)): self.problem.streams(a, b) for a, b in zip(cand.path, cand.path[1:])}
         return PipelineCosts(
             self.problem.cluster, self.problem.job, cand.stage_dcs, cand.stage_layers, cand.dp, streams
         )
@@ -120,10 +120,7 @@ class Evaluator:
 
     def _wan(self, costs: PipelineCosts, cand: Candidate) -> tuple[dict[tuple[str, str], int], float]:
         wan = costs.wan_bytes_per_iteration(cand.microbatches)
-        cost = sum(
-            nbytes / GB * self.problem.link(a, b).egress_usd_per_gb  # type: ignore[union-attr]
-            for (a, b), nbytes in wan.items()
-        )
+        cost = sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
         return wan, cost
 
     def wan_cost_usd(self, cand: Candidate) -> float:

@@ -11,6 +11,7 @@ the ``--json`` form carry the same facts.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from geosched.costmodel import boundary_bytes, wan_transfer
 from planner.cpsat import Goal
@@ -129,7 +130,7 @@ def unused_reasons(
     return out
 
 
-def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict:
+def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
     """The summary as data (what ``--json`` prints)."""
     return {
         "cluster": plan.config.cluster.name,

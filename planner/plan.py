@@ -149,7 +149,8 @@ class Plan:
 
 def rank_layout(cand: Candidate) -> tuple[RankSpec, ...]:
     """Every process of ``cand``, stage-major, with neighbours and process groups."""
-    ranks, local = [], {}
+    ranks: list[RankSpec] = []
+    local: dict[str, int] = {}
     p = cand.num_stages
     for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
         for replica in range(cand.dp):
@@ -274,7 +275,7 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     return plan
 
 
-def load_plan(path: str | os.PathLike) -> Plan:
+def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and check a plan file (YAML, at most 64 MiB)."""
     path = os.fspath(path)
     data = read_yaml_file(path, PlanError, f"write one with 'geosched plan CONFIG -o {path}'", MAX_PLAN_BYTES)

@@ -78,17 +78,14 @@ def make_plan(
         best, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
     else:
         points, stats = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
-        if objective.name == "cost":
-            bounded, more = search(
-                problem, evaluator, Goal(max_time_s=objective.max_iteration_s), time_limit_s=time_limit_s
-            )
+        if objective.max_iteration_s is not None:  # the "cost" objective
+            bound = objective.max_iteration_s
+            bounded, more = search(problem, evaluator, Goal(max_time_s=bound), time_limit_s=time_limit_s)
             stats.proven &= more.proven
-            within = [
-                ev for ev in points + ([bounded] if bounded else []) if ev.iteration_s <= objective.max_iteration_s
-            ]
+            within = [ev for ev in points + ([bounded] if bounded else []) if ev.iteration_s <= bound]
             if not within:
                 raise PlanInfeasible(
-                    f"no plan meets --max-iteration-s {objective.max_iteration_s:g}: the fastest "
+                    f"no plan meets --max-iteration-s {bound:g}: the fastest "
                     f"takes {points[0].iteration_s:.4g} s per iteration; raise the bound"
                 )
             best = min(within, key=lambda ev: (ev.wan_cost_usd, ev.iteration_s))

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 from geosched.costmodel import boundary_bytes, stage_compute, wan_transfer
 from planner import baselines
@@ -92,7 +93,7 @@ def chains(
     nbytes = boundary_bytes(problem.job, max(1, problem.layers - 1))
 
     def delay(a: str, b: str) -> float:
-        tr = wan_transfer(problem.link(a, b), nbytes, problem.streams(a, b), dp)  # type: ignore[arg-type]
+        tr = wan_transfer(problem.require_link(a, b), nbytes, problem.streams(a, b), dp)
         return tr.occupancy_s + tr.latency_s
 
     found = []
@@ -112,9 +113,9 @@ def chains(
         hops = [delay(a, b) for a, b in zip(chain, chain[1:])] or [0.0]
         found.append((max(hops), sum(hops), tuple(chain)))
     out: list[tuple[str, ...]] = []
-    for _, _, chain in sorted(found):
-        if set(chain) not in [set(c) for c in out]:
-            out.append(chain)
+    for _, _, order in sorted(found):
+        if set(order) not in [set(c) for c in out]:
+            out.append(order)
         if len(out) == keep:
             break
     return out
@@ -327,7 +328,7 @@ def search(
         polish_until = math.inf  # is the same on a busy machine as on an idle one
     else:
         polish_until = min(deadline, time.monotonic() + max(1.0, POLISH_SHARE * (time.monotonic() - began)))
-    starts: dict[tuple, Evaluation] = {}  # the best of each (d, path): diverse starting points
+    starts: dict[tuple[int, tuple[str, ...]], Evaluation] = {}  # the best of each (d, path): diverse starting points
     for ev in ranked:
         starts.setdefault((ev.candidate.dp, ev.candidate.path), ev)
     starts_list = list(starts.values())[:polish_top]
@@ -348,17 +349,28 @@ def search(
     return best, stats
 
 
+class SearchOptions(TypedDict, total=False):
+    """The keyword options of :func:`search`, passed on by :func:`plan_search`."""
+
+    time_limit_s: float | None
+    require: dict[str, int] | None
+    allowed: set[str] | None
+    progress: Progress | None
+    polish_top: int
+    restage: bool
+
+
 def plan_search(
-    problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), **kwargs: object
+    problem: Problem, evaluator: Evaluator, goal: Goal = Goal(), **options: Unpack[SearchOptions]
 ) -> tuple[Evaluation, SearchStats]:
     """:func:`search` after the feasibility checks; raises PlanInfeasible when nothing fits."""
     from geosched.errors import PlanInfeasible
 
     check_feasible(problem)
-    best, stats = search(problem, evaluator, goal, **kwargs)
+    best, stats = search(problem, evaluator, goal, **options)
     if best is None:
         if goal.max_time_s is not None:
-            fastest, _ = search(problem, evaluator, Goal(), time_limit_s=kwargs.get("time_limit_s"))
+            fastest, _ = search(problem, evaluator, Goal(), time_limit_s=options.get("time_limit_s"))
             got = f"; the fastest plan takes {fastest.iteration_s:.3f} s" if fastest else ""
             raise PlanInfeasible(f"no plan meets --max-iteration-s {goal.max_time_s:g}{got}; raise the bound")
         raise PlanInfeasible(

@@ -119,11 +119,15 @@ class Problem:
         """The link joining ``a`` and ``b`` (either order), or None (a dict lookup)."""
         return self._links.get(frozenset((a, b)))
 
-    def streams(self, a: str, b: str) -> int:
-        """TCP connections on the link ``a``-``b``: enough to fill it."""
+    def require_link(self, a: str, b: str) -> WanLinkSpec:
+        """The link joining ``a`` and ``b`` (either order), which must exist: a hop of a path or ring."""
         link = self.link(a, b)
         assert link is not None, f"no link {a}-{b}"
-        return streams_to_fill(link)
+        return link
+
+    def streams(self, a: str, b: str) -> int:
+        """TCP connections on the link ``a``-``b``: enough to fill it."""
+        return streams_to_fill(self.require_link(a, b))
 
     def simple_paths(self, max_len: int | None = None) -> Iterator[tuple[str, ...]]:
         """Every simple path of DCs along links (each direction separately), shortest first per start."""

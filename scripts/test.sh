@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install geosched with its test dependencies and run the whole test suite.
+# Install geosched with its test dependencies, check style, types and import layers, then run the tests.
 # Mosquitto (the real MQTT broker some tests start) comes from Debian's
 # packages; it is installed here when missing and we may use apt.
 # Usage: bash scripts/test.sh [pytest args]
@@ -13,4 +13,5 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
   fi
 fi
 bash scripts/install.sh test
+bash scripts/check.sh
 exec .venv/bin/python -m pytest -q "$@"

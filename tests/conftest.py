@@ -1,9 +1,20 @@
-"""Shared pytest fixtures: one torch thread for tiny models, a loopback WanLink pair."""
+"""Shared pytest fixtures: one torch thread for tiny models, a loopback WanLink pair, the corpus dataset,
+real MQTT brokers (Mosquitto and the embedded one; the helpers behind them are in ``mqtt_brokers``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
+from mqtt_brokers import BROKER_KINDS, running_broker
+
+if TYPE_CHECKING:
+    from mqtt_brokers import RunningBroker
+
+    from geosched.data import TextDataset
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +39,32 @@ def link_pair():
     yield listener, connector
     connector.close()
     listener.close()
+
+
+@pytest.fixture(scope="module")
+def dataset(request: pytest.FixtureRequest) -> TextDataset:
+    """The shipped corpus as a TextDataset, cut as the test module's ``DATASET`` dict says (seq_len, seed)."""
+    from geosched.data import TextDataset, default_corpus_paths
+
+    return TextDataset(default_corpus_paths(), **request.module.DATASET)
+
+
+@pytest.fixture(params=BROKER_KINDS)
+def mqtt_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunningBroker]:
+    """A running broker with password auth, once per kind (mosquitto, embedded)."""
+    with running_broker(request.param, tmp_path) as broker:
+        yield broker
+
+
+@pytest.fixture
+def mosquitto_broker(tmp_path: Path) -> Iterator[RunningBroker]:
+    """A private Mosquitto with password auth (anonymous if mosquitto_passwd is missing)."""
+    with running_broker("mosquitto", tmp_path) as broker:
+        yield broker
+
+
+@pytest.fixture
+def embedded_broker() -> Iterator[RunningBroker]:
+    """geosched's embedded broker on a background thread, with password auth."""
+    with running_broker("embedded", None) as broker:
+        yield broker

@@ -1,14 +1,17 @@
 """Real MQTT brokers for tests: a Mosquitto process and geosched's embedded broker.
 
-Fixtures (import them into a test module or ``tests/conftest.py``; pytest puts
-``tests/`` on sys.path, so the module is imported as ``mqtt_brokers``)::
-
-    from mqtt_brokers import embedded_broker, mosquitto_broker, mqtt_broker  # noqa: F401
+The fixtures live in ``tests/conftest.py``, so a test just names them; this
+module holds what they run on (pytest puts ``tests/`` on sys.path, so it is
+imported as ``mqtt_brokers``):
 
 - ``mqtt_broker``: parametrised over ``mosquitto`` and ``embedded``; yields a
   :class:`RunningBroker` with password auth on (Mosquitto only when
   ``mosquitto_passwd`` exists; else it runs anonymous and ``users`` is None).
 - ``mosquitto_broker`` / ``embedded_broker``: one kind each.
+- ``make_password_file`` / ``make_tls_certificate``: a Mosquitto password file
+  (``mosquitto_passwd``) and a self-signed certificate for 127.0.0.1.
+- :func:`running_broker`: the context manager behind them, for a test that
+  needs a broker of its own.
 
 Mosquitto is started from ``/usr/sbin/mosquitto`` (or ``mosquitto`` on PATH)
 with a generated config in a temporary directory, on a free port, never as
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,6 +66,56 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0, alive: subprocess
 def mosquitto_binary() -> str | None:
     """Path of the mosquitto executable, or None when it is not installed."""
     return shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.access("/usr/sbin/mosquitto", os.X_OK) else None)
+
+
+def make_password_file(path: Path, users: dict[str, str]) -> None:
+    """(Re)create a Mosquitto password file with ``mosquitto_passwd``: ``-c`` for the first user, then ``-b`` each."""
+    path.unlink(missing_ok=True)
+    for name, password in users.items():
+        flags = ["-b"] if path.exists() else ["-c", "-b"]
+        subprocess.run(
+            ["mosquitto_passwd", *flags, str(path), name, password],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
+
+
+def make_tls_certificate(workdir: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (it is also its own CA): ``broker.crt``, ``broker.key``.
+
+    Skips the test when openssl is not installed.
+    """
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = workdir / "broker.crt", workdir / "broker.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
 
 
 class MosquittoBroker:
@@ -104,16 +158,7 @@ class MosquittoBroker:
             lines.append("allow_anonymous true")
         else:
             passwords = self.workdir / "passwords"
-            passwords.unlink(missing_ok=True)
-            for name, password in self.users.items():
-                flags = ["-b"] if passwords.exists() else ["-c", "-b"]
-                subprocess.run(
-                    ["mosquitto_passwd", *flags, str(passwords), name, password],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    timeout=30,
-                )
+            make_password_file(passwords, self.users)
             lines += ["allow_anonymous false", f"password_file {passwords}"]
         if self.tls is not None:
             lines += [f"certfile {self.tls[0]}", f"keyfile {self.tls[1]}"]
@@ -224,30 +269,10 @@ def _start(kind: str, workdir: Path | None) -> RunningBroker:
     return RunningBroker(kind, embedded=embedded)
 
 
-@pytest.fixture(params=BROKER_KINDS)
-def mqtt_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunningBroker]:
-    """A running broker with password auth, once per kind (mosquitto, embedded)."""
-    broker = _start(request.param, tmp_path)
-    try:
-        yield broker
-    finally:
-        broker.close()
-
-
-@pytest.fixture
-def mosquitto_broker(tmp_path: Path) -> Iterator[RunningBroker]:
-    """A private Mosquitto with password auth (anonymous if mosquitto_passwd is missing)."""
-    broker = _start("mosquitto", tmp_path)
-    try:
-        yield broker
-    finally:
-        broker.close()
-
-
-@pytest.fixture
-def embedded_broker() -> Iterator[RunningBroker]:
-    """geosched's embedded broker on a background thread, with password auth."""
-    broker = _start("embedded", None)
+@contextmanager
+def running_broker(kind: str, workdir: Path | None) -> Iterator[RunningBroker]:
+    """A broker of ``kind`` (one of BROKER_KINDS; Mosquitto keeps its files in ``workdir``), stopped on exit."""
+    broker = _start(kind, workdir)
     try:
         yield broker
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan, wait_for
-from mqtt_brokers import agent_subprocess_env, embedded_broker  # noqa: F401 - fixture
+from mqtt_brokers import agent_subprocess_env
 
 from geosched.cli import main
 
@@ -23,7 +23,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout, env=agent_subprocess_env())
 
 
-def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Path):  # noqa: F811
+def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Path):
     url, job = embedded_broker.url_for("geosched"), "byhand"
     plan = tiny_plan(tmp_path)
     ckpt = tmp_path / "ckpt"
@@ -72,7 +72,8 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
 
 
 async def _retained_plan(url: str, job: str) -> str | None:
-    from agents.control.plane import ControlPlane, PlanMessage
+    from agents.control.messages import PlanMessage
+    from agents.control.plane import ControlPlane
 
     async with ControlPlane(url, job, "plan-reader") as cp:
         async with await cp.subscribe("plan") as sub:
@@ -98,7 +99,7 @@ def test_agent_for_unknown_rank_or_wrong_dc_exits_2(tmp_path: Path, capsys):
     assert "plan.stages" in capsys.readouterr().err
 
 
-def test_plan_that_does_not_match_the_joined_agent_is_refused(embedded_broker, tmp_path: Path, capsys):  # noqa: F811
+def test_plan_that_does_not_match_the_joined_agent_is_refused(embedded_broker, tmp_path: Path, capsys):
     """An agent started for DC eu as rank 0, but the plan puts rank 0 in us: clear error, exit 2."""
     url, job = embedded_broker.url_for("geosched"), "mismatch"
     plan = tiny_plan(tmp_path)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
-from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
 
 from agents.control.coordinator import AgentLost, start_job
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.slow
 DCS = ["us", "eu"]
 
 
-def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path):  # noqa: F811
+def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path):
     url, job = mqtt_broker.url_for("geosched"), "ctl"
     plan = tiny_plan(tmp_path).read_text()
     agents = [spawn_agent(url, job, rank, dc, tmp_path) for rank, dc in enumerate(DCS)]

@@ -16,7 +16,6 @@ from pathlib import Path
 import aiomqtt
 import pytest
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from mqtt_brokers import mqtt_broker  # noqa: F401 - fixture
 
 from agents.control.coordinator import start_job
 
@@ -46,7 +45,7 @@ def _send_prompts(endpoints: dict[int, str], stop: threading.Event, answers: lis
             client.close()
 
 
-def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):  # noqa: F811
+def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):
     url, job = mqtt_broker.url_for("geosched"), "pf"
     plan = tiny_plan(tmp_path).read_text()
     agents = [

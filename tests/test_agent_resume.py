@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
-from mqtt_brokers import embedded_broker  # noqa: F401 - fixture
 
 from agents.control.coordinator import AgentRefused, start_job
 
@@ -29,7 +28,7 @@ def _losses(url: str, job: str, plan: str, steps: int) -> list[float]:
     return [s.loss for s in result.steps]
 
 
-def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_path: Path):  # noqa: F811
+def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_path: Path):
     url = embedded_broker.url_for("geosched")
     plan = tiny_plan(tmp_path).read_text()
     ckpt, saved = tmp_path / "ckpt", tmp_path / "ckpt-at-6"
@@ -61,7 +60,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
     assert resumed == pytest.approx(uninterrupted[5:], rel=1e-6, abs=0), log_tail(tmp_path)
 
 
-def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path: Path):  # noqa: F811
+def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path: Path):
     url = embedded_broker.url_for("geosched")
     plan = tiny_plan(tmp_path).read_text()
     ckpt = tmp_path / "ckpt"

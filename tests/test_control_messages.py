@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from agents.control.address import BrokerAddress
 from agents.control.messages import (
     CommandMessage,
     EventMessage,
@@ -16,7 +17,6 @@ from agents.control.messages import (
     check_name,
     parse_message,
 )
-from agents.control.plane import BrokerAddress
 from geosched.errors import InputError, ProtocolError
 
 

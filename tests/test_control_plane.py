@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 from collections.abc import Awaitable
@@ -13,29 +12,19 @@ from typing import TypeVar
 
 import aiomqtt
 import pytest
-from mqtt_brokers import (  # noqa: F401  (fixtures)
+from mqtt_brokers import (
     PYTHON,
     TEST_USERS,
     MosquittoBroker,
     RunningBroker,
     agent_subprocess_env,
-    embedded_broker,
     free_port,
-    mqtt_broker,
+    make_tls_certificate,
 )
 
-from agents.control.plane import (
-    AgentIdentity,
-    AgentsNotReady,
-    BrokerAuthError,
-    BrokerUnreachable,
-    CommandMessage,
-    ControlPlane,
-    EventMessage,
-    MetricsMessage,
-    PlanMessage,
-    StatusMessage,
-)
+from agents.control.address import BrokerAuthError, BrokerUnreachable
+from agents.control.messages import CommandMessage, EventMessage, MetricsMessage, PlanMessage, StatusMessage
+from agents.control.plane import AgentIdentity, AgentsNotReady, ControlPlane
 from geosched.errors import InputError, ProtocolError
 
 T = TypeVar("T")
@@ -333,39 +322,6 @@ def test_invalid_outgoing_messages_raise(embedded_broker: RunningBroker) -> None
             ControlPlane(embedded_broker.url, JOB, "agent-0", ca_file=__file__)
 
     run(scenario())
-
-
-def make_tls_certificate(workdir: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (it is also its own CA); skip without openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    cert, key = workdir / "broker.crt", workdir / "broker.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 # paho-mqtt 2.2 leaves the socket of a failed TLS handshake for the garbage collector

@@ -13,11 +13,7 @@ from geosched.data import Prefetcher, TextDataset, default_corpus_paths
 from geosched.errors import CheckpointError
 
 REQUEST = dict(replica=1, dp_size=2, microbatch_size=2, num_microbatches=3)
-
-
-@pytest.fixture(scope="module")
-def dataset() -> TextDataset:
-    return TextDataset(default_corpus_paths(), seq_len=16, seed=4)
+DATASET = dict(seq_len=16, seed=4)  # the ``dataset`` fixture's cut of the corpus (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

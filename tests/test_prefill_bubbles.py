@@ -23,7 +23,7 @@ from agents.stage.transport import LinkTransport, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
-from geosched.data import TextDataset, default_corpus_paths
+from geosched.data import TextDataset
 from geosched.errors import LinkError
 from geosched.model import build_model, build_stage
 
@@ -37,12 +37,9 @@ MAX_QUEUE = 8
 MAX_KV = 6 * PROMPT * 2 * MODEL.layers * MODEL.hidden * 4  # KV of 6 full prompts
 
 
+DATASET = dict(seq_len=MODEL.seq_len, seed=JOB.seed)  # the ``dataset`` fixture's cut of the corpus (conftest.py)
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dataset() -> TextDataset:
-    return TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
 
 
 def train(dataset: TextDataset, fillers: list[PrefillService | None]) -> list[list[StepReport]]:

@@ -15,7 +15,7 @@ from agents.stage.session import job_schedule, train_one_process
 from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
-from geosched.data import TextDataset, default_corpus_paths
+from geosched.data import TextDataset
 from geosched.model import build_stage
 from geosched.schedule import render_grid, write_chrome_trace, write_timeline_png
 
@@ -25,12 +25,9 @@ STEPS = 4
 CUT = 2  # stage 0: layers [0, 2), stage 1: [2, 4)
 
 
+DATASET = dict(seq_len=MODEL.seq_len, seed=JOB.seed)  # the ``dataset`` fixture's cut of the corpus (conftest.py)
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dataset() -> TextDataset:
-    return TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
 
 
 def make_runtime(job: JobSpec, stage: int, link: WanLink, **options) -> StageRuntime:

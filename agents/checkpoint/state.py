@@ -22,7 +22,7 @@ from geosched.errors import CheckpointError
 
 def flatten_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, torch.Tensor], dict]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Named tensors and JSON metadata for the model's state and the optimizer's state."""
     tensors = {f"model/{name}": value.detach().cpu().contiguous() for name, value in model.state_dict().items()}
     meta: dict[str, Any] = {"model": sorted(model.state_dict()), "optimizer": None}
@@ -79,12 +79,12 @@ def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def rebuild_optimizer_state(
-    meta: dict,
+    meta: dict[str, Any],
     tensors: dict[str, torch.Tensor],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     fail: Callable[[str], CheckpointError],
-) -> tuple[dict, set[str]]:
+) -> tuple[dict[str, Any], set[str]]:
     """The optimizer ``state_dict`` the shard describes, checked against the live optimizer."""
     saved = meta.get("optimizer")
     if not isinstance(saved, dict):

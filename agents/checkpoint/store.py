@@ -59,7 +59,8 @@ from safetensors.torch import save_file
 
 from agents.checkpoint.state import flatten_state, rebuild_optimizer_state
 from geosched.errors import CheckpointError
-from geosched.model import ModelShape, ShapeLike
+from geosched.model import ModelShape
+from geosched.model_counts import ShapeLike
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,12 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _CHUNK = 1 << 20
 
 
-def step_dir(ckpt_dir: str | os.PathLike, step: int) -> str:
+def step_dir(ckpt_dir: str | os.PathLike[str], step: int) -> str:
     """The folder of checkpoint ``step``: ``<ckpt_dir>/step-000005``."""
     return os.path.join(os.fspath(ckpt_dir), f"step-{step:06d}")
 
 
-def shard_paths(ckpt_dir: str | os.PathLike, step: int, stage: int) -> tuple[str, str]:
+def shard_paths(ckpt_dir: str | os.PathLike[str], step: int, stage: int) -> tuple[str, str]:
     """The tensor file and the metadata file of one stage's shard."""
     base = os.path.join(step_dir(ckpt_dir, step), f"stage-{stage:02d}")
     return base + ".safetensors", base + ".json"
@@ -115,7 +116,7 @@ class CheckpointWriter:
     of a different job, rather than mixing or overwriting them.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike, stage: int, num_stages: int, job_fingerprint: str) -> None:
+    def __init__(self, ckpt_dir: str | os.PathLike[str], stage: int, num_stages: int, job_fingerprint: str) -> None:
         if not 0 <= stage < num_stages:
             raise CheckpointError(f"checkpoint stage {stage} is outside 0..{num_stages - 1}")
         self.ckpt_dir = os.fspath(ckpt_dir)
@@ -214,7 +215,7 @@ class CheckpointWriter:
 
 
 def load_shard(
-    ckpt_dir: str | os.PathLike,
+    ckpt_dir: str | os.PathLike[str],
     step: int,
     stage: int,
     model: torch.nn.Module,
@@ -270,7 +271,7 @@ def load_shard(
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[f"model/{name}"])
-    if opt_state is not None:
+    if optimizer is not None and opt_state is not None:
         optimizer.load_state_dict(opt_state)
     if restore_rng:
         torch.set_rng_state(rng)
@@ -278,7 +279,7 @@ def load_shard(
     return dict(meta["extra"])
 
 
-def _check_meta(meta: dict, path: str, step: int, stage: int, fingerprint: str | None) -> None:
+def _check_meta(meta: dict[str, Any], path: str, step: int, stage: int, fingerprint: str | None) -> None:
     """The shard metadata has the right format, place and (if given) job fingerprint."""
     if meta.get("format") != FORMAT:
         raise CheckpointError(
@@ -311,7 +312,7 @@ def _check_meta(meta: dict, path: str, step: int, stage: int, fingerprint: str |
         )
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str) -> dict[str, Any]:
     """A JSON object from ``path``, bounded in size; CheckpointError if absent, too big or malformed."""
     try:
         with open(path, "rb") as fh:
@@ -331,7 +332,7 @@ def _read_json(path: str) -> dict:
     return value
 
 
-def _read_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
+def _read_tensors(path: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The shard's tensors (owned copies), after checking size and sha256 against its metadata."""
     data = _read_verified(path, meta)
     try:
@@ -340,7 +341,7 @@ def _read_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def _read_verified(path: str, meta: dict) -> bytes:
+def _read_verified(path: str, meta: dict[str, Any]) -> bytes:
     """The bytes of the tensor file if its size and sha256 match the metadata."""
     try:
         size = os.path.getsize(path)
@@ -363,7 +364,7 @@ def _read_verified(path: str, meta: dict) -> bytes:
 # ----------------------------------------------------- completeness, prune ---
 
 
-def list_steps(ckpt_dir: str | os.PathLike) -> list[int]:
+def list_steps(ckpt_dir: str | os.PathLike[str]) -> list[int]:
     """Steps that have a folder in ``ckpt_dir`` (complete or not), oldest first."""
     try:
         names = os.listdir(ckpt_dir)
@@ -374,7 +375,7 @@ def list_steps(ckpt_dir: str | os.PathLike) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
 
 
-def verify_step(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> None:
+def verify_step(ckpt_dir: str | os.PathLike[str], step: int, num_stages: int) -> None:
     """Raise CheckpointError naming the first fault unless every stage's shard of ``step`` verifies."""
     for stage in range(num_stages):
         tensor_path, meta_path = shard_paths(ckpt_dir, step, stage)
@@ -385,7 +386,7 @@ def verify_step(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> None
         _read_verified(tensor_path, meta)
 
 
-def latest_complete(ckpt_dir: str | os.PathLike, num_stages: int) -> int | None:
+def latest_complete(ckpt_dir: str | os.PathLike[str], num_stages: int) -> int | None:
     """The newest step whose ``num_stages`` shards are all present and verify, or None."""
     for step in reversed(list_steps(ckpt_dir)):
         try:
@@ -397,7 +398,7 @@ def latest_complete(ckpt_dir: str | os.PathLike, num_stages: int) -> int | None:
     return None
 
 
-def prune(ckpt_dir: str | os.PathLike, num_stages: int, keep: int) -> list[int]:
+def prune(ckpt_dir: str | os.PathLike[str], num_stages: int, keep: int) -> list[int]:
     """Delete step folders older than the ``keep`` newest complete checkpoints; return the steps removed.
 
     Anything newer than the oldest kept checkpoint stays (a step still being
@@ -427,7 +428,7 @@ def prune(ckpt_dir: str | os.PathLike, num_stages: int, keep: int) -> list[int]:
     return removed
 
 
-def _counts(ckpt_dir: str | os.PathLike, step: int, num_stages: int) -> bool:
+def _counts(ckpt_dir: str | os.PathLike[str], step: int, num_stages: int) -> bool:
     try:
         verify_step(ckpt_dir, step, num_stages)
     except CheckpointError:

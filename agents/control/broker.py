@@ -453,10 +453,10 @@ class EmbeddedBroker:
         elif kind == SUBSCRIBE and flags == 2:
             self._subscribe(client, body)
         elif kind == UNSUBSCRIBE and flags == 2:
-            packet_id = body.take(2)
+            raw_packet_id = body.take(2)
             while not body.at_end():
                 client.subscriptions.pop(body.string(), None)
-            client.send(_packet(UNSUBACK, packet_id))
+            client.send(_packet(UNSUBACK, raw_packet_id))
         elif kind == PINGREQ and not flags:
             client.send(_packet(PINGRESP, b""))
         else:

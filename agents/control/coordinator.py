@@ -27,7 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from agents.control.plane import AgentsNotReady, ControlPlane, MetricsMessage, StatusMessage
+from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.plane import AgentsNotReady, ControlPlane
 from geosched.errors import GeoschedError, InputError, PlanError
 
 if TYPE_CHECKING:

@@ -204,7 +204,7 @@ def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, 
             raise ProtocolError(f"{kind}.{name}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}")
         if allowed is not None and value not in allowed:
             raise ProtocolError(f"{kind}.{name}: must be one of {'|'.join(allowed)} (got {value!r})")
-        if types == _INT and value < 0:
+        if types == _INT and isinstance(value, int) and value < 0:
             raise ProtocolError(f"{kind}.{name}: must be >= 0 (got {value})")
         known[name] = value
     extra = {k: v for k, v in data.items() if k not in _SCHEMAS[kind]}

@@ -2,8 +2,7 @@
 
 The topic scheme and payload schemas live in :mod:`agents.control.messages`,
 the broker URL and its errors in :mod:`agents.control.address`, the
-subscription queue in :mod:`agents.control.subscription` (all re-exported
-here): ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
+subscription queue in :mod:`agents.control.subscription`: ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
 (retained), ``.../agents/<rank>/metrics``, ``.../command``, ``.../events``.
 An agent's client registers a retained last will ``{"state": "offline"}`` on
 its status topic, so a killed agent shows offline.
@@ -42,14 +41,10 @@ import aiomqtt
 
 from agents.control.address import BrokerAddress, BrokerAuthError, BrokerUnreachable
 from agents.control.messages import (
-    AGENT_STATES,
-    COMMANDS,
     KINDS,
     MAX_PAYLOAD_BYTES,
     CommandMessage,
     ControlMessage,
-    EventMessage,
-    MetricsMessage,
     PlanMessage,
     StatusMessage,
     Topics,
@@ -60,28 +55,7 @@ from agents.control.messages import (
 from agents.control.subscription import Subscription
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
-__all__ = [
-    "AGENT_STATES",
-    "COMMANDS",
-    "KINDS",
-    "MAX_PAYLOAD_BYTES",
-    "AgentIdentity",
-    "AgentsNotReady",
-    "BrokerAddress",
-    "BrokerAuthError",
-    "BrokerUnreachable",
-    "CommandMessage",
-    "ControlMessage",
-    "ControlPlane",
-    "ControlStats",
-    "EventMessage",
-    "MetricsMessage",
-    "PlanMessage",
-    "StatusMessage",
-    "Subscription",
-    "Topics",
-    "parse_message",
-]
+__all__ = ["AgentIdentity", "AgentsNotReady", "ControlPlane", "ControlStats"]
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +379,8 @@ class ControlPlane:
         self, ranks: Iterable[int] | None = None, states: Iterable[str] = ("offline",)
     ) -> AsyncIterator[StatusMessage]:
         """Yield a rank's status each time it goes offline (or into another of ``states``)."""
-        bad, previous = set(states), {}
+        bad = set(states)
+        previous: dict[int, str] = {}  # rank -> its latest state
         async for message in self.events("status", ranks=ranks):
             assert isinstance(message, StatusMessage)
             was, previous[message.rank] = previous.get(message.rank), message.state

@@ -58,7 +58,7 @@ class DataParallelGroup:
         self.backend = backend
         self.rank, self.size = spec.rank, spec.size
         self.counter = ring.ElementCounter()
-        self._store: dist.Store | None = None
+        self._store: dist.Store | None = None  # type: ignore[name-defined]  # torch.distributed re-exports it implicitly
         self._monitor: HeartbeatMonitor | None = None
         self._wrapped: list[nn.parallel.DistributedDataParallel] = []
         self._buckets: dict[tuple[int, ...], _GradientBuckets] = {}
@@ -84,7 +84,7 @@ class DataParallelGroup:
         try:
             if not master:  # TCPStore's own connect retries can overrun the timeout
                 wait_for_listener(spec.store_host, spec.store_port, spec.timeout_s)
-            base = dist.TCPStore(
+            base = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
                 spec.store_host,
                 spec.store_port,
                 spec.size,
@@ -101,7 +101,7 @@ class DataParallelGroup:
             ) from None
         if master and spec.store_port == 0:  # the OS picked the port; peers learn it from self.spec
             spec = self.spec = dataclasses.replace(spec, store_port=base.port)
-        self._store = dist.PrefixStore(spec.name, base)
+        self._store = dist.PrefixStore(spec.name, base)  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
         self._monitor = HeartbeatMonitor(spec)
         self._monitor.start()
         try:
@@ -261,7 +261,7 @@ class DataParallelGroup:
             return list(self._wrapped)
         if module not in self._wrapped:
             raise ConfigError("module: pass the module returned by group.wrap(...)")
-        return [module]  # type: ignore[list-item]
+        return [module]
 
     @contextlib.contextmanager
     def accumulate(self, module: nn.Module | None = None) -> Iterator[None]:

@@ -82,10 +82,10 @@ class HeartbeatMonitor:
     def _run(self) -> None:
         spec = self.spec
         try:
-            store = dist.PrefixStore(
-                spec.name,
-                dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=store_timeout(spec.timeout_s)),
+            base = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+                spec.store_host, spec.store_port, is_master=False, timeout=store_timeout(spec.timeout_s)
             )
+            store = dist.PrefixStore(spec.name, base)  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
         except Exception as exc:  # noqa: BLE001 - reported through missing_ranks()
             self._record_store_failure(exc)
             return

@@ -70,7 +70,9 @@ def run_local_group(
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     else:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=store_timeout(timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+            "127.0.0.1", 0, None, True, timeout=store_timeout(timeout_s), wait_for_workers=False
+        )
         port = store.port
     spec = GroupSpec(name, 0, size, "127.0.0.1", port, backend="gloo", timeout_s=timeout_s, host_store=host_store)
     procs = [

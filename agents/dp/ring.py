@@ -25,6 +25,7 @@ into a CollectiveError that names the missing rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -188,7 +189,7 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
-def _wait(works: list[dist.Work | None]) -> None:
+def _wait(works: Sequence[dist.Work | None]) -> None:
     for w in works:
         if w is not None:
             w.wait()
@@ -286,7 +287,7 @@ def all_to_all_allreduce(
     original, buf = scratch[: flat.numel()].copy_(flat), scratch[flat.numel() :]
     for k in range(1, g):
         recv_works, send_works = _exchange([(original, 0)], [(buf, 0)], (rank + k) % g, (rank - k) % g, group, counter)
-        _wait(recv_works + send_works)
+        _wait([*recv_works, *send_works])
         flat.add_(buf)
     if op == "avg":
         _divide(flat, g)
@@ -342,7 +343,10 @@ class RingHookState:
     chunk_elements: int | None = None
 
 
-def ring_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ring_allreduce_hook(
+    state: RingHookState,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]  # torch.distributed re-exports it implicitly
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the gradient bucket with :func:`ring_allreduce`.
 
     Usage: ``ddp.register_comm_hook(RingHookState(), ring_allreduce_hook)``.
@@ -357,5 +361,7 @@ def ring_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.
 # DDP compares the hook's annotations with the real objects, not the strings
 # that ``from __future__ import annotations`` leaves.
 ring_allreduce_hook.__annotations__.update(
-    bucket=dist.GradBucket, state=RingHookState, **{"return": torch.futures.Future[torch.Tensor]}
+    bucket=dist.GradBucket,  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+    state=RingHookState,
+    **{"return": torch.futures.Future[torch.Tensor]},
 )

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import TypedDict, Unpack
 
 import torch
 import zmq
@@ -33,6 +34,16 @@ log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
+class SubmitOptions(TypedDict, total=False):
+    """The keyword options of :meth:`PrefillClient.submit`, as :meth:`PrefillClient.prefill` passes them on."""
+
+    request_id: str | None
+    deadline_s: float | None
+    priority: int
+    return_kv: bool
+    top_k: int
+
+
 class PrefillClient:
     """A connection to one prefill endpoint; not thread-safe (one per thread)."""
 
@@ -42,7 +53,7 @@ class PrefillClient:
         *,
         token: str | None = None,
         curve_client: CurveClient | None = None,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         max_response_bytes: int = 256 << 20,
         timeout_s: float = 30.0,
     ) -> None:
@@ -104,10 +115,14 @@ class PrefillClient:
         return decode_response([f.buffer for f in frames], max_kv_frame_bytes=self.max_response_bytes)
 
     def prefill(
-        self, prompt: str | bytes | Sequence[int] | torch.Tensor, *, timeout_s: float | None = None, **options: object
+        self,
+        prompt: str | bytes | Sequence[int] | torch.Tensor,
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> PrefillResponse:
         """Submit one prompt and wait for its response (options as for :meth:`submit`)."""
-        rid = self.submit(prompt, **options)  # type: ignore[arg-type]
+        rid = self.submit(prompt, **options)
         if rid in self._early:
             return self._early.pop(rid)
         timeout = self.timeout_s if timeout_s is None else timeout_s

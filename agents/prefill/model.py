@@ -19,12 +19,13 @@ import os
 import torch
 
 from geosched.errors import InputError
-from geosched.model import ModelShape, ShapeLike, StageModule, build_model, total_params
+from geosched.model import ModelShape, StageModule, build_model, total_params
+from geosched.model_counts import ShapeLike
 
 log = logging.getLogger(__name__)
 
 
-def save_inference_weights(model: StageModule, path: str | os.PathLike) -> None:
+def save_inference_weights(model: StageModule, path: str | os.PathLike[str]) -> None:
     """Write the model's parameters to a safetensors file (contiguous CPU copies)."""
     from safetensors.torch import save_file
 
@@ -33,7 +34,7 @@ def save_inference_weights(model: StageModule, path: str | os.PathLike) -> None:
 
 
 def load_inference_model(
-    shape: ShapeLike, weights: str | os.PathLike | None, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    shape: ShapeLike, weights: str | os.PathLike[str] | None, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> StageModule:
     """The whole model of ``shape`` in eval mode, with weights from a safetensors file.
 

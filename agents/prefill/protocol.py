@@ -209,7 +209,7 @@ def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
     return [wire.encode_header(header), *frames]
 
 
-def decode_response(frames: Sequence[bytes], *, max_kv_frame_bytes: int) -> PrefillResponse:
+def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes: int) -> PrefillResponse:
     """Validate and decode response frames; ProtocolError for anything malformed."""
     if not frames:
         raise ProtocolError("empty response")

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import zmq
@@ -92,7 +92,7 @@ class PrefillService:
         model: StageModule,
         *,
         bind: str = "tcp://127.0.0.1:0",
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         max_queue: int = 64,
         max_prompt_tokens: int | None = None,
         max_kv_bytes: int = 256 << 20,
@@ -183,7 +183,7 @@ class PrefillService:
         with self._lock:
             self.metrics_.step(compute_s, wall_s)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         """JSON-ready metrics: outcomes, tokens/s, TTFT p50/p99, time split, queue and KV use."""
         with self._lock:
             return self.metrics_.snapshot(

@@ -141,9 +141,9 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     """Run ``copies`` profiles at once, one process per CPU; the median of each time field."""
     import torch
 
-    from geosched.processes import child_env
+    from geosched.processes import allowed_cpus, child_env
 
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed_cpus()
     if len(cpus) < copies:
         cpus = list(range(os.cpu_count() or 1))
     request = json.dumps({"job": dump_dataclass(job), "options": options, "threads": torch.get_num_threads()})
@@ -220,9 +220,10 @@ def _worker_main(cpu: int, request_json: str) -> None:
     """
     import torch
 
+    from geosched.processes import pin_to_cpu
+
     request = json.loads(request_json)
-    if cpu >= 0:
-        os.sched_setaffinity(0, {cpu})
+    pin_to_cpu(cpu if cpu >= 0 else None)
     torch.set_num_threads(request["threads"])
     job = load_dataclass(JobSpec, request["job"], "job")
     print(json.dumps(profile_job(job, **request["options"])), flush=True)

@@ -112,7 +112,7 @@ def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
 
     sizes = [
         boundary_bytes(layout.job, layout.stage_layers[s - 1][1])
-        // max(1, layout.streams.get(tuple(sorted((a, b))), 1))
+        // max(1, layout.streams.get((min(a, b), max(a, b)), 1))  # keyed by the sorted DC pair
         for s, a, b in layout.wan_boundaries()
     ]
     return max(floor, min(sizes)) if sizes else 0
@@ -203,7 +203,7 @@ class RelayRoutes:
 
         routes, ends = {}, {}
         for role in self.layout.roles:
-            if role.first or role.prev_dc == role.dc:
+            if role.prev_dc is None or role.prev_dc == role.dc:  # the first stage, or a link inside a DC
                 continue
             name = pipe_name(role.stage, role.replica)
             bound = statuses[role.rank].extra.get("endpoints", {}).get(name)
@@ -239,7 +239,7 @@ def launch(
     *,
     plan_path: str | None = None,
     steps: int | None = None,
-    run_dir: str | os.PathLike | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
     mqtt: str | None = None,
     job: str = "launch",
     wan_scale: float = DEFAULT_WAN_SCALE,

@@ -65,7 +65,7 @@ from agents.wan.link import WanLink
 from agents.wanem.emulator import LinkShape, WanRelay
 from geosched.chunking import auto_chunk_bytes, chunks_per_message
 from geosched.errors import LinkError
-from geosched.processes import child_env
+from geosched.processes import allowed_cpus, child_env, pin_to_cpu, unpin
 
 SIZE_FACTOR = 8
 """The second message size is this many times the activation (for the per-byte slope)."""
@@ -185,7 +185,7 @@ def _busy_while(cpu: int | None, measure: Callable[[], float]) -> float:
             busy.communicate()
 
 
-def _helper(*args: str) -> subprocess.Popen:
+def _helper(*args: str) -> subprocess.Popen[str]:
     """``python -m agents.rehearsal.link_profile ARGS``: one of the probe's helper processes (see USAGE)."""
     return subprocess.Popen(
         [sys.executable, "-m", "agents.rehearsal.link_profile", *args],
@@ -208,7 +208,7 @@ def solve_message_terms(settings: list[tuple[int, int, float]]) -> tuple[float, 
     return max(0.0, o0 - per_byte * n0 - per_chunk * c0), per_chunk, per_byte
 
 
-def _peer_line(peer: subprocess.Popen, what: str = "echo peer") -> str:
+def _peer_line(peer: subprocess.Popen[str], what: str = "echo peer") -> str:
     """The helper process's next line on stdout; LinkError with its stderr if it failed instead."""
     line = peer.stdout.readline().strip() if peer.stdout is not None else ""
     if not line or line.startswith("error"):
@@ -284,8 +284,7 @@ def _echo_peer(cpu: int | None, split_chunk: int, count: int) -> None:
     The second link sends with ``split_chunk`` byte chunks (the probe's
     two-chunk setting); a third is the one the probe reaches through a relay.
     """
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    pin_to_cpu(cpu)
     torch.set_num_threads(1)
     configs = [
         WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
@@ -313,8 +312,7 @@ def _relay_main(shape_json: str, port: int) -> None:
     Not pinned, whatever the caller was: ``geosched launch`` runs its relays
     in the launcher, beside the agents.
     """
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    unpin()
     with WanRelay(("127.0.0.1", port), LinkShape(**json.loads(shape_json))) as relay:
         print(relay.port, flush=True)
         sys.stdin.read()
@@ -322,7 +320,7 @@ def _relay_main(shape_json: str, port: int) -> None:
 
 def _busy_main(cpu: int) -> None:
     """Keep ``cpu`` busy (``--busy``), as a co-located stage would, until stdin closes (or its parent dies)."""
-    os.sched_setaffinity(0, {cpu})
+    pin_to_cpu(cpu)
 
     def exit_at_eof() -> None:
         sys.stdin.read()
@@ -333,7 +331,7 @@ def _busy_main(cpu: int) -> None:
         pass
 
 
-def _echo(link: WanLink, finished: concurrent.futures.Future) -> None:
+def _echo(link: WanLink, finished: concurrent.futures.Future[torch.Tensor]) -> None:
     """Send every activation on ``link`` back as a gradient until ``finished`` resolves."""
     seq = 1
     while True:
@@ -347,9 +345,9 @@ def _echo(link: WanLink, finished: concurrent.futures.Future) -> None:
 
 def _other_cpu() -> int | None:
     """A CPU other than the ones this process runs on (the peer's), or None on a one-CPU machine."""
-    if not hasattr(os, "sched_getaffinity"):
+    mine = allowed_cpus()
+    if not mine:
         return None
-    mine = os.sched_getaffinity(0)
     others = [c for c in range(os.cpu_count() or 1) if c not in mine]
     return others[0] if others else None
 

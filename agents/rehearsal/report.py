@@ -34,7 +34,7 @@ from geosched.errors import GeoschedError
 log = logging.getLogger(__name__)
 
 
-def load_rank_reports(run_dir: str | os.PathLike) -> dict[int, list[StepReport]]:
+def load_rank_reports(run_dir: str | os.PathLike[str]) -> dict[int, list[StepReport]]:
     """Every ``rank<R>.jsonl`` in ``run_dir``: rank -> its step reports in step order."""
     out: dict[int, list[StepReport]] = {}
     for path in sorted(Path(run_dir).glob("rank*.jsonl")):
@@ -68,8 +68,8 @@ def build_report(
         raise GeoschedError(f"run report: no step reports from ranks {missing}; see their agent logs")
     by_step: dict[int, list[StepReport]] = {}
     for rank_reports in reports.values():
-        for report in rank_reports:
-            by_step.setdefault(report.step, []).append(report)
+        for step_report in rank_reports:
+            by_step.setdefault(step_report.step, []).append(step_report)
     complete = sorted(s for s, rs in by_step.items() if len(rs) == len(layout.roles))
     schedule = _schedule(layout)
     per_step = []
@@ -117,7 +117,7 @@ def _schedule(layout: Any) -> Any:
     return job_schedule(layout.job, layout.num_stages, layout.dp)
 
 
-def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike) -> Path:
+def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike[str]) -> Path:
     """A loss-per-step line chart (Agg canvas, no pyplot state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -136,7 +136,7 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
 
 
 def write_run_folder(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
     layout: Any,
     reports: Mapping[int, list[StepReport]],
     report: dict[str, Any],

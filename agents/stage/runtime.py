@@ -189,34 +189,37 @@ class StageRuntime:
     def _execute(self, action: Action, state: _StepState) -> str:
         """Run ``action``; return its timeline category."""
         kind, mb = action.kind, action.microbatch
-        if kind is K.FORWARD:
-            self._forward(int(mb), state)  # type: ignore[arg-type]
-        elif kind is K.BACKWARD:
-            self._backward(int(mb), state)  # type: ignore[arg-type]
-        elif kind is K.RECV_F:
-            return self._receive(self.stage - 1, "F", int(mb), state)  # type: ignore[arg-type]
-        elif kind is K.RECV_B:
-            return self._receive(self.stage + 1, "B", int(mb), state)  # type: ignore[arg-type]
-        elif kind is K.SEND_F:
-            self._send(state.outputs[mb].detach(), self.stage + 1, "F", int(mb), state.step)  # type: ignore[arg-type]
-        elif kind is K.SEND_B:
-            self._send(state.input_grads.pop(mb), self.stage - 1, "B", int(mb), state.step)  # type: ignore[arg-type]
-        elif kind is K.ALL_REDUCE:
+        if kind is K.ALL_REDUCE:
             if self.grad_sync is not None:
+                # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
                 self.grad_sync.allreduce_gradients(self.module)  # type: ignore[arg-type]
         elif kind is K.STEP:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)  # keeps grads in the DP group's flat buckets
+        else:
+            assert mb is not None, f"{action} has no microbatch"  # validate() checked every action
+            if kind is K.FORWARD:
+                self._forward(mb, state)
+            elif kind is K.BACKWARD:
+                self._backward(mb, state)
+            elif kind is K.RECV_F:
+                return self._receive(self.stage - 1, "F", mb, state)
+            elif kind is K.RECV_B:
+                return self._receive(self.stage + 1, "B", mb, state)
+            elif kind is K.SEND_F:
+                self._send(state.outputs[mb].detach(), self.stage + 1, "F", mb, state.step)
+            elif kind is K.SEND_B:
+                self._send(state.input_grads.pop(mb), self.stage - 1, "B", mb, state.step)
         return _CATEGORY[kind]
 
     def _forward(self, mb: int, state: _StepState) -> None:
         if self.module.first:
-            x = state.microbatches[mb][0]  # type: ignore[index]  # (b, T) int64 token ids
+            x = state.microbatch(mb)[0]  # (b, T) int64 token ids
         else:
             x = state.inputs[mb]  # (b, T, C) received activation, requires_grad
         out = self.module(x)  # (b, T, C), or logits (b, T, V) on the last stage
         if self.module.last:
-            loss = self.module.loss(out, state.microbatches[mb][1])  # type: ignore[index]  # scalar
+            loss = self.module.loss(out, state.microbatch(mb)[1])  # scalar
             state.losses.append(float(loss.detach()))
             out = loss
         state.outputs[mb] = out
@@ -224,7 +227,8 @@ class StageRuntime:
     def _backward(self, mb: int, state: _StepState) -> None:
         out = state.outputs.pop(mb)
         if self.module.last:
-            (out / self.num_microbatches).backward()  # each replica's gradient: mean over its m microbatches
+            # each replica's gradient: the mean over its m microbatches
+            torch.autograd.backward(out / self.num_microbatches)
         else:
             torch.autograd.backward(out, state.output_grads.pop(mb))
         if not self.module.first:
@@ -256,9 +260,10 @@ class StageRuntime:
         last chunk (the chunk's start: a forecast that never feeds overruns back),
         else None.
         """
-        assert self.transport is not None and self.bubble_filler is not None
+        transport = self.transport
+        assert transport is not None and self.bubble_filler is not None
         spans = self.bubble_filler.fill(
-            lambda: self.transport.poll(peer, kind, state.step, mb),  # type: ignore
+            lambda: transport.poll(peer, kind, state.step, mb),
             budget_s=self._last_wait.get((kind, mb)),
         )
         for span in spans:
@@ -268,7 +273,7 @@ class StageRuntime:
         if not spans:
             return None
         state.filled_until = spans[-1].end
-        return spans[-1].start if self.transport.poll(peer, kind, state.step, mb) else None
+        return spans[-1].start if transport.poll(peer, kind, state.step, mb) else None
 
     def _send(self, tensor: Tensor, peer: int, kind: str, mb: int, step: int) -> None:
         assert self.transport is not None
@@ -319,3 +324,8 @@ class _StepState:
         self.gaps: list[IdleGap] = []
         self.t0 = 0.0  # perf_counter at the start of the step
         self.filled_until = 0.0  # perf_counter when the last prefill chunk of this step ended
+
+    def microbatch(self, mb: int) -> Microbatch:
+        """Microbatch ``mb`` (the first and last stages only: run_step checked that they have them)."""
+        assert self.microbatches is not None
+        return self.microbatches[mb]

@@ -64,7 +64,7 @@ def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], A
     return [
         Route(pipe_name(r.stage, r.replica), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
         for r in roles
-        if not r.first
+        if r.prev_dc is not None  # every stage but the first
     ]
 
 
@@ -218,7 +218,7 @@ class RankSession:
             self._stack.callback(listener.close)
             self.addresses.publish(pipe_name(role.stage, role.replica), f"tcp://{self.advertise_host}:{listener.port}")
         if role.dp_size > 1 and role.replica == 0:
-            store = dist.TCPStore(
+            store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
                 self.bind_host,
                 0,
                 role.dp_size,
@@ -273,7 +273,9 @@ class RankSession:
             if self._hosted_store is not None:
                 self._hosted_store.wait(keys, timedelta(seconds=LEAVE_TIMEOUT_S))
             else:
-                client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+                client = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+                    host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S)
+                )
                 client.set(f"geosched-left/{self.role.replica}", "1")
         except Exception as exc:  # noqa: BLE001 - a peer that failed first; nothing left to protect
             log.debug("rank %d: leaving the group store: %s", self.role.rank, exc)
@@ -309,7 +311,7 @@ def run_rank(
     steps: int,
     data: TextDataset | str | Sequence[str],
     addresses: AddressBook,
-    run_dir: str | os.PathLike | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
     on_step: Callable[[StepReport], None] | None = None,
     threads: int | None = None,
     **session_options: Any,
@@ -350,7 +352,7 @@ def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step
     for step in range(start_step, start_step + steps):
         inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
         loss = model.loss(model(inputs), targets)  # mean over all G * T tokens
-        loss.backward()
+        torch.autograd.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

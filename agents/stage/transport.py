@@ -89,8 +89,8 @@ class LinkTransport:
         self.links = dict(links)
         self.stage = stage
         self._sent = {peer: 0 for peer in self.links}
-        self._pending_sends: list[tuple[str, concurrent.futures.Future]] = []
-        self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future] = {}
+        self._pending_sends: list[tuple[str, concurrent.futures.Future[None]]] = []
+        self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future[Tensor]] = {}
 
     def _link(self, peer: int) -> WanLink:
         link = self.links.get(peer)
@@ -106,7 +106,7 @@ class LinkTransport:
         self._sent[peer_stage] += tensor.numel() * tensor.element_size()
         self._pending_sends.append((f"{kind} step {step} microbatch {microbatch} to stage {peer_stage}", future))
 
-    def _posted_recv(self, peer: int, kind: str, step: int, microbatch: int) -> concurrent.futures.Future:
+    def _posted_recv(self, peer: int, kind: str, step: int, microbatch: int) -> concurrent.futures.Future[Tensor]:
         key = (peer, kind, step, microbatch)
         future = self._posted.get(key)
         if future is None:
@@ -200,7 +200,9 @@ class StoreAddressBook:
         """A client of the store at ``host:port``."""
         import torch.distributed as dist
 
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+            host, port, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
         return cls(store, routed=routed, prefix=prefix)
 
     def key(self, name: str) -> str:
@@ -222,7 +224,8 @@ class StoreAddressBook:
         key = self.key(name)
         try:
             self.store.wait([key], timedelta(seconds=timeout_s))
-            return self.store.get(key).decode()
+            endpoint: str = self.store.get(key).decode()  # the store holds bytes
+            return endpoint
         except RuntimeError as exc:  # torch reports store timeouts as RuntimeError subclasses
             raise LinkError(
                 f"no endpoint published as {name!r} within {timeout_s:g} s ({str(exc).splitlines()[0]}); "

@@ -20,8 +20,10 @@ stream it carried so that stream's chunks in flight are resent at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -32,7 +34,11 @@ from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header
 
 if TYPE_CHECKING:
+    from agents.sockets import PeerLogLimiter
     from agents.wan.config import WanLinkConfig
+    from agents.wan.metrics import LinkCounters
+    from agents.wan.recv import RecvState
+    from agents.wan.send import SendState, StreamSlot
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,38 @@ MORE_NOBLOCK = SNDMORE | NOBLOCK
 class InboundFrames:
     """Frame and event handlers of :class:`agents.wan.io.LinkIO` (see there for the attributes)."""
 
+    # the LinkIO state these handlers read and write (set in LinkIO.__init__)
     config: WanLinkConfig
     listening: bool
+    endpoint: str
+    peer: str
+    session: str | None
+    counters: LinkCounters
+    send: SendState
+    recv: RecvState
+    _started: concurrent.futures.Future[None]
+    _peer_ready: threading.Event
+    _limiter: PeerLogLimiter
+    _responses: dict[int, list[tuple[int, int, int, int]]]
+    _responses_since: float
+    _router: zmq.Socket[bytes] | None
+    _monitors: dict[zmq.Socket[bytes], int]
+    _stream_of: dict[zmq.Socket[bytes], int]
+    _ident_stream: dict[bytes, int]
+    _stream_ident: dict[int, bytes]
+    _fd_stream: dict[int, int]
+    _failed_handshake: bool
+    _welcomed: list[bool]
 
-    def _read(self, sock: zmq.Socket, now: float) -> None:
+    if TYPE_CHECKING:  # LinkIO's methods these handlers call
+
+        def _new_send_state(self) -> SendState: ...
+        def _new_recv_state(self) -> RecvState: ...
+        def _add_slot(self, *, probe_when_down: bool) -> StreamSlot: ...
+        def _header(self, kind: str, **fields: Any) -> bytes: ...
+        def _send_control(self, stream: int, frames: list[bytes]) -> bool: ...
+
+    def _read(self, sock: zmq.Socket[bytes], now: float) -> None:
         is_router = sock is self._router
         for _ in range(READ_BUDGET):
             try:
@@ -80,7 +114,7 @@ class InboundFrames:
                     self._drop("bad_header", header, "unexpected extra frames")
 
     def _on_frame(
-        self, sock: zmq.Socket, stream: int | None, ident: bytes | None, frame: zmq.Frame, now: float
+        self, sock: zmq.Socket[bytes], stream: int | None, ident: bytes | None, frame: zmq.Frame, now: float
     ) -> bool:
         """Handle one message; True if it was dropped (and counted)."""
         if len(frame) > MAX_HEADER_BYTES:
@@ -110,7 +144,7 @@ class InboundFrames:
             return False
         return self._drop("bad_header", frame, f"unknown frame type {str(kind)[:20]!r}")
 
-    def _on_data(self, sock: zmq.Socket, stream: int, h: dict, frame: zmq.Frame, now: float) -> bool:
+    def _on_data(self, sock: zmq.Socket[bytes], stream: int, h: dict[str, Any], frame: zmq.Frame, now: float) -> bool:
         if not sock.get(RCVMORE):
             return self._drop("bad_header", frame, "data header without payload")
         try:
@@ -121,7 +155,9 @@ class InboundFrames:
             return self._drop(exc.reason, frame, str(exc))
         verdict, msg, view = self.recv.begin_chunk(c, now)
         if verdict == "write":
-            received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))
+            assert msg is not None and view is not None  # "write" always names the message and the slice
+            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12: an ndarray is a buffer here too
+            received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))  # type: ignore[arg-type]
             if sock.get(RCVMORE):
                 return self._drop("bad_header", frame, "unexpected extra frames")
             if received != c.length:
@@ -150,7 +186,9 @@ class InboundFrames:
             self._responses_since = now
         self._responses.setdefault(stream, []).append((c.seq, c.offset, c.tx, status))
 
-    def _on_responses(self, sock: zmq.Socket, stream: int, h: dict, frame: zmq.Frame, now: float) -> bool:
+    def _on_responses(
+        self, sock: zmq.Socket[bytes], stream: int, h: dict[str, Any], frame: zmq.Frame, now: float
+    ) -> bool:
         count = h.get("count")
         if not isinstance(count, int) or not 0 <= count <= MAX_RESPONSES or not sock.get(RCVMORE):
             return self._drop("bad_header", frame, "malformed resp header")
@@ -162,7 +200,7 @@ class InboundFrames:
             self.send.on_response(stream, seq, offset, tx, status == BUSY, now)
         return False
 
-    def _on_hello(self, ident: bytes | None, h: dict, frame: zmq.Frame) -> bool:
+    def _on_hello(self, ident: bytes | None, h: dict[str, Any], frame: zmq.Frame) -> bool:
         session, index, streams = h.get("session"), h.get("stream"), h.get("streams")
         if (
             ident is None
@@ -227,7 +265,7 @@ class InboundFrames:
                 self._started.set_result(None)
         return False
 
-    def _on_monitor(self, monitor: zmq.Socket, now: float) -> None:
+    def _on_monitor(self, monitor: zmq.Socket[bytes], now: float) -> None:
         stream = self._monitors[monitor]
         while True:
             try:
@@ -263,9 +301,11 @@ class InboundFrames:
     def _probe_streams(self, now: float) -> None:
         """After a disconnect on the ROUTER, find which streams are gone (it cannot route to them)."""
         ping = self._header("ping")
+        router = self._router
+        assert router is not None  # only the listening side (which has the ROUTER) has unidentified peers
         for index, ident in self._stream_ident.items():
             try:
-                self._router.send_multipart([ident, ping], zmq.NOBLOCK)
+                router.send_multipart([ident, ping], zmq.NOBLOCK)
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
@@ -289,6 +329,6 @@ class InboundFrames:
 
 def _peer_address(frame: zmq.Frame) -> str:
     try:
-        return frame.get("Peer-Address") or "unknown peer"
+        return str(frame.get("Peer-Address") or "unknown peer")
     except (zmq.ZMQError, AttributeError, TypeError):
         return "unknown peer"

@@ -83,17 +83,17 @@ class LinkIO(InboundFrames):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._started: concurrent.futures.Future = concurrent.futures.Future()
+        self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._peer_ready = threading.Event()
         self._limiter = PeerLogLimiter()
         self._responses: dict[int, list[tuple[int, int, int, int]]] = {}  # stream -> queued acknowledgements
         self._responses_since = 0.0  # when the oldest queued acknowledgement was queued
-        self._ctx: zmq.Context | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._zap: ZapAuthenticator | None = None
-        self._router: zmq.Socket | None = None
-        self._dealers: list[zmq.Socket] = []
-        self._monitors: dict[zmq.Socket, int] = {}  # monitor socket -> stream (-1: the router)
-        self._stream_of: dict[zmq.Socket, int] = {}
+        self._router: zmq.Socket[bytes] | None = None
+        self._dealers: list[zmq.Socket[bytes]] = []
+        self._monitors: dict[zmq.Socket[bytes], int] = {}  # monitor socket -> stream (-1: the router)
+        self._stream_of: dict[zmq.Socket[bytes], int] = {}
         self._ident_stream: dict[bytes, int] = {}
         self._stream_ident: dict[int, bytes] = {}
         self._fd_stream: dict[int, int] = {}  # listening side: socket descriptor -> stream it carries
@@ -203,11 +203,7 @@ class LinkIO(InboundFrames):
         self._ctx = zmq.Context(cfg.io_threads)
         smallest_chunk = cfg.chunk_bytes or min(1 << AUTO_CHUNK_MIN_LOG2, cfg.max_chunk_bytes)
         hwm = cfg.max_inflight_bytes // smallest_chunk + 256  # the window, not the HWM, bounds the queues
-        common = {
-            "max_msg_bytes": max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8),
-            "sndhwm": hwm,
-            "rcvhwm": hwm,
-        }
+        max_msg_bytes = max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8)
         if self.listening:
             curve = cfg.curve_server
             if curve is not None and curve.allowed_clients is not None:
@@ -218,7 +214,9 @@ class LinkIO(InboundFrames):
                 bind=self.endpoint,
                 curve_server=curve,
                 options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
-                **common,
+                max_msg_bytes=max_msg_bytes,
+                sndhwm=hwm,
+                rcvhwm=hwm,
             )
             self.port = bound_port(self._router)
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -232,7 +230,9 @@ class LinkIO(InboundFrames):
                 connect=self.endpoint,
                 curve_client=cfg.curve_client,
                 routing_id=f"{self.session}-{index}".encode(),
-                **common,
+                max_msg_bytes=max_msg_bytes,
+                sndhwm=hwm,
+                rcvhwm=hwm,
             )
             self._dealers.append(dealer)
             self._stream_of[dealer] = index
@@ -352,6 +352,7 @@ class LinkIO(InboundFrames):
             if ident is None:
                 return UNREACHABLE
             sock, first = self._router, ident
+            assert sock is not None  # the listening side's ROUTER exists from _open on
             try:
                 sock.send(first, MORE_NOBLOCK)
             except zmq.Again:
@@ -377,6 +378,7 @@ class LinkIO(InboundFrames):
                 ident = self._stream_ident.get(stream)
                 if ident is None:
                     return False
+                assert self._router is not None  # the listening side's ROUTER exists from _open on
                 self._router.send_multipart([ident, *frames], zmq.NOBLOCK)
             else:
                 self._dealers[stream].send_multipart(frames, zmq.NOBLOCK)

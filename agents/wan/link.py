@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +45,7 @@ from geosched.errors import InputError, LinkError
 from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _check_key(step: int, microbatch: int, kind: str) -> tuple[int, int, str]:
@@ -106,7 +107,7 @@ class WanLink:
         microbatch: int,
         kind: str = "activation",
         timeout_s: float | None = None,
-    ) -> concurrent.futures.Future:
+    ) -> concurrent.futures.Future[None]:
         """Queue a tensor; the future resolves once the peer holds every byte (do not modify it before)."""
         key = _check_key(step, microbatch, kind)
         if not isinstance(tensor, torch.Tensor):
@@ -129,7 +130,7 @@ class WanLink:
             "total": total,
             "chunk": chunk,
         }
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
         # the byte view keeps the tensor's memory alive while chunks are in flight
         msg = OutMessage(key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout)
         self._io.submit("send", msg)
@@ -143,7 +144,7 @@ class WanLink:
         kind: str = "activation",
         out: torch.Tensor | None = None,
         timeout_s: float | None = None,
-    ) -> concurrent.futures.Future:
+    ) -> concurrent.futures.Future[torch.Tensor]:
         """Post a recv; the future resolves to the tensor (``out`` itself if given: contiguous, CPU)."""
         key = _check_key(step, microbatch, kind)
         if out is not None and (
@@ -151,7 +152,7 @@ class WanLink:
         ):
             raise InputError("recv out= must be a contiguous CPU torch.Tensor")
         timeout = self.config.recv_timeout_s if timeout_s is None else timeout_s
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
         self._io.submit("recv", PostedRecv(key, future, out, monotonic() + timeout, timeout))
         return future
 
@@ -239,7 +240,7 @@ class WanLink:
         await asyncio.to_thread(self.close)
 
 
-def _wait(future: concurrent.futures.Future, timeout_s: float) -> Any:
+def _wait(future: concurrent.futures.Future[_T], timeout_s: float) -> _T:
     """Result of a link future; the I/O thread enforces the deadline, the margin only guards a dead thread."""
     try:
         return future.result(timeout=timeout_s + 10.0)

@@ -22,7 +22,7 @@ import logging
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 KINDS = ("activation", "gradient", "control")
 Key = tuple[int, int, str]  # (step, microbatch, kind)
 U63 = (1 << 63) - 1
+_T = TypeVar("_T")
 
 
 class ChunkHeader(NamedTuple):
@@ -117,7 +118,7 @@ class PostedRecv:
     """A recv the consumer is waiting on."""
 
     key: Key
-    future: Future
+    future: Future[torch.Tensor]
     out: torch.Tensor | None
     deadline: float
     timeout_s: float
@@ -368,11 +369,11 @@ class RecvState:
                     self._pop_posted(posted)
                     fail_future(posted.future, self._timeout_error(posted))
         for msg in list(self.assembling.values()):
-            posted = msg.posted
-            if posted is not None and (posted.future.cancelled() or now >= posted.deadline):
+            consumer = msg.posted
+            if consumer is not None and (consumer.future.cancelled() or now >= consumer.deadline):
                 self._unbind(msg)
-                fail_future(posted.future, self._timeout_error(posted))
-            elif posted is None and now - msg.last_progress > self.stale_message_s:
+                fail_future(consumer.future, self._timeout_error(consumer))
+            elif consumer is None and now - msg.last_progress > self.stale_message_s:
                 log.warning(
                     "dropping message seq=%d %s from %s: no progress for %.0f s",
                     msg.seq,
@@ -432,7 +433,7 @@ def _out_mismatch(out: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...])
     return ProtocolError(f"recv out= is {out.dtype} {list(out.shape)} but the peer sent {dtype} {list(shape)}")
 
 
-def resolve_future(future: Future, value: Any) -> bool:
+def resolve_future(future: Future[_T], value: _T) -> bool:
     """Set a future's result; False if the consumer cancelled it meanwhile."""
     try:
         future.set_result(value)
@@ -441,7 +442,7 @@ def resolve_future(future: Future, value: Any) -> bool:
     return True
 
 
-def fail_future(future: Future, error: BaseException) -> None:
+def fail_future(future: Future[Any], error: BaseException) -> None:
     """Set a future's exception unless it is already done or cancelled."""
     try:
         future.set_exception(error)

@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from agents.wan.metrics import LinkCounters, RateMeter, StreamCounters
 from agents.wan.recv import Key, fail_future, resolve_future
@@ -46,11 +47,11 @@ class OutMessage:
     """One tensor being sent: its bytes, chunk bookkeeping and the caller's future."""
 
     key: Key
-    base: dict  # header fields shared by every chunk
+    base: dict[str, Any]  # header fields shared by every chunk
     data: memoryview  # flat read-only bytes of the (contiguous) tensor
     total: int
     chunk: int
-    future: Future
+    future: Future[None]
     deadline: float
     timeout_s: float
     seq: int = -1

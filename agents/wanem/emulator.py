@@ -87,9 +87,19 @@ class WanRelay:
         self._closed = False
 
     @property
-    def loop(self) -> Any:
+    def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this relay runs on."""
-        return self.loop_thread.loop  # type: ignore[union-attr]
+        return self._running_thread().loop
+
+    def _running_thread(self) -> LoopThread:
+        """The loop thread; :meth:`start` sets it before anything runs on it."""
+        assert self.loop_thread is not None, "WanRelay: start() first"
+        return self.loop_thread
+
+    def _pacers(self) -> tuple[LinkPacer, LinkPacer]:
+        """Both directions' pacers; :meth:`start` sets them before anything runs on the loop."""
+        assert self.pacers is not None, "WanRelay: start() first"
+        return self.pacers
 
     def start(self) -> WanRelay:
         """Serve in the background; returns self. Calling it again does nothing."""
@@ -128,6 +138,7 @@ class WanRelay:
             self._reset_timer = self.loop.call_later(self.reset_every_s, self._periodic_reset)
 
     def _periodic_reset(self) -> None:
+        assert self.reset_every_s is not None  # scheduled only when resets are periodic
         self._reset_now()
         self._reset_timer = self.loop.call_later(self.reset_every_s, self._periodic_reset)
 
@@ -144,7 +155,8 @@ class WanRelay:
         """Abort every current connection with a TCP RST on both sides; return how many."""
         if self._server is None or self._closed:
             return 0
-        return self.loop_thread.call(self._reset_now)  # type: ignore[union-attr]
+        resets: int = self._running_thread().call(self._reset_now)
+        return resets
 
     def _reset_now(self) -> int:
         conns = list(self._conns)
@@ -160,11 +172,11 @@ class WanRelay:
         if self._server is None or self._closed:
             self.shape = shape
             return
-        self.loop_thread.call(self._set_shape, shape)  # type: ignore[union-attr]
+        self._running_thread().call(self._set_shape, shape)
 
     def _set_shape(self, shape: LinkShape) -> None:
         self.shape = shape
-        for pacer in self.pacers:  # type: ignore[union-attr]
+        for pacer in self._pacers():
             pacer.rate = shape.link_bytes_per_s
         for conn in list(self._conns):
             conn.up.update_reading()
@@ -182,7 +194,7 @@ class WanRelay:
         if self._server is None:
             self._sock.close()
         else:
-            self.loop_thread.call(self._shutdown)  # type: ignore[union-attr]
+            self._running_thread().call(self._shutdown)
         if self._own_loop and self.loop_thread is not None:
             self.loop_thread.close()
 
@@ -193,7 +205,7 @@ class WanRelay:
         for conn in list(self._conns):
             conn.abort(rst=True)
         if self._own_pacers:
-            for pacer in self.pacers:  # type: ignore[union-attr]
+            for pacer in self._pacers():
                 pacer.close()
         await self._server.wait_closed()
         for _ in range(3):  # let aborted transports and cancelled connects finish closing their sockets

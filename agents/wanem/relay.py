@@ -363,7 +363,7 @@ class Connection:
         self.up = _Half(self, relay.pacers[0], self.client, self.target, "bytes_to_target")
         self.down = _Half(self, relay.pacers[1], self.target, self.client, "bytes_to_client")
         self.done = False
-        self._connect_task: asyncio.Task | None = None
+        self._connect_task: asyncio.Task[None] | None = None
 
     def side_connected(self, side: _Side) -> None:
         if self.done:  # reset while the target connection was being made

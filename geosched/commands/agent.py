@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from geosched.commands.checks import at_least
 from geosched.errors import InputError
 
 
@@ -37,7 +38,7 @@ def mqtt_url(args: argparse.Namespace) -> str:
     """The broker URL from --mqtt / env, with credentials from env if the URL has none."""
     if not args.mqtt:
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
-    url = args.mqtt
+    url: str = args.mqtt
     user, password = os.environ.get("GEOSCHED_MQTT_USERNAME"), os.environ.get("GEOSCHED_MQTT_PASSWORD")
     if user and "@" not in url.split("://", 1)[-1]:
         scheme, rest = url.split("://", 1) if "://" in url else ("mqtt", url)
@@ -102,14 +103,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the daemon until stopped."""
     from agents.daemon import AgentOptions, parse_overrides, run_agent
 
-    if args.rank < 0:
-        raise InputError(f"--rank: must be >= 0 (got {args.rank})")
-    if args.threads is not None and args.threads < 1:
-        raise InputError(f"--threads: must be >= 1 (got {args.threads})")
-    if args.wan_chunk_bytes < 0:
-        raise InputError(f"--wan-chunk-bytes: must be >= 0 (got {args.wan_chunk_bytes}); 0 lets the link pick")
-    if args.checkpoint_every < 0:
-        raise InputError(f"--checkpoint-every: must be >= 0 (got {args.checkpoint_every})")
+    at_least(args, "rank", 0)
+    at_least(args, "threads", 1)
+    at_least(args, "wan_chunk_bytes", 0, "0 lets the link pick")
+    at_least(args, "checkpoint_every", 0)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):

@@ -17,7 +17,7 @@ import json
 import sys
 
 from geosched.commands.agent import add_mqtt_arguments, mqtt_url
-from geosched.errors import InputError
+from geosched.commands.checks import at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "start":
         from agents.layout import load_plan_file
 
-        if args.steps is not None and args.steps < 1:
-            raise InputError(f"--steps: must be >= 1 (got {args.steps})")
+        at_least(args, "steps", 1)
         text = load_plan_file(args.plan)
         result = asyncio.run(
             coordinator.start_job(
@@ -91,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
             print(coordinator.status_table(statuses) if statuses else f"no agents of job {args.job!r}")
         return 0
     if args.action == "checkpoint":
-        if args.after_step is not None and args.after_step < 0:
-            raise InputError(f"--after-step: must be >= 0 (got {args.after_step})")
+        at_least(args, "after_step", 0)
         asyncio.run(coordinator.checkpoint_job(url, args.job, after_step=args.after_step, ca_file=args.ca_file))
         print(f"checkpoint asked of job {args.job!r}")
         return 0

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from geosched.commands.checks import above, at_least
 from geosched.errors import InputError
 
 
@@ -65,10 +66,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the rehearsal."""
     from agents.rehearsal.launch import launch
 
-    if args.steps is not None and args.steps < 1:
-        raise InputError(f"--steps: must be >= 1 (got {args.steps})")
-    if not args.wan_scale > 0:
-        raise InputError(f"--wan-scale: must be > 0 (got {args.wan_scale}); e.g. 0.05")
+    at_least(args, "steps", 1)
+    above(args, "wan_scale", 0, "e.g. 0.05")
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"

@@ -117,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {point['iteration_s']:>10.4g} s  ${point['wan_usd_per_iteration']:<10.4g} {point['plan']}")
     if baselines:
         print("\nbaselines (same simulator):")
-        for b in baselines:
-            speed = f"{b['iteration_s']:.4g} s, planner {b['speedup']:.2f}x faster" if b["iteration_s"] else "-"
-            print(f"  {b['name']:<14} {speed}: {b['detail']}")
+        for row in baselines:
+            speed = f"{row['iteration_s']:.4g} s, planner {row['speedup']:.2f}x faster" if row["iteration_s"] else "-"
+            print(f"  {row['name']:<14} {speed}: {row['detail']}")
     if args.output:
         print(
             f"\nwrote {args.output} ({outcome.plan.world_size} ranks); check it with 'geosched simulate {args.output}'"

@@ -16,8 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
+from geosched.commands.checks import at_least
 from geosched.errors import InputError
+
+if TYPE_CHECKING:
+    from geosched.model import StageModule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
 
-def _load_local_model(args: argparse.Namespace):  # -> StageModule
+def _load_local_model(args: argparse.Namespace) -> StageModule:
     from agents.prefill.model import load_inference_model
     from geosched.config import load_config
 
@@ -56,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from agents.prefill.client import PrefillClient, continue_greedy
     from agents.sockets import CurveClient
 
-    if args.decode < 0:
-        raise InputError(f"--decode must be >= 0 (got {args.decode})")
+    at_least(args, "decode", 0, colon=False)
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
     if (args.curve_key is None) != (args.server_key is None):
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             return_kv=bool(args.decode),
         )
-    out: dict = {"id": result.id, "status": result.status}
+    out: dict[str, object] = {"id": result.id, "status": result.status}
     if result.status != "ok":
         out["reason"] = result.reason
     else:
@@ -92,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
     elif result.status != "ok":
         sys.stderr.write(f"geosched prefill: {result.status}: {result.reason}\n")
     else:
+        first = result.first_token
+        assert first is not None  # an "ok" response carries its first token
         print(
-            f"first token {result.first_token} ({bytes([result.first_token % 256])!r}), "
+            f"first token {first} ({bytes([first % 256])!r}), "
             f"{result.prompt_tokens} prompt tokens, ttft {result.timings['ttft_ms']:.1f} ms "
             f"(queued {result.timings['queued_ms']:.1f} ms, computed {result.timings['compute_ms']:.1f} ms "
             f"in {int(result.timings['chunks'])} chunks, {result.timings['bubble_share']:.0%} inside bubbles)"

@@ -30,6 +30,7 @@ import os
 import sys
 from typing import Any
 
+from geosched.commands.checks import at_least
 from geosched.errors import InputError
 
 
@@ -81,12 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from geosched.costmodel import Calibration
     from geosched.profile import check_prediction, write_calibration
 
-    if args.repeats < 1:
-        raise InputError(f"--repeats must be >= 1 (got {args.repeats})")
-    if args.warmup < 0:
-        raise InputError(f"--warmup must be >= 0 (got {args.warmup})")
-    if args.co_located < 1:
-        raise InputError(f"--co-located must be >= 1 (got {args.co_located}): how many ranks share this host")
+    at_least(args, "repeats", 1, colon=False)
+    at_least(args, "warmup", 0, colon=False)
+    at_least(args, "co_located", 1, "how many ranks share this host", colon=False)
     if args.threads < 0:
         raise InputError(f"--threads must be >= 1, or 0 for torch's choice (got {args.threads})")
     if args.threads:

@@ -19,6 +19,7 @@ import argparse
 import importlib
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from geosched.errors import InputError
@@ -91,7 +92,8 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
                 f"cannot simulate {args.source!r}: config/plan files are not supported by this build yet; "
                 "use --schedule/--stages/--microbatches"
             ) from None
-        return simulate_source.build(args)
+        build: Callable[[argparse.Namespace], tuple[Any, Any, dict[str, Any]]] = simulate_source.build
+        return build(args)
     from geosched.schedule import UniformCosts, build_schedule
 
     for flag in ("stages", "microbatches"):

@@ -21,9 +21,17 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from geosched.commands.checks import above, at_least
 from geosched.errors import InputError
+
+if TYPE_CHECKING:
+    from agents.wanem.relay import LinkShape
+
+    _Address = tuple[str, int]
+    # what WanEmulator takes: route -> (target, shape), route -> its two DCs, route -> listen address
+    _Routes = tuple[dict[str, tuple[_Address, LinkShape]], dict[str, tuple[str, str]], dict[str, _Address]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,22 +63,16 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _positive(value: float | None, flag: str, hint: str) -> None:
-    if value is not None and not value > 0:
-        raise InputError(f"{flag}: must be > 0 (got {value}); {hint}")
-
-
-def _single_route(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+def _single_route(args: argparse.Namespace) -> _Routes:
     from agents.wanem.emulator import LinkShape
 
     if args.target is None:
         raise InputError("--target: required without a CONFIG (e.g. --target 127.0.0.1:7001)")
     if args.route:
         raise InputError("--route: needs a CONFIG; for one relay use --listen and --target")
-    if not args.rtt_ms >= 0:
-        raise InputError(f"--rtt-ms: must be >= 0 (got {args.rtt_ms})")
-    _positive(args.link_mbps, "--link-mbps", "omit it for no link cap")
-    _positive(args.window_kb, "--window-kb", "omit it for no per-connection window")
+    at_least(args, "rtt_ms", 0)
+    above(args, "link_mbps", 0, "omit it for no link cap")
+    above(args, "window_kb", 0, "omit it for no per-connection window")
     shape = LinkShape(
         rtt_ms=args.rtt_ms,
         link_bytes_per_s=None if args.link_mbps is None else args.link_mbps * 1e6 / 8,
@@ -80,7 +82,7 @@ def _single_route(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     return ({name: (parse_address(args.target, "--target"), shape)}, {}, {name: parse_address(args.listen, "--listen")})
 
 
-def _config_routes(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+def _config_routes(args: argparse.Namespace) -> _Routes:
     from agents.wanem.emulator import shape_for_link
     from geosched.config import load_config
 
@@ -88,7 +90,7 @@ def _config_routes(args: argparse.Namespace) -> tuple[dict, dict, dict]:
         raise InputError("--target/--rtt-ms/--link-mbps/--window-kb: not with a CONFIG; the links give the shape")
     if not args.route:
         raise InputError("--route: give at least one, e.g. --route us-eu=127.0.0.1:7001")
-    _positive(args.scale, "--scale", "e.g. 0.01 rehearses 100 Gb/s at 1 Gb/s")
+    above(args, "scale", 0, "e.g. 0.01 rehearses 100 Gb/s at 1 Gb/s")
     links = list(load_config(args.config).cluster.links)
     listen_host = parse_address(args.listen, "--listen")[0]
     routes, ends, listen = {}, {}, {}
@@ -121,9 +123,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve the relays until interrupted, printing stats every second."""
     from agents.wanem.emulator import WanEmulator
 
-    if args.reset_every_s is not None:
-        _positive(args.reset_every_s, "--reset-every-s", "omit it for no periodic resets")
-    _positive(args.duration, "--duration", "omit it to run until stopped")
+    above(args, "reset_every_s", 0, "omit it for no periodic resets")
+    above(args, "duration", 0, "omit it to run until stopped")
     routes, ends, listen = _config_routes(args) if args.config else _single_route(args)
     try:
         emulator = WanEmulator(routes, args.reset_every_s, link_ends=ends, listen=listen)

@@ -163,8 +163,9 @@ class _Run:
             self.wake(s, 0.0)
         while self.heap:
             now, _, s = heapq.heappop(self.heap)
-            if self.outbox[s] is not None:
-                self.post(self.outbox[s], now)  # type: ignore[arg-type]
+            message = self.outbox[s]
+            if message is not None:
+                self.post(message, now)
                 self.outbox[s] = None
             self.advance(s, now)
         stuck = {s: self.steps[s][i].action for s, i in enumerate(self.position) if i < len(self.steps[s])}

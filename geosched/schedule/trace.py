@@ -51,7 +51,9 @@ def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:
     return out
 
 
-def _complete(name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict[str, object]:
+def _complete(
+    name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict[str, object]
+) -> dict[str, object]:
     return {
         "name": name,
         "cat": cat,

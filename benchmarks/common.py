@@ -1,0 +1,66 @@
+"""What every benchmark shares: this checkout on sys.path, the --quick/--json head, the JSON tail, pinning.
+
+A benchmark runs as ``python benchmarks/NAME.py``, so this folder is first on
+sys.path and ``from common import ...`` finds this module; importing it puts
+the checkout in front, so geosched, planner and agents import from here
+whether or not the project is installed (and so do the benchmark's spawned
+children, which inherit sys.path).
+
+    from common import benchmark_parser, emit
+
+    parser = benchmark_parser(__doc__, "fewer steps (under a minute)")
+    parser.add_argument("--steps", type=int, help="...")
+    args = parser.parse_args(argv)
+    ...
+    emit(result, args.json)  # with --json: one JSON object, the last line printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from geosched.processes import allowed_cpus, pin_to_cpu  # noqa: E402
+
+
+def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """The benchmark's argument parser: ``doc`` (its docstring) as the description, ``--quick`` and ``--json``."""
+    out = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--quick", action="store_true", help=quick_help)
+    out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return out
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    """With ``--json``: ``result`` as one JSON object on one line, the last one the benchmark prints."""
+    if as_json:
+        print(json.dumps(result))
+
+
+def cpu_for(rank: int) -> int | None:
+    """The CPU a benchmark pins its ``rank``-th child process to (one per core); None on a one-CPU machine."""
+    cpus = allowed_cpus()
+    return cpus[rank % len(cpus)] if len(cpus) >= 2 else None
+
+
+def pin_one_thread(cpu: int | None) -> None:
+    """In a child process: run on ``cpu`` only (None: anywhere) with one torch thread, as a rank does."""
+    import torch
+
+    pin_to_cpu(cpu)
+    torch.set_num_threads(1)
+
+
+def join_or_kill(procs: Iterable[Any], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for each process to exit; kill the ones still running."""
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,0 +1,36 @@
+"""Bounds on numeric flags, shared by the subcommands: one InputError line naming the flag, the bound and the value.
+
+    at_least(args, "steps", 1)                       # --steps: must be >= 1 (got 0)
+    above(args, "wan_scale", 0, "e.g. 0.05")         # --wan-scale: must be > 0 (got -1.0); e.g. 0.05
+
+A flag left at None (not given, no default) passes. ``colon=False`` keeps the
+form some older subcommands print, ``--repeats must be >= 1 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from geosched.errors import InputError
+
+
+def at_least(args: argparse.Namespace, name: str, minimum: float, hint: str = "", *, colon: bool = True) -> None:
+    """InputError unless ``args.<name>`` is None or >= ``minimum``."""
+    value = getattr(args, name)
+    if value is not None and not value >= minimum:
+        raise InputError(_message(name, f">= {minimum}", value, hint, colon))
+
+
+def above(args: argparse.Namespace, name: str, bound: float, hint: str = "") -> None:
+    """InputError unless ``args.<name>`` is None or > ``bound``."""
+    value = getattr(args, name)
+    if value is not None and not value > bound:
+        raise InputError(_message(name, f"> {bound}", value, hint, True))
+
+
+def _message(name: str, bound: str, value: object, hint: str, colon: bool) -> str:
+    """``--flag: must be <bound> (got value); hint``, or without the colon ``--flag must be ... (got value): hint``."""
+    flag = "--" + name.replace("_", "-")
+    if colon:
+        return f"{flag}: must be {bound} (got {value})" + (f"; {hint}" if hint else "")
+    return f"{flag} must be {bound} (got {value})" + (f": {hint}" if hint else "")
