@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -46,6 +48,8 @@ from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nb
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _check_key(step: int, microbatch: int, kind: str) -> tuple[int, int, str]:
@@ -55,6 +59,39 @@ def _check_key(step: int, microbatch: int, kind: str) -> tuple[int, int, str]:
     if kind not in KINDS:
         raise InputError(f"kind must be one of {KINDS} (got {kind!r})")
     return step, microbatch, kind
+
+
+def _awaited(
+    start: Callable[Concatenate[WanLink, _P], concurrent.futures.Future[_T]], name: str, doc: str
+) -> Callable[Concatenate[WanLink, _P], Coroutine[Any, Any, _T]]:
+    """The asyncio form of a ``start_*`` method: the same parameters; awaits its future."""
+
+    async def method(self: WanLink, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return await asyncio.wrap_future(start(self, *args, **kwargs))
+
+    return _named(method, start, name, doc)
+
+
+def _blocking(
+    start: Callable[Concatenate[WanLink, _P], concurrent.futures.Future[_T]], name: str, doc: str, timeout_field: str
+) -> Callable[Concatenate[WanLink, _P], _T]:
+    """The blocking form of a ``start_*`` method: the same parameters; ``timeout_s`` defaults to the config's."""
+
+    def method(self: WanLink, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        timeout = kwargs.get("timeout_s")
+        if timeout is None:
+            timeout = kwargs["timeout_s"] = getattr(self.config, timeout_field)
+        return _wait(start(self, *args, **kwargs), float(timeout))  # type: ignore[arg-type]
+
+    return _named(method, start, name, doc)
+
+
+def _named(method: _F, start: Callable[..., Any], name: str, doc: str) -> _F:
+    """Give a derived method its own name and doc and ``start``'s parameters (for help() and inspect)."""
+    method.__name__, method.__qualname__, method.__doc__ = name, f"WanLink.{name}", doc
+    parameters = inspect.signature(start).parameters.values()
+    method.__signature__ = inspect.Signature(list(parameters))  # type: ignore[attr-defined]
+    return method
 
 
 class WanLink:
@@ -156,62 +193,13 @@ class WanLink:
         self._io.submit("recv", PostedRecv(key, future, out, monotonic() + timeout, timeout))
         return future
 
-    # ------------------------------------------------------------ asyncio
+    # ------------------------------------------------------------ asyncio and blocking forms
+    # Each takes exactly start_send's / start_recv's parameters (one signature per direction).
 
-    async def send(
-        self,
-        tensor: torch.Tensor,
-        *,
-        step: int,
-        microbatch: int,
-        kind: str = "activation",
-        timeout_s: float | None = None,
-    ) -> None:
-        """Send a tensor; returns once the peer holds all of it. LinkError on timeout."""
-        await asyncio.wrap_future(
-            self.start_send(tensor, step=step, microbatch=microbatch, kind=kind, timeout_s=timeout_s)
-        )
-
-    async def recv(
-        self,
-        *,
-        step: int,
-        microbatch: int,
-        kind: str = "activation",
-        out: torch.Tensor | None = None,
-        timeout_s: float | None = None,
-    ) -> torch.Tensor:
-        """Receive the next tensor of ``(step, microbatch, kind)``. LinkError on timeout."""
-        future = self.start_recv(step=step, microbatch=microbatch, kind=kind, out=out, timeout_s=timeout_s)
-        return await asyncio.wrap_future(future)
-
-    # ------------------------------------------------------------ blocking
-
-    def send_sync(
-        self,
-        tensor: torch.Tensor,
-        *,
-        step: int,
-        microbatch: int,
-        kind: str = "activation",
-        timeout_s: float | None = None,
-    ) -> None:
-        """Blocking :meth:`send` for threads."""
-        timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
-        _wait(self.start_send(tensor, step=step, microbatch=microbatch, kind=kind, timeout_s=timeout), timeout)
-
-    def recv_sync(
-        self,
-        *,
-        step: int,
-        microbatch: int,
-        kind: str = "activation",
-        out: torch.Tensor | None = None,
-        timeout_s: float | None = None,
-    ) -> torch.Tensor:
-        """Blocking :meth:`recv` for threads."""
-        timeout = self.config.recv_timeout_s if timeout_s is None else timeout_s
-        return _wait(self.start_recv(step=step, microbatch=microbatch, kind=kind, out=out, timeout_s=timeout), timeout)
+    send = _awaited(start_send, "send", "Send a tensor; returns once the peer holds all of it. LinkError on timeout.")
+    recv = _awaited(start_recv, "recv", "Receive the next tensor of (step, microbatch, kind); LinkError on timeout.")
+    send_sync = _blocking(start_send, "send_sync", "Blocking :meth:`send` for threads.", "send_timeout_s")
+    recv_sync = _blocking(start_recv, "recv_sync", "Blocking :meth:`recv` for threads.", "recv_timeout_s")
 
     # ------------------------------------------------------------ lifecycle
 

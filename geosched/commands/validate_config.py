@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if args.reference:
         print("| field | type | default | meaning |\n|---|---|---|---|")
         for path, tp, default, doc in field_docs(Config):
-            print(f"| `{path}` | {tp} | {default} | {doc} |")
+            cells = (str(cell).replace("|", "\\|") for cell in (tp, default, doc))  # a bare | splits a cell
+            print(f"| `{path}` | " + " | ".join(cells) + " |")
         return 0
     if not args.config:
         raise InputError("give a config file, e.g. 'geosched validate-config configs/demo-3dc.yaml'")
