@@ -8,6 +8,8 @@ nothing imports upward, not even lazily):
 - ``worker``: the daemon's training thread (stage + checkpoints + prefill);
 - ``stage``, ``control``, ``prefill``, ``checkpoint``: independent of each other;
 - ``dp``, ``wan``, ``wanem``: independent of each other;
+- ``keys``: a job's key folder (signing keys, CURVE keys, prefill token, MQTT
+  passwords), written by ``geosched keys`` and read by agents and the coordinator;
 - ``layout`` (plan, roles, endpoint names; torch-free) and ``sockets`` (the
   one ZeroMQ socket factory), which every layer may import.
 

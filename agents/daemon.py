@@ -24,6 +24,10 @@ a last will marks it ``offline`` if it dies):
 Address exchange (see :class:`MqttAddressBook`): endpoints ride in the
 retained statuses of ``ready``/``training`` agents of the same plan
 (``plan_id``), so peers on other hosts find them with no extra service.
+With ``control_keys`` the control plane drops every plan and command not
+signed by the coordinator and every status not signed by its rank's agent
+(:mod:`agents.control.auth`), and a rank's endpoints are learnt only under
+the names the plan gives that rank.
 
 Example::
 
@@ -42,8 +46,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.control.auth import ControlKeys
 from agents.control.messages import CommandMessage, PlanMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
+from agents.keys import JobKeys
 from agents.layout import (
     JobLayout,
     check_agent_fits,
@@ -159,6 +165,9 @@ class AgentOptions:
     wan_chunk_bytes: int = 0
     prefill_bind: str | None = None  # serve prefill on this ZeroMQ endpoint (None: off)
     prefill_weights: str | None = None  # safetensors weights of the served model (None: seeded)
+    control_keys: ControlKeys | None = None  # sign statuses; obey only the coordinator's signed plans/commands
+    keys: JobKeys | None = None  # the job's key folder (--keys): signing, CURVE on links and prefill, MQTT login
+    prefill_token: str | None = None  # prefill clients must send this token (--prefill-token-file or --keys)
 
 
 class Agent:
@@ -205,7 +214,9 @@ class Agent:
         identity = AgentIdentity(opts.rank, dc=opts.dc)
         client_id = f"{opts.job}-agent-{opts.rank}"
         try:
-            async with ControlPlane(opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file) as cp:
+            async with ControlPlane(
+                opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=opts.control_keys
+            ) as cp:
                 self.cp = cp
                 await self._set_status("starting")
                 async with await cp.subscribe("plan", "command", "status") as sub:
@@ -263,10 +274,23 @@ class Agent:
                 and message.extra.get("plan_id") == self.plan_id
                 and message.rank != self.opts.rank
             ):
+                if self.opts.control_keys is not None:  # signed statuses: a rank announces only its own
+                    endpoints = self._owned_endpoints(message.rank, endpoints)
                 self.book.learn(endpoints)
         elif isinstance(message, CommandMessage):
             return await self._on_command(message)
         return None
+
+    def _owned_endpoints(self, rank: int, endpoints: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``endpoints`` that the plan gives to ``rank`` (the rest are dropped and logged)."""
+        assert self.layout is not None
+        owned = expected_endpoints(self.layout, rank, True) if rank < len(self.layout.roles) else set()
+        foreign = sorted(str(name)[:80] for name in endpoints if name not in owned)
+        if foreign:
+            log.warning(
+                "rank %d: ignored endpoints %s announced by rank %d: not its own", self.opts.rank, foreign[:8], rank
+            )
+        return {name: address for name, address in endpoints.items() if name in owned}
 
     async def _on_plan(self, text: str) -> int | None:
         new_id = plan_id(text)

@@ -24,8 +24,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import yaml
-
 from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
 
@@ -190,21 +188,22 @@ def load_plan_file(path: str) -> str:
     """The text of a plan file; PlanError naming the file if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return fh.read()
+            return fh.read(MAX_PLAN_BYTES + 1)  # a longer file is refused by parse_layout, never read whole
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
 
 
 def parse_layout(text: str, source: str = "plan") -> JobLayout:
     """Read a plan text; PlanError naming the field for anything malformed or inconsistent."""
-    from planner.plan import plan_from_dict
+    from dataclasses import replace
 
-    if len(text.encode()) > MAX_PLAN_BYTES:
+    from geosched.yamlload import load_yaml
+    from planner.plan import PLAN_LIMITS, plan_from_dict
+
+    if len(text) > MAX_PLAN_BYTES or len(text.encode()) > MAX_PLAN_BYTES:
         raise PlanError(f"{source}: larger than {MAX_PLAN_BYTES >> 10} KiB; not a plan file")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PlanError(f"{source}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    # bounded before any object is built: size, nesting, aliases (a bomb), duplicate keys, non-finite numbers
+    data = load_yaml(text, source, PlanError, replace(PLAN_LIMITS, max_bytes=MAX_PLAN_BYTES))
     try:
         plan = plan_from_dict(data, source)
     except PlanError as exc:

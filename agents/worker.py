@@ -208,6 +208,7 @@ class RankWorker:
                     recv_timeout_s=opts.recv_timeout_s,
                     wan_config={"chunk_bytes": opts.wan_chunk_bytes},
                     bubble_filler=service,
+                    link_security=self._link_security(),
                 )
             )
             if self.checkpoints is not None:
@@ -271,12 +272,29 @@ class RankWorker:
 
         job = self.layout.job
         model = load_inference_model(job.model, self.opts.prefill_weights, seed=job.seed)
-        service = stack.enter_context(PrefillService(model, bind=self.opts.prefill_bind))
+        keys, curve = self.opts.keys, None
+        if keys is not None:  # CURVE with the rank's keypair: encrypted; any client key (the token authenticates)
+            from agents.sockets import CurveServer
+
+            curve = CurveServer(*keys.curve_keypair(self.role.rank))
+        service = stack.enter_context(
+            PrefillService(model, bind=self.opts.prefill_bind, auth_token=self.opts.prefill_token, curve_server=curve)
+        )
         host, port = service.endpoint.removeprefix("tcp://").rsplit(":", 1)
         if host in ("0.0.0.0", "*"):  # bound everywhere: peers reach it at the agent's address
             host = self.opts.bind_host
         self.book.publish(prefill_name(self.role.rank), f"tcp://{host}:{port}")
         return service
+
+    def _link_security(self) -> Any:
+        """CURVE on the rank's pipeline links from the job's keys (None without ``--keys``)."""
+        keys = self.opts.keys
+        if keys is None:
+            return None
+        from agents.stage.security import LinkSecurity
+
+        public, secret = keys.curve_keypair(self.role.rank)
+        return LinkSecurity(public_key=public, secret_key=secret, peer_public=keys.curve_public)
 
     def _prefill_metrics(self, service: Any) -> dict[str, Any]:
         """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""

@@ -21,7 +21,7 @@ from geosched.errors import GeoschedError
 # they keep heavy imports (torch, ortools, zmq) inside run().
 VERBS: dict[str, tuple[str, str]] = {
     "validate-config": ("geosched.commands.validate_config", "check a cluster/job config"),
-    "keys": ("geosched.commands.keys", "generate a CURVE keypair for encrypted, authenticated WAN links"),
+    "keys": ("geosched.commands.keys", "write a job's key folder (signing and CURVE keys, token, logins)"),
     "simulate": ("geosched.commands.simulate", "simulate a pipeline schedule: iteration time, bubbles, timeline"),
     "plan": ("geosched.commands.plan", "plan GPUs per DC, stages, placement and data parallelism (CP-SAT)"),
     "profile": ("geosched.commands.profile", "measure the model on this machine; write a cost-model calibration"),

@@ -27,7 +27,17 @@ from typing import Literal
 import yaml
 
 from geosched.errors import ConfigError
-from geosched.schema import dump_dataclass, load_dataclass, read_yaml_file, spec
+from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
+from geosched.yamlload import YamlLimits, read_yaml_file
+
+MAX_NAME_LEN = 64
+"""The longest datacenter, GPU or cluster name."""
+MAX_LAYERS = 4096
+"""The most transformer blocks a model may have."""
+MAX_DC_GPUS = 1_000_000
+"""The most GPUs one datacenter may offer."""
+MAX_DATACENTERS = 256
+"""The most datacenters a cluster may have."""
 
 Precision = Literal["fp32", "bf16", "fp16"]
 BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -37,43 +47,45 @@ BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 class GpuSpec:
     """One kind of accelerator."""
 
-    name: str = spec("GPU model, e.g. H100")
-    tflops: float = spec("sustained dense TFLOP/s at the job's precision (not the datasheet peak)", gt=0)
-    memory_gib: float = spec("device memory in GiB", gt=0)
+    name: str = spec("GPU model, e.g. H100", max_len=MAX_NAME_LEN)
+    tflops: float = spec("sustained dense TFLOP/s at the job's precision (not the datasheet peak)", gt=0, le=1e6)
+    memory_gib: float = spec("device memory in GiB", gt=0, le=1e6)
 
 
 @dataclass(frozen=True)
 class DatacenterSpec:
     """A datacenter: a pool of identical GPUs with a fast internal network."""
 
-    name: str = spec("unique datacenter name, used by links and plans")
-    gpus: int = spec("GPUs available to this job in this datacenter", ge=1)
+    name: str = spec("unique datacenter name, used by links and plans", max_len=MAX_NAME_LEN)
+    gpus: int = spec("GPUs available to this job in this datacenter", ge=1, le=MAX_DC_GPUS)
     gpu: GpuSpec = spec("the GPU kind")
-    intra_bandwidth_gbps: float = spec("per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, gt=0)
-    intra_latency_us: float = spec("one-hop latency inside the DC, microseconds", 10.0, ge=0)
+    intra_bandwidth_gbps: float = spec(
+        "per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, gt=0, le=1e6
+    )
+    intra_latency_us: float = spec("one-hop latency inside the DC, microseconds", 10.0, ge=0, le=1e6)
 
 
 @dataclass(frozen=True)
 class WanLinkSpec:
     """A WAN link between two datacenters (symmetric, full duplex)."""
 
-    between: tuple[str, str] = spec("the two datacenter names")
-    bandwidth_gbps: float = spec("link capacity per direction, Gb/s", gt=0)
-    rtt_ms: float = spec("round-trip time, ms", ge=0)
+    between: tuple[str, str] = spec("the two datacenter names", max_len=MAX_NAME_LEN)
+    bandwidth_gbps: float = spec("link capacity per direction, Gb/s", gt=0, le=1e6)
+    rtt_ms: float = spec("round-trip time, ms", ge=0, le=1e5)
     per_connection_gbps: float = spec(
-        "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", gt=0
+        "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", gt=0, le=1e6
     )
-    egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0)
-    max_streams: int = spec("most TCP connections a link may open", 64, ge=1)
+    egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0, le=1e3)
+    max_streams: int = spec("most TCP connections a link may open", 64, ge=1, le=1024)
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     """Datacenters and the WAN links that join them."""
 
-    name: str = spec("cluster name")
-    datacenters: tuple[DatacenterSpec, ...] = spec("the datacenters")
-    links: tuple[WanLinkSpec, ...] = spec("WAN links; a pair not listed cannot talk", ())
+    name: str = spec("cluster name", max_len=MAX_NAME_LEN)
+    datacenters: tuple[DatacenterSpec, ...] = spec("the datacenters", max_items=MAX_DATACENTERS)
+    links: tuple[WanLinkSpec, ...] = spec("WAN links; a pair not listed cannot talk", (), max_items=4096)
 
     def dc(self, name: str) -> DatacenterSpec:
         """The datacenter called ``name``."""
@@ -99,24 +111,26 @@ class ClusterSpec:
 class CustomLayer:
     """Explicit cost of one layer, for models that are not plain GPT blocks."""
 
-    forward_gflop_per_sample: float = spec("forward GFLOP per sequence", gt=0)
-    params: int = spec("parameters", ge=0)
-    activation_bytes_per_sample: int = spec("bytes of the layer's output per sequence (sent between stages)", ge=0)
-    stash_bytes_per_sample: int = spec("bytes kept for the backward pass per sequence", ge=0)
+    forward_gflop_per_sample: float = spec("forward GFLOP per sequence", gt=0, le=1e12)
+    params: int = spec("parameters", ge=0, le=10**13)
+    activation_bytes_per_sample: int = spec(
+        "bytes of the layer's output per sequence (sent between stages)", ge=0, le=10**13
+    )
+    stash_bytes_per_sample: int = spec("bytes kept for the backward pass per sequence", ge=0, le=10**13)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer (GPT style), or explicit per-layer costs."""
 
-    layers: int = spec("transformer blocks", ge=1)
-    hidden: int = spec("hidden size", ge=1)
-    heads: int = spec("attention heads", ge=1)
-    seq_len: int = spec("tokens per sequence", ge=1)
-    vocab: int = spec("vocabulary size (256 = bytes)", 256, ge=2)
-    ffn_mult: int = spec("MLP width as a multiple of hidden", 4, ge=1)
+    layers: int = spec("transformer blocks", ge=1, le=MAX_LAYERS)
+    hidden: int = spec("hidden size", ge=1, le=1 << 20)
+    heads: int = spec("attention heads", ge=1, le=1 << 16)
+    seq_len: int = spec("tokens per sequence", ge=1, le=1 << 24)
+    vocab: int = spec("vocabulary size (256 = bytes)", 256, ge=2, le=1 << 24)
+    ffn_mult: int = spec("MLP width as a multiple of hidden", 4, ge=1, le=64)
     custom_layers: tuple[CustomLayer, ...] = spec(
-        "explicit per-block costs overriding the GPT formulas (one entry per layer)", ()
+        "explicit per-block costs overriding the GPT formulas (one entry per layer)", (), max_items=MAX_LAYERS
     )
 
 
@@ -125,19 +139,19 @@ class JobSpec:
     """What is trained and how."""
 
     model: ModelSpec = spec("the model")
-    global_batch: int = spec("sequences per iteration, over all replicas", ge=1)
-    microbatch_size: int = spec("sequences per microbatch", ge=1)
+    global_batch: int = spec("sequences per iteration, over all replicas", ge=1, le=1 << 24)
+    microbatch_size: int = spec("sequences per microbatch", ge=1, le=1 << 24)
     precision: Precision = spec("training precision", "bf16")
     optimizer_bytes_per_param: float = spec(
-        "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0
+        "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0, le=1024
     )
     schedule: Literal["1f1b", "gpipe"] = spec("pipeline schedule", "1f1b")
     recompute: Literal["none", "full"] = spec(
         "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward", "none"
     )
-    steps: int = spec("training iterations", 100, ge=1)
-    seed: int = spec("seed for initialisation and data order", 0, ge=0)
-    learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0)
+    steps: int = spec("training iterations", 100, ge=1, le=10**9)
+    seed: int = spec("seed for initialisation and data order", 0, ge=0, le=2**63 - 1)
+    learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0, le=10)
 
     @property
     def bytes_per_element(self) -> int:
@@ -198,10 +212,14 @@ def config_from_dict(data: object, source: str = "config") -> Config:
     return cfg
 
 
+CONFIG_LIMITS = YamlLimits(max_bytes=1 << 20, max_depth=schema_depth(Config), max_nodes=100_000)
+"""What a config file may contain: 1 MiB, nested no deeper than the schema (see :mod:`geosched.yamlload`)."""
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
-    """Load and validate a YAML config file."""
+    """Load and validate a YAML config file (hostile text is refused by :mod:`geosched.yamlload`)."""
     path = os.fspath(path)
-    data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml")
+    data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml", CONFIG_LIMITS)
     try:
         return config_from_dict(data, source=path)
     except ConfigError as exc:

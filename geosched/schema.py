@@ -10,31 +10,48 @@ every problem with its dotted path, the bad value and a remedy::
 
 Declare a field with :func:`spec`::
 
-    gpus: int = spec("GPUs in this datacenter", ge=1)
+    gpus: int = spec("GPUs in this datacenter", ge=1, le=1_000_000)
+
+Every number has an upper bound (``le``), every string at most ``max_len``
+characters (:data:`MAX_STR_LEN` unless given), every list at most
+``max_items`` entries (checked before its entries are read), and numbers
+must be finite. Messages show at most a short prefix of a bad value
+(:func:`geosched.yamlload.short`), never the whole of it. The YAML text itself
+is read by :mod:`geosched.yamlload`, nested at most :func:`schema_depth` deep.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union
 
-import yaml
-
 from geosched.errors import ConfigError
+from geosched.yamlload import short
 
 _MISSING = dataclasses.MISSING
 T = TypeVar("T")
+MAX_STR_LEN = 256
+"""The longest string any field takes unless its spec says less."""
+MAX_ITEMS = 4096
+"""The most entries any list field takes unless its spec says otherwise."""
 
 
 def spec(
-    doc: str, default: Any = _MISSING, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+    doc: str,
+    default: Any = _MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    max_len: int = MAX_STR_LEN,
+    max_items: int = MAX_ITEMS,
 ) -> Any:
-    """A dataclass field with a docstring and optional numeric bounds."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
+    """A dataclass field with a docstring, numeric bounds, and bounds on its string length or list size."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "max_len": max_len, "max_items": max_items}
     if default is _MISSING:
         return dataclasses.field(metadata=meta)
     if isinstance(default, (list, dict, set)):
@@ -43,8 +60,7 @@ def spec(
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short(value)
 
 
 def _type_name(tp: Any) -> str:
@@ -65,7 +81,20 @@ def load_dataclass(cls: type[T], data: Any, path: str = "", error: type[Exceptio
     return typing.cast(T, _convert(cls, data, path, error))
 
 
-def _convert(tp: Any, value: Any, path: str, error: type[Exception]) -> Any:
+def schema_depth(tp: Any) -> int:
+    """Levels of lists and mappings a document of type ``tp`` nests (a mapping of scalars: 1)."""
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return 1 + max((schema_depth(hints[f.name]) for f in dataclasses.fields(tp)), default=0)
+    if origin in (Union, types.UnionType):
+        return max(schema_depth(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return 1 + max((schema_depth(a) for a in typing.get_args(tp) if a is not Ellipsis), default=0)
+    return 0
+
+
+def _convert(tp: Any, value: Any, path: str, error: type[Exception], meta: Any = None) -> Any:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, path, error)
@@ -75,17 +104,18 @@ def _convert(tp: Any, value: Any, path: str, error: type[Exception]) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
-            return _convert(inner[0], value, path, error)
+            return _convert(inner[0], value, path, error, meta)
         for candidate in inner:
             try:
-                return _convert(candidate, value, path, error)
+                return _convert(candidate, value, path, error, meta)
             except error:
                 continue
         raise error(f"{path}: expected {_type_name(tp)} (got {_describe(value)})")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
-            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        if isinstance(value, (list, dict)) or value not in allowed:
+            typed = str(value)[:64] if isinstance(value, (str, int, float)) else ""
+            hint = difflib.get_close_matches(typed, [str(a) for a in allowed], n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""
             raise error(f"{path}: must be one of {', '.join(repr(a) for a in allowed)} (got {_describe(value)}){extra}")
         return value
@@ -93,28 +123,41 @@ def _convert(tp: Any, value: Any, path: str, error: type[Exception]) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
             raise error(f"{path}: expected a list (got {_describe(value)})")
+        most = meta["max_items"] if meta else MAX_ITEMS
+        if len(value) > most:
+            raise error(f"{path}: at most {most} entries (got {len(value)})")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{path}[{i}]", error) for i, v in enumerate(value))
+            return tuple(_convert(args[0], v, f"{path}[{i}]", error, meta) for i, v in enumerate(value))
         if len(value) != len(args):
             raise error(f"{path}: expected a list of {len(args)} items (got {len(value)})")
-        return tuple(_convert(a, v, f"{path}[{i}]", error) for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_convert(a, v, f"{path}[{i}]", error, meta) for i, (a, v) in enumerate(zip(args, value)))
     if tp is bool:
         if not isinstance(value, bool):
             raise error(f"{path}: expected true or false (got {_describe(value)})")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise error(f"{path}: expected an integer (got {_describe(value)})")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise error(f"{path}: expected an integer (got {_describe(value)})")
+            _check_number(value, meta, path, error)
+            return int(value)
+        _check_number(value, meta, path, error)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise error(f"{path}: expected a number (got {_describe(value)})")
+        if isinstance(value, int) and value.bit_length() > 1000:
+            raise error(f"{path}: must be a finite number (got {_describe(value)})")
+        if not math.isfinite(value):
+            raise error(f"{path}: must be a finite number (got {_describe(value)})")
+        _check_number(value, meta, path, error)
         return float(value)
     if tp is str:
         if not isinstance(value, str) or not value:
             raise error(f"{path}: expected a non-empty string (got {_describe(value)})")
+        most = meta["max_len"] if meta else MAX_STR_LEN
+        if len(value) > most:
+            raise error(f"{path}: at most {most} characters (got {len(value)}: {_describe(value[:20])})")
         return value
     if tp is Any:
         return value
@@ -122,7 +165,8 @@ def _convert(tp: Any, value: Any, path: str, error: type[Exception]) -> Any:
 
 
 def _join(path: str, key: object) -> str:
-    return f"{path}.{key}" if path else str(key)
+    name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 64 else short(key, 40)
+    return f"{path}.{name}" if path else name
 
 
 def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception]) -> Any:
@@ -135,7 +179,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception])
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in value:
         if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = difflib.get_close_matches(key[:64] if isinstance(key, str) else "", list(fields), n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else f"; allowed keys: {', '.join(fields)}"
             raise error(f"{_join(path, key)}: unknown key{extra}")
     kwargs = {}
@@ -146,43 +190,26 @@ def _convert_dataclass(cls: type, value: Any, path: str, error: type[Exception])
                 doc = field.metadata.get("doc", "")
                 raise error(f"{sub}: missing required field ({doc})" if doc else f"{sub}: missing required field")
             continue
-        converted = _convert(hints[name], value[name], sub, error)
-        _check_bounds(field, converted, sub, error)
-        kwargs[name] = converted
+        kwargs[name] = _convert(hints[name], value[name], sub, error, field.metadata)
     return cls(**kwargs)
 
 
-def _check_bounds(field: dataclasses.Field[Any], value: Any, path: str, error: type[Exception]) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+def _check_number(value: float, meta: Any, path: str, error: type[Exception]) -> None:
+    if not meta:
         return
-    meta = field.metadata
     if meta.get("ge") is not None and value < meta["ge"]:
-        raise error(f"{path}: must be >= {meta['ge']:g} (got {value})")
+        raise error(f"{path}: must be >= {meta['ge']:g} (got {_describe(value)})")
     if meta.get("gt") is not None and value <= meta["gt"]:
-        raise error(f"{path}: must be > {meta['gt']:g} (got {value})")
+        raise error(f"{path}: must be > {meta['gt']:g} (got {_describe(value)})")
     if meta.get("le") is not None and value > meta["le"]:
-        raise error(f"{path}: must be <= {meta['le']:g} (got {value})")
+        raise error(f"{path}: must be <= {_bound(meta['le'])} (got {_describe(value)})")
 
 
-def read_yaml_file(path: str, error: type[Exception], missing_hint: str, max_bytes: int | None = None) -> Any:
-    """Parse a YAML file with ``yaml.safe_load``; any problem raises ``error`` naming the file (and line).
-
-    ``missing_hint`` finishes the message for a file that does not exist;
-    ``max_bytes`` refuses larger files before reading them.
-    """
-    try:
-        if max_bytes is not None and os.path.getsize(path) > max_bytes:
-            raise error(f"{path}: larger than {max_bytes >> 20} MiB; not a file geosched wrote")
-        with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise error(f"{path}: no such file; {missing_hint}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise error(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: cannot read ({exc})") from None
+def _bound(limit: float) -> str:
+    """``4096``, ``1000000``, ``1e+12``: a bound as a reader would write it."""
+    if isinstance(limit, int):
+        return str(limit)
+    return str(int(limit)) if limit.is_integer() and abs(limit) < 1e10 else f"{limit:g}"
 
 
 def dump_dataclass(obj: Any) -> Any:

@@ -9,8 +9,39 @@ GPUs reachable over links compared with the stages the memory requires.
 from __future__ import annotations
 
 from geosched.costmodel import GIB, stage_memory_bytes
-from geosched.errors import PlanInfeasible
+from geosched.errors import InputError, PlanInfeasible
 from planner.space import Problem
+
+MAX_PLAN_GPUS = 8192
+"""The most GPUs (over all datacenters) the planner plans (configs/scale-16dc.yaml has as many).
+
+A plan has one process per GPU it uses, and its file must stay small enough to
+read in a few seconds (:data:`planner.plan.PLAN_LIMITS`).
+"""
+MAX_PLAN_SIZE = 32768
+"""The largest blocks x datacenters x data-parallel choices the planner searches (configs/scale-16dc.yaml: 12,800)."""
+
+
+def check_size(problem: Problem) -> None:
+    """InputError (exit 2) when ``problem`` is larger than the planner accepts, with the numbers.
+
+    Runs before anything that grows with the problem, so a huge config is
+    refused at once instead of planning for hours.
+    """
+    gpus = sum(problem.gpus.values())
+    if gpus > MAX_PLAN_GPUS:
+        raise InputError(
+            f"the cluster has {gpus} GPUs over {len(problem.dcs)} datacenters; the planner plans at most "
+            f"{MAX_PLAN_GPUS} GPUs: give each datacenter only the GPUs this job may use"
+        )
+    blocks, dcs, choices = problem.layers, len(problem.dcs), len(problem.dp_options())
+    size = blocks * dcs * max(1, choices)
+    if size > MAX_PLAN_SIZE:
+        raise InputError(
+            f"blocks({blocks}) x datacenters({dcs}) x data-parallel choices({choices}) = {size} > {MAX_PLAN_SIZE}, "
+            "the largest problem the planner accepts; use fewer, larger blocks (job.model.layers), fewer "
+            "datacenters, or a global_batch / microbatch_size with fewer divisors"
+        )
 
 
 def components(problem: Problem) -> list[list[str]]:

@@ -17,107 +17,112 @@ from dataclasses import dataclass
 
 import yaml
 
-from geosched.config import Config, config_from_dict
+from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
 from geosched.costmodel import wan_effective_bps
 from geosched.errors import ConfigError, PlanError
-from geosched.schema import dump_dataclass, load_dataclass, read_yaml_file, spec
+from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
+from geosched.yamlload import YamlLimits, read_yaml_file, short
 from planner.evaluate import GB, Evaluation
+from planner.feasibility import MAX_PLAN_GPUS
 from planner.space import Candidate, Problem
 
 PLAN_VERSION = 1
-MAX_PLAN_BYTES = 64 * 1024 * 1024
+MAX_PLAN_BYTES = 4 * 1024 * 1024
+MAX_RANKS = MAX_PLAN_GPUS
+"""The most processes a plan may have: the planner plans at most this many GPUs."""
+BIG = 1e18  # bound of the predicted figures: far beyond any real job, finite
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage: where it runs and what it holds."""
 
-    index: int = spec("stage number, 0 = first (embeddings)", ge=0)
-    dc: str = spec("datacenter hosting all replicas of the stage")
-    layers: tuple[int, int] = spec("[start, end) transformer blocks")
+    index: int = spec("stage number, 0 = first (embeddings)", ge=0, le=MAX_LAYERS)
+    dc: str = spec("datacenter hosting all replicas of the stage", max_len=MAX_NAME_LEN)
+    layers: tuple[int, int] = spec("[start, end) transformer blocks", ge=0, le=MAX_LAYERS)
 
 
 @dataclass(frozen=True)
 class LinkPlan:
     """A WAN link the pipeline crosses."""
 
-    between: tuple[str, str] = spec("upstream and downstream datacenter, in pipeline order")
-    streams: int = spec("TCP connections to open", ge=1)
-    effective_gbps: float = spec("min(link, streams x per-connection) Gb/s", ge=0)
-    bytes_per_iteration: int = spec("activations + gradients over both directions, all pipelines", ge=0)
-    egress_usd_per_iteration: float = spec("egress price of those bytes", ge=0)
+    between: tuple[str, str] = spec("upstream and downstream datacenter, in pipeline order", max_len=MAX_NAME_LEN)
+    streams: int = spec("TCP connections to open", ge=1, le=1024)
+    effective_gbps: float = spec("min(link, streams x per-connection) Gb/s", ge=0, le=1e6)
+    bytes_per_iteration: int = spec("activations + gradients over both directions, all pipelines", ge=0, le=BIG)
+    egress_usd_per_iteration: float = spec("egress price of those bytes", ge=0, le=BIG)
 
 
 @dataclass(frozen=True)
 class DcUsage:
     """GPUs of one datacenter the plan uses."""
 
-    name: str = spec("datacenter")
-    gpus: int = spec("GPUs it has", ge=0)
-    used: int = spec("GPUs the plan uses: stages x dp", ge=0)
-    unused: int = spec("GPUs left idle", ge=0)
-    stages: tuple[int, ...] = spec("stages it hosts", ())
+    name: str = spec("datacenter", max_len=MAX_NAME_LEN)
+    gpus: int = spec("GPUs it has", ge=0, le=MAX_DC_GPUS)
+    used: int = spec("GPUs the plan uses: stages x dp", ge=0, le=MAX_DC_GPUS)
+    unused: int = spec("GPUs left idle", ge=0, le=MAX_DC_GPUS)
+    stages: tuple[int, ...] = spec("stages it hosts", (), ge=0, le=MAX_LAYERS, max_items=MAX_LAYERS)
 
 
 @dataclass(frozen=True)
 class Prediction:
     """What the simulator predicts for one iteration."""
 
-    iteration_s: float = spec("simulated iteration time, seconds", ge=0)
-    bubble_fraction: float = spec("mean idle share of the stages", ge=0)
-    tokens_per_s: float = spec("global_batch x seq_len / iteration_s", ge=0)
-    wan_bytes_per_iteration: int = spec("bytes over all WAN links", ge=0)
-    wan_usd_per_iteration: float = spec("WAN egress cost per iteration", ge=0)
+    iteration_s: float = spec("simulated iteration time, seconds", ge=0, le=BIG)
+    bubble_fraction: float = spec("mean idle share of the stages", ge=0, le=1)
+    tokens_per_s: float = spec("global_batch x seq_len / iteration_s", ge=0, le=BIG)
+    wan_bytes_per_iteration: int = spec("bytes over all WAN links", ge=0, le=BIG)
+    wan_usd_per_iteration: float = spec("WAN egress cost per iteration", ge=0, le=BIG)
 
 
 @dataclass(frozen=True)
 class SolverInfo:
     """How the plan was found."""
 
-    objective: str = spec("time | weighted | cost")
+    objective: str = spec("time | weighted | cost", max_len=16)
     proven_optimal: bool = spec(
         "every CP-SAT model (the surrogate) solved to optimality, nothing skipped for time; "
         "the simulator then judged its candidates"
     )
-    solve_s: float = spec("wall seconds of the search", ge=0)
-    weight_s_per_usd: float = spec("--wan-cost-weight", 0.0, ge=0)
-    max_iteration_s: float | None = spec("--max-iteration-s", None)
-    notes: tuple[str, ...] = spec("remarks of the search", ())
+    solve_s: float = spec("wall seconds of the search", ge=0, le=BIG)
+    weight_s_per_usd: float = spec("--wan-cost-weight", 0.0, ge=0, le=BIG)
+    max_iteration_s: float | None = spec("--max-iteration-s", None, ge=0, le=BIG)
+    notes: tuple[str, ...] = spec("remarks of the search", (), max_len=1024, max_items=64)
 
 
 @dataclass(frozen=True)
 class RankSpec:
     """One process (one GPU) of the job."""
 
-    rank: int = spec("global rank", ge=0)
-    dc: str = spec("its datacenter")
-    local_rank: int = spec("rank among the plan's processes in its datacenter", ge=0)
-    stage: int = spec("pipeline stage", ge=0)
-    replica: int = spec("data-parallel replica (= its rank in the group)", ge=0)
-    layers: tuple[int, int] = spec("[start, end) blocks of its stage")
-    prev_stage: int | None = spec("stage it receives activations from (None: first stage)", None)
-    prev_dc: str | None = spec("datacenter of prev_stage", None)
-    next_stage: int | None = spec("stage it sends activations to (None: last stage)", None)
-    next_dc: str | None = spec("datacenter of next_stage", None)
-    group: str = spec("intra-DC process group of its stage's replicas, '<dc>/stage<s>'", "")
-    group_size: int = spec("replicas in the group (= dp)", 1, ge=1)
+    rank: int = spec("global rank", ge=0, le=MAX_RANKS)
+    dc: str = spec("its datacenter", max_len=MAX_NAME_LEN)
+    local_rank: int = spec("rank among the plan's processes in its datacenter", ge=0, le=MAX_RANKS)
+    stage: int = spec("pipeline stage", ge=0, le=MAX_LAYERS)
+    replica: int = spec("data-parallel replica (= its rank in the group)", ge=0, le=MAX_RANKS)
+    layers: tuple[int, int] = spec("[start, end) blocks of its stage", ge=0, le=MAX_LAYERS)
+    prev_stage: int | None = spec("stage it receives activations from (None: first stage)", None, ge=0, le=MAX_LAYERS)
+    prev_dc: str | None = spec("datacenter of prev_stage", None, max_len=MAX_NAME_LEN)
+    next_stage: int | None = spec("stage it sends activations to (None: last stage)", None, ge=0, le=MAX_LAYERS)
+    next_dc: str | None = spec("datacenter of next_stage", None, max_len=MAX_NAME_LEN)
+    group: str = spec("intra-DC process group of its stage's replicas, '<dc>/stage<s>'", "", max_len=MAX_NAME_LEN + 16)
+    group_size: int = spec("replicas in the group (= dp)", 1, ge=1, le=MAX_RANKS)
 
 
 @dataclass(frozen=True)
 class Plan:
     """A whole plan file."""
 
-    version: int = spec("plan format version")
-    schedule: str = spec("pipeline schedule: 1f1b | gpipe")
-    num_stages: int = spec("pipeline stages p", ge=1)
-    dp: int = spec("data-parallel degree d: replicas of every stage", ge=1)
-    microbatches: int = spec("microbatches m per iteration per pipeline", ge=1)
-    stages: tuple[StageSpec, ...] = spec("the stages in pipeline order")
-    links: tuple[LinkPlan, ...] = spec("WAN links the pipeline crosses")
-    datacenters: tuple[DcUsage, ...] = spec("GPUs used and unused per datacenter")
+    version: int = spec("plan format version", ge=0, le=1000)
+    schedule: str = spec("pipeline schedule: 1f1b | gpipe", max_len=16)
+    num_stages: int = spec("pipeline stages p", ge=1, le=MAX_LAYERS)
+    dp: int = spec("data-parallel degree d: replicas of every stage", ge=1, le=MAX_RANKS)
+    microbatches: int = spec("microbatches m per iteration per pipeline", ge=1, le=1 << 24)
+    stages: tuple[StageSpec, ...] = spec("the stages in pipeline order", max_items=MAX_LAYERS)
+    links: tuple[LinkPlan, ...] = spec("WAN links the pipeline crosses", max_items=MAX_DATACENTERS)
+    datacenters: tuple[DcUsage, ...] = spec("GPUs used and unused per datacenter", max_items=MAX_DATACENTERS)
     prediction: Prediction = spec("simulated figures")
     solver: SolverInfo = spec("how the plan was found")
-    ranks: tuple[RankSpec, ...] = spec("every process, by global rank")
+    ranks: tuple[RankSpec, ...] = spec("every process, by global rank", max_items=MAX_RANKS)
     config: Config = spec("the config the plan was made from")
 
     def rank(self, r: int) -> RankSpec:
@@ -239,12 +244,13 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     if data.get("version") != PLAN_VERSION:
         raise PlanError(
             f"{source}: version: this geosched reads plan version {PLAN_VERSION} "
-            f"(got {data.get('version')!r}); re-run 'geosched plan'"
+            f"(got {short(data.get('version'))}); re-run 'geosched plan'"
         )
     try:
-        config_from_dict(data.get("config"), source=f"{source}: config")
+        config_from_dict(data.get("config"), source="config")
     except ConfigError as exc:
-        raise PlanError(f"{source}: config: {exc}") from None
+        text = str(exc)
+        raise PlanError(f"{source}: {text}" if text.startswith("config: ") else f"{source}: config: {text}") from None
     plan = load_dataclass(Plan, data, path="plan", error=PlanError)
     problem = Problem(plan.config)
     cand = plan.candidate()
@@ -275,10 +281,16 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     return plan
 
 
+PLAN_LIMITS = YamlLimits(
+    max_bytes=MAX_PLAN_BYTES, max_depth=schema_depth(Plan), max_nodes=30 * MAX_RANKS + 20_000, max_aliases=200
+)
+"""What a plan's YAML may contain (see :mod:`geosched.yamlload`): a rank is 27 values, the config a few hundred."""
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read and check a plan file (YAML, at most 64 MiB)."""
+    """Read and check a plan file (YAML, at most 4 MiB; hostile text is refused by :mod:`geosched.yamlload`)."""
     path = os.fspath(path)
-    data = read_yaml_file(path, PlanError, f"write one with 'geosched plan CONFIG -o {path}'", MAX_PLAN_BYTES)
+    data = read_yaml_file(path, PlanError, f"write one with 'geosched plan CONFIG -o {path}'", PLAN_LIMITS)
     try:
         return plan_from_dict(data, source=path)
     except PlanError as exc:

@@ -21,6 +21,7 @@ from geosched.config import Config
 from geosched.errors import InputError, PlanInfeasible
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
+from planner.feasibility import check_size
 from planner.plan import Plan, SolverInfo, build_plan
 from planner.search import Progress, SearchStats, frontier, plan_search, search
 from planner.space import Problem
@@ -72,6 +73,7 @@ def make_plan(
         raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
     started = time.monotonic()
     problem = Problem(cfg)
+    check_size(problem)  # the largest problem the planner accepts, checked before any search
     evaluator = Evaluator(problem)
     points = None
     if objective.name == "time" and not with_frontier:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from geosched.cli import main
-from geosched.config import config_from_dict, dump_config, load_config
+from geosched.config import CONFIG_LIMITS, config_from_dict, dump_config, load_config
 from geosched.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,3 +149,13 @@ def test_reference_lists_every_field(capsys):
     out = capsys.readouterr().out
     for field in ("cluster.datacenters[].gpu.tflops", "cluster.links[].per_connection_gbps", "job.microbatch_size"):
         assert f"`{field}`" in out
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_shipped_config_within_the_limits(path):
+    """Every shipped config fits the hardened loader's limits and the largest problem the planner accepts."""
+    from planner.feasibility import check_size
+    from planner.space import Problem
+
+    assert os.path.getsize(path) <= CONFIG_LIMITS.max_bytes
+    check_size(Problem(load_config(path)))

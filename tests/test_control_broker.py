@@ -74,7 +74,7 @@ def test_topic_filters() -> None:
 
 def test_pubsub_wildcards_retained_and_qos() -> None:
     async def scenario() -> None:
-        async with EmbeddedBroker() as broker:
+        async with EmbeddedBroker(allow_anonymous=True) as broker:
             assert broker.port > 0 and broker.url == f"mqtt://127.0.0.1:{broker.port}"
             async with client(broker, "pub") as pub:
                 await pub.publish("job/agents/1/status", b"ready", qos=1, retain=True)
@@ -104,7 +104,7 @@ def test_pubsub_wildcards_retained_and_qos() -> None:
 
 def test_oversize_packet_drops_the_client_and_fires_its_will() -> None:
     async def scenario() -> None:
-        async with EmbeddedBroker(max_packet_bytes=2048) as broker:
+        async with EmbeddedBroker(max_packet_bytes=2048, allow_anonymous=True) as broker:
             async with client(broker, "watch") as watch:
                 await watch.subscribe("t/#", qos=1)
                 big = client(broker, "big", will=aiomqtt.Will("t/status", b"offline", qos=1, retain=True))
@@ -132,7 +132,7 @@ def test_oversize_packet_drops_the_client_and_fires_its_will() -> None:
 )
 def test_bad_peers_are_disconnected(garbage: bytes, then_eof: bool) -> None:
     async def scenario() -> None:
-        async with EmbeddedBroker(max_packet_bytes=4096) as broker:
+        async with EmbeddedBroker(max_packet_bytes=4096, allow_anonymous=True) as broker:
             reader, writer = await asyncio.open_connection(broker.host, broker.port)
             writer.write(garbage)
             if then_eof:
@@ -148,7 +148,7 @@ def test_bad_peers_are_disconnected(garbage: bytes, then_eof: bool) -> None:
 @pytest.mark.slow
 def test_keepalive_timeout_fires_the_will() -> None:
     async def scenario() -> None:
-        async with EmbeddedBroker() as broker:
+        async with EmbeddedBroker(allow_anonymous=True) as broker:
             async with client(broker, "watch") as watch:
                 await watch.subscribe("w/#", qos=1)
                 reader, writer = await asyncio.open_connection(broker.host, broker.port)
@@ -182,10 +182,15 @@ def test_same_client_id_takes_over_without_publishing_the_old_will() -> None:
     run(scenario())
 
 
+def test_running_open_is_a_choice() -> None:
+    with pytest.raises(GeoschedError, match=r"no users given; pass users=.* or allow_anonymous=True"):
+        EmbeddedBroker()
+
+
 def test_port_in_use_is_a_clear_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(GeoschedError, match=f"cannot listen on 127.0.0.1:{port}.*pick another port"):
-            EmbeddedBroker(port=port).start()
+            EmbeddedBroker(port=port, allow_anonymous=True).start()

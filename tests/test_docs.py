@@ -80,7 +80,12 @@ def test_acl_names_only_the_job_s_topics() -> None:
             assert topic in known or (own and topic in (topics.status(int(own[1])), topics.metrics(int(own[1])))), (
                 f"geosched.acl: {topic!r} is not a topic of job {DOC_JOB!r}"
             )
-    assert users["coordinator"] == [f"write {topics.plan}", f"write {topics.command}", f"read {topics.root}/#"]
+    assert users["coordinator"] == [
+        f"write {topics.plan}",
+        f"write {topics.command}",
+        f"write {topics.events}",
+        f"read {topics.root}/#",
+    ]
     agents = sorted(u for u in users if u != "coordinator")
     assert agents == [f"agent-{r}" for r in range(len(agents))] and agents
     for rank, user in enumerate(agents):

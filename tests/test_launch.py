@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -93,6 +94,34 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"0F0", "2B7"}
     step_lines = [line for line in done.stderr.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 3, done.stderr[-2000:]
+    # secure by default: a fresh key folder, 0600 files; the broker required a login per identity and its
+    # ACL lets only agent-<r> publish rank r's status, so every agent logged in as its own identity
+    secrets = run / "secrets"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+    files = [p for p in secrets.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"prefill.token", "coordinator.sign", "agent-2.key", "agent-2.password"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert report["secure"] is True and report["broker_refusals"] == {}, report["broker_refusals"]
+    assert "(secure, keys in" in done.stderr and "WARNING --insecure" not in done.stderr
+
+
+def test_launch_insecure_warns_and_trains(tmp_path: Path):
+    """``--insecure``: one warning line, no key folder, and the demo still trains."""
+    run = tmp_path / "run"
+    done = subprocess.run(
+        cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--steps", "2", "--run-dir", str(run), "--insecure"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=agent_subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    warnings = [line for line in done.stdout.splitlines() if "WARNING --insecure" in line]
+    assert len(warnings) == 1 and "no broker logins, unsigned commands" in warnings[0]
+    assert not (run / "secrets").exists()
+    report = json.loads((run / "report.json").read_text())
+    assert report["secure"] is False and report["losses"][-1] < report["losses"][0]
 
 
 def test_ctrl_c_stops_every_child(tmp_path: Path):

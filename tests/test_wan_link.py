@@ -183,6 +183,7 @@ def test_asyncio_api(make_pair) -> None:
 
     async def open_another() -> str:
         endpoint = f"tcp://127.0.0.1:{server.port}"
+        await asyncio.to_thread(client.close)  # a second peer replaces a session only once the first is gone
         async with await WanLink.open(endpoint, WanLinkConfig(link_id=11, streams=1)) as second:
             return second.metrics()["role"]  # (its session replaced the first client's)
 

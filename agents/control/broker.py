@@ -4,7 +4,9 @@ A small, strict MQTT 3.1.1 broker on asyncio, written for the control plane
 (amqtt 0.12 was tried first; it leaves sockets open after malformed first
 packets, lets a second connection with the same client id coexist with the
 old one, so the stale connection's will later overwrites a live agent's
-status, and has no packet size limit).
+status, and has no packet size limit). The bytes on the wire are
+:mod:`agents.control.mqtt_codec`; who may do what and how much it keeps is
+:mod:`agents.control.broker_policy`; this module is the connection loop.
 
 What it does: CONNECT with username/password (``users=``; CONNACK 4 for a wrong
 password, 5 when none is given), SUBSCRIBE/UNSUBSCRIBE with ``+`` and ``#``
@@ -15,21 +17,27 @@ retained payload clears the topic), last will on abnormal disconnect
 slow to read), session take-over (a second CONNECT with the same client id
 closes the first connection, whose will is discarded), PINGREQ, DISCONNECT.
 
+Safe when strangers reach its port: a login is required (``users=``; running
+open takes ``allow_anonymous=True``, on purpose); with ``acl=JobAcl(job)``
+each identity publishes and reads only its own topics (a refused publish is
+acknowledged and dropped, as Mosquitto does; a refused subscription gets
+SUBACK 0x80; both are counted in :attr:`EmbeddedBroker.refusals` and logged at
+most once per interval); retained messages are bounded per client and in
+total; silent connections are dropped (no CONNECT in time, or no packet for
+longer than the keepalive allows, keepalive 0 included); connections are
+bounded in total and per source address. The numbers are
+:class:`~agents.control.broker_policy.BrokerLimits` (``limits=``).
+
 What it does not: persistent sessions (``clean_session=0`` is served as a
 clean session, CONNACK "session present" is always 0), QoS 2 delivery,
 TLS and websockets. Use Mosquitto or EMQX for those.
 
-Limits: a packet over ``max_packet_bytes`` ends the connection (as
-Mosquitto's ``max_packet_size``); at most ``MAX_RETAINED_TOPICS`` retained
-topics; a client whose unsent output passes ``MAX_CLIENT_BACKLOG_BYTES`` is
-disconnected.
-
-Two ways to run it: ``async with EmbeddedBroker() as broker`` inside a
+Two ways to run it: ``async with EmbeddedBroker(...) as broker`` inside a
 running loop, or ``start()``/``stop()`` (also ``with``) on a background
 thread with its own loop, which is what the launcher does. Port 0 picks a
 free port; :attr:`EmbeddedBroker.url` reports the real one::
 
-    with EmbeddedBroker(users={"geosched": "s3cret"}) as broker:
+    with EmbeddedBroker(users={"coordinator": "s3cret", "agent-0": "pw0"}, acl=JobAcl("demo")) as broker:
         print(broker.url)            # mqtt://127.0.0.1:40123
 """
 
@@ -40,115 +48,30 @@ import hmac
 import itertools
 import logging
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from agents.control import mqtt_codec as mq
+from agents.control.broker_policy import (
+    DEFAULT_MAX_PACKET_BYTES,
+    BrokerAcl,
+    BrokerLimits,
+    ConnectionCounter,
+    RateLimitedLog,
+    RetainedStore,
+)
+from agents.control.mqtt_codec import Body, ProtocolViolation, topic_matches, valid_topic_filter
 from geosched.errors import GeoschedError
+
+__all__ = ["DEFAULT_MAX_PACKET_BYTES", "EmbeddedBroker", "topic_matches", "valid_topic_filter"]
 
 log = logging.getLogger(__name__)
 
-#: Largest packet body a client may send: a 1 MiB payload plus room for topic and headers.
-DEFAULT_MAX_PACKET_BYTES = (1 << 20) + 64 * 1024
-MAX_RETAINED_TOPICS = 10_000
-MAX_CLIENT_BACKLOG_BYTES = 64 << 20
-CONNECT_TIMEOUT_S = 10.0
 _THREAD_TIMEOUT_S = 10.0
-
-# Packet types (MQTT 3.1.1 section 2.2.1).
-CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
-SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT = 8, 9, 10, 11, 12, 13, 14
-# CONNACK return codes.
-ACCEPTED, BAD_PROTOCOL, BAD_CLIENT_ID, BAD_CREDENTIALS, NOT_AUTHORIZED = 0, 1, 2, 4, 5
-
-
-class _ProtocolViolation(Exception):
-    """The peer broke MQTT 3.1.1; the connection is closed and its will published."""
-
-
-def topic_matches(topic_filter: str, topic: str) -> bool:
-    """True when ``topic`` matches ``topic_filter`` (``+`` one level, ``#`` the rest)."""
-    if topic.startswith("$") and topic_filter[:1] in ("+", "#"):
-        return False
-    filter_levels, topic_levels = topic_filter.split("/"), topic.split("/")
-    for i, level in enumerate(filter_levels):
-        if level == "#":
-            return True
-        if i >= len(topic_levels) or (level != "+" and level != topic_levels[i]):
-            return False
-    return len(filter_levels) == len(topic_levels)
-
-
-def valid_topic_filter(topic_filter: str) -> bool:
-    """True for a well-formed filter: non-empty, ``#`` only as the whole last level, ``+`` alone."""
-    if not topic_filter or "\0" in topic_filter:
-        return False
-    levels = topic_filter.split("/")
-    for i, level in enumerate(levels):
-        if "#" in level and (level != "#" or i != len(levels) - 1):
-            return False
-        if "+" in level and level != "+":
-            return False
-    return True
-
-
-def valid_topic_name(topic: str) -> bool:
-    """True for a topic a message may be published to: non-empty, no wildcards."""
-    return bool(topic) and not any(c in topic for c in "+#\0")
-
-
-def _packet(kind: int, body: bytes, flags: int = 0) -> bytes:
-    """Frame ``body`` with a fixed header (type, flags, variable-length remaining length)."""
-    header, length = bytearray([kind << 4 | flags]), len(body)
-    while True:
-        byte, length = length % 128, length // 128
-        header.append(byte | 0x80 if length else byte)
-        if not length:
-            return bytes(header) + body
-
-
-def _string(text: str) -> bytes:
-    data = text.encode()
-    return len(data).to_bytes(2, "big") + data
-
-
-class _Body:
-    """Cursor over one packet body; every read checks bounds."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise _ProtocolViolation("packet shorter than its fields")
-        chunk = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return chunk
-
-    def u8(self) -> int:
-        return self.take(1)[0]
-
-    def u16(self) -> int:
-        return int.from_bytes(self.take(2), "big")
-
-    def binary(self) -> bytes:
-        return self.take(self.u16())
-
-    def string(self) -> str:
-        try:
-            text = self.binary().decode("utf-8")
-        except UnicodeDecodeError:
-            raise _ProtocolViolation("string is not UTF-8") from None
-        if "\0" in text:
-            raise _ProtocolViolation("string contains U+0000")
-        return text
-
-    def rest(self) -> bytes:
-        return self.take(len(self.data) - self.pos)
-
-    def at_end(self) -> bool:
-        return self.pos == len(self.data)
 
 
 @dataclass
@@ -161,19 +84,26 @@ class _Will:
 
 @dataclass(eq=False)
 class _Client:
-    """One connected client: its socket writer, subscriptions and will."""
+    """One connected client: its socket writer, login, subscriptions and will."""
 
     client_id: str
+    username: str | None
     writer: asyncio.StreamWriter
     will: _Will | None
+    backlog_limit: int
     subscriptions: dict[str, int] = field(default_factory=dict)
     packet_ids: Iterator[int] = field(default_factory=lambda: itertools.cycle(range(1, 65536)))
+
+    @property
+    def owner(self) -> str:
+        """Whose retained budget this client spends: its login, or its client id when anonymous."""
+        return self.username if self.username is not None else f"client:{self.client_id}"
 
     def send(self, data: bytes) -> None:
         """Queue bytes to the socket; a client too slow to read is disconnected."""
         if self.writer.is_closing():
             return
-        if self.writer.transport.get_write_buffer_size() > MAX_CLIENT_BACKLOG_BYTES:
+        if self.writer.transport.get_write_buffer_size() > self.backlog_limit:
             log.warning("broker: client %r reads too slowly; disconnecting it", self.client_id)
             self.writer.transport.abort()
             return
@@ -181,10 +111,10 @@ class _Client:
 
     def deliver(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
         """Send one PUBLISH to this client."""
-        body = _string(topic)
+        body = mq.string(topic)
         if qos:
             body += next(self.packet_ids).to_bytes(2, "big")
-        self.send(_packet(PUBLISH, body + payload, qos << 1 | int(retain)))
+        self.send(mq.packet(mq.PUBLISH, body + payload, qos << 1 | int(retain)))
 
 
 class EmbeddedBroker:
@@ -193,8 +123,14 @@ class EmbeddedBroker:
     Args:
         host: address to listen on (keep 127.0.0.1 unless agents run elsewhere).
         port: TCP port; 0 picks a free one (read it back from :attr:`port`).
-        users: username -> password; None allows anonymous clients.
+        users: username -> password; every client must log in as one of them.
         max_packet_bytes: largest packet body a client may send before it is dropped.
+        acl: who may publish, subscribe and read what (e.g. ``JobAcl(job)``); None lets every
+            login do everything.
+        allow_anonymous: accept clients without a login (with ``users``, a login given is still
+            checked). Without ``users`` this must be True: running open is a choice, never a default.
+        limits: the bounds (connections, silence, retained messages); the defaults are the
+            constants of :mod:`agents.control.broker_policy`.
     """
 
     def __init__(
@@ -203,16 +139,32 @@ class EmbeddedBroker:
         port: int = 0,
         users: dict[str, str] | None = None,
         max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES,
+        *,
+        acl: BrokerAcl | None = None,
+        allow_anonymous: bool = False,
+        limits: BrokerLimits | None = None,
     ) -> None:
+        if users is None and not allow_anonymous:
+            raise GeoschedError(
+                "embedded MQTT broker: no users given; pass users={name: password} so clients must log in,"
+                " or allow_anonymous=True to run it open on purpose"
+            )
         self.host = host
         self._requested_port = port
         self.users = dict(users) if users is not None else None
         self.max_packet_bytes = max_packet_bytes
+        self.acl = acl
+        self.allow_anonymous = allow_anonymous
+        self.limits = limits or BrokerLimits()
+        self.refusals: Counter[str] = Counter()
+        """Refusals so far by kind: connection, login, protocol, publish, will, subscribe, retained, idle."""
+        self.retained = RetainedStore(self.limits)
+        self._connections = ConnectionCounter(self.limits)
+        self._refusal_log = RateLimitedLog(self.limits.refusal_log_interval_s)
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._clients: dict[str, _Client] = {}
         self._writers: set[asyncio.StreamWriter] = set()
-        self._retained: dict[str, tuple[bytes, int]] = {}
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
 
@@ -231,8 +183,13 @@ class EmbeddedBroker:
 
     @property
     def client_count(self) -> int:
-        """Number of clients currently connected."""
+        """Number of clients currently connected (logged in)."""
         return len(self._clients)
+
+    @property
+    def connection_count(self) -> int:
+        """Number of open TCP connections, logged in or not."""
+        return len(self._writers)
 
     # -- lifecycle in the running loop ---------------------------------------
     async def serve(self) -> None:
@@ -247,6 +204,8 @@ class EmbeddedBroker:
                 " (pick another port, or 0 for any free one)"
             ) from None
         self._port = int(self._server.sockets[0].getsockname()[1])
+        if self.users is None:
+            log.warning("embedded MQTT broker on %s accepts anonymous clients (allow_anonymous=True)", self.url)
         log.info("embedded MQTT broker listening on %s", self.url)
 
     async def close(self) -> None:
@@ -264,7 +223,7 @@ class EmbeddedBroker:
             if not self._writers:
                 break
             await asyncio.sleep(0.01)
-        self._retained.clear()
+        self.retained.clear()
         log.info("embedded MQTT broker on %s:%s stopped", self.host, self._port)
         self._port = None
 
@@ -330,65 +289,87 @@ class EmbeddedBroker:
     ) -> None:
         self.stop()
 
-    # -- one connection ------------------------------------------------------
-    async def _read_packet(self, reader: asyncio.StreamReader, timeout: float | None) -> tuple[int, int, bytes]:
-        """Read one packet (type, flags, body) within ``timeout`` seconds."""
-        return await asyncio.wait_for(self._read_frame(reader), timeout)
+    # -- refusals ------------------------------------------------------------
+    def _refuse(self, kind: str, who: str, detail: str) -> None:
+        """Count a refusal; log it unless a line about the same kind and client was written lately."""
+        self.refusals[kind] += 1
+        held_back = self._refusal_log.allow(f"{kind}:{who}", time.monotonic())
+        if held_back is not None:
+            more = f" ({held_back} more like it not logged)" if held_back else ""
+            log.warning("broker: refused %s from %s: %s%s", kind, who, detail, more)
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
-        """Read a fixed header, refuse a body over the size limit, then read the body."""
+    # -- one connection ------------------------------------------------------
+    async def _read_frame(self, reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, int, bytes]:
+        """Read a fixed header, refuse a body over ``max_bytes``, then read the body."""
         first = (await reader.readexactly(1))[0]
-        length, shift = 0, 0
-        while True:
-            byte = (await reader.readexactly(1))[0]
-            length |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                break
-            shift += 7
-            if shift > 21:
-                raise _ProtocolViolation("remaining length longer than 4 bytes")
-        if length > self.max_packet_bytes:
-            raise _ProtocolViolation(f"packet of {length} bytes exceeds the limit of {self.max_packet_bytes}")
+        length, shift, more = 0, 0, True
+        while more:
+            length, shift, more = mq.decode_remaining_length((await reader.readexactly(1))[0], length, shift)
+        if length > max_bytes:
+            raise ProtocolViolation(f"packet of {length} bytes exceeds the limit of {max_bytes}")
         body = await reader.readexactly(length) if length else b""
         return first >> 4, first & 0x0F, body
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
         peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        refused = self._connections.admit(address)
+        if refused is not None:
+            self._refuse("connection", address, refused)
+            writer.transport.abort()
+            return
+        self._writers.add(writer)
         client: _Client | None = None
-        clean = False
+        clean = silent = False
         try:
-            kind, flags, body = await self._read_packet(reader, CONNECT_TIMEOUT_S)
-            if kind != CONNECT or flags:
-                raise _ProtocolViolation("first packet is not CONNECT")
-            client, keepalive = self._connect(_Body(body), writer)
+            try:
+                kind, flags, body = await asyncio.wait_for(
+                    self._read_frame(reader, self.limits.connect_bytes), self.limits.connect_timeout_s
+                )
+            except TimeoutError:
+                self._refuse("idle", address, f"no CONNECT within {self.limits.connect_timeout_s:g} s")
+                silent = True
+                return
+            if kind != mq.CONNECT or flags:
+                raise ProtocolViolation("first packet is not CONNECT")
+            client, keepalive = self._connect(Body(body), writer, address)
             if client is None:
                 return
-            timeout = keepalive * 1.5 if keepalive else None
+            timeout = self.limits.idle_timeout(keepalive)
             while True:
-                kind, flags, body = await self._read_packet(reader, timeout)
-                if kind == DISCONNECT:
+                try:
+                    kind, flags, body = await asyncio.wait_for(self._read_frame(reader, self.max_packet_bytes), timeout)
+                except TimeoutError:
+                    self._refuse("idle", client.client_id, f"silent for {timeout:g} s (keepalive {keepalive})")
+                    silent = True
+                    return
+                if kind == mq.DISCONNECT:
                     clean = True
                     return
-                self._handle(client, kind, flags, _Body(body))
-        except _ProtocolViolation as exc:
-            log.warning("broker: closing %s (%s): %s", client.client_id if client else "client", peer, exc)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                self._handle(client, kind, flags, Body(body))
+        except ProtocolViolation as exc:
+            self._refuse("protocol", client.client_id if client else address, f"{exc}; connection closed")
+        except (asyncio.IncompleteReadError, ConnectionError):
             log.debug("broker: connection from %s ended", peer)
         finally:
-            writer.close()  # flushes what was queued (a CONNACK refusal), then closes
+            if silent:  # a silent peer may not read either: drop what is queued rather than keep it
+                writer.transport.abort()
+            else:
+                writer.close()  # flushes what was queued (a CONNACK refusal), then closes
             self._writers.discard(writer)
+            self._connections.release(address)
             if client is not None and self._clients.get(client.client_id) is client:
                 del self._clients[client.client_id]
                 if not clean and client.will is not None:
                     will = client.will
-                    self._publish(will.topic, will.payload, min(will.qos, 1), will.retain)
+                    if self._may_publish(client, will.topic, "will"):
+                        self._publish(client, will.topic, will.payload, min(will.qos, 1), will.retain)
 
-    def _connect(self, body: _Body, writer: asyncio.StreamWriter) -> tuple[_Client | None, int]:
+    def _connect(self, body: Body, writer: asyncio.StreamWriter, address: str) -> tuple[_Client | None, int]:
         """Validate CONNECT, answer CONNACK, register the client (taking over any same-id one)."""
         protocol, level = body.string(), body.u8()
         if protocol != "MQTT" or level != 4:
-            writer.write(_packet(CONNACK, bytes([0, BAD_PROTOCOL])))
+            writer.write(mq.packet(mq.CONNACK, bytes([0, mq.BAD_PROTOCOL])))
             return None, 0
         flags, keepalive = body.u8(), body.u16()
         if (
@@ -397,101 +378,113 @@ class EmbeddedBroker:
             or (flags >> 3 & 3) == 3
             or (flags & 0x40 and not flags & 0x80)
         ):
-            raise _ProtocolViolation("invalid CONNECT flags")
+            raise ProtocolViolation("invalid CONNECT flags")
         client_id = body.string()
         will = _Will(body.string(), body.binary(), flags >> 3 & 3, bool(flags & 0x20)) if flags & 0x04 else None
-        if will is not None and not valid_topic_name(will.topic):
-            raise _ProtocolViolation("invalid will topic")
+        if will is not None and not mq.valid_topic_name(will.topic):
+            raise ProtocolViolation("invalid will topic")
         username = body.string() if flags & 0x80 else None
         password = body.binary() if flags & 0x40 else b""
         if not body.at_end():
-            raise _ProtocolViolation("trailing bytes after CONNECT payload")
+            raise ProtocolViolation("trailing bytes after CONNECT payload")
         code = self._authenticate(username, password)
         if not client_id:
             client_id = f"auto-{uuid.uuid4().hex[:12]}" if flags & 0x02 else ""
-            code = code or (BAD_CLIENT_ID if not client_id else ACCEPTED)
-        writer.write(_packet(CONNACK, bytes([0, code])))
-        if code != ACCEPTED:
-            log.warning("broker: refused client %r (user %r): CONNACK %d", client_id, username, code)
+            code = code or (mq.BAD_CLIENT_ID if not client_id else mq.ACCEPTED)
+        writer.write(mq.packet(mq.CONNACK, bytes([0, code])))
+        if code != mq.ACCEPTED:
+            self._refuse("login", address, f"client {client_id!r} (user {username!r}): CONNACK {code}")
             return None, 0
         old = self._clients.get(client_id)
         if old is not None:
             log.info("broker: client %r reconnected; closing its previous connection", client_id)
             old.will = None
             old.writer.transport.abort()
-        client = _Client(client_id, writer, will)
+        client = _Client(client_id, username, writer, will, self.limits.client_backlog_bytes)
         self._clients[client_id] = client
         return client, keepalive
 
     def _authenticate(self, username: str | None, password: bytes) -> int:
-        if self.users is None:
-            return ACCEPTED
+        if self.users is None or (username is None and self.allow_anonymous):
+            return mq.ACCEPTED
         if username is None:
-            return NOT_AUTHORIZED
+            return mq.NOT_AUTHORIZED
         expected = self.users.get(username)
         if expected is None or not hmac.compare_digest(password, expected.encode()):
-            return BAD_CREDENTIALS
-        return ACCEPTED
+            return mq.BAD_CREDENTIALS
+        return mq.ACCEPTED
 
-    def _handle(self, client: _Client, kind: int, flags: int, body: _Body) -> None:
+    def _may_publish(self, client: _Client, topic: str, kind: str = "publish") -> bool:
+        if self.acl is None or self.acl.may_publish(client.username, topic):
+            return True
+        self._refuse(kind, client.client_id, f"user {client.username!r} may not publish to {topic!r}")
+        return False
+
+    def _handle(self, client: _Client, kind: int, flags: int, body: Body) -> None:
         """Act on one packet from a connected client."""
-        if kind == PUBLISH:
+        if kind == mq.PUBLISH:
             qos, retain = flags >> 1 & 3, bool(flags & 1)
             topic = body.string()
-            if qos == 3 or not valid_topic_name(topic):
-                raise _ProtocolViolation("invalid PUBLISH (QoS 3 or wildcard/empty topic)")
+            if qos == 3 or not mq.valid_topic_name(topic):
+                raise ProtocolViolation("invalid PUBLISH (QoS 3 or wildcard/empty topic)")
             packet_id = body.u16() if qos else 0
-            self._publish(topic, body.rest(), min(qos, 1), retain)
+            if self._may_publish(client, topic):  # refused: acknowledged and dropped, as Mosquitto does
+                self._publish(client, topic, body.rest(), min(qos, 1), retain)
             if qos == 1:
-                client.send(_packet(PUBACK, packet_id.to_bytes(2, "big")))
+                client.send(mq.packet(mq.PUBACK, packet_id.to_bytes(2, "big")))
             elif qos == 2:
-                client.send(_packet(PUBREC, packet_id.to_bytes(2, "big")))
-        elif kind == PUBREL and flags == 2:
-            client.send(_packet(PUBCOMP, body.take(2)))
-        elif kind == PUBACK and not flags:
+                client.send(mq.packet(mq.PUBREC, packet_id.to_bytes(2, "big")))
+        elif kind == mq.PUBREL and flags == 2:
+            client.send(mq.packet(mq.PUBCOMP, body.take(2)))
+        elif kind == mq.PUBACK and not flags:
             body.take(2)
-        elif kind == SUBSCRIBE and flags == 2:
+        elif kind == mq.SUBSCRIBE and flags == 2:
             self._subscribe(client, body)
-        elif kind == UNSUBSCRIBE and flags == 2:
+        elif kind == mq.UNSUBSCRIBE and flags == 2:
             raw_packet_id = body.take(2)
             while not body.at_end():
                 client.subscriptions.pop(body.string(), None)
-            client.send(_packet(UNSUBACK, raw_packet_id))
-        elif kind == PINGREQ and not flags:
-            client.send(_packet(PINGRESP, b""))
+            client.send(mq.packet(mq.UNSUBACK, raw_packet_id))
+        elif kind == mq.PINGREQ and not flags:
+            client.send(mq.packet(mq.PINGRESP, b""))
         else:
-            raise _ProtocolViolation(f"unexpected packet type {kind} with flags {flags:#x}")
+            raise ProtocolViolation(f"unexpected packet type {kind} with flags {flags:#x}")
 
-    def _subscribe(self, client: _Client, body: _Body) -> None:
+    def _may_read(self, client: _Client, topic: str) -> bool:
+        return self.acl is None or self.acl.may_read(client.username, topic)
+
+    def _subscribe(self, client: _Client, body: Body) -> None:
         packet_id, granted, accepted = body.take(2), bytearray(), []
         while not body.at_end():
             topic_filter, qos = body.string(), body.u8()
             if qos > 2:
-                raise _ProtocolViolation("SUBSCRIBE asks for QoS above 2")
-            if valid_topic_filter(topic_filter):
+                raise ProtocolViolation("SUBSCRIBE asks for QoS above 2")
+            if not valid_topic_filter(topic_filter):
+                granted.append(mq.SUBACK_FAILURE)
+            elif self.acl is not None and not self.acl.may_subscribe(client.username, topic_filter):
+                self._refuse(
+                    "subscribe", client.client_id, f"user {client.username!r} may not subscribe to {topic_filter!r}"
+                )
+                granted.append(mq.SUBACK_FAILURE)
+            else:
                 client.subscriptions[topic_filter] = min(qos, 1)
                 granted.append(min(qos, 1))
                 accepted.append(topic_filter)
-            else:
-                granted.append(0x80)
         if not granted:
-            raise _ProtocolViolation("SUBSCRIBE without topic filters")
-        client.send(_packet(SUBACK, packet_id + bytes(granted)))
-        for topic, (payload, qos) in self._retained.items():
+            raise ProtocolViolation("SUBSCRIBE without topic filters")
+        client.send(mq.packet(mq.SUBACK, packet_id + bytes(granted)))
+        for topic, message in self.retained.items():
             grants = [client.subscriptions[f] for f in accepted if topic_matches(f, topic)]
-            if grants:
-                client.deliver(topic, payload, min(qos, max(grants)), retain=True)
+            if grants and self._may_read(client, topic):
+                client.deliver(topic, message.payload, min(message.qos, max(grants)), retain=True)
 
-    def _publish(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
-        """Store a retained message if asked, and forward to every matching subscriber once."""
+    def _publish(self, sender: _Client, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+        """Store a retained message if asked (and within bounds); forward to every matching reader once."""
         if retain:
-            if not payload:
-                self._retained.pop(topic, None)
-            elif topic in self._retained or len(self._retained) < MAX_RETAINED_TOPICS:
-                self._retained[topic] = (payload, qos)
-            else:
-                log.warning("broker: %d retained topics already; not retaining %r", MAX_RETAINED_TOPICS, topic)
+            refused = self.retained.put(sender.owner, topic, payload, qos)
+            if refused is not None:  # still delivered live, just not kept
+                self._refuse("retained", sender.client_id, f"not retaining {topic!r}: {refused}")
         for client in list(self._clients.values()):
             grants = [q for f, q in client.subscriptions.items() if topic_matches(f, topic)]
-            if grants:
+            if grants and self._may_read(client, topic):
                 client.deliver(topic, payload, min(qos, max(grants)), retain=False)

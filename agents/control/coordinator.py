@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+from agents.control.auth import ControlKeys
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.control.plane import AgentsNotReady, ControlPlane
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -146,18 +147,23 @@ async def start_job(
     out: TextIO | None = sys.stdout,
     ca_file: str | None = None,
     step_timeout_s: float = 600.0,
+    keys: ControlKeys | None = None,
+    plan_source: str = "plan",
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
+
+    With ``keys`` (the coordinator's), the plan and commands are signed and only
+    statuses and metrics signed by the rank's own agent key are believed.
 
     Raises AgentsNotReady (naming missing ranks), PlanError (a mismatching
     agent) or AgentLost (an agent went offline or failed; ``stop`` was sent).
     """
     from agents.layout import parse_layout
 
-    layout = parse_layout(plan_text, "plan")
+    layout = parse_layout(plan_text, plan_source)  # plan_source names the plan in errors
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
-    async with ControlPlane(url, job, f"{job}-coordinator", ca_file=ca_file) as cp:
+    async with ControlPlane(url, job, f"{job}-coordinator", ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", ranks=ranks) as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
@@ -267,24 +273,35 @@ async def _follow(
 
 
 async def job_statuses(
-    url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None
+    url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None, keys: ControlKeys | None = None
 ) -> dict[int, StatusMessage]:
-    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive)."""
-    async with ControlPlane(url, job, f"{job}-status-{id(object()) % 100000}", ca_file=ca_file) as cp:
+    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive).
+
+    With ``keys``, only statuses signed by the rank's own agent key are shown.
+    """
+    client_id = f"{job}-status-{id(object()) % 100000}"
+    async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status"):
             await asyncio.sleep(settle_s)
             return cp.statuses()
 
 
-async def stop_job(url: str, job: str, *, ca_file: str | None = None) -> None:
-    """Send ``stop`` to every agent of ``job``."""
-    async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file) as cp:
+async def stop_job(url: str, job: str, *, ca_file: str | None = None, keys: ControlKeys | None = None) -> None:
+    """Send ``stop`` to every agent of ``job`` (signed with the coordinator's ``keys`` if given)."""
+    async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
         await cp.publish_command("stop")
 
 
-async def checkpoint_job(url: str, job: str, *, after_step: int | None = None, ca_file: str | None = None) -> None:
+async def checkpoint_job(
+    url: str,
+    job: str,
+    *,
+    after_step: int | None = None,
+    ca_file: str | None = None,
+    keys: ControlKeys | None = None,
+) -> None:
     """Ask every agent of ``job`` for a checkpoint after ``after_step`` (None: now, or after the step in progress)."""
-    async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file) as cp:
+    async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file, keys=keys) as cp:
         await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
 
 

@@ -34,6 +34,10 @@ coordinators. :func:`parse_message` raises ProtocolError naming the broken rule 
 drops and counts such messages; sending one raises). An empty retained
 payload clears a topic; :func:`parse_message` returns None for it.
 
+With control keys, every payload above travels as the body of a signed
+envelope (:mod:`agents.control.auth`); the client opens and checks the
+envelope before :func:`parse_message` sees the body.
+
 Example::
 
     parse_message("demo", "geosched/demo/command", b'{"cmd": "stop", "seq": 7}')
@@ -47,7 +51,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from geosched.errors import InputError, ProtocolError
+from geosched.errors import GeoschedError, InputError, ProtocolError
 
 MAX_PAYLOAD_BYTES = 1 << 20
 AGENT_STATES = ("starting", "ready", "training", "stopped", "offline", "error")
@@ -163,6 +167,41 @@ class EventMessage:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class AgentsNotReady(GeoschedError):
+    """Agents did not reach the awaited state in time; ``missing`` names their ranks."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass
+class ControlStats:
+    """Counters of one ControlPlane client (``refused_*``: payloads that failed verification, by reason)."""
+
+    received: int = 0
+    dropped_oversize: int = 0
+    dropped_malformed: int = 0
+    dropped_slow_reader: int = 0
+    dropped_offline: int = 0
+    connects: int = 0
+    refused_unsigned: int = 0
+    refused_identity: int = 0
+    refused_signature: int = 0
+    refused_binding: int = 0
+    refused_replay: int = 0
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """Who an agent is; gives it a last will and fills these fields into its statuses."""
+
+    rank: int
+    dc: str | None = None
+    stage: int | None = None
+    replica: int | None = None
+
+
 ControlMessage = PlanMessage | StatusMessage | MetricsMessage | CommandMessage | EventMessage
 
 _INT, _NUM, _STR = (int,), (int, float), (str,)
@@ -211,6 +250,24 @@ def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, 
     return known, extra
 
 
+def classify_topic(job: str, topic: str) -> tuple[str, int | None]:
+    """(kind, rank) of a topic of ``job`` (rank: for status and metrics topics); ProtocolError otherwise."""
+    topics = Topics(job)
+    if topic == topics.plan:
+        return "plan", None
+    if topic in (topics.command, topics.events):
+        return ("command" if topic == topics.command else "event"), None
+    levels = topic[len(topics.root) + 1 :].split("/") if topic.startswith(topics.root + "/") else []
+    if (
+        len(levels) == 3
+        and levels[0] == "agents"
+        and levels[2] in ("status", "metrics")
+        and _RANK_RE.fullmatch(levels[1])
+    ):
+        return levels[2], int(levels[1])
+    raise ProtocolError(f"{topic}: not a topic of job {job!r}")
+
+
 def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> ControlMessage | None:
     """Turn a received (topic, payload) into a typed message; None for an empty (cleared) payload.
 
@@ -220,25 +277,13 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
         raise ProtocolError(f"{topic}: payload of {len(payload)} bytes exceeds the limit of {max_bytes}")
     if not payload:
         return None
-    topics = Topics(job)
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
         raise ProtocolError(f"{topic}: payload is not UTF-8") from None
-    if topic == topics.plan:
+    kind, topic_rank = classify_topic(job, topic)
+    if kind == "plan":
         return PlanMessage(text)
-    levels = topic[len(topics.root) + 1 :].split("/") if topic.startswith(topics.root + "/") else []
-    if topic in (topics.command, topics.events):
-        kind, topic_rank = ("command" if topic == topics.command else "event"), None
-    elif (
-        len(levels) == 3
-        and levels[0] == "agents"
-        and levels[2] in ("status", "metrics")
-        and _RANK_RE.fullmatch(levels[1])
-    ):
-        kind, topic_rank = levels[2], int(levels[1])
-    else:
-        raise ProtocolError(f"{topic}: not a topic of job {job!r}")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:

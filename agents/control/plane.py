@@ -12,6 +12,7 @@ republished after every reconnect (so a restarted broker learns them again);
 subscribers may see the same status twice. Metrics and events are a stream:
 dropped (and counted) while the broker is unreachable. Commands wait for the
 broker (up to ``timeout``) and raise BrokerUnreachable if it stays away.
+With ``keys`` everything is signed and verified (:mod:`agents.control.auth`).
 
 Example::
 
@@ -33,18 +34,21 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiomqtt
 
 from agents.control.address import BrokerAddress, BrokerAuthError, BrokerUnreachable
+from agents.control.auth import MAX_HEADER_BYTES, ControlKeys, RefusalReport, Refused, Signer, Verifier
 from agents.control.messages import (
     KINDS,
     MAX_PAYLOAD_BYTES,
+    AgentIdentity,
+    AgentsNotReady,
     CommandMessage,
     ControlMessage,
+    ControlStats,
     PlanMessage,
     StatusMessage,
     Topics,
@@ -55,42 +59,11 @@ from agents.control.messages import (
 from agents.control.subscription import Subscription
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
-__all__ = ["AgentIdentity", "AgentsNotReady", "ControlPlane", "ControlStats"]
+__all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "ControlStats"]
 
 log = logging.getLogger(__name__)
 
 _REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
-
-
-class AgentsNotReady(GeoschedError):
-    """Agents did not reach the awaited state in time; ``missing`` names their ranks."""
-
-    def __init__(self, message: str, missing: list[int]) -> None:
-        super().__init__(message)
-        self.missing = missing
-
-
-# -- the client ------------------------------------------------------------------
-@dataclass
-class ControlStats:
-    """Counters of one ControlPlane client."""
-
-    received: int = 0
-    dropped_oversize: int = 0
-    dropped_malformed: int = 0
-    dropped_slow_reader: int = 0
-    dropped_offline: int = 0
-    connects: int = 0
-
-
-@dataclass(frozen=True)
-class AgentIdentity:
-    """Who an agent is; gives it a last will and fills these fields into its statuses."""
-
-    rank: int
-    dc: str | None = None
-    stage: int | None = None
-    replica: int | None = None
 
 
 class ControlPlane:
@@ -111,6 +84,10 @@ class ControlPlane:
         backoff: (first, cap) seconds between reconnect attempts; doubled each
             failure and jittered.
         max_payload: largest payload sent or accepted.
+        keys: sign what this client publishes (its will too) as ``keys.identity`` and
+            accept only payloads signed by a key it trusts, for this job and topic, not
+            replayed (see :mod:`agents.control.auth`); refusals are counted in ``stats``,
+            logged and raised as events, rate-limited. None: unsigned, as in rehearsals.
     """
 
     def __init__(
@@ -127,6 +104,7 @@ class ControlPlane:
         connect_timeout: float = 10.0,
         backoff: tuple[float, float] = (0.1, 5.0),
         max_payload: int = MAX_PAYLOAD_BYTES,
+        keys: ControlKeys | None = None,
     ) -> None:
         address = BrokerAddress.parse(url)
         if ca_file is not None and not address.tls:
@@ -160,6 +138,12 @@ class ControlPlane:
         self._seq = int(time.time() * 1000)
         self._last_error = "no attempt yet"
         self._own_state: str | None = None  # last state this agent published for itself
+        self._signer = Signer(keys, self.job) if keys is not None else None
+        self._verifier = Verifier(keys, self.job) if keys is not None else None
+        self._refusals = RefusalReport()
+        self._tasks: set[asyncio.Task[bool]] = set()  # refusal events in flight
+        if keys is not None and agent is not None and keys.identity != f"agent-{agent.rank}":
+            raise InputError(f"control keys of {keys.identity!r} given to the agent of rank {agent.rank}")
 
     # -- connection ----------------------------------------------------------
     @property
@@ -192,6 +176,8 @@ class ControlPlane:
                 await asyncio.wait_for(self.publish_status(self.agent.rank, "error" if failed else "stopped"), 2.0)
         for sub in list(self._subscriptions):
             sub.close()
+        for task in list(self._tasks):
+            task.cancel()
         await self._stop_runner()
 
     async def _stop_runner(self) -> None:
@@ -203,9 +189,12 @@ class ControlPlane:
 
     def _make_client(self) -> aiomqtt.Client:
         will = None
+        if self._signer is not None:
+            self._signer.new_session()  # statuses of this connection outrank the will of the last one
         if self.agent is not None:
-            payload = self._status_payload(self.agent.rank, "offline", {})
-            will = aiomqtt.Will(self.topics.status(self.agent.rank), payload, qos=1, retain=True)
+            topic = self.topics.status(self.agent.rank)
+            payload = self._seal(topic, self._status_payload(self.agent.rank, "offline", {}), will=True)
+            will = aiomqtt.Will(topic, payload, qos=1, retain=True)
         return aiomqtt.Client(
             self.address.host,
             self.address.port,
@@ -276,11 +265,18 @@ class ControlPlane:
         else:
             log.info("MQTT %s: reconnected as %r", self.address, self.client_id)
         for topic, payload in list(self._state_out.items()):
-            await client.publish(topic, payload, qos=1, retain=True)
+            await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
 
     # -- receiving -----------------------------------------------------------
     def _dispatch(self, topic: str, payload: bytes) -> None:
         self.stats.received += 1
+        if self._verifier is not None and len(payload) <= self._max_payload + MAX_HEADER_BYTES:
+            try:  # before anything parses the body
+                payload = self._verifier.open(topic, payload)
+            except Refused as exc:
+                if exc.reason != "duplicate":  # the retained state again after a (re)subscribe
+                    self._refused(exc)
+                return
         try:
             message = parse_message(self.job, topic, payload, self._max_payload)
         except ProtocolError as exc:
@@ -302,6 +298,22 @@ class ControlPlane:
         for sub in list(self._subscriptions):
             if sub.wants(message):
                 sub.offer(message)
+
+    def _refused(self, exc: Refused) -> None:
+        """Count a refused payload; log it and raise an event, at most once per report interval."""
+        setattr(self.stats, f"refused_{exc.reason}", getattr(self.stats, f"refused_{exc.reason}") + 1)
+        line = self._refusals.note(exc, time.monotonic())
+        if line is not None:
+            log.warning("MQTT %s job %r: %s", self.address, self.job, line)
+            task = asyncio.create_task(
+                self.publish_event("warning", line, rank=self.agent.rank if self.agent else None)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _seal(self, topic: str, body: bytes, *, will: bool = False) -> bytes:
+        """``body`` as published: signed when this client has keys."""
+        return body if self._signer is None else self._signer.seal(topic, body, will=will)
 
     def _count_dropped(self) -> None:
         self.stats.dropped_slow_reader += 1
@@ -408,12 +420,14 @@ class ControlPlane:
 
     async def _publish_state(self, topic: str, payload: bytes) -> bool:
         """Publish retained state now if connected; it is republished after every reconnect anyway."""
+        if self._signer is not None:
+            self._signer.check_may_publish(topic)
         self._state_out[topic] = payload
         client = self._client
         if client is None:
             return False
         try:
-            await client.publish(topic, payload, qos=1, retain=True)
+            await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
             return True
         except aiomqtt.MqttError:
             return False
@@ -422,7 +436,7 @@ class ControlPlane:
         client = self._client
         if client is not None:
             with contextlib.suppress(aiomqtt.MqttError):
-                await client.publish(topic, payload, qos=qos)
+                await client.publish(topic, self._seal(topic, payload), qos=qos)
                 return True
         self.stats.dropped_offline += 1
         return False
@@ -462,6 +476,7 @@ class ControlPlane:
             seq = self._seq
         data = {"cmd": cmd, "seq": seq, "steps": steps, **fields}
         payload = self._encode("command", {k: v for k, v in data.items() if v is not None})
+        sealed = self._seal(self.topics.command, payload)
         deadline = asyncio.get_running_loop().time() + timeout
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             client = self._client
@@ -470,7 +485,7 @@ class ControlPlane:
                     await asyncio.wait_for(self._connected.wait(), left)
                 continue
             try:
-                await client.publish(self.topics.command, payload, qos=1, timeout=max(left, 0.1))
+                await client.publish(self.topics.command, sealed, qos=1, timeout=max(left, 0.1))
                 message = parse_message(self.job, self.topics.command, payload)
                 assert isinstance(message, CommandMessage)
                 return message

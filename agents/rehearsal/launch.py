@@ -9,6 +9,14 @@ pipelines of one link share its capacity) and tell the ranks to connect
 through them (``routes`` in the ``start`` command); train; stop the agents;
 write the run folder (:mod:`agents.rehearsal.report`).
 
+Secure by default: a fresh key folder (:mod:`agents.keys`) goes into
+``RUN_DIR/secrets/`` (prefill token in ``RUN_DIR/secrets/prefill.token``);
+the embedded broker requires a login per identity (``agent-<r>``,
+``coordinator``), the agents run with ``--keys`` (signed control messages,
+CURVE on every pipeline link and prefill endpoint, prefill token), the
+coordinator signs as ``coordinator`` and the prefill load sends the token
+over CURVE. ``insecure=True`` turns all of it off.
+
 Whatever happens (Ctrl-C, a failed agent, an exception), every child is
 stopped: SIGTERM to its process group, then SIGKILL after a grace period,
 and waited for; the relays and the broker are closed.
@@ -36,6 +44,7 @@ from geosched.errors import GeoschedError
 from geosched.processes import REPO_ROOT, child_env
 
 if TYPE_CHECKING:
+    from agents.keys import JobKeys
     from agents.layout import JobLayout
     from geosched.config import Config
 
@@ -248,6 +257,7 @@ def launch(
     agent_args: list[str] | None = None,
     calibration: Any = "measure",
     prefill_rate: float = 0.0,
+    insecure: bool = False,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -258,6 +268,9 @@ def launch(
     ``calibration``: a :class:`~geosched.costmodel.Calibration` for the
     prediction, ``"measure"`` (profile the model here first) or None (the
     config's GPU FLOP rates).
+
+    ``insecure``: no key folder, no broker logins, unsigned commands, plain
+    TCP links and an open prefill endpoint (one warning line on ``out``).
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.coordinator import start_job, stop_job
@@ -278,46 +291,56 @@ def launch(
         calibration = calibrate(layout, wan_scale)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale)
+    keys = None if insecure else job_keys(run / "secrets", len(layout.roles))
+    if insecure and out is not None:
+        print(INSECURE_WARNING, file=out, flush=True)
+    broker = None
     with ExitStack() as stack:
         stack.callback(relays.close)
         if mqtt is None:
-            broker = EmbeddedBroker()
+            broker = EmbeddedBroker(**broker_security(keys, job))
             broker.start()
             stack.callback(broker.stop)
             mqtt = broker.url
         chunk_args = ["--wan-chunk-bytes", str(striped_chunk_bytes(layout))]
+        if keys is not None:
+            chunk_args += ["--keys", str(keys.directory.resolve())]  # the agents run in the repository root
         load = None
         if prefill_rate > 0:
             from agents.rehearsal.prompt_load import PrefillLoad
 
             chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
-            load = PrefillLoad(prefill_rate, seed=layout.job.seed)
+            load = PrefillLoad(prefill_rate, seed=layout.job.seed, keys=keys)
             stack.callback(load.stop, 0.0)  # on errors: stop at once (a no-op once stopped)
         agents = stack.enter_context(AgentProcesses(layout, mqtt, job, run, chunk_args + list(agent_args or [])))
         if out is not None:
+            secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
             print(
                 f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
-                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}, broker {mqtt}, run folder {run}",
+                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}, broker {mqtt}, run folder {run} ({secured})",
                 file=out,
                 flush=True,
             )
+        coordinator_url, control = coordinator_login(mqtt, keys)
         started = time.monotonic()
         asyncio.run(
             start_job(
-                mqtt,
+                coordinator_url,
                 job,
                 text,
                 steps=steps,
                 ready_timeout_s=ready_timeout_s,
                 before_start=relays if load is None else _with_load(relays, load),
                 out=out,
+                **control,
             )
         )
         wall_s = time.monotonic() - started
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
-        asyncio.run(stop_job(mqtt, job))
+        asyncio.run(stop_job(coordinator_url, job, **control))
         codes = agents.wait(20.0)
+        refusals = dict(broker.refusals) if broker is not None else None
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
     report = build_report(
@@ -332,6 +355,8 @@ def launch(
             "agent_exit_codes": codes,
             "calibrated": calibration is not None,
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
+            "secure": keys is not None,
+            "broker_refusals": refusals,  # the embedded broker's refusals by kind (None: an outside broker)
         },
     )
     if load is not None:
@@ -347,6 +372,43 @@ def launch(
             print(prefill_text(report["prefill"]), file=out)
         print(f"run folder: {run}", file=out, flush=True)
     return report
+
+
+INSECURE_WARNING = (
+    "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links and an open "
+    "prefill endpoint; anyone who can reach these ports can read or steer the job"
+)
+
+
+def job_keys(folder: Path, ranks: int) -> JobKeys:
+    """A fresh key folder for ``ranks`` agents (replacing any earlier one), loaded."""
+    from agents.keys import load_job_keys, write_job_keys
+
+    write_job_keys(folder, ranks, force=True)
+    return load_job_keys(folder)
+
+
+def broker_security(keys: JobKeys | None, job: str) -> dict[str, Any]:
+    """The embedded broker's logins (one per identity) and ACLs, as keyword arguments; none when insecure."""
+    if keys is None:
+        return {"allow_anonymous": True}  # the embedded broker runs open only when told so
+    from agents.control.broker_policy import JobAcl
+
+    return {"users": keys.mqtt_users(), "acl": JobAcl(job)}
+
+
+def coordinator_login(url: str, keys: JobKeys | None) -> tuple[str, dict[str, Any]]:
+    """The broker URL with the coordinator's login, and the signing arguments of the coordinator's calls."""
+    if keys is None:
+        return url, {}
+    from urllib.parse import quote
+
+    scheme, rest = url.split("://", 1)
+    if "@" not in rest:
+        url = f"{scheme}://coordinator:{quote(keys.mqtt_password('coordinator'), safe='')}@{rest}"
+    from agents.control.auth import ControlKeys
+
+    return url, {"keys": ControlKeys(*keys.control_fields("coordinator"))}
 
 
 def _with_load(relays: RelayRoutes, load: Any) -> Any:

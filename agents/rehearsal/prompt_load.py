@@ -8,7 +8,9 @@ randomly chosen agent's prefill endpoint, and collects every response.
 one that is not within the drain time counts as ``lost``).
 :func:`prefill_section` is the run report's ``prefill`` section: the client's
 counts, tokens/s and TTFT percentiles, plus each agent's time split from the
-``prefill-rank<R>.json`` files its worker writes. Example::
+``prefill-rank<R>.json`` files its worker writes. With the job's ``keys``
+(a secure launch) every request carries the prefill token and goes over
+CURVE to the agent's public key. Example::
 
     load = PrefillLoad(rate=20.0).start({0: "tcp://127.0.0.1:5555"})
     ...  # training runs
@@ -25,10 +27,13 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.prefill.metrics import percentile
 from geosched.errors import GeoschedError
+
+if TYPE_CHECKING:
+    from agents.keys import JobKeys
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +44,16 @@ class PrefillLoad:
     """A Poisson stream of random byte prompts to several prefill endpoints, on its own thread."""
 
     def __init__(
-        self, rate: float, *, deadline_s: float = 5.0, prompt_tokens: tuple[int, int] = (8, 48), seed: int = 0
+        self,
+        rate: float,
+        *,
+        deadline_s: float = 5.0,
+        prompt_tokens: tuple[int, int] = (8, 48),
+        seed: int = 0,
+        keys: JobKeys | None = None,
     ) -> None:
         self.rate, self.deadline_s, self.prompt_tokens = rate, deadline_s, prompt_tokens
+        self.keys = keys
         self._rng = random.Random(seed)
         self._stop_sending = threading.Event()
         self._done = threading.Event()
@@ -80,7 +92,7 @@ class PrefillLoad:
         from agents.prefill.client import PrefillClient
         from geosched.errors import LinkError
 
-        clients = {rank: PrefillClient(ep) for rank, ep in endpoints.items()}
+        clients = {rank: PrefillClient(ep, **self._security(rank)) for rank, ep in endpoints.items()}
         ranks = sorted(clients)
         try:
             next_send = time.monotonic()
@@ -111,6 +123,20 @@ class PrefillLoad:
             for client in clients.values():
                 client.close()
             self._done.set()
+
+    def _security(self, rank: int) -> dict[str, Any]:
+        """The token and CURVE client settings for ``rank``'s endpoint (a fresh client keypair; none when insecure)."""
+        if self.keys is None:
+            return {}
+        import zmq
+
+        from agents.sockets import CurveClient
+
+        public, secret = zmq.curve_keypair()
+        return {
+            "token": self.keys.prefill_token(),
+            "curve_client": CurveClient(public, secret, self.keys.curve_public(rank)),
+        }
 
     def _send(self, clients: dict[int, Any], ranks: list[int]) -> None:
         rank = self._rng.choice(ranks)

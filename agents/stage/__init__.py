@@ -2,7 +2,8 @@
 
 Owns: ``runtime`` (``StageRuntime``, which executes a lowered schedule with
 its collaborators as Protocols), ``transport`` (sends and receives between
-stages over WAN links, address books, relay routes), ``session``
+stages over WAN links, address books, relay routes), ``security``
+(``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
 group of one rank) and ``report`` (``StepReport``, measured timelines). May
 import ``agents.dp``, ``agents.wan``, ``agents.wanem``, ``agents.layout`` and

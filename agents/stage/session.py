@@ -13,7 +13,10 @@ lowered, validated schedule; then it runs the steps and returns one
 Endpoints are exchanged through an :class:`~agents.stage.transport.AddressBook`:
 a rank listens on port 0 for its previous stage and publishes the bound
 endpoint; replica 0 of each stage hosts its DP group's store on port 0 and
-publishes it. Everything is closed on the way out, also on errors.
+publishes it. Everything is closed on the way out, also on errors. With a
+:class:`~agents.stage.security.LinkSecurity` both pipeline links use CURVE:
+the listener admits only the upstream rank's public key, the connector only
+talks to the downstream rank's.
 
 Example (one process of a 2-stage, dp-1 job; the other runs ``roles[1]``)::
 
@@ -40,6 +43,7 @@ from agents.dp.spec import GroupSpec
 from agents.layout import RankRole, pipe_name, store_name
 from agents.stage.report import StepReport
 from agents.stage.runtime import StageRuntime
+from agents.stage.security import LinkSecurity
 from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
@@ -109,8 +113,10 @@ class RankSession:
         wan_config: dict[str, Any] | None = None,
         backend: str | None = None,
         bubble_filler: Any = None,
+        link_security: LinkSecurity | None = None,
     ) -> None:
         self.job, self.role = job, role
+        self.link_security = link_security  # CURVE on both pipeline links (None: plain TCP)
         self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
         self.data = data
         self.addresses = addresses
@@ -202,12 +208,26 @@ class RankSession:
         )
 
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
-        options = {
+        """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
+        role = self.role
+        listening = upstream_stage == role.stage - 1
+        peer_stage = upstream_stage if listening else role.stage + 1
+        if role.rank != role.stage * role.dp_size + role.replica:  # how layout_roles numbers ranks
+            raise PlanError(f"rank {role.rank} is not stage {role.stage} x dp {role.dp_size} + replica {role.replica}")
+        peer_rank = peer_stage * role.dp_size + role.replica
+        peer_dc = role.prev_dc if listening else role.next_dc
+        options: dict[str, Any] = {
             "connect_timeout_s": self.connect_timeout_s,
             "recv_timeout_s": self.recv_timeout_s,
+            "peer_name": f"stage {peer_stage} (rank {peer_rank} in {peer_dc})",
             **self.wan_config,
         }
-        return WanLinkConfig(link_id=link_id(upstream_stage, self.role.replica), streams=streams, **options)
+        if self.link_security is not None:
+            if listening:
+                options["curve_server"] = self.link_security.server(peer_rank)
+            else:
+                options["curve_client"] = self.link_security.client(peer_rank)
+        return WanLinkConfig(link_id=link_id(upstream_stage, role.replica), streams=streams, **options)
 
     def _listen_and_host(self) -> WanLink | None:
         """Everything that only binds: the link for stage-1 and (replica 0) the group's store."""
@@ -314,13 +334,15 @@ def run_rank(
     run_dir: str | os.PathLike[str] | None = None,
     on_step: Callable[[StepReport], None] | None = None,
     threads: int | None = None,
+    link_security: LinkSecurity | None = None,
     **session_options: Any,
 ) -> list[StepReport]:
     """Open a :class:`RankSession`, train ``steps`` steps, close; return the per-step reports.
 
     ``on_step`` is called with each report as it is made (the daemon publishes
     it); ``threads`` sets torch's intra-op threads (1 when many ranks share a
-    machine). Other keyword arguments go to :class:`RankSession`.
+    machine); ``link_security`` puts CURVE on both pipeline links (only the
+    neighbour ranks' keys connect). Other keyword arguments go to :class:`RankSession`.
     """
     if threads is not None:
         torch.set_num_threads(threads)
@@ -330,7 +352,9 @@ def run_rank(
         out = open(os.path.join(run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
     reports: list[StepReport] = []
     try:
-        with RankSession(job, role, data=data, addresses=addresses, **session_options) as session:
+        with RankSession(
+            job, role, data=data, addresses=addresses, link_security=link_security, **session_options
+        ) as session:
             for report in session.train(steps):
                 reports.append(report)
                 if out is not None:

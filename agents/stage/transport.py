@@ -127,7 +127,7 @@ class LinkTransport:
         except concurrent.futures.TimeoutError:
             raise LinkError(
                 f"stage {self.stage}: no {KIND_NAMES[kind]} for step {step} microbatch {microbatch} from stage "
-                f"{peer_stage} ({self._link(peer_stage).endpoint}) within {timeout:g} s; is that stage running?"
+                f"{peer_stage} ({self._link(peer_stage).peer}) within {timeout:g} s; is that stage running?"
             ) from None
         del self._posted[(peer_stage, kind, step, microbatch)]
         return tensor

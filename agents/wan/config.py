@@ -38,6 +38,11 @@ class WanLinkConfig:
     """Default time a recv waits before it raises LinkError."""
     stale_message_s: float = 600.0
     """An incomplete message without progress for this long is dropped (its sender is gone)."""
+    session_takeover_s: float = 2.0
+    """Listening side: a new session (a restarted peer) replaces the current one only once the current
+    peer has been silent this long and has not answered a probe for as long; until then it is refused."""
+    peer_name: str = ""
+    """Who the peer is, for errors and logs (e.g. 'stage 0 (rank 0 in us)'); empty: only its address."""
     io_threads: int = 1
     """ZeroMQ I/O threads of the link's context."""
     keep_buffers: bool = True
@@ -67,6 +72,8 @@ class WanLinkConfig:
                     raise ConfigError(f"wan.{f.name}: must be an integer in [{lo}, {hi}] (got {value!r})")
             elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"wan.{f.name}: must be a positive number of seconds (got {value!r})")
+        if not isinstance(self.peer_name, str) or len(self.peer_name) > 200:
+            raise ConfigError(f"wan.peer_name: must be a string of at most 200 characters (got {self.peer_name!r:.60})")
         if self.chunk_bytes > self.max_chunk_bytes:
             raise ConfigError(
                 f"wan.chunk_bytes ({self.chunk_bytes}) > wan.max_chunk_bytes ({self.max_chunk_bytes}): "

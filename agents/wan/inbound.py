@@ -9,7 +9,15 @@ state this code reads). Frames (every header is a msgpack map with ``v``
   quadruples ``(seq, offset, tx, status)``, status 0 = stored, 1 = busy;
 * ``hello`` (connecting side, on each stream: ``session``, ``stream``,
   ``streams``) and ``welcome`` (listening side's answer);
-* ``ping``: an empty probe the listening side sends after a disconnect.
+* ``ping``: an empty probe the listening side sends (after a disconnect, or
+  when a second peer says hello); the connecting side answers ``pong``.
+
+One session at a time: the listening side serves the first session that
+says hello. A hello with another session id (a restarted peer, or a
+stranger) replaces it only once the current peer has been silent for
+``session_takeover_s`` and has not answered a ping for as long; until then
+it is refused and counted as ``foreign_session``, and the stranger's frames
+are never acknowledged or delivered (``unknown_peer``).
 
 A frame that fails validation is dropped, counted by reason in the link's
 metrics and logged at most once a minute per peer; the link keeps serving.
@@ -79,6 +87,8 @@ class InboundFrames:
     _stream_ident: dict[int, bytes]
     _fd_stream: dict[int, int]
     _failed_handshake: bool
+    _last_heard: float
+    _probe_at: float
     _welcomed: list[bool]
 
     if TYPE_CHECKING:  # LinkIO's methods these handlers call
@@ -88,6 +98,7 @@ class InboundFrames:
         def _add_slot(self, *, probe_when_down: bool) -> StreamSlot: ...
         def _header(self, kind: str, **fields: Any) -> bytes: ...
         def _send_control(self, stream: int, frames: list[bytes]) -> bool: ...
+        def _describe_peer(self, address: str | None) -> str: ...
 
     def _read(self, sock: zmq.Socket[bytes], now: float) -> None:
         is_router = sock is self._router
@@ -129,18 +140,22 @@ class InboundFrames:
             return self._drop("unknown_link", frame, f"link id {str(h.get('link'))[:20]}")
         kind = h.get("type")
         if kind == "hello" and self.listening:
-            return self._on_hello(ident, h, frame)
+            return self._on_hello(ident, h, frame, now)
         if stream is None:
             return self._drop("unknown_peer", frame, f"{str(kind)[:20]} frame before hello")
         if ident is not None:
             self._fd_stream[frame.get(zmq.SRCFD)] = stream
+            self._last_heard = now  # the current session is alive
         if kind == "data":
             return self._on_data(sock, stream, h, frame, now)
         if kind == "resp":
             return self._on_responses(sock, stream, h, frame, now)
         if kind == "welcome" and not self.listening:
             return self._on_welcome(stream)
-        if kind == "ping":
+        if kind == "ping" and not self.listening:
+            self._send_control(stream, [self._header("pong")])
+            return False
+        if kind == "pong" and self.listening:
             return False
         return self._drop("bad_header", frame, f"unknown frame type {str(kind)[:20]!r}")
 
@@ -200,7 +215,7 @@ class InboundFrames:
             self.send.on_response(stream, seq, offset, tx, status == BUSY, now)
         return False
 
-    def _on_hello(self, ident: bytes | None, h: dict[str, Any], frame: zmq.Frame) -> bool:
+    def _on_hello(self, ident: bytes | None, h: dict[str, Any], frame: zmq.Frame, now: float) -> bool:
         session, index, streams = h.get("session"), h.get("stream"), h.get("streams")
         if (
             ident is None
@@ -213,11 +228,18 @@ class InboundFrames:
         ):
             return self._drop("bad_header", frame, "malformed hello")
         if session != self.session:
+            if self.session is not None and not self._may_take_over(now):
+                return self._drop(
+                    "foreign_session",
+                    frame,
+                    f"hello of another session refused: {self.peer} is connected and answering",
+                )
             self._start_session(session, streams, frame)
         elif streams != len(self.send.slots):
             return self._drop(
                 "bad_header", frame, f"hello says {streams} streams, the session has {len(self.send.slots)}"
             )
+        self._last_heard = now
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
         self._fd_stream[frame.get(zmq.SRCFD)] = index
@@ -227,16 +249,42 @@ class InboundFrames:
             self._peer_ready.set()
         return False
 
+    def _may_take_over(self, now: float) -> bool:
+        """May a new session replace the current one? Only once the current peer is silent and unresponsive.
+
+        Silent: no valid frame for ``session_takeover_s``. Then it is pinged
+        (again at each competing hello, in case a stream was reconnecting);
+        if ``session_takeover_s`` after the first ping it still has not
+        answered, it is gone (a restarted peer's old process) and the new
+        session may take over.
+        """
+        patience = self.config.session_takeover_s
+        if now - self._last_heard < patience:
+            return False
+        if self._probe_at <= self._last_heard:  # no ping since we last heard from it
+            self._probe_at = now
+        elif now - self._probe_at >= patience:
+            return True
+        ping = self._header("ping")
+        for index in list(self._stream_ident):
+            self._send_control(index, [ping])
+        return False
+
     def _start_session(self, session: str, streams: int, frame: zmq.Frame) -> None:
-        """Accept a connecting peer; a new session replaces the old one (the peer restarted)."""
-        peer = f"{_peer_address(frame)} (connected to {self.endpoint})"
+        """Accept a connecting peer; a new session replaces a silent old one (the peer restarted)."""
+        peer = self._describe_peer(_peer_address(frame))
         if self.session is not None:
             log.warning(
-                "link %d: new session from %s replaces the previous one (peer restarted?); its unfinished sends fail",
+                "link %d: %s went silent; a new session from %s replaces it (peer restarted?); its unfinished "
+                "sends fail",
                 self.config.link_id,
+                self.peer,
                 peer,
             )
-            error = LinkError(f"link {self.config.link_id}: the peer restarted before this send was acknowledged")
+            error = LinkError(
+                f"link {self.config.link_id}: {self.peer} went silent (did it restart?) and a new session from "
+                f"{_peer_address(frame)} replaced it before this was acknowledged"
+            )
             waiting = self.recv.take_posted()
             self.send.close(error)
             self.recv.close(error)
@@ -247,15 +295,15 @@ class InboundFrames:
             self._stream_ident.clear()
             self._peer_ready.clear()
             self._responses.clear()
-        else:
-            waiting = []
-        self.session, self.peer = session, peer
-        self.counters.peer = peer
-        self.send, self.recv = self._new_send_state(), self._new_recv_state()
+            self.peer = peer
+            self.send, self.recv = self._new_send_state(), self._new_recv_state()
+            for posted in waiting:
+                self.recv.post(posted)
+        # the first session keeps the states: recvs and sends queued before the peer came stay queued
+        self.session = session
+        self.peer = self.counters.peer = self.send.peer = self.recv.peer = peer
         for _ in range(streams):
             self._add_slot(probe_when_down=True)
-        for posted in waiting:
-            self.recv.post(posted)
 
     def _on_welcome(self, stream: int) -> bool:
         if not self._welcomed[stream]:

@@ -71,7 +71,7 @@ class LinkIO(InboundFrames):
         self.version = PROTOCOL_VERSION
         self.port = 0
         role = "listen" if listening else "connect"
-        self.peer = f"the peer of {endpoint}" if listening else endpoint
+        self.peer = self._describe_peer(None)
         self.counters = LinkCounters(link_id=config.link_id, role=role, peer=self.peer)
         self.send = self._new_send_state()
         self.recv = self._new_recv_state()
@@ -98,6 +98,8 @@ class LinkIO(InboundFrames):
         self._stream_ident: dict[int, bytes] = {}
         self._fd_stream: dict[int, int] = {}  # listening side: socket descriptor -> stream it carries
         self._failed_handshake = False
+        self._last_heard = 0.0  # listening side: last valid frame from the current session
+        self._probe_at = 0.0  # listening side: last time a competing hello made us ping the current session
         self._welcomed: list[bool] = []
         self._connect_deadline = 0.0
         self._next_hello = 0.0
@@ -220,6 +222,7 @@ class LinkIO(InboundFrames):
             )
             self.port = bound_port(self._router)
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.peer = self.counters.peer = self.send.peer = self.recv.peer = self._describe_peer(None)
             self._monitors[monitor_events(self._router)] = -1
             self._started.set_result(None)
             return
@@ -240,6 +243,16 @@ class LinkIO(InboundFrames):
             self._add_slot(probe_when_down=False)
         self._welcomed = [False] * cfg.streams
         self._connect_deadline = monotonic() + cfg.connect_timeout_s
+
+    def _describe_peer(self, address: str | None) -> str:
+        """How errors and logs name the peer: ``config.peer_name`` plus where it is (or is expected)."""
+        name = self.config.peer_name
+        if not self.listening:
+            return f"{name} at {self.endpoint}" if name else self.endpoint
+        if address is None:
+            return f"{name} (expected to connect to {self.endpoint})" if name else f"the peer of {self.endpoint}"
+        where = f"{address} (connected to {self.endpoint})"
+        return f"{name} at {where}" if name else where
 
     def _add_slot(self, *, probe_when_down: bool) -> StreamSlot:
         slot = StreamSlot(len(self.send.slots), self.counters.add_stream(), probe_when_down)

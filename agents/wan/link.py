@@ -130,6 +130,11 @@ class WanLink:
         """The bound (listening) or connected-to endpoint."""
         return self._io.endpoint
 
+    @property
+    def peer(self) -> str:
+        """Who is at the other end: ``config.peer_name`` and its address (once it has said hello)."""
+        return self._io.peer
+
     def wait_peer(self, timeout_s: float | None = None) -> None:
         """Listening side: block until a peer has opened its streams; LinkError on timeout."""
         self._io.wait_peer(self.config.connect_timeout_s if timeout_s is None else timeout_s)

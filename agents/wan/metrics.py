@@ -17,6 +17,7 @@ DROP_REASONS = (
     "bad_version",  # protocol version we do not speak
     "unknown_link",  # header names another link id
     "unknown_peer",  # frame from a connection that never said hello (or from another session)
+    "foreign_session",  # hello from a second peer while the current one is alive (no takeover)
     "bad_spec",  # dtype/shape/size/offset/length inconsistent or over the limits
     "oversize",  # chunk larger than max_chunk_bytes or frame length != header length
     "bad_checksum",  # crc32c of the payload differs from the header

@@ -7,18 +7,27 @@ its link endpoints and publishes their addresses in its status, and waits for
   geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
   geosched agent --plan plan.yaml --rank 0 --mqtt mqtt://127.0.0.1:1883 --bind-host 10.0.0.5
   geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0
+  geosched agent --mqtt mqtt://broker:1883 --job demo --rank 1 --dc eu --keys secrets   # secure
 
 Credentials may also come from GEOSCHED_MQTT_USERNAME / GEOSCHED_MQTT_PASSWORD
 (never put them on a shared command line), the URL from GEOSCHED_MQTT_URL.
+With ``--keys DIR`` (from ``geosched keys DIR --ranks N``) the agent logs in
+as ``agent-<rank>`` with its password from DIR, signs as that identity,
+puts CURVE on its pipeline links (only the neighbour ranks' keys connect)
+and on its prefill endpoint, and requires the prefill token.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from geosched.commands.checks import at_least
 from geosched.errors import InputError
+
+if TYPE_CHECKING:
+    from agents.keys import JobKeys
 
 
 def add_mqtt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,14 +41,31 @@ def add_mqtt_arguments(parser: argparse.ArgumentParser) -> None:
         "--job", default="geosched", help="job name: topics live under geosched/<job>/ (default geosched)"
     )
     parser.add_argument("--ca-file", help="CA certificate (PEM) to trust for an mqtts:// broker")
+    parser.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="the job's key folder (geosched keys DIR --ranks N): signing key, MQTT login and, for an agent, "
+        "CURVE keys and the prefill token",
+    )
 
 
-def mqtt_url(args: argparse.Namespace) -> str:
-    """The broker URL from --mqtt / env, with credentials from env if the URL has none."""
+def load_keys(args: argparse.Namespace) -> JobKeys | None:
+    """The job's keys from ``--keys DIR`` (None without it); ConfigError naming a missing or unsafe file."""
+    if getattr(args, "keys", None) is None:
+        return None
+    from agents.keys import load_job_keys
+
+    return load_job_keys(args.keys)
+
+
+def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: str | None = None) -> str:
+    """The broker URL from --mqtt / env, with credentials from env, else from ``keys`` as ``identity``."""
     if not args.mqtt:
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
     url: str = args.mqtt
     user, password = os.environ.get("GEOSCHED_MQTT_USERNAME"), os.environ.get("GEOSCHED_MQTT_PASSWORD")
+    if not user and keys is not None and identity is not None and "@" not in url.split("://", 1)[-1]:
+        user, password = identity, keys.mqtt_password(identity)
     if user and "@" not in url.split("://", 1)[-1]:
         scheme, rest = url.split("://", 1) if "://" in url else ("mqtt", url)
         from urllib.parse import quote
@@ -95,12 +121,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="safetensors weights of the served model (default: the job's seeded weights)",
     )
     parser.add_argument(
+        "--prefill-token-file",
+        metavar="FILE",
+        help="prefill clients must send the token in FILE (mode 0600; default with --keys: DIR/prefill.token)",
+    )
+    parser.add_argument(
         "--connect-timeout", type=float, default=300.0, help="seconds to wait for peers once bound (default 300)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until stopped."""
+    from agents.control.auth import ControlKeys
     from agents.daemon import AgentOptions, parse_overrides, run_agent
 
     at_least(args, "rank", 0)
@@ -118,8 +150,21 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--prefill-weights needs --prefill-bind ENDPOINT")
         if not os.path.isfile(args.prefill_weights):
             raise InputError(f"--prefill-weights: {args.prefill_weights!r} does not exist; pass a .safetensors file")
+    keys = load_keys(args)
+    token = None
+    if args.prefill_token_file is not None:
+        if not args.prefill_bind:
+            raise InputError("--prefill-token-file needs --prefill-bind ENDPOINT")
+        token = read_token_file(args.prefill_token_file, "--prefill-token-file")
+    if keys is not None:  # everything this agent needs must be there before it connects
+        from agents.keys import agent_identity
+
+        keys.curve_keypair(args.rank)
+        keys.signing_key(agent_identity(args.rank))
+        if args.prefill_bind and token is None:
+            token = keys.prefill_token()
     options = AgentOptions(
-        mqtt=mqtt_url(args),
+        mqtt=mqtt_url(args, keys, f"agent-{args.rank}"),
         rank=args.rank,
         job=args.job,
         dc=args.dc,
@@ -137,5 +182,27 @@ def run(args: argparse.Namespace) -> int:
         wan_chunk_bytes=args.wan_chunk_bytes,
         prefill_bind=args.prefill_bind,
         prefill_weights=args.prefill_weights,
+        keys=keys,
+        prefill_token=token,
+        control_keys=None if keys is None else ControlKeys(*keys.control_fields(f"agent-{args.rank}")),
     )
     return run_agent(options)
+
+
+def read_token_file(path: str, flag: str) -> str:
+    """A secret token from a file that only its owner may read; InputError, one line, otherwise."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="ascii") as f:
+            token = f.read(4097).strip()
+    except FileNotFoundError:
+        raise InputError(f"{flag}: {path!r} does not exist (make one with 'geosched keys DIR --ranks N')") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{flag}: cannot read {path!r}: {exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise InputError(f"{flag}: {path!r} is readable by others (mode {stat.S_IMODE(mode):04o}): chmod 600 {path}")
+    if not 16 <= len(token) <= 4096:
+        raise InputError(f"{flag}: {path!r} must hold a token of 16 to 4096 characters (got {len(token)})")
+    return token

@@ -4,6 +4,11 @@
   geosched job status --mqtt mqtt://broker:1883 --job demo [--json]
   geosched job checkpoint --mqtt mqtt://broker:1883 --job demo [--after-step N]
   geosched job stop --mqtt mqtt://broker:1883 --job demo
+  geosched job start plan.yaml --mqtt mqtts://broker:8883 --job demo --keys secrets   # secure
+
+With ``--keys DIR`` (from ``geosched keys DIR --ranks N``) the coordinator logs
+in to the broker as ``coordinator`` with its password from DIR and signs its
+commands and plans with DIR/coordinator.sign.
 
 ``start`` prints one line per step (step, loss, iteration ms, bubble %, WAN MB/s)
 with a progress bar and exits 1 naming the agent if one goes offline.
@@ -16,7 +21,7 @@ import asyncio
 import json
 import sys
 
-from geosched.commands.agent import add_mqtt_arguments, mqtt_url
+from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
 from geosched.commands.checks import at_least
 
 
@@ -46,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
     from agents.control import coordinator
+    from agents.control.auth import ControlKeys
 
-    url = mqtt_url(args)
+    keys = load_keys(args)
+    signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator"))
+    url = mqtt_url(args, keys, "coordinator")
     if args.action == "start":
         from agents.layout import load_plan_file
 
@@ -61,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 ready_timeout_s=args.ready_timeout,
                 ca_file=args.ca_file,
+                keys=signing,
+                plan_source=args.plan,
                 out=sys.stderr if args.json else sys.stdout,
             )
         )
@@ -68,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"steps": [vars(s) for s in result.steps]}))
         return 0
     if args.action == "status":
-        statuses = asyncio.run(coordinator.job_statuses(url, args.job, ca_file=args.ca_file))
+        statuses = asyncio.run(coordinator.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
         if args.json:
             print(
                 json.dumps(
@@ -91,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "checkpoint":
         at_least(args, "after_step", 0)
-        asyncio.run(coordinator.checkpoint_job(url, args.job, after_step=args.after_step, ca_file=args.ca_file))
+        asyncio.run(
+            coordinator.checkpoint_job(url, args.job, after_step=args.after_step, ca_file=args.ca_file, keys=signing)
+        )
         print(f"checkpoint asked of job {args.job!r}")
         return 0
-    asyncio.run(coordinator.stop_job(url, args.job, ca_file=args.ca_file))
+    asyncio.run(coordinator.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
     print(f"stop sent to job {args.job!r}")
     return 0

@@ -5,9 +5,15 @@ Plans the config (or takes --plan), starts an embedded MQTT broker (unless
 through the WAN emulator (bandwidths x --wan-scale, delays kept), trains and
 writes a run folder: report.json, timeline.png, trace.json, loss.png.
 
+Secure by default: a fresh key folder in RUN_DIR/secrets/ (files mode 0600;
+the prefill token is RUN_DIR/secrets/prefill.token), broker logins per
+identity, signed commands, CURVE on every WAN link and prefill endpoint.
+--insecure turns all of that off (one warning line).
+
   geosched launch configs/demo-3dc.yaml
   geosched launch configs/demo-3dc.yaml --steps 5 --run-dir runs/demo --wan-scale 0.1 --json
   geosched launch configs/demo-3dc.yaml --prefill-rate 20   # + prefill requests served in the bubbles
+  geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
 
 Ctrl-C stops every child process; nothing is left running.
 """
@@ -59,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill requests per second (Poisson) sent to the agents while training; every "
         "agent serves prefill in its bubbles (default 0: off)",
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no key folder, broker logins, signatures, CURVE or prefill token (default: all on)",
+    )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -89,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         out=sys.stderr if args.json else sys.stdout,
         calibration=calibration,
         prefill_rate=args.prefill_rate,
+        insecure=args.insecure,
     )
     if args.json:
         print(json.dumps(report))

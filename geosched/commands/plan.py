@@ -63,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
     """Load the config, plan, print the summary, write the plan file."""
     from geosched.config import load_config
     from geosched.errors import InputError
+
+    cfg = load_config(args.config)  # first: a bad config is refused before OR-Tools is imported
     from planner.baselines import all_baselines
     from planner.cpsat import Goal
     from planner.explain import summary_dict, summary_text, unused_reasons
     from planner.plan import dump_plan
     from planner.planning import Objective, make_plan
 
-    cfg = load_config(args.config)
     objective = Objective(args.wan_cost_weight, args.max_iteration_s)
     outcome = make_plan(
         cfg,

@@ -4,7 +4,8 @@ The agent runs the prefill inside its training bubbles and returns the first
 token, its top-k logits and the KV cache; ``--decode N`` continues greedy
 decoding locally from that cache (needs the same weights: --weights, --config):
 
-  geosched prefill --endpoint tcp://127.0.0.1:5600 --token s3cret "The quick brown fox"
+  geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file secrets/prefill.token "The quick brown fox"
+  geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
   geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\
       --weights gpt.safetensors --config configs/demo-3dc.yaml --json "Once upon a time"
 
@@ -22,6 +23,7 @@ from geosched.commands.checks import at_least
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
+    from agents.sockets import CurveClient
     from geosched.model import StageModule
 
 
@@ -29,7 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched prefill``."""
     parser.add_argument("prompt", help="prompt text (one token per UTF-8 byte)")
     parser.add_argument("--endpoint", required=True, help="the agent's prefill endpoint, tcp://HOST:PORT")
-    parser.add_argument("--token", help="shared secret, when the agent requires one")
+    parser.add_argument("--token", help="shared secret, when the agent requires one (prefer --token-file)")
+    parser.add_argument("--token-file", help="read the shared secret from this file (mode 0600)")
+    parser.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="the job's key folder: its prefill token, and CURVE to the agent of --rank (its agent-<R>.key.pub)",
+    )
+    parser.add_argument("--rank", type=int, help="with --keys: the rank whose agent serves --endpoint")
     parser.add_argument("--curve-key", help="CURVE: this client's NAME.key file (with --server-key)")
     parser.add_argument("--server-key", help="CURVE: the agent's NAME.key.pub file")
     parser.add_argument("--deadline-ms", type=float, help="answer within this many ms (else the agent rejects)")
@@ -56,6 +65,22 @@ def _load_local_model(args: argparse.Namespace) -> StageModule:
     return load_inference_model(job.model, args.weights, seed=job.seed if args.seed is None else args.seed)
 
 
+def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> tuple[str, CurveClient]:
+    """The token and CURVE settings from ``--keys DIR --rank R`` (a fresh client keypair: the token authenticates)."""
+    import zmq
+
+    from agents.keys import load_job_keys
+    from agents.sockets import CurveClient
+
+    if args.rank is None:
+        raise InputError("--keys needs --rank R: the rank of the agent serving --endpoint (its CURVE key)")
+    if curve is not None:
+        raise InputError("pass either --keys or --curve-key/--server-key, not both")
+    keys = load_job_keys(args.keys)
+    public, secret = zmq.curve_keypair()
+    return token or keys.prefill_token(), CurveClient(public, secret, keys.curve_public(args.rank))
+
+
 def run(args: argparse.Namespace) -> int:
     """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
     from agents.prefill.client import PrefillClient, continue_greedy
@@ -68,7 +93,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
     model = _load_local_model(args) if args.decode else None
     curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
-    with PrefillClient(args.endpoint, token=args.token, curve_client=curve, timeout_s=args.timeout) as client:
+    token = args.token
+    if args.token_file is not None:
+        from geosched.commands.agent import read_token_file
+
+        token = read_token_file(args.token_file, "--token-file")
+    if args.keys is not None:
+        token, curve = _from_keys(args, token, curve)
+    elif args.rank is not None:
+        raise InputError("--rank goes with --keys DIR (the rank whose CURVE key the agent's endpoint uses)")
+    with PrefillClient(args.endpoint, token=token, curve_client=curve, timeout_s=args.timeout) as client:
         result = client.prefill(
             args.prompt,
             deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1e3,

@@ -75,10 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile the job's model and write/print the calibration."""
+    from geosched.config import load_config
+
+    job = load_config(args.config).job  # first: a bad config is refused before torch is imported
     import torch
 
     from agents.rehearsal.calibrate import calibrate
-    from geosched.config import load_config
     from geosched.costmodel import Calibration
     from geosched.profile import check_prediction, write_calibration
 
@@ -92,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     _check_device(args.device, torch)
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
-    job = load_config(args.config).job
     options = _plan_options(args.plan, job) if args.plan else {}
     bar = ProgressBar(sys.stderr)
     cal = calibrate(

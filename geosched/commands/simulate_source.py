@@ -14,26 +14,17 @@ The simulate verb calls :func:`build` and lowers and simulates what it returns.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
-
-import yaml
 
 from geosched.errors import InputError
 
-MAX_SOURCE_BYTES = 64 * 1024 * 1024
-
 
 def _read(path: str) -> Any:
-    try:
-        if os.path.getsize(path) > MAX_SOURCE_BYTES:
-            raise InputError(f"{path}: larger than {MAX_SOURCE_BYTES >> 20} MiB; not a config or plan file")
-        with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file; pass a config (configs/demo-3dc.yaml) or a plan file") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: cannot read a YAML config or plan ({exc})") from None
+    """The YAML data of a config or plan, read within the plan file's limits (:mod:`geosched.yamlload`)."""
+    from geosched.yamlload import read_yaml_file
+    from planner.plan import PLAN_LIMITS
+
+    return read_yaml_file(path, InputError, "pass a config (configs/demo-3dc.yaml) or a plan file", PLAN_LIMITS)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:

@@ -1,0 +1,379 @@
+"""Hardened YAML reading for every config and plan: hostile text is refused in one line, quickly.
+
+``yaml.safe_load`` is safe against code execution but not against size: a
+3 KB alias bomb (``b: [*a, *a, ...]`` nested ten deep) stands for billions of
+values, 5,000 levels of ``[`` overflow the recursion limit, a duplicated key
+silently wins, ``.nan`` slips into arithmetic. :func:`load_yaml` parses with
+libyaml's event parser (the pure-Python one where libyaml is missing) and
+composes the document itself, counting as it goes, so every limit below is
+checked before any Python object is built:
+
+* the text: at most ``max_bytes`` bytes (files are never read past it), UTF-8,
+  no NUL bytes; tabs get their own message;
+* nesting: at most ``max_depth`` levels of lists and mappings (the schema's own
+  depth, see :func:`geosched.schema.schema_depth`);
+* aliases: at most ``max_aliases`` uses, none pointing into its own anchor, and
+  the document fully expanded stays within ``max_nodes`` values;
+* keys: plain scalars, each once per mapping (the message names both lines);
+* scalars: at most ``max_scalar_chars`` characters, integers at most 30 digits,
+  floats finite.
+
+Each refusal raises the caller's error class (:class:`~geosched.errors.ConfigError`,
+:class:`~geosched.errors.PlanError`, ...) with ``source``, the line and the dotted
+path: ``plan.yaml: line 4: cluster.datacenters[0]: duplicate key 'gpus' (first on line 3); keep one``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from yaml.events import (
+    AliasEvent,
+    MappingEndEvent,
+    MappingStartEvent,
+    ScalarEvent,
+    SequenceEndEvent,
+    SequenceStartEvent,
+    StreamEndEvent,
+)
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_INT_TAG = "tag:yaml.org,2002:int"
+_STR_TAG = "tag:yaml.org,2002:str"
+MAX_INT_DIGITS = 30
+
+
+@dataclass(frozen=True)
+class YamlLimits:
+    """What one YAML document may contain; the defaults fit a config file."""
+
+    max_bytes: int = 1 << 20
+    max_depth: int = 8
+    max_nodes: int = 100_000
+    max_aliases: int = 200
+    max_scalar_chars: int = 4096
+
+
+def short(value: object, limit: int = 60) -> str:
+    """A repr of ``value`` at most about ``limit`` characters, cut BEFORE it is built.
+
+    Strings and bytes are sliced first; lists and mappings are described by
+    their size; huge integers by their digit count. Never costs more than
+    ``limit`` characters of work, whatever ``value`` is.
+    """
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+        if len(value) > limit:
+            return f"{text[: limit - 3]}... ({len(value)} characters)"
+        return text
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        if abs(value) < 10**15:
+            return str(value)
+        return f"{float(value):.3g}" if value.bit_length() < 1000 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} key{'s' if len(value) != 1 else ''}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} item{'s' if len(value) != 1 else ''}"
+    return f"a {type(value).__name__}"
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """``text`` (a library's message) on one line, non-printable characters escaped, cut to ``limit``."""
+    text = " ".join(text[: limit * 2].split())
+    text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Refused(Exception):
+    """Raised inside the composer; :func:`load_yaml` turns it into the caller's error class."""
+
+    def __init__(self, line: int | None, message: str):
+        super().__init__(message)
+        self.line, self.message = line, message
+
+
+class _BoundedComposer:
+    """Composer of one document that counts depth, aliases and values, and refuses duplicates."""
+
+    limits: YamlLimits
+    check_event: Any
+    get_event: Any
+    peek_event: Any
+    resolve: Any
+    construct_object: Any
+
+    def _init_bounds(self, limits: YamlLimits) -> None:
+        self.limits = limits
+        self.anchors: dict[str, Node] = {}
+        self._sizes: dict[int, int] = {}  # id(anchored node) -> values it expands to (set once complete)
+        self._path: list[str] = []
+        self._nodes = 0
+        self._aliases = 0
+
+    def _where(self) -> str:
+        text = ""
+        for part in self._path:
+            text += part if part.startswith("[") or not text else "." + part
+        return f"{text}: " if text else ""
+
+    def _refuse(self, mark: Any, message: str) -> _Refused:
+        return _Refused(mark.line + 1 if mark is not None else None, self._where() + message)
+
+    def _charge(self, count: int, mark: Any, alias: str | None = None) -> None:
+        self._nodes += count
+        if self._nodes > self.limits.max_nodes:
+            if alias is not None:
+                raise self._refuse(
+                    mark,
+                    f"alias *{alias} expands the document past {self.limits.max_nodes} values "
+                    "(an alias bomb?); write the values out",
+                )
+            raise self._refuse(mark, f"more than {self.limits.max_nodes} values; larger than any config or plan")
+
+    def get_single_node(self) -> Node | None:
+        self.get_event()  # stream start
+        node = None
+        if not self.check_event(StreamEndEvent):
+            self.get_event()  # document start
+            node, _ = self._compose(0)
+            self.get_event()  # document end
+        if not self.check_event(StreamEndEvent):
+            event = self.get_event()
+            raise _Refused(event.start_mark.line + 1, "a second YAML document ('---'); give one document per file")
+        self.get_event()
+        return node
+
+    def _compose(self, depth: int) -> tuple[Node, int]:
+        """(node, values it expands to) for the next node."""
+        if self.check_event(AliasEvent):
+            event = self.get_event()
+            self._aliases += 1
+            if self._aliases > self.limits.max_aliases:
+                raise self._refuse(
+                    event.start_mark, f"more than {self.limits.max_aliases} aliases (*name); write the values out"
+                )
+            target = self.anchors.get(event.anchor)
+            if target is None:
+                raise self._refuse(event.start_mark, f"alias *{short(event.anchor, 40)[1:-1]} has no anchor before it")
+            size = self._sizes.get(id(target))
+            if size is None:
+                raise self._refuse(event.start_mark, f"alias *{event.anchor} points into its own anchor (a cycle)")
+            self._charge(size, event.start_mark, short(event.anchor, 40)[1:-1])
+            return target, size
+        event = self.peek_event()
+        anchor = event.anchor
+        if anchor is not None and anchor in self.anchors:
+            raise self._refuse(event.start_mark, f"anchor &{short(anchor, 40)[1:-1]} defined twice; rename one")
+        self._charge(1, event.start_mark)
+        node: Node
+        if self.check_event(ScalarEvent):
+            node, size = self._scalar(), 1
+        elif self.check_event(SequenceStartEvent, MappingStartEvent):
+            if depth + 1 > self.limits.max_depth:
+                raise self._refuse(
+                    event.start_mark,
+                    f"nested deeper than {self.limits.max_depth} levels of lists and mappings, "
+                    "deeper than any field; flatten it",
+                )
+            if self.check_event(SequenceStartEvent):
+                node, size = self._sequence(anchor, depth + 1)
+            else:
+                node, size = self._mapping(anchor, depth + 1)
+        else:  # pragma: no cover - the parser emits nothing else here
+            raise self._refuse(event.start_mark, f"unexpected {type(event).__name__}")
+        if anchor is not None:
+            self.anchors[anchor] = node
+            self._sizes[id(node)] = size
+        return node, size
+
+    def _scalar(self) -> ScalarNode:
+        event = self.get_event()
+        tag = event.tag
+        if tag is None or tag == "!":
+            tag = self.resolve(ScalarNode, event.value, event.implicit)
+        value: str = event.value
+        if len(value) > self.limits.max_scalar_chars:
+            raise self._refuse(
+                event.start_mark,
+                f"a value of {len(value)} characters; no field takes more than {self.limits.max_scalar_chars}",
+            )
+        node = ScalarNode(tag, value, event.start_mark, event.end_mark, style=event.style)
+        if tag == _INT_TAG and len(value) > MAX_INT_DIGITS:
+            raise self._refuse(event.start_mark, f"an integer of {len(value)} digits; far beyond any field's bound")
+        if tag == _FLOAT_TAG:
+            number = yaml.constructor.SafeConstructor.construct_yaml_float(self, node)  # type: ignore[arg-type]
+            if not math.isfinite(number):
+                raise self._refuse(
+                    event.start_mark, f"{short(value, 20)[1:-1]} is not a finite number; give a plain number"
+                )
+        return node
+
+    def _sequence(self, anchor: str | None, depth: int) -> tuple[SequenceNode, int]:
+        start = self.get_event()
+        tag = start.tag
+        if tag is None or tag == "!":
+            tag = self.resolve(SequenceNode, None, start.implicit)
+        node = SequenceNode(tag, [], start.start_mark, None, flow_style=start.flow_style)
+        if anchor is not None:
+            self.anchors[anchor] = node  # an alias to it from inside is a cycle: _sizes has no entry yet
+        size = 1
+        while not self.check_event(SequenceEndEvent):
+            self._path.append(f"[{len(node.value)}]")
+            child, child_size = self._compose(depth)
+            self._path.pop()
+            node.value.append(child)
+            size += child_size
+        node.end_mark = self.get_event().end_mark
+        return node, size
+
+    def _mapping(self, anchor: str | None, depth: int) -> tuple[MappingNode, int]:
+        start = self.get_event()
+        tag = start.tag
+        if tag is None or tag == "!":
+            tag = self.resolve(MappingNode, None, start.implicit)
+        node = MappingNode(tag, [], start.start_mark, None, flow_style=start.flow_style)
+        if anchor is not None:
+            self.anchors[anchor] = node
+        size = 1
+        seen: dict[Any, int] = {}
+        while not self.check_event(MappingEndEvent):
+            event = self.peek_event()
+            if not self.check_event(ScalarEvent):
+                raise self._refuse(event.start_mark, "a key must be a plain name, not a list, mapping or alias")
+            key = self._scalar()
+            self._charge(1, event.start_mark)
+            size += 1
+            value: Any = key.value
+            if key.tag != _STR_TAG:  # 1 and 0x1 are the same key
+                try:
+                    value = self.construct_object(key)
+                    hash(value)
+                except (yaml.YAMLError, TypeError):
+                    value = (key.tag, key.value)
+            line = event.start_mark.line + 1
+            if value in seen and key.tag != "tag:yaml.org,2002:merge":
+                raise self._refuse(
+                    event.start_mark, f"duplicate key {short(key.value, 40)} (first on line {seen[value]}); keep one"
+                )
+            seen[value] = line
+            self._path.append(short(key.value, 40) if not key.value.isidentifier() else key.value)
+            child, child_size = self._compose(depth)
+            self._path.pop()
+            node.value.append((key, child))
+            size += child_size
+        node.end_mark = self.get_event().end_mark
+        return node, size
+
+
+if getattr(yaml, "__with_libyaml__", False):
+    from yaml._yaml import CParser as _EventParser  # what yaml.cyaml re-exports
+
+    class _Loader(_BoundedComposer, _EventParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+        def __init__(self, text: str, limits: YamlLimits):
+            _EventParser.__init__(self, text)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+            self._init_bounds(limits)
+
+else:  # pragma: no cover - libyaml ships with the PyYAML wheels
+
+    class _Loader(  # type: ignore[no-redef]
+        _BoundedComposer,
+        yaml.reader.Reader,
+        yaml.scanner.Scanner,
+        yaml.parser.Parser,
+        yaml.constructor.SafeConstructor,
+        yaml.resolver.Resolver,
+    ):
+        def __init__(self, text: str, limits: YamlLimits):
+            yaml.reader.Reader.__init__(self, text)
+            yaml.scanner.Scanner.__init__(self)
+            yaml.parser.Parser.__init__(self)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+            self._init_bounds(limits)
+
+
+def _line(text: str, number: int) -> str:
+    """Line ``number`` (0-based) of ``text``, found without splitting the whole text."""
+    start = 0
+    for _ in range(number):
+        start = text.find("\n", start) + 1
+        if start == 0:
+            return ""
+    end = text.find("\n", start)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _syntax_error(source: str, text: str, exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = str(getattr(exc, "problem", None) or exc)
+    line = _line(text, mark.line) if mark is not None else ""
+    if "\t" in line[: mark.column + 1 if mark is not None else 0] or "'\\t'" in problem:
+        return f"{source}: {where}a tab character; YAML is indented with spaces only"
+    if "maximum nesting depth" in problem:
+        return f"{source}: {where}nested far deeper than any field; flatten it"
+    if isinstance(exc, yaml.reader.ReaderError):
+        char = exc.character
+        code = char if isinstance(char, int) else ord(char) if isinstance(char, str) and len(char) == 1 else 0
+        return f"{source}: binary data (byte 0x{code:02x} at offset {exc.position}), not YAML text"
+    return f"{source}: {where}not valid YAML ({one_line(problem)})"
+
+
+def load_yaml(text: str | bytes, source: str, error: type[Exception], limits: YamlLimits = YamlLimits()) -> Any:
+    """Parse one YAML document within ``limits``; anything else raises ``error`` in one line naming ``source``."""
+    if len(text) > limits.max_bytes:
+        raise error(f"{source}: larger than {limits.max_bytes} bytes, the most a config or plan may have")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(
+                f"{source}: binary data (byte 0x{text[exc.start]:02x} at offset {exc.start}), not UTF-8 YAML text"
+            ) from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise error(f"{source}: binary data (a NUL byte at offset {nul}), not YAML text")
+    loader = _Loader(text, limits)
+    try:
+        node = loader.get_single_node()
+        return None if node is None else loader.construct_document(node)
+    except _Refused as exc:
+        where = f"line {exc.line}: " if exc.line is not None else ""
+        raise error(f"{source}: {where}{exc.message}") from None
+    except yaml.YAMLError as exc:
+        raise error(_syntax_error(source, text, exc)) from None
+    except RecursionError:  # not reachable within max_depth; kept so no traceback can escape
+        raise error(f"{source}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml_file(
+    path: str | os.PathLike[str], error: type[Exception], missing_hint: str, limits: YamlLimits = YamlLimits()
+) -> Any:
+    """Read and parse a YAML file within ``limits``, never reading more than ``limits.max_bytes + 1`` bytes.
+
+    ``missing_hint`` finishes the message for a file that does not exist.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limits.max_bytes + 1)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file; {missing_hint}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({one_line(exc.strerror or str(exc))})") from None
+    if len(data) > limits.max_bytes:
+        raise error(f"{path}: larger than {limits.max_bytes} bytes, the most a config or plan may have")
+    return load_yaml(data, path, error, limits)
