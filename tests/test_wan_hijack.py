@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -103,15 +102,6 @@ def run_stranger(endpoint: str, seconds: float, chunks: int = 12, curve: dict[st
     assert done.returncode == 0, done.stderr
     replies: list[str] = json.loads(done.stdout)["replies"]
     return replies
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_a_stranger_cannot_replace_a_live_session() -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
+from polling import wait_for
 
 from agents.sockets import CurveClient, CurveServer, write_keypair
 from agents.wan.config import WanLinkConfig
@@ -18,16 +18,6 @@ from geosched.errors import LinkError
 from geosched.wire import checksum, encode_header
 
 LINK = 31
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll until predicate() holds (connection events reach the link asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def raw_tcp(port: int, data: bytes) -> None:
