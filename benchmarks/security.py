@@ -6,7 +6,7 @@ both alike, and reports the median measured iteration time of each and their
 ratio. Secure means: signed control messages, broker logins and ACLs, CURVE on
 every pipeline link, a token on prefill.
 
-    python benchmarks/security.py --quick          # 2 rounds x 4 steps (about a minute)
+    python benchmarks/security.py --quick          # 1 round x 4 steps (under a minute)
     python benchmarks/security.py --json           # last line: one JSON object
 
 JSON keys: ``secure_iteration_s``, ``insecure_iteration_s``,
@@ -42,11 +42,11 @@ def launch(run_dir: Path, steps: int, secure: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Alternate secure and insecure rehearsals; print each and the ratio of medians."""
-    parser = benchmark_parser(__doc__, "2 rounds of 4 steps (about a minute)")
-    parser.add_argument("--rounds", type=int, help="secure+insecure pairs (default 5; --quick 2)")
+    parser = benchmark_parser(__doc__, "1 round of 4 steps (under a minute)")
+    parser.add_argument("--rounds", type=int, help="secure+insecure pairs (default 5; --quick 1)")
     parser.add_argument("--steps", type=int, help="training steps per rehearsal (default 8; --quick 4)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (4 if args.quick else 8)
     times: dict[bool, list[float]] = {True: [], False: []}
     losses: dict[bool, list[float]] = {}
