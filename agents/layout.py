@@ -187,10 +187,18 @@ def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
 def load_plan_file(path: str) -> str:
     """The text of a plan file; PlanError naming the file if it cannot be read."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read(MAX_PLAN_BYTES + 1)  # a longer file is refused by parse_layout, never read whole
-    except (OSError, UnicodeDecodeError) as exc:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PLAN_BYTES + 1)  # enough to know it is too long; never read whole
+    except OSError as exc:
         raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanError(f"{path}: larger than {MAX_PLAN_BYTES >> 10} KiB; not a plan file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(
+            f"{path}: binary data (byte 0x{data[exc.start]:02x} at offset {exc.start}), not UTF-8 YAML text"
+        ) from None
 
 
 def parse_layout(text: str, source: str = "plan") -> JobLayout:
