@@ -6,7 +6,9 @@ baselines with the same simulator, runs the exhaustive brute force where the
 instance is small enough, and prints one row per case: planner seconds, solve
 seconds, each baseline's seconds and its ratio baseline/planner, WAN dollars
 per iteration, and the gap to the brute-force optimum. Then the geometric-mean
-speed-up over each baseline.
+speed-up over each baseline, the longest wall time of a default ``geosched plan``
+(search, baselines and idle-DC explanations: ``max_plan_wall_s``) and whether a
+second run gave the same plan file (``deterministic``).
 
   python benchmarks/planner.py --quick          # under a minute
   python benchmarks/planner.py --json           # last line: one JSON object
@@ -25,24 +27,38 @@ from geosched.config import load_config
 from planner.baselines import all_baselines
 from planner.bruteforce import brute_force, enumerable
 from planner.evaluate import Evaluator
+from planner.explain import unused_reasons
 from planner.generate import random_config, two_datacenters
+from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.space import Problem
 
 BASELINES = ("dp-everywhere", "equal-pipeline", "atlas-greedy", "dp-flat-ring")
-QUICK_LIMIT_S = {"gpt3-3dc": 8.0}  # --quick: time limits (s) for the slowest configs; the others run to the end
+QUICK_LIMIT_S: dict[str, float] = {}  # --quick: wall time limits (s) per config; none: budgets are deterministic
+
+
+def plan_text(outcome) -> str:
+    """The plan file without its wall-time field."""
+    return "\n".join(line for line in dump_plan(outcome.plan).splitlines() if "solve_s:" not in line)
 
 
 def run_case(name: str, cfg, time_limit_s: float | None) -> dict:
-    """Plan one case; simulate the baselines; brute-force it when small."""
+    """Plan one case as ``geosched plan`` does by default (with baselines and explanations); plan it again
+    to check the plan is the same; simulate the baselines; brute-force it when small."""
     started = time.perf_counter()
     outcome = make_plan(cfg, time_limit_s=time_limit_s)
     solve_s = time.perf_counter() - started
+    unused_reasons(outcome.problem, outcome.evaluator, outcome.best, time_limit_s=time_limit_s)
+    all_baselines(outcome.problem, outcome.evaluator)
+    wall_s = time.perf_counter() - started
+    same = plan_text(make_plan(cfg, time_limit_s=time_limit_s)) == plan_text(outcome)
     best = outcome.best
     row = {
         "case": name,
         "planner_s": best.iteration_s,
         "solve_s": solve_s,
+        "plan_wall_s": wall_s,
+        "deterministic": same,
         "proven": outcome.stats.proven,
         "wan_usd": best.wan_cost_usd,
         "gpus": outcome.plan.world_size,
@@ -111,6 +127,9 @@ def main() -> None:
             (r[f"{b}_ratio"], r["case"], b) for r in rows for b in BASELINES if r[f"{b}_ratio"] is not None
         )[1:],
         "solve_s_largest": next(r["solve_s"] for r in rows if r["case"] == "scale-16dc"),
+        "max_plan_wall_s": max(r["plan_wall_s"] for r in rows),
+        "max_plan_wall_case": max((r["plan_wall_s"], r["case"]) for r in rows)[1],
+        "deterministic": all(r["deterministic"] for r in rows),
         "cases": len(rows),
     }
     for b in BASELINES:
@@ -124,7 +143,9 @@ def main() -> None:
         "\n(* = time limit hit, not proven optimal)  geomean speed-up: "
         + ", ".join(f"{b} {fmt(summary['geomean_speedup_vs_' + b.replace('-', '_')], '.2f')}x" for b in BASELINES)
         + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
-        f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s"
+        f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s; "
+        f"longest default plan {summary['max_plan_wall_s']:.1f} s ({summary['max_plan_wall_case']}); "
+        f"same plans on a second run: {summary['deterministic']}"
     )
     emit({**summary, "rows": rows}, args.json)
 

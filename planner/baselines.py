@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 from geosched.costmodel import ring_allreduce_s, stage_compute, stage_memory_bytes, total_params, wan_effective_bps
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
@@ -263,13 +264,19 @@ def _greedy_place(problem: Problem, by_free: list[str], stages: int, dp: int) ->
     return tuple(placed)
 
 
+_PIPELINES: WeakKeyDictionary[Evaluator, list[Evaluation]] = WeakKeyDictionary()
+
+
 def pipeline_baselines(problem: Problem, evaluator: Evaluator) -> list[Evaluation]:
-    """The feasible pipeline baselines (b) and (c), which the planner also starts from."""
-    out = []
-    for result in (equal_pipeline(problem, evaluator), atlas_greedy(problem, evaluator)):
-        if result.evaluation is not None:
-            out.append(result.evaluation)
-    return out
+    """The feasible pipeline baselines (b) and (c), which the planner also starts from (computed once per
+    evaluator: the search and every idle-DC explanation share them)."""
+    if evaluator not in _PIPELINES or evaluator.problem is not problem:
+        out = []
+        for result in (equal_pipeline(problem, evaluator), atlas_greedy(problem, evaluator)):
+            if result.evaluation is not None:
+                out.append(result.evaluation)
+        _PIPELINES[evaluator] = out
+    return list(_PIPELINES[evaluator])
 
 
 def all_baselines(problem: Problem, evaluator: Evaluator, flat_ring: bool = False) -> list[BaselineResult]:

@@ -44,6 +44,7 @@ from geosched.costmodel import (
 from planner.space import Candidate, Problem, even_split, from_split
 
 USD_UNIT = 1e-6  # costs in micro-dollars
+SEED = 14  # CP-SAT's random seed: fixed, so a solve is reproducible
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class SolveResult:
     status: str  # "optimal" | "feasible" | "infeasible" | "unknown"
     solutions: list[Solution] = field(default_factory=list)  # best last
     wall_s: float = 0.0
+    deterministic_s: float = 0.0  # CP-SAT's deterministic time: the same for the same model on any machine
 
 
 def tick_for(problem: Problem) -> float:
@@ -410,6 +412,7 @@ def solve(
     stages: int | None = None,
     chain: tuple[str, ...] | None = None,
     time_limit_s: float | None = None,
+    effort: float | None = None,
     keep: int = 3,
     workers: int = 1,
 ) -> SolveResult:
@@ -420,6 +423,11 @@ def solve(
     restricts the pipeline to a contiguous run of that order of DCs (either direction), which keeps
     the model small on large clusters.
     Single-stage plans (pure data parallelism in one DC) are enumerated by the caller.
+
+    ``effort`` bounds CP-SAT's *deterministic* time (its count of work, not seconds): with one
+    worker and a fixed seed the same model then gives the same solutions however loaded the
+    machine is. ``time_limit_s`` (wall seconds, only from ``--time-limit``) is a bound that the
+    load can change.
     """
     require = require or {}
     if allowed is not None and any(n and dc not in allowed for dc, n in require.items()):
@@ -429,13 +437,16 @@ def solve(
         return SolveResult("infeasible")
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
+    solver.parameters.random_seed = SEED
     solver.parameters.linearization_level = 2
     solver.parameters.search_branching = cp_model.PORTFOLIO_SEARCH
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    if effort is not None:
+        solver.parameters.max_deterministic_time = max(0.01, effort)
     collector = _Collector(model)
     status = solver.solve(model.model, collector)
     name = _STATUS.get(status, "unknown")
     if name == "invalid":  # pragma: no cover - a bug in the model, not in the input
         raise RuntimeError(f"CP-SAT rejected the planner model: {model.model.validate()}")
-    return SolveResult(name, collector.found[-keep:] if keep else [], solver.wall_time)
+    return SolveResult(name, collector.found[-keep:] if keep else [], solver.wall_time, solver.deterministic_time)

@@ -16,11 +16,15 @@ from typing import Any
 from geosched.costmodel import boundary_bytes, wan_transfer
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
+from planner.floors import Floors, Optimality, job_floors, optimality
 from planner.plan import Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
 
 MB = 1e6
+# Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)
+EXPLAIN_EFFORT = 0.4  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
+EXPLAIN_WORK = 16_000  # stage-microbatches their hill climbs may simulate (see planner.search.POLISH_WORK)
 
 
 @dataclass
@@ -38,6 +42,20 @@ class UnusedReason:
 def _duration(seconds: float) -> str:
     """``+84 ms`` or ``+1.2 s``."""
     return f"{seconds:+.3g} s" if abs(seconds) >= 1 else f"{seconds * 1e3:+.3g} ms"
+
+
+def _versus(alt: Evaluation, best: Evaluation) -> str:
+    """How the counterfactual compares with the plan, never a bare ``+0 ms``."""
+    delta = alt.iteration_s - best.iteration_s
+    if abs(delta) < 5e-4 * best.iteration_s:  # shown as +0.0%: say what it means
+        same = "the same time" if delta == 0 else f"{_duration(abs(delta))[1:]} {'slower' if delta > 0 else 'faster'}"
+        return (
+            f"{'no faster' if delta >= 0 else 'no real gain'}: {same}, within 0.05% of the plan's "
+            f"{best.iteration_s:.4g} s, so the plan leaves these GPUs idle"
+        )
+    if delta < 0:
+        return f"{_duration(delta)}, {delta / best.iteration_s:+.1%}: faster, a plan the search did not reach"
+    return f"{_duration(delta)}, {delta / best.iteration_s:+.1%}"
 
 
 def _link_detail(problem: Problem, cand_path: tuple[str, ...], dc: str, dp: int) -> str | None:
@@ -64,13 +82,13 @@ def unused_reasons(
     """One reason per datacenter with idle GPUs: the best plan that adds (more of) it to the chosen DCs.
 
     On large clusters the counterfactual searches only the chosen DCs plus
-    that one, with a time limit (default 2 s each).
+    that one. Each counterfactual search has deterministic budgets (:data:`EXPLAIN_EFFORT`,
+    :data:`EXPLAIN_WORK`), so the text is the same however loaded the machine is.
     """
     large = len(problem.dcs) > SHORTLIST
-    if time_limit_s is None and large:
-        time_limit_s = 2.0
     cand, out = best.candidate, []
     chosen = set(cand.path)
+    share = max(1, sum(cand.gpus_used(dc) < problem.gpus[dc] for dc in problem.dcs))  # searches to come, at most
     for dc in problem.dcs:
         gpus, used = problem.gpus[dc], cand.gpus_used(dc)
         if used >= gpus:
@@ -92,6 +110,8 @@ def unused_reasons(
             evaluator,
             goal,
             time_limit_s=time_limit_s,
+            effort=min(0.15, EXPLAIN_EFFORT / share),
+            polish_work=min(8_000, EXPLAIN_WORK / share),
             require=require,
             allowed=chosen | {dc} if large else None,
             polish_top=1,
@@ -105,16 +125,12 @@ def unused_reasons(
             )
             out.append(UnusedReason(dc, gpus, used, f"{head}: {why}"))
             continue
-        delta = alt.iteration_s - best.iteration_s
         what = (
             f"adding it to {', '.join(p for p in cand.path if p != dc)}"
             if used == 0
             else f"using {alt.candidate.gpus_used(dc)} of them"
         )
-        text = (
-            f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration "
-            f"({_duration(delta)}, {delta / best.iteration_s:+.1%})"
-        )
+        text = f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration ({_versus(alt, best)})"
         alt_cand = alt.candidate
         detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
         if detail and used == 0:
@@ -130,8 +146,16 @@ def unused_reasons(
     return out
 
 
+def plan_floors(plan: Plan) -> tuple[Floors, Optimality]:
+    """The job's floors and what the summary may claim about the plan's simulated time."""
+    floors = job_floors(Problem(plan.config))
+    solver = plan.solver
+    return floors, optimality(plan.prediction.iteration_s, floors, solver.proven_optimal, solver.notes)
+
+
 def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
     """The summary as data (what ``--json`` prints)."""
+    floors, verdict = plan_floors(plan)
     return {
         "cluster": plan.config.cluster.name,
         "schedule": plan.schedule,
@@ -146,6 +170,14 @@ def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
         "datacenters": [asdict(d) for d in plan.datacenters],
         "links": [asdict(link) for link in plan.links],
         "unused": [asdict(r) for r in reasons],
+        "floors": {
+            "compute_s": floors.compute_s,
+            "wan_s": floors.wan_s,
+            "min_stages": floors.min_stages,
+            "best_s": floors.best_s,
+            "ratio_to_best_floor": floors.ratio(plan.prediction.iteration_s),
+        },
+        "optimality": asdict(verdict),
     }
 
 
@@ -156,18 +188,17 @@ def _ranges(values: tuple[int, ...]) -> str:
 def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     """The readable summary ``geosched plan`` prints."""
     pr, job = plan.prediction, plan.config.job
-    status = (
-        "proven optimal: CP-SAT solved every model to optimality"
-        if plan.solver.proven_optimal
-        else "not proven optimal (" + ("; ".join(plan.solver.notes) or "CP-SAT time limits") + ")"
-    )
+    floors, verdict = plan_floors(plan)
+    wan = f"WAN {floors.wan_s:.4g} s" if floors.wan_s else "WAN 0 (the job may fit one datacenter)"
     lines = [
         f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas = "
         f"{plan.world_size} GPUs, {plan.microbatches} microbatches of {job.microbatch_size}",
         f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",
-        f"objective {plan.solver.objective}, {status}, {plan.solver.solve_s:.2f} s",
+        f"floors: compute {floors.compute_s:.4g} s, {wan}, memory allows no fewer than {floors.min_stages} "
+        f"stages; plan / best floor = {floors.ratio(pr.iteration_s):.3g}x",
+        f"objective {plan.solver.objective}, {verdict.text}, {plan.solver.solve_s:.2f} s",
         "",
         f"{'datacenter':<12} {'GPUs':>6} {'used':>6} {'unused':>6}  {'stages':<9} blocks",
     ]

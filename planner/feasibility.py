@@ -2,14 +2,21 @@
 
 :func:`check_feasible` runs before any search and raises
 :class:`~geosched.errors.PlanInfeasible` naming the first hard limit hit:
-the batch split, one block's memory, the first/last stage's memory, or the
-GPUs reachable over links compared with the stages the memory requires.
+the batch split, one block's memory, the first/last stage's memory, the
+GPUs reachable over links compared with the stages the memory requires, or
+(identical blocks) the activations the schedule keeps in flight at every
+pipeline depth, with the change that would fix it.
 """
 
 from __future__ import annotations
 
-from geosched.costmodel import GIB, stage_memory_bytes
+import dataclasses
+import functools
+
+from geosched.config import JobSpec
+from geosched.costmodel import GIB, layer_costs, stage_memory_bytes
 from geosched.errors import InputError, PlanInfeasible
+from planner.floors import fewest_stages
 from planner.space import Problem
 
 MAX_PLAN_GPUS = 8192
@@ -103,8 +110,8 @@ def check_feasible(problem: Problem) -> None:
             if stage_memory_bytes(job, layers, first, last, 1) > most:
                 raise PlanInfeasible(_explain_memory(problem, layers, first, last, what))
     # fewest stages the memory allows, with one microbatch in flight (a lower bound for any schedule)
-    per_gpu = max(problem.max_blocks(dc, 1, 3, 1) for dc in problem.dcs) if L >= 3 else L
-    need = -(-L // max(1, per_gpu))
+    need = fewest_stages(problem, most)
+    per_gpu = max((n for n in range(1, L + 1) if stage_memory_bytes(job, (0, n), False, False, 1) <= most), default=0)
     group = components(problem)[0]
     have = sum(problem.gpus[dc] for dc in group)
     if need > have:
@@ -119,3 +126,98 @@ def check_feasible(problem: Problem) -> None:
             f"{L} blocks) but the largest group of linked datacenters ({', '.join(group)}) has only "
             f"{have} GPU{'s' if have != 1 else ''}{hint}"
         )
+    check_inflight(problem)
+
+
+def _capacity(job: JobSpec, layers: int, memory: float) -> functools._lru_cache_wrapper[int]:
+    """``cap(first, last, inflight)``: most identical blocks one stage holds in ``memory`` bytes."""
+
+    @functools.cache
+    def cap(first: bool, last: bool, inflight: int) -> int:
+        lo, hi = 0, layers  # the most n with stage_memory(n blocks) <= memory (memory grows with n)
+        while lo < hi:
+            n = (lo + hi + 1) // 2
+            span = (layers - n, layers) if last else (0, n)
+            if stage_memory_bytes(job, span, first, last, inflight) <= memory:
+                lo = n
+            else:
+                hi = n - 1
+        return lo
+
+    return cap
+
+
+def deepest_fit(problem: Problem, job: JobSpec, most_stages: int) -> tuple[int, int]:
+    """(blocks, stages): the most blocks any pipeline of at most ``most_stages`` stages holds, and its depth.
+
+    A relaxation (so "fewer than the model's blocks" proves no plan fits):
+    every GPU has the roomiest GPU's memory and ``m`` is the fewest
+    microbatches of a data-parallel degree ``d`` with ``p x d`` at most
+    ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
+    ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe).
+    """
+    L = problem.layers
+    cap = _capacity(job, L, max(problem.memory_bytes.values()))
+    sequences = job.global_batch // job.microbatch_size if job.global_batch % job.microbatch_size == 0 else 0
+    options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
+    best = (L if stage_memory_bytes(job, (0, L), True, True, 1) <= max(problem.memory_bytes.values()) else 0, 1)
+    for p in range(2, min(L, most_stages) + 1):
+        m = min((m for d, m in options if d * p <= most_stages), default=0)
+        if not m:
+            break
+        held = [min(p - s, m) if job.schedule == "1f1b" else m for s in range(p)]
+        caps = [cap(True, False, held[0])] + [cap(False, False, i) for i in held[1:-1]] + [cap(False, True, held[-1])]
+        total = sum(caps) if min(caps) >= 1 else 0
+        if total > best[0]:
+            best = (total, p)
+    return best
+
+
+def check_inflight(problem: Problem) -> None:
+    """PlanInfeasible when no pipeline depth fits the activations the schedule keeps in flight.
+
+    Only for identical blocks (the GPT formulas), where the relaxation of
+    :func:`deepest_fit` is exact per stage. A deep pipeline keeps more
+    microbatches in flight on its first stages; a shallow one puts more blocks
+    on each GPU: when no depth up to the GPUs of the largest linked group
+    holds every block, the message names the in-flight activations per
+    microbatch per block and the change that fits.
+    """
+    job, L = problem.job, problem.layers
+    if not problem.uniform_layers or L < 2 or not problem.dp_options():
+        return
+    group = components(problem)[0]
+    most = sum(problem.gpus[dc] for dc in group)
+    held, depth = deepest_fit(problem, job, most)
+    if held >= L:
+        return
+    block = layer_costs(job)[0]
+    state = block.params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
+    mem = max(problem.memory_bytes.values())
+    if job.recompute == "full":
+        kept_gb = block.activation_bytes * job.microbatch_size / 1e9
+        kept = f"each block keeping its input, {kept_gb:.3g} GB per microbatch per block"
+    else:
+        kept = f"{block.stash_bytes * job.microbatch_size / 1e9:.3g} GB per microbatch per block (recompute: none)"
+    rule = (
+        "1F1B keeps min(p - s, m) microbatches in flight on stage s of p"
+        if job.schedule == "1f1b"
+        else "GPipe keeps all m microbatches in flight on every stage"
+    )
+    changes = {
+        "job.recompute: full": dataclasses.replace(job, recompute="full"),
+        "job.schedule: 1f1b": dataclasses.replace(job, schedule="1f1b"),
+        "job.microbatch_size: 1": dataclasses.replace(job, microbatch_size=1),
+    }
+    fixes = [name for name, other in changes.items() if other != job and deepest_fit(problem, other, most)[0] >= L]
+    fix = (
+        f"use {' or '.join(fixes)}, which lifts this limit"
+        if fixes
+        else "use job.recompute: full, a smaller job.microbatch_size, or GPUs with more memory"
+    )
+    raise PlanInfeasible(
+        f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "
+        f"{state / 1e9:.3g} GB of weights, gradients and optimizer state per block; with "
+        f"{mem / GIB:g} GiB per GPU the best depth ({depth} stages, of at most {most} GPUs in "
+        f"{', '.join(group)}) holds {held} of the {L} blocks; {fix}"
+    )

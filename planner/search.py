@@ -10,7 +10,13 @@ merges stages, keeping a move only when the simulator says it is better.
 
 On large clusters (more than :data:`SHORTLIST` DCs) CP-SAT places the
 pipeline on a contiguous run of one of the best chains of DCs along fast
-links (:func:`chains`), with a time limit per model.
+links (:func:`chains`).
+
+Budgets are deterministic, so the same input gives the same plan however
+loaded the machine is: CP-SAT runs on one worker with a fixed seed and is
+bounded by its *deterministic* time (``effort``: a count of work, in units
+of roughly a second); the hill climb by a count of simulations. Only an
+explicit ``--time-limit`` (wall seconds) lets the machine's load matter.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict, Unpack
+from weakref import WeakKeyDictionary
 
 from geosched.costmodel import boundary_bytes, stage_compute, wan_transfer
 from planner import baselines
@@ -33,10 +40,13 @@ log = logging.getLogger(__name__)
 
 SHORTLIST = 6  # clusters with more DCs are searched along chains of DCs
 CHAIN = 6  # DCs in one chain
-MODEL_LIMIT_S = 1.0  # CP-SAT seconds per model on large clusters (their plans are not proven optimal)
-LARGE_BUDGET_S = 8.0  # default search time on large clusters (--time-limit overrides it)
+# CP-SAT deterministic seconds (about a quarter of a wall second each on one core of the test machine)
+MODEL_EFFORT = 0.25  # per model on large clusters (their plans are not proven optimal)
+LARGE_EFFORT = 2.0  # one whole search on a large cluster
+SMALL_EFFORT = 2.0  # the same on a small cluster (a model cut short leaves the plan unproven)
 REACH = 4  # the local search moves a block to a stage at most this far away (any stage when p <= 16)
 POLISH_SIMULATIONS = 300  # simulations one hill climb may spend
+POLISH_WORK = 40_000  # stage-microbatches (a simulation costs about stages x microbatches) all climbs may spend
 POLISH_SHARE = 0.5  # the local search may take this share of the time spent before it (at least 1 s)
 Progress = Callable[[float, str], None]
 
@@ -48,13 +58,26 @@ class SearchStats:
     proven: bool = True  # every CP-SAT model solved to optimality and nothing skipped for time
     models: int = 0
     pruned: int = 0  # data-parallel degrees skipped by the bound
+    skipped: int = 0  # candidates not simulated: their lower bound cannot beat a simulated plan
     solve_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
+_BOUNDS: WeakKeyDictionary[Evaluator, dict[Candidate, float]] = WeakKeyDictionary()
+
+
+def lower_bound(evaluator: Evaluator, cand: Candidate) -> float:
+    """:meth:`Evaluator.lower_bound`, memoised per evaluator (the climbs and explanations meet the same
+    candidates again and again)."""
+    known = _BOUNDS.setdefault(evaluator, {})
+    if cand not in known:
+        known[cand] = evaluator.lower_bound(cand)
+    return known[cand]
+
+
 def score_bound(evaluator: Evaluator, cand: Candidate, goal: Goal) -> float:
     """A score ``cand`` cannot beat: its proven time bound, its exact WAN cost."""
-    time_bound = evaluator.lower_bound(cand)
+    time_bound = lower_bound(evaluator, cand)
     if goal.max_time_s is not None:
         return math.inf if time_bound > goal.max_time_s else evaluator.wan_cost_usd(cand)
     return time_bound + (goal.weight * evaluator.wan_cost_usd(cand) if goal.weight else 0.0)
@@ -179,12 +202,14 @@ def polish(
     deadline: float,
     require: dict[str, int] | None = None,
     budget: int = POLISH_SIMULATIONS,
+    work: float = math.inf,
 ) -> Evaluation:
     """Hill climb from ``start``: move to the first better simulated neighbour until none is (or the
-    budget of simulations or the time is spent). On small pipelines a stuck climb also tries pairs of
-    block moves; the lower bound skips every candidate that cannot be better, so plateaus cost little."""
-    best, spent = start, 0
-    while time.monotonic() < deadline and spent < budget:
+    budget of simulations, of ``work`` in stage-microbatches simulated, or the time is spent). On small
+    pipelines a stuck climb also tries pairs of block moves; the lower bound skips every candidate that
+    cannot be better, so plateaus cost little. Every budget but ``deadline`` is deterministic."""
+    best, spent, done = start, 0, 0.0
+    while time.monotonic() < deadline and spent < budget and done < work:
         compute = evaluator.costs(best.candidate).compute
         load = [c.forward_s + c.backward_s for c in compute]
         improved = None
@@ -198,10 +223,11 @@ def polish(
                 continue
             ev = evaluator.evaluate(cand)
             spent += 1
+            done += cand.num_stages * cand.microbatches
             if score(ev, goal) < score(best, goal) * (1 - 1e-9):
                 improved = ev
                 break
-            if spent >= budget or time.monotonic() >= deadline:
+            if spent >= budget or done >= work or time.monotonic() >= deadline:
                 break
         if improved is None:
             break
@@ -224,44 +250,57 @@ def search(
     progress: Progress | None = None,
     polish_top: int = 5,
     restage: bool = True,
+    effort: float | None = None,
+    polish_budget: int = POLISH_SIMULATIONS,
+    polish_work: float = POLISH_WORK,
 ) -> tuple[Evaluation | None, SearchStats]:
     """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
 
-    ``restage`` re-solves the best two with one stage fewer and one more.
+    ``restage`` re-solves the best two with one stage fewer and one more. ``effort``: CP-SAT
+    deterministic seconds for the whole search (default :data:`LARGE_EFFORT` or :data:`SMALL_EFFORT`);
+    ``polish_budget``: simulations per hill climb; ``polish_work``: stage-microbatches simulated by all
+    climbs together (what sizes the climbs by the problem: a 51-stage pipeline gets fewer simulations).
     """
     began = time.monotonic()
     large = len(problem.dcs) > SHORTLIST and allowed is None
-    if time_limit_s is None and large:
-        time_limit_s = LARGE_BUDGET_S
+    if effort is None:
+        effort = LARGE_EFFORT if large else SMALL_EFFORT
     deadline = began + time_limit_s if time_limit_s is not None else math.inf
     stats = SearchStats()
     seeds = list(single_stage(problem)) + [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)]
+    seeds += [ev.candidate for ev in evaluator.evaluated]  # what earlier searches simulated (explanations share it)
+    spent = 0.0  # CP-SAT deterministic seconds so far
     pool: list[Evaluation] = []
-    for cand in seeds:
-        if (
-            (allowed is None or set(cand.stage_dcs) <= allowed)
-            and _meets(cand, require)
-            and problem.violation(cand) is None
-        ):
-            pool.append(evaluator.evaluate(cand))
 
     def best_time() -> float:
         return min((ev.iteration_s for ev in pool), default=math.inf)
 
+    def consider(cands: list[Candidate]) -> None:
+        """Simulate the valid ones, skipping each whose bound cannot beat the best simulated score."""
+        for cand in cands:
+            if problem.violation(cand) is not None or not _meets(cand, require):
+                continue
+            if pool and score_bound(evaluator, cand, goal) >= min(score(ev, goal) for ev in pool):
+                stats.skipped += 1
+                continue
+            pool.append(evaluator.evaluate(cand))
+
+    seeds = [c for c in seeds if (allowed is None or set(c.stage_dcs) <= allowed) and _meets(c, require)]
+    consider(sorted((c for c in seeds if problem.violation(c) is None), key=lambda c: score_bound(evaluator, c, goal)))
     options = sorted(problem.dp_options(), key=lambda dm: estimate_s(problem, *dm))
     for k, (d, m) in enumerate(options):
         if goal.weight == 0 and goal.max_time_s is None and estimate_s(problem, d, m) >= best_time():
             stats.pruned += 1
             continue
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or spent >= effort:
             stats.proven = False
-            stats.notes.append(f"time limit: d={d} and later degrees not searched")
+            why = "time limit" if time.monotonic() >= deadline else "search budget"
+            stats.notes.append(f"{why}: d={d} and later degrees not searched")
             break
         for chain in chains(problem, d, set(require or {})) if large else [None]:
             left = deadline - time.monotonic()
-            limit = MODEL_LIMIT_S if large else None
-            if not math.isinf(left):
-                limit = max(0.05, left * 0.5) if limit is None else min(limit, max(0.05, left * 0.5))
+            limit = None if math.isinf(left) else max(0.05, left * 0.5)
+            work = max(0.05, (effort - spent) * 0.5)
             result = solve(
                 problem,
                 d,
@@ -271,22 +310,22 @@ def search(
                 allowed=allowed,
                 chain=chain,
                 time_limit_s=limit,
+                effort=min(MODEL_EFFORT, work) if large else work,
                 keep=2 if large else 3,
-                workers=2 if large else 1,
             )
+            spent += result.deterministic_s
             stats.models += 1
             stats.solve_s += result.wall_s
             stats.proven &= result.status in ("optimal", "infeasible") and not large
-            for sol in result.solutions:
-                if problem.violation(sol.candidate) is None and _meets(sol.candidate, require):
-                    pool.append(evaluator.evaluate(sol.candidate))
+            consider([sol.candidate for sol in reversed(result.solutions)])  # the best surrogate first
             log.debug(
-                "d=%d m=%d chain=%s: CP-SAT %s in %.2f s, %d solutions; best simulated %.4f s",
+                "d=%d m=%d chain=%s: CP-SAT %s in %.2f s (%.2f deterministic), %d solutions; best simulated %.4f s",
                 d,
                 m,
                 chain,
                 result.status,
                 result.wall_s,
+                result.deterministic_s,
                 len(result.solutions),
                 best_time(),
             )
@@ -303,7 +342,7 @@ def search(
                 continue
             tried.add((d, stages))
             left = deadline - time.monotonic()
-            limit = MODEL_LIMIT_S / 2 if large else None if math.isinf(left) else max(0.05, left / 4)
+            limit = None if math.isinf(left) else max(0.05, left / 4)
             result = solve(
                 problem,
                 d,
@@ -314,14 +353,12 @@ def search(
                 chain=ev.candidate.path if large else None,
                 stages=stages,
                 time_limit_s=limit,
+                effort=MODEL_EFFORT / 2 if large else max(0.05, (effort - spent) / 4),
             )
+            spent += result.deterministic_s
             stats.models += 1
             stats.solve_s += result.wall_s
-            pool += [
-                evaluator.evaluate(s.candidate)
-                for s in result.solutions
-                if problem.violation(s.candidate) is None and _meets(s.candidate, require)
-            ]
+            consider([sol.candidate for sol in reversed(result.solutions)])
     ranked = sorted(set(pool), key=lambda ev: score(ev, goal))
     finals = []
     if math.isinf(deadline):  # no time limit: the simulation budget alone bounds the climb, so the plan
@@ -332,9 +369,14 @@ def search(
     for ev in ranked:
         starts.setdefault((ev.candidate.dp, ev.candidate.path), ev)
     starts_list = list(starts.values())[:polish_top]
+    worked: list[float] = []  # the work of each climb (approximately: simulations x its start's size)
     for k, ev in enumerate(starts_list):
         share = (polish_until - time.monotonic()) / (len(starts_list) - k)  # what is left, split over the rest
-        finals.append(polish(problem, evaluator, ev, goal, time.monotonic() + share, require))
+        left = polish_work - sum(worked)  # half of what is left to each climb, all of it to the last: the best
+        work = left if k == len(starts_list) - 1 else left / 2  # start climbs furthest
+        before = evaluator.simulations
+        finals.append(polish(problem, evaluator, ev, goal, time.monotonic() + share, require, polish_budget, work))
+        worked.append((evaluator.simulations - before) * ev.candidate.num_stages * ev.candidate.microbatches)
     best = min(finals + ranked[:1], key=lambda ev: (score(ev, goal), ev.iteration_s, ev.wan_cost_usd))
     log.debug(
         "search: %d models, %d d pruned, %d simulations; best %s = %.4f s",
@@ -358,6 +400,9 @@ class SearchOptions(TypedDict, total=False):
     progress: Progress | None
     polish_top: int
     restage: bool
+    effort: float | None
+    polish_budget: int
+    polish_work: float
 
 
 def plan_search(

@@ -56,7 +56,8 @@ def test_simulate_a_config_needs_stages_or_a_plan(capsys) -> None:
             lambda d: (
                 d["cluster"].update(links=[]),
                 [dc.update(gpus=1) for dc in d["cluster"]["datacenters"]],
-                [dc["gpu"].update(memory_gib=0.05) for dc in d["cluster"]["datacenters"]],
+                # 0.005 GiB holds 3 of the 6 blocks (0.05 GiB holds the whole 0.01 GiB model on one GPU)
+                [dc["gpu"].update(memory_gib=0.005) for dc in d["cluster"]["datacenters"]],
             ),
             ["pipeline stages", "no WAN link joins"],
         ),

@@ -1,0 +1,157 @@
+"""Honest summaries: floors bound every simulated plan, "proven" needs a floor, infeasibility names its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from geosched.cli import main
+from geosched.config import Config, config_from_dict, load_config
+from geosched.errors import PlanInfeasible
+from planner.bruteforce import brute_force, enumerable
+from planner.evaluate import Evaluator
+from planner.explain import _versus, summary_dict, summary_text, unused_reasons
+from planner.feasibility import check_feasible
+from planner.floors import ROUNDING, job_floors
+from planner.generate import random_config, two_datacenters
+from planner.planning import make_plan
+from planner.search import single_stage
+from planner.space import Candidate, Problem, even_split, from_split
+
+
+def wan_bound(memory_gib: float = 3.0) -> Config:
+    """Two DCs of 2 small GPUs: no DC holds the model alone, so every plan crosses the 2 Gb/s link."""
+    gpu = {"name": "small", "tflops": 100, "memory_gib": memory_gib}
+    return config_from_dict(
+        {
+            "cluster": {
+                "name": "wan-bound",
+                "datacenters": [{"name": "a", "gpus": 2, "gpu": gpu}, {"name": "b", "gpus": 2, "gpu": gpu}],
+                "links": [{"between": ["a", "b"], "bandwidth_gbps": 2, "rtt_ms": 20, "per_connection_gbps": 1}],
+            },
+            "job": {
+                "model": {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000},
+                "global_batch": 16,
+                "microbatch_size": 1,
+                "recompute": "full",
+            },
+        },
+        source="wan_bound",
+    )
+
+
+def one_gpu() -> Config:
+    """One GPU: the only plan is one stage, whose busy time is the compute floor."""
+    gpu = {"name": "H100", "tflops": 400, "memory_gib": 80}
+    return config_from_dict(
+        {
+            "cluster": {"name": "one-gpu", "datacenters": [{"name": "solo", "gpus": 1, "gpu": gpu}], "links": []},
+            "job": {
+                "model": {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 1024, "vocab": 32000},
+                "global_batch": 8,
+                "microbatch_size": 2,
+            },
+        },
+        source="one_gpu",
+    )
+
+
+def even_pipelines(problem: Problem) -> list[Candidate]:
+    """Every 2-4 stage pipeline with an even split over every path of one or two DCs, every (d, m)."""
+    out = []
+    for d, m in problem.dp_options():
+        for path in problem.simple_paths(max_len=2):
+            for p in range(max(2, len(path)), min(problem.layers, 4) + 1):
+                dcs = tuple(path[0] if s < (p + 1) // len(path) else path[-1] for s in range(p))
+                out.append(from_split(d, m, dcs, even_split(problem.layers, p)))
+    return out
+
+
+CASES = [random_config(seed) for seed in range(1000, 1012)] + [wan_bound()]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.cluster.name)
+def test_floors_bound_every_candidate_the_brute_force_simulates(cfg: Config) -> None:
+    problem = Problem(cfg)
+    assert enumerable(problem)
+    floors = job_floors(problem)
+    evaluator = Evaluator(problem)
+    for cand in [*single_stage(problem), *even_pipelines(problem)]:  # far from optimal ones too
+        if problem.violation(cand) is None:
+            evaluator.evaluate(cand)
+    best, _ = brute_force(problem, evaluator)
+    assert evaluator.evaluated
+    for ev in evaluator.evaluated:
+        assert problem.violation(ev.candidate) is None
+        assert ev.iteration_s >= floors.compute_s * (1 - 1e-9), ev.candidate.describe()
+        assert ev.iteration_s >= floors.wan_s * (1 - 1e-9), ev.candidate.describe()
+        assert ev.candidate.num_stages >= floors.min_stages
+    assert best.iteration_s >= floors.best_s * (1 - 1e-9)
+
+
+def test_the_wan_floor_counts_only_when_no_dc_holds_the_job() -> None:
+    bound = job_floors(Problem(wan_bound()))
+    assert bound.min_stages == 3 and bound.wan_s > 0  # 3 stages > the 2 GPUs of either DC
+    # 16 sequences x one 1024 x 2048 bf16 activation each way, at the link's 2 Gb/s
+    assert bound.wan_s == pytest.approx(16 * 1024 * 2048 * 2 * 8 / 2e9)
+    assert job_floors(Problem(wan_bound(memory_gib=80))).wan_s == 0
+
+
+def test_proven_optimal_only_at_a_floor() -> None:
+    exact = make_plan(one_gpu())
+    data = summary_dict(exact.plan, [])
+    assert data["optimality"]["proven"] and data["floors"]["ratio_to_best_floor"] == pytest.approx(1, rel=ROUNDING)
+    assert "proven optimal: equals the compute floor" in summary_text(exact.plan, [])
+    for cfg in [random_config(seed) for seed in range(1000, 1006)] + [wan_bound(), two_datacenters(100, 2, 25)]:
+        outcome = make_plan(cfg)
+        text, data = summary_text(outcome.plan, []), summary_dict(outcome.plan, [])
+        floors = job_floors(outcome.problem)
+        assert "floors: compute" in text and data["floors"]["best_s"] == floors.best_s
+        if outcome.best.iteration_s > floors.best_s * (1 + ROUNDING):
+            assert "proven optimal" not in text.replace("not proven optimal", "")
+            assert not data["optimality"]["proven"]
+            assert "within" in text and "of a lower bound" in text
+        assert "CP-SAT solved every model to optimality" not in text  # the surrogate is named as such
+
+
+def gpt3_recompute_none(tmp_path) -> str:
+    path = tmp_path / "gpt3-none.yaml"
+    text = open("configs/gpt3-3dc.yaml").read()
+    assert "recompute: full" in text
+    path.write_text(text.replace("recompute: full", "recompute: none"))
+    return str(path)
+
+
+def test_175b_without_recompute_names_in_flight_activations_and_the_fix(tmp_path, capsys) -> None:
+    cfg = load_config("configs/gpt3-3dc.yaml")
+    none = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, recompute="none"))
+    with pytest.raises(PlanInfeasible) as info:
+        check_feasible(Problem(none))
+    message = str(info.value)
+    assert "in-flight activations" in message and "2.87 GB per microbatch per block" in message
+    assert "job.recompute: full" in message
+    check_feasible(Problem(cfg))  # the fix it names does fit
+    assert main(["plan", gpt3_recompute_none(tmp_path), "--no-explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "job.recompute: full" in err and "Traceback" not in err
+
+
+def test_explanations_never_read_plus_zero() -> None:
+    problem = Problem(two_datacenters(100, 2, 25))
+    evaluator = Evaluator(problem)
+    ev = evaluator.evaluate(next(c for c in single_stage(problem) if problem.violation(c) is None))
+    same = _versus(ev, ev)
+    assert "+0 ms" not in same and "+0.0%" not in same and "no faster" in same
+    slow = make_plan(two_datacenters(bandwidth_gbps=2, rtt_ms=150, per_connection_gbps=0.5))
+    for reason in unused_reasons(slow.problem, slow.evaluator, slow.best):
+        assert "+0 ms" not in reason.text and "+0.0%" not in reason.text
+
+
+def test_cli_json_carries_the_floors(capsys) -> None:
+    assert main(["plan", "configs/demo-3dc.yaml", "--json", "--no-explain"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["floors"]) == {"compute_s", "wan_s", "min_stages", "best_s", "ratio_to_best_floor"}
+    assert data["prediction"]["iteration_s"] >= data["floors"]["best_s"]
+    assert data["optimality"]["text"].startswith(("proven optimal", "not proven optimal"))
