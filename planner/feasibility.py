@@ -51,26 +51,6 @@ def check_size(problem: Problem) -> None:
         )
 
 
-def components(problem: Problem) -> list[list[str]]:
-    """Groups of datacenters joined (directly or not) by WAN links, largest GPU count first."""
-    seen: set[str] = set()
-    groups = []
-    for dc in problem.dcs:
-        if dc in seen:
-            continue
-        group, todo = [], [dc]
-        seen.add(dc)
-        while todo:
-            cur = todo.pop()
-            group.append(cur)
-            for nxt in problem.neighbours[cur]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        groups.append(sorted(group, key=problem.dcs.index))
-    return sorted(groups, key=lambda g: -sum(problem.gpus[dc] for dc in g))
-
-
 def size_text(nbytes: float) -> str:
     """``12.3 GiB`` or, below one GiB, ``35.2 MiB``."""
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
@@ -112,10 +92,10 @@ def check_feasible(problem: Problem) -> None:
     # fewest stages the memory allows, with one microbatch in flight (a lower bound for any schedule)
     need = fewest_stages(problem, most)
     per_gpu = max((n for n in range(1, L + 1) if stage_memory_bytes(job, (0, n), False, False, 1) <= most), default=0)
-    group = components(problem)[0]
+    group = problem.components()[0]
     have = sum(problem.gpus[dc] for dc in group)
     if need > have:
-        others = [g for g in components(problem)[1:]]
+        others = [g for g in problem.components()[1:]]
         hint = (
             f"; no WAN link joins {', '.join(group)} to {', '.join(dc for g in others for dc in g)}: add one"
             if others
@@ -186,7 +166,7 @@ def check_inflight(problem: Problem) -> None:
     job, L = problem.job, problem.layers
     if not problem.uniform_layers or L < 2 or not problem.dp_options():
         return
-    group = components(problem)[0]
+    group = problem.components()[0]
     most = sum(problem.gpus[dc] for dc in group)
     held, depth = deepest_fit(problem, job, most)
     if held >= L:

@@ -96,24 +96,6 @@ def fewest_stages(problem: Problem, memory_bytes: float) -> int:
     return stages
 
 
-def _groups(problem: Problem) -> list[list[str]]:
-    """Datacenters joined (directly or not) by WAN links: a plan lies inside one group."""
-    seen: set[str] = set()
-    groups = []
-    for dc in problem.dcs:
-        if dc in seen:
-            continue
-        group, todo = [], [dc]
-        seen.add(dc)
-        while todo:
-            cur = todo.pop()
-            group.append(cur)
-            todo += [n for n in problem.neighbours[cur] if n not in seen]
-            seen.update(problem.neighbours[cur])
-        groups.append(group)
-    return groups
-
-
 def job_floors(problem: Problem) -> Floors:
     """The floors of ``problem`` (see the module docstring).
 
@@ -143,7 +125,7 @@ def job_floors(problem: Problem) -> Floors:
     job = problem.job
     flop, step_s = iteration_flop(problem), optimizer_step_estimate_s(job, total_params(job))
     compute_s = math.inf
-    for group in _groups(problem):
+    for group in problem.components():
         rates = [problem.cluster.dc(dc).gpu.tflops * 1e12 for dc in group]
         total = sum(problem.gpus[dc] * rate for dc, rate in zip(group, rates))
         compute_s = min(compute_s, (flop + min(rates) * step_s) / total)

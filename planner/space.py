@@ -129,6 +129,28 @@ class Problem:
         """TCP connections on the link ``a``-``b``: enough to fill it."""
         return streams_to_fill(self.require_link(a, b))
 
+    def components(self) -> list[list[str]]:
+        """Groups of DCs joined (directly or not) by links, each in config order, most GPUs first.
+
+        A plan lies inside one group: its pipelines follow links.
+        """
+        seen: set[str] = set()
+        groups = []
+        for dc in self.dcs:
+            if dc in seen:
+                continue
+            group, todo = [], [dc]
+            seen.add(dc)
+            while todo:
+                cur = todo.pop()
+                group.append(cur)
+                for nxt in self.neighbours[cur]:
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            groups.append(sorted(group, key=self.dcs.index))
+        return sorted(groups, key=lambda g: -sum(self.gpus[dc] for dc in g))
+
     def simple_paths(self, max_len: int | None = None) -> Iterator[tuple[str, ...]]:
         """Every simple path of DCs along links (each direction separately), shortest first per start."""
         limit = max_len or len(self.dcs)

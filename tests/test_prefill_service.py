@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
+from polling import wait_for
 
 from agents.prefill.client import PrefillClient, continue_greedy
 from agents.prefill.model import kv_bytes_per_token
@@ -94,7 +94,7 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
         PrefillClient(service.endpoint) as client,
     ):
         rid = client.submit(list(range(10)))
-        assert wait_until(lambda: service.metrics()["queue_len"] == 1)
+        assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
         checks = iter([False, False, True])
         spans = service.fill(lambda: next(checks), budget_s=1.0)
         assert [s.tokens for s in spans] == [1, 1]  # two chunks, then straight back to training
@@ -113,24 +113,15 @@ def test_chunk_size_follows_the_remaining_budget(model):
         PrefillClient(service.endpoint) as client,
     ):
         client.submit(list(range(30)))
-        assert wait_until(lambda: service.metrics()["queue_len"] == 1)
+        assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
         small = service.fill(lambda: False, budget_s=0.0)  # no predicted idle time: smallest chunks
         assert [s.tokens for s in small] == [1] * 30
         client.receive(10)
         client.submit(list(range(30)))
-        assert wait_until(lambda: service.metrics()["queue_len"] == 1)
+        assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
         large = service.fill(lambda: False, budget_s=1e6)  # plenty of idle time: one chunk
         assert [s.tokens for s in large] == [30]
         assert client.receive(10).status == "ok"
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_admission_control_rejects_at_once_with_the_reason(model):
@@ -170,7 +161,7 @@ def test_pending_requests_are_answered_when_the_service_closes(model):
     service = PrefillService(model)
     with PrefillClient(service.endpoint) as client:
         rid = client.submit(list(range(10)))
-        assert wait_until(lambda: service.metrics()["queue_len"] == 1)
+        assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
         service.close()
         result = client.receive(10)
         assert (result.id, result.status) == (rid, "error") and "shutting down" in result.reason
