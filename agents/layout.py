@@ -264,12 +264,12 @@ def layout_plan_text(
         bounds = [round(i * layers / len(dcs)) for i in range(len(dcs) + 1)]
         stage_layers = [(bounds[i], bounds[i + 1]) for i in range(len(dcs))]
     job = config.job
-    if job.global_batch % (dp * job.microbatch_size):
+    if job.global_batch % (dp * job.batch):
         raise PlanError(
-            f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x microbatch_size({job.microbatch_size})"
+            f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x microbatch_size({job.batch})"
         )
     problem = Problem(config)
-    cand = Candidate(dp, job.global_batch // (dp * job.microbatch_size), tuple(dcs), tuple(stage_layers))
+    cand = Candidate(dp, job.global_batch // (dp * job.batch), tuple(dcs), tuple(stage_layers))
     violation = problem.violation(cand)
     if violation is not None:
         raise PlanError(f"layout {cand.describe()}: {violation}")

@@ -20,6 +20,7 @@ listed is absent: those two DCs cannot exchange pipeline traffic.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -38,8 +39,13 @@ MAX_DC_GPUS = 1_000_000
 """The most GPUs one datacenter may offer."""
 MAX_DATACENTERS = 256
 """The most datacenters a cluster may have."""
+MAX_GPUS_PER_NODE = 64
+"""The most GPUs one node (and so one tensor-parallel group) may have."""
+SCHEDULES = ("gpipe", "1f1b", "zb1p")
+"""Pipeline schedules the planner, simulator and agents know (zb1p: Qi et al. 2023's ZB-H1)."""
 
 Precision = Literal["fp32", "bf16", "fp16"]
+ScheduleName = Literal["gpipe", "1f1b", "zb1p"]
 BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -63,6 +69,13 @@ class DatacenterSpec:
         "per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, gt=0, le=1e6
     )
     intra_latency_us: float = spec("one-hop latency inside the DC, microseconds", 10.0, ge=0, le=1e6)
+    gpus_per_node: int = spec(
+        "GPUs per node (server); tensor parallelism stays inside one node", 8, ge=1, le=MAX_GPUS_PER_NODE
+    )
+    node_bandwidth_gbps: float = spec(
+        "per-GPU bandwidth between the GPUs of one node, Gb/s (NVLink-class: 2400 = 300 GB/s)", 2400.0, gt=0, le=1e7
+    )
+    node_latency_us: float = spec("one-hop latency between the GPUs of one node, microseconds", 3.0, ge=0, le=1e6)
 
 
 @dataclass(frozen=True)
@@ -136,16 +149,41 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What is trained and how."""
+    """What is trained and how.
+
+    ``microbatch_size``, ``schedule``, ``tensor_parallel`` and ``zero`` left
+    null are the planner's to choose; a value pins them. A plan's embedded
+    config has all four set (:meth:`resolved`), and that is what agents run.
+    """
 
     model: ModelSpec = spec("the model")
     global_batch: int = spec("sequences per iteration, over all replicas", ge=1, le=1 << 24)
-    microbatch_size: int = spec("sequences per microbatch", ge=1, le=1 << 24)
+    microbatch_size: int | None = spec("sequences per microbatch; null: the planner chooses", None, ge=1, le=1 << 24)
     precision: Precision = spec("training precision", "bf16")
     optimizer_bytes_per_param: float = spec(
         "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0, le=1024
     )
-    schedule: Literal["1f1b", "gpipe"] = spec("pipeline schedule", "1f1b")
+    schedule: ScheduleName | None = spec(
+        "pipeline schedule (gpipe, 1f1b, zb1p = zero-bubble ZB-H1); null: the planner chooses", None
+    )
+    tensor_parallel: int | None = spec(
+        "tensor-parallel degree inside a node (divides gpus_per_node and heads); null: the planner chooses",
+        None,
+        ge=1,
+        le=MAX_GPUS_PER_NODE,
+    )
+    zero: int | None = spec(
+        "ZeRO stage inside a stage's data-parallel group: 0 none, 1 optimizer state sharded, "
+        "2 gradients too; null: the planner chooses",
+        None,
+        ge=0,
+        le=2,
+    )
+    attention: Literal["flash", "unfused"] = spec(
+        "attention kernel for activation memory: 'flash' keeps no s^2 scores (fused attention), "
+        "'unfused' keeps them (Korthikanti et al. 2022's 5as/h term)",
+        "flash",
+    )
     recompute: Literal["none", "full"] = spec(
         "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward", "none"
     )
@@ -157,6 +195,46 @@ class JobSpec:
     def bytes_per_element(self) -> int:
         """Bytes per activation/weight element at the job's precision."""
         return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def batch(self) -> int:
+        """The microbatch size of a resolved job (:meth:`resolved`): sequences per microbatch."""
+        if self.microbatch_size is None:
+            raise ConfigError("job.microbatch_size: not chosen yet; plan the job first (geosched plan)")
+        return self.microbatch_size
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 when not chosen)."""
+        return self.tensor_parallel or 1
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage (0 when not chosen)."""
+        return self.zero or 0
+
+    @property
+    def pipeline_schedule(self) -> ScheduleName:
+        """The schedule (1f1b when not chosen)."""
+        return self.schedule or "1f1b"
+
+    def resolved(
+        self,
+        *,
+        microbatch_size: int | None = None,
+        schedule: ScheduleName | None = None,
+        tensor_parallel: int | None = None,
+        zero: int | None = None,
+    ) -> JobSpec:
+        """This job with every planner choice set: the arguments, else the pinned values, else
+        the defaults (microbatch 1, 1f1b, no tensor parallelism, no ZeRO)."""
+        return dataclasses.replace(
+            self,
+            microbatch_size=microbatch_size or self.microbatch_size or 1,
+            schedule=schedule or self.pipeline_schedule,
+            tensor_parallel=tensor_parallel or self.tp,
+            zero=self.zero_stage if zero is None else zero,
+        )
 
 
 @dataclass(frozen=True)
@@ -191,12 +269,16 @@ def _cross_checks(cfg: Config) -> None:
     job, model = cfg.job, cfg.job.model
     if model.hidden % model.heads:
         raise ConfigError(f"job.model.heads: hidden({model.hidden}) must be divisible by heads({model.heads})")
+    if job.tensor_parallel is not None and model.heads % job.tensor_parallel:
+        raise ConfigError(
+            f"job.tensor_parallel: heads({model.heads}) must be divisible by tensor_parallel({job.tensor_parallel})"
+        )
     if model.custom_layers and len(model.custom_layers) != model.layers:
         raise ConfigError(
             f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
             f"layers = {model.layers}; give one entry per layer"
         )
-    if job.global_batch % job.microbatch_size:
+    if job.microbatch_size is not None and job.global_batch % job.microbatch_size:
         raise ConfigError(
             f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "
             f"microbatch_size({job.microbatch_size})"

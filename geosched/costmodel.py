@@ -236,7 +236,7 @@ def stage_compute(
     calibration.optimizer_step_s_per_param`` (same scaling), else
     :func:`optimizer_step_estimate_s`.
     """
-    b = job.microbatch_size
+    b = job.batch
     start, end = layers
     params = stage_params(job, layers, first, last)
     if calibration is not None:
@@ -283,7 +283,7 @@ def boundary_bytes(job: JobSpec, after_layer: int) -> int:
     """Bytes of one microbatch's activation (or its gradient) leaving layer ``after_layer - 1``."""
     costs = layer_costs(job)
     per_sample = costs[after_layer - 1].activation_bytes if after_layer > 0 else costs[0].activation_bytes
-    return job.microbatch_size * per_sample
+    return job.batch * per_sample
 
 
 # ------------------------------------------------------------------- memory ---
@@ -306,9 +306,9 @@ def stage_memory_bytes(job: JobSpec, layers: tuple[int, int], first: bool, last:
     if job.recompute == "full":
         kept = sum(c.activation_bytes for c in blocks) + head
         working = max((c.stash_bytes for c in blocks), default=0)
-        return int(state + job.microbatch_size * (inflight * kept + working))
+        return int(state + job.batch * (inflight * kept + working))
     stash = sum(c.stash_bytes for c in blocks) + head
-    return int(state + inflight * job.microbatch_size * stash)
+    return int(state + inflight * job.batch * stash)
 
 
 def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:

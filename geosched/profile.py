@@ -96,7 +96,7 @@ def measure_stage(
         job.model, layers[0], layers[1], first=first, last=last, seed=job.seed, dtype=PRECISION_DTYPES[job.precision]
     ).to(device)
     shape = ModelShape.of(job.model)
-    b, T = job.microbatch_size, shape.seq_len
+    b, T = job.batch, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
 
     def make_input() -> torch.Tensor:
@@ -176,7 +176,7 @@ def measure_optimizer_step(
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
     optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
-    tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.microbatch_size, job.model.seq_len), generator=g).to(
+    tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.batch, job.model.seq_len), generator=g).to(
         device
     )  # (b, T)
     times = []
@@ -198,7 +198,7 @@ def measure_optimizer_step(
 
 def profile_microbatches(job: JobSpec) -> int:
     """Microbatches in flight per measured step: the job's per-replica count, at most MAX_PROFILE_MICROBATCHES."""
-    return max(1, min(MAX_PROFILE_MICROBATCHES, job.global_batch // job.microbatch_size))
+    return max(1, min(MAX_PROFILE_MICROBATCHES, job.global_batch // job.batch))
 
 
 def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int]:
@@ -208,7 +208,7 @@ def measure_activation_bytes(job: JobSpec, device: str = "cpu") -> dict[str, int
     forward, weights excluded.
     """
     shape = ModelShape.of(job.model)
-    b, T, dtype = job.microbatch_size, shape.seq_len, PRECISION_DTYPES[job.precision]
+    b, T, dtype = job.batch, shape.seq_len, PRECISION_DTYPES[job.precision]
     sizes = {}
     for name, layers, last in (("block", (0, 1), False), ("head", (shape.layers, shape.layers), True)):
         stage = build_stage(job.model, *layers, first=False, last=last, seed=job.seed, dtype=dtype).to(device)
@@ -295,7 +295,7 @@ def profile_job(
     step_per_param = measure_optimizer_step(
         job, repeats=repeats, warmup=warmup, device=device, progress=tick_step, microbatches=stash
     )
-    b = job.microbatch_size
+    b = job.batch
     cal: dict[str, Any] = {"gpu_name": gpu_name or device_name(device)}
     for name in ("embed", "block", "head"):
         cal[f"{name}_forward_s"] = times[name].forward_s / b

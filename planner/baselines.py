@@ -143,7 +143,7 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
             f"{size_text(problem.memory_bytes[roomiest])} in dc {roomiest!r}",
         )
     skipped = [dc for dc in problem.dcs if dc not in hosts]
-    sequences = job.global_batch // job.microbatch_size
+    sequences = job.global_batch // job.batch
     gpus = min(sum(problem.gpus[dc] for dc in hosts), sequences)
     per_gpu = -(-sequences // gpus)  # microbatches on the busiest GPU
     rings = _orders(problem, hosts, cycle=True) if len(hosts) > 1 else [hosts]
@@ -218,7 +218,7 @@ def atlas_greedy(problem: Problem, evaluator: Evaluator) -> BaselineResult:
     name, L = "atlas-greedy", problem.layers
     by_free = sorted(problem.dcs, key=lambda dc: (-problem.gpus[dc], problem.dcs.index(dc)))
     roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
-    m_most = problem.job.global_batch // problem.job.microbatch_size
+    m_most = problem.job.global_batch // problem.job.batch
     p_min = next(
         (
             p

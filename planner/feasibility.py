@@ -65,7 +65,7 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
         f"{what} needs {size_text(need)} per GPU (weights, gradients and optimizer state "
         f"{size_text(state)} + activations of one microbatch {size_text(need - state)}) > "
         f"{problem.memory_bytes[roomiest] / GIB:g} GiB, the most any GPU has (dc {roomiest!r}); "
-        f"use job.recompute: full, a smaller job.microbatch_size, fewer optimizer bytes or GPUs with more memory"
+        f"use job.recompute: full, a smaller job.batch, fewer optimizer bytes or GPUs with more memory"
     )
 
 
@@ -75,7 +75,7 @@ def check_feasible(problem: Problem) -> None:
     if not problem.dp_options():
         raise PlanInfeasible(
             f"job.global_batch({job.global_batch}) is not a multiple of "
-            f"job.microbatchsize_text({job.microbatch_size}); make it one"
+            f"job.microbatchsize_text({job.batch}); make it one"
         )
     most = max(problem.memory_bytes.values())
     if L == 1:
@@ -138,7 +138,7 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int) -> tuple[int, 
     """
     L = problem.layers
     cap = _capacity(job, L, max(problem.memory_bytes.values()))
-    sequences = job.global_batch // job.microbatch_size if job.global_batch % job.microbatch_size == 0 else 0
+    sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
     best = (L if stage_memory_bytes(job, (0, L), True, True, 1) <= max(problem.memory_bytes.values()) else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
@@ -175,10 +175,10 @@ def check_inflight(problem: Problem) -> None:
     state = block.params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
     mem = max(problem.memory_bytes.values())
     if job.recompute == "full":
-        kept_gb = block.activation_bytes * job.microbatch_size / 1e9
+        kept_gb = block.activation_bytes * job.batch / 1e9
         kept = f"each block keeping its input, {kept_gb:.3g} GB per microbatch per block"
     else:
-        kept = f"{block.stash_bytes * job.microbatch_size / 1e9:.3g} GB per microbatch per block (recompute: none)"
+        kept = f"{block.stash_bytes * job.batch / 1e9:.3g} GB per microbatch per block (recompute: none)"
     rule = (
         "1F1B keeps min(p - s, m) microbatches in flight on stage s of p"
         if job.schedule == "1f1b"
@@ -187,13 +187,13 @@ def check_inflight(problem: Problem) -> None:
     changes = {
         "job.recompute: full": dataclasses.replace(job, recompute="full"),
         "job.schedule: 1f1b": dataclasses.replace(job, schedule="1f1b"),
-        "job.microbatch_size: 1": dataclasses.replace(job, microbatch_size=1),
+        "job.batch: 1": dataclasses.replace(job, microbatch_size=1),
     }
     fixes = [name for name, other in changes.items() if other != job and deepest_fit(problem, other, most)[0] >= L]
     fix = (
         f"use {' or '.join(fixes)}, which lifts this limit"
         if fixes
-        else "use job.recompute: full, a smaller job.microbatch_size, or GPUs with more memory"
+        else "use job.recompute: full, a smaller job.batch, or GPUs with more memory"
     )
     raise PlanInfeasible(
         f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "

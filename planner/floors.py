@@ -134,8 +134,8 @@ def job_floors(problem: Problem) -> Floors:
     wan_s = 0.0
     one_dc = any(0 < fewest_stages(problem, problem.memory_bytes[dc]) <= problem.gpus[dc] for dc in problem.dcs)
     links = problem.cluster.links
-    if not one_dc and links and problem.layers > 1 and job.global_batch % job.microbatch_size == 0:
-        sequences = job.global_batch // job.microbatch_size
+    if not one_dc and links and problem.layers > 1 and job.global_batch % job.batch == 0:
+        sequences = job.global_batch // job.batch
         least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
         fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
         wan_s = sequences * least * 8 / fastest

@@ -16,6 +16,7 @@ once: the (d, m) choices, the link graph and the memory rule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,9 +92,10 @@ class Problem:
     """Everything the searches need to know about one config, computed once."""
 
     def __init__(self, cfg: Config):
+        cfg = dataclasses.replace(cfg, job=cfg.job.resolved())
         self.cfg, self.cluster, self.job = cfg, cfg.cluster, cfg.job
         self.layers = cfg.job.model.layers
-        self.schedule = cfg.job.schedule
+        self.schedule = cfg.job.pipeline_schedule
         self.dcs = tuple(dc.name for dc in cfg.cluster.datacenters)
         self.gpus = {dc.name: dc.gpus for dc in cfg.cluster.datacenters}
         self.memory_bytes = {dc.name: dc.gpu.memory_gib * GIB for dc in cfg.cluster.datacenters}
@@ -109,9 +111,9 @@ class Problem:
     def dp_options(self) -> list[tuple[int, int]]:
         """Every ``(d, m)``: ``d x microbatch_size`` divides the global batch and ``d`` fits some DC."""
         job = self.job
-        if job.global_batch % job.microbatch_size:
+        if job.global_batch % job.batch:
             return []
-        sequences = job.global_batch // job.microbatch_size
+        sequences = job.global_batch // job.batch
         most = max(self.gpus.values())
         return [(d, sequences // d) for d in range(1, min(sequences, most) + 1) if sequences % d == 0]
 
@@ -208,9 +210,9 @@ class Problem:
         if p < 1 or len(cand.stage_layers) != p:
             return "a plan needs at least one stage and one layer range per stage"
         job = self.job
-        if cand.dp * cand.microbatches * job.microbatch_size != job.global_batch:
+        if cand.dp * cand.microbatches * job.batch != job.global_batch:
             return (
-                f"dp({cand.dp}) x microbatches({cand.microbatches}) x microbatch_size({job.microbatch_size}) "
+                f"dp({cand.dp}) x microbatches({cand.microbatches}) x microbatch_size({job.batch}) "
                 f"!= global_batch({job.global_batch})"
             )
         expected = 0

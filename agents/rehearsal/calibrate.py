@@ -96,7 +96,7 @@ def calibrate(
             progress(0, 1, "message costs (echo peer process)")
 
         costs = measure_message_costs(
-            cal["activation_bytes_per_sequence"] * job.microbatch_size,
+            cal["activation_bytes_per_sequence"] * job.batch,
             block_unit(job, device),
             streams=streams,
             emulated=emulated,
@@ -125,7 +125,7 @@ def block_unit(job: JobSpec, device: str = "cpu") -> Callable[[], None]:
     dtype = PRECISION_DTYPES[job.precision]
     block = build_stage(job.model, 0, 1, first=False, last=False, seed=job.seed, dtype=dtype).to(device)
     x = torch.randn(
-        job.microbatch_size, job.model.seq_len, job.model.hidden, device=device, dtype=dtype, requires_grad=True
+        job.batch, job.model.seq_len, job.model.hidden, device=device, dtype=dtype, requires_grad=True
     )  # (b, T, C)
     grad = torch.randn_like(x)
 

@@ -74,18 +74,18 @@ def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], A
 
 def num_microbatches(job: JobSpec, dp: int) -> int:
     """Microbatches per replica and step: global_batch / (dp * microbatch_size), which must be whole."""
-    per_step = dp * job.microbatch_size
+    per_step = dp * job.batch
     if job.global_batch % per_step:
         raise PlanError(
             f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
-            f"microbatch_size({job.microbatch_size}) = {per_step}; change one of them"
+            f"microbatch_size({job.batch}) = {per_step}; change one of them"
         )
     return job.global_batch // per_step
 
 
 def job_schedule(job: JobSpec, num_stages: int, dp: int) -> Schedule:
     """The job's lowered, validated schedule for ``num_stages`` stages."""
-    schedule = lower(build_schedule(job.schedule, num_stages, num_microbatches(job, dp)))
+    schedule = lower(build_schedule(job.pipeline_schedule, num_stages, num_microbatches(job, dp)))
     validate(schedule)
     return schedule
 
@@ -179,7 +179,7 @@ class RankSession:
                     dataset,
                     role.replica,
                     role.dp_size,
-                    job.microbatch_size,
+                    job.batch,
                     self.schedule.num_microbatches,
                     start_step=self.start_step,
                 )

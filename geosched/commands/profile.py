@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     """Profile the job's model and write/print the calibration."""
     from geosched.config import load_config
 
-    job = load_config(args.config).job  # first: a bad config is refused before torch is imported
+    job = load_config(args.config).job.resolved()  # first: a bad config is refused before torch is imported
     import torch
 
     from agents.rehearsal.calibrate import calibrate

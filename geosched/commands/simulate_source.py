@@ -13,6 +13,8 @@ The simulate verb calls :func:`build` and lowers and simulates what it returns.
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 from typing import Any
 
@@ -66,6 +68,7 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from planner.space import Problem, even_split, from_split
 
     cfg = load_config(args.source)
+    cfg = dataclasses.replace(cfg, job=cfg.job.resolved())  # pinned values, else 1f1b and microbatch 1
     problem = Problem(cfg)
     if args.stages is None:
         raise InputError(
@@ -78,7 +81,7 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     if p > sum(problem.gpus.values()):
         raise InputError(f"--stages {p} needs {p} GPUs but the cluster has {sum(problem.gpus.values())}")
     job = cfg.job
-    m = args.microbatches if args.microbatches is not None else job.global_batch // job.microbatch_size
+    m = args.microbatches if args.microbatches is not None else job.global_batch // job.batch
     if m < 1:
         raise InputError(f"--microbatches must be >= 1 (got {m})")
     counts = {dc: 0 for dc in problem.dcs}
@@ -95,5 +98,5 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
             )
     cand = from_split(1, m, stage_dcs, even_split(L, p))
     costs = Evaluator(problem).costs(cand)
-    schedule = build_schedule(args.schedule or job.schedule, p, m)
+    schedule = build_schedule(args.schedule or job.pipeline_schedule, p, m)
     return schedule, costs, {"source": args.source, "plan": cand.describe()}
