@@ -8,7 +8,7 @@ reads its text (what the coordinator publishes on the broker) with
 embedded config, and turns it into a :class:`JobLayout`: the config, the
 pipeline (DC and ``[start, end)`` blocks of every stage), the data-parallel
 degree, TCP streams per WAN link, the prediction, and the :class:`RankRole` of
-every rank (rank = stage x dp + replica, the plan's numbering).
+every rank (rank = (stage x dp + replica) x tp + tp_rank, the plan's numbering).
 
 Endpoint names (:func:`pipe_name`, :func:`store_name`, :func:`prefill_name`)
 are the keys agents publish their bound addresses under; :func:`plan_id` tags
@@ -47,6 +47,8 @@ class RankRole:
     group: str  # data-parallel group name, e.g. "eu/stage2"
     streams_prev: int = 1  # TCP streams of the link to stage-1 (set by its connecting side)
     streams_next: int = 1  # TCP streams this rank opens to stage+1
+    tp_rank: int = 0  # rank inside its tensor-parallel group (one node)
+    tp_size: int = 1  # GPUs per stage replica
 
     @property
     def first(self) -> bool:
@@ -58,11 +60,22 @@ class RankRole:
         """Holds the head and computes the loss."""
         return self.stage == self.num_stages - 1
 
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in its stage's process group: replica x tp + tp_rank."""
+        return self.replica * self.tp_size + self.tp_rank
+
+    @property
+    def group_size(self) -> int:
+        """Processes in the stage's group (one rendezvous store): dp x tp."""
+        return self.dp_size * self.tp_size
+
 
 def layout_roles(
-    stage_dcs: Sequence[str], stage_layers: Sequence[tuple[int, int]], dp: int, wan_streams: int = 4
+    stage_dcs: Sequence[str], stage_layers: Sequence[tuple[int, int]], dp: int, wan_streams: int = 4, tp: int = 1
 ) -> list[RankRole]:
-    """Roles of every rank of a layout (rank = stage * dp + replica); inter-DC links get ``wan_streams``."""
+    """Roles of every rank of a layout (rank = (stage * dp + replica) * tp + tp_rank); inter-DC links
+    get ``wan_streams``."""
     p = len(stage_dcs)
     if p < 1 or len(stage_layers) != p or dp < 1:
         raise PlanError(
@@ -79,10 +92,10 @@ def layout_roles(
     for s in range(p):
         prev_dc = stage_dcs[s - 1] if s > 0 else None
         next_dc = stage_dcs[s + 1] if s < p - 1 else None
-        for r in range(dp):
+        for r, j in ((r, j) for r in range(dp) for j in range(tp)):
             roles.append(
                 RankRole(
-                    rank=s * dp + r,
+                    rank=(s * dp + r) * tp + j,
                     dc=stage_dcs[s],
                     stage=s,
                     num_stages=p,
@@ -94,18 +107,21 @@ def layout_roles(
                     group=f"{stage_dcs[s]}/stage{s}",
                     streams_prev=1 if prev_dc in (None, stage_dcs[s]) else wan_streams,
                     streams_next=1 if next_dc in (None, stage_dcs[s]) else wan_streams,
+                    tp_rank=j,
+                    tp_size=tp,
                 )
             )
     return roles
 
 
-def pipe_name(stage: int, replica: int) -> str:
-    """Address book name of the link endpoint stage ``stage`` (replica ``replica``) listens on for stage-1."""
-    return f"pipe/s{stage}/r{replica}"
+def pipe_name(stage: int, replica: int, tp_rank: int = 0) -> str:
+    """Address book name of the link endpoint stage ``stage`` (replica ``replica``, tp rank ``tp_rank``)
+    listens on for the same tp rank of stage-1, e.g. ``pipe/s1/r0`` or ``pipe/s1/r0/t1``."""
+    return f"pipe/s{stage}/r{replica}" + (f"/t{tp_rank}" if tp_rank else "")
 
 
 def store_name(group: str) -> str:
-    """Address book name of a data-parallel group's rendezvous store."""
+    """Address book name of a stage group's rendezvous store (hosted by group rank 0)."""
     return f"store/{group}"
 
 
@@ -132,6 +148,7 @@ class JobLayout:
     roles: tuple[RankRole, ...]
     predicted_iteration_s: float | None = None
     predicted_bubble_fraction: float | None = None
+    extra_pipelines: tuple[tuple[str, ...], ...] = ()
 
     @property
     def job(self) -> JobSpec:
@@ -148,7 +165,7 @@ class JobLayout:
         if not 0 <= rank < len(self.roles):
             raise PlanError(
                 f"rank {rank} is not in the plan: it has ranks 0-{len(self.roles) - 1} "
-                f"({self.num_stages} stages x dp {self.dp}); start the agent with one of those"
+                f"({self.num_stages} stages x dp {self.dp} x tp {self.job.tp}); start the agent with one of those"
             )
         return self.roles[rank]
 
@@ -166,15 +183,43 @@ def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> s
     role = layout.role(rank)
     names = {prefill_name(rank)} if prefill else set()
     if not role.first:
-        names.add(pipe_name(role.stage, role.replica))
-    if role.dp_size > 1 and role.replica == 0:
+        names.add(pipe_name(role.stage, role.replica, role.tp_rank))
+    if role.group_size > 1 and role.group_rank == 0:
         names.add(store_name(role.group))
     return names
 
 
+RUNTIME_TP = 8
+"""The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
+
+
+def tp_refusal(job: JobSpec, dp: int) -> str | None:
+    """Why a stage cannot run tensor parallelism ``job.tp`` with data-parallel degree ``dp``, or None."""
+    if job.tp > RUNTIME_TP:
+        return (
+            f"the plan's tensor_parallel {job.tp} is more than this agent runs ({RUNTIME_TP}); "
+            f"re-plan with 'geosched plan CONFIG --tp {RUNTIME_TP}'"
+        )
+    if job.tp > 1 and dp > 1 and job.zero_stage > 0:
+        return (
+            f"ZeRO {job.zero_stage} with tensor_parallel {job.tp} and dp {dp} is not supported (the optimizer "
+            f"would shard over the tp ranks too); re-plan with 'geosched plan CONFIG --zero 0' or '--tp 1'"
+        )
+    return None
+
+
+def runtime_refusal(layout: JobLayout) -> str | None:
+    """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
+    return tp_refusal(layout.job, layout.dp)
+
+
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
-    """PlanError unless ``rank`` exists in the plan and (if given) ``dc`` is its DC."""
+    """PlanError unless ``rank`` exists in the plan, (if given) ``dc`` is its DC, and the agent runs every
+    dimension of the plan (:func:`runtime_refusal`)."""
     role = layout.role(rank)
+    refusal = runtime_refusal(layout)
+    if refusal is not None:
+        raise PlanError(f"rank {rank}: {refusal}")
     if dc is not None and dc != role.dc:
         known = sorted({r.dc for r in layout.roles})
         where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
@@ -221,16 +266,19 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
     stage_layers = [s.layers for s in plan.stages]
     streams = {(min(link.between), max(link.between)): link.streams for link in plan.links}  # sorted DC pair
     try:
-        roles = layout_roles(stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1))
+        roles = layout_roles(
+            stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1), tp=plan.tensor_parallel
+        )
     except PlanError as exc:
         raise PlanError(f"{source}: {exc}") from None
-    for role, spec in zip(roles, plan.ranks):  # the runtime's numbering is the plan's
-        assert (role.rank, role.dc, role.stage, role.replica, role.group) == (
+    for role, spec in zip(roles, plan.ranks) if not plan.extra_pipelines else ():  # the runtime's numbering
+        assert (role.rank, role.dc, role.stage, role.replica, role.group, role.tp_rank) == (
             spec.rank,
             spec.dc,
             spec.stage,
             spec.replica,
             spec.group,
+            spec.tp_rank,
         ), (role, spec)
     return JobLayout(
         text,
@@ -242,6 +290,7 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         tuple(roles),
         plan.prediction.iteration_s,
         plan.prediction.bubble_fraction,
+        plan.extra_pipelines,
     )
 
 
@@ -263,12 +312,12 @@ def layout_plan_text(
             raise PlanError(f"{len(dcs)} stages but the model has only {layers} blocks; use fewer stages")
         bounds = [round(i * layers / len(dcs)) for i in range(len(dcs) + 1)]
         stage_layers = [(bounds[i], bounds[i + 1]) for i in range(len(dcs))]
-    job = config.job
+    problem = Problem(config)
+    job = problem.job
     if job.global_batch % (dp * job.batch):
         raise PlanError(
             f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x microbatch_size({job.batch})"
         )
-    problem = Problem(config)
     cand = Candidate(dp, job.global_batch // (dp * job.batch), tuple(dcs), tuple(stage_layers))
     violation = problem.violation(cand)
     if violation is not None:
@@ -279,11 +328,16 @@ def layout_plan_text(
 
 
 def plan_for_config(config: Config) -> str:
-    """The planner's best plan for ``config`` (minimum iteration time), as plan file text."""
+    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; when the agents
+    cannot run it (:func:`runtime_refusal`), the best plan without tensor parallelism."""
     from planner.plan import dump_plan
     from planner.planning import make_plan
+    from planner.variants import Pins
 
-    return dump_plan(make_plan(config).plan)
+    text = dump_plan(make_plan(config).plan)
+    if runtime_refusal(parse_layout(text)) is None:
+        return text
+    return dump_plan(make_plan(config, pins=Pins(tp=1)).plan)
 
 
 __all__ = [
@@ -300,5 +354,7 @@ __all__ = [
     "plan_for_config",
     "plan_id",
     "prefill_name",
+    "runtime_refusal",
     "store_name",
+    "tp_refusal",
 ]

@@ -12,18 +12,17 @@ holds the embeddings and the last one the final norm, LM head and loss.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from geosched import model_counts
+from geosched.calibration import Calibration
 from geosched.chunking import chunks_per_message
 from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
 from geosched.errors import ConfigError
-from geosched.schedule import Action, Transfer
+from geosched.schedule import Action, Transfer, build_schedule
 
 GIB = 1024**3
 BACKWARD_TO_FORWARD = model_counts.BACKWARD_FLOPS_PER_FORWARD  # Kaplan et al. 2020, sec. 2.1
@@ -46,35 +45,46 @@ class LayerCost:
 
 
 def gpt_block_cost(job: JobSpec) -> LayerCost:
-    """Forward FLOPs, parameters and activation memory of one GPT block, per sequence.
+    """Forward FLOPs, parameters and activation memory of one GPT block on one GPU, per sequence.
 
     FLOPs and parameters come from :mod:`geosched.model_counts` (Narayanan et
     al. 2021, sec. 5.1: ``24sh^2 + 4s^2h`` per sequence for an MLP of 4h),
-    checked there against the real torch modules. Stash (Korthikanti et al.
-    2022, "Reducing Activation Recomputation", eq. 1): ``sh(34 + 5as/h)`` bytes
-    at 16-bit precision, scaled by bytes/2 otherwise.
+    checked there against the real torch modules; with tensor parallelism of
+    degree ``t`` (Megatron-LM, Shoeybi et al. 2019) each GPU does ``1/t`` of
+    both. Stash (Korthikanti et al. 2022, "Reducing Activation Recomputation",
+    eq. 1 and 2, no sequence parallelism): ``sh(10 + 24/t + 5as/(ht))`` bytes
+    at 16-bit precision, scaled by bytes/2 otherwise; with fused (flash)
+    attention, the default, the ``5as/(ht)`` term (scores, softmax, dropout
+    mask) is not kept. The output (what crosses a stage boundary) is the whole
+    ``sh`` activation whatever ``t``.
     """
     m = job.model
-    s, h, a = m.seq_len, m.hidden, m.heads
+    s, h, a, t = m.seq_len, m.hidden, m.heads, job.tp
+    scores = 5 * a * s / (h * t) if job.attention == "unfused" else 0.0
     return LayerCost(
-        forward_flop=s * model_counts.block_forward_flops_per_token(m),
-        params=model_counts.layer_params(m),
+        forward_flop=s * model_counts.block_forward_flops_per_token(m) / t,
+        params=model_counts.layer_params(m) // t,
         activation_bytes=s * h * job.bytes_per_element,
-        stash_bytes=int(s * h * (34 + 5 * a * s / h) * job.bytes_per_element / 2),
+        stash_bytes=int(s * h * (10 + 24 / t + scores) * job.bytes_per_element / 2),
     )
 
 
-def layer_costs(job: JobSpec) -> list[LayerCost]:
-    """Per-block costs: the config's ``custom_layers`` if given, else the GPT formulas."""
-    m = job.model
+@functools.lru_cache(maxsize=64)
+def layer_costs(job: JobSpec) -> tuple[LayerCost, ...]:
+    """Per-block costs on one GPU: the config's ``custom_layers`` if given (FLOPs, parameters and stash
+    divided by the tensor-parallel degree), else the GPT formulas."""
+    m, t = job.model, job.tp
     if m.custom_layers:
-        return [
+        return tuple(
             LayerCost(
-                c.forward_gflop_per_sample * 1e9, c.params, c.activation_bytes_per_sample, c.stash_bytes_per_sample
+                c.forward_gflop_per_sample * 1e9 / t,
+                c.params // t,
+                c.activation_bytes_per_sample,
+                c.stash_bytes_per_sample // t,
             )
             for c in m.custom_layers
-        ]
-    return [gpt_block_cost(job)] * m.layers
+        )
+    return (gpt_block_cost(job),) * m.layers
 
 
 def embedding_params(job: JobSpec) -> int:
@@ -85,7 +95,8 @@ def embedding_params(job: JobSpec) -> int:
 def head_cost(job: JobSpec) -> LayerCost:
     """Final LayerNorm, untied LM head and loss, per sequence: ``2shV`` forward FLOPs, ``Vh + 2h`` params.
 
-    The stash holds the logits in fp32 for the cross-entropy (``4sV`` bytes).
+    The head (like the embeddings) stays whole on every tensor-parallel rank. The stash holds the
+    logits in fp32 for the cross-entropy (``4sV`` bytes).
     """
     m = job.model
     return LayerCost(
@@ -97,93 +108,9 @@ def head_cost(job: JobSpec) -> LayerCost:
 
 
 def total_params(job: JobSpec) -> int:
-    """All parameters of the model."""
-    return embedding_params(job) + sum(c.params for c in layer_costs(job)) + head_cost(job).params
-
-
-# ------------------------------------------------------------- calibration ---
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured per-layer times for one sequence on one GPU kind (written by ``geosched profile``).
-
-    ``tflops`` is the throughput the measurement implies; a datacenter whose GPU
-    has a different configured ``tflops`` is scaled by the ratio.
-    ``optimizer_step_s_per_param`` is the measured AdamW step (plus zeroing the
-    gradients) per parameter; None (calibration files written before it was
-    measured) falls back to :func:`optimizer_step_estimate_s`.
-
-    The ``message_*`` fields (``agents.rehearsal.link_profile``) price moving a tensor
-    between stages beyond its wire time: ``message_latency_s`` is added to
-    every transfer, and :func:`message_overhead_s` (fixed + per chunk + per
-    byte) is stage time on every SEND and RECV, because on a CPU the link's
-    I/O threads share the stage's core (profiles of a GPU leave it None:
-    there they run beside the compute). None: not charged.
-    ``message_overhead_s_emulated`` is a rehearsal's extra: stage time per
-    message on an inter-DC link when the WAN emulator relaying it runs on the
-    same host as the stages (``geosched launch``; ``calibrate(emulated=...)``).
-
-    ``stage_times`` (``calibrate(stages=...)``) are whole stages of a known
-    plan measured as one module: :func:`stage_compute` uses such a stage's
-    own times instead of adding up its pieces, which on a CPU misses the
-    3-10 % that a stage's larger working set (every block's weights and
-    stash) costs in cache misses.
-    """
-
-    gpu_name: str
-    block_forward_s: float
-    block_backward_s: float
-    head_forward_s: float
-    head_backward_s: float
-    embed_forward_s: float
-    embed_backward_s: float
-    tflops: float
-    optimizer_step_s_per_param: float | None = None
-    message_overhead_s: float | None = None
-    message_overhead_s_per_chunk: float | None = None
-    message_overhead_s_per_byte: float | None = None
-    message_latency_s: float | None = None
-    message_overhead_s_emulated: float | None = None
-    stage_times: tuple[StageTime, ...] = ()
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
-        """The calibration in a dict (``profile_job``'s or a file's); fields with a default may be missing."""
-        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional}
-        if "stage_times" in fields:
-            fields["stage_times"] = tuple(StageTime(**dict(t)) for t in fields["stage_times"])
-        return cls(**fields)
-
-    def stage_time(self, layers: tuple[int, int], first: bool, last: bool) -> StageTime | None:
-        """The measured whole stage holding ``layers`` (+ embeddings/head), or None if it was not measured."""
-        for t in self.stage_times:
-            if (t.start, t.end, t.first, t.last) == (layers[0], layers[1], first, last):
-                return t
-        return None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Calibration:
-        """Read a calibration JSON file."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            return cls.from_dict(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """One whole stage measured as a module: forward and backward seconds per sequence."""
-
-    start: int
-    end: int
-    first: bool
-    last: bool
-    forward_s: float
-    backward_s: float
+    """All parameters of the model (whatever the tensor-parallel degree)."""
+    blocks = sum(c.params for c in layer_costs(dataclasses.replace(job, tensor_parallel=1)))
+    return embedding_params(job) + blocks + head_cost(job).params
 
 
 # ------------------------------------------------------------------ compute ---
@@ -191,15 +118,21 @@ class StageTime:
 
 @dataclass(frozen=True)
 class StageCompute:
-    """Forward and backward seconds of one stage for one microbatch, and its optimizer step per iteration."""
+    """Seconds of one stage: forward and backward of one microbatch, its optimizer step per iteration.
+
+    ``backward_input_s + backward_weight_s == backward_s``: the zero-bubble
+    schedule runs the two halves as separate actions (``I`` and ``W``).
+    """
 
     forward_s: float
     backward_s: float
     step_s: float = 0.0
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
 
 
 def optimizer_step_estimate_s(
-    job: JobSpec, params: int, memory_bandwidth_bps: float = ASSUMED_MEMORY_BANDWIDTH_BPS
+    job: JobSpec, params: float, memory_bandwidth_bps: float = ASSUMED_MEMORY_BANDWIDTH_BPS
 ) -> float:
     """Uncalibrated optimizer step (plus zeroing the gradients) of ``params`` parameters, memory-traffic model.
 
@@ -214,6 +147,18 @@ def optimizer_step_estimate_s(
     return params * per_param / memory_bandwidth_bps
 
 
+def tp_allreduce_s(job: JobSpec, dc: DatacenterSpec) -> float:
+    """One tensor-parallel all-reduce of a block's output for one microbatch inside a node.
+
+    Megatron-LM (Shoeybi et al. 2019, sec. 3) all-reduces the ``b x s x h``
+    output of the attention and of the MLP: 2 per block forward, 2 backward
+    (2 more when the forward is recomputed), each a ring over the ``t`` GPUs
+    of a node (:func:`ring_allreduce_s`). 0 without tensor parallelism.
+    """
+    nbytes = job.batch * job.model.seq_len * job.model.hidden * job.bytes_per_element
+    return ring_allreduce_s(nbytes, job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6)
+
+
 def stage_compute(
     job: JobSpec,
     gpu_tflops: float,
@@ -221,6 +166,9 @@ def stage_compute(
     first: bool,
     last: bool,
     calibration: Calibration | None = None,
+    *,
+    tp_allreduce: float = 0.0,
+    dp: int = 1,
 ) -> StageCompute:
     """Time of one microbatch through layers ``[start, end)`` (+ embeddings/head) on one GPU.
 
@@ -230,42 +178,60 @@ def stage_compute(
     measured per-sequence times are used instead, scaled by
     ``calibration.tflops / gpu_tflops`` for other GPU kinds: the stage's own
     times if it was measured whole (``Calibration.stage_times``), else the sum
-    of its pieces.
+    of its pieces. Blocks divide by the tensor-parallel degree ``t`` (the
+    head and embeddings do not) and add ``tp_allreduce`` (:func:`tp_allreduce_s`)
+    2 times per block forward and 2 (+2 with recompute) backward.
+
+    The backward splits into input-gradient and weight-gradient halves of
+    equal FLOPs (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2:
+    ``T_B = T_W``); the recomputed forward and the tensor-parallel
+    all-reduces belong to the input half.
 
     The optimizer step (once per iteration) is ``stage_params x
     calibration.optimizer_step_s_per_param`` (same scaling), else
-    :func:`optimizer_step_estimate_s`.
+    :func:`optimizer_step_estimate_s`; with ZeRO (stage >= 1) each of the
+    ``dp`` replicas steps ``1/dp`` of the parameters (Rajbhandari et al. 2020).
     """
-    b = job.batch
+    b, t = job.batch, job.tp
     start, end = layers
+    n = end - start
     params = stage_params(job, layers, first, last)
+    step_params = params / dp if job.zero_stage >= 1 else params
+    recompute = job.recompute == "full"
     if calibration is not None:
         ratio = calibration.tflops / gpu_tflops
         scale = b * ratio
-        n = end - start
-        whole = calibration.stage_time(layers, first, last)
+        whole = calibration.stage_time(layers, first, last) if t == 1 else None
         if whole is not None:
             fwd, bwd = whole.forward_s, whole.backward_s
         else:
             fwd = (
-                n * calibration.block_forward_s
+                n * calibration.block_forward_s / t
                 + first * calibration.embed_forward_s
                 + last * calibration.head_forward_s
             )
             bwd = (
-                n * calibration.block_backward_s
+                n * calibration.block_backward_s / t
                 + first * calibration.embed_backward_s
                 + last * calibration.head_backward_s
             )
-        bwd += fwd * (job.recompute == "full")
         per_param = calibration.optimizer_step_s_per_param
-        step = params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, params)
-        return StageCompute(fwd * scale, bwd * scale, step)
-    costs = layer_costs(job)
-    flop = sum(c.forward_flop for c in costs[start:end]) + (head_cost(job).forward_flop if last else 0.0)
-    fwd = b * flop / (gpu_tflops * 1e12)
+        step = step_params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, step_params)
+        fwd, bwd = fwd * scale, bwd * scale
+    else:
+        costs = layer_costs(job)
+        flop = sum(c.forward_flop for c in costs[start:end]) + (head_cost(job).forward_flop if last else 0.0)
+        fwd = b * flop / (gpu_tflops * 1e12)
+        bwd, step = BACKWARD_TO_FORWARD * fwd, optimizer_step_estimate_s(job, step_params)
+    rerun = fwd * recompute
+    comm_fwd = 2 * n * tp_allreduce
+    comm_bwd = (2 + 2 * recompute) * n * tp_allreduce
     return StageCompute(
-        fwd, (BACKWARD_TO_FORWARD + (job.recompute == "full")) * fwd, optimizer_step_estimate_s(job, params)
+        fwd + comm_fwd,
+        bwd + rerun + comm_bwd,
+        step,
+        bwd / 2 + rerun + comm_bwd,
+        bwd / 2,
     )
 
 
@@ -289,33 +255,63 @@ def boundary_bytes(job: JobSpec, after_layer: int) -> int:
 # ------------------------------------------------------------------- memory ---
 
 
-def stage_memory_bytes(job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int) -> int:
-    """Peak memory of one GPU holding a stage.
+def stage_memory_bytes(
+    job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int, dp: int = 1
+) -> int:
+    """Peak memory of one GPU holding a stage (of ``dp`` data-parallel replicas).
 
-    ``params x (2 bytes_per_element + optimizer_bytes_per_param)`` for weights,
-    gradients and optimizer state (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1),
-    plus ``inflight`` microbatches of stashed activations (1F1B holds at most
-    ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream).
-    With full recomputation a block keeps only its input per microbatch, and
-    one block's full stash is live at a time during its backward.
+    ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
+    for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
+    al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state,
+    stage 2 also ``1/dp`` of the gradients (sec. 5.1-5.2). Parameters are per
+    GPU (blocks divided by the tensor-parallel degree, :func:`gpt_block_cost`).
+    Plus ``inflight`` microbatches of stashed activations (1F1B holds at most
+    ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream;
+    :func:`peak_inflight`). With full recomputation a block keeps only its
+    input per microbatch, and one block's full stash is live at a time during
+    its backward.
     """
     params = stage_params(job, layers, first, last)
-    state = params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
+    zero = job.zero_stage
+    grads = job.bytes_per_element / (dp if zero >= 2 else 1)
+    optimizer = job.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
+    state = params * (job.bytes_per_element + grads + optimizer)
     blocks = layer_costs(job)[layers[0] : layers[1]]
     head = head_cost(job).stash_bytes if last else 0
+    b = job.batch
     if job.recompute == "full":
         kept = sum(c.activation_bytes for c in blocks) + head
         working = max((c.stash_bytes for c in blocks), default=0)
-        return int(state + job.batch * (inflight * kept + working))
+        return int(state + b * (inflight * kept + working))
     stash = sum(c.stash_bytes for c in blocks) + head
-    return int(state + inflight * job.batch * stash)
+    return int(state + inflight * b * stash)
+
+
+@functools.cache
+def _schedule_inflight(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most microbatches between their F and their last backward action (B or W)."""
+    built = build_schedule(schedule, num_stages, num_microbatches)
+    out = []
+    for s in range(num_stages):
+        held = peak = 0
+        for action in built.actions[s]:
+            tag = action.kind.value
+            held += tag == "F"
+            peak = max(peak, held)
+            held -= tag in ("B", "W")
+        out.append(peak)
+    return tuple(out)
 
 
 def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Microbatches whose activations a stage holds at peak: 1F1B ``min(p - s, m)``, GPipe ``m``."""
+    """Microbatches whose activations a stage holds at peak: 1F1B ``min(p - s, m)``, GPipe ``m``;
+    other schedules (zb1p, whose weight-gradient passes keep activations longer) counted on the
+    built schedule, from each F to its microbatch's last backward action."""
     if schedule == "gpipe":
         return num_microbatches
-    return min(num_stages - stage, num_microbatches)
+    if schedule == "1f1b":
+        return min(num_stages - stage, num_microbatches)
+    return _schedule_inflight(schedule, num_stages, num_microbatches)[stage]
 
 
 # -------------------------------------------------------------------- WAN ---
@@ -368,6 +364,30 @@ def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s:
     return 2 * (group - 1) / group * nbytes * 8 / bandwidth_bps + 2 * (group - 1) * latency_s
 
 
+def hierarchical_allreduce_s(
+    nbytes: float,
+    in_dc: Sequence[tuple[int, float, float]],
+    ring: Sequence[tuple[float, float]],
+) -> float:
+    """All-reduce of ``nbytes`` over replicas in several DCs: inside each DC, then across DCs, then back.
+
+    ``in_dc``: per DC, (replicas, bits/s, latency s); ``ring``: per hop of the
+    DCs' ring or chain, (bits/s, latency s) of the WAN link. Hierarchical
+    all-reduce (reduce-scatter inside each DC, all-reduce of the shards across
+    DCs, all-gather inside; NCCL's tree/ring hierarchy, Thakur et al. 2005):
+    the slowest DC's ring all-reduce plus a ring all-reduce over the ``k``
+    DCs at the slowest hop's rate, where every DC's replicas together move
+    the whole gradient (their shards in parallel on the multi-stream link).
+    """
+    inside = max((ring_allreduce_s(nbytes, n, bps, lat) for n, bps, lat in in_dc), default=0.0)
+    if not ring:
+        return inside
+    k = len(ring) + 1
+    slowest = min(bps for bps, _ in ring)
+    latency = max(lat for _, lat in ring)
+    return inside + ring_allreduce_s(nbytes, k, slowest, latency)
+
+
 # ------------------------------------------------------- a pipeline's costs ---
 
 
@@ -396,6 +416,11 @@ class PipelineCosts:
     """Durations of every action of one pipelined job, for the schedule simulator.
 
     ``stage_dcs[i]`` hosts stage ``i`` (with ``dp`` replicas, all in that DC),
+    ``sharing`` overrides, per sorted DC pair, how many pipelines take turns on
+    a link (default ``dp``), ``replicas`` is the stage's whole data-parallel
+    degree (ZeRO shards over it; default ``dp``) and ``sync_s`` the gradient
+    sync time of every stage when it is not the in-DC ring (data parallelism
+    across DCs, :func:`hierarchical_allreduce_s`);
     ``stage_layers[i]`` is its ``[start, end)`` block range and ``streams`` the
     TCP connections per WAN link (keyed by the sorted DC pair). Messages between
     stages in different DCs go over the WAN link shared by the ``dp`` pipelines;
@@ -411,18 +436,43 @@ class PipelineCosts:
         dp: int,
         streams: Mapping[tuple[str, str], int],
         calibration: Calibration | None = None,
+        *,
+        sharing: Mapping[tuple[str, str], int] | None = None,
+        replicas: int | None = None,
+        sync_s: Sequence[float] | None = None,
     ):
         self.cluster, self.job, self.dp = cluster, job, dp
+        self.replicas = replicas or dp  # ZeRO shards over every replica of a stage
+        self._sync_s = tuple(sync_s) if sync_s is not None else None
+        share = sharing or {}
         self.stage_dcs, self.stage_layers = tuple(stage_dcs), tuple(stage_layers)
         p = len(self.stage_dcs)
         self.compute = [
-            stage_compute(job, cluster.dc(dc).gpu.tflops, lay, i == 0, i == p - 1, calibration)
+            stage_compute(
+                job,
+                cluster.dc(dc).gpu.tflops,
+                lay,
+                i == 0,
+                i == p - 1,
+                calibration,
+                tp_allreduce=tp_allreduce_s(job, cluster.dc(dc)),
+                dp=self.replicas,
+            )
             for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
         self.grad_bytes = [
             stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
             for i, lay in enumerate(self.stage_layers)
         ]
+        if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
+            self.compute = [
+                dataclasses.replace(
+                    c,
+                    backward_s=c.backward_s + self.reduce_scatter_s(i),
+                    backward_weight_s=c.backward_weight_s + self.reduce_scatter_s(i),
+                )
+                for i, c in enumerate(self.compute)
+            ]
         self._transfers: dict[tuple[int, int], Transfer] = {}
         self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
         cal = calibration
@@ -444,7 +494,8 @@ class PipelineCosts:
                 if link is None:
                     tr = intra_transfer(cluster.dc(a), nbytes)
                 else:
-                    tr = wan_transfer(link, nbytes, k, dp)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
+                    shared = share.get((min(a, b), max(a, b)), dp)
+                    tr = wan_transfer(link, nbytes, k, shared)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
                 self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + latency)
 
     def compute_s(self, action: Action) -> float:
@@ -455,6 +506,10 @@ class PipelineCosts:
             return self.compute[stage].forward_s
         if kind == "B":
             return self.compute[stage].backward_s
+        if kind == "I":
+            return self.compute[stage].backward_input_s
+        if kind == "W":
+            return self.compute[stage].backward_weight_s
         if kind == "ALL_REDUCE":
             return self.allreduce_s(stage)
         if kind == "STEP":
@@ -464,11 +519,28 @@ class PipelineCosts:
         return 0.0
 
     def allreduce_s(self, stage: int) -> float:
-        """Gradient all-reduce of ``stage`` among its ``dp`` replicas inside its DC."""
+        """Gradient sync of ``stage`` among its ``dp`` replicas inside its DC, once per iteration.
+
+        ZeRO 0 and 1: a ring all-reduce (ZeRO-1's reduce-scatter + all-gather of
+        the updated parameters moves the same bytes, Rajbhandari et al. 2020,
+        sec. 7). ZeRO 2: only the all-gather of the parameters is left here, half
+        a ring all-reduce; the reduce-scatters ran after every microbatch's
+        backward (:meth:`reduce_scatter_s`), which is why ZeRO 2 costs time
+        under a pipeline's gradient accumulation and pays only when memory binds.
+        """
+        if self._sync_s is not None:
+            return self._sync_s[stage]
         dc = self.cluster.dc(self.stage_dcs[stage])
-        return ring_allreduce_s(
+        whole = ring_allreduce_s(
             self.grad_bytes[stage], self.dp, dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
         )
+        return whole / 2 if self.job.zero_stage >= 2 else whole
+
+    def reduce_scatter_s(self, stage: int) -> float:
+        """One reduce-scatter of ``stage``'s gradients among its ``dp`` replicas: half a ring all-reduce."""
+        dc = self.cluster.dc(self.stage_dcs[stage])
+        bps, latency = dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
+        return ring_allreduce_s(self.grad_bytes[stage], self.dp, bps, latency) / 2
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
         """The message from ``src_stage`` to ``dst_stage`` (an activation for F, a gradient for B)."""

@@ -156,17 +156,19 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.heads = shape.heads
+        """Heads this module computes; tensor parallelism lowers it to the heads of its shard."""
+        self.head_dim = shape.hidden // shape.heads
         self.qkv = nn.Linear(shape.hidden, 3 * shape.hidden)
         self.proj = ResidualProjection(shape.hidden, shape.hidden)
 
     def forward(self, x: Tensor, past: KV | None = None) -> tuple[Tensor, KV]:
         """Attend the T new positions of ``x`` to ``past`` and themselves; return output and grown KV."""
-        B, T, C = x.shape
-        H = self.heads
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        B, T, _ = x.shape
+        H, D = self.heads, self.head_dim
+        q, k, v = self.qkv(x).split(H * D, dim=2)  # 3 x (B, T, H*D); H*D = C unless sharded
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         if past is not None:
             assert past[0].shape[:2] == (B, H), "KV cache batch/heads mismatch"
             k = torch.cat([past[0], k], dim=2)  # (B, H, P+T, D)
@@ -180,7 +182,7 @@ class CausalSelfAttention(nn.Module):
             # new token i sits at position P+i and sees keys 0..P+i (is_causal would align top-left)
             mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(diagonal=P)  # (T, P+T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, H * D)  # (B, T, H*D)
         return self.proj(y), (k, v)
 
 

@@ -24,6 +24,7 @@ from geosched.costmodel import ring_allreduce_s, stage_compute, stage_memory_byt
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
 from planner.evaluate import GB, Evaluation, Evaluator
 from planner.feasibility import size_text
+from planner.replicas import everywhere
 from planner.space import Candidate, Problem, even_split, from_split
 
 MAX_ORDERS = 20_000  # search steps per link-speed threshold when looking for a ring or path through every DC
@@ -279,9 +280,30 @@ def pipeline_baselines(problem: Problem, evaluator: Evaluator) -> list[Evaluatio
     return list(_PIPELINES[evaluator])
 
 
+def data_parallel_in_space(problem: Problem, evaluator: Evaluator) -> BaselineResult | None:
+    """(a) as points of the plan space, simulated: one-stage pipelines in every DC with room
+    (:func:`planner.replicas.everywhere`) or in one DC; None when the batch splits over none of them."""
+    cands = everywhere(problem) + [
+        Candidate(d, m, (dc,), ((0, problem.layers),))
+        for d, m in problem.dp_options()
+        for dc in problem.dcs
+        if problem.gpus[dc] >= d
+    ]
+    found = [evaluator.evaluate(c) for c in cands if problem.violation(c) is None]
+    if not found:
+        return None
+    best = min(found, key=lambda ev: ev.iteration_s)
+    gpus = best.candidate.replicas * problem.job.tp
+    dcs = "-".join(dict.fromkeys(path[0] for path in best.candidate.pipelines))
+    detail = f"{gpus} GPUs in {dcs}, {best.candidate.microbatches} microbatches each (simulated)"
+    return BaselineResult("dp-everywhere", best.iteration_s, best.wan_cost_usd, detail, best)
+
+
 def all_baselines(problem: Problem, evaluator: Evaluator, flat_ring: bool = False) -> list[BaselineResult]:
-    """(a), (b) and (c); with ``flat_ring`` also (a) with one flat ring."""
-    out = [data_parallel_everywhere(problem), equal_pipeline(problem, evaluator), atlas_greedy(problem, evaluator)]
+    """(a), (b) and (c); with ``flat_ring`` also (a) with one flat ring. (a) is simulated as a point of
+    the plan space when the batch splits over it (so no plan is slower), else priced in closed form."""
+    dp = data_parallel_in_space(problem, evaluator) or data_parallel_everywhere(problem)
+    out = [dp, equal_pipeline(problem, evaluator), atlas_greedy(problem, evaluator)]
     return out + [data_parallel_everywhere(problem, flat_ring=True)] if flat_ring else out
 
 

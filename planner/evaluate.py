@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from geosched.costmodel import PipelineCosts
 from geosched.schedule import Schedule, add_gradient_sync, build_schedule, simulate
+from planner.replicas import gradient_wan_bytes, link_sharing, sync_times
 from planner.space import Candidate, Problem
 
 GB = 1e9  # egress is priced per decimal GB
@@ -98,35 +99,68 @@ class Evaluator:
             self._schedules[key] = add_gradient_sync(build_schedule(self.problem.schedule, stages, microbatches))
         return self._schedules[key]
 
-    def costs(self, cand: Candidate) -> PipelineCosts:
-        """The simulator's cost provider for ``cand`` (links filled with streams)."""
-        streams = {(min(a, b), max(a, b)): self.problem.streams(a, b) for a, b in zip(cand.path, cand.path[1:])}
+    def costs(self, cand: Candidate, pipeline: int = 0) -> PipelineCosts:
+        """The simulator's cost provider for one pipeline of ``cand`` (links filled with streams); with
+        pipelines in several DCs, links are shared by every pipeline crossing them and gradients synced
+        across DCs (:func:`planner.replicas.sync_times`)."""
+        dcs = cand.pipelines[pipeline]
+        path = tuple(dict.fromkeys(dcs))
+        streams = {(min(a, b), max(a, b)): self.problem.streams(a, b) for a, b in zip(path, path[1:])}
+        pr = self.problem
+        if not cand.extra_paths:
+            return PipelineCosts(pr.cluster, pr.job, dcs, cand.stage_layers, cand.dp, streams)
         return PipelineCosts(
-            self.problem.cluster, self.problem.job, cand.stage_dcs, cand.stage_layers, cand.dp, streams
+            pr.cluster,
+            pr.job,
+            dcs,
+            cand.stage_layers,
+            cand.dp,
+            streams,
+            sharing=link_sharing(cand),
+            replicas=cand.replicas,
+            sync_s=sync_times(pr, cand),
         )
 
     def evaluate(self, cand: Candidate) -> Evaluation:
-        """Simulate ``cand`` (cached)."""
+        """Simulate ``cand`` (cached): every distinct pipeline, the slowest sets the iteration."""
         hit = self._cache.get(cand)
         if hit is not None:
             return hit
-        costs = self.costs(cand)
-        timeline = simulate(self.schedule(cand.num_stages, cand.microbatches), costs, check=False)
-        self.simulations += 1
-        wan, cost = self._wan(costs, cand)
-        result = Evaluation(cand, timeline.iteration_s, timeline.bubble_fraction, tuple(sorted(wan.items())), cost)
+        schedule = self.schedule(cand.num_stages, cand.microbatches)
+        distinct = list(dict.fromkeys(cand.pipelines))
+        timelines = []
+        wan: dict[tuple[str, str], int] = {}
+        for dcs in distinct:
+            costs = self.costs(cand, cand.pipelines.index(dcs))
+            timelines.append(simulate(schedule, costs, check=False))
+            self.simulations += 1
+            copies = cand.pipelines.count(dcs)
+            for key, nbytes in costs.wan_bytes_per_iteration(cand.microbatches).items():
+                wan[key] = wan.get(key, 0) + nbytes * copies
+        for key, nbytes in gradient_wan_bytes(self.problem, cand).items():
+            wan[key] = wan.get(key, 0) + nbytes
+        cost = sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
+        iteration = max(t.iteration_s for t in timelines)
+        bubble = sum(t.bubble_fraction for t in timelines) / len(timelines)
+        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost)
         self._cache[cand] = result
         return result
 
     def _wan(self, costs: PipelineCosts, cand: Candidate) -> tuple[dict[tuple[str, str], int], float]:
         wan = costs.wan_bytes_per_iteration(cand.microbatches)
+        for key, nbytes in gradient_wan_bytes(self.problem, cand).items():
+            wan[key] = wan.get(key, 0) + nbytes
         cost = sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
         return wan, cost
 
     def wan_cost_usd(self, cand: Candidate) -> float:
         """WAN egress dollars per iteration of ``cand`` (exact, without simulating)."""
         hit = self._cache.get(cand)
-        return hit.wan_cost_usd if hit is not None else self._wan(self.costs(cand), cand)[1]
+        if hit is not None:
+            return hit.wan_cost_usd
+        if cand.extra_paths:
+            return self.evaluate(cand).wan_cost_usd
+        return self._wan(self.costs(cand), cand)[1]
 
     def lower_bound(self, cand: Candidate) -> float:
         """:func:`pipeline_lower_bound` of ``cand``."""

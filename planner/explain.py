@@ -16,7 +16,7 @@ from typing import Any
 from geosched.costmodel import boundary_bytes, wan_transfer
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
-from planner.floors import Floors, Optimality, job_floors, optimality
+from planner.floors import Floors, Optimality, optimality, space_floors
 from planner.plan import Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
@@ -148,7 +148,7 @@ def unused_reasons(
 
 def plan_floors(plan: Plan) -> tuple[Floors, Optimality]:
     """The job's floors and what the summary may claim about the plan's simulated time."""
-    floors = job_floors(Problem(plan.config))
+    floors = space_floors(plan.config)
     solver = plan.solver
     return floors, optimality(plan.prediction.iteration_s, floors, solver.proven_optimal, solver.notes)
 
@@ -163,6 +163,9 @@ def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
         "dp": plan.dp,
         "microbatches": plan.microbatches,
         "microbatch_size": plan.config.job.microbatch_size,
+        "tensor_parallel": plan.tensor_parallel,
+        "pipelines": [[s.dc for s in plan.stages], *map(list, plan.extra_pipelines)],
+        "zero": plan.zero,
         "world_size": plan.world_size,
         "prediction": asdict(plan.prediction),
         "solver": asdict(plan.solver),
@@ -191,8 +194,10 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     floors, verdict = plan_floors(plan)
     wan = f"WAN {floors.wan_s:.4g} s" if floors.wan_s else "WAN 0 (the job may fit one datacenter)"
     lines = [
-        f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas = "
-        f"{plan.world_size} GPUs, {plan.microbatches} microbatches of {job.microbatch_size}",
+        f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas"
+        + (f" x {1 + len(plan.extra_pipelines)} pipelines" if plan.extra_pipelines else "")
+        + (f" x tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
+        + f" = {plan.world_size} GPUs, ZeRO {plan.zero}, {plan.microbatches} microbatches of {job.microbatch_size}",
         f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",

@@ -33,7 +33,8 @@ from geosched.costmodel import (
     total_params,
     wan_effective_bps,
 )
-from planner.space import Problem
+from geosched.config import Config
+from planner.space import Problem, Variant
 
 ROUNDING = 1e-6
 """Relative slack under which a plan's time "equals" a floor (float rounding of the simulator's sums)."""
@@ -140,6 +141,17 @@ def job_floors(problem: Problem) -> Floors:
         fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
         wan_s = sequences * least * 8 / fastest
     return Floors(compute_s, wan_s, min_stages)
+
+
+def space_floors(cfg: Config) -> Floors:
+    """Floors of every plan of ``cfg`` whatever its variant: the least compute and WAN floors and the fewest
+    stages over every tensor-parallel degree (:func:`planner.variants.tp_options`; tensor parallelism only adds
+    communication, so the compute floor is the tp=1 one up to the head, which it does not divide)."""
+    from planner.variants import tp_options
+
+    found = [job_floors(Problem(cfg, Variant(tp=t))) for t in tp_options(cfg, None)]
+    stages = [f.min_stages for f in found if f.min_stages > 0]
+    return Floors(min(f.compute_s for f in found), min(f.wan_s for f in found), min(stages, default=0))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -26,7 +27,10 @@ from planner.evaluate import GB, Evaluation
 from planner.feasibility import MAX_PLAN_GPUS
 from planner.space import Candidate, Problem
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READS_VERSIONS = (1, 2)
+"""Plan versions this geosched loads: version 1 files (no tensor parallelism, ZeRO or microbatch
+choice) read as tensor_parallel 1, zero 0 and their config's microbatch size."""
 MAX_PLAN_BYTES = 4 * 1024 * 1024
 MAX_RANKS = MAX_PLAN_GPUS
 """The most processes a plan may have: the planner plans at most this many GPUs."""
@@ -106,6 +110,9 @@ class RankSpec:
     next_dc: str | None = spec("datacenter of next_stage", None, max_len=MAX_NAME_LEN)
     group: str = spec("intra-DC process group of its stage's replicas, '<dc>/stage<s>'", "", max_len=MAX_NAME_LEN + 16)
     group_size: int = spec("replicas in the group (= dp)", 1, ge=1, le=MAX_RANKS)
+    pipeline: int = spec("which pipeline (DC path) it belongs to; 0 unless data parallelism spans DCs", 0, ge=0, le=64)
+    tp_rank: int = spec("rank inside its tensor-parallel group (one node)", 0, ge=0, le=64)
+    tp_size: int = spec("GPUs in its tensor-parallel group", 1, ge=1, le=64)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class Plan:
     """A whole plan file."""
 
     version: int = spec("plan format version", ge=0, le=1000)
-    schedule: str = spec("pipeline schedule: 1f1b | gpipe", max_len=16)
+    schedule: str = spec("pipeline schedule: gpipe | 1f1b | zb1p", max_len=16)
     num_stages: int = spec("pipeline stages p", ge=1, le=MAX_LAYERS)
     dp: int = spec("data-parallel degree d: replicas of every stage", ge=1, le=MAX_RANKS)
     microbatches: int = spec("microbatches m per iteration per pipeline", ge=1, le=1 << 24)
@@ -123,7 +130,16 @@ class Plan:
     prediction: Prediction = spec("simulated figures")
     solver: SolverInfo = spec("how the plan was found")
     ranks: tuple[RankSpec, ...] = spec("every process, by global rank", max_items=MAX_RANKS)
-    config: Config = spec("the config the plan was made from")
+    config: Config = spec("the config the plan was made from, its job's choices resolved")
+    tensor_parallel: int = spec("tensor-parallel degree t: GPUs per stage replica, inside one node", 1, ge=1, le=64)
+    zero: int = spec("ZeRO stage inside each stage's data-parallel group (0, 1, 2)", 0, ge=0, le=2)
+    microbatch_size: int = spec("sequences per microbatch (0 in version 1 files: the config's)", 0, ge=0, le=1 << 24)
+    extra_pipelines: tuple[tuple[str, ...], ...] = spec(
+        "more pipelines of dp replicas each, the DC of every stage: data parallelism across datacenters",
+        (),
+        max_len=MAX_NAME_LEN,
+        max_items=64,
+    )
 
     def rank(self, r: int) -> RankSpec:
         """The process with global rank ``r``."""
@@ -148,43 +164,67 @@ class Plan:
     def candidate(self) -> Candidate:
         """The decisions as a planner candidate."""
         return Candidate(
-            self.dp, self.microbatches, tuple(s.dc for s in self.stages), tuple(s.layers for s in self.stages)
+            self.dp,
+            self.microbatches,
+            tuple(s.dc for s in self.stages),
+            tuple(s.layers for s in self.stages),
+            tuple(tuple(path) for path in self.extra_pipelines),
         )
 
 
-def rank_layout(cand: Candidate) -> tuple[RankSpec, ...]:
-    """Every process of ``cand``, stage-major, with neighbours and process groups."""
+def rank_layout(cand: Candidate, tp: int = 1) -> tuple[RankSpec, ...]:
+    """Every process of ``cand``: stage-major, then pipeline, replica and tensor-parallel rank, with
+    neighbours and process groups. With one pipeline, rank ``(stage x dp + replica) x tp + tp_rank``;
+    a replica's index counts over all pipelines (pipeline ``i``'s replicas are ``i x dp ...``)."""
     ranks: list[RankSpec] = []
     local: dict[str, int] = {}
     p = cand.num_stages
-    for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
-        for replica in range(cand.dp):
-            ranks.append(
-                RankSpec(
-                    rank=s * cand.dp + replica,
-                    dc=dc,
-                    local_rank=local.get(dc, 0),
-                    stage=s,
-                    replica=replica,
-                    layers=layers,
-                    prev_stage=s - 1 if s else None,
-                    prev_dc=cand.stage_dcs[s - 1] if s else None,
-                    next_stage=s + 1 if s < p - 1 else None,
-                    next_dc=cand.stage_dcs[s + 1] if s < p - 1 else None,
-                    group=f"{dc}/stage{s}",
-                    group_size=cand.dp,
+    for s, layers in enumerate(cand.stage_layers):
+        group_sizes: dict[str, int] = {}
+        for dcs in cand.pipelines:
+            group_sizes[dcs[s]] = group_sizes.get(dcs[s], 0) + cand.dp
+        for i, dcs in enumerate(cand.pipelines):
+            dc = dcs[s]
+            for replica, tp_rank in ((r, j) for r in range(cand.dp) for j in range(tp)):
+                ranks.append(
+                    RankSpec(
+                        rank=len(ranks),
+                        dc=dc,
+                        local_rank=local.get(dc, 0),
+                        stage=s,
+                        replica=i * cand.dp + replica,
+                        layers=layers,
+                        prev_stage=s - 1 if s else None,
+                        prev_dc=dcs[s - 1] if s else None,
+                        next_stage=s + 1 if s < p - 1 else None,
+                        next_dc=dcs[s + 1] if s < p - 1 else None,
+                        group=f"{dc}/stage{s}",
+                        group_size=group_sizes[dc] if cand.extra_paths else cand.dp,
+                        pipeline=i,
+                        tp_rank=tp_rank,
+                        tp_size=tp,
+                    )
                 )
-            )
-            local[dc] = local.get(dc, 0) + 1
+                local[dc] = local.get(dc, 0) + 1
     return tuple(ranks)
 
 
 def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
     """The plan file for a simulated candidate."""
     cand, cluster, job = ev.candidate, problem.cluster, problem.job
+    tp = job.tp
+    if cand.replicas == 1 and job.zero_stage:  # nothing to shard over: say so
+        job = dataclasses.replace(job, zero=0)
     wan = dict(ev.wan_bytes)
     links = []
-    for a, b in zip(cand.path, cand.path[1:]):
+    hops: dict[frozenset[str], tuple[str, str]] = {}  # every link a pipeline or the gradient all-reduce crosses
+    for pipeline in cand.pipelines:
+        path = tuple(dict.fromkeys(pipeline))
+        for a, b in zip(path, path[1:]):
+            hops.setdefault(frozenset((a, b)), (a, b))
+    for a, b in sorted(wan):
+        hops.setdefault(frozenset((a, b)), (a, b))
+    for a, b in hops.values():
         link = problem.link(a, b)
         assert link is not None
         nbytes = wan.get((a, b), 0) + wan.get((b, a), 0)
@@ -198,9 +238,9 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
         DcUsage(
             dc.name,
             dc.gpus,
-            cand.gpus_used(dc.name),
-            dc.gpus - cand.gpus_used(dc.name),
-            tuple(s for s, x in enumerate(cand.stage_dcs) if x == dc.name),
+            cand.gpus_used(dc.name) * tp,
+            dc.gpus - cand.gpus_used(dc.name) * tp,
+            tuple(s for s in range(cand.num_stages) if any(pipeline[s] == dc.name for pipeline in cand.pipelines)),
         )
         for dc in cluster.datacenters
     )
@@ -224,8 +264,12 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
         dcs,
         prediction,
         solver,
-        rank_layout(cand),
-        problem.cfg,
+        rank_layout(cand, tp),
+        dataclasses.replace(problem.cfg, job=job),
+        tp,
+        job.zero_stage,
+        job.batch,
+        cand.extra_paths,
     )
 
 
@@ -241,9 +285,9 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
             f"{source}: expected a plan mapping (got {type(data).__name__}); "
             "write one with 'geosched plan CONFIG -o plan.yaml'"
         )
-    if data.get("version") != PLAN_VERSION:
+    if data.get("version") not in READS_VERSIONS:
         raise PlanError(
-            f"{source}: version: this geosched reads plan version {PLAN_VERSION} "
+            f"{source}: version: this geosched reads plan versions {', '.join(map(str, READS_VERSIONS))} "
             f"(got {short(data.get('version'))}); re-run 'geosched plan'"
         )
     try:
@@ -252,12 +296,22 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
         text = str(exc)
         raise PlanError(f"{source}: {text}" if text.startswith("config: ") else f"{source}: config: {text}") from None
     plan = load_dataclass(Plan, data, path="plan", error=PlanError)
+    job = plan.config.job
+    if plan.version == 1:  # the job's choices were implicit: no tensor parallelism or ZeRO
+        job = job.resolved(tensor_parallel=1, zero=0)
+        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, job=job), microbatch_size=job.batch)
+    for name, value in (
+        ("tensor_parallel", job.tensor_parallel),
+        ("zero", job.zero),
+        ("microbatch_size", job.microbatch_size),
+        ("schedule", job.schedule),
+    ):
+        if value is None:
+            raise PlanError(f"{source}: config.job.{name}: a plan's job must have it chosen; re-run 'geosched plan'")
+        if getattr(plan, name) != value:
+            raise PlanError(f"{source}: plan.{name}: {getattr(plan, name)!r} differs from config.job.{name} {value!r}")
     problem = Problem(plan.config)
     cand = plan.candidate()
-    if plan.schedule != plan.config.job.schedule:
-        raise PlanError(
-            f"plan.schedule: {plan.schedule!r} differs from config.job.schedule {plan.config.job.schedule!r}"
-        )
     if plan.num_stages != len(plan.stages):
         raise PlanError(f"plan.num_stages: {plan.num_stages} but {len(plan.stages)} stages are listed")
     for s, stage in enumerate(plan.stages):
@@ -266,10 +320,11 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     problem_text = problem.violation(cand)
     if problem_text is not None:
         raise PlanError(f"plan.stages: {problem_text}")
-    expected = rank_layout(cand)
+    expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
-            f"plan.ranks: {len(plan.ranks)} ranks but stages({plan.num_stages}) x dp({plan.dp}) = {len(expected)}"
+            f"plan.ranks: {len(plan.ranks)} ranks but stages({plan.num_stages}) x dp({plan.dp}) x "
+            f"tensor_parallel({plan.tensor_parallel}) = {len(expected)}"
         )
     for r, (got, want) in enumerate(zip(plan.ranks, expected)):
         if got != want:

@@ -21,10 +21,11 @@ from geosched.config import Config
 from geosched.errors import InputError, PlanInfeasible
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
-from planner.feasibility import check_size
+from planner.feasibility import check_feasible, check_size
 from planner.plan import Plan, SolverInfo, build_plan
-from planner.search import Progress, SearchStats, frontier, plan_search, search
+from planner.search import Progress, SearchStats, frontier, search
 from planner.space import Problem
+from planner.variants import SCREEN_EFFORT, SCREEN_MODELS, SCREEN_WORK, Pins, search_variants, variant_options
 
 
 @dataclass(frozen=True)
@@ -67,19 +68,58 @@ def make_plan(
     time_limit_s: float | None = None,
     progress: Progress | None = None,
     with_frontier: bool = False,
+    pins: Pins = Pins(),
 ) -> PlanOutcome:
-    """Plan ``cfg`` for ``objective``; PlanInfeasible (exit 2) names the tightest constraint."""
+    """Plan ``cfg`` for ``objective`` within ``pins`` (and what the config pins); PlanInfeasible (exit 2)
+    names the tightest constraint of the roomiest variant when no variant fits."""
     if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
         raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
     started = time.monotonic()
-    problem = Problem(cfg)
-    check_size(problem)  # the largest problem the planner accepts, checked before any search
-    evaluator = Evaluator(problem)
+    pins = pins.over(cfg)
+    variants = variant_options(cfg, pins)
+    check_size(Problem(cfg, variants[0], dp=pins.dp))  # the largest problem the planner accepts, before any search
+    deadline = None if time_limit_s is None else started + time_limit_s
+    stats_of: dict[int, SearchStats] = {}
+
+    def searcher(problem: Problem, evaluator: Evaluator, full: bool) -> Evaluation | None:
+        left = None if deadline is None else max(0.05, deadline - time.monotonic())
+        try:
+            check_feasible(problem)
+        except PlanInfeasible:
+            return None
+        if full:
+            best, stats = search(problem, evaluator, Goal(), time_limit_s=left, progress=progress)
+        else:
+            best, stats = search(
+                problem,
+                evaluator,
+                Goal(),
+                time_limit_s=left,
+                effort=SCREEN_EFFORT,
+                polish_top=1,
+                restage=False,
+                polish_work=SCREEN_WORK,
+                max_models=SCREEN_MODELS,
+            )
+        stats_of[id(evaluator)] = stats
+        return best
+
+    results = search_variants(cfg, pins, searcher)
+    chosen = results[0]
+    if chosen.best is None:
+        roomiest = max(variants, key=lambda v: (v.tp, v.zero, -v.microbatch_size))
+        check_feasible(Problem(cfg, roomiest, dp=pins.dp))  # names the tightest constraint
+        raise PlanInfeasible(
+            "no plan fits: every placement breaks GPU memory, GPU counts or links "
+            "(see 'geosched validate-config'); add GPUs, memory or links"
+        )
+    problem, evaluator, best = chosen.problem, chosen.evaluator, chosen.best
+    stats = stats_of.get(id(evaluator), SearchStats())
+    stats.notes.extend(f"{r.problem.variant.describe()}: no plan fits" for r in results if r.best is None)
     points = None
-    if objective.name == "time" and not with_frontier:
-        best, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
-    else:
-        points, stats = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
+    if objective.name != "time" or with_frontier:
+        points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
+        stats.proven &= more.proven
         if objective.max_iteration_s is not None:  # the "cost" objective
             bound = objective.max_iteration_s
             bounded, more = search(problem, evaluator, Goal(max_time_s=bound), time_limit_s=time_limit_s)
@@ -94,7 +134,7 @@ def make_plan(
         elif objective.name == "weighted":
             best = min(points, key=lambda ev: (ev.score(objective.weight), ev.iteration_s))
         else:
-            best = points[0]
+            best = min(points[0], best, key=lambda ev: ev.iteration_s)
     info = SolverInfo(
         objective.name,
         stats.proven,

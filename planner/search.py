@@ -253,13 +253,15 @@ def search(
     effort: float | None = None,
     polish_budget: int = POLISH_SIMULATIONS,
     polish_work: float = POLISH_WORK,
+    max_models: int | None = None,
 ) -> tuple[Evaluation | None, SearchStats]:
     """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
 
     ``restage`` re-solves the best two with one stage fewer and one more. ``effort``: CP-SAT
     deterministic seconds for the whole search (default :data:`LARGE_EFFORT` or :data:`SMALL_EFFORT`);
     ``polish_budget``: simulations per hill climb; ``polish_work``: stage-microbatches simulated by all
-    climbs together (what sizes the climbs by the problem: a 51-stage pipeline gets fewer simulations).
+    climbs together (what sizes the climbs by the problem: a 51-stage pipeline gets fewer simulations);
+    ``max_models``: at most this many CP-SAT models (a screening search, :mod:`planner.variants`).
     """
     began = time.monotonic()
     large = len(problem.dcs) > SHORTLIST and allowed is None
@@ -292,7 +294,7 @@ def search(
         if goal.weight == 0 and goal.max_time_s is None and estimate_s(problem, d, m) >= best_time():
             stats.pruned += 1
             continue
-        if time.monotonic() >= deadline or spent >= effort:
+        if time.monotonic() >= deadline or spent >= effort or (max_models is not None and stats.models >= max_models):
             stats.proven = False
             why = "time limit" if time.monotonic() >= deadline else "search budget"
             stats.notes.append(f"{why}: d={d} and later degrees not searched")
@@ -403,6 +405,7 @@ class SearchOptions(TypedDict, total=False):
     effort: float | None
     polish_budget: int
     polish_work: float
+    max_models: int | None
 
 
 def plan_search(

@@ -33,6 +33,19 @@ class Candidate:
     microbatches: int
     stage_dcs: tuple[str, ...]
     stage_layers: tuple[tuple[int, int], ...]
+    extra_paths: tuple[tuple[str, ...], ...] = ()
+    """More pipelines of ``dp`` replicas each, same blocks per stage, stage ``s`` of pipeline ``i`` in DC
+    ``extra_paths[i][s]``: data parallelism across DCs (gradients all-reduced across DCs)."""
+
+    @property
+    def pipelines(self) -> tuple[tuple[str, ...], ...]:
+        """The DC of every stage, per pipeline (the first is ``stage_dcs``)."""
+        return (self.stage_dcs,) + self.extra_paths
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of every stage over all pipelines: the data-parallel degree."""
+        return self.dp * len(self.pipelines)
 
     @property
     def num_stages(self) -> int:
@@ -54,11 +67,11 @@ class Candidate:
         return tuple(end - start for start, end in self.stage_layers)
 
     def stages_in(self, dc: str) -> int:
-        """Stages hosted by ``dc``."""
-        return sum(1 for d in self.stage_dcs if d == dc)
+        """Stage replicas groups hosted by ``dc`` over all pipelines (each of ``dp`` devices)."""
+        return sum(1 for path in self.pipelines for d in path if d == dc)
 
     def gpus_used(self, dc: str) -> int:
-        """GPUs of ``dc`` this candidate uses: its stages x ``dp``."""
+        """Devices of ``dc`` this candidate uses: its stages x ``dp``, over all pipelines."""
         return self.stages_in(dc) * self.dp
 
     def describe(self) -> str:
@@ -70,7 +83,8 @@ class Candidate:
                 ranges.append(f"{self.stage_layers[i][0]}:{self.stage_layers[i][1]}")
                 i += 1
             parts.append(f"{dc}[{'|'.join(ranges)}]")
-        return f"d={self.dp} m={self.microbatches} " + " ".join(parts)
+        more = "".join(f" +{'/'.join(dict.fromkeys(path))}" for path in self.extra_paths)
+        return f"d={self.dp} m={self.microbatches} " + " ".join(parts) + more
 
 
 def from_split(dp: int, microbatches: int, stage_dcs: tuple[str, ...], split: tuple[int, ...]) -> Candidate:
@@ -88,16 +102,57 @@ def even_split(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(stages))
 
 
-class Problem:
-    """Everything the searches need to know about one config, computed once."""
+@dataclass(frozen=True)
+class Variant:
+    """The job-wide choices beside placement: tensor-parallel degree, ZeRO stage, schedule, microbatch size."""
 
-    def __init__(self, cfg: Config):
-        cfg = dataclasses.replace(cfg, job=cfg.job.resolved())
+    tp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatch_size: int = 1
+
+    def describe(self) -> str:
+        """Compact text, e.g. ``tp=2 zero=1 zb1p b=2``."""
+        return f"tp={self.tp} zero={self.zero} {self.schedule} b={self.microbatch_size}"
+
+
+def tp_slots(gpus: int, gpus_per_node: int, tp: int) -> int:
+    """Tensor-parallel groups of ``tp`` GPUs a DC offers: whole groups inside each node (0 unless ``tp``
+    divides ``gpus_per_node``); a partial last node holds ``remainder // tp`` groups."""
+    if tp == 1:
+        return gpus
+    if gpus_per_node % tp:
+        return 0
+    nodes, rest = divmod(gpus, gpus_per_node)
+    return nodes * (gpus_per_node // tp) + rest // tp
+
+
+class Problem:
+    """Everything the searches need to know about one config and one :class:`Variant`, computed once.
+
+    ``gpus[dc]`` counts *devices*: tensor-parallel groups of ``variant.tp`` GPUs
+    (:func:`tp_slots`), each running one replica of one stage; memory is per GPU.
+    Without a variant the job's pinned values (else the defaults) are used.
+    """
+
+    def __init__(self, cfg: Config, variant: Variant | None = None, dp: int | None = None):
+        job = cfg.job.resolved()
+        if variant is not None:
+            job = dataclasses.replace(
+                job,
+                tensor_parallel=variant.tp,
+                zero=variant.zero,
+                schedule=variant.schedule,  # type: ignore[arg-type]  # Variant.schedule is one of SCHEDULES
+                microbatch_size=variant.microbatch_size,
+            )
+        cfg = dataclasses.replace(cfg, job=job)
+        self.variant = Variant(job.tp, job.zero_stage, job.pipeline_schedule, job.batch)
+        self.pinned_dp = dp
         self.cfg, self.cluster, self.job = cfg, cfg.cluster, cfg.job
         self.layers = cfg.job.model.layers
         self.schedule = cfg.job.pipeline_schedule
         self.dcs = tuple(dc.name for dc in cfg.cluster.datacenters)
-        self.gpus = {dc.name: dc.gpus for dc in cfg.cluster.datacenters}
+        self.gpus = {dc.name: tp_slots(dc.gpus, dc.gpus_per_node, job.tp) for dc in cfg.cluster.datacenters}
         self.memory_bytes = {dc.name: dc.gpu.memory_gib * GIB for dc in cfg.cluster.datacenters}
         self._links = {frozenset(link.between): link for link in cfg.cluster.links}
         self.neighbours: dict[str, tuple[str, ...]] = {
@@ -109,13 +164,18 @@ class Problem:
     # ------------------------------------------------------------- choices ---
 
     def dp_options(self) -> list[tuple[int, int]]:
-        """Every ``(d, m)``: ``d x microbatch_size`` divides the global batch and ``d`` fits some DC."""
+        """Every ``(d, m)``: ``d x microbatch_size`` divides the global batch and ``d`` fits some DC
+        (only ``d = dp`` when the data-parallel degree is pinned)."""
         job = self.job
         if job.global_batch % job.batch:
             return []
         sequences = job.global_batch // job.batch
         most = max(self.gpus.values())
-        return [(d, sequences // d) for d in range(1, min(sequences, most) + 1) if sequences % d == 0]
+        return [
+            (d, sequences // d)
+            for d in range(1, min(sequences, most) + 1)
+            if sequences % d == 0 and self.pinned_dp in (None, d)
+        ]
 
     def link(self, a: str, b: str) -> WanLinkSpec | None:
         """The link joining ``a`` and ``b`` (either order), or None (a dict lookup)."""
@@ -173,11 +233,20 @@ class Problem:
         """Microbatches of activations the stage holds at peak under the job's schedule."""
         return peak_inflight(self.schedule, stages, microbatches, stage)
 
+    def replicas(self, microbatches: int) -> int:
+        """The data-parallel degree (all pipelines together) that ``microbatches`` per pipeline imply."""
+        return max(1, self.job.global_batch // (microbatches * self.job.batch))
+
     @functools.cache  # noqa: B019 (a Problem lives for one planning run; the cache is its memo)
     def stage_memory(self, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> int:
-        """Peak bytes on one GPU of ``stage`` holding blocks ``layers``."""
+        """Peak bytes on one GPU of ``stage`` holding blocks ``layers`` (ZeRO shards over all replicas)."""
         return stage_memory_bytes(
-            self.job, layers, stage == 0, stage == stages - 1, self.inflight(stage, stages, microbatches)
+            self.job,
+            layers,
+            stage == 0,
+            stage == stages - 1,
+            self.inflight(stage, stages, microbatches),
+            self.replicas(microbatches),
         )
 
     def fits(self, dc: str, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> bool:
@@ -210,9 +279,9 @@ class Problem:
         if p < 1 or len(cand.stage_layers) != p:
             return "a plan needs at least one stage and one layer range per stage"
         job = self.job
-        if cand.dp * cand.microbatches * job.batch != job.global_batch:
+        if cand.replicas * cand.microbatches * job.batch != job.global_batch:
             return (
-                f"dp({cand.dp}) x microbatches({cand.microbatches}) x microbatch_size({job.batch}) "
+                f"replicas({cand.replicas}) x microbatches({cand.microbatches}) x microbatch_size({job.batch}) "
                 f"!= global_batch({job.global_batch})"
             )
         expected = 0
@@ -222,22 +291,21 @@ class Problem:
             expected = end
         if expected != self.layers:
             return f"stages cover {expected} blocks but the model has {self.layers}"
-        path = cand.path
-        for dc in cand.stage_dcs:
-            if dc not in self.gpus:
-                return f"unknown datacenter {dc!r}"
-        if len(set(path)) != len(path):
-            return "the stages of one datacenter must be contiguous in the pipeline"
-        for a, b in zip(path, path[1:]):
-            if self.link(a, b) is None:
-                return f"no WAN link joins {a!r} and {b!r}"
-        for dc in path:
+        for i, dcs in enumerate(cand.pipelines):
+            broken = self.path_violation(dcs, p)
+            if broken is not None:
+                return broken if i == 0 else f"pipeline {i}: {broken}"
+        if cand.extra_paths and job.zero_stage >= 2:
+            return "ZeRO 2 across datacenters would reduce-scatter every microbatch over the WAN; use ZeRO 1"
+        if cand.extra_paths and not self._all_reduce_ring(cand):
+            return "the DCs of a stage's replicas must be joined by links (the cross-DC all-reduce follows them)"
+        for dc in {d for path in cand.pipelines for d in path}:
             if cand.gpus_used(dc) > self.gpus[dc]:
                 return (
                     f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
                     f"{self.gpus[dc]} available in dc {dc!r}"
                 )
-        for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers)):
+        for s, (dc, layers) in ((s, (path[s], cand.stage_layers[s])) for path in cand.pipelines for s in range(p)):
             need = self.stage_memory(layers, s, p, cand.microbatches)
             if need > self.memory_bytes[dc]:
                 return (
@@ -245,3 +313,43 @@ class Problem:
                     f"{self.memory_bytes[dc] / GIB:g} GiB in dc {dc!r}"
                 )
         return None
+
+    def path_violation(self, dcs: tuple[str, ...], stages: int) -> str | None:
+        """Why one pipeline's DCs are not a valid path (unknown DC, DC revisited, missing link), or None."""
+        if len(dcs) != stages:
+            return f"{len(dcs)} datacenters for {stages} stages"
+        for dc in dcs:
+            if dc not in self.gpus:
+                return f"unknown datacenter {dc!r}"
+        path = tuple(dict.fromkeys(dcs))
+        if sum(1 for a, b in zip(dcs, dcs[1:]) if a != b) != len(path) - 1:
+            return "the stages of one datacenter must be contiguous in the pipeline"
+        for a, b in zip(path, path[1:]):
+            if self.link(a, b) is None:
+                return f"no WAN link joins {a!r} and {b!r}"
+        return None
+
+    def stage_ring(self, cand: Candidate, stage: int) -> tuple[str, ...] | None:
+        """The distinct DCs holding replicas of ``stage``, in an order where consecutive ones are linked
+        (the cross-DC all-reduce's ring, or its chain), or None when no such order exists."""
+        dcs = sorted({path[stage] for path in cand.pipelines}, key=self.dcs.index)
+        if len(dcs) == 1:
+            return tuple(dcs)
+
+        budget = [10_000]  # extensions tried: a chain through many DCs is searched, not enumerated forever
+
+        def extend(order: tuple[str, ...]) -> tuple[str, ...] | None:
+            budget[0] -= 1
+            if len(order) == len(dcs) or budget[0] < 0:
+                return order if len(order) == len(dcs) else None
+            for nxt in dcs:
+                if nxt not in order and self.link(order[-1], nxt) is not None:
+                    found = extend(order + (nxt,))
+                    if found:
+                        return found
+            return None
+
+        return next((found for start in dcs if (found := extend((start,))) is not None), None)
+
+    def _all_reduce_ring(self, cand: Candidate) -> bool:
+        return all(self.stage_ring(cand, s) is not None for s in range(cand.num_stages))

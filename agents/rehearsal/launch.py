@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from geosched.errors import GeoschedError
+from geosched.errors import PlanError, GeoschedError
 from geosched.processes import REPO_ROOT, child_env
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class RelayRoutes:
         for role in self.layout.roles:
             if role.prev_dc is None or role.prev_dc == role.dc:  # the first stage, or a link inside a DC
                 continue
-            name = pipe_name(role.stage, role.replica)
+            name = pipe_name(role.stage, role.replica, role.tp_rank)
             bound = statuses[role.rank].extra.get("endpoints", {}).get(name)
             if not bound:
                 raise GeoschedError(f"rank {role.rank} is ready but did not publish its endpoint {name!r}")
@@ -274,13 +274,16 @@ def launch(
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.coordinator import start_job, stop_job
-    from agents.layout import load_plan_file, parse_layout, plan_for_config
+    from agents.layout import load_plan_file, parse_layout, plan_for_config, runtime_refusal
     from agents.rehearsal.report import build_report, load_rank_reports, report_text, write_run_folder
     from geosched.config import load_config
 
     config = load_config(config_path)
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
+    refusal = runtime_refusal(layout)
+    if refusal is not None:
+        raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or layout.job.steps
     run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
     run.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ examples:
   geosched plan configs/demo-3dc.yaml --max-iteration-s 0.2     # cheapest WAN within 0.2 s
   geosched plan configs/unequal-5dc.yaml --pareto               # the time/cost frontier
   geosched plan configs/scale-16dc.yaml --time-limit 20 --baselines
+  geosched plan configs/gpt3-3dc.yaml --tp 8 --schedule zb1p   # pin dimensions of the plan space
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also simulate the baselines (data parallel everywhere, equal pipeline, Atlas greedy)",
     )
     parser.add_argument("--no-explain", action="store_true", help="skip the why-idle counterfactuals (faster)")
+    pins = parser.add_argument_group("pin a dimension of the plan space (default: the config's value, else chosen)")
+    pins.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (divides heads and gpus_per_node)")
+    pins.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage inside each data-parallel group")
+    pins.add_argument("--schedule", choices=("gpipe", "1f1b", "zb1p"), help="pipeline schedule")
+    pins.add_argument("--microbatch-size", type=int, metavar="N", help="sequences per microbatch")
+    pins.add_argument("--dp", type=int, metavar="N", help="data-parallel degree: replicas of every stage")
+    pins.add_argument(
+        "--cross-dc-dp",
+        action="store_true",
+        help="at least two pipeline replicas on different datacenter paths, gradients all-reduced across DCs",
+    )
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -62,6 +74,7 @@ def _progress(fraction: float, message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the config, plan, print the summary, write the plan file."""
     from geosched.config import load_config
+    from geosched.commands.checks import at_least
     from geosched.errors import InputError
 
     cfg = load_config(args.config)  # first: a bad config is refused before OR-Tools is imported
@@ -70,13 +83,18 @@ def run(args: argparse.Namespace) -> int:
     from planner.explain import summary_dict, summary_text, unused_reasons
     from planner.plan import dump_plan
     from planner.planning import Objective, make_plan
+    from planner.variants import Pins
 
+    for name in ("tp", "microbatch_size", "dp"):
+        at_least(args, name, 1)
     objective = Objective(args.wan_cost_weight, args.max_iteration_s)
+    pinned = Pins(args.tp, args.zero, args.schedule, args.microbatch_size, args.dp, args.cross_dc_dp)
     outcome = make_plan(
         cfg,
         objective,
         time_limit_s=args.time_limit,
         with_frontier=args.pareto,
+        pins=pinned,
         progress=_progress if sys.stderr.isatty() and not args.json else None,
     )
     goal = Goal(weight=objective.weight)

@@ -31,7 +31,7 @@ COST_FLAGS = ("forward_ms", "backward_ms", "transfer_ms", "allreduce_ms", "step_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the flags of ``geosched simulate``."""
     parser.add_argument("source", nargs="?", help="config or plan file (omit for a synthetic pipeline)")
-    parser.add_argument("--schedule", help="schedule name: gpipe or 1f1b (default 1f1b)")
+    parser.add_argument("--schedule", help="schedule name: gpipe, 1f1b or zb1p (default 1f1b)")
     parser.add_argument("--stages", type=int, help="pipeline stages p (required without a source file)")
     parser.add_argument(
         "--microbatches", type=int, help="microbatches m per iteration (required without a source file)"

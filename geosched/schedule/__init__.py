@@ -1,5 +1,6 @@
-"""Pipeline schedules as data: actions, builders, lowering passes, validation,
-the event simulator and its views (text grid, PNG timeline, Chrome trace).
+"""Pipeline schedules as data: actions, builders (GPipe, 1F1B, zero-bubble ZB-H1),
+lowering passes, validation, the event simulator and its views (text grid,
+PNG timeline, Chrome trace).
 
 The action list is the contract between the simulator, the stage runtime and
 the prefill service: build it here, lower it, validate it, then simulate or run it.
@@ -8,7 +9,7 @@ the prefill service: build it here, lower it, validate it, then simulate or run 
 from __future__ import annotations
 
 from geosched.schedule.actions import Action, ActionKind, Message, Schedule, message_edges
-from geosched.schedule.builders import SCHEDULE_BUILDERS, build_1f1b, build_gpipe, build_schedule
+from geosched.schedule.builders import SCHEDULE_BUILDERS, build_1f1b, build_gpipe, build_schedule, build_zb1p
 from geosched.schedule.lower import add_communication, add_gradient_sync, lower
 from geosched.schedule.plot import write_timeline_png
 from geosched.schedule.render import render_grid
@@ -36,6 +37,7 @@ __all__ = [
     "build_1f1b",
     "build_gpipe",
     "build_schedule",
+    "build_zb1p",
     "chrome_trace",
     "dry_run",
     "lower",

@@ -2,7 +2,8 @@
 
 An :class:`Action` is ``(stage, kind, microbatch)`` with a compact string form
 that parses back, following ``torch.distributed.pipelining``'s naming:
-``"2F0"`` (stage 2, forward of microbatch 0), ``"1B3"``, ``"0SEND_F3"``,
+``"2F0"`` (stage 2, forward of microbatch 0), ``"1B3"``, ``"1I3"`` (backward for
+the input gradient only), ``"1W3"`` (backward for the weight gradient), ``"0SEND_F3"``,
 ``"1RECV_F3"``, ``"1SEND_B3"``, ``"0RECV_B3"``, ``"0ALL_REDUCE"``, ``"0STEP"``.
 
 A :class:`Schedule` maps each stage to its ordered list of actions. The
@@ -25,6 +26,8 @@ class ActionKind(str, Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # zero bubble: the input gradient only (what stage s-1 waits for)
+    BACKWARD_WEIGHT = "W"  # zero bubble: the weight gradient, after I of the same microbatch
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -33,7 +36,11 @@ class ActionKind(str, Enum):
     STEP = "STEP"
 
 
-COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP})
+COMPUTE_KINDS = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.STEP}
+)
+# Kinds that need the output gradient from stage s+1 and produce the input gradient for s-1.
+GRADIENT_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
 COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 # Kinds that name no microbatch: they act on the whole stage once per iteration.
 STAGE_WIDE_KINDS = frozenset({ActionKind.ALL_REDUCE, ActionKind.STEP})
@@ -148,7 +155,7 @@ def message_edges(action: Action, num_stages: int, lowered: bool) -> tuple[Messa
     if kind is ActionKind.FORWARD:
         needs = Message("F", s - 1, s, mb) if s > 0 else None
         return needs, (Message("F", s, s + 1, mb) if s < num_stages - 1 else None)
-    if kind is ActionKind.BACKWARD:
+    if kind in GRADIENT_KINDS:
         needs = Message("B", s + 1, s, mb) if s < num_stages - 1 else None
         return needs, (Message("B", s, s - 1, mb) if s > 0 else None)
     return None, None

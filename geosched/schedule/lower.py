@@ -3,7 +3,9 @@
 * :func:`add_communication` puts each RECV right before the compute that
   needs it and each SEND right after the compute that produces it. SENDs do
   not block, so a compute order without deadlock stays without deadlock.
-* :func:`add_gradient_sync` appends ``ALL_REDUCE`` then ``STEP`` on every stage.
+  I (input gradient only) is lowered like B; W (weight gradient) moves nothing.
+* :func:`add_gradient_sync` appends ``ALL_REDUCE`` then ``STEP`` on every stage,
+  after its last B or W: every weight gradient is complete before the sync.
 
 Passes return a new :class:`Schedule`; the input is left unchanged.
 """
@@ -11,13 +13,13 @@ Passes return a new :class:`Schedule`; the input is left unchanged.
 from __future__ import annotations
 
 from geosched.errors import ScheduleError
-from geosched.schedule.actions import Action, ActionKind, Schedule
+from geosched.schedule.actions import GRADIENT_KINDS, Action, ActionKind, Schedule
 
 K = ActionKind
 
 
 def add_communication(schedule: Schedule) -> Schedule:
-    """Insert SEND_F/RECV_F (activations s -> s+1) and SEND_B/RECV_B (gradients s+1 -> s)."""
+    """Insert SEND_F/RECV_F (activations s -> s+1) and SEND_B/RECV_B (gradients s+1 -> s, around B or I)."""
     if schedule.has_communication:
         raise ScheduleError(f"schedule {schedule.name!r} already has SEND/RECV actions; lower it only once")
     last = schedule.num_stages - 1
@@ -27,12 +29,12 @@ def add_communication(schedule: Schedule) -> Schedule:
         for a in acts:
             if a.kind is K.FORWARD and s > 0:
                 out.append(Action(s, K.RECV_F, a.microbatch))
-            elif a.kind is K.BACKWARD and s < last:
+            elif a.kind in GRADIENT_KINDS and s < last:
                 out.append(Action(s, K.RECV_B, a.microbatch))
             out.append(a)
             if a.kind is K.FORWARD and s < last:
                 out.append(Action(s, K.SEND_F, a.microbatch))
-            elif a.kind is K.BACKWARD and s > 0:
+            elif a.kind in GRADIENT_KINDS and s > 0:
                 out.append(Action(s, K.SEND_B, a.microbatch))
         lowered[s] = out
     return Schedule(lowered, schedule.num_stages, schedule.num_microbatches, schedule.name)

@@ -17,6 +17,8 @@ from geosched.schedule.timeline import Timeline
 COLOURS: dict[str, tuple[str, str]] = {
     "F": ("#4C72B0", "forward"),
     "B": ("#55A868", "backward"),
+    "I": ("#2E8B57", "backward, input gradient (I)"),
+    "W": ("#B5D99C", "backward, weight gradient (W)"),
     "STEP": ("#8172B2", "optimizer step"),
     "ALL_REDUCE": ("#DD8452", "all-reduce (in DC)"),
     "comm": ("#DD8452", "communication"),

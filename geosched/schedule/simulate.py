@@ -1,14 +1,14 @@
 """Event simulator: run a schedule against a cost model and return a :class:`Timeline`.
 
-Semantics: each stage executes its actions strictly in order. F, B, STEP and
-ALL_REDUCE occupy the stage for ``costs.compute_s(action)``. A SEND enqueues
+Semantics: each stage executes its actions strictly in order. F, B, I, W, STEP
+and ALL_REDUCE occupy the stage for ``costs.compute_s(action)``. A SEND enqueues
 its message on a link, a FIFO per (link key, direction) where it waits until
 the link is free, occupies it ``occupancy_s`` and arrives ``latency_s`` later.
 A RECV blocks the stage until its message has arrived. SEND and RECV take no
 stage time unless the cost model sets ``charges_messages`` (then each takes
 ``compute_s(action)``: the time a rank spends handling the message).
 Unlowered schedules (no SEND/RECV) get the same behaviour implicitly: F of
-stage s+1 waits for F of s, B of s for B of s+1.
+stage s+1 waits for F of s, B (or I) of s for B (or I) of s+1; W waits for nothing.
 
 The run is event driven (a heap of stage wake-ups), O(actions log stages),
 with no per-time-step loop, so planners may call it thousands of times.
@@ -52,7 +52,7 @@ class CostProvider(Protocol):
     """What the simulator asks of a cost model."""
 
     def compute_s(self, action: Action) -> float:
-        """Duration of an F, B, STEP or ALL_REDUCE action on its stage (and of a SEND or RECV, see above)."""
+        """Duration of an F, B, I, W, STEP or ALL_REDUCE action on its stage (and of a SEND or RECV, see above)."""
         ...
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
@@ -60,29 +60,53 @@ class CostProvider(Protocol):
         ...
 
 
+_UNIFORM_FIELDS = (
+    "forward_s",
+    "backward_s",
+    "transfer_s",
+    "allreduce_s",
+    "step_s",
+    "backward_input_s",
+    "backward_weight_s",
+)
+
+
 @dataclass(frozen=True)
 class UniformCosts:
-    """Synthetic costs: the same durations on every stage; one link per stage boundary."""
+    """Synthetic costs: the same durations on every stage; one link per stage boundary.
+
+    A split backward costs ``backward_input_s`` (I) and ``backward_weight_s``
+    (W), each ``backward_s / 2`` unless given.
+    """
 
     forward_s: float = 1.0
     backward_s: float = 2.0
     transfer_s: float = 0.0
     allreduce_s: float = 0.0
     step_s: float = 0.0
+    backward_input_s: float | None = None
+    backward_weight_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "transfer_s", "allreduce_s", "step_s"):
+        for name in ("backward_input_s", "backward_weight_s"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.backward_s / 2)  # frozen: set the default once
+        for name in _UNIFORM_FIELDS:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ScheduleError(f"UniformCosts.{name} must be a finite number >= 0 (got {value!r})")
 
     def compute_s(self, action: Action) -> float:
-        """Forward, backward, all-reduce or step duration by kind."""
+        """Forward, backward (whole, input or weight part), all-reduce or step duration by kind."""
         kind = action.kind
         if kind is K.FORWARD:
             return self.forward_s
         if kind is K.BACKWARD:
             return self.backward_s
+        if kind is K.BACKWARD_INPUT:
+            return float(self.backward_input_s)  # type: ignore[arg-type]  # __post_init__ set it
+        if kind is K.BACKWARD_WEIGHT:
+            return float(self.backward_weight_s)  # type: ignore[arg-type]  # __post_init__ set it
         if kind is K.ALL_REDUCE:
             return self.allreduce_s
         return self.step_s if kind is K.STEP else 0.0

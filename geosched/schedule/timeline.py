@@ -62,7 +62,7 @@ class StageStats:
     comm_s: float  # ALL_REDUCE and other stage-blocking communication
     idle_s: float  # everything else: waits and the tail after the stage is done
     bubble_fraction: float  # 1 - busy_s / iteration_s
-    peak_inflight: int  # most microbatches with F done and B not yet (activations held)
+    peak_inflight: int  # most microbatches with F done and B (or W) not yet (activations held)
 
 
 @dataclass
@@ -103,13 +103,16 @@ class Timeline:
 
 
 def peak_inflight(schedule: Schedule, stage: int) -> int:
-    """Most activations ``stage`` holds at once when running its actions in order."""
+    """Most activations ``stage`` holds at once when running its actions in order.
+
+    A split backward holds its microbatch's graph until W (the weight gradient needs it).
+    """
     held = peak = 0
     for a in schedule.actions[stage]:
         if a.kind is ActionKind.FORWARD:
             held += 1
             peak = max(peak, held)
-        elif a.kind is ActionKind.BACKWARD:
+        elif a.kind is ActionKind.BACKWARD or a.kind is ActionKind.BACKWARD_WEIGHT:
             held -= 1
     return peak
 

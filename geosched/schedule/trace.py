@@ -2,7 +2,9 @@
 
 Each stage is a process ("stage 0", ...) with two threads, its actions and
 its idle gaps; each network link is a process of its own. Complete events
-("ph": "X") carry ``ts``/``dur`` in microseconds.
+("ph": "X") carry ``ts``/``dur`` in microseconds; compute kinds get their own
+colour (``cname``, one of the trace viewer's reserved names), so the zero-bubble
+I and W stand apart from F and B.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from geosched.schedule.timeline import Timeline
 
 US = 1e6  # seconds -> microseconds
 ACTIONS_TID, GAPS_TID = 0, 1
+KIND_CNAMES = {"F": "rail_load", "B": "good", "I": "thread_state_running", "W": "olive", "STEP": "generic_work"}
 
 
 def chrome_trace(timeline: Timeline) -> dict[str, object]:
@@ -22,7 +25,10 @@ def chrome_trace(timeline: Timeline) -> dict[str, object]:
     for s in range(timeline.num_stages):
         events += _names(s, f"stage {s}", {ACTIONS_TID: "actions", GAPS_TID: "idle gaps"})
     for e in timeline.events:
-        events.append(_complete(e.action, e.category, e.start, e.end, e.stage, ACTIONS_TID, {"kind": e.kind}))
+        event = _complete(e.action, e.category, e.start, e.end, e.stage, ACTIONS_TID, {"kind": e.kind})
+        if e.kind in KIND_CNAMES and e.category == "compute":
+            event["cname"] = KIND_CNAMES[e.kind]
+        events.append(event)
     for g in timeline.idle_gaps:
         args: dict[str, object] = {"waiting_for": g.waiting_for or "end of iteration"}
         events.append(_complete("idle", "idle", g.start, g.end, g.stage, GAPS_TID, args))

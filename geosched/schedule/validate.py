@@ -1,7 +1,7 @@
 """Schedule validation: structure, send/receive matching, and a deadlock dry run.
 
 :func:`validate` raises :class:`ScheduleError` naming the first offending
-action, e.g. ``stage 1: 1B0 runs before 1F0`` or
+action, e.g. ``stage 1: 1B0 runs before 1F0``, ``stage 1: 1W0 runs before 1I0`` or
 ``deadlock: stage 0 stuck at 0RECV_B0, stage 1 stuck at 1RECV_F1``.
 """
 
@@ -11,7 +11,16 @@ from collections import Counter, deque
 from collections.abc import Mapping
 
 from geosched.errors import ScheduleError
-from geosched.schedule.actions import COMM_KINDS, STAGE_WIDE_KINDS, Action, ActionKind, Message, Schedule, message_edges
+from geosched.schedule.actions import (
+    COMM_KINDS,
+    GRADIENT_KINDS,
+    STAGE_WIDE_KINDS,
+    Action,
+    ActionKind,
+    Message,
+    Schedule,
+    message_edges,
+)
 
 K = ActionKind
 
@@ -72,8 +81,9 @@ def _check_shape(schedule: Schedule) -> None:
 
 
 def _check_stage(schedule: Schedule, s: int) -> None:
-    """Every action belongs to stage s, names a valid microbatch and appears once; each F
-    precedes its B; the gradient sync (ALL_REDUCE, then STEP) comes after the last B."""
+    """Every action belongs to stage s, names a valid microbatch and appears once; each microbatch
+    has F and either B or I then W, in order after its F; the gradient sync (ALL_REDUCE, then
+    STEP) comes after every B and W."""
     m, acts = schedule.num_microbatches, schedule.actions[s]
     for a in acts:
         if a.stage != s:
@@ -84,21 +94,47 @@ def _check_stage(schedule: Schedule, s: int) -> None:
     repeated = next((a for a, n in counts.items() if n > 1), None)
     if repeated is not None:
         raise ScheduleError(f"stage {s}: {repeated} appears more than once")
-    for kind in (K.FORWARD, K.BACKWARD):
-        for k in range(m):
-            if Action(s, kind, k) not in counts:
-                raise ScheduleError(f"stage {s}: {Action(s, kind, k)} is missing")
+    backward_done = [_check_backward_kinds(counts, s, k) for k in range(m)]
     done: set[Action] = set()
     for a in acts:
-        if a.kind is K.BACKWARD and Action(s, K.FORWARD, a.microbatch) not in done:
-            raise ScheduleError(f"stage {s}: {a} runs before {Action(s, K.FORWARD, a.microbatch)}")
+        needed = _prerequisite(a)
+        if needed is not None and needed not in done:
+            raise ScheduleError(f"stage {s}: {a} runs before {needed}")
         if a.kind in STAGE_WIDE_KINDS:
-            pending = next((Action(s, K.BACKWARD, k) for k in range(m) if Action(s, K.BACKWARD, k) not in done), None)
+            pending = next((b for b in backward_done if b not in done), None)
             if pending is not None:
                 raise ScheduleError(f"stage {s}: {a} runs before {pending}")
         if a.kind is K.STEP and Action(s, K.ALL_REDUCE) in counts and Action(s, K.ALL_REDUCE) not in done:
             raise ScheduleError(f"stage {s}: {a} runs before {Action(s, K.ALL_REDUCE)}")
         done.add(a)
+
+
+def _check_backward_kinds(counts: Counter[Action], s: int, k: int) -> Action:
+    """Check microbatch k has F and either B or both I and W; return the action that completes its backward."""
+    forward, full = Action(s, K.FORWARD, k), Action(s, K.BACKWARD, k)
+    split = Action(s, K.BACKWARD_INPUT, k), Action(s, K.BACKWARD_WEIGHT, k)
+    if forward not in counts:
+        raise ScheduleError(f"stage {s}: {forward} is missing")
+    if full in counts:
+        extra = next((a for a in split if a in counts), None)
+        if extra is not None:
+            raise ScheduleError(f"stage {s}: {full} and {extra} both present; run either B or I then W")
+        return full
+    if not any(a in counts for a in split):
+        raise ScheduleError(f"stage {s}: {full} is missing (or {split[0]} and {split[1]})")
+    missing = next((a for a in split if a not in counts), None)
+    if missing is not None:
+        raise ScheduleError(f"stage {s}: {missing} is missing; a split backward needs both I and W")
+    return split[1]
+
+
+def _prerequisite(a: Action) -> Action | None:
+    """The action of the same stage and microbatch that must run before ``a``: F before B or I, I before W."""
+    if a.kind in GRADIENT_KINDS:
+        return Action(a.stage, K.FORWARD, a.microbatch)
+    if a.kind is K.BACKWARD_WEIGHT:
+        return Action(a.stage, K.BACKWARD_INPUT, a.microbatch)
+    return None
 
 
 def _check_messages(schedule: Schedule) -> None:
@@ -135,7 +171,7 @@ def _check_comm_order(acts: list[Action], s: int, p: int) -> None:
     """A RECV must come before the compute that uses it, a SEND after the compute that produces it."""
     position = {a: i for i, a in enumerate(acts)}
     for a in acts:
-        if a.kind not in (K.FORWARD, K.BACKWARD):
+        if a.kind is not K.FORWARD and a.kind not in GRADIENT_KINDS:
             continue
         forward = a.kind is K.FORWARD
         has_upstream = s > 0 if forward else s < p - 1

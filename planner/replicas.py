@@ -1,0 +1,155 @@
+"""Data parallelism across datacenters: several pipelines on different DC paths, and what they cost.
+
+A :class:`~planner.space.Candidate` with ``extra_paths`` runs ``1 + len(extra_paths)``
+pipelines of ``dp`` replicas each, with the same blocks per stage; stage
+``s`` of pipeline ``i`` lives in DC ``pipelines[i][s]``. This makes data
+parallelism everywhere (one-stage pipelines, one or more per DC) and every
+hybrid between it and one Atlas-style pipeline points of the same space, so
+the search can start from them and never returns anything slower.
+
+Prices (all in :mod:`geosched.costmodel`'s terms):
+
+* a WAN link is shared, turn by turn, by every pipeline replica crossing it
+  (:func:`link_sharing`, Atlas sec. 4.2);
+* a stage's gradients are all-reduced hierarchically
+  (:func:`~geosched.costmodel.hierarchical_allreduce_s`): inside each DC,
+  then across the DCs holding its replicas over the multi-stream WAN links
+  of a ring (or chain) through them. All stages sync at the end of the
+  iteration on the same links, so each stage is charged the cross-DC time of
+  every stage's gradients together (:func:`sync_times`): exact for one-stage
+  pipelines, pessimistic for deeper ones;
+* egress: each hop of that ring carries ``2 (k-1)/k`` of the gradients in each
+  direction (:func:`gradient_wan_bytes`).
+
+:func:`widen` adds pipelines to a candidate where GPUs are left;
+:func:`everywhere` builds data parallelism over every DC of a linked group.
+"""
+
+from __future__ import annotations
+
+from geosched.costmodel import hierarchical_allreduce_s, stage_params, streams_to_fill, wan_effective_bps
+from planner.space import Candidate, Problem
+
+MAX_PIPELINES = 16
+"""The most pipelines (DC paths) one candidate may have."""
+
+
+def link_sharing(cand: Candidate) -> dict[tuple[str, str], int]:
+    """Per sorted DC pair, the pipeline replicas crossing that link (``dp`` per pipeline crossing it)."""
+    out: dict[tuple[str, str], int] = {}
+    for dcs in cand.pipelines:
+        for a, b in {(min(a, b), max(a, b)) for a, b in zip(dcs, dcs[1:]) if a != b}:
+            out[a, b] = out.get((a, b), 0) + cand.dp
+    return out
+
+
+def _grad_bytes(problem: Problem, cand: Candidate, stage: int) -> float:
+    """Gradient bytes of one GPU of ``stage`` (its tensor-parallel shard)."""
+    p = cand.num_stages
+    params = stage_params(problem.job, cand.stage_layers[stage], stage == 0, stage == p - 1)
+    return params * problem.job.bytes_per_element
+
+
+def _hops(problem: Problem, cand: Candidate, stage: int) -> list[tuple[str, str]]:
+    ring = problem.stage_ring(cand, stage) or ()
+    return list(zip(ring, ring[1:]))
+
+
+def sync_times(problem: Problem, cand: Candidate) -> list[float]:
+    """Gradient sync seconds of every stage of ``cand`` (see the module docstring)."""
+    p = cand.num_stages
+    crossing = sum(_grad_bytes(problem, cand, s) for s in range(p) if _hops(problem, cand, s))
+    out = []
+    for s in range(p):
+        counts: dict[str, int] = {}
+        for dcs in cand.pipelines:
+            counts[dcs[s]] = counts.get(dcs[s], 0) + cand.dp
+        in_dc = []
+        for dc, n in counts.items():
+            spec = problem.cluster.dc(dc)
+            in_dc.append((n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6))
+        ring = []
+        for a, b in _hops(problem, cand, s):
+            link = problem.require_link(a, b)
+            ring.append((wan_effective_bps(link, streams_to_fill(link)), link.rtt_ms / 2000))
+        inside = hierarchical_allreduce_s(_grad_bytes(problem, cand, s), in_dc, [])
+        across = hierarchical_allreduce_s(crossing, [], ring) if ring else 0.0
+        out.append(inside + across)
+    return out
+
+
+def gradient_wan_bytes(problem: Problem, cand: Candidate) -> dict[tuple[str, str], int]:
+    """Bytes per iteration each WAN link direction carries for the cross-DC gradient all-reduce."""
+    out: dict[tuple[str, str], int] = {}
+    if not cand.extra_paths:
+        return out
+    for s in range(cand.num_stages):
+        hops = _hops(problem, cand, s)
+        if not hops:
+            continue
+        k = len(hops) + 1
+        nbytes = int(2 * (k - 1) / k * _grad_bytes(problem, cand, s) * problem.job.tp)
+        for a, b in hops:
+            out[a, b] = out.get((a, b), 0) + nbytes
+            out[b, a] = out.get((b, a), 0) + nbytes
+    return out
+
+
+def _free(problem: Problem, cand: Candidate) -> dict[str, int]:
+    return {dc: problem.gpus[dc] - cand.gpus_used(dc) for dc in problem.dcs}
+
+
+def _with_paths(problem: Problem, cand: Candidate, extra: tuple[tuple[str, ...], ...]) -> Candidate | None:
+    """``cand`` with pipelines ``extra``, its microbatches re-derived, or None when the batch does not split."""
+    sequences = problem.job.global_batch // problem.job.batch
+    replicas = cand.dp * (1 + len(extra))
+    if sequences % replicas:
+        return None
+    return Candidate(cand.dp, sequences // replicas, cand.stage_dcs, cand.stage_layers, extra)
+
+
+def widen(problem: Problem, cand: Candidate) -> list[Candidate]:
+    """``cand`` with more pipelines where GPUs are left: each new one a copy of the first pipeline's DCs or
+    all stages in one DC with room (most free devices first), one candidate per count that splits the batch.
+
+    Only valid candidates are returned (memory, links, the batch split); ZeRO 2 is not used across DCs
+    (it would reduce-scatter every microbatch over the WAN).
+    """
+    if problem.job.zero_stage >= 2:
+        return []
+    out, extra = [], list(cand.extra_paths)
+    p = cand.num_stages
+    options = [cand.stage_dcs] + [(dc,) * p for dc in problem.dcs]
+    while len(extra) + 1 < MAX_PIPELINES:
+        trial = Candidate(cand.dp, cand.microbatches, cand.stage_dcs, cand.stage_layers, tuple(extra))
+        free = _free(problem, trial)
+        fitting = [
+            path
+            for path in options
+            if all(free[dc] >= path.count(dc) * cand.dp for dc in set(path)) and problem.path_violation(path, p) is None
+        ]
+        if not fitting:
+            break
+        extra.append(max(fitting, key=lambda path: (min(free[dc] for dc in path), -options.index(path))))
+        widened = _with_paths(problem, cand, tuple(extra))
+        if widened is not None and problem.violation(widened) is None:
+            out.append(widened)
+    return out
+
+
+def everywhere(problem: Problem) -> list[Candidate]:
+    """Data parallelism over several DCs: one-stage pipelines of ``d`` replicas in every DC with room, for
+    each ``d`` that leaves at most :data:`MAX_PIPELINES` pipelines over the largest linked group."""
+    out = []
+    sequences = problem.job.global_batch // problem.job.batch
+    for group in problem.components():
+        if len(group) < 2:
+            continue
+        roomiest = max(group, key=lambda dc: problem.gpus[dc])
+        for d, m in problem.dp_options():
+            if sum(problem.gpus[dc] // d for dc in group) > MAX_PIPELINES or problem.gpus[roomiest] < d:
+                continue
+            start = Candidate(d, m, (roomiest,), ((0, problem.layers),))
+            if sequences % d == 0 and problem.violation(start) is None:
+                out += [c for c in widen(problem, start) if len(set(c.pipelines)) > 1]
+    return out

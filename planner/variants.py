@@ -1,0 +1,216 @@
+"""The job-wide choices beside placement, and the search over them.
+
+A :class:`~planner.space.Variant` fixes the tensor-parallel degree, the ZeRO
+stage, the schedule and the microbatch size; each gives its own
+:class:`~planner.space.Problem` (devices are tensor-parallel groups, memory
+and costs follow :mod:`geosched.costmodel`). :class:`Pins` are what the config
+or the command line fixed; :func:`variant_options` lists the rest:
+
+* tensor parallelism: every power of two ``t`` dividing the heads that fits a
+  node of some DC (``t`` divides its ``gpus_per_node``);
+* ZeRO: stage 1 (the optimizer state sharded: less memory, a ``1/d`` step,
+  the same bytes as an all-reduce, so it never loses in the cost model);
+  stage 2 (gradients sharded too, but reduce-scattered after every
+  microbatch) only when no stage-1 variant fits, since it pays only where
+  memory binds;
+* microbatch sizes 1, 2, 4, 8 dividing the global batch;
+* schedules: the search runs 1F1B; the finalists are then simulated under
+  ZB-H1 (zb1p) and GPipe too (:func:`with_schedules`): same placement, other
+  order, so a schedule never needs a search of its own.
+
+:func:`search_variants` screens every variant with a small, counted search,
+then searches the most promising ones in full (:data:`FULL_SEARCHES`). All
+budgets are deterministic, so the same input gives the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from geosched.config import SCHEDULES, Config
+from geosched.errors import InputError
+from planner.cpsat import Goal
+from planner.evaluate import Evaluation, Evaluator
+from planner.replicas import everywhere, widen
+from planner.space import Problem, Variant, tp_slots
+
+MICROBATCH_SIZES = (1, 2, 4, 8)
+"""Microbatch sizes the planner tries (those dividing the global batch)."""
+FULL_SEARCHES = 1
+"""Variants searched in full after the screening."""
+SCREEN_EFFORT = 0.3
+"""CP-SAT deterministic seconds for one variant's screening search."""
+SCREEN_MODELS = 1
+"""CP-SAT models one screening search may solve (each costs a fifth of a second or more)."""
+SCREEN_WORK = 2_000
+"""Stage-microbatches one screening hill climb may simulate."""
+FINALISTS = 4
+"""Best candidates of a variant simulated under the other schedules."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Choices fixed by the config or the command line (None: the planner chooses)."""
+
+    tp: int | None = None
+    zero: int | None = None
+    schedule: str | None = None
+    microbatch_size: int | None = None
+    dp: int | None = None
+    cross_dc_dp: bool = False
+
+    def over(self, cfg: Config) -> Pins:
+        """These pins, completed by what the config's job pins."""
+        job = cfg.job
+        return Pins(
+            self.tp if self.tp is not None else job.tensor_parallel,
+            self.zero if self.zero is not None else job.zero,
+            self.schedule if self.schedule is not None else job.schedule,
+            self.microbatch_size if self.microbatch_size is not None else job.microbatch_size,
+            self.dp,
+            self.cross_dc_dp,
+        )
+
+    def describe(self) -> str:
+        """``tp=2 schedule=zb1p`` for the pinned values, or an empty string."""
+        fields = ("tp", "zero", "schedule", "microbatch_size", "dp")
+        text = [f"{name}={getattr(self, name)}" for name in fields if getattr(self, name) is not None]
+        return " ".join(text + (["cross-dc-dp"] if self.cross_dc_dp else []))
+
+
+def tp_options(cfg: Config, pinned: int | None) -> list[int]:
+    """Tensor-parallel degrees to try: powers of two dividing the heads that fit a node of some DC."""
+    heads = cfg.job.model.heads
+    dcs = cfg.cluster.datacenters
+    if pinned is not None:
+        if heads % pinned:
+            raise InputError(f"--tp {pinned}: must divide the model's heads ({heads}); try a divisor of {heads}")
+        if not any(tp_slots(dc.gpus, dc.gpus_per_node, pinned) for dc in dcs):
+            nodes = ", ".join(sorted({str(dc.gpus_per_node) for dc in dcs}))
+            raise InputError(
+                f"--tp {pinned}: no datacenter has a node of {pinned} GPUs (gpus_per_node: {nodes}); "
+                "tensor parallelism stays inside a node"
+            )
+        return [pinned]
+    out, t = [], 1
+    while t <= max(dc.gpus_per_node for dc in dcs):
+        if heads % t == 0 and any(tp_slots(dc.gpus, dc.gpus_per_node, t) for dc in dcs):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def microbatch_options(cfg: Config, pinned: int | None) -> list[int]:
+    """Microbatch sizes to try: :data:`MICROBATCH_SIZES` dividing the global batch (or the pinned one)."""
+    batch = cfg.job.global_batch
+    if pinned is not None:
+        if batch % pinned:
+            raise InputError(
+                f"--microbatch-size {pinned}: must divide job.global_batch ({batch}); pick a divisor of {batch}"
+            )
+        return [pinned]
+    return [b for b in MICROBATCH_SIZES if batch % b == 0] or [1]
+
+
+def variant_options(cfg: Config, pins: Pins) -> list[Variant]:
+    """Every variant to search (schedule: the pinned one, else 1f1b; see :func:`with_schedules`)."""
+    if pins.schedule is not None and pins.schedule not in SCHEDULES:
+        raise InputError(f"--schedule {pins.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    zeros = [pins.zero] if pins.zero is not None else [1]
+    schedule = pins.schedule or "1f1b"
+    return [
+        Variant(t, z, schedule, b)
+        for t in tp_options(cfg, pins.tp)
+        for b in microbatch_options(cfg, pins.microbatch_size)
+        for z in zeros
+    ]
+
+
+def schedule_options(pins: Pins) -> tuple[str, ...]:
+    """Schedules the finalists are simulated under."""
+    return (pins.schedule,) if pins.schedule is not None else SCHEDULES
+
+
+@dataclass
+class VariantResult:
+    """One variant's problem, evaluator and best simulated plan (None: nothing fits)."""
+
+    problem: Problem
+    evaluator: Evaluator
+    best: Evaluation | None
+
+
+Searcher = Callable[[Problem, Evaluator, bool], "Evaluation | None"]
+"""Runs one variant's search: (problem, evaluator, full?) -> best plan or None."""
+
+
+def with_schedules(result: VariantResult, pins: Pins, cfg: Config, dp: int | None) -> list[VariantResult]:
+    """The variant's best candidates simulated under every other allowed schedule (same placement)."""
+    out: list[VariantResult] = []
+    if result.best is None:
+        return out
+    top = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)[:FINALISTS]
+    for schedule in schedule_options(pins):
+        if schedule == result.problem.variant.schedule:
+            continue
+        problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=dp)
+        evaluator = Evaluator(problem)
+        fits = [evaluator.evaluate(ev.candidate) for ev in top if problem.violation(ev.candidate) is None]
+        if fits:
+            out.append(VariantResult(problem, evaluator, min(fits, key=lambda ev: ev.iteration_s)))
+    return out
+
+
+def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal()) -> list[VariantResult]:
+    """Screen every variant, search the best :data:`FULL_SEARCHES` in full, add the other schedules.
+
+    Returns every result, best first (results with no plan last).
+    """
+    screened = []
+    options = variant_options(cfg, pins)
+    for variant in options:
+        problem = Problem(cfg, variant, dp=pins.dp)
+        evaluator = Evaluator(problem)
+        screened.append(VariantResult(problem, evaluator, search(problem, evaluator, False)))
+    if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
+        for variant in options:
+            problem = Problem(cfg, dataclasses.replace(variant, zero=2), dp=pins.dp)
+            evaluator = Evaluator(problem)
+            screened.append(VariantResult(problem, evaluator, search(problem, evaluator, False)))
+
+    def key(r: VariantResult) -> float:
+        return math.inf if r.best is None else r.best.score(goal.weight)
+
+    screened.sort(key=key)
+    for result in screened[:FULL_SEARCHES]:
+        if result.best is not None:
+            full = search(result.problem, result.evaluator, True)
+            if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
+                result.best = full
+    for result in screened[: FULL_SEARCHES + 1] if not pins.cross_dc_dp else screened:
+        across_dcs(result, pins)
+    if pins.cross_dc_dp:
+        for result in screened:
+            if result.best is not None and not result.best.candidate.extra_paths:
+                result.best = None
+    screened.sort(key=key)
+    extra = [more for result in screened[:FULL_SEARCHES] for more in with_schedules(result, pins, cfg, pins.dp)]
+    return sorted(screened + extra, key=key)
+
+
+def across_dcs(result: VariantResult, pins: Pins) -> None:
+    """Try the variant's best plan with more pipelines in other DCs, and data parallelism everywhere;
+    keep what simulates faster (``--cross-dc-dp``: the best with several pipelines)."""
+    problem, evaluator = result.problem, result.evaluator
+    cands = everywhere(problem) + (widen(problem, result.best.candidate) if result.best is not None else [])
+    if pins.dp is not None:
+        cands = [c for c in cands if c.dp == pins.dp]
+    found = [evaluator.evaluate(c) for c in cands]
+    if pins.cross_dc_dp:
+        pool = found
+    else:
+        pool = found + ([result.best] if result.best is not None else [])
+    result.best = min(pool, key=lambda ev: ev.iteration_s, default=None)
