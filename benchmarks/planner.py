@@ -5,7 +5,8 @@ and a set of generated clusters, it plans (objective: time), simulates the
 baselines with the same simulator, runs the exhaustive brute force where the
 instance is small enough, and prints one row per case: planner seconds, solve
 seconds, each baseline's seconds and its ratio baseline/planner, WAN dollars
-per iteration, and the gap to the brute-force optimum. Then the geometric-mean
+per iteration, the gap to the brute-force optimum (over every variant and
+schedule of the extended space) and the ratio to the job's best floor. Then the geometric-mean
 speed-up over each baseline, the longest wall time of a default ``geosched plan``
 (search, baselines and idle-DC explanations: ``max_plan_wall_s``) and whether a
 second run gave the same plan file (``deterministic``).
@@ -25,10 +26,11 @@ from common import benchmark_parser, emit
 
 from geosched.config import load_config
 from planner.baselines import all_baselines
-from planner.bruteforce import brute_force, enumerable
+from planner.bruteforce import extended_brute_force
 from planner.evaluate import Evaluator
 from planner.explain import unused_reasons
-from planner.generate import random_config, two_datacenters
+from planner.floors import space_floors
+from planner.generate import campus_two_datacenters, mixed_speed_two_datacenters, random_config, two_datacenters
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.space import Problem
@@ -69,9 +71,11 @@ def run_case(name: str, cfg, time_limit_s: float | None) -> dict:
         row[result.name] = result.iteration_s
         row[f"{result.name}_ratio"] = result.iteration_s / best.iteration_s if result.feasible else None
     row["gap"] = None
-    if enumerable(problem):
-        exact, _ = brute_force(problem, Evaluator(problem), hints=[best.candidate])
-        row["gap"] = best.iteration_s / exact.iteration_s - 1
+    exact = extended_brute_force(cfg, hint=(outcome.problem, best.candidate))
+    if exact is not None:
+        row["gap"] = best.iteration_s / exact - 1
+    floors = space_floors(cfg)
+    row["ratio_to_floor"] = floors.ratio(best.iteration_s) if floors.best_s > 0 else None
     return row
 
 
@@ -88,6 +92,8 @@ def cases(quick: bool) -> list[tuple[str, object, float | None]]:
         out.append((name, load_config(path), QUICK_LIMIT_S.get(name) if quick else None))
     out.append(("two-dc-slow-link", two_datacenters(2, 150, 0.5), None))
     out.append(("two-dc-fast-link", two_datacenters(100, 2, 25), None))
+    out.append(("campus-2dc", campus_two_datacenters(), None))
+    out.append(("mixed-speed-2dc", mixed_speed_two_datacenters(), None))
     out += [(f"random-{seed}", random_config(seed), None) for seed in range(2000, 2010 if quick else 2050)]
     return out
 
@@ -131,6 +137,8 @@ def main() -> None:
         "max_plan_wall_case": max((r["plan_wall_s"], r["case"]) for r in rows)[1],
         "deterministic": all(r["deterministic"] for r in rows),
         "cases": len(rows),
+        "geomean_ratio_to_floor": geomean([r["ratio_to_floor"] for r in rows if r["ratio_to_floor"]]),
+        "gpt3_3dc_iteration_s": next((r["planner_s"] for r in rows if r["case"] == "gpt3-3dc"), None),
     }
     for b in BASELINES:
         ratios = [r[f"{b}_ratio"] for r in rows if r[f"{b}_ratio"] is not None]

@@ -12,10 +12,12 @@ iteration time over the space.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from geosched.config import Config
 from geosched.costmodel import (
     StageCompute,
     boundary_bytes,
@@ -53,17 +55,20 @@ class _Stage:
 
     def __init__(self, problem: Problem, dp: int):
         self.problem, self.dp = problem, dp
-        self._compute: dict[tuple[str, int, int, bool, bool], tuple[float, float, float]] = {}
+        self._compute: dict[tuple[str, int, int, bool, bool], tuple[float, float, float, float]] = {}
         self._hop: dict[tuple[str, str, int], tuple[float, float, bool]] = {}
 
-    def compute(self, dc: str, start: int, end: int, first: bool, last: bool) -> tuple[float, float, float]:
+    def compute(self, dc: str, start: int, end: int, first: bool, last: bool) -> tuple[float, float, float, float]:
+        """(forward, backward, all-reduce, input-gradient backward) of a stage: the cost model's, without the
+        tensor-parallel all-reduces and ZeRO-2's per-microbatch reduce-scatters (a bound may leave work out)."""
         key = (dc, start, end, first, last)
         if key not in self._compute:
             job, spec = self.problem.job, self.problem.cluster.dc(dc)
             c = stage_compute(job, spec.gpu.tflops, (start, end), first, last)
             grads = stage_params(job, (start, end), first, last) * job.bytes_per_element
             ar = ring_allreduce_s(grads, self.dp, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6)
-            self._compute[key] = (c.forward_s, c.backward_s, ar)
+            ar = ar / 2 if job.zero_stage >= 2 else ar  # ZeRO 2 all-gathers only (PipelineCosts.allreduce_s)
+            self._compute[key] = (c.forward_s, c.backward_s, ar, c.backward_input_s)
         return self._compute[key]
 
     def hop(self, a: str, b: str, after_block: int) -> tuple[float, float, bool]:
@@ -78,6 +83,33 @@ class _Stage:
                 tr, fifo = wan_transfer(link, nbytes, self.problem.streams(a, b), self.dp), True
             self._hop[key] = (tr.occupancy_s, tr.latency_s, fifo)
         return self._hop[key]
+
+
+def extended_brute_force(cfg: Config, hint: tuple[Problem, Candidate] | None = None) -> float | None:
+    """The least simulated iteration time over every variant and schedule of ``cfg``'s plan space (what the
+    config pins stays pinned), one
+    pipeline path (pipelines in several DCs are not enumerated); None when some variant is too large.
+
+    ``hint``: the planner's answer and its problem, given to the brute force of its own variant.
+    """
+    from planner.variants import Pins, schedule_options, variant_options
+
+    best, pins = None, Pins().over(cfg)  # what the config pins, as the planner respects it
+    for variant in variant_options(cfg, pins):
+        for schedule in schedule_options(pins):
+            problem = Problem(cfg, dataclasses.replace(variant, schedule=schedule))
+            if not enumerable(problem):
+                return None
+            hints = [hint[1]] if hint is not None and hint[0].variant == problem.variant else []
+            try:
+                exact, _ = brute_force(problem, Evaluator(problem), hints=[h for h in hints if not h.extra_paths])
+            except TooLarge as exc:
+                if str(exc).startswith("no seed plan"):
+                    continue  # no plan of this variant fits
+                return None
+            if best is None or exact.iteration_s < best:
+                best = exact.iteration_s
+    return best
 
 
 def brute_force(
@@ -108,7 +140,9 @@ def brute_force(
             ends: list[int] = []
             f: list[float] = []
             b: list[float] = []
+            bi: list[float] = []
             ar: list[float] = []
+            chain = bi if problem.schedule == "zb1p" else b  # what a gradient waits for on its way down
             occ: list[float] = []
             lat: list[float] = []
             fifo: list[bool] = []
@@ -122,13 +156,13 @@ def brute_force(
                 left_blocks, left_stages = L - done, p - s
                 if s == p:
                     stats.leaves += 1
-                    bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo)
+                    bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo, bi)
                     if bound < best.iteration_s:
                         leaves.append(
                             (bound, from_split(d, m, tuple(dcs), tuple(e - a for a, e in zip([0] + ends[:-1], ends))))
                         )
                     return
-                rest = start + drain + (f[-1] + b[-1] if f else 0.0) + (ar[0] if ar else 0.0)
+                rest = start + drain + (f[-1] + chain[-1] if f else 0.0) + (ar[0] if ar else 0.0)
                 rest += m * -(-left_blocks // left_stages) * cheapest_block
                 if max(busy_bound, rest) >= best.iteration_s:
                     return
@@ -146,10 +180,10 @@ def brute_force(
                     for x in sizes:
                         if not problem.fits(dc, (done, done + x), s, p, m):
                             continue
-                        fs, bs, ars = cache.compute(dc, done, done + x, s == 0, s == p - 1)
+                        fs, bs, ars, bis = cache.compute(dc, done, done + x, s == 0, s == p - 1)
                         if s:
                             o, la, fi = cache.hop(dcs[-1], dc, done)
-                            new_start, new_drain = start + f[-1] + o + la, drain + b[-1] + o + la
+                            new_start, new_drain = start + f[-1] + o + la, drain + chain[-1] + o + la
                             occ.append(o)
                             lat.append(la)
                             fifo.append(fi)
@@ -161,10 +195,11 @@ def brute_force(
                         ends.append(done + x)
                         f.append(fs)
                         b.append(bs)
+                        bi.append(bis)
                         ar.append(ars)
                         if bound < best.iteration_s:
                             descend(new_start, new_drain, bound)
-                        for stack in (dcs, ends, f, b, ar):
+                        for stack in (dcs, ends, f, b, bi, ar):
                             stack.pop()
                         if s:
                             for hop_stack in (occ, lat, fifo):

@@ -45,8 +45,13 @@ def pipeline_lower_bound(
     occupancy: Sequence[float],
     latency: Sequence[float],
     fifo: Sequence[bool],
+    backward_input: Sequence[float] | None = None,
 ) -> float:
     """A time no simulation of this pipeline can beat (stages ``p``, boundaries ``p - 1``).
+
+    For the zero-bubble schedule (``zb1p``) gradients travel on as soon as the
+    input-gradient pass ``backward_input`` ends, so the chains below use it
+    instead of the whole backward; its in-flight limit is 1F1B's.
 
     With ``g_j = occupancy_j + latency_j`` the delay of boundary ``j``, ``A_s``
     the earliest start of stage ``s`` (microbatch 0 has to reach it) and
@@ -60,25 +65,26 @@ def pipeline_lower_bound(
     * link: a shared WAN link (``fifo``) carries ``m`` messages one after the other.
     """
     p = len(forward)
+    chain = backward_input if schedule == "zb1p" and backward_input is not None else backward
     g = [occupancy[j] + latency[j] for j in range(p - 1)]
     start = [0.0] * p
     down = [0.0] * p
     for s in range(1, p):
         start[s] = start[s - 1] + forward[s - 1] + g[s - 1]
-        down[s] = down[s - 1] + backward[s - 1] + g[s - 1]
-    trip = [0.0] * (p + 1)  # trip[s]: F on s .. end .. B back on s
+        down[s] = down[s - 1] + chain[s - 1] + g[s - 1]
+    trip = [0.0] * (p + 1)  # trip[s]: F on s .. end .. B (or I) back on s
     for s in range(p - 1, -1, -1):
-        trip[s] = trip[s + 1] + forward[s] + backward[s] + (2 * g[s] if s < p - 1 else 0.0)
+        trip[s] = trip[s + 1] + forward[s] + chain[s] + (2 * g[s] if s < p - 1 else 0.0)
     best = 0.0
     for s in range(p):
         tail = max(allreduce[s], down[s] + allreduce[0])
         best = max(best, start[s] + m * (forward[s] + backward[s]) + tail)
-        in_flight = min(p - 1 - s, m) + 1 if schedule == "1f1b" else m
+        in_flight = min(p - 1 - s, m) + 1 if schedule in ("1f1b", "zb1p") else m
         rounds = (m - 1) // in_flight
         best = max(best, start[s] + (rounds + 1) * trip[s] + (m - 1 - rounds * in_flight) * backward[s] + tail)
         if s < p - 1 and fifo[s]:
             best = max(
-                best, start[s] + forward[s] + backward[s] + g[s] + latency[s] + m * occupancy[s] + trip[s + 1] + tail
+                best, start[s] + forward[s] + chain[s] + g[s] + latency[s] + m * occupancy[s] + trip[s + 1] + tail
             )
     return best
 
@@ -176,6 +182,7 @@ class Evaluator:
             [t.occupancy_s for t in transfers],
             [t.latency_s for t in transfers],
             [t.link is not None for t in transfers],
+            [c.backward_input_s for c in costs.compute],
         )
 
     @property

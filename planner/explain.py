@@ -87,12 +87,13 @@ def unused_reasons(
     """
     large = len(problem.dcs) > SHORTLIST
     cand, out = best.candidate, []
-    chosen = set(cand.path)
+    chosen = {dc for path in cand.pipelines for dc in path}
+    tp = problem.job.tp
     share = max(1, sum(cand.gpus_used(dc) < problem.gpus[dc] for dc in problem.dcs))  # searches to come, at most
     for dc in problem.dcs:
-        gpus, used = problem.gpus[dc], cand.gpus_used(dc)
-        if used >= gpus:
-            continue
+        if cand.gpus_used(dc) >= problem.gpus[dc]:
+            continue  # no tensor-parallel group of it is left idle
+        gpus, used = problem.cluster.dc(dc).gpus, cand.gpus_used(dc) * tp
         head = f"dc {dc}: {used}/{gpus} GPUs"
         if large and used == 0 and not chosen & set(problem.neighbours[dc]):
             out.append(
@@ -104,7 +105,7 @@ def unused_reasons(
                 )
             )
             continue
-        require = {dc: used + 1, **{other: 1 for other in chosen if other != dc}}
+        require = {dc: cand.gpus_used(dc) + 1, **{other: 1 for other in chosen if other != dc}}
         alt, _ = search(
             problem,
             evaluator,
@@ -128,7 +129,7 @@ def unused_reasons(
         what = (
             f"adding it to {', '.join(p for p in cand.path if p != dc)}"
             if used == 0
-            else f"using {alt.candidate.gpus_used(dc)} of them"
+            else f"using {alt.candidate.gpus_used(dc) * tp} of them"
         )
         text = f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration ({_versus(alt, best)})"
         alt_cand = alt.candidate

@@ -65,7 +65,7 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
         f"{what} needs {size_text(need)} per GPU (weights, gradients and optimizer state "
         f"{size_text(state)} + activations of one microbatch {size_text(need - state)}) > "
         f"{problem.memory_bytes[roomiest] / GIB:g} GiB, the most any GPU has (dc {roomiest!r}); "
-        f"use job.recompute: full, a smaller job.batch, fewer optimizer bytes or GPUs with more memory"
+        f"use job.recompute: full, a smaller job.microbatch_size, fewer optimizer bytes or GPUs with more memory"
     )
 
 
@@ -73,9 +73,13 @@ def check_feasible(problem: Problem) -> None:
     """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint."""
     job, L = problem.job, problem.layers
     if not problem.dp_options():
+        if problem.pinned_dp is not None:
+            raise PlanInfeasible(
+                f"--dp {problem.pinned_dp}: global_batch({job.global_batch}) / microbatch_size({job.batch}) is not "
+                f"a multiple of it, or no datacenter has {problem.pinned_dp} devices; pick another --dp"
+            )
         raise PlanInfeasible(
-            f"job.global_batch({job.global_batch}) is not a multiple of "
-            f"job.microbatchsize_text({job.batch}); make it one"
+            f"job.global_batch({job.global_batch}) is not a multiple of job.microbatch_size({job.batch}); make it one"
         )
     most = max(problem.memory_bytes.values())
     if L == 1:
@@ -187,13 +191,13 @@ def check_inflight(problem: Problem) -> None:
     changes = {
         "job.recompute: full": dataclasses.replace(job, recompute="full"),
         "job.schedule: 1f1b": dataclasses.replace(job, schedule="1f1b"),
-        "job.batch: 1": dataclasses.replace(job, microbatch_size=1),
+        "job.microbatch_size: 1": dataclasses.replace(job, microbatch_size=1),
     }
     fixes = [name for name, other in changes.items() if other != job and deepest_fit(problem, other, most)[0] >= L]
     fix = (
         f"use {' or '.join(fixes)}, which lifts this limit"
         if fixes
-        else "use job.recompute: full, a smaller job.batch, or GPUs with more memory"
+        else "use job.recompute: full, a smaller job.microbatch_size, or GPUs with more memory"
     )
     raise PlanInfeasible(
         f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "

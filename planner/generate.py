@@ -104,3 +104,40 @@ def two_datacenters(
         },
         source="two_datacenters",
     )
+
+
+def _two(name: str, dcs: list[dict[str, object]], link: dict[str, object], model: dict[str, int], batch: int) -> Config:
+    return config_from_dict(
+        {
+            "cluster": {"name": name, "datacenters": dcs, "links": [{"between": [d["name"] for d in dcs], **link}]},
+            "job": {"model": model, "global_batch": batch},
+        },
+        source=name,
+    )
+
+
+def campus_two_datacenters() -> Config:
+    """Two DCs of 8 A100s on a campus-grade link (200 Gb/s, 0.1 ms RTT) and a 1.3B GPT that fits one GPU:
+    data parallelism across both DCs is the plan to beat."""
+    gpu = {"name": "A100", "tflops": 150, "memory_gib": 80}
+    return _two(
+        "campus-2dc",
+        [{"name": "a", "gpus": 8, "gpu": gpu}, {"name": "b", "gpus": 8, "gpu": gpu}],
+        {"bandwidth_gbps": 200, "rtt_ms": 0.1, "per_connection_gbps": 25},
+        {"layers": 24, "hidden": 2048, "heads": 16, "seq_len": 2048, "vocab": 50257},
+        512,
+    )
+
+
+def mixed_speed_two_datacenters() -> Config:
+    """A DC of 32 fast GPUs (600 TFLOP/s) and one of 32 slow ones (200 TFLOP/s) on a 50 Gb/s, 20 ms link."""
+    return _two(
+        "mixed-speed-2dc",
+        [
+            {"name": "fast", "gpus": 32, "gpu": {"name": "B200", "tflops": 600, "memory_gib": 80}},
+            {"name": "slow", "gpus": 32, "gpu": {"name": "A100", "tflops": 200, "memory_gib": 80}},
+        ],
+        {"bandwidth_gbps": 50, "rtt_ms": 20, "per_connection_gbps": 5},
+        {"layers": 48, "hidden": 4096, "heads": 32, "seq_len": 2048, "vocab": 50257},
+        256,
+    )

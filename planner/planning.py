@@ -23,9 +23,13 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible, check_size
 from planner.plan import Plan, SolverInfo, build_plan
-from planner.search import Progress, SearchStats, frontier, search
+from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, search
 from planner.space import Problem
 from planner.variants import SCREEN_EFFORT, SCREEN_MODELS, SCREEN_WORK, Pins, search_variants, variant_options
+
+
+FULL_EFFORT = 2 * SMALL_EFFORT
+"""CP-SAT deterministic seconds the full searches of every variant share (:mod:`planner.variants`)."""
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,22 @@ def make_plan(
     deadline = None if time_limit_s is None else started + time_limit_s
     stats_of: dict[int, SearchStats] = {}
 
-    def searcher(problem: Problem, evaluator: Evaluator, full: bool) -> Evaluation | None:
+    def searcher(problem: Problem, evaluator: Evaluator, share: float) -> Evaluation | None:
         left = None if deadline is None else max(0.05, deadline - time.monotonic())
         try:
             check_feasible(problem)
         except PlanInfeasible:
             return None
-        if full:
-            best, stats = search(problem, evaluator, Goal(), time_limit_s=left, progress=progress)
+        if share:
+            best, stats = search(
+                problem,
+                evaluator,
+                Goal(),
+                time_limit_s=left,
+                progress=progress,
+                effort=FULL_EFFORT * share,
+                polish_work=POLISH_WORK * share,
+            )
         else:
             best, stats = search(
                 problem,

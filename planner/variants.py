@@ -14,9 +14,8 @@ or the command line fixed; :func:`variant_options` lists the rest:
   microbatch) only when no stage-1 variant fits, since it pays only where
   memory binds;
 * microbatch sizes 1, 2, 4, 8 dividing the global batch;
-* schedules: the search runs 1F1B; the finalists are then simulated under
-  ZB-H1 (zb1p) and GPipe too (:func:`with_schedules`): same placement, other
-  order, so a schedule never needs a search of its own.
+* schedules GPipe, 1F1B and ZB-H1 (zb1p); the finalists of the best
+  variants are also simulated under the other schedules (:func:`with_schedules`).
 
 :func:`search_variants` screens every variant with a small, counted search,
 then searches the most promising ones in full (:data:`FULL_SEARCHES`). All
@@ -39,11 +38,13 @@ from planner.space import Problem, Variant, tp_slots
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes the planner tries (those dividing the global batch)."""
-FULL_SEARCHES = 1
-"""Variants searched in full after the screening."""
+FULL_SEARCHES = 4
+"""Most variants searched in full after the screening (those within :data:`FULL_WITHIN` of the best)."""
+FULL_WITHIN = 0.5
+"""A screened variant this much slower than the best screened one is not searched in full."""
 SCREEN_EFFORT = 0.3
 """CP-SAT deterministic seconds for one variant's screening search."""
-SCREEN_MODELS = 1
+SCREEN_MODELS = 3
 """CP-SAT models one screening search may solve (each costs a fifth of a second or more)."""
 SCREEN_WORK = 2_000
 """Stage-microbatches one screening hill climb may simulate."""
@@ -60,7 +61,8 @@ class Pins:
     schedule: str | None = None
     microbatch_size: int | None = None
     dp: int | None = None
-    cross_dc_dp: bool = False
+    cross_dc_dp: bool | None = None
+    """True: at least two pipelines on different DC paths; False: one pipeline path only; None: either."""
 
     def over(self, cfg: Config) -> Pins:
         """These pins, completed by what the config's job pins."""
@@ -78,7 +80,8 @@ class Pins:
         """``tp=2 schedule=zb1p`` for the pinned values, or an empty string."""
         fields = ("tp", "zero", "schedule", "microbatch_size", "dp")
         text = [f"{name}={getattr(self, name)}" for name in fields if getattr(self, name) is not None]
-        return " ".join(text + (["cross-dc-dp"] if self.cross_dc_dp else []))
+        across = {True: ["cross-dc-dp"], False: ["one-pipeline-path"], None: []}[self.cross_dc_dp]
+        return " ".join(text + across)
 
 
 def tp_options(cfg: Config, pinned: int | None) -> list[int]:
@@ -116,16 +119,16 @@ def microbatch_options(cfg: Config, pinned: int | None) -> list[int]:
 
 
 def variant_options(cfg: Config, pins: Pins) -> list[Variant]:
-    """Every variant to search (schedule: the pinned one, else 1f1b; see :func:`with_schedules`)."""
+    """Every variant to search: each tensor-parallel degree, microbatch size and schedule allowed."""
     if pins.schedule is not None and pins.schedule not in SCHEDULES:
         raise InputError(f"--schedule {pins.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     zeros = [pins.zero] if pins.zero is not None else [1]
-    schedule = pins.schedule or "1f1b"
     return [
         Variant(t, z, schedule, b)
         for t in tp_options(cfg, pins.tp)
         for b in microbatch_options(cfg, pins.microbatch_size)
         for z in zeros
+        for schedule in schedule_options(pins)
     ]
 
 
@@ -143,8 +146,9 @@ class VariantResult:
     best: Evaluation | None
 
 
-Searcher = Callable[[Problem, Evaluator, bool], "Evaluation | None"]
-"""Runs one variant's search: (problem, evaluator, full?) -> best plan or None."""
+Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
+"""Runs one variant's search: (problem, evaluator, share) -> best plan or None. ``share`` 0 is a
+screening search; otherwise the share of a full search's budgets this search may spend."""
 
 
 def with_schedules(result: VariantResult, pins: Pins, cfg: Config, dp: int | None) -> list[VariantResult]:
@@ -174,20 +178,22 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     for variant in options:
         problem = Problem(cfg, variant, dp=pins.dp)
         evaluator = Evaluator(problem)
-        screened.append(VariantResult(problem, evaluator, search(problem, evaluator, False)))
+        screened.append(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
     if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
         for variant in options:
             problem = Problem(cfg, dataclasses.replace(variant, zero=2), dp=pins.dp)
             evaluator = Evaluator(problem)
-            screened.append(VariantResult(problem, evaluator, search(problem, evaluator, False)))
+            screened.append(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)
 
     screened.sort(key=key)
-    for result in screened[:FULL_SEARCHES]:
+    cutoff = key(screened[0]) * (1 + FULL_WITHIN)
+    chosen = [r for r in screened[:FULL_SEARCHES] if r.best is not None and key(r) <= cutoff]
+    for result in chosen:  # together they spend about one full search's budgets
         if result.best is not None:
-            full = search(result.problem, result.evaluator, True)
+            full = search(result.problem, result.evaluator, 1 / len(chosen))
             if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
                 result.best = full
     for result in screened[: FULL_SEARCHES + 1] if not pins.cross_dc_dp else screened:
@@ -197,7 +203,7 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
             if result.best is not None and not result.best.candidate.extra_paths:
                 result.best = None
     screened.sort(key=key)
-    extra = [more for result in screened[:FULL_SEARCHES] for more in with_schedules(result, pins, cfg, pins.dp)]
+    extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg, pins.dp)]
     return sorted(screened + extra, key=key)
 
 
@@ -205,6 +211,8 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
     """Try the variant's best plan with more pipelines in other DCs, and data parallelism everywhere;
     keep what simulates faster (``--cross-dc-dp``: the best with several pipelines)."""
     problem, evaluator = result.problem, result.evaluator
+    if pins.cross_dc_dp is False:
+        return
     cands = everywhere(problem) + (widen(problem, result.best.candidate) if result.best is not None else [])
     if pins.dp is not None:
         cands = [c for c in cands if c.dp == pins.dp]

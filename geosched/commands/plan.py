@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pins.add_argument(
         "--cross-dc-dp",
         action="store_true",
+        default=None,
         help="at least two pipeline replicas on different datacenter paths, gradients all-reduced across DCs",
     )
 
