@@ -21,7 +21,10 @@ no steps to run (between and after training requests), adds its metrics to every
 :mod:`agents.checkpoint.store`: replica 0 of each stage writes a shard every
 ``every`` steps and after the steps the coordinator names; ``--resume``
 restores the newest complete checkpoint (every stage's shard present and
-verified); a corrupt one raises CheckpointError and loads nothing.
+verified); a corrupt one raises CheckpointError and loads nothing. A
+tensor-parallel stage is saved whole (its tp ranks gather it, tp rank 0
+writes, :mod:`agents.tp.whole`) and re-sharded on load, so a checkpoint does
+not depend on the tp degree that wrote it.
 Checkpoint ``n`` holds the state after ``n`` steps; a resume trains step ``n`` next.
 """
 
@@ -74,7 +77,7 @@ class RankCheckpoints:
 
         self.ckpt_dir, self.role, self.every, self.resume = ckpt_dir, role, every, resume
         self.num_stages = layout.num_stages
-        job = layout.job
+        self.job = job = layout.job
         self.fingerprint = job_fingerprint(
             job.model,
             role.layers,
@@ -105,9 +108,23 @@ class RankCheckpoints:
         from agents.checkpoint.store import load_shard
 
         if self.start_step > 0:
-            load_shard(
-                self.ckpt_dir, self.start_step, self.role.stage, module, optimizer, job_fingerprint=self.fingerprint
-            )
+            if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
+                from agents.tp.whole import load_whole_training_state
+
+                whole, whole_optimizer = self._whole_stage()
+                load_shard(
+                    self.ckpt_dir,
+                    self.start_step,
+                    self.role.stage,
+                    whole,
+                    whole_optimizer,
+                    job_fingerprint=self.fingerprint,
+                )
+                load_whole_training_state(module, optimizer, whole.state_dict(), whole_optimizer.state_dict())
+            else:
+                load_shard(
+                    self.ckpt_dir, self.start_step, self.role.stage, module, optimizer, job_fingerprint=self.fingerprint
+                )
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
 
     def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> bool:
@@ -119,14 +136,46 @@ class RankCheckpoints:
 
     def save_now(self, done: int, module: Any, optimizer: Any) -> bool:
         """Write checkpoint ``done`` (the state after ``done`` steps); True if this rank writes."""
+        from agents.checkpoint.state import gather_optimizer_state
         from agents.checkpoint.store import CheckpointWriter
 
-        if self.role.replica != 0:  # replicas hold identical state; replica 0 writes
+        if self.role.tp_size > 1:  # replica 0's tp ranks gather the whole stage; its tp rank 0 writes it
+            if self.role.replica != 0:
+                return False
+            module, optimizer = self._whole_stage(module, optimizer)
+            if self.role.tp_rank != 0:
+                return False
+        gather_optimizer_state(optimizer)  # ZeRO: every replica sends its share of the state to replica 0
+        if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
             return False
         if self._writer is None:
             self._writer = CheckpointWriter(self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint)
         self._writer.save(done, module, optimizer, extra={"next_step": done})
         return True
+
+    def _whole_stage(self, sharded: Any = None, sharded_optimizer: Any = None) -> tuple[Any, Any]:
+        """An unsharded copy of this stage and a plain AdamW over it, what a checkpoint holds; with a sharded
+        stage given, holding its whole state (a collective: every tp rank of the replica calls it)."""
+        import torch
+
+        from agents.tp.whole import whole_training_state
+        from geosched.model import PRECISION_DTYPES, build_stage
+
+        job, role = self.job, self.role
+        whole = build_stage(
+            job.model,
+            *role.layers,
+            first=role.first,
+            last=role.last,
+            seed=job.seed,
+            dtype=PRECISION_DTYPES[job.precision],
+        )
+        optimizer = torch.optim.AdamW(whole.parameters(), lr=job.learning_rate)
+        if sharded is not None:
+            module_state, optimizer_state = whole_training_state(sharded, sharded_optimizer)
+            whole.load_state_dict(module_state)
+            optimizer.load_state_dict(optimizer_state)
+        return whole, optimizer
 
 
 class RankWorker:

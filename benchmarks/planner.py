@@ -29,11 +29,11 @@ from planner.baselines import all_baselines
 from planner.bruteforce import extended_brute_force
 from planner.evaluate import Evaluator
 from planner.explain import unused_reasons
-from planner.floors import space_floors
 from planner.generate import campus_two_datacenters, mixed_speed_two_datacenters, random_config, two_datacenters
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.space import Problem
+from planner.variants import space_floors
 
 BASELINES = ("dp-everywhere", "equal-pipeline", "atlas-greedy", "dp-flat-ring")
 QUICK_LIMIT_S: dict[str, float] = {}  # --quick: wall time limits (s) per config; none: budgets are deterministic

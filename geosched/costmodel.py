@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from geosched import model_counts
 from geosched.calibration import Calibration
 from geosched.chunking import chunks_per_message
-from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
+from geosched.config import ClusterSpec, DatacenterSpec, JobSpec
 from geosched.errors import ConfigError
+from geosched.netcost import (
+    intra_transfer,
+    ring_allreduce_s,
+    streams_to_fill,
+    wan_transfer,
+)
 from geosched.schedule import Action, Transfer, build_schedule
+from geosched.schedule.timeline import peak_inflight as schedule_peak_inflight
 
 GIB = 1024**3
 BACKWARD_TO_FORWARD = model_counts.BACKWARD_FLOPS_PER_FORWARD  # Kaplan et al. 2020, sec. 2.1
@@ -291,16 +297,7 @@ def stage_memory_bytes(
 def _schedule_inflight(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
     """Per stage, the most microbatches between their F and their last backward action (B or W)."""
     built = build_schedule(schedule, num_stages, num_microbatches)
-    out = []
-    for s in range(num_stages):
-        held = peak = 0
-        for action in built.actions[s]:
-            tag = action.kind.value
-            held += tag == "F"
-            peak = max(peak, held)
-            held -= tag in ("B", "W")
-        out.append(peak)
-    return tuple(out)
+    return tuple(schedule_peak_inflight(built, s) for s in range(num_stages))
 
 
 def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
@@ -312,80 +309,6 @@ def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: 
     if schedule == "1f1b":
         return min(num_stages - stage, num_microbatches)
     return _schedule_inflight(schedule, num_stages, num_microbatches)[stage]
-
-
-# -------------------------------------------------------------------- WAN ---
-
-
-def wan_effective_bps(link: WanLinkSpec, streams: int) -> float:
-    """Usable bits/s of a link with ``streams`` TCP connections: ``min(B, k x per-connection)``.
-
-    One TCP connection reaches about window/RTT on a long link (Mathis et al.
-    1997); k connections reach k times that until the link itself is full
-    (the multi-connection WAN design of Atlas, arXiv 2411.14458, sec. 4).
-    """
-    return min(link.bandwidth_gbps, streams * link.per_connection_gbps) * 1e9
-
-
-def streams_to_fill(link: WanLinkSpec) -> int:
-    """Fewest connections that fill the link: ``ceil(B / per-connection)``, capped at ``max_streams``."""
-    return max(1, min(link.max_streams, math.ceil(link.bandwidth_gbps / link.per_connection_gbps - 1e-9)))
-
-
-def wan_transfer(link: WanLinkSpec, nbytes: int, streams: int, sharing: int) -> Transfer:
-    """A message of ``nbytes`` per pipeline crossing ``link``, shared by ``sharing`` pipelines.
-
-    The data-parallel pipelines take turns on the link (Atlas, sec. 4.2) rather
-    than each getting a slice at once, so one microbatch's boundary occupies the
-    link for ``sharing x bytes x 8 / effective_bps`` and arrives ``RTT/2`` later.
-    """
-    occupancy = sharing * nbytes * 8 / wan_effective_bps(link, streams)
-    return Transfer(link=None, occupancy_s=occupancy, latency_s=link.rtt_ms / 2000)
-
-
-def intra_transfer(dc: DatacenterSpec, nbytes: int) -> Transfer:
-    """A message between two GPUs of one datacenter: ``bytes x 8 / bandwidth + latency``."""
-    return Transfer(
-        link=None, occupancy_s=nbytes * 8 / (dc.intra_bandwidth_gbps * 1e9), latency_s=dc.intra_latency_us * 1e-6
-    )
-
-
-# -------------------------------------------------------------- all-reduce ---
-
-
-def ring_allreduce_s(nbytes: float, group: int, bandwidth_bps: float, latency_s: float) -> float:
-    """Ring all-reduce time, alpha-beta model: ``2(G-1)/G x bytes x 8 / B + 2(G-1) x latency``.
-
-    Each of the ``2(G-1)`` steps (G-1 reduce-scatter, G-1 all-gather) moves one
-    of G segments to the next rank (Patarasuk & Yuan 2009; Thakur et al. 2005).
-    """
-    if group <= 1:
-        return 0.0
-    return 2 * (group - 1) / group * nbytes * 8 / bandwidth_bps + 2 * (group - 1) * latency_s
-
-
-def hierarchical_allreduce_s(
-    nbytes: float,
-    in_dc: Sequence[tuple[int, float, float]],
-    ring: Sequence[tuple[float, float]],
-) -> float:
-    """All-reduce of ``nbytes`` over replicas in several DCs: inside each DC, then across DCs, then back.
-
-    ``in_dc``: per DC, (replicas, bits/s, latency s); ``ring``: per hop of the
-    DCs' ring or chain, (bits/s, latency s) of the WAN link. Hierarchical
-    all-reduce (reduce-scatter inside each DC, all-reduce of the shards across
-    DCs, all-gather inside; NCCL's tree/ring hierarchy, Thakur et al. 2005):
-    the slowest DC's ring all-reduce plus a ring all-reduce over the ``k``
-    DCs at the slowest hop's rate, where every DC's replicas together move
-    the whole gradient (their shards in parallel on the multi-stream link).
-    """
-    inside = max((ring_allreduce_s(nbytes, n, bps, lat) for n, bps, lat in in_dc), default=0.0)
-    if not ring:
-        return inside
-    k = len(ring) + 1
-    slowest = min(bps for bps, _ in ring)
-    latency = max(lat for _, lat in ring)
-    return inside + ring_allreduce_s(nbytes, k, slowest, latency)
 
 
 # ------------------------------------------------------- a pipeline's costs ---
@@ -494,7 +417,7 @@ class PipelineCosts:
                 if link is None:
                     tr = intra_transfer(cluster.dc(a), nbytes)
                 else:
-                    shared = share.get((min(a, b), max(a, b)), dp)
+                    shared = share.get((min(a, b), max(a, b)), dp) * job.tp  # every TP rank sends it whole
                     tr = wan_transfer(link, nbytes, k, shared)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
                 self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + latency)
 
@@ -547,13 +470,15 @@ class PipelineCosts:
         return self._transfers[src_stage, dst_stage]
 
     def wan_bytes_per_iteration(self, microbatches: int) -> dict[tuple[str, str], int]:
-        """Bytes each WAN link direction carries per iteration, over all ``dp`` pipelines."""
+        """Bytes each WAN link direction carries per iteration, over all ``dp`` pipelines (and all tensor-parallel
+        ranks: the runtime sends the whole boundary activation from each; Megatron's scatter/gather, which sends
+        ``1/t`` from each, is not implemented)."""
         out: dict[tuple[str, str], int] = {}
         for s in range(len(self.stage_dcs) - 1):
             a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
             if a == b:
                 continue
-            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp
+            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp * self.job.tp
             out[(a, b)] = out.get((a, b), 0) + nbytes
             out[(b, a)] = out.get((b, a), 0) + nbytes
         return out

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
-from geosched.costmodel import ring_allreduce_s, stage_compute, stage_memory_bytes, total_params, wan_effective_bps
+from geosched.costmodel import stage_compute, stage_memory_bytes, total_params
+from geosched.netcost import ring_allreduce_s, wan_effective_bps
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
 from planner.evaluate import GB, Evaluation, Evaluator
 from planner.feasibility import size_text
@@ -188,7 +189,7 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
     if not paths:
         return BaselineResult(name, None, detail="infeasible: no path of WAN links passes through every datacenter")
     path = max(paths, key=lambda order: _slowest(problem, order, False))
-    best: tuple[int, float, Evaluation] | None = None
+    valid = []
     for d, m in problem.dp_options():
         counts = [problem.gpus[dc] // d for dc in path]
         p = sum(counts)
@@ -197,12 +198,11 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
         cand = from_split(
             d, m, tuple(dc for dc, n in zip(path, counts) for _ in range(n)), even_split(problem.layers, p)
         )
-        if problem.violation(cand) is not None:
-            continue
-        ev = evaluator.evaluate(cand)
-        key = (p * d, -ev.iteration_s)
-        if best is None or key > best[:2]:
-            best = (p * d, -ev.iteration_s, ev)
+        if problem.violation(cand) is None:
+            valid.append((p * d, cand))
+    most = max((gpus for gpus, _ in valid), default=0)  # the most GPUs; among those, the fastest (simulated)
+    found = [evaluator.evaluate(cand) for gpus, cand in valid if gpus == most]
+    best = min(found, key=lambda ev: ev.iteration_s) if found else None
     if best is None:
         return BaselineResult(
             name,
@@ -210,8 +210,7 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
             detail="infeasible: no data-parallel degree gives every DC a stage "
             "that fits its memory with at most one stage per block",
         )
-    ev = best[2]
-    return BaselineResult(name, ev.iteration_s, ev.wan_cost_usd, ev.candidate.describe(), ev)
+    return BaselineResult(name, best.iteration_s, best.wan_cost_usd, best.candidate.describe(), best)
 
 
 def atlas_greedy(problem: Problem, evaluator: Evaluator) -> BaselineResult:

@@ -18,15 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geosched.config import Config
-from geosched.costmodel import (
-    StageCompute,
-    boundary_bytes,
-    intra_transfer,
-    ring_allreduce_s,
-    stage_compute,
-    stage_params,
-    wan_transfer,
-)
+from geosched.costmodel import StageCompute, boundary_bytes, stage_compute, stage_params
+from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
 from planner.baselines import pipeline_baselines
 from planner.evaluate import Evaluation, Evaluator, pipeline_lower_bound
 from planner.search import single_stage

@@ -33,14 +33,8 @@ from fractions import Fraction
 
 from ortools.sat.python import cp_model
 
-from geosched.costmodel import (
-    boundary_bytes,
-    intra_transfer,
-    ring_allreduce_s,
-    stage_compute,
-    stage_params,
-    wan_transfer,
-)
+from geosched.costmodel import boundary_bytes, stage_compute, stage_params
+from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
 from planner.space import Candidate, Problem, even_split, from_split
 
 USD_UNIT = 1e-6  # costs in micro-dollars

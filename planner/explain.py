@@ -13,13 +13,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from geosched.costmodel import boundary_bytes, wan_transfer
+from geosched.costmodel import boundary_bytes
+from geosched.netcost import wan_transfer
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
-from planner.floors import Floors, Optimality, optimality, space_floors
+from planner.floors import Floors, Optimality, optimality
 from planner.plan import Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
+from planner.variants import space_floors
 
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)

@@ -56,10 +56,15 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
+def most_replicas(problem: Problem) -> int:
+    """The most data-parallel replicas any plan may have (every device): what ZeRO shards over at best."""
+    return max(1, sum(problem.gpus.values()))
+
+
 def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last: bool, what: str) -> str:
-    job = problem.job
-    need = stage_memory_bytes(job, layers, first, last, 1)
-    state = stage_memory_bytes(job, layers, first, last, 0)
+    job, shard = problem.job, most_replicas(problem)
+    need = stage_memory_bytes(job, layers, first, last, 1, shard)
+    state = stage_memory_bytes(job, layers, first, last, 0, shard)
     roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
     return (
         f"{what} needs {size_text(need)} per GPU (weights, gradients and optimizer state "
@@ -70,8 +75,12 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
 
 
 def check_feasible(problem: Problem) -> None:
-    """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint."""
+    """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint.
+
+    Memory is relaxed to the most ZeRO sharding any plan has (:func:`most_replicas`), so only a job that
+    no plan can hold is refused."""
     job, L = problem.job, problem.layers
+    shard = most_replicas(problem)
     if not problem.dp_options():
         if problem.pinned_dp is not None:
             raise PlanInfeasible(
@@ -83,7 +92,7 @@ def check_feasible(problem: Problem) -> None:
         )
     most = max(problem.memory_bytes.values())
     if L == 1:
-        if stage_memory_bytes(job, (0, 1), True, True, 1) > most:
+        if stage_memory_bytes(job, (0, 1), True, True, 1, shard) > most:
             raise PlanInfeasible(_explain_memory(problem, (0, 1), True, True, "the model (1 block)"))
     else:
         for layers, first, last, what in (
@@ -91,11 +100,13 @@ def check_feasible(problem: Problem) -> None:
             ((0, 1), True, False, "the first stage (embeddings + 1 block)"),
             ((L - 1, L), False, True, "the last stage (1 block + LM head)"),
         ):
-            if stage_memory_bytes(job, layers, first, last, 1) > most:
+            if stage_memory_bytes(job, layers, first, last, 1, shard) > most:
                 raise PlanInfeasible(_explain_memory(problem, layers, first, last, what))
     # fewest stages the memory allows, with one microbatch in flight (a lower bound for any schedule)
     need = fewest_stages(problem, most)
-    per_gpu = max((n for n in range(1, L + 1) if stage_memory_bytes(job, (0, n), False, False, 1) <= most), default=0)
+    per_gpu = max(
+        (n for n in range(1, L + 1) if stage_memory_bytes(job, (0, n), False, False, 1, shard) <= most), default=0
+    )
     group = problem.components()[0]
     have = sum(problem.gpus[dc] for dc in group)
     if need > have:
@@ -113,8 +124,9 @@ def check_feasible(problem: Problem) -> None:
     check_inflight(problem)
 
 
-def _capacity(job: JobSpec, layers: int, memory: float) -> functools._lru_cache_wrapper[int]:
-    """``cap(first, last, inflight)``: most identical blocks one stage holds in ``memory`` bytes."""
+def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools._lru_cache_wrapper[int]:
+    """``cap(first, last, inflight)``: most identical blocks one stage holds in ``memory`` bytes (ZeRO over
+    ``shard`` replicas)."""
 
     @functools.cache
     def cap(first: bool, last: bool, inflight: int) -> int:
@@ -122,7 +134,7 @@ def _capacity(job: JobSpec, layers: int, memory: float) -> functools._lru_cache_
         while lo < hi:
             n = (lo + hi + 1) // 2
             span = (layers - n, layers) if last else (0, n)
-            if stage_memory_bytes(job, span, first, last, inflight) <= memory:
+            if stage_memory_bytes(job, span, first, last, inflight, shard) <= memory:
                 lo = n
             else:
                 hi = n - 1
@@ -140,11 +152,12 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int) -> tuple[int, 
     ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
     ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe).
     """
-    L = problem.layers
-    cap = _capacity(job, L, max(problem.memory_bytes.values()))
+    L, shard = problem.layers, most_replicas(problem)
+    cap = _capacity(job, L, max(problem.memory_bytes.values()), shard)
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
-    best = (L if stage_memory_bytes(job, (0, L), True, True, 1) <= max(problem.memory_bytes.values()) else 0, 1)
+    whole = stage_memory_bytes(job, (0, L), True, True, 1, shard)
+    best = (L if whole <= max(problem.memory_bytes.values()) else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
         if not m:
@@ -176,18 +189,17 @@ def check_inflight(problem: Problem) -> None:
     if held >= L:
         return
     block = layer_costs(job)[0]
-    state = block.params * (2 * job.bytes_per_element + job.optimizer_bytes_per_param)
+    state = stage_memory_bytes(job, (0, 1), False, False, 0, most_replicas(problem))  # at the most ZeRO sharding
     mem = max(problem.memory_bytes.values())
     if job.recompute == "full":
         kept_gb = block.activation_bytes * job.batch / 1e9
         kept = f"each block keeping its input, {kept_gb:.3g} GB per microbatch per block"
     else:
         kept = f"{block.stash_bytes * job.batch / 1e9:.3g} GB per microbatch per block (recompute: none)"
-    rule = (
-        "1F1B keeps min(p - s, m) microbatches in flight on stage s of p"
-        if job.schedule == "1f1b"
-        else "GPipe keeps all m microbatches in flight on every stage"
-    )
+    rule = {
+        "1f1b": "1F1B keeps min(p - s, m) microbatches in flight on stage s of p",
+        "zb1p": "ZB-H1 keeps up to p microbatches in flight on every stage (until their weight gradients)",
+    }.get(job.pipeline_schedule, "GPipe keeps all m microbatches in flight on every stage")
     changes = {
         "job.recompute: full": dataclasses.replace(job, recompute="full"),
         "job.schedule: 1f1b": dataclasses.replace(job, schedule="1f1b"),

@@ -19,6 +19,7 @@ summary's wording: "proven optimal" only when the plan's time equals a floor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,12 +30,10 @@ from geosched.costmodel import (
     layer_costs,
     optimizer_step_estimate_s,
     stage_memory_bytes,
-    streams_to_fill,
     total_params,
-    wan_effective_bps,
 )
-from geosched.config import Config
-from planner.space import Problem, Variant
+from geosched.netcost import streams_to_fill, wan_effective_bps
+from planner.space import Problem
 
 ROUNDING = 1e-6
 """Relative slack under which a plan's time "equals" a floor (float rounding of the simulator's sums)."""
@@ -81,15 +80,18 @@ def fewest_stages(problem: Problem, memory_bytes: float) -> int:
 
     A relaxation of the memory rule, so a lower bound for every plan: each
     stage holds one microbatch of activations (every schedule holds at least
-    one) and no embeddings or head (they only add memory). A stage's memory
+    one), no embeddings or head (they only add memory), and its gradients and
+    optimizer state sharded by ZeRO 2 over every device of the cluster (no
+    plan shards them further). A stage's memory
     grows with every block added, so packing greedily from the first block
     gives the fewest contiguous stages.
     """
-    job, L = problem.job, problem.layers
+    job, L = dataclasses.replace(problem.job, zero=2), problem.layers
+    most = max(1, sum(problem.gpus.values()))  # ZeRO 2 over every device: the least state any plan keeps
     stages, start = 0, 0
     while start < L:
         end = start
-        while end < L and stage_memory_bytes(job, (start, end + 1), False, False, 1) <= memory_bytes:
+        while end < L and stage_memory_bytes(job, (start, end + 1), False, False, 1, most) <= memory_bytes:
             end += 1
         if end == start:
             return 0
@@ -141,17 +143,6 @@ def job_floors(problem: Problem) -> Floors:
         fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
         wan_s = sequences * least * 8 / fastest
     return Floors(compute_s, wan_s, min_stages)
-
-
-def space_floors(cfg: Config) -> Floors:
-    """Floors of every plan of ``cfg`` whatever its variant: the least compute and WAN floors and the fewest
-    stages over every tensor-parallel degree (:func:`planner.variants.tp_options`; tensor parallelism only adds
-    communication, so the compute floor is the tp=1 one up to the head, which it does not divide)."""
-    from planner.variants import tp_options
-
-    found = [job_floors(Problem(cfg, Variant(tp=t))) for t in tp_options(cfg, None)]
-    stages = [f.min_stages for f in found if f.min_stages > 0]
-    return Floors(min(f.compute_s for f in found), min(f.wan_s for f in found), min(stages, default=0))
 
 
 @dataclass(frozen=True)

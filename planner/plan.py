@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import yaml
 
 from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
-from geosched.costmodel import wan_effective_bps
 from geosched.errors import ConfigError, PlanError
+from geosched.netcost import wan_effective_bps
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, read_yaml_file, short
 from planner.evaluate import GB, Evaluation

@@ -19,16 +19,24 @@ from dataclasses import dataclass
 
 from geosched.config import Config
 from geosched.errors import InputError, PlanInfeasible
+from planner.baselines import all_baselines
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible, check_size
 from planner.plan import Plan, SolverInfo, build_plan
 from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, search
 from planner.space import Problem
-from planner.variants import SCREEN_EFFORT, SCREEN_MODELS, SCREEN_WORK, Pins, search_variants, variant_options
+from planner.variants import (
+    SCREEN_EFFORT,
+    SCREEN_MODELS,
+    SCREEN_WORK,
+    Pins,
+    check_plannable,
+    search_variants,
+    variant_options,
+)
 
-
-FULL_EFFORT = 2 * SMALL_EFFORT
+FULL_EFFORT = SMALL_EFFORT
 """CP-SAT deterministic seconds the full searches of every variant share (:mod:`planner.variants`)."""
 
 
@@ -119,18 +127,25 @@ def make_plan(
     results = search_variants(cfg, pins, searcher)
     chosen = results[0]
     if chosen.best is None:
-        roomiest = max(variants, key=lambda v: (v.tp, v.zero, -v.microbatch_size))
-        check_feasible(Problem(cfg, roomiest, dp=pins.dp))  # names the tightest constraint
+        check_plannable(cfg, pins)  # names the tightest constraint
         raise PlanInfeasible(
             "no plan fits: every placement breaks GPU memory, GPU counts or links "
             "(see 'geosched validate-config'); add GPUs, memory or links"
         )
     problem, evaluator, best = chosen.problem, chosen.evaluator, chosen.best
+    if not pins.cross_dc_dp:  # the baselines are points of the space: never return anything slower
+        known = [b.evaluation for b in all_baselines(problem, evaluator) if b.evaluation is not None]
+        allowed = [
+            ev
+            for ev in known
+            if (pins.cross_dc_dp is None or not ev.candidate.extra_paths) and pins.dp in (None, ev.candidate.dp)
+        ]
+        best = min([best, *allowed], key=lambda ev: ev.iteration_s)
     stats = stats_of.get(id(evaluator), SearchStats())
     stats.notes.extend(f"{r.problem.variant.describe()}: no plan fits" for r in results if r.best is None)
     points = None
     if objective.name != "time" or with_frontier:
-        points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress)
+        points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress, fastest=best)
         stats.proven &= more.proven
         if objective.max_iteration_s is not None:  # the "cost" objective
             bound = objective.max_iteration_s
@@ -146,7 +161,7 @@ def make_plan(
         elif objective.name == "weighted":
             best = min(points, key=lambda ev: (ev.score(objective.weight), ev.iteration_s))
         else:
-            best = min(points[0], best, key=lambda ev: ev.iteration_s)
+            best = points[0]
     info = SolverInfo(
         objective.name,
         stats.proven,

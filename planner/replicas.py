@@ -27,7 +27,8 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 from __future__ import annotations
 
-from geosched.costmodel import hierarchical_allreduce_s, stage_params, streams_to_fill, wan_effective_bps
+from geosched.costmodel import stage_params
+from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
 from planner.space import Candidate, Problem
 
 MAX_PIPELINES = 16

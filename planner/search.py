@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import TypedDict, Unpack
 from weakref import WeakKeyDictionary
 
-from geosched.costmodel import boundary_bytes, stage_compute, wan_transfer
+from geosched.costmodel import boundary_bytes, stage_compute
+from geosched.netcost import wan_transfer
 from planner import baselines
 from planner.cpsat import Goal, solve
 from planner.evaluate import Evaluation, Evaluator
@@ -444,14 +445,20 @@ def frontier(
     time_limit_s: float | None = None,
     weights: int = 4,
     progress: Progress | None = None,
+    fastest: Evaluation | None = None,
 ) -> tuple[list[Evaluation], SearchStats]:
     """The time/cost frontier from the fastest plan, weighted plans over a fixed grid, and the cheapest.
 
     The grid is ``W0 x 4^k`` seconds per dollar, ``W0 = T/C`` of the fastest plan,
     so the frontier (and every choice made from it) does not depend on the
-    weight a user asks for: choices by weight are then monotone.
+    weight a user asks for: choices by weight are then monotone. ``fastest``
+    (the time objective's plan) starts the frontier: no point is faster, so no
+    weight gives a faster plan than the time objective.
     """
-    fastest, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
+    if fastest is None:
+        fastest, stats = plan_search(problem, evaluator, Goal(), time_limit_s=time_limit_s, progress=progress)
+    else:
+        stats = SearchStats()
     goals = []
     if fastest.wan_cost_usd > 0:
         base = fastest.iteration_s / fastest.wan_cost_usd
@@ -461,4 +468,4 @@ def frontier(
         stats.proven &= more.proven
         stats.models += more.models
         stats.solve_s += more.solve_s
-    return pareto(evaluator.evaluated), stats
+    return pareto([ev for ev in evaluator.evaluated if ev.iteration_s >= fastest.iteration_s]), stats

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from geosched.config import Config, WanLinkSpec
-from geosched.costmodel import GIB, layer_costs, peak_inflight, stage_memory_bytes, streams_to_fill
+from geosched.costmodel import GIB, layer_costs, peak_inflight, stage_memory_bytes
+from geosched.netcost import streams_to_fill
 
 
 @dataclass(frozen=True)
@@ -299,17 +300,23 @@ class Problem:
             return "ZeRO 2 across datacenters would reduce-scatter every microbatch over the WAN; use ZeRO 1"
         if cand.extra_paths and not self._all_reduce_ring(cand):
             return "the DCs of a stage's replicas must be joined by links (the cross-DC all-reduce follows them)"
-        for dc in {d for path in cand.pipelines for d in path}:
+        for dc in sorted({d for path in cand.pipelines for d in path}, key=self.dcs.index):
             if cand.gpus_used(dc) > self.gpus[dc]:
+                t = job.tp
+                if t == 1:
+                    return (
+                        f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
+                        f"{self.gpus[dc]} available in dc {dc!r}"
+                    )
                 return (
-                    f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
-                    f"{self.gpus[dc]} available in dc {dc!r}"
+                    f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} tensor-parallel "
+                    f"groups of {t} GPUs > the {self.gpus[dc]} that fit the nodes of dc {dc!r}"
                 )
         for s, (dc, layers) in ((s, (path[s], cand.stage_layers[s])) for path in cand.pipelines for s in range(p)):
             need = self.stage_memory(layers, s, p, cand.microbatches)
             if need > self.memory_bytes[dc]:
                 return (
-                    f"stage {s} (blocks {layers[0]}-{layers[1] - 1}) needs {need / GIB:.1f} GiB per GPU > "
+                    f"stage {s} (blocks {layers[0]}-{layers[1] - 1}) needs {need / GIB:.3g} GiB per GPU > "
                     f"{self.memory_bytes[dc] / GIB:g} GiB in dc {dc!r}"
                 )
         return None

@@ -33,6 +33,8 @@ from geosched.config import SCHEDULES, Config
 from geosched.errors import InputError
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
+from planner.feasibility import check_feasible
+from planner.floors import Floors, job_floors
 from planner.replicas import everywhere, widen
 from planner.space import Problem, Variant, tp_slots
 
@@ -130,6 +132,25 @@ def variant_options(cfg: Config, pins: Pins) -> list[Variant]:
         for z in zeros
         for schedule in schedule_options(pins)
     ]
+
+
+def space_floors(cfg: Config) -> Floors:
+    """Floors of every plan of ``cfg`` whatever its variant: the least compute and WAN floors and the fewest
+    stages over every tensor-parallel degree (tensor parallelism only adds communication, so the compute
+    floor is the tp=1 one up to the head, which it does not divide)."""
+    found = [job_floors(Problem(cfg, Variant(tp=t))) for t in tp_options(cfg, None)]
+    stages = [f.min_stages for f in found if f.min_stages > 0]
+    return Floors(min(f.compute_s for f in found), min(f.wan_s for f in found), min(stages, default=0))
+
+
+def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
+    """PlanInfeasible naming the tightest constraint when no variant can hold the job: the roomiest variant
+    (most tensor parallelism, ZeRO 2 unless pinned, the smallest microbatch) is checked, since it fits
+    whenever any does (:func:`planner.feasibility.check_feasible`)."""
+    pins = pins.over(cfg)
+    roomiest = max(variant_options(cfg, pins), key=lambda v: (v.tp, -v.microbatch_size))
+    zero = pins.zero if pins.zero is not None else 2
+    check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule="1f1b"), dp=pins.dp))
 
 
 def schedule_options(pins: Pins) -> tuple[str, ...]:

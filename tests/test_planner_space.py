@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import yaml
 
-from geosched.config import load_config
+from geosched.config import Config, load_config
 from geosched.errors import PlanError
 from planner.evaluate import Evaluator
 from planner.generate import random_config
 from planner.plan import SolverInfo, build_plan, dump_plan, load_plan, plan_from_dict
-from planner.space import Candidate, Problem, even_split, from_split
+from planner.space import Candidate, Problem, Variant, even_split, from_split
 
 
 def random_candidates(problem: Problem, rng: random.Random, count: int) -> list[Candidate]:
@@ -56,12 +57,15 @@ def test_lower_bound_never_exceeds_the_simulator() -> None:
 
 
 def test_violation_names_the_broken_rule() -> None:
-    problem = Problem(load_config("configs/demo-3dc.yaml"))
+    problem = Problem(load_config("configs/demo-3dc.yaml"), Variant(tp=2, zero=1, microbatch_size=2))
     m = problem.job.global_batch // problem.job.microbatch_size
     ok = from_split(1, m, ("us", "eu", "ap"), (2, 2, 2))
     assert problem.violation(ok) is None
     assert "contiguous" in problem.violation(from_split(1, m, ("us", "eu", "us"), (2, 2, 2)))
-    assert "GPUs >" in problem.violation(from_split(1, m, ("us",) * 3, (2, 2, 2)))
+    assert "3 tensor-parallel groups of 2 GPUs > the 1 that fit" in problem.violation(
+        from_split(1, m, ("us",) * 3, (2, 2, 2))
+    )
+    assert "GiB per GPU > 0.004 GiB" in Problem(problem.cfg, Variant(microbatch_size=2)).violation(ok)
     assert "global_batch" in problem.violation(from_split(2, m, ("us", "eu"), (3, 3)))
     assert "do not continue" in problem.violation(Candidate(1, m, ("us", "eu"), ((0, 3), (4, 6))))
     assert even_split(7, 3) == (3, 2, 2)
@@ -78,8 +82,18 @@ def test_missing_link_is_outside_the_space() -> None:
     assert "no WAN link" in problem.violation(from_split(d, m, (a, b), even_split(problem.layers, 2)))
 
 
+def _roomy(config: str) -> Config:
+    """``config`` with 7 MiB GPUs (the demo's 4 MiB hold its 3-stage layouts only with tensor parallelism)."""
+    cfg = load_config(config)
+    dcs = tuple(
+        dataclasses.replace(dc, gpu=dataclasses.replace(dc.gpu, memory_gib=max(dc.gpu.memory_gib, 0.007)))
+        for dc in cfg.cluster.datacenters
+    )
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, datacenters=dcs))
+
+
 def _plan_for(config: str, cand_dcs: tuple[str, ...], dp: int) -> tuple[Problem, object]:
-    problem = Problem(load_config(config))
+    problem = Problem(_roomy(config))
     m = problem.job.global_batch // (dp * problem.job.microbatch_size)
     cand = from_split(dp, m, cand_dcs, even_split(problem.layers, len(cand_dcs)))
     ev = Evaluator(problem).evaluate(cand)

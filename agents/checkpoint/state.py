@@ -8,16 +8,58 @@ parameter names (``model/blocks.3.attn.qkv.weight``,
 shard is safetensors + JSON and loading never unpickles anything.
 :func:`rebuild_optimizer_state` checks such a shard against the live
 optimizer and rebuilds the ``state_dict`` to load.
+
+An optimizer sharded over data-parallel replicas (ZeRO, ``agents.dp.zero``;
+any :class:`ShardedOptimizer`) is saved in the same whole-stage format:
+every replica calls :func:`gather_optimizer_state`, then replica 0 flattens the
+whole state; on load each replica keeps its share, whatever dp or ZeRO level
+wrote the shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from geosched.errors import CheckpointError
+
+
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """An optimizer whose state is split over data-parallel replicas; it saves and loads the whole stage's."""
+
+    whole_class_name: str  # the optimizer class of the whole state (AdamW)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state on replica ``to``; every replica must call it."""
+
+    def whole_state_dict(self) -> dict[str, Any]:
+        """The whole state as ``whole_class_name``'s ``state_dict``, on the replica it was gathered on."""
+        ...
+
+    def load_whole_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep this replica's share of a whole state."""
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """Before replica 0 saves: every replica of a sharded optimizer sends its share there (else nothing)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer class a shard records: a sharded optimizer's whole-state class, else its own."""
+    return optimizer.whole_class_name if isinstance(optimizer, ShardedOptimizer) else type(optimizer).__name__
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a whole-stage ``state_dict`` (a sharded optimizer keeps its share)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.load_whole_state_dict(state_dict)
+    else:
+        optimizer.load_state_dict(state_dict)
 
 
 def flatten_state(
@@ -29,7 +71,7 @@ def flatten_state(
     if optimizer is None:
         return tensors, meta
     group_names = optimizer_param_names(model, optimizer)
-    state = optimizer.state_dict()
+    state = optimizer.whole_state_dict() if isinstance(optimizer, ShardedOptimizer) else optimizer.state_dict()
     flat_names = [name for names in group_names for name in names]
     opt_state: dict[str, dict[str, Any]] = {}
     for index, entry in state["state"].items():
@@ -58,7 +100,7 @@ def flatten_state(
             hyper[key] = value
         groups.append({"hyper": hyper, "tuple_keys": tuples, "tensor_keys": group_tensors})
     meta["optimizer"] = {
-        "class": type(optimizer).__name__,
+        "class": optimizer_class_name(optimizer),
         "param_names": group_names,
         "param_groups": groups,
         "state": opt_state,
@@ -90,8 +132,8 @@ def rebuild_optimizer_state(
     if not isinstance(saved, dict):
         raise fail("holds no optimizer state but an optimizer was given")
     try:
-        if saved["class"] != type(optimizer).__name__:
-            raise fail(f"optimizer state is for {saved['class']}, this job uses {type(optimizer).__name__}")
+        if saved["class"] != optimizer_class_name(optimizer):
+            raise fail(f"optimizer state is for {saved['class']}, this job uses {optimizer_class_name(optimizer)}")
         live_names = optimizer_param_names(model, optimizer)
         if saved["param_names"] != live_names:
             raise fail("optimizer parameter groups differ from this job's")

@@ -8,7 +8,11 @@ state and a caller's ``extra`` dict (the data position, e.g.
 next step is all a resume needs). With data parallelism only replica 0 of a
 stage writes: after the gradient all-reduce and the optimizer step every
 replica of a stage holds bit-identical weights and optimizer state, and all
-replicas load that one shard on resume.
+replicas load that one shard on resume. A ZeRO-sharded optimizer state is
+first gathered on replica 0 (every replica calls
+:func:`~agents.checkpoint.state.gather_optimizer_state`) and saved in the same
+whole-stage format; on load each replica keeps its share, so a job resumes at
+another data-parallel degree or ZeRO level.
 
 Layout (``step`` = optimizer steps completed; a resume trains step ``step`` next)::
 
@@ -57,7 +61,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
-from agents.checkpoint.state import flatten_state, rebuild_optimizer_state
+from agents.checkpoint.state import flatten_state, load_optimizer_state, rebuild_optimizer_state
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape
 from geosched.model_counts import ShapeLike
@@ -268,11 +272,14 @@ def load_shard(
     if unexpected:
         raise fail(f"unexpected tensors {unexpected[:3]}")
     # verified: now copy in (nothing above touched the model, optimizer or RNG)
+    if optimizer is not None and opt_state is not None:
+        try:  # first: a sharded optimizer checks the state again as it takes its share
+            load_optimizer_state(optimizer, opt_state)
+        except (KeyError, ValueError) as exc:
+            raise fail(f"optimizer state does not load ({exc})") from None
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[f"model/{name}"])
-    if optimizer is not None and opt_state is not None:
-        optimizer.load_state_dict(opt_state)
     if restore_rng:
         torch.set_rng_state(rng)
     log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)

@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from geosched.errors import PlanError, GeoschedError
+from geosched.errors import GeoschedError, PlanError
 from geosched.processes import REPO_ROOT, child_env
 
 if TYPE_CHECKING:

@@ -12,7 +12,14 @@
 ``RECV_B k``          gradient of the output from stage s+1
 ``B k``               ``torch.autograd.backward(output, grad)``; on the last
                       stage ``(loss / m).backward()``; keeps the input grad
-``SEND_B k``          send the input grad to stage s-1
+``I k``               zero bubble: only the gradient of the stage input, like
+                      torch's ``stage_backward_input``; keeps the graph and the
+                      gradients W needs; same loss scaling as B on the last stage
+``W k``               zero bubble: the weight gradients of microbatch k from what
+                      I kept (torch's ``stage_backward_weight``), accumulated into
+                      ``.grad``. On the first stage the input is token ids, with
+                      no gradient to send: I runs the whole backward, W is a no-op
+``SEND_B k``          send the input grad to stage s-1 (after B or I)
 ``ALL_REDUCE``        average gradients over the stage's data-parallel group
 ``STEP``              optimizer step, then zero the gradients
 ====================  ==========================================================
@@ -42,11 +49,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from agents.stage.report import StepReport
 from agents.stage.transport import StageTransport
@@ -62,6 +70,8 @@ Microbatch = tuple[Tensor, Tensor]
 _CATEGORY = {
     K.FORWARD: "compute",
     K.BACKWARD: "compute",
+    K.BACKWARD_INPUT: "compute",
+    K.BACKWARD_WEIGHT: "compute",
     K.STEP: "compute",
     K.SEND_F: "comm",
     K.SEND_B: "comm",
@@ -202,6 +212,10 @@ class StageRuntime:
                 self._forward(mb, state)
             elif kind is K.BACKWARD:
                 self._backward(mb, state)
+            elif kind is K.BACKWARD_INPUT:
+                self._backward_input(mb, state)
+            elif kind is K.BACKWARD_WEIGHT:
+                self._backward_weight(mb, state)
             elif kind is K.RECV_F:
                 return self._receive(self.stage - 1, "F", mb, state)
             elif kind is K.RECV_B:
@@ -235,6 +249,31 @@ class StageRuntime:
             x = state.inputs.pop(mb)
             assert x.grad is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
             state.input_grads[mb] = x.grad
+
+    def _backward_input(self, mb: int, state: _StepState) -> None:
+        """I: the input gradient only; what W needs stays in ``state.weight_work``. The whole B on the first stage."""
+        if self.module.first:  # token ids: no input gradient, nothing to split off
+            self._backward(mb, state)
+            return
+        out = state.outputs.pop(mb)
+        x = state.inputs.pop(mb)  # (b, T, C), requires_grad
+        if self.module.last:
+            roots, grads = [out / self.num_microbatches], None  # as B: the mean over the m microbatches
+        else:
+            roots, grads = [out], [state.output_grads.pop(mb)]
+        (dx,), state.weight_work[mb] = stage_backward_input(roots, grads, [x], self._parameters())
+        assert dx is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
+        state.input_grads[mb] = dx  # (b, T, C)
+
+    def _backward_weight(self, mb: int, state: _StepState) -> None:
+        """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
+        if self.module.first:
+            return
+        stage_backward_weight(self._parameters(), state.weight_work.pop(mb))
+
+    def _parameters(self) -> Iterator[nn.Parameter]:
+        # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
+        return cast("Iterator[nn.Parameter]", self.module.parameters())
 
     def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
         assert self.transport is not None
@@ -319,6 +358,7 @@ class _StepState:
         self.outputs: dict[int, Tensor] = {}  # stage outputs; the loss on the last stage
         self.output_grads: dict[int, Tensor] = {}  # received gradients of the outputs
         self.input_grads: dict[int, Tensor] = {}  # gradients to send upstream
+        self.weight_work: dict[int, list[dict[str, Any]]] = {}  # what W needs, kept by I (torch's param groups)
         self.losses: list[float] = []
         self.events: list[Event] = []
         self.gaps: list[IdleGap] = []

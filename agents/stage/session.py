@@ -3,7 +3,8 @@
 :func:`run_rank` is what the agent daemon calls: it builds the stage of the
 model from the rank's layer range (initialised from the job seed, identical
 to the same layers of a one-process model), AdamW with the job's learning
-rate, the data prefetcher (first stage: inputs; last stage: targets; both
+rate (sharded over the data-parallel group at ZeRO stage ``job.zero``, see
+:mod:`agents.dp.zero`), the data prefetcher (first stage: inputs; last stage: targets; both
 read ``batch(step, replica, ...)`` independently and deterministically),
 the links to the previous and next stage, the data-parallel group, and the
 lowered, validated schedule; then it runs the steps and returns one
@@ -12,11 +13,18 @@ lowered, validated schedule; then it runs the steps and returns one
 
 Endpoints are exchanged through an :class:`~agents.stage.transport.AddressBook`:
 a rank listens on port 0 for its previous stage and publishes the bound
-endpoint; replica 0 of each stage hosts its DP group's store on port 0 and
+endpoint; group rank 0 of each stage hosts its group's store on port 0 and
 publishes it. Everything is closed on the way out, also on errors. With a
 :class:`~agents.stage.security.LinkSecurity` both pipeline links use CURVE:
 the listener admits only the upstream rank's public key, the connector only
 talks to the downstream rank's.
+
+With tensor parallelism (``role.tp_size`` > 1) a stage's group has dp x tp
+processes (group rank = replica x tp + tp_rank, :mod:`agents.tp.mesh`): the
+stage is sharded over the mesh's "tp" dimension (:func:`agents.tp.shard.shard_stage`),
+ALL_REDUCE averages over "dp" only, all tp ranks of a replica read the same
+microbatches, and tp rank j of stage s talks to tp rank j of stage s+1 (a
+sharded stage's input and output are whole, replicated tensors).
 
 Example (one process of a 2-stage, dp-1 job; the other runs ``roles[1]``)::
 
@@ -37,36 +45,40 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from agents.dp.group import DataParallelGroup, join_group
 from agents.dp.spec import GroupSpec
-from agents.layout import RankRole, pipe_name, store_name
+from agents.dp.zero import build_stage_optimizer
+from agents.layout import RankRole, pipe_name, store_name, tp_refusal
 from agents.stage.report import StepReport
-from agents.stage.runtime import StageRuntime
+from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.security import LinkSecurity
 from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
+from agents.tp.mesh import average_gradients_over_dp, stage_mesh
+from agents.tp.shard import shard_stage
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
-from geosched.model import PRECISION_DTYPES, build_model, build_stage
+from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
 from geosched.schedule import Schedule, build_schedule, lower, validate
 
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 10.0
-"""How long replica 0 keeps its group's store up for the other replicas to leave."""
+"""How long group rank 0 keeps its group's store up for the other ranks to leave."""
 
 
 def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
-    """The links a :class:`~agents.stage.transport.RelayRouter` routes: one per (stage >= 1, replica).
+    """The links a :class:`~agents.stage.transport.RelayRouter` routes: one per (stage >= 1, replica, tp rank).
 
     ``wan_shape(prev_dc, dc)`` gives the relay's LinkShape for a link between
     two DCs (None: connect directly); links inside a DC never get a relay.
     """
     return [
-        Route(pipe_name(r.stage, r.replica), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
+        Route(pipe_name(r.stage, r.replica, r.tp_rank), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
         for r in roles
         if r.prev_dc is not None  # every stage but the first
     ]
@@ -128,6 +140,9 @@ class RankSession:
         self.recv_timeout_s = recv_timeout_s
         self.wan_config = dict(wan_config or {})
         self.backend = backend
+        refusal = tp_refusal(job, role.dp_size)
+        if refusal is not None:
+            raise PlanError(f"rank {role.rank}: {refusal}")
         self.schedule = job_schedule(job, role.num_stages, role.dp_size)
         self._stack = ExitStack()
         self.module: torch.nn.Module | None = None
@@ -161,13 +176,13 @@ class RankSession:
             seed=job.seed,
             dtype=PRECISION_DTYPES[job.precision],
         )
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=job.learning_rate)
         listener = self._listen_and_host()
         log.debug("rank %d: listening", role.rank)
         self.transport = self._connect(listener)
         log.debug("rank %d: links open", role.rank)
         self.group = self._join_group()
         log.debug("rank %d: group joined", role.rank)
+        self.optimizer, grad_sync = self._build_optimizer()
         if role.first or role.last:
             dataset = (
                 self.data
@@ -190,7 +205,7 @@ class RankSession:
             role.stage,
             transport=self.transport,
             optimizer=self.optimizer,
-            grad_sync=self.group,
+            grad_sync=grad_sync,  # ZeRO-2: the optimizer reduce-scatters instead; tp: over "dp" only
             replica=role.replica,
             recv_timeout_s=self.recv_timeout_s,
             bubble_filler=self.bubble_filler,
@@ -207,14 +222,32 @@ class RankSession:
             role.dc,
         )
 
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, GradientSync | None]:
+        """The optimizer and what ALL_REDUCE runs: AdamW at the job's ZeRO stage; with tp > 1 the stage is
+        sharded first and gradients are averaged over the mesh's "dp" dimension only (ZeRO > 0 is refused
+        there unless dp is 1, where it is plain AdamW)."""
+        job, role, module = self.job, self.role, self.module
+        if role.tp_size == 1:
+            assert module is not None
+            built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=self.group)
+            return built.optimizer, built.grad_sync
+        assert isinstance(module, StageModule) and self.group is not None
+        mesh = stage_mesh(role.dp_size, role.tp_size)
+        shard_stage(module, mesh["tp"])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)  # over the local shards
+        return optimizer, _MeshGradientSync(self.group, mesh) if role.dp_size > 1 else None
+
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
         """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
         role = self.role
         listening = upstream_stage == role.stage - 1
         peer_stage = upstream_stage if listening else role.stage + 1
-        if role.rank != role.stage * role.dp_size + role.replica:  # how layout_roles numbers ranks
-            raise PlanError(f"rank {role.rank} is not stage {role.stage} x dp {role.dp_size} + replica {role.replica}")
-        peer_rank = peer_stage * role.dp_size + role.replica
+        if role.rank != role.stage * role.group_size + role.group_rank:  # how layout_roles numbers ranks
+            raise PlanError(
+                f"rank {role.rank} is not (stage {role.stage} x dp {role.dp_size} + replica {role.replica}) "
+                f"x tp {role.tp_size} + tp rank {role.tp_rank}"
+            )
+        peer_rank = peer_stage * role.group_size + role.group_rank  # the same replica and tp rank
         peer_dc = role.prev_dc if listening else role.next_dc
         options: dict[str, Any] = {
             "connect_timeout_s": self.connect_timeout_s,
@@ -227,21 +260,22 @@ class RankSession:
                 options["curve_server"] = self.link_security.server(peer_rank)
             else:
                 options["curve_client"] = self.link_security.client(peer_rank)
-        return WanLinkConfig(link_id=link_id(upstream_stage, role.replica), streams=streams, **options)
+        return WanLinkConfig(link_id=link_id(upstream_stage, role.group_rank), streams=streams, **options)
 
     def _listen_and_host(self) -> WanLink | None:
-        """Everything that only binds: the link for stage-1 and (replica 0) the group's store."""
+        """Everything that only binds: the link for stage-1 and (group rank 0) the group's store."""
         role, listener = self.role, None
         if not role.first:
             config = self._link_config(role.stage - 1, role.streams_prev)
             listener = WanLink.listen(f"tcp://{self.bind_host}:0", config)
             self._stack.callback(listener.close)
-            self.addresses.publish(pipe_name(role.stage, role.replica), f"tcp://{self.advertise_host}:{listener.port}")
-        if role.dp_size > 1 and role.replica == 0:
+            name = pipe_name(role.stage, role.replica, role.tp_rank)
+            self.addresses.publish(name, f"tcp://{self.advertise_host}:{listener.port}")
+        if role.group_size > 1 and role.group_rank == 0:
             store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
                 self.bind_host,
                 0,
-                role.dp_size,
+                role.group_size,
                 True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=self.connect_timeout_s),
@@ -256,7 +290,8 @@ class RankSession:
         if listener is not None:
             links[role.stage - 1] = listener
         if not role.last:
-            endpoint = self.addresses.lookup(pipe_name(role.stage + 1, role.replica), self.connect_timeout_s)
+            name = pipe_name(role.stage + 1, role.replica, role.tp_rank)
+            endpoint = self.addresses.lookup(name, self.connect_timeout_s)
             link = WanLink.connect(endpoint, self._link_config(role.stage, role.streams_next))
             self._stack.callback(link.close)
             links[role.stage + 1] = link
@@ -266,14 +301,14 @@ class RankSession:
 
     def _join_group(self) -> DataParallelGroup | None:
         role = self.role
-        if role.dp_size == 1:
+        if role.group_size == 1:
             return None
         endpoint = self.addresses.lookup(store_name(role.group), self.connect_timeout_s)
         host, port = endpoint.rsplit(":", 1)
         spec = GroupSpec(
             role.group,
-            role.replica,
-            role.dp_size,
+            role.group_rank,
+            role.group_size,
             host,
             int(port),
             backend=self.backend,
@@ -284,11 +319,11 @@ class RankSession:
         return self._stack.enter_context(join_group(spec))
 
     def _leave_store(self, host: str, port: int) -> None:
-        """Replicas say they have left the group; replica 0 keeps hosting the store until they all have.
+        """Group ranks say they have left the group; rank 0 keeps hosting the store until they all have.
 
         Otherwise a replica still tearing down its group would find the store gone.
         """
-        keys = [f"geosched-left/{r}" for r in range(1, self.role.dp_size)]
+        keys = [f"geosched-left/{r}" for r in range(1, self.role.group_size)]
         try:
             if self._hosted_store is not None:
                 self._hosted_store.wait(keys, timedelta(seconds=LEAVE_TIMEOUT_S))
@@ -296,7 +331,7 @@ class RankSession:
                 client = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
                     host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S)
                 )
-                client.set(f"geosched-left/{self.role.replica}", "1")
+                client.set(f"geosched-left/{self.role.group_rank}", "1")
         except Exception as exc:  # noqa: BLE001 - a peer that failed first; nothing left to protect
             log.debug("rank %d: leaving the group store: %s", self.role.rank, exc)
 
@@ -322,6 +357,18 @@ class RankSession:
         """Close links, group, store and data producers (idempotent)."""
         self._stack.close()
         self._hosted_store = None
+
+
+class _MeshGradientSync:
+    """ALL_REDUCE of a tensor-parallel stage: gradients averaged over the mesh's "dp" dimension only."""
+
+    def __init__(self, group: DataParallelGroup, mesh: DeviceMesh) -> None:
+        self.group, self.mesh = group, mesh
+
+    def allreduce_gradients(self, module: torch.nn.Module) -> None:
+        """Average ``module``'s gradients (local shards) over the replicas; failures name the missing rank."""
+        with self.group.guard("gradient all-reduce over dp"):
+            average_gradients_over_dp(module, self.mesh)
 
 
 def run_rank(

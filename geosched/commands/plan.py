@@ -74,8 +74,8 @@ def _progress(fraction: float, message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, plan, print the summary, write the plan file."""
-    from geosched.config import load_config
     from geosched.commands.checks import at_least
+    from geosched.config import load_config
     from geosched.errors import InputError
 
     cfg = load_config(args.config)  # first: a bad config is refused before OR-Tools is imported

@@ -13,9 +13,8 @@ The simulate verb calls :func:`build` and lowers and simulates what it returns.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 from typing import Any
 
 from geosched.errors import InputError

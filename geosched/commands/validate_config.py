@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dump:
         print(dump_config(cfg), end="")
         return 0
+    from planner.variants import check_plannable
+
+    check_plannable(cfg)  # a job no plan can hold (memory, GPUs, links) is refused here, naming the limit
     summary = {
         "config": args.config,
         "cluster": cfg.cluster.name,
@@ -59,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"  model: {summary['model_params'] / 1e9:.3f} B parameters, global batch {cfg.job.global_batch} "
-        f"in microbatches of {cfg.job.microbatch_size}"
+        + (f"in microbatches of {cfg.job.microbatch_size}" if cfg.job.microbatch_size else "(microbatch size: planned)")
     )
     return 0
