@@ -23,9 +23,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
+
+if TYPE_CHECKING:
+    from planner.plan import RankSpec as RankSpecLike
 
 MAX_PLAN_BYTES = 1 << 20
 """The largest plan text accepted (it also travels as one retained MQTT message)."""
@@ -114,6 +118,30 @@ def layout_roles(
     return roles
 
 
+def _role_of(spec: RankSpecLike, num_stages: int, replicas: int, streams: dict[tuple[str, str], int]) -> RankRole:
+    """The role of one rank of a plan with pipelines in several DCs (its DC path is its pipeline's)."""
+
+    def streams_to(other: str | None) -> int:
+        return 1 if other in (None, spec.dc) else streams.get((min(spec.dc, str(other)), max(spec.dc, str(other))), 1)
+
+    return RankRole(
+        rank=spec.rank,
+        dc=spec.dc,
+        stage=spec.stage,
+        num_stages=num_stages,
+        replica=spec.replica,
+        dp_size=replicas,
+        layers=(int(spec.layers[0]), int(spec.layers[1])),
+        prev_dc=spec.prev_dc,
+        next_dc=spec.next_dc,
+        group=spec.group,
+        streams_prev=streams_to(spec.prev_dc),
+        streams_next=streams_to(spec.next_dc),
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+    )
+
+
 def pipe_name(stage: int, replica: int, tp_rank: int = 0) -> str:
     """Address book name of the link endpoint stage ``stage`` (replica ``replica``, tp rank ``tp_rank``)
     listens on for the same tp rank of stage-1, e.g. ``pipe/s1/r0`` or ``pipe/s1/r0/t1``."""
@@ -159,6 +187,11 @@ class JobLayout:
     def num_stages(self) -> int:
         """Pipeline stages."""
         return len(self.stage_dcs)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of every stage over all pipelines (``dp`` per pipeline)."""
+        return self.dp * (1 + len(self.extra_pipelines))
 
     def role(self, rank: int) -> RankRole:
         """The role of ``rank``; PlanError naming the valid ranks otherwise."""
@@ -210,7 +243,7 @@ def tp_refusal(job: JobSpec, dp: int) -> str | None:
 
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
-    return tp_refusal(layout.job, layout.dp)
+    return tp_refusal(layout.job, layout.replicas)
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
@@ -271,7 +304,11 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         )
     except PlanError as exc:
         raise PlanError(f"{source}: {exc}") from None
-    for role, spec in zip(roles, plan.ranks) if not plan.extra_pipelines else ():  # the runtime's numbering
+    if plan.extra_pipelines:  # data parallelism across DCs: the plan's ranks, one group per stage over every DC
+        roles = [
+            _role_of(spec, plan.num_stages, plan.dp * (1 + len(plan.extra_pipelines)), streams) for spec in plan.ranks
+        ]
+    for role, spec in zip(roles, plan.ranks):  # the runtime's numbering
         assert (role.rank, role.dc, role.stage, role.replica, role.group, role.tp_rank) == (
             spec.rank,
             spec.dc,

@@ -36,7 +36,7 @@ from planner.space import Problem
 from planner.variants import space_floors
 
 BASELINES = ("dp-everywhere", "equal-pipeline", "atlas-greedy", "dp-flat-ring")
-QUICK_LIMIT_S: dict[str, float] = {}  # --quick: wall time limits (s) per config; none: budgets are deterministic
+QUICK_SKIPS = ("gpt3-3dc", "scale-16dc")  # --quick: the largest shipped configs take most of a minute each
 
 
 def plan_text(outcome) -> str:
@@ -89,7 +89,8 @@ def cases(quick: bool) -> list[tuple[str, object, float | None]]:
     out = []
     for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))):
         name = os.path.splitext(os.path.basename(path))[0]
-        out.append((name, load_config(path), QUICK_LIMIT_S.get(name) if quick else None))
+        if not (quick and name in QUICK_SKIPS):
+            out.append((name, load_config(path), None))
     out.append(("two-dc-slow-link", two_datacenters(2, 150, 0.5), None))
     out.append(("two-dc-fast-link", two_datacenters(100, 2, 25), None))
     out.append(("campus-2dc", campus_two_datacenters(), None))
@@ -104,7 +105,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def main() -> None:
-    args = benchmark_parser(__doc__, "10 generated clusters, time limits on the largest").parse_args()
+    args = benchmark_parser(__doc__, "10 generated clusters, without gpt3-3dc and scale-16dc").parse_args()
     rows = []
     header = (
         f"{'case':<18} {'planner s':>10} {'solve s':>8} {'GPUs':>6} {'WAN $':>8} "
@@ -132,7 +133,7 @@ def main() -> None:
         "min_speedup_case": min(
             (r[f"{b}_ratio"], r["case"], b) for r in rows for b in BASELINES if r[f"{b}_ratio"] is not None
         )[1:],
-        "solve_s_largest": next(r["solve_s"] for r in rows if r["case"] == "scale-16dc"),
+        "solve_s_largest": next((r["solve_s"] for r in rows if r["case"] == "scale-16dc"), None),
         "max_plan_wall_s": max(r["plan_wall_s"] for r in rows),
         "max_plan_wall_case": max((r["plan_wall_s"], r["case"]) for r in rows)[1],
         "deterministic": all(r["deterministic"] for r in rows),
@@ -151,7 +152,7 @@ def main() -> None:
         "\n(* = time limit hit, not proven optimal)  geomean speed-up: "
         + ", ".join(f"{b} {fmt(summary['geomean_speedup_vs_' + b.replace('-', '_')], '.2f')}x" for b in BASELINES)
         + f"; worst gap to brute force {fmt(summary['max_gap_vs_bruteforce'], '.3%')} over "
-        f"{summary['bruteforce_cases']} cases; scale-16dc solved in {summary['solve_s_largest']:.1f} s; "
+        f"{summary['bruteforce_cases']} cases; scale-16dc solved in {fmt(summary['solve_s_largest'], '.1f')} s; "
         f"longest default plan {summary['max_plan_wall_s']:.1f} s ({summary['max_plan_wall_case']}); "
         f"same plans on a second run: {summary['deterministic']}"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import NoReturn
 
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"geosched {args.verb}: interrupted\n")
         return 130
+    except BrokenPipeError:  # the reader went away (``geosched plan ... | head``): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,8 +108,12 @@ class RankSpec:
     prev_dc: str | None = spec("datacenter of prev_stage", None, max_len=MAX_NAME_LEN)
     next_stage: int | None = spec("stage it sends activations to (None: last stage)", None, ge=0, le=MAX_LAYERS)
     next_dc: str | None = spec("datacenter of next_stage", None, max_len=MAX_NAME_LEN)
-    group: str = spec("intra-DC process group of its stage's replicas, '<dc>/stage<s>'", "", max_len=MAX_NAME_LEN + 16)
-    group_size: int = spec("replicas in the group (= dp)", 1, ge=1, le=MAX_RANKS)
+    group: str = spec(
+        "process group of its stage's replicas: '<dc>/stage<s>' inside a DC, 'stage<s>' across DCs",
+        "",
+        max_len=MAX_NAME_LEN + 16,
+    )
+    group_size: int = spec("replicas in the group (dp x pipelines)", 1, ge=1, le=MAX_RANKS)
     pipeline: int = spec("which pipeline (DC path) it belongs to; 0 unless data parallelism spans DCs", 0, ge=0, le=64)
     tp_rank: int = spec("rank inside its tensor-parallel group (one node)", 0, ge=0, le=64)
     tp_size: int = spec("GPUs in its tensor-parallel group", 1, ge=1, le=64)
@@ -180,9 +184,6 @@ def rank_layout(cand: Candidate, tp: int = 1) -> tuple[RankSpec, ...]:
     local: dict[str, int] = {}
     p = cand.num_stages
     for s, layers in enumerate(cand.stage_layers):
-        group_sizes: dict[str, int] = {}
-        for dcs in cand.pipelines:
-            group_sizes[dcs[s]] = group_sizes.get(dcs[s], 0) + cand.dp
         for i, dcs in enumerate(cand.pipelines):
             dc = dcs[s]
             for replica, tp_rank in ((r, j) for r in range(cand.dp) for j in range(tp)):
@@ -198,8 +199,8 @@ def rank_layout(cand: Candidate, tp: int = 1) -> tuple[RankSpec, ...]:
                         prev_dc=dcs[s - 1] if s else None,
                         next_stage=s + 1 if s < p - 1 else None,
                         next_dc=dcs[s + 1] if s < p - 1 else None,
-                        group=f"{dc}/stage{s}",
-                        group_size=group_sizes[dc] if cand.extra_paths else cand.dp,
+                        group=f"stage{s}" if cand.extra_paths else f"{dc}/stage{s}",
+                        group_size=cand.replicas,
                         pipeline=i,
                         tp_rank=tp_rank,
                         tp_size=tp,

@@ -37,6 +37,9 @@ from planner.variants import (
 )
 
 FULL_EFFORT = SMALL_EFFORT
+FULL_POLISH_STARTS = 8
+"""Hill climbs of a variant's full search (its best plans of distinct degree and path, the re-sized
+placements of the other variants among them)."""
 """CP-SAT deterministic seconds the full searches of every variant share (:mod:`planner.variants`)."""
 
 
@@ -108,6 +111,7 @@ def make_plan(
                 progress=progress,
                 effort=FULL_EFFORT * share,
                 polish_work=POLISH_WORK * share,
+                polish_top=FULL_POLISH_STARTS,
             )
         else:
             best, stats = search(

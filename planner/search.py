@@ -155,7 +155,8 @@ def single_stage(problem: Problem) -> Iterator[Candidate]:
 
 def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:
     """Candidates one move away, the likeliest first: move a block off a stage (busiest first, to a stage
-    at most REACH away), move a boundary stage to the next DC, split a stage or merge two."""
+    at most REACH away), move a boundary stage to the next DC, split a stage or merge two, halve or double
+    the data-parallel degree (twice or half the microbatches)."""
     split, dcs, p = list(cand.split), list(cand.stage_dcs), cand.num_stages
     d, m = cand.dp, cand.microbatches
     reach = p if p <= 16 else REACH
@@ -181,6 +182,10 @@ def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator
             merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2 :])
             for keep in {dcs[s], dcs[s + 1]}:
                 yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2 :]), merged)
+    if d % 2 == 0:  # half the replicas, each with twice the microbatches: room to split stages
+        yield from_split(d // 2, 2 * m, tuple(dcs), tuple(split))
+    if m % 2 == 0:
+        yield from_split(2 * d, m // 2, tuple(dcs), tuple(split))
 
 
 def _two_moves(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:

@@ -36,13 +36,17 @@ from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
 from planner.replicas import everywhere, widen
-from planner.space import Problem, Variant, tp_slots
+from planner.search import polish
+from planner.space import Candidate, Problem, Variant, tp_slots
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes the planner tries (those dividing the global batch)."""
 FULL_SEARCHES = 4
-"""Most variants searched in full after the screening (those within :data:`FULL_WITHIN` of the best)."""
+"""Most variants searched in full after the screening: the best screened one of each tensor-parallel degree,
+best first, within :data:`FULL_WITHIN` of the best."""
 FULL_WITHIN = 0.5
+MIN_SHARE = 0.5
+"""The least share of a full search's budgets one variant's full search gets."""
 """A screened variant this much slower than the best screened one is not searched in full."""
 SCREEN_EFFORT = 0.3
 """CP-SAT deterministic seconds for one variant's screening search."""
@@ -51,6 +55,13 @@ SCREEN_MODELS = 3
 SCREEN_WORK = 2_000
 """Stage-microbatches one screening hill climb may simulate."""
 FINALISTS = 4
+"""Best candidates of a variant simulated under the other schedules."""
+SEED_CLIMBS = 4
+"""Re-sized placements of other variants a full search's variant climbs from (:func:`translated`)."""
+SEED_WORK = 2_000
+"""Stage-microbatches one such climb may simulate."""
+WIDEN_STARTS = 6
+"""Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
 """Best candidates of a variant simulated under the other schedules."""
 
 
@@ -177,7 +188,8 @@ def with_schedules(result: VariantResult, pins: Pins, cfg: Config, dp: int | Non
     out: list[VariantResult] = []
     if result.best is None:
         return out
-    top = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)[:FINALISTS]
+    ranked = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)
+    top = [ev for ev in ranked if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths))][:FINALISTS]
     for schedule in schedule_options(pins):
         if schedule == result.problem.variant.schedule:
             continue
@@ -211,13 +223,24 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
 
     screened.sort(key=key)
     cutoff = key(screened[0]) * (1 + FULL_WITHIN)
-    chosen = [r for r in screened[:FULL_SEARCHES] if r.best is not None and key(r) <= cutoff]
-    for result in chosen:  # together they spend about one full search's budgets
+    per_tp: dict[int, VariantResult] = {}  # the best screened variant of each tensor-parallel degree: diverse
+    for r in screened:
+        if r.best is not None and key(r) <= cutoff:
+            per_tp.setdefault(r.problem.variant.tp, r)
+    chosen = list(per_tp.values())[:FULL_SEARCHES]
+    placements = [r.best.candidate for r in screened if r.best is not None]
+    for result in chosen:  # every variant's best placement, re-sized for this one, is climbed from
+        for cand in translated(result.problem, placements)[:SEED_CLIMBS]:
+            start = result.evaluator.evaluate(cand)
+            climbed = polish(result.problem, result.evaluator, start, goal, math.inf, work=SEED_WORK)
+            if result.best is None or climbed.score(goal.weight) < result.best.score(goal.weight):
+                result.best = climbed
+    for result in chosen:  # together they spend one or two full searches' budgets
         if result.best is not None:
-            full = search(result.problem, result.evaluator, 1 / len(chosen))
+            full = search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
             if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
                 result.best = full
-    for result in screened[: FULL_SEARCHES + 1] if not pins.cross_dc_dp else screened:
+    for result in screened[:2] if not pins.cross_dc_dp else screened:
         across_dcs(result, pins)
     if pins.cross_dc_dp:
         for result in screened:
@@ -228,13 +251,41 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     return sorted(screened + extra, key=key)
 
 
+def translated(problem: Problem, placements: list[Candidate]) -> list[Candidate]:
+    """``placements`` (DCs and blocks of every stage, one pipeline) with the most replicas ``problem`` allows,
+    and with half, a quarter ... of them (fewer replicas leave GPUs to split stages on)."""
+    out: list[Candidate] = []
+    options = dict(problem.dp_options())
+    for cand in placements:
+        fitting = [
+            d
+            for d in sorted(options, reverse=True)
+            if problem.violation(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers)) is None
+        ]
+        d = fitting[0] if fitting else 0
+        while d >= 1:
+            if d in fitting:
+                out.append(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers))
+            d //= 2
+    return list(dict.fromkeys(out))
+
+
 def across_dcs(result: VariantResult, pins: Pins) -> None:
     """Try the variant's best plan with more pipelines in other DCs, and data parallelism everywhere;
     keep what simulates faster (``--cross-dc-dp``: the best with several pipelines)."""
     problem, evaluator = result.problem, result.evaluator
     if pins.cross_dc_dp is False:
         return
-    cands = everywhere(problem) + (widen(problem, result.best.candidate) if result.best is not None else [])
+    starts: dict[int, Evaluation] = {}  # the best simulated plan of each data-parallel degree
+    for ev in sorted(evaluator.evaluated, key=lambda ev: ev.iteration_s):
+        if not ev.candidate.extra_paths:
+            starts.setdefault(ev.candidate.dp, ev)
+    bases = [ev.candidate for ev in list(starts.values())[:WIDEN_STARTS]]
+    if result.best is not None:  # the best plan's placement with fewer replicas leaves room for more pipelines
+        best = result.best.candidate
+        bases += [Candidate(d, m, best.stage_dcs, best.stage_layers) for d, m in problem.dp_options() if d < best.dp]
+    widened = [c for base in bases if problem.violation(base) is None for c in widen(problem, base)]
+    cands = everywhere(problem) + widened
     if pins.dp is not None:
         cands = [c for c in cands if c.dp == pins.dp]
     found = [evaluator.evaluate(c) for c in cands]

@@ -34,6 +34,11 @@ ADDRESS_SPACE = 1536 << 20  # a child that tries to build a bomb dies here inste
 HANG_S = 10.0
 
 
+def _line_of(text: str, start: str) -> int:
+    """The 1-based number of the first line of ``text`` that starts with ``start``."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(start))
+
+
 def alias_bomb(levels: int = 10, width: int = 9, pad: int = 2400) -> str:
     """The billion-laughs document: ``width ** levels`` strings from a few KB of aliases."""
     lines = [f"a0: &a0 [{', '.join(['lol' * (pad // 3 // width + 1)] * width)}]"]
@@ -75,11 +80,14 @@ def hostile_configs() -> dict[str, tuple[str | bytes, str]]:
         ),
         "duplicate key": (
             demo.replace("  global_batch:", "  steps: 3\n  global_batch:"),
-            "job: duplicate key 'steps' (first on line 31); keep one",
+            f"job: duplicate key 'steps' (first on line {_line_of(demo, '  global_batch:')}); keep one",
         ),
         "binary": (bytes(range(256)) * 4, "binary data (byte 0x80 at offset 128), not UTF-8 YAML text"),
         "NUL": (demo.encode().replace(b"demo-3dc", b"demo\x003dc"), "binary data (a NUL byte"),
-        "tab": (demo.replace("\n  name: demo-3dc", "\n\tname: demo-3dc"), "line 8, column 1: a tab character"),
+        "tab": (
+            demo.replace("\n  name: demo-3dc", "\n\tname: demo-3dc"),
+            f"line {_line_of(demo, '  name: demo-3dc')}, column 1: a tab character",
+        ),
     }
 
 

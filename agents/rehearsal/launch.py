@@ -99,6 +99,15 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
     from geosched.schedule import simulate
 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
+    across: dict[str, Any] = {}
+    if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
+        from planner.replicas import link_sharing, sync_times
+        from planner.space import Candidate, Problem
+
+        m = layout.job.global_batch // (layout.replicas * layout.job.batch)
+        cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
+        problem = Problem(dataclasses.replace(config, job=layout.job))
+        across = {"sharing": link_sharing(cand), "replicas": cand.replicas, "sync_s": sync_times(problem, cand)}
     costs = PipelineCosts(
         config.cluster,
         layout.job,
@@ -107,8 +116,9 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
         layout.dp,
         layout.streams,
         calibration=calibration,
+        **across,
     )
-    return simulate(job_schedule(layout.job, layout.num_stages, layout.dp), costs)
+    return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas), costs)
 
 
 def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
@@ -320,7 +330,9 @@ def launch(
             secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
             print(
                 f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
-                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}, broker {mqtt}, run folder {run} ({secured})",
+                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}"
+                + "".join(f" + {' -> '.join(dict.fromkeys(path))}" for path in layout.extra_pipelines)
+                + f", broker {mqtt}, run folder {run} ({secured})",
                 file=out,
                 flush=True,
             )

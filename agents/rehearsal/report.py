@@ -114,7 +114,7 @@ def build_report(
 def _schedule(layout: Any) -> Any:
     from agents.stage.session import job_schedule
 
-    return job_schedule(layout.job, layout.num_stages, layout.dp)
+    return job_schedule(layout.job, layout.num_stages, layout.replicas)
 
 
 def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike[str]) -> Path:
