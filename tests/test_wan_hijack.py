@@ -275,7 +275,8 @@ def test_a_link_failure_names_the_peer_that_failed(dataset: TextDataset) -> None
     assert quitter is None
     assert isinstance(waiter, LinkError), waiter
     message = str(waiter)
-    assert "no activation for step 0 microbatch 0 from stage 0 (stage 0 (rank 0 in us) at 127.0.0.1" in message
+    # the link sees the peer leave, or (on a loaded machine) the 2 s receive timeout fires first: both name it
+    assert "from stage 0" in message and "(rank 0 in us) at 127.0.0.1" in message, message
     assert "(rank 1 in" not in message.split("\n")[0]
 
 
