@@ -15,8 +15,8 @@ process group *is* that DP group. :func:`join_group` forms it from a
         # or, for runtimes that drive backward themselves on the bare module:
         group.allreduce_gradients(stage_module)
 
-Replica 0 hosts the TCPStore unless ``host_store=False``; the backend is NCCL
-when CUDA and NCCL are available, gloo otherwise (``backend=`` overrides).
+Replica 0 hosts the TCPStore unless ``host_store=False``; the backend is gloo
+(the agents' stages live on the CPU) unless ``backend="nccl"`` asks for NCCL.
 Every rank beats a heartbeat counter in the store; when a collective fails or
 times out, :meth:`DataParallelGroup.guard` reads the heartbeats and raises a
 CollectiveError naming the rank(s) that stopped. A group of size 1 needs no
@@ -43,6 +43,18 @@ from geosched.errors import CollectiveError, ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def adopt_grads(params: Iterable[nn.Parameter], views: Iterable[torch.Tensor]) -> None:
+    """Make each parameter's gradient its view into a flat buffer (copying it in; a missing gradient counts
+    as zeros), so one collective on the buffer reduces them all."""
+    for p, view in zip(params, views):
+        if p.grad is None:
+            view.zero_()
+            p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
 
 
 class DataParallelGroup:
@@ -350,13 +362,7 @@ class _GradientBuckets:
         """Average every bucket across ranks, all in flight at once (NCCL: AVG; gloo: SUM then divide)."""
         works = []
         for flat, params, views in self.buckets:
-            for p, view in zip(params, views):
-                if p.grad is None:
-                    view.zero_()
-                    p.grad = view
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+            adopt_grads(params, views)
             works.append(dist.all_reduce(flat, dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM, async_op=True))
         for (flat, _, _), work in zip(self.buckets, works):
             work.wait()

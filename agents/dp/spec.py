@@ -93,9 +93,10 @@ class GroupSpec:
 
 
 def choose_backend(requested: str | None = None) -> str:
-    """NCCL when CUDA and NCCL are available, gloo otherwise; ``requested`` overrides."""
+    """gloo unless ``requested`` says ``nccl``: the agents build their stages on the CPU, and NCCL reduces
+    CUDA tensors only (with one GPU per rank), so picking it because a GPU is visible would break them."""
     if requested is None:
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        return "gloo"
     if requested == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ConfigError("backend: 'nccl' needs CUDA and an NCCL build of torch; use 'gloo' or leave it unset")
     if requested == "gloo" and not dist.is_gloo_available():

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from agents.dp.group import DataParallelGroup
+from agents.dp.group import DataParallelGroup, adopt_grads
 from geosched.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2)
@@ -178,13 +178,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         Gradients become views into the flat buffer (a parameter without one
         counts as zeros); ``module`` is the one whose parameters this optimizer holds.
         """
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad is None:
-                view.zero_()
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
+        adopt_grads(self.params, self.grad_views)
         assert self.shard.grad is not None
         native_avg = self.group.backend == "nccl"
         with self.group.guard("ZeRO-2 gradient reduce-scatter"):
