@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from geosched.costmodel import PipelineCosts
 from geosched.schedule import Schedule, add_gradient_sync, build_schedule, simulate
-from planner.replicas import gradient_wan_bytes, link_sharing, sync_times
+from planner.replicas import cost_options, gradient_wan_bytes
 from planner.space import Candidate, Problem
 
 GB = 1e9  # egress is priced per decimal GB
@@ -113,19 +113,7 @@ class Evaluator:
         path = tuple(dict.fromkeys(dcs))
         streams = {(min(a, b), max(a, b)): self.problem.streams(a, b) for a, b in zip(path, path[1:])}
         pr = self.problem
-        if not cand.extra_paths:
-            return PipelineCosts(pr.cluster, pr.job, dcs, cand.stage_layers, cand.dp, streams)
-        return PipelineCosts(
-            pr.cluster,
-            pr.job,
-            dcs,
-            cand.stage_layers,
-            cand.dp,
-            streams,
-            sharing=link_sharing(cand),
-            replicas=cand.replicas,
-            sync_s=sync_times(pr, cand),
-        )
+        return PipelineCosts(pr.cluster, pr.job, dcs, cand.stage_layers, cand.dp, streams, **cost_options(pr, cand))
 
     def evaluate(self, cand: Candidate) -> Evaluation:
         """Simulate ``cand`` (cached): every distinct pipeline, the slowest sets the iteration."""
@@ -145,19 +133,16 @@ class Evaluator:
                 wan[key] = wan.get(key, 0) + nbytes * copies
         for key, nbytes in gradient_wan_bytes(self.problem, cand).items():
             wan[key] = wan.get(key, 0) + nbytes
-        cost = sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
+        cost = self._egress_usd(wan)
         iteration = max(t.iteration_s for t in timelines)
         bubble = sum(t.bubble_fraction for t in timelines) / len(timelines)
         result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost)
         self._cache[cand] = result
         return result
 
-    def _wan(self, costs: PipelineCosts, cand: Candidate) -> tuple[dict[tuple[str, str], int], float]:
-        wan = costs.wan_bytes_per_iteration(cand.microbatches)
-        for key, nbytes in gradient_wan_bytes(self.problem, cand).items():
-            wan[key] = wan.get(key, 0) + nbytes
-        cost = sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
-        return wan, cost
+    def _egress_usd(self, wan: dict[tuple[str, str], int]) -> float:
+        """Dollars of egress for ``wan`` bytes per link direction."""
+        return sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
 
     def wan_cost_usd(self, cand: Candidate) -> float:
         """WAN egress dollars per iteration of ``cand`` (exact, without simulating)."""
@@ -166,7 +151,7 @@ class Evaluator:
             return hit.wan_cost_usd
         if cand.extra_paths:
             return self.evaluate(cand).wan_cost_usd
-        return self._wan(self.costs(cand), cand)[1]
+        return self._egress_usd(self.costs(cand).wan_bytes_per_iteration(cand.microbatches))
 
     def lower_bound(self, cand: Candidate) -> float:
         """:func:`pipeline_lower_bound` of ``cand``."""

@@ -56,13 +56,8 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def most_replicas(problem: Problem) -> int:
-    """The most data-parallel replicas any plan may have (every device): what ZeRO shards over at best."""
-    return max(1, sum(problem.gpus.values()))
-
-
 def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last: bool, what: str) -> str:
-    job, shard = problem.job, most_replicas(problem)
+    job, shard = problem.job, problem.most_replicas
     need = stage_memory_bytes(job, layers, first, last, 1, shard)
     state = stage_memory_bytes(job, layers, first, last, 0, shard)
     roomiest = max(problem.dcs, key=lambda dc: problem.memory_bytes[dc])
@@ -77,10 +72,10 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
 def check_feasible(problem: Problem) -> None:
     """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint.
 
-    Memory is relaxed to the most ZeRO sharding any plan has (:func:`most_replicas`), so only a job that
+    Memory is relaxed to the most ZeRO sharding any plan has (:attr:`Problem.most_replicas`), so only a job that
     no plan can hold is refused."""
     job, L = problem.job, problem.layers
-    shard = most_replicas(problem)
+    shard = problem.most_replicas
     if not problem.dp_options():
         if problem.pinned_dp is not None:
             raise PlanInfeasible(
@@ -152,7 +147,7 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int) -> tuple[int, 
     ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
     ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe).
     """
-    L, shard = problem.layers, most_replicas(problem)
+    L, shard = problem.layers, problem.most_replicas
     cap = _capacity(job, L, max(problem.memory_bytes.values()), shard)
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
@@ -189,7 +184,7 @@ def check_inflight(problem: Problem) -> None:
     if held >= L:
         return
     block = layer_costs(job)[0]
-    state = stage_memory_bytes(job, (0, 1), False, False, 0, most_replicas(problem))  # at the most ZeRO sharding
+    state = stage_memory_bytes(job, (0, 1), False, False, 0, problem.most_replicas)  # at the most ZeRO sharding
     mem = max(problem.memory_bytes.values())
     if job.recompute == "full":
         kept_gb = block.activation_bytes * job.batch / 1e9

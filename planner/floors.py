@@ -87,7 +87,7 @@ def fewest_stages(problem: Problem, memory_bytes: float) -> int:
     gives the fewest contiguous stages.
     """
     job, L = dataclasses.replace(problem.job, zero=2), problem.layers
-    most = max(1, sum(problem.gpus.values()))  # ZeRO 2 over every device: the least state any plan keeps
+    most = problem.most_replicas  # ZeRO 2 over every device: the least state any plan keeps
     stages, start = 0, 0
     while start < L:
         end = start

@@ -37,10 +37,10 @@ from planner.variants import (
 )
 
 FULL_EFFORT = SMALL_EFFORT
+"""CP-SAT deterministic seconds one full search spends (:mod:`planner.variants` gives each variant a share)."""
 FULL_POLISH_STARTS = 8
 """Hill climbs of a variant's full search (its best plans of distinct degree and path, the re-sized
 placements of the other variants among them)."""
-"""CP-SAT deterministic seconds the full searches of every variant share (:mod:`planner.variants`)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 from __future__ import annotations
 
+from typing import Any
+
 from geosched.costmodel import stage_params
 from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
 from planner.space import Candidate, Problem
@@ -77,6 +79,14 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
         across = hierarchical_allreduce_s(crossing, [], ring) if ring else 0.0
         out.append(inside + across)
     return out
+
+
+def cost_options(problem: Problem, cand: Candidate) -> dict[str, Any]:
+    """The keyword arguments of :class:`~geosched.costmodel.PipelineCosts` for one pipeline of ``cand``: none
+    with one pipeline; else the links' sharing, every replica (ZeRO shards over them) and the gradient sync."""
+    if not cand.extra_paths:
+        return {}
+    return {"sharing": link_sharing(cand), "replicas": cand.replicas, "sync_s": sync_times(problem, cand)}
 
 
 def gradient_wan_bytes(problem: Problem, cand: Candidate) -> dict[tuple[str, str], int]:

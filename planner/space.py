@@ -234,6 +234,11 @@ class Problem:
         """Microbatches of activations the stage holds at peak under the job's schedule."""
         return peak_inflight(self.schedule, stages, microbatches, stage)
 
+    @property
+    def most_replicas(self) -> int:
+        """The most data-parallel replicas any plan may have (every device): what ZeRO shards over at best."""
+        return max(1, sum(self.gpus.values()))
+
     def replicas(self, microbatches: int) -> int:
         """The data-parallel degree (all pipelines together) that ``microbatches`` per pipeline imply."""
         return max(1, self.job.global_batch // (microbatches * self.job.batch))

@@ -45,9 +45,9 @@ FULL_SEARCHES = 4
 """Most variants searched in full after the screening: the best screened one of each tensor-parallel degree,
 best first, within :data:`FULL_WITHIN` of the best."""
 FULL_WITHIN = 0.5
+"""A screened variant this much slower than the best screened one is not searched in full."""
 MIN_SHARE = 0.5
 """The least share of a full search's budgets one variant's full search gets."""
-"""A screened variant this much slower than the best screened one is not searched in full."""
 SCREEN_EFFORT = 0.3
 """CP-SAT deterministic seconds for one variant's screening search."""
 SCREEN_MODELS = 3
@@ -62,7 +62,6 @@ SEED_WORK = 2_000
 """Stage-microbatches one such climb may simulate."""
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
-"""Best candidates of a variant simulated under the other schedules."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
 screening search; otherwise the share of a full search's budgets this search may spend."""
 
 
-def with_schedules(result: VariantResult, pins: Pins, cfg: Config, dp: int | None) -> list[VariantResult]:
+def with_schedules(result: VariantResult, pins: Pins, cfg: Config) -> list[VariantResult]:
     """The variant's best candidates simulated under every other allowed schedule (same placement)."""
     out: list[VariantResult] = []
     if result.best is None:
@@ -193,7 +192,7 @@ def with_schedules(result: VariantResult, pins: Pins, cfg: Config, dp: int | Non
     for schedule in schedule_options(pins):
         if schedule == result.problem.variant.schedule:
             continue
-        problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=dp)
+        problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=pins.dp)
         evaluator = Evaluator(problem)
         fits = [evaluator.evaluate(ev.candidate) for ev in top if problem.violation(ev.candidate) is None]
         if fits:
@@ -206,17 +205,16 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
 
     Returns every result, best first (results with no plan last).
     """
-    screened = []
-    options = variant_options(cfg, pins)
-    for variant in options:
+
+    def screen(variant: Variant) -> VariantResult:
         problem = Problem(cfg, variant, dp=pins.dp)
         evaluator = Evaluator(problem)
-        screened.append(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
+        return VariantResult(problem, evaluator, search(problem, evaluator, 0.0))
+
+    options = variant_options(cfg, pins)
+    screened = [screen(variant) for variant in options]
     if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
-        for variant in options:
-            problem = Problem(cfg, dataclasses.replace(variant, zero=2), dp=pins.dp)
-            evaluator = Evaluator(problem)
-            screened.append(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
+        screened += [screen(dataclasses.replace(variant, zero=2)) for variant in options]
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)
@@ -247,7 +245,7 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
             if result.best is not None and not result.best.candidate.extra_paths:
                 result.best = None
     screened.sort(key=key)
-    extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg, pins.dp)]
+    extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg)]
     return sorted(screened + extra, key=key)
 
 
@@ -289,8 +287,5 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
     if pins.dp is not None:
         cands = [c for c in cands if c.dp == pins.dp]
     found = [evaluator.evaluate(c) for c in cands]
-    if pins.cross_dc_dp:
-        pool = found
-    else:
-        pool = found + ([result.best] if result.best is not None else [])
-    result.best = min(pool, key=lambda ev: ev.iteration_s, default=None)
+    kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []
+    result.best = min(found + kept, key=lambda ev: ev.iteration_s, default=None)

@@ -101,13 +101,12 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
     across: dict[str, Any] = {}
     if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
-        from planner.replicas import link_sharing, sync_times
+        from planner.replicas import cost_options
         from planner.space import Candidate, Problem
 
         m = layout.job.global_batch // (layout.replicas * layout.job.batch)
         cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
-        problem = Problem(dataclasses.replace(config, job=layout.job))
-        across = {"sharing": link_sharing(cand), "replicas": cand.replicas, "sync_s": sync_times(problem, cand)}
+        across = cost_options(Problem(dataclasses.replace(config, job=layout.job)), cand)
     costs = PipelineCosts(
         config.cluster,
         layout.job,
