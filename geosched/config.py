@@ -25,11 +25,9 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-import yaml
-
 from geosched.errors import ConfigError
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
-from geosched.yamlload import YamlLimits, read_yaml_file
+from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
 
 MAX_NAME_LEN = 64
 """The longest datacenter, GPU or cluster name."""
@@ -310,4 +308,4 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 def dump_config(cfg: Config) -> str:
     """The config as YAML text that :func:`load_config` reads back to an equal object."""
-    return yaml.safe_dump(dump_dataclass(cfg), sort_keys=False)
+    return dump_yaml(dump_dataclass(cfg))

@@ -402,6 +402,8 @@ class PipelineCosts:
         latency = (cal.message_latency_s or 0.0) if cal is not None else 0.0
         self.charges_messages = cal is not None and cal.message_overhead_s is not None
         """True when SEND/RECV take stage time (the simulator asks ``compute_s`` for them)."""
+        self.durations_by_kind = True
+        """Durations depend on the stage and kind only (the simulator asks once per pair)."""
         for s in range(p - 1):
             nbytes = boundary_bytes(job, self.stage_layers[s][1])
             a, b = self.stage_dcs[s], self.stage_dcs[s + 1]

@@ -108,6 +108,8 @@ def _slowest(problem: Problem, order: tuple[str, ...], cycle: bool) -> tuple[flo
 class DataParallelCosts:
     """Cost provider of plain data parallelism: one stage, the whole model, one big all-reduce."""
 
+    durations_by_kind = True
+
     def __init__(self, forward_s: float, backward_s: float, allreduce_s: float):
         self.forward_s, self.backward_s, self.allreduce_s = forward_s, backward_s, allreduce_s
 
@@ -173,7 +175,9 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     slowest_gpu = min(d.gpu.tflops for d in specs)
     compute = stage_compute(job, slowest_gpu, (0, L), True, True)
     schedule = add_gradient_sync(build_schedule(problem.schedule, 1, per_gpu))
-    timeline = simulate(schedule, DataParallelCosts(compute.forward_s, compute.backward_s, allreduce), check=False)
+    timeline = simulate(
+        schedule, DataParallelCosts(compute.forward_s, compute.backward_s, allreduce), check=False, record=False
+    )
     hops = list(zip(ring, ring[1:])) + ([(ring[-1], ring[0])] if len(ring) > 1 else [])
     cost = sum(moved / GB * problem.require_link(a, b).egress_usd_per_gb for a, b in hops)
     detail = f"{gpus} GPUs x {per_gpu} microbatches, ring {'-'.join(ring)}, all-reduce {allreduce:.3f} s"

@@ -437,7 +437,9 @@ def solve(
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     if effort is not None:
-        solver.parameters.max_deterministic_time = max(0.01, effort)
+        solver.parameters.max_deterministic_time = max(
+            0.01, effort * float(__import__("os").environ.get("ESCALE", "1"))
+        )
     collector = _Collector(model)
     status = solver.solve(model.model, collector)
     name = _STATUS.get(status, "unknown")

@@ -10,11 +10,12 @@ without simulating them, and checked against the simulator in the tests).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geosched.costmodel import PipelineCosts
-from geosched.schedule import Schedule, add_gradient_sync, build_schedule, simulate
+from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
 from planner.replicas import cost_options, gradient_wan_bytes
 from planner.space import Candidate, Problem
 
@@ -89,21 +90,24 @@ def pipeline_lower_bound(
     return best
 
 
+@functools.lru_cache(maxsize=64)
+def job_schedule(name: str, stages: int, microbatches: int) -> CompiledSchedule:
+    """Schedule ``name`` with gradient sync appended, compiled (shared by every evaluator: variants meet
+    the same shapes)."""
+    return compile_schedule(add_gradient_sync(build_schedule(name, stages, microbatches)))
+
+
 class Evaluator:
     """Simulates candidates of one :class:`Problem`, caching schedules and verdicts."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
-        self._schedules: dict[tuple[int, int], Schedule] = {}
         self._cache: dict[Candidate, Evaluation] = {}
         self.simulations = 0
 
-    def schedule(self, stages: int, microbatches: int) -> Schedule:
-        """The job's schedule for ``stages`` x ``microbatches`` with all-reduce and step appended."""
-        key = (stages, microbatches)
-        if key not in self._schedules:
-            self._schedules[key] = add_gradient_sync(build_schedule(self.problem.schedule, stages, microbatches))
-        return self._schedules[key]
+    def schedule(self, stages: int, microbatches: int) -> CompiledSchedule:
+        """The job's schedule for ``stages`` x ``microbatches`` with all-reduce and step appended, compiled."""
+        return job_schedule(self.problem.schedule, stages, microbatches)
 
     def costs(self, cand: Candidate, pipeline: int = 0) -> PipelineCosts:
         """The simulator's cost provider for one pipeline of ``cand`` (links filled with streams); with
@@ -126,7 +130,7 @@ class Evaluator:
         wan: dict[tuple[str, str], int] = {}
         for dcs in distinct:
             costs = self.costs(cand, cand.pipelines.index(dcs))
-            timelines.append(simulate(schedule, costs, check=False))
+            timelines.append(simulate(schedule, costs, check=False, record=False))
             self.simulations += 1
             copies = cand.pipelines.count(dcs)
             for key, nbytes in costs.wan_bytes_per_iteration(cand.microbatches).items():

@@ -16,13 +16,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import yaml
-
 from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
 from geosched.errors import ConfigError, PlanError
 from geosched.netcost import wan_effective_bps
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
-from geosched.yamlload import YamlLimits, read_yaml_file, short
+from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file, short
 from planner.evaluate import GB, Evaluation
 from planner.feasibility import MAX_PLAN_GPUS
 from planner.space import Candidate, Problem
@@ -276,7 +274,7 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
 
 def dump_plan(plan: Plan) -> str:
     """The plan as YAML that :func:`load_plan` reads back to an equal object."""
-    return yaml.safe_dump(dump_dataclass(plan), sort_keys=False, default_flow_style=None)
+    return dump_yaml(dump_dataclass(plan), default_flow_style=None)
 
 
 def plan_from_dict(data: object, source: str = "plan") -> Plan:

@@ -14,15 +14,16 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 * a stage's gradients are all-reduced hierarchically
   (:func:`~geosched.costmodel.hierarchical_allreduce_s`): inside each DC,
   then across the DCs holding its replicas over the multi-stream WAN links
-  of a ring (or chain) through them. All stages sync at the end of the
-  iteration on the same links, so each stage is charged the cross-DC time of
-  every stage's gradients together (:func:`sync_times`): exact for one-stage
-  pipelines, pessimistic for deeper ones;
+  of a ring (or chain) through them. All stages (and all tensor-parallel
+  ranks of each) sync at the end of the iteration on the same links, so each
+  stage is charged the cross-DC time of every stage's whole gradients together
+  (:func:`sync_times`): exact for one-stage pipelines, pessimistic for deeper ones;
 * egress: each hop of that ring carries ``2 (k-1)/k`` of the gradients in each
   direction (:func:`gradient_wan_bytes`).
 
 :func:`widen` adds pipelines to a candidate where GPUs are left;
-:func:`everywhere` builds data parallelism over every DC of a linked group.
+:func:`everywhere` builds data parallelism over every DC of a linked group,
+:func:`local_pipelines` the same with multi-stage pipelines that each stay in one DC.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 from geosched.costmodel import stage_params
 from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
-from planner.space import Candidate, Problem
+from planner.space import Candidate, Problem, even_split, from_split
 
 MAX_PIPELINES = 16
 """The most pipelines (DC paths) one candidate may have."""
@@ -61,7 +62,8 @@ def _hops(problem: Problem, cand: Candidate, stage: int) -> list[tuple[str, str]
 def sync_times(problem: Problem, cand: Candidate) -> list[float]:
     """Gradient sync seconds of every stage of ``cand`` (see the module docstring)."""
     p = cand.num_stages
-    crossing = sum(_grad_bytes(problem, cand, s) for s in range(p) if _hops(problem, cand, s))
+    # every tensor-parallel rank's shard crosses the same links: the whole stage's gradients
+    crossing = sum(_grad_bytes(problem, cand, s) for s in range(p) if _hops(problem, cand, s)) * problem.job.tp
     out = []
     for s in range(p):
         counts: dict[str, int] = {}
@@ -151,16 +153,52 @@ def widen(problem: Problem, cand: Candidate) -> list[Candidate]:
 def everywhere(problem: Problem) -> list[Candidate]:
     """Data parallelism over several DCs: one-stage pipelines of ``d`` replicas in every DC with room, for
     each ``d`` that leaves at most :data:`MAX_PIPELINES` pipelines over the largest linked group."""
-    out = []
-    sequences = problem.job.global_batch // problem.job.batch
+    return [
+        c
+        for group, roomiest in _groups(problem)
+        for d, m in problem.dp_options()
+        for c in _copies(problem, group, roomiest, d, m, 1)
+    ]
+
+
+def local_pipelines(problem: Problem) -> list[Candidate]:
+    """Pipelines that keep their activations inside one DC: ``p`` stages of equal blocks in one DC, alone
+    or (from the roomiest DC of a linked group) copied into every DC with room (:func:`widen`; only
+    gradients cross the WAN, once per iteration: the hybrids between data parallelism everywhere and one
+    long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one more, twice as many."""
+    out: list[Candidate] = []
     for group in problem.components():
-        if len(group) < 2:
-            continue
         roomiest = max(group, key=lambda dc: problem.gpus[dc])
-        for d, m in problem.dp_options():
-            if sum(problem.gpus[dc] // d for dc in group) > MAX_PIPELINES or problem.gpus[roomiest] < d:
-                continue
-            start = Candidate(d, m, (roomiest,), ((0, problem.layers),))
-            if sequences % d == 0 and problem.violation(start) is None:
-                out += [c for c in widen(problem, start) if len(set(c.pipelines)) > 1]
-    return out
+        for dc in group:
+            for d, m in problem.dp_options():
+                most = min(problem.layers, problem.gpus[dc] // d)
+                fitting = (p for p in range(1, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
+                fewest = next(fitting, None)
+                for p in sorted({fewest, fewest + 1, 2 * fewest} if fewest is not None else set()):
+                    if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
+                        out.append(alone)
+                        if dc == roomiest and len(group) >= 2:
+                            out += _copies(problem, group, dc, d, m, p)
+    return list(dict.fromkeys(out))
+
+
+def _groups(problem: Problem) -> list[tuple[list[str], str]]:
+    """Every linked group of two or more DCs, with its DC of the most GPUs."""
+    return [(g, max(g, key=lambda dc: problem.gpus[dc])) for g in problem.components() if len(g) >= 2]
+
+
+def _stacked(problem: Problem, dc: str, d: int, m: int, p: int) -> Candidate:
+    """``p`` stages of equal blocks, all in ``dc``."""
+    return from_split(d, m, (dc,) * p, even_split(problem.layers, p))
+
+
+def _copies(problem: Problem, group: list[str], roomiest: str, d: int, m: int, p: int) -> list[Candidate]:
+    """:func:`_stacked` in ``roomiest``, widened over ``group`` (several DCs only), if it fits and the
+    pipelines it leaves are at most :data:`MAX_PIPELINES`."""
+    sequences = problem.job.global_batch // problem.job.batch
+    if sum(problem.gpus[dc] // (d * p) for dc in group) > MAX_PIPELINES or problem.gpus[roomiest] < d * p:
+        return []
+    start = _stacked(problem, roomiest, d, m, p)
+    if sequences % d or problem.violation(start) is not None:
+        return []
+    return [c for c in widen(problem, start) if len(set(c.pipelines)) > 1]

@@ -156,9 +156,10 @@ def single_stage(problem: Problem) -> Iterator[Candidate]:
 def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:
     """Candidates one move away, the likeliest first: move a block off a stage (busiest first, to a stage
     at most REACH away), move a boundary stage to the next DC, split a stage or merge two, halve or double
-    the data-parallel degree (twice or half the microbatches)."""
+    the data-parallel degree (twice or half the microbatches). Every pipeline of a candidate with several
+    keeps the same blocks per stage, so block moves, splits and merges apply to all of them."""
     split, dcs, p = list(cand.split), list(cand.stage_dcs), cand.num_stages
-    d, m = cand.dp, cand.microbatches
+    d, m, extra = cand.dp, cand.microbatches, cand.extra_paths
     reach = p if p <= 16 else REACH
     for s in sorted(range(p), key=lambda s: -load[s]):
         for t in sorted(range(max(0, s - reach), min(p, s + reach + 1)), key=lambda t: load[t]):
@@ -166,26 +167,28 @@ def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator
                 new = split.copy()
                 new[s] -= 1
                 new[t] += 1
-                yield from_split(d, m, tuple(dcs), tuple(new))
+                yield from_split(d, m, tuple(dcs), tuple(new), extra)
     for s in range(p - 1):
         if dcs[s] != dcs[s + 1]:
             for moved, target in ((s, dcs[s + 1]), (s + 1, dcs[s])):
                 new_dcs = dcs.copy()
                 new_dcs[moved] = target
-                yield from_split(d, m, tuple(new_dcs), tuple(split))
+                yield from_split(d, m, tuple(new_dcs), tuple(split), extra)
     for s in range(p):
         if split[s] >= 2:
             half = split[s] // 2
             halves = tuple(split[:s] + [half, split[s] - half] + split[s + 1 :])
-            yield from_split(d, m, tuple(dcs[: s + 1] + dcs[s:]), halves)
+            doubled = tuple(path[: s + 1] + path[s:] for path in extra)
+            yield from_split(d, m, tuple(dcs[: s + 1] + dcs[s:]), halves, doubled)
         if s + 1 < p:  # merge with the next stage, in either one's DC
             merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2 :])
+            joined = tuple(path[: s + 1] + path[s + 2 :] for path in extra)
             for keep in {dcs[s], dcs[s + 1]}:
-                yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2 :]), merged)
+                yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2 :]), merged, joined)
     if d % 2 == 0:  # half the replicas, each with twice the microbatches: room to split stages
-        yield from_split(d // 2, 2 * m, tuple(dcs), tuple(split))
+        yield from_split(d // 2, 2 * m, tuple(dcs), tuple(split), extra)
     if m % 2 == 0:
-        yield from_split(2 * d, m // 2, tuple(dcs), tuple(split))
+        yield from_split(2 * d, m // 2, tuple(dcs), tuple(split), extra)
 
 
 def _two_moves(problem: Problem, cand: Candidate, load: list[float]) -> Iterator[Candidate]:

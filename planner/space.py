@@ -88,13 +88,19 @@ class Candidate:
         return f"d={self.dp} m={self.microbatches} " + " ".join(parts) + more
 
 
-def from_split(dp: int, microbatches: int, stage_dcs: tuple[str, ...], split: tuple[int, ...]) -> Candidate:
+def from_split(
+    dp: int,
+    microbatches: int,
+    stage_dcs: tuple[str, ...],
+    split: tuple[int, ...],
+    extra_paths: tuple[tuple[str, ...], ...] = (),
+) -> Candidate:
     """A candidate from blocks-per-stage counts instead of ranges."""
     ranges, start = [], 0
     for n in split:
         ranges.append((start, start + n))
         start += n
-    return Candidate(dp, microbatches, tuple(stage_dcs), tuple(ranges))
+    return Candidate(dp, microbatches, tuple(stage_dcs), tuple(ranges), extra_paths)
 
 
 def even_split(layers: int, stages: int) -> tuple[int, ...]:

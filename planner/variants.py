@@ -35,8 +35,8 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
-from planner.replicas import everywhere, widen
-from planner.search import polish
+from planner.replicas import everywhere, local_pipelines, widen
+from planner.search import lower_bound, polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -62,6 +62,10 @@ SEED_WORK = 2_000
 """Stage-microbatches one such climb may simulate."""
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
+LOCAL_SIMULATIONS = 32
+"""Most pipelines kept inside DCs (:func:`local_best`) one variant simulates."""
+LOCAL_WORK = 4_000
+"""Stage-microbatches the climb from the best of them may simulate."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,11 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     def screen(variant: Variant) -> VariantResult:
         problem = Problem(cfg, variant, dp=pins.dp)
         evaluator = Evaluator(problem)
-        return VariantResult(problem, evaluator, search(problem, evaluator, 0.0))
+        best = search(problem, evaluator, 0.0)
+        if pins.cross_dc_dp is not False:  # pipelines inside DCs: cheap, and often the best on slow WANs
+            found = local_best(problem, evaluator, pins, best) + ([best] if best is not None else [])
+            best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
+        return VariantResult(problem, evaluator, best)
 
     options = variant_options(cfg, pins)
     screened = [screen(variant) for variant in options]
@@ -288,4 +296,26 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
         cands = [c for c in cands if c.dp == pins.dp]
     found = [evaluator.evaluate(c) for c in cands]
     kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []
+    found += local_best(problem, evaluator, pins, min(found + kept, key=lambda ev: ev.iteration_s, default=None))
     result.best = min(found + kept, key=lambda ev: ev.iteration_s, default=None)
+
+
+def local_best(problem: Problem, evaluator: Evaluator, pins: Pins, best: Evaluation | None) -> list[Evaluation]:
+    """The pipelines kept inside DCs (:func:`planner.replicas.local_pipelines`) that may beat ``best``,
+    simulated in the order of their lower bounds (at most :data:`LOCAL_SIMULATIONS`), and the best of them
+    climbed (:data:`LOCAL_WORK`)."""
+    cands = [
+        c
+        for c in local_pipelines(problem)
+        if pins.dp in (None, c.dp) and pins.cross_dc_dp in (None, bool(c.extra_paths))
+    ]
+    found: list[Evaluation] = []
+    for cand in sorted(cands, key=lambda c: lower_bound(evaluator, c))[:LOCAL_SIMULATIONS]:
+        if best is not None and lower_bound(evaluator, cand) >= best.iteration_s:
+            break
+        found.append(evaluator.evaluate(cand))
+        best = min(filter(None, (best, found[-1])), key=lambda ev: ev.iteration_s)
+    if not found:
+        return []
+    top = min(found, key=lambda ev: ev.iteration_s)
+    return found + [polish(problem, evaluator, top, Goal(), math.inf, work=LOCAL_WORK)]

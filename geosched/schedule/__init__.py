@@ -13,7 +13,14 @@ from geosched.schedule.builders import SCHEDULE_BUILDERS, build_1f1b, build_gpip
 from geosched.schedule.lower import add_communication, add_gradient_sync, lower
 from geosched.schedule.plot import write_timeline_png
 from geosched.schedule.render import render_grid
-from geosched.schedule.simulate import CostProvider, Transfer, UniformCosts, simulate
+from geosched.schedule.simulate import (
+    CompiledSchedule,
+    CostProvider,
+    Transfer,
+    UniformCosts,
+    compile_schedule,
+    simulate,
+)
 from geosched.schedule.timeline import Event, IdleGap, LinkUse, StageStats, Timeline
 from geosched.schedule.trace import chrome_trace, write_chrome_trace
 from geosched.schedule.validate import dry_run, validate
@@ -21,6 +28,7 @@ from geosched.schedule.validate import dry_run, validate
 __all__ = [
     "Action",
     "ActionKind",
+    "CompiledSchedule",
     "CostProvider",
     "Event",
     "IdleGap",
@@ -39,6 +47,7 @@ __all__ = [
     "build_schedule",
     "build_zb1p",
     "chrome_trace",
+    "compile_schedule",
     "dry_run",
     "lower",
     "message_edges",

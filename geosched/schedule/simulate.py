@@ -6,12 +6,16 @@ its message on a link, a FIFO per (link key, direction) where it waits until
 the link is free, occupies it ``occupancy_s`` and arrives ``latency_s`` later.
 A RECV blocks the stage until its message has arrived. SEND and RECV take no
 stage time unless the cost model sets ``charges_messages`` (then each takes
-``compute_s(action)``: the time a rank spends handling the message).
+``compute_s(action)``: the time a rank spends handling the message). A cost
+model that sets ``durations_by_kind`` promises that durations depend only on
+the stage and the action's kind, and transfers only on (source, destination,
+kind), not on the microbatch: the simulator then asks once per distinct key.
 Unlowered schedules (no SEND/RECV) get the same behaviour implicitly: F of
 stage s+1 waits for F of s, B (or I) of s for B (or I) of s+1; W waits for nothing.
 
 The run is event driven (a heap of stage wake-ups), O(actions log stages),
-with no per-time-step loop, so planners may call it thousands of times.
+with no per-time-step loop, so planners may call it thousands of times
+(with ``record=False``, which skips building the events).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import heapq
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 from geosched.errors import ScheduleError
 from geosched.schedule.actions import (
@@ -34,7 +38,7 @@ from geosched.schedule.actions import (
     message_edges,
     receive_for,
 )
-from geosched.schedule.timeline import Event, IdleGap, LinkUse, Timeline, summarize
+from geosched.schedule.timeline import Event, IdleGap, LinkUse, StageStats, Timeline, peak_inflight, summarize
 from geosched.schedule.validate import describe_deadlock, validate
 
 K = ActionKind
@@ -79,6 +83,8 @@ class UniformCosts:
     (W), each ``backward_s / 2`` unless given.
     """
 
+    durations_by_kind: ClassVar[bool] = True
+
     forward_s: float = 1.0
     backward_s: float = 2.0
     transfer_s: float = 0.0
@@ -122,141 +128,224 @@ class _Step(NamedTuple):
     action: Action
     text: str
     tag: str  # ActionKind value
-    needs: Message | None
-    produces: Message | None
+    needs: int  # index of the message it waits for in _Compiled.messages, or -1
+    produces: int  # index of the message it emits, or -1
     is_comm: bool  # SEND/RECV: no stage time unless the costs charge messages
     category: str
 
 
-@functools.lru_cache(maxsize=8)
-def _compile(actions: tuple[tuple[Action, ...], ...], lowered: bool) -> tuple[tuple[_Step, ...], ...]:
-    """Precompute the hot loop's view of a schedule, memoized on its exact actions.
+class CompiledSchedule(NamedTuple):
+    """A schedule in the simulator's terms (steps per stage, messages by index, activations held):
+    compile once with :func:`compile_schedule`, simulate against many cost models."""
 
-    Planners simulate one schedule against many cost models; hashing the
-    actions costs about 1% of compiling them, so a reused schedule skips this.
-    """
+    schedule: Schedule
+    lowered: bool
+    steps: tuple[tuple[_Step, ...], ...]
+    messages: tuple[Message, ...]
+    peaks: tuple[int, ...]
+
+
+def compile_schedule(schedule: Schedule) -> CompiledSchedule:
+    """A snapshot of ``schedule`` ready to simulate (later edits to ``schedule`` do not reach it)."""
+    return _compile(
+        tuple(tuple(schedule.actions[s]) for s in range(schedule.num_stages)), schedule.name, schedule.num_microbatches
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: int) -> CompiledSchedule:
+    """:func:`compile_schedule`, memoized on the exact actions (for callers that pass a plain Schedule)."""
     p = len(actions)
+    index: dict[Message, int] = {}
+    lowered = any(a.kind in COMM_KINDS for row in actions for a in row)
+
+    def number(msg: Message | None) -> int:
+        return -1 if msg is None else index.setdefault(msg, len(index))
+
     steps = []
     for row in actions:
         compiled = []
         for a in row:
             is_comm = a.kind in COMM_KINDS
             category = "comm" if is_comm or a.kind is K.ALL_REDUCE else "compute"
-            compiled.append(_Step(a, str(a), KIND_TAG[a.kind], *message_edges(a, p, lowered), is_comm, category))
+            needs, produces = message_edges(a, p, lowered)
+            compiled.append(_Step(a, str(a), KIND_TAG[a.kind], number(needs), number(produces), is_comm, category))
         steps.append(tuple(compiled))
-    return tuple(steps)
+    snapshot = Schedule({s: list(row) for s, row in enumerate(actions)}, p, microbatches, name)
+    peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
+    return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks)
 
 
-def simulate(schedule: Schedule, costs: CostProvider, *, check: bool = True) -> Timeline:
-    """Simulate one iteration of ``schedule``; ``check=False`` skips :func:`validate` (hot loops)."""
+def simulate(
+    schedule: Schedule | CompiledSchedule, costs: CostProvider, *, check: bool = True, record: bool = True
+) -> Timeline:
+    """Simulate one iteration of ``schedule``; ``check=False`` skips :func:`validate` (hot loops).
+
+    ``record=False`` keeps only what a planner reads (the iteration time and
+    per-stage stats): the timeline has no events, gaps or link uses, and the
+    run is several times faster.
+    """
     if check:
-        validate(schedule)
-    run = _Run(schedule, costs)
-    run.execute()
-    return run.timeline()
+        validate(schedule.schedule if isinstance(schedule, CompiledSchedule) else schedule)
+    code = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
+    return _Run(code, costs, record).execute()
 
 
 class _Run:
-    """The mutable state of one simulation (kept out of the public Timeline)."""
+    """One simulation: durations and transfers looked up once, then an event loop over plain lists."""
 
-    def __init__(self, schedule: Schedule, costs: CostProvider) -> None:
-        self.schedule, self.costs = schedule, costs
-        self.p, self.lowered = schedule.num_stages, schedule.has_communication
-        self.charges_messages = getattr(costs, "charges_messages", False)
-        self.steps = _compile(tuple(tuple(schedule.actions[s]) for s in range(self.p)), self.lowered)
-        self.position = [0] * self.p
-        self.free_at = [0.0] * self.p  # when each stage finished its last action
-        self.outbox: list[Message | None] = [None] * self.p  # produced at the end of a running compute
-        self.arrival: dict[Message, float] = {}
-        self.waiting: dict[Message, int] = {}
-        self.link_free: dict[tuple[Hashable, bool], float] = {}
-        self.heap: list[tuple[float, int, int]] = []
-        self.seq = 0
+    def __init__(self, code: CompiledSchedule, costs: CostProvider, record: bool) -> None:
+        self.code, self.costs, self.record = code, costs, record
+        self.schedule, self.p, self.lowered = code.schedule, code.schedule.num_stages, code.lowered
+        charges = getattr(costs, "charges_messages", False)
+        by_kind = getattr(costs, "durations_by_kind", False)
+        durations: dict[tuple[int, str], float] = {}
+
+        def duration(step: _Step) -> float:
+            if step.is_comm and not charges:
+                return 0.0
+            if not by_kind:
+                return costs.compute_s(step.action)
+            key = (step.action.stage, step.tag)
+            if key not in durations:
+                durations[key] = costs.compute_s(step.action)
+            return durations[key]
+
+        self.durations = [[duration(step) for step in row] for row in self.code.steps]
+        transfers: dict[tuple[int, int, str], Transfer] = {}
+        link_ids: dict[tuple[Hashable, bool], int] = {}
+        self.transfer: list[tuple[int, float, float]] = []  # per message: (link id or -1, occupancy, latency)
+        for msg in self.code.messages:
+            key = (msg.src, msg.dst, msg.kind)
+            tr = transfers.get(key) if by_kind else None
+            if tr is None:
+                tr = transfers[key] = costs.transfer(msg.src, msg.dst, msg.kind, msg.microbatch)
+            link = -1 if tr.link is None else link_ids.setdefault((tr.link, msg.dst > msg.src), len(link_ids))
+            self.transfer.append((link, tr.occupancy_s, tr.latency_s))
+        self.link_keys = list(link_ids)
         self.events: list[Event] = []
         self.gaps: list[IdleGap] = []
         self.links: list[LinkUse] = []
 
-    def wake(self, stage: int, at: float) -> None:
-        """Schedule ``stage`` to resume at time ``at`` (ties resume in FIFO order)."""
-        self.seq += 1
-        heapq.heappush(self.heap, (at, self.seq, stage))
+    def execute(self) -> Timeline:
+        """Pop stage wake-ups in time order until every stage is done or blocked for good.
 
-    def execute(self) -> None:
-        """Pop stage wake-ups in time order until every stage is done or blocked for good."""
-        for s in range(self.p):
-            self.wake(s, 0.0)
-        while self.heap:
-            now, _, s = heapq.heappop(self.heap)
-            message = self.outbox[s]
-            if message is not None:
-                self.post(message, now)
-                self.outbox[s] = None
-            self.advance(s, now)
-        stuck = {s: self.steps[s][i].action for s, i in enumerate(self.position) if i < len(self.steps[s])}
+        Each stage runs its actions in order from its wake-up until it blocks on
+        a message that has not arrived or starts something that takes time; a
+        message is posted on its link when the action producing it ends.
+        """
+        p, steps, durations, transfer, record = self.p, self.code.steps, self.durations, self.transfer, self.record
+        position, free_at = [0] * p, [0.0] * p
+        busy, comm = [0.0] * p, [0.0] * p
+        outbox = [-1] * p  # message produced at the end of a running action
+        arrival: list[float | None] = [None] * len(self.code.messages)
+        waiting: dict[int, int] = {}  # message -> the stage blocked on it
+        link_free = [0.0] * len(self.link_keys)
+        heap = [(0.0, s + 1, s) for s in range(p)]
+        seq = p
+        push, pop = heapq.heappush, heapq.heappop
+
+        def post(msg: int, now: float) -> None:
+            nonlocal seq
+            link, occupancy, latency = transfer[msg]
+            begin = now
+            if link >= 0:
+                begin = max(now, link_free[link])
+                link_free[link] = begin + occupancy
+            arrive = arrival[msg] = begin + occupancy + latency
+            if record:
+                self._record_link(msg, now, begin, occupancy, arrive)
+            receiver = waiting.pop(msg, -1)
+            if receiver >= 0:
+                seq += 1
+                push(heap, (arrive, seq, receiver))
+
+        while heap:
+            now, _, s = pop(heap)
+            if outbox[s] >= 0:
+                post(outbox[s], now)
+                outbox[s] = -1
+            row, times, i = steps[s], durations[s], position[s]
+            while i < len(row):
+                step = row[i]
+                start = waited_from = free_at[s]
+                if step.needs >= 0:
+                    arrive = arrival[step.needs]
+                    if arrive is None:
+                        waiting[step.needs] = s
+                        break
+                    if arrive > now:
+                        seq += 1
+                        push(heap, (arrive, seq, s))
+                        break
+                    if arrive > start:
+                        if record and not (self.lowered and step.is_comm):
+                            self._record_wait(s, step, start, arrive)
+                        start = arrive
+                end = start + times[i]
+                if step.is_comm:  # a receive that waited is idle, its handling included (as the runtime measures it)
+                    if start > waited_from:
+                        if record:
+                            self.gaps.append(IdleGap(s, waited_from, end, step.text))
+                            self.events.append(Event(s, step.text, waited_from, end, "idle", step.tag))
+                    else:
+                        comm[s] += end - start
+                        if record:
+                            self.events.append(Event(s, step.text, waited_from, end, "comm", step.tag))
+                else:
+                    if step.category == "compute":
+                        busy[s] += end - start
+                    else:
+                        comm[s] += end - start
+                    if record:
+                        self.events.append(Event(s, step.text, start, end, step.category, step.tag))
+                i += 1
+                free_at[s] = end
+                if end > now:
+                    outbox[s] = step.produces
+                    seq += 1
+                    push(heap, (end, seq, s))
+                    break
+                if step.produces >= 0:
+                    post(step.produces, now)
+            position[s] = i
+        stuck = {s: steps[s][i].action for s, i in enumerate(position) if i < len(steps[s])}
         if stuck:
             raise ScheduleError(describe_deadlock(stuck))
+        if record:
+            return summarize(self.schedule, self.events, self.gaps, self.links)
+        return self._summary(free_at, busy, comm)
 
-    def post(self, msg: Message, now: float) -> None:
-        """Put ``msg`` on its link at ``now``; wake its receiver when it arrives."""
-        tr = self.costs.transfer(msg.src, msg.dst, msg.kind, msg.microbatch)
-        begin = now
-        if tr.link is not None:
-            key = (tr.link, msg.dst > msg.src)
-            begin = max(now, self.link_free.get(key, 0.0))
-            self.link_free[key] = begin + tr.occupancy_s
-        arrive = begin + tr.occupancy_s + tr.latency_s
-        self.arrival[msg] = arrive
-        use = LinkUse(tr.link, msg.src, msg.dst, msg.kind, msg.microbatch, now, begin, begin + tr.occupancy_s, arrive)
-        self.links.append(use)
-        receiver = self.waiting.pop(msg, None)
-        if receiver is not None:
-            self.wake(receiver, arrive)
+    def _summary(self, free_at: list[float], busy: list[float], comm: list[float]) -> Timeline:
+        """The timeline of an unrecorded run: iteration time and per-stage stats only."""
+        ran = [free_at[s] for s in range(self.p) if self.code.steps[s]]
+        iteration = max(ran, default=0.0)
+        stats = [
+            StageStats(
+                stage=s,
+                busy_s=busy[s],
+                comm_s=comm[s],
+                idle_s=max(0.0, iteration - busy[s] - comm[s]),
+                bubble_fraction=1.0 - busy[s] / iteration if iteration > 0 else 0.0,
+                peak_inflight=self.code.peaks[s],
+            )
+            for s in range(self.p)
+        ]
+        s = self.schedule
+        return Timeline(s.name, s.num_stages, s.num_microbatches, iteration, [], [], stats)
 
-    def advance(self, s: int, now: float) -> None:
-        """Run stage ``s`` from ``now`` until it blocks or starts something that takes time."""
-        steps, events, position = self.steps[s], self.events, self.position
-        while position[s] < len(steps):
-            step = steps[position[s]]
-            start = waited_from = self.free_at[s]
-            if step.needs is not None:
-                arrive = self.arrival.get(step.needs)
-                if arrive is None:
-                    self.waiting[step.needs] = s
-                    return
-                if arrive > now:
-                    self.wake(s, arrive)
-                    return
-                if arrive > start:
-                    if not (self.lowered and step.is_comm):
-                        self._record_wait(s, step, start, arrive)
-                    start = arrive
-            if step.is_comm:  # a receive that waited is idle, its handling included (as the runtime measures it)
-                end = start + self.costs.compute_s(step.action) if self.charges_messages else start
-                category = "idle" if start > waited_from else "comm"
-                if category == "idle":
-                    self.gaps.append(IdleGap(s, waited_from, end, step.text))
-                events.append(Event(s, step.text, waited_from, end, category, step.tag))
-            else:
-                end = start + self.costs.compute_s(step.action)
-                events.append(Event(s, step.text, start, end, step.category, step.tag))
-            position[s] += 1
-            self.free_at[s] = end
-            if end > now:
-                self.outbox[s] = step.produces
-                self.wake(s, end)
-                return
-            if step.produces is not None:
-                self.post(step.produces, now)
+    def _record_link(self, msg: int, now: float, begin: float, occupancy: float, arrive: float) -> None:
+        """Note one message's trip over the network."""
+        m = self.code.messages[msg]
+        link = self.transfer[msg][0]
+        key = None if link < 0 else self.link_keys[link][0]
+        self.links.append(LinkUse(key, m.src, m.dst, m.kind, m.microbatch, now, begin, begin + occupancy, arrive))
 
     def _record_wait(self, s: int, step: _Step, start: float, arrive: float) -> None:
         """Note an idle gap before a compute step; unlowered schedules also get an event for their implicit receive."""
-        assert step.needs is not None
         if self.lowered:
             self.gaps.append(IdleGap(s, start, arrive, step.text))
             return
-        recv = receive_for(step.needs)
+        recv = receive_for(self.code.messages[step.needs])
         self.gaps.append(IdleGap(s, start, arrive, str(recv)))
         self.events.append(Event(s, str(recv), start, arrive, "idle", KIND_TAG[recv.kind]))
-
-    def timeline(self) -> Timeline:
-        return summarize(self.schedule, self.events, self.gaps, self.links)
