@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
 from geosched.costmodel import stage_compute, stage_memory_bytes, total_params
 from geosched.netcost import ring_allreduce_s, wan_effective_bps
@@ -268,19 +267,16 @@ def _greedy_place(problem: Problem, by_free: list[str], stages: int, dp: int) ->
     return tuple(placed)
 
 
-_PIPELINES: WeakKeyDictionary[Evaluator, list[Evaluation]] = WeakKeyDictionary()
-
-
 def pipeline_baselines(problem: Problem, evaluator: Evaluator) -> list[Evaluation]:
     """The feasible pipeline baselines (b) and (c), which the planner also starts from (computed once per
     evaluator: the search and every idle-DC explanation share them)."""
-    if evaluator not in _PIPELINES or evaluator.problem is not problem:
+    if evaluator.baselines is None or evaluator.problem is not problem:
         out = []
         for result in (equal_pipeline(problem, evaluator), atlas_greedy(problem, evaluator)):
             if result.evaluation is not None:
                 out.append(result.evaluation)
-        _PIPELINES[evaluator] = out
-    return list(_PIPELINES[evaluator])
+        evaluator.baselines = out
+    return list(evaluator.baselines)
 
 
 def data_parallel_in_space(problem: Problem, evaluator: Evaluator) -> BaselineResult | None:

@@ -104,6 +104,18 @@ class Evaluator:
         self.problem = problem
         self._cache: dict[Candidate, Evaluation] = {}
         self.simulations = 0
+        self.bounds: dict[Candidate, float] = {}
+        """Memo of :func:`planner.search.lower_bound` (climbs and explanations meet candidates again)."""
+        self.baselines: list[Evaluation] | None = None
+        """Memo of :func:`planner.baselines.pipeline_baselines`."""
+
+    def fork(self) -> Evaluator:
+        """A copy that knows every verdict so far and goes on alone (for searches run side by side)."""
+        other = Evaluator(self.problem)
+        other._cache = dict(self._cache)
+        other.bounds = dict(self.bounds)
+        other.baselines = None if self.baselines is None else list(self.baselines)
+        return other
 
     def schedule(self, stages: int, microbatches: int) -> CompiledSchedule:
         """The job's schedule for ``stages`` x ``microbatches`` with all-reduce and step appended, compiled."""

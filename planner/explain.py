@@ -21,7 +21,7 @@ from planner.floors import Floors, Optimality, optimality
 from planner.plan import Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
-from planner.variants import space_floors
+from planner.variants import in_parallel, space_floors
 
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)
@@ -88,7 +88,7 @@ def unused_reasons(
     :data:`EXPLAIN_WORK`), so the text is the same however loaded the machine is.
     """
     large = len(problem.dcs) > SHORTLIST
-    cand, out = best.candidate, []
+    cand, out, asked = best.candidate, [], []
     chosen = {dc for path in cand.pipelines for dc in path}
     tp = problem.job.tp
     share = max(1, sum(cand.gpus_used(dc) < problem.gpus[dc] for dc in problem.dcs))  # searches to come, at most
@@ -107,10 +107,14 @@ def unused_reasons(
                 )
             )
             continue
+        asked.append(dc)
+        out.append(UnusedReason(dc, gpus, used, head))  # completed below
+
+    def counterfactual(dc: str) -> Evaluation | None:  # each on its own copy of the evaluator: independent
         require = {dc: cand.gpus_used(dc) + 1, **{other: 1 for other in chosen if other != dc}}
         alt, _ = search(
             problem,
-            evaluator,
+            evaluator.fork(),
             goal,
             time_limit_s=time_limit_s,
             effort=min(0.15, EXPLAIN_EFFORT / share),
@@ -119,34 +123,44 @@ def unused_reasons(
             allowed=chosen | {dc} if large else None,
             polish_top=1,
         )
-        if alt is None:
-            why = (
-                "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
-                if used == 0
-                else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
-                f"or breaks memory or links"
-            )
-            out.append(UnusedReason(dc, gpus, used, f"{head}: {why}"))
-            continue
-        what = (
-            f"adding it to {', '.join(p for p in cand.path if p != dc)}"
+        return alt
+
+    found = dict(zip(asked, in_parallel(counterfactual, asked)))
+    return [_reason(problem, best, goal, r, found[r.dc]) if r.dc in found else r for r in out]
+
+
+def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, alt: Evaluation | None) -> UnusedReason:
+    """The reason for ``head.dc`` from its counterfactual ``alt`` (None: nothing valid uses more of it)."""
+    cand, tp = best.candidate, problem.job.tp
+    dc, gpus, used = head.dc, head.gpus, head.used
+    if alt is None:
+        why = (
+            "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
             if used == 0
-            else f"using {alt.candidate.gpus_used(dc) * tp} of them"
+            else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
+            f"or breaks memory or links"
         )
-        text = f"{head}: {what}, the best plan takes {alt.iteration_s:.4g} s per iteration ({_versus(alt, best)})"
-        alt_cand = alt.candidate
-        detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
-        if detail and used == 0:
-            text += f": {detail}"
-        elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
-            text += (
-                f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
-                f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})"
-            )
-        if goal.weight > 0 or goal.max_time_s is not None:
-            text += f"; WAN ${alt.wan_cost_usd:.4g} vs ${best.wan_cost_usd:.4g} per iteration"
-        out.append(UnusedReason(dc, gpus, used, text, alt.iteration_s, alt_cand.describe()))
-    return out
+        return UnusedReason(dc, gpus, used, f"{head.text}: {why}")
+    what = (
+        f"adding it to {', '.join(p for p in cand.path if p != dc)}"
+        if used == 0
+        else f"using {alt.candidate.gpus_used(dc) * tp} of them"
+    )
+    text = (
+        f"{head.text}: {what}, the best plan found takes {alt.iteration_s:.4g} s per iteration ({_versus(alt, best)})"
+    )
+    alt_cand = alt.candidate
+    detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
+    if detail and used == 0:
+        text += f": {detail}"
+    elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
+        text += (
+            f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
+            f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})"
+        )
+    if goal.weight > 0 or goal.max_time_s is not None:
+        text += f"; WAN ${alt.wan_cost_usd:.4g} vs ${best.wan_cost_usd:.4g} per iteration"
+    return UnusedReason(dc, gpus, used, text, alt.iteration_s, alt_cand.describe())
 
 
 def plan_floors(plan: Plan) -> tuple[Floors, Optimality]:

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict, Unpack
-from weakref import WeakKeyDictionary
 
 from geosched.costmodel import boundary_bytes, stage_compute
 from geosched.netcost import wan_transfer
@@ -64,13 +63,10 @@ class SearchStats:
     notes: list[str] = field(default_factory=list)
 
 
-_BOUNDS: WeakKeyDictionary[Evaluator, dict[Candidate, float]] = WeakKeyDictionary()
-
-
 def lower_bound(evaluator: Evaluator, cand: Candidate) -> float:
     """:meth:`Evaluator.lower_bound`, memoised per evaluator (the climbs and explanations meet the same
     candidates again and again)."""
-    known = _BOUNDS.setdefault(evaluator, {})
+    known = evaluator.bounds
     if cand not in known:
         known[cand] = evaluator.lower_bound(cand)
     return known[cand]

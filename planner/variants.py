@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from geosched.config import SCHEDULES, Config
 from geosched.errors import InputError
@@ -39,6 +42,8 @@ from planner.replicas import everywhere, local_pipelines, widen
 from planner.search import lower_bound, polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
+T = TypeVar("T")
+R = TypeVar("R")
 MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes the planner tries (those dividing the global batch)."""
 FULL_SEARCHES = 4
@@ -62,6 +67,8 @@ SEED_WORK = 2_000
 """Stage-microbatches one such climb may simulate."""
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
+THREADS = min(4, os.cpu_count() or 1)
+"""Variants searched at once (:func:`in_parallel`); the plan does not depend on it."""
 LOCAL_SIMULATIONS = 32
 """Most pipelines kept inside DCs (:func:`local_best`) one variant simulates."""
 LOCAL_WORK = 4_000
@@ -220,9 +227,9 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
         return VariantResult(problem, evaluator, best)
 
     options = variant_options(cfg, pins)
-    screened = [screen(variant) for variant in options]
+    screened = in_parallel(screen, options)
     if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
-        screened += [screen(dataclasses.replace(variant, zero=2)) for variant in options]
+        screened += in_parallel(screen, [dataclasses.replace(variant, zero=2) for variant in options])
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)
@@ -241,11 +248,14 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
             climbed = polish(result.problem, result.evaluator, start, goal, math.inf, work=SEED_WORK)
             if result.best is None or climbed.score(goal.weight) < result.best.score(goal.weight):
                 result.best = climbed
-    for result in chosen:  # together they spend one or two full searches' budgets
-        if result.best is not None:
-            full = search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
-            if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
-                result.best = full
+
+    def full_search(result: VariantResult) -> Evaluation | None:  # together they spend one or two full budgets
+        return search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
+
+    searched = [r for r in chosen if r.best is not None]
+    for result, full in zip(searched, in_parallel(full_search, searched)):
+        if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
+            result.best = full
     for result in screened[:2] if not pins.cross_dc_dp else screened:
         across_dcs(result, pins)
     if pins.cross_dc_dp:
@@ -255,6 +265,16 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     screened.sort(key=key)
     extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg)]
     return sorted(screened + extra, key=key)
+
+
+def in_parallel(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[work(item) for item in items]`` on up to :data:`THREADS` threads. Each item must own its state (one
+    variant: its problem and evaluator), so the results are the same as in order; CP-SAT releases the GIL
+    while it solves, which is where a variant's search spends most of its time."""
+    if len(items) < 2 or THREADS < 2:
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="planner") as pool:
+        return list(pool.map(work, items))
 
 
 def translated(problem: Problem, placements: list[Candidate]) -> list[Candidate]:
