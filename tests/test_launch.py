@@ -88,6 +88,11 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     activation = 2 * 64 * 64 * 4  # microbatch x seq_len x hidden x fp32
     assert all(n >= 3 * 8 * activation for n in report["wan_bytes"].values()), report["wan_bytes"]
     assert report["agent_exit_codes"] == {"0": 0, "1": 0, "2": 0}
+    # every rank's measured peak memory (state + saved activations) next to the planner's figure
+    assert [row["rank"] for row in report["memory"]] == [0, 1, 2]
+    for row in report["memory"]:
+        assert 0 < row["measured_state_bytes"] < row["measured_peak_bytes"], row
+        assert 0.5 < row["measured_peak_bytes"] / row["predicted_bytes"] < 1.5, row
     for name in ("timeline.png", "loss.png", "predicted.png", "plan.yaml"):
         assert (run / name).stat().st_size > 0, name
     trace = json.loads((run / "trace.json").read_text())

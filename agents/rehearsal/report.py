@@ -8,7 +8,8 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
     report.json       steps, losses (one per step), predicted_iteration_s,
                       measured_iteration_s, bubble_fraction_measured,
                       bubble_fraction_predicted, wan_bytes (per link direction),
-                      per-step detail
+                      memory (per rank: measured peak and predicted bytes),
+                      memory_measured_vs_predicted_max, per-step detail
     timeline.png      measured timeline of the last step (replica 0's pipeline)
     trace.json        the same as a Chrome trace (chrome://tracing, Perfetto)
     predicted.png     the simulator's timeline for the same layout
@@ -106,9 +107,43 @@ def build_report(
             "microbatches": schedule.num_microbatches,
         },
         "per_step": per_step,
+        "memory": memory_rows(layout, reports),
     }
+    measured = [
+        row["measured_peak_bytes"] / row["predicted_bytes"] for row in report["memory"] if row["predicted_bytes"]
+    ]
+    report["memory_measured_vs_predicted_max"] = max(measured, default=None)
     report.update(extra or {})
     return report
+
+
+def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[dict[str, Any]]:
+    """Per rank: the most memory any step held (:class:`~agents.stage.memory.MemoryMeter`) and the
+    planner's prediction for its stage (:func:`geosched.costmodel.stage_memory_bytes`)."""
+    from geosched.costmodel import peak_inflight, stage_memory_bytes
+
+    job, p = layout.job, layout.num_stages
+    microbatches = _schedule(layout).num_microbatches
+    rows = []
+    for role in layout.roles:
+        s = role.stage
+        measured = [r.memory for r in reports.get(role.rank, []) if r.memory]
+        if not measured:
+            continue
+        inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s)
+        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, layout.replicas)
+        row = {
+            "rank": role.rank,
+            "stage": s,
+            "measured_peak_bytes": max(m["peak_bytes"] for m in measured),
+            "measured_state_bytes": max(m["state_bytes"] for m in measured),
+            "predicted_bytes": predicted,
+        }
+        cuda = [m["cuda_max_allocated_bytes"] for m in measured if "cuda_max_allocated_bytes" in m]
+        if cuda:
+            row["cuda_max_allocated_bytes"] = max(cuda)
+        rows.append(row)
+    return rows
 
 
 def _schedule(layout: Any) -> Any:
@@ -184,4 +219,12 @@ def report_text(report: Mapping[str, Any]) -> str:
     ]
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB")
+    rows = report.get("memory") or []
+    if rows:
+        peak = max(rows, key=lambda row: row["measured_peak_bytes"])
+        lines.append(
+            f"memory: peak {peak['measured_peak_bytes'] / 2**20:.1f} MiB (rank {peak['rank']}), predicted "
+            f"{peak['predicted_bytes'] / 2**20:.1f} MiB; measured/predicted at most "
+            f"{report['memory_measured_vs_predicted_max']:.2f} over {len(rows)} ranks"
+        )
     return "\n".join(lines)

@@ -43,6 +43,7 @@ class StepReport:
     bytes_sent: dict[int, int] = field(default_factory=dict)  # peer stage -> bytes this step
     events: list[Event] = field(default_factory=list)
     idle_gaps: list[IdleGap] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)  # agents.stage.memory.MemoryMeter.report()
 
     @classmethod
     def from_events(
@@ -57,6 +58,7 @@ class StepReport:
         events: list[Event],
         idle_gaps: list[IdleGap],
         bytes_sent: dict[int, int],
+        memory: dict[str, int] | None = None,
     ) -> StepReport:
         """Sum the event durations into busy/comm/idle seconds."""
         spent = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
@@ -75,6 +77,7 @@ class StepReport:
             dict(bytes_sent),
             list(events),
             list(idle_gaps),
+            dict(memory or {}),
         )
 
     @property
@@ -111,6 +114,7 @@ class StepReport:
             bytes_sent={int(k): int(v) for k, v in data.get("bytes_sent", {}).items()},
             events=[Event(**e) for e in data.get("events", [])],
             idle_gaps=[IdleGap(**g) for g in data.get("idle_gaps", [])],
+            memory={str(k): int(v) for k, v in data.get("memory", {}).items()},
         )
 
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from agents.stage.memory import MemoryMeter
 from agents.stage.report import StepReport
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError
@@ -151,6 +152,7 @@ class StageRuntime:
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
         optimizer.zero_grad(set_to_none=True)
+        self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
 
     def run_step(self, step: int, microbatches: Sequence[Microbatch] | None = None) -> StepReport:
         """Run every action of this stage for ``step``; return its timings, loss and traffic.
@@ -162,6 +164,7 @@ class StageRuntime:
         state = _StepState(step, microbatches)
         sent_before = self.transport.bytes_sent() if self.transport is not None else {}
         started_at = time.time()
+        self.memory.start_step()
         t0 = state.t0 = time.perf_counter()
         for action in self.actions:
             begin = time.perf_counter()
@@ -188,6 +191,7 @@ class StageRuntime:
             events=state.events,
             idle_gaps=state.gaps,
             bytes_sent=traffic,
+            memory=self.memory.report(),
         )
         log.debug(
             "stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step, iteration * 1e3, loss
@@ -231,11 +235,12 @@ class StageRuntime:
             x = state.microbatch(mb)[0]  # (b, T) int64 token ids
         else:
             x = state.inputs[mb]  # (b, T, C) received activation, requires_grad
-        out = self.module(x)  # (b, T, C), or logits (b, T, V) on the last stage
+        with self.memory.saving():
+            out = self.module(x)  # (b, T, C), or logits (b, T, V) on the last stage
+            if self.module.last:
+                out = self.module.loss(out, state.microbatch(mb)[1])  # scalar
         if self.module.last:
-            loss = self.module.loss(out, state.microbatch(mb)[1])  # scalar
-            state.losses.append(float(loss.detach()))
-            out = loss
+            state.losses.append(float(out.detach()))
         state.outputs[mb] = out
 
     def _backward(self, mb: int, state: _StepState) -> None:

@@ -1,0 +1,114 @@
+"""Measured peak memory of a stage: what the planner's memory model predicts, counted on the real tensors.
+
+The planner predicts a stage's peak as model state (weights, gradients, the
+optimizer state: each ZeRO shard only) plus the activations its in-flight
+microbatches keep for backward (:func:`geosched.costmodel.stage_memory_bytes`).
+:class:`MemoryMeter` measures the same two terms, on CPU and GPU alike:
+
+* model state: the bytes of the stage's parameters, their gradients and every
+  tensor in the optimizer's state, read from the tensors after a step;
+* activations: every tensor autograd saves for backward during a forward
+  (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage
+  while the graph holds it (a finalizer on the saved handle uncounts it when
+  autograd frees it: after B, or after W on a zero-bubble schedule). The
+  handle holds a detached view: an op that saves its own output (softmax)
+  would otherwise tie the graph to itself through the handle, a cycle
+  Python's collector cannot see into, and the graph would never be freed.
+  Parameters saved by an op are model state, not counted twice.
+
+The peak of a step is the most state + live activations seen during it. On
+CUDA the allocator's own ``max_memory_allocated`` is reported beside it.
+torch has no allocator statistics for CPU tensors, which is why the counting
+is done here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from agents.dp.zero import optimizer_state_bytes
+
+
+class _Saved:
+    """A tensor saved for backward, held by autograd until the graph is freed."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+class MemoryMeter:
+    """Peak bytes of one stage: model state plus the activations autograd keeps (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._held: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved handles alive]
+        self.live = 0  # activation bytes autograd holds now
+        self.state = self.state_bytes()
+        self.peak = self.state
+
+    def state_bytes(self) -> int:
+        """Parameters, their gradients and the optimizer's state (this rank's shards), in bytes."""
+        total = optimizer_state_bytes(self.optimizer)
+        for p in self.module.parameters():
+            total += p.numel() * p.element_size()
+            if p.grad is not None:
+                total += p.grad.numel() * p.grad.element_size()
+        return total
+
+    def start_step(self) -> None:
+        """Start a step's peak from the state now (gradients and optimizer state exist after the first step)."""
+        self.state = self.state_bytes()
+        self.peak = self.state + self.live
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Count what autograd saves for backward inside this block (wrap each forward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def _pack(self, tensor: Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params or storage.nbytes() == 0:
+            return tensor
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = [storage.nbytes(), 0]
+            self.live += held[0]
+            self.peak = max(self.peak, self.state + self.live)
+        held[1] += 1
+        saved = _Saved(tensor.detach())  # a saved output keeps no grad_fn: no cycle through the graph
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: int) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            self.live -= held[0]
+            del self._held[key]
+
+    def report(self) -> dict[str, int]:
+        """This step's figures: ``peak_bytes`` (state + activations), ``state_bytes``; on CUDA also
+        ``cuda_max_allocated_bytes`` (the allocator's peak since the last report)."""
+        out = {"peak_bytes": max(self.peak, self.state_bytes() + self.live), "state_bytes": self.state_bytes()}
+        device = next((p.device for p in self.module.parameters()), None)
+        if device is not None and device.type == "cuda":
+            out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+
+
+def _unpack(saved: Any) -> Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved

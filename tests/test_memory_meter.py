@@ -1,0 +1,63 @@
+"""The stage's memory meter against the tensors it counts, on the real GPT stage model."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from agents.stage.memory import MemoryMeter
+from geosched.model import ModelShape, StageModule
+
+SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq_len=32, vocab=128, ffn_mult=4)
+
+
+def _last_stage() -> tuple[StageModule, MemoryMeter]:
+    torch.manual_seed(0)
+    module = StageModule(SHAPE, 2, 4, first=False, last=True)
+    return module, MemoryMeter(module, torch.optim.AdamW(module.parameters()))
+
+
+def test_state_bytes_are_parameters_gradients_and_adam_moments() -> None:
+    module, meter = _last_stage()
+    params = sum(p.numel() for p in module.parameters())
+    assert meter.state_bytes() == 4 * params  # fp32 weights, no gradients or optimizer state yet
+    x, targets = torch.randn(2, 32, 64), torch.randint(0, 128, (2, 32))
+    module.loss(module(x), targets).backward()
+    meter.optimizer.step()
+    counters = 4 * len(list(module.parameters()))  # AdamW's step: a 4-byte scalar per parameter tensor
+    assert meter.state_bytes() == 4 * params * (1 + 1 + 2) + counters  # + gradients, exp_avg, exp_avg_sq
+
+
+def test_activations_are_released_after_the_weight_pass_of_a_split_backward() -> None:
+    """Zero-bubble's I then W: everything saved in F is freed by W (softmax saves its own output: no cycle)."""
+    module, meter = _last_stage()
+    targets = torch.randint(0, 128, (2, 32))
+    held = []
+    for _ in range(3):
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with meter.saving():
+            loss = module.loss(module(x), targets)
+        held.append(meter.live)
+        (dx,), work = stage_backward_input([loss], None, [x], module.parameters())
+        del loss
+        assert meter.live > 0  # W still needs the graph
+        stage_backward_weight(module.parameters(), work)
+        del work
+        assert meter.live == 0 and dx is not None
+    assert held[0] == held[1] == held[2] > x.numel() * 4  # the same each time, more than the input alone
+    assert meter.peak >= meter.state + held[0]
+
+
+def test_saving_leaves_gradients_unchanged() -> None:
+    module, meter = _last_stage()
+    torch.manual_seed(1)
+    plain = StageModule(SHAPE, 2, 4, first=False, last=True)
+    plain.load_state_dict(module.state_dict())
+    x, targets = torch.randn(2, 32, 64), torch.randint(0, 128, (2, 32))
+    with meter.saving():
+        loss = module.loss(module(x), targets)
+    loss.backward()
+    plain.loss(plain(x), targets).backward()
+    for a, b in zip(module.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert torch.equal(a.grad, b.grad)
