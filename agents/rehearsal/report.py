@@ -109,10 +109,8 @@ def build_report(
         "per_step": per_step,
         "memory": memory_rows(layout, reports),
     }
-    measured = [
-        row["measured_peak_bytes"] / row["predicted_bytes"] for row in report["memory"] if row["predicted_bytes"]
-    ]
-    report["memory_measured_vs_predicted_max"] = max(measured, default=None)
+    ratios = [row["measured_peak_bytes"] / row["predicted_bytes"] for row in report["memory"] if row["predicted_bytes"]]
+    report["memory_measured_vs_predicted_max"] = max(ratios, default=None)
     report.update(extra or {})
     return report
 
