@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from agents.dp.group import DataParallelGroup, adopt_grads
 from geosched.errors import ConfigError
@@ -67,8 +68,14 @@ def build_stage_optimizer(
     return StageOptimizer(sharded, sharded)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: its shard of a tensor-parallel DTensor, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state this rank holds (its shard under ZeRO), counting shared storage once."""
+    """Bytes of optimizer state this rank holds (its shard under ZeRO or tensor parallelism), counting
+    shared storage once."""
     if isinstance(optimizer, ShardedStateAdamW):
         states: Iterable[dict[str, Any]] = optimizer.optim.state.values()
     elif isinstance(optimizer, ShardedGradAdamW):
@@ -79,7 +86,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for entry in states:
         for value in (entry or {}).values():
             if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
+                storage = local_tensor(value).untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from agents.dp.zero import optimizer_state_bytes
+from agents.dp.zero import local_tensor, optimizer_state_bytes
 
 
 class _Saved:
@@ -49,7 +49,7 @@ class MemoryMeter:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.module, self.optimizer = module, optimizer
-        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._params = {local_tensor(p).untyped_storage().data_ptr() for p in module.parameters()}
         self._held: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved handles alive]
         self.live = 0  # activation bytes autograd holds now
         self.state = self.state_bytes()
@@ -59,9 +59,9 @@ class MemoryMeter:
         """Parameters, their gradients and the optimizer's state (this rank's shards), in bytes."""
         total = optimizer_state_bytes(self.optimizer)
         for p in self.module.parameters():
-            total += p.numel() * p.element_size()
+            total += _nbytes(p)
             if p.grad is not None:
-                total += p.grad.numel() * p.grad.element_size()
+                total += _nbytes(p.grad)
         return total
 
     def start_step(self) -> None:
@@ -76,8 +76,11 @@ class MemoryMeter:
             yield
 
     def _pack(self, tensor: Tensor) -> Any:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        try:
+            storage = local_tensor(tensor).untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without real storage (a wrapper subclass): not held
+            return tensor
         if key in self._params or storage.nbytes() == 0:
             return tensor
         held = self._held.get(key)
@@ -108,6 +111,11 @@ class MemoryMeter:
             out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
             torch.cuda.reset_peak_memory_stats(device)
         return out
+
+
+def _nbytes(tensor: Tensor) -> int:
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()
 
 
 def _unpack(saved: Any) -> Tensor:
