@@ -30,6 +30,11 @@ rounds of that round's ratio; the per-round ratios are in the JSON.
 Iteration time = median over the measured steps (after warm-up) of each step's
 longest span over the ranks; the mean wall time per step is in the JSON too.
 
+(c) Every plan variant (``geosched plan --tp 2``, ``--zero 1``, ``--schedule``,
+    ``--cross-dc-dp``) launched on the demo config: ``equivalence_max_abs_loss_diff``
+    (against one process, over all variants) and ``measured_vs_predicted_by_variant``
+    (:mod:`variants`; off with ``--quick``: ``benchmarks/variants.py --quick`` runs one).
+
     python benchmarks/pipeline.py --quick          # under a minute
     python benchmarks/pipeline.py --json           # last line: one JSON object
 """
@@ -47,6 +52,7 @@ from datetime import timedelta
 from typing import Any
 
 from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread
+from variants import VARIANTS, aggregates, run_variants
 
 from geosched.config import JobSpec, ModelSpec, config_from_dict
 
@@ -431,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
     parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument(
+        "--variants",
+        action=argparse.BooleanOptionalAction,
+        help="also launch every plan variant of the demo config (benchmarks/variants.py; default: on, off in --quick)",
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 5)
@@ -482,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         "link": LINK,
         "pinned": cpu_for(0) is not None,
     }
+    with_variants = args.variants if args.variants is not None else not args.quick
+    if with_variants:
+        result["variants"] = run_variants(tuple(VARIANTS), steps)
+    result.update(aggregates(result.get("variants", {})))
     print(
         f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 15%), throughput vs torch "
         f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 0.9x); medians over {rounds} rounds"

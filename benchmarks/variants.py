@@ -1,0 +1,101 @@
+"""Every plan dimension the agents run, on the demo config: equivalence to one process, measured vs predicted.
+
+For each variant (:data:`VARIANTS`: the ``geosched plan`` pins of one
+dimension), plan ``configs/demo-3dc.yaml`` with those pins, run the plan
+with ``geosched launch`` (real agents, broker, WanLinks through the WAN
+emulator, CURVE on) for a few steps, and train the same model on the same
+global batches in this process (:func:`agents.stage.session.train_one_process`).
+Reported per variant: the plan, the largest absolute difference between the
+two loss curves, the launch's measured/predicted iteration time and
+measured/predicted peak memory. :mod:`pipeline` adds the aggregates
+``equivalence_max_abs_loss_diff`` and ``measured_vs_predicted_by_variant``.
+
+    python benchmarks/variants.py --quick    # one variant (zb1p), 3 steps
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import benchmark_parser, emit
+
+from agents.layout import parse_layout
+from agents.rehearsal.launch import launch
+from agents.stage.session import train_one_process
+from geosched.config import load_config
+from geosched.data import TextDataset, default_corpus_paths
+from planner.plan import dump_plan
+from planner.planning import make_plan
+from planner.variants import Pins
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "demo-3dc.yaml"
+VARIANTS = {
+    "1f1b": Pins(schedule="1f1b"),
+    "zb1p": Pins(schedule="zb1p"),
+    "tp2": Pins(tp=2),
+    "zero1": Pins(zero=1),
+    "cross-dc-dp": Pins(tp=1, cross_dc_dp=True),
+}
+QUICK = ("zb1p",)
+
+
+def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
+    """Plan, launch and compare one variant (see the module docstring)."""
+    outcome = make_plan(load_config(CONFIG), pins=VARIANTS[name])
+    text = dump_plan(outcome.plan)
+    plan_path = folder / f"{name}.yaml"
+    plan_path.write_text(text, encoding="utf-8")
+    report = launch(str(CONFIG), plan_path=str(plan_path), steps=steps, run_dir=folder / name, out=None)
+    job = parse_layout(text).job
+    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
+    reference = train_one_process(job, dataset, steps)
+    return {
+        "plan": outcome.best.candidate.describe(),
+        "tp": job.tp,
+        "zero": job.zero_stage,
+        "schedule": job.pipeline_schedule,
+        "losses": report["losses"],
+        "reference_losses": reference,
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(report["losses"], reference, strict=True)),
+        "measured_vs_predicted": report["measured_vs_predicted"],
+        "memory_measured_vs_predicted_max": report["memory_measured_vs_predicted_max"],
+    }
+
+
+def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
+    """:func:`run_variant` for each name, printing a line per variant."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="geosched-variants-") as tmp:
+        for name in names:
+            one = out[name] = run_variant(name, steps, Path(tmp))
+            print(
+                f"variant {name:<12} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, measured/"
+                f"predicted {one['measured_vs_predicted']:.2f}, memory {one['memory_measured_vs_predicted_max']:.2f}",
+                flush=True,
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = benchmark_parser(__doc__, "one variant (zb1p), 3 steps (under a minute)")
+    parser.add_argument("--steps", type=int, help="steps per variant (default 8, quick 3)")
+    args = parser.parse_args(argv)
+    results = run_variants(QUICK if args.quick else tuple(VARIANTS), args.steps or (3 if args.quick else 8))
+    emit({"variants": results, **aggregates(results)}, args.json)
+    return 0
+
+
+def aggregates(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``equivalence_max_abs_loss_diff`` over the variants and ``measured_vs_predicted_by_variant``."""
+    return {
+        "equivalence_max_abs_loss_diff": max((r["max_abs_loss_diff"] for r in results.values()), default=None),
+        "measured_vs_predicted_by_variant": {name: r["measured_vs_predicted"] for name, r in results.items()},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
