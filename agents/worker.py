@@ -73,7 +73,7 @@ class RankCheckpoints:
     """When and how one rank writes and restores checkpoints."""
 
     def __init__(self, ckpt_dir: str, layout: Any, role: Any, every: int, resume: bool) -> None:
-        from agents.checkpoint.store import job_fingerprint
+        from agents.checkpoint.store import job_fingerprint, model_fingerprint
 
         self.ckpt_dir, self.role, self.every, self.resume = ckpt_dir, role, every, resume
         self.num_stages = layout.num_stages
@@ -87,45 +87,47 @@ class RankCheckpoints:
             num_stages=layout.num_stages,
             precision=job.precision,
         )
+        self.model_fingerprint = model_fingerprint(job.model, seed=job.seed, precision=job.precision)
         self._writer: Any = None
         self.start_step = self._resume_step() if resume else 0
 
     def _resume_step(self) -> int:
-        """The newest complete checkpoint; CheckpointError if there are checkpoints but none is complete."""
-        from agents.checkpoint.store import latest_complete, list_steps, verify_step
+        """The newest complete checkpoint, of this layout or another (resharded on restore); CheckpointError
+        if there are checkpoints but none is complete."""
+        from agents.checkpoint.store import latest_complete, list_steps, saved_stages, verify_step
 
-        step = latest_complete(self.ckpt_dir, self.num_stages)
+        step = latest_complete(self.ckpt_dir)
         if step is not None:
             return step
         steps = list_steps(self.ckpt_dir)
         if steps:
-            verify_step(self.ckpt_dir, steps[-1], self.num_stages)  # raises, naming the fault
+            verify_step(self.ckpt_dir, steps[-1], saved_stages(self.ckpt_dir, steps[-1]))  # raises, naming the fault
         log.info("rank %d: no checkpoint in %s; starting from step 0", self.role.rank, self.ckpt_dir)
         return 0
 
     def restore(self, module: Any, optimizer: Any) -> None:
-        """Load this stage's shard of the resume step (nothing when starting from 0)."""
-        from agents.checkpoint.store import load_shard
-
+        """Load this stage's state of the resume step (nothing when starting from 0): its own shard when the
+        checkpoint has this layout, else resharded from every shard of the step (another stage split)."""
         if self.start_step > 0:
             if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
                 from agents.tp.whole import load_whole_training_state
 
                 whole, whole_optimizer = self._whole_stage()
-                load_shard(
-                    self.ckpt_dir,
-                    self.start_step,
-                    self.role.stage,
-                    whole,
-                    whole_optimizer,
-                    job_fingerprint=self.fingerprint,
-                )
+                self._load(whole, whole_optimizer)
                 load_whole_training_state(module, optimizer, whole.state_dict(), whole_optimizer.state_dict())
             else:
-                load_shard(
-                    self.ckpt_dir, self.start_step, self.role.stage, module, optimizer, job_fingerprint=self.fingerprint
-                )
+                self._load(module, optimizer)
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
+
+    def _load(self, module: Any, optimizer: Any) -> None:
+        from agents.checkpoint.store import load_resharded, load_shard, written_by
+
+        step, stage = self.start_step, self.role.stage
+        if written_by(self.ckpt_dir, step, stage, self.num_stages, self.fingerprint):
+            load_shard(self.ckpt_dir, step, stage, module, optimizer, job_fingerprint=self.fingerprint)
+        else:
+            log.info("rank %d: checkpoint %d has another stage split; resharding", self.role.rank, step)
+            load_resharded(self.ckpt_dir, step, stage, module, optimizer, model_fingerprint=self.model_fingerprint)
 
     def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> bool:
         """Write checkpoint ``step + 1`` if it is due or was asked for; True if written."""
@@ -149,7 +151,9 @@ class RankCheckpoints:
         if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
             return False
         if self._writer is None:
-            self._writer = CheckpointWriter(self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint)
+            self._writer = CheckpointWriter(
+                self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint, self.model_fingerprint
+            )
         self._writer.save(done, module, optimizer, extra={"next_step": done})
         return True
 

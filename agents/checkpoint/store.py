@@ -110,6 +110,18 @@ def job_fingerprint(
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_fingerprint(shape: ShapeLike, *, seed: int, precision: str = "fp32") -> str:
+    """A short hash of what any layout's shards share: model shape, seed and precision (not the cut), which
+    :func:`load_resharded` checks before it moves tensors between stage splits."""
+    model = ModelShape.of(shape)
+    key = {
+        "model": [model.layers, model.hidden, model.heads, model.seq_len, model.vocab, model.ffn_mult],
+        "seed": seed,
+        "precision": precision,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 # ------------------------------------------------------------------ writing ---
 
 
@@ -120,11 +132,19 @@ class CheckpointWriter:
     of a different job, rather than mixing or overwriting them.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike[str], stage: int, num_stages: int, job_fingerprint: str) -> None:
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        stage: int,
+        num_stages: int,
+        job_fingerprint: str,
+        model_fingerprint: str | None = None,
+    ) -> None:
         if not 0 <= stage < num_stages:
             raise CheckpointError(f"checkpoint stage {stage} is outside 0..{num_stages - 1}")
         self.ckpt_dir = os.fspath(ckpt_dir)
         self.stage, self.num_stages, self.fingerprint = stage, num_stages, job_fingerprint
+        self.model_fingerprint = model_fingerprint
         try:
             os.makedirs(self.ckpt_dir, exist_ok=True)
         except OSError as exc:
@@ -138,7 +158,10 @@ class CheckpointWriter:
                 meta = _read_json(meta_path)
             except CheckpointError:
                 continue  # a corrupt old shard is never counted; it does not make this folder foreign
-            if meta.get("job_fingerprint") != job_fingerprint or meta.get("num_stages") != num_stages:
+            same_model = model_fingerprint is not None and meta.get("model_fingerprint") == model_fingerprint
+            if not same_model and (
+                meta.get("job_fingerprint") != job_fingerprint or meta.get("num_stages") != num_stages
+            ):
                 raise CheckpointError(
                     f"{meta_path}: this folder holds checkpoints of a different job (fingerprint "
                     f"{meta.get('job_fingerprint')}, {meta.get('num_stages')} stages; this job has {job_fingerprint}, "
@@ -175,6 +198,7 @@ class CheckpointWriter:
                 "stage": self.stage,
                 "num_stages": self.num_stages,
                 "job_fingerprint": self.fingerprint,
+                "model_fingerprint": self.model_fingerprint,
                 "tensor_file": os.path.basename(tensor_path),
                 "tensor_bytes": nbytes,
                 "sha256": sha,
@@ -238,10 +262,25 @@ def load_shard(
     meta = _read_json(meta_path)
     _check_meta(meta, meta_path, step, stage, job_fingerprint)
     tensors = _read_tensors(tensor_path, meta)
+    _install(meta, tensors, tensor_path, model, optimizer, restore_rng)
+    log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)
+    return dict(meta["extra"])
+
+
+def _install(
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    restore_rng: bool,
+) -> None:
+    """Check ``tensors`` and ``meta`` (one shard, or one assembled by :func:`load_resharded`) against the model
+    and optimizer, then copy them in; nothing is touched unless everything checks."""
 
     def fail(what: str) -> CheckpointError:
         return CheckpointError(
-            f"{tensor_path}: {what}; the checkpoint does not match this model (different model, cut or corrupt file)"
+            f"{source}: {what}; the checkpoint does not match this model (different model, cut or corrupt file)"
         )
 
     targets = model.state_dict()
@@ -282,8 +321,88 @@ def load_shard(
             target.copy_(tensors[f"model/{name}"])
     if restore_rng:
         torch.set_rng_state(rng)
-    log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)
-    return dict(meta["extra"])
+
+
+def saved_stages(ckpt_dir: str | os.PathLike[str], step: int) -> int:
+    """The number of stages of the job that wrote ``step`` (from its stage 0 shard)."""
+    meta_path = shard_paths(ckpt_dir, step, 0)[1]
+    meta = _read_json(meta_path)
+    _check_meta(meta, meta_path, step, 0, None)
+    return int(meta["num_stages"])
+
+
+def written_by(ckpt_dir: str | os.PathLike[str], step: int, stage: int, num_stages: int, job_fingerprint: str) -> bool:
+    """True when ``step`` was written by this layout (as many stages, this stage's fingerprint): load its shard
+    with :func:`load_shard`; otherwise :func:`load_resharded`."""
+    if saved_stages(ckpt_dir, step) != num_stages:
+        return False
+    meta = _read_json(shard_paths(ckpt_dir, step, stage)[1])
+    return bool(meta.get("job_fingerprint") == job_fingerprint)
+
+
+def load_resharded(
+    ckpt_dir: str | os.PathLike[str],
+    step: int,
+    stage: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    model_fingerprint: str,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load ``step`` written by a job of another stage split into this stage's ``model`` (and ``optimizer``).
+
+    Every shard of the step is read and verified (checksums, same model
+    fingerprint: shape, seed, precision); parameters and their optimizer
+    state are named globally (``blocks.7.mlp.fc.weight``), so this stage takes
+    the names it holds from whichever shards hold them, and the RNG state of
+    the old stage with its index (or stage 0). Each rank reads the whole
+    step: simple and exact; a large model would read only its tensors.
+    Nothing is copied unless everything checks (:func:`load_shard`'s rule).
+    """
+    metas: list[dict[str, Any]] = []
+    tensors: dict[str, torch.Tensor] = {}
+    rngs: dict[int, torch.Tensor] = {}
+    for old in range(saved_stages(ckpt_dir, step)):
+        tensor_path, meta_path = shard_paths(ckpt_dir, step, old)
+        meta = _read_json(meta_path)
+        _check_meta(meta, meta_path, step, old, None)
+        if meta.get("model_fingerprint") != model_fingerprint:
+            raise CheckpointError(
+                f"{meta_path}: written for another model (fingerprint {meta.get('model_fingerprint')}, this job "
+                f"{model_fingerprint}: shape, seed or precision differ, or written before resharding existed); "
+                "resume with the same model, or use another --checkpoint-dir"
+            )
+        shard = _read_tensors(tensor_path, meta)
+        rng = shard.pop("rng/torch_cpu", None)
+        if rng is not None:
+            rngs[old] = rng
+        metas.append(meta)
+        for name, value in shard.items():
+            tensors.setdefault(name, value)
+    rng = rngs.get(stage, rngs.get(0))  # the RNG of the old stage with this index, else stage 0's
+    if rng is not None:
+        tensors["rng/torch_cpu"] = rng
+    names = set(model.state_dict())
+    merged: dict[str, Any] = {"model": sorted(names), "extra": metas[0]["extra"], "optimizer": None}
+    if optimizer is not None and metas[0].get("optimizer") is not None:
+        from agents.checkpoint.state import optimizer_param_names
+
+        first = metas[0]["optimizer"]
+        states = {name: rec for meta in metas for name, rec in (meta.get("optimizer") or {}).get("state", {}).items()}
+        merged["optimizer"] = {
+            "class": first["class"],
+            "param_names": optimizer_param_names(model, optimizer),
+            "param_groups": first["param_groups"],
+            "state": {name: record for name, record in states.items() if name in names},
+        }
+    keep = {f"model/{n}" for n in names} | {"rng/torch_cpu"}
+    keep |= {k for k in tensors if k.startswith("optim_group/")}
+    keep |= {k for k in tensors if k.startswith("optim/") and k[len("optim/") :].rsplit("/", 1)[0] in names}
+    source = f"{step_dir(ckpt_dir, step)} (resharded for stage {stage})"
+    _install(merged, {k: v for k, v in tensors.items() if k in keep}, source, model, optimizer, restore_rng)
+    log.info("loaded checkpoint step %d resharded into stage %d from %d shards", step, stage, len(metas))
+    return dict(metas[0]["extra"])
 
 
 def _check_meta(meta: dict[str, Any], path: str, step: int, stage: int, fingerprint: str | None) -> None:
@@ -393,11 +512,12 @@ def verify_step(ckpt_dir: str | os.PathLike[str], step: int, num_stages: int) ->
         _read_verified(tensor_path, meta)
 
 
-def latest_complete(ckpt_dir: str | os.PathLike[str], num_stages: int) -> int | None:
-    """The newest step whose ``num_stages`` shards are all present and verify, or None."""
+def latest_complete(ckpt_dir: str | os.PathLike[str], num_stages: int | None = None) -> int | None:
+    """The newest step whose ``num_stages`` shards (None: as many as the job that wrote it had) are all
+    present and verify, or None."""
     for step in reversed(list_steps(ckpt_dir)):
         try:
-            verify_step(ckpt_dir, step, num_stages)
+            verify_step(ckpt_dir, step, num_stages if num_stages is not None else saved_stages(ckpt_dir, step))
         except CheckpointError as exc:
             log.info("checkpoint step %d does not count: %s", step, exc)
             continue
