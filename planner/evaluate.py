@@ -31,10 +31,16 @@ class Evaluation:
     bubble_fraction: float
     wan_bytes: tuple[tuple[tuple[str, str], int], ...]  # per link direction (src, dst) per iteration
     wan_cost_usd: float  # egress per iteration, both directions of every crossed link
+    busy_s: float = 0.0  # compute seconds per iteration of a GPU, the mean over stages (the rest is bubble)
 
     def score(self, weight: float) -> float:
         """``iteration_s + weight x wan_cost_usd`` (weight in seconds per dollar)."""
         return self.iteration_s + weight * self.wan_cost_usd
+
+    def prefill_score(self, weight: float) -> float:
+        """``(1 - w) x iteration_s + w x busy_s``: the iteration less the ``w`` share of its bubble seconds
+        that serve prefill (``w`` in [0, 1]: training seconds one idle GPU-second is worth)."""
+        return (1 - weight) * self.iteration_s + weight * self.busy_s
 
 
 def pipeline_lower_bound(
@@ -152,7 +158,8 @@ class Evaluator:
         cost = self._egress_usd(wan)
         iteration = max(t.iteration_s for t in timelines)
         bubble = sum(t.bubble_fraction for t in timelines) / len(timelines)
-        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost)
+        busy = sum(st.busy_s for t in timelines for st in t.stages) / sum(len(t.stages) for t in timelines)
+        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost, busy)
         self._cache[cand] = result
         return result
 

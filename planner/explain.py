@@ -163,6 +163,18 @@ def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, 
     return UnusedReason(dc, gpus, used, text, alt.iteration_s, alt_cand.describe())
 
 
+def _objective(plan: Plan) -> str:
+    """The objective as the summary names it (the prefill one with its weight and the bubble it buys)."""
+    solver = plan.solver
+    if solver.objective != "prefill":
+        return solver.objective
+    w, pr = solver.prefill_weight, plan.prediction
+    return (
+        f"prefill (weight {w:g}: (1 - {w:g}) x iteration + {w:g} x busy per GPU; "
+        f"{pr.bubble_fraction:.0%} of each GPU's iteration is free for prefill)"
+    )
+
+
 def plan_floors(plan: Plan) -> tuple[Floors, Optimality]:
     """The job's floors and what the summary may claim about the plan's simulated time."""
     floors = space_floors(plan.config)
@@ -220,7 +232,7 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         f"${pr.wan_usd_per_iteration:.4g} per iteration",
         f"floors: compute {floors.compute_s:.4g} s, {wan}, memory allows no fewer than {floors.min_stages} "
         f"stages; plan / best floor = {floors.ratio(pr.iteration_s):.3g}x",
-        f"objective {plan.solver.objective}, {verdict.text}, {plan.solver.solve_s:.2f} s",
+        f"objective {_objective(plan)}, {verdict.text}, {plan.solver.solve_s:.2f} s",
         "",
         f"{'datacenter':<12} {'GPUs':>6} {'used':>6} {'unused':>6}  {'stages':<9} blocks",
     ]

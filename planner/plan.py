@@ -81,7 +81,7 @@ class Prediction:
 class SolverInfo:
     """How the plan was found."""
 
-    objective: str = spec("time | weighted | cost", max_len=16)
+    objective: str = spec("time | weighted | cost | prefill", max_len=16)
     proven_optimal: bool = spec(
         "every CP-SAT model (the surrogate) solved to optimality, nothing skipped for time; "
         "the simulator then judged its candidates"
@@ -89,6 +89,7 @@ class SolverInfo:
     solve_s: float = spec("wall seconds of the search", ge=0, le=BIG)
     weight_s_per_usd: float = spec("--wan-cost-weight", 0.0, ge=0, le=BIG)
     max_iteration_s: float | None = spec("--max-iteration-s", None, ge=0, le=BIG)
+    prefill_weight: float = spec("--prefill-weight", 0.0, ge=0, le=1)
     notes: tuple[str, ...] = spec("remarks of the search", (), max_len=1024, max_items=64)
 
 

@@ -9,6 +9,12 @@ Objectives:
   never gives a faster or costlier plan.
 * ``cost`` (``max_iteration_s`` set): the least WAN cost whose simulated
   iteration time is within the bound (ties: the faster).
+* ``prefill`` (``prefill_weight`` w in (0, 1]): for a job that serves
+  prefill in its bubbles, the least ``(1 - w) x iteration + w x busy``
+  (:meth:`~planner.evaluate.Evaluation.prefill_score`; ``busy`` is a GPU's
+  compute seconds per iteration, so the iteration's bubble seconds count
+  ``w`` toward prefill capacity). The search runs for time; the plan is the
+  best of every simulated plan by this score.
 """
 
 from __future__ import annotations
@@ -49,8 +55,16 @@ class Objective:
 
     weight: float = 0.0  # seconds per dollar
     max_iteration_s: float | None = None
+    prefill_weight: float = 0.0  # training seconds one idle GPU-second serving prefill is worth
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.prefill_weight) and 0 <= self.prefill_weight <= 1):
+            raise InputError(
+                f"--prefill-weight must be a number from 0 to 1 (got {self.prefill_weight}): the training seconds "
+                "one idle GPU-second serving prefill is worth"
+            )
+        if self.prefill_weight > 0 and (self.weight > 0 or self.max_iteration_s is not None):
+            raise InputError("choose one objective: --prefill-weight, --wan-cost-weight or --max-iteration-s")
         if not (math.isfinite(self.weight) and self.weight >= 0):
             raise InputError(f"--wan-cost-weight must be a finite number >= 0 seconds per dollar (got {self.weight})")
         if self.max_iteration_s is not None and not (math.isfinite(self.max_iteration_s) and self.max_iteration_s > 0):
@@ -60,7 +74,9 @@ class Objective:
 
     @property
     def name(self) -> str:
-        """``time``, ``weighted`` or ``cost``."""
+        """``time``, ``weighted``, ``cost`` or ``prefill``."""
+        if self.prefill_weight > 0:
+            return "prefill"
         return "cost" if self.max_iteration_s is not None else "weighted" if self.weight > 0 else "time"
 
 
@@ -145,6 +161,17 @@ def make_plan(
             if (pins.cross_dc_dp is None or not ev.candidate.extra_paths) and pins.dp in (None, ev.candidate.dp)
         ]
         best = min([best, *allowed], key=lambda ev: ev.iteration_s)
+    if objective.name == "prefill":  # every simulated plan of every variant, by the prefill score
+        w = objective.prefill_weight
+        options = [
+            (ev.prefill_score(w), ev.iteration_s, k, ev)
+            for k, r in enumerate(results)
+            for ev in r.evaluator.evaluated
+            if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths)) and pins.dp in (None, ev.candidate.dp)
+        ]
+        top, _, k, pick = min(options, key=lambda o: o[:3], default=(math.inf, 0.0, 0, best))
+        if top < best.prefill_score(w):
+            best, problem, evaluator = pick, results[k].problem, results[k].evaluator
     stats = stats_of.get(id(evaluator), SearchStats())
     stats.notes.extend(f"{r.problem.variant.describe()}: no plan fits" for r in results if r.best is None)
     points = None
@@ -172,6 +199,7 @@ def make_plan(
         time.monotonic() - started,
         objective.weight,
         objective.max_iteration_s,
+        objective.prefill_weight,
         tuple(stats.notes),
     )
     return PlanOutcome(build_plan(problem, best, info), best, problem, evaluator, stats, points)

@@ -70,3 +70,27 @@ def test_bad_objectives_are_input_errors() -> None:
         Objective(max_iteration_s=0)
     with pytest.raises(InputError, match="time-limit"):
         make_plan(LINKED, time_limit_s=-3)
+
+
+def test_prefill_objective_buys_bubble_for_prefill_monotonically() -> None:
+    """--prefill-weight w: the least (1 - w) x iteration + w x busy; a larger w never gives less bubble."""
+    import yaml
+
+    from geosched.config import load_config
+    from planner.plan import dump_plan, plan_from_dict
+
+    cfg = load_config("configs/demo-3dc.yaml")
+    outcomes = [make_plan(cfg, Objective(prefill_weight=w)) for w in (0.0, 0.5, 0.9)]
+    bubbles = [o.best.bubble_fraction for o in outcomes]
+    assert bubbles == sorted(bubbles) and bubbles[-1] > bubbles[0], bubbles
+    for w, outcome in zip((0.0, 0.5, 0.9), outcomes, strict=True):
+        mine = outcome.best.prefill_score(w)
+        assert all(mine <= other.best.prefill_score(w) * (1 + 1e-12) for other in outcomes)
+        assert 0 < outcome.best.busy_s < outcome.best.iteration_s
+    plan = outcomes[-1].plan
+    assert plan.solver.objective == "prefill" and plan.solver.prefill_weight == 0.9
+    assert plan_from_dict(yaml.safe_load(dump_plan(plan))) == plan
+    with pytest.raises(InputError, match="--prefill-weight must be a number from 0 to 1"):
+        Objective(prefill_weight=1.5)
+    with pytest.raises(InputError, match="choose one objective"):
+        Objective(weight=1.0, prefill_weight=0.5)

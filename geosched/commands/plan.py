@@ -9,6 +9,7 @@ examples:
   geosched plan configs/gpt3-3dc.yaml --json
   geosched plan configs/demo-3dc.yaml --wan-cost-weight 50      # seconds per dollar
   geosched plan configs/demo-3dc.yaml --max-iteration-s 0.2     # cheapest WAN within 0.2 s
+  geosched plan configs/demo-3dc.yaml --prefill-weight 0.5      # bubbles count half toward prefill
   geosched plan configs/unequal-5dc.yaml --pareto               # the time/cost frontier
   geosched plan configs/scale-16dc.yaml --time-limit 20 --baselines
   geosched plan configs/gpt3-3dc.yaml --tp 8 --schedule zb1p   # pin dimensions of the plan space
@@ -36,6 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     objective.add_argument(
         "--max-iteration-s", type=float, metavar="S", help="minimise WAN cost among plans at most this slow"
+    )
+    objective.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="the job serves prefill in its bubbles: minimise (1 - W) x iteration + W x busy seconds per GPU "
+        "(W from 0 to 1: training seconds one idle GPU-second is worth)",
     )
     parser.add_argument("--pareto", action="store_true", help="also list the time/cost frontier")
     parser.add_argument(
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("tp", "microbatch_size", "dp"):
         at_least(args, name, 1)
-    objective = Objective(args.wan_cost_weight, args.max_iteration_s)
+    objective = Objective(args.wan_cost_weight, args.max_iteration_s, args.prefill_weight)
     pinned = Pins(args.tp, args.zero, args.schedule, args.microbatch_size, args.dp, args.cross_dc_dp)
     outcome = make_plan(
         cfg,
