@@ -120,7 +120,7 @@ class RankCheckpoints:
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
 
     def _load(self, module: Any, optimizer: Any) -> None:
-        from agents.checkpoint.store import load_resharded, load_shard, written_by
+        from agents.checkpoint.load import load_resharded, load_shard, written_by
 
         step, stage = self.start_step, self.role.stage
         if written_by(self.ckpt_dir, step, stage, self.num_stages, self.fingerprint):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,6 +42,13 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
     """With ``--json``: ``result`` as one JSON object on one line, the last one the benchmark prints."""
     if as_json:
         print(json.dumps(result))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def cpu_for(rank: int) -> int | None:

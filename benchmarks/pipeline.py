@@ -30,10 +30,8 @@ rounds of that round's ratio; the per-round ratios are in the JSON.
 Iteration time = median over the measured steps (after warm-up) of each step's
 longest span over the ranks; the mean wall time per step is in the JSON too.
 
-(c) Every plan variant (``geosched plan --tp 2``, ``--zero 1``, ``--schedule``,
-    ``--cross-dc-dp``) launched on the demo config: ``equivalence_max_abs_loss_diff``
-    (against one process, over all variants) and ``measured_vs_predicted_by_variant``
-    (:mod:`variants`; off with ``--quick``: ``benchmarks/variants.py --quick`` runs one).
+(c) Every plan variant of the demo config launched (:mod:`variants`; not in ``--quick``):
+    ``equivalence_max_abs_loss_diff`` (to one process) and ``measured_vs_predicted_by_variant``.
 
     python benchmarks/pipeline.py --quick          # under a minute
     python benchmarks/pipeline.py --json           # last line: one JSON object
@@ -44,14 +42,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread
+from common import benchmark_parser, cpu_for, emit, free_port, join_or_kill, pin_one_thread
 from variants import VARIANTS, aggregates, run_variants
 
 from geosched.config import JobSpec, ModelSpec, config_from_dict
@@ -76,12 +73,6 @@ def _link_shape() -> Any:
     from geosched.config import WanLinkSpec
 
     return shape_for_link(WanLinkSpec(**{**LINK, "between": tuple(LINK["between"])}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ child processes
@@ -305,7 +296,7 @@ def run_geosched(
 def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
     """Train ``steps`` steps with torch.distributed.pipelining on two pinned processes."""
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_torch_rank, args=(rank, job, port, steps, results)) for rank in range(2)]
     for p in procs:
         p.start()
@@ -437,11 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
     parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument(
-        "--variants",
-        action=argparse.BooleanOptionalAction,
-        help="also launch every plan variant of the demo config (benchmarks/variants.py; default: on, off in --quick)",
-    )
+    parser.add_argument("--variants", action=argparse.BooleanOptionalAction, help="(c); default: on, off in --quick")
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 5)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agents.checkpoint.store import CheckpointWriter, job_fingerprint, latest_complete, load_shard, shard_paths
+from agents.checkpoint.load import load_shard
+from agents.checkpoint.store import CheckpointWriter, job_fingerprint, latest_complete, shard_paths
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape, build_stage
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agents.checkpoint.load import load_resharded, written_by
 from agents.checkpoint.store import (
     CheckpointWriter,
     job_fingerprint,
     latest_complete,
-    load_resharded,
     model_fingerprint,
-    written_by,
 )
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape, build_stage

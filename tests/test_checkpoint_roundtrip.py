@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
+from agents.checkpoint.load import load_shard
 from agents.checkpoint.store import (
     CheckpointWriter,
     job_fingerprint,
     latest_complete,
     list_steps,
-    load_shard,
     prune,
     shard_paths,
     step_dir,
