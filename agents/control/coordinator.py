@@ -96,10 +96,12 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
 
 @dataclass
 class JobResult:
-    """What ``start_job`` saw: one summary per step, in order."""
+    """What ``start_job`` saw: one summary per step, in order, and the ranks whose metrics of a step never
+    arrived (lost while the broker was away: every rank had moved past that step)."""
 
     steps: list[StepSummary] = field(default_factory=list)
     statuses: dict[int, StatusMessage] = field(default_factory=dict)
+    missing: dict[int, list[int]] = field(default_factory=dict)
 
 
 BeforeStart = Callable[[dict[int, StatusMessage]], Awaitable[dict[str, str]]]
@@ -236,14 +238,25 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
 async def _follow(
     cp: ControlPlane, sub: Any, layout: JobLayout, first: int, steps: int, out: TextIO | None, step_timeout_s: float
 ) -> JobResult:
-    """Print a line per completed step until every rank reports ``next_step == first + steps``."""
+    """Print a line per completed step until every rank reports ``next_step == first + steps``.
+
+    A step whose metrics from some rank never arrive (lost while the broker was away) is printed once every
+    rank has moved past it, with what did arrive and the ranks whose metrics were lost (``JobResult.missing``):
+    never held back forever, never dropped silently.
+    """
     ranks = {r.rank for r in layout.roles}
     end = first + steps
     result = JobResult()
     pending: dict[int, dict[int, dict[str, Any]]] = {}
     finished: set[int] = set()
+    newest: dict[int, int] = {}  # rank -> the newest step it reported metrics for
     printed = first
     current: int | None = first
+
+    def _moved_past(step: int) -> bool:
+        """Every rank reported a later step or finished: the metrics of ``step`` not here were lost."""
+        return all(r in finished or newest.get(r, -1) > step for r in ranks)
+
     while len(finished) < len(ranks):
         try:
             message = await sub.get(step_timeout_s)
@@ -254,6 +267,7 @@ async def _follow(
             ) from None
         if isinstance(message, MetricsMessage):
             pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
+            newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = message.step
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
@@ -261,13 +275,19 @@ async def _follow(
                 raise AgentLost(_lost_message(cp.job, message, current))
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
-        while printed < end and (
-            len(pending.get(printed, {})) == len(ranks) or (len(finished) == len(ranks) and pending.get(printed))
-        ):
-            summary = summarize_step(printed, pending.pop(printed), layout)
-            result.steps.append(summary)
+        while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):
+            got = pending.pop(printed, {})
+            lost = sorted(ranks - set(got))
+            if lost:
+                result.missing[printed] = lost
+            line = f"step {printed:>4}: no metrics arrived (lost while the broker was away?)"
+            if got:
+                summary = summarize_step(printed, got, layout)
+                result.steps.append(summary)
+                line = summary.line(printed - first + 1, steps, end - 1)
+                line += f" | metrics of ranks {', '.join(map(str, lost))} lost" if lost else ""
             if out is not None:
-                print(summary.line(printed - first + 1, steps, end - 1), file=out, flush=True)
+                print(line, file=out, flush=True)
             printed += 1
     return result
 

@@ -1,0 +1,61 @@
+"""The coordinator's step lines when metrics are lost (a broker outage): the gap is reported, later steps print."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from dataclasses import dataclass
+
+from agent_helpers import TINY_CONFIG
+
+from agents.control.coordinator import _follow
+from agents.control.messages import MetricsMessage, StatusMessage
+from agents.layout import layout_plan_text, parse_layout
+from geosched.config import config_from_dict
+
+
+class _Feed:
+    """What the control plane's subscription hands the coordinator, in arrival order."""
+
+    def __init__(self, messages: list[object]) -> None:
+        self.messages = list(messages)
+
+    async def get(self, timeout: float) -> object:
+        if not self.messages:
+            raise TimeoutError
+        return self.messages.pop(0)
+
+
+@dataclass
+class _Plane:
+    job: str = "gaps"
+
+
+def _metrics(rank: int, step: int) -> MetricsMessage:
+    return MetricsMessage(rank, step, values={"loss": 5.0 - step if rank == 1 else None, "iteration_s": 0.1})
+
+
+def test_a_lost_metrics_message_is_reported_and_later_steps_still_print() -> None:
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    feed = _Feed(
+        [
+            _metrics(0, 0),
+            _metrics(1, 0),
+            _metrics(0, 1),  # rank 1's step 1 was lost
+            _metrics(0, 2),
+            _metrics(1, 2),
+            # steps 3 and 4: rank 0's step 3 and both of step 4 lost
+            _metrics(1, 3),
+            StatusMessage(0, "ready", extra={"next_step": 5}),
+            StatusMessage(1, "ready", extra={"next_step": 5}),
+        ]
+    )
+    out = io.StringIO()
+    result = asyncio.run(_follow(_Plane(), feed, layout, 0, 5, out, step_timeout_s=1.0))  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5, lines
+    assert [s.step for s in result.steps] == [0, 1, 2, 3]
+    assert result.missing == {1: [1], 3: [0], 4: [0, 1]}
+    assert "metrics of ranks 1 lost" in lines[1] and "lost" not in lines[2]
+    assert "step    4: no metrics arrived" in lines[4]
+    assert result.steps[2].loss == 3.0
