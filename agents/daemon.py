@@ -259,6 +259,11 @@ class Agent:
                 await self._on_step(rest[0])
             elif kind == "finished":
                 await self._set_status("ready", next_step=rest[0])
+            elif kind == "checkpointed":  # the acknowledgement 'geosched job checkpoint' waits for
+                folder = os.path.abspath(self.opts.checkpoint_dir or ".")
+                await self._set_status(
+                    str(self._status.get("state", "ready")), checkpoint={"step": rest[0], "dir": folder}
+                )
             elif kind == "failed":
                 return await self._on_failure(rest[0])
 
@@ -365,11 +370,10 @@ class Agent:
         elif command.cmd == "checkpoint":
             step = command.extra.get("step")
             if self.opts.checkpoint_dir is None:
-                await self._event(
-                    "warning",
-                    f"rank {self.opts.rank}: checkpoint asked but the agent has no "
-                    "--checkpoint-dir; restart it with one",
-                )
+                why = "it has no --checkpoint-dir; restart it with one"
+                await self._event("warning", f"rank {self.opts.rank}: checkpoint asked but {why}")
+                state = str(self._status.get("state", "ready"))
+                await self._set_status(state, checkpoint={"seq": command.seq, "error": why})
                 return None
             self.worker.request_checkpoint(
                 step if isinstance(step, int) else None, idle=self._status.get("state") == "ready"

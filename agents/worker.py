@@ -129,12 +129,16 @@ class RankCheckpoints:
             log.info("rank %d: checkpoint %d has another stage split; resharding", self.role.rank, step)
             load_resharded(self.ckpt_dir, step, stage, module, optimizer, model_fingerprint=self.model_fingerprint)
 
-    def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> bool:
-        """Write checkpoint ``step + 1`` if it is due or was asked for; True if written."""
+    def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> int | None:
+        """Write checkpoint ``step + 1`` if it is due or was asked for (after this step, or after one already
+        past when the request arrived late: the next boundary then); return its step, None if not due."""
         done = step + 1
-        due = (self.every > 0 and done % self.every == 0) or step in asked or None in asked
+        due = (self.every > 0 and done % self.every == 0) or any(s is None or s <= step for s in asked)
         asked[:] = [s for s in asked if s is not None and s > step]
-        return self.save_now(done, module, optimizer) if due else False
+        if not due:
+            return None
+        self.save_now(done, module, optimizer)
+        return done
 
     def save_now(self, done: int, module: Any, optimizer: Any) -> bool:
         """Write checkpoint ``done`` (the state after ``done`` steps); True if this rank writes."""
@@ -270,6 +274,7 @@ class RankWorker:
                 if steps == CHECKPOINT_NOW:
                     if self.checkpoints is not None:
                         self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
+                        self.post("checkpointed", session.start_step)
                     continue
                 for report in session.train(steps):
                     if out is not None:
@@ -281,9 +286,11 @@ class RankWorker:
                         record["prefill"] = self._prefill_metrics(service)
                     self.post("step", record)
                     if self.checkpoints is not None:
-                        self.checkpoints.after_step(
+                        written = self.checkpoints.after_step(
                             report.step, session.module, session.optimizer, self._checkpoint_asked
                         )
+                        if written is not None:
+                            self.post("checkpointed", written)
                     if self._stop.is_set():
                         raise StopTraining
                 session.start_step += steps

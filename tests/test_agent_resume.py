@@ -1,5 +1,6 @@
 """Checkpoints through the agents: a job stopped after step 6 with a checkpoint at step 5, resumed by fresh
-agent processes, trains steps 6-10 exactly as the uninterrupted run; a corrupt checkpoint is refused.
+agent processes, trains steps 6-10 exactly as the uninterrupted run; ``job checkpoint`` is acknowledged
+(or refused for a step already done); a corrupt checkpoint is refused.
 
 Steps are counted from 1 here as in the issue; the wire and the files count from 0
 (checkpoint 5 = the state after 5 steps; the resumed run trains step index 5 next).
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
 
-from agents.control.coordinator import AgentRefused, start_job
+from agents.control.coordinator import AgentRefused, checkpoint_job, start_job
+from geosched.errors import InputError
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +41,12 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
     try:
         first = _losses(url, "full", plan, 6)  # steps 1-6; checkpoint 5 written after step 5
         shutil.copytree(ckpt, saved)  # what a job stopped here leaves behind
+        # 'geosched job checkpoint': a step already done is refused; now (the agents idle) is acknowledged
+        with pytest.raises(InputError, match="--after-step 2: that step is done .*has completed 6 steps"):
+            asyncio.run(checkpoint_job(url, "full", after_step=2))
+        written = asyncio.run(checkpoint_job(url, "full", timeout_s=60))
+        assert (written.step, written.ranks, written.folder) == (6, (0, 1), str(ckpt.resolve()))
+        assert (ckpt / "step-000006" / "manifest.json").is_file()
         rest = _losses(url, "full", plan, 4)  # the same processes carry on: steps 7-10
         for agent in agents:  # SIGTERM: a clean exit
             agent.send_signal(signal.SIGTERM)

@@ -43,6 +43,8 @@ STEP_LINE = (
 )
 BAD_STATES = ("offline", "error", "stopped")
 RETAINED_SETTLE_S = 0.3
+METRICS_LISTEN_S = 3.0
+"""How long ``job checkpoint`` listens for step metrics to learn the step a training job is in."""
 """How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
 
 
@@ -312,6 +314,18 @@ async def stop_job(url: str, job: str, *, ca_file: str | None = None, keys: Cont
         await cp.publish_command("stop")
 
 
+@dataclass(frozen=True)
+class CheckpointWritten:
+    """What ``geosched job checkpoint`` reports: the step every agent acknowledged and where it is."""
+
+    step: int
+    folder: str
+    ranks: tuple[int, ...]
+
+
+LIVE_STATES = ("ready", "training")
+
+
 async def checkpoint_job(
     url: str,
     job: str,
@@ -319,10 +333,79 @@ async def checkpoint_job(
     after_step: int | None = None,
     ca_file: str | None = None,
     keys: ControlKeys | None = None,
-) -> None:
-    """Ask every agent of ``job`` for a checkpoint after ``after_step`` (None: now, or after the step in progress)."""
+    timeout_s: float = 120.0,
+) -> CheckpointWritten:
+    """Ask every live agent of ``job`` for a checkpoint after step ``after_step`` (None: now when idle, else
+    after the step in progress) and wait until each acknowledges it in its status.
+
+    InputError (exit 2) when no agent is live or ``after_step`` is already done (naming the job's step);
+    AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
+    """
     async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file, keys=keys) as cp:
-        await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
+        async with await cp.subscribe("status", "metrics") as sub:
+            await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+            live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
+            if not live:
+                raise InputError(f"job {job!r}: no agent is ready or training; start the job before a checkpoint")
+            done = await _steps_done(cp, sub, live)
+            if after_step is not None and after_step < done:
+                raise InputError(
+                    f"--after-step {after_step}: that step is done (job {job!r} has completed {done} steps); "
+                    f"ask for --after-step {done} or later, or leave it out to checkpoint now"
+                )
+            sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
+            wanted = done if after_step is None else after_step + 1
+            return await _acknowledged(cp, sub, live, wanted, sent.seq, timeout_s)
+
+
+async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
+    """Steps the job has completed: the agents' ``next_step``, or newer step metrics of a training job."""
+    statuses = cp.statuses()
+    done = max(int(statuses[r].extra.get("next_step", 0)) for r in live)
+    if all(statuses[r].state == "ready" for r in live):
+        return done
+    loop = asyncio.get_running_loop()
+    until = loop.time() + METRICS_LISTEN_S  # a training job: its next step metrics name the step in progress
+    while (left := until - loop.time()) > 0:
+        try:
+            message = await sub.get(left)
+        except TimeoutError:
+            break
+        if isinstance(message, MetricsMessage):
+            return max(done, message.step + 1)
+    return done
+
+
+async def _acknowledged(
+    cp: ControlPlane, sub: Any, live: set[int], wanted: int, seq: int, timeout_s: float
+) -> CheckpointWritten:
+    """Wait until every rank of ``live`` reports a checkpoint of step ``wanted`` or later (InputError at once
+    if one refuses command ``seq``, e.g. for want of a checkpoint folder)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    acked: dict[int, dict[str, Any]] = {}
+    while True:
+        for rank in live - set(acked):
+            mark = cp.statuses()[rank].extra.get("checkpoint")
+            if not isinstance(mark, dict):
+                continue
+            if mark.get("seq") == seq and mark.get("error"):
+                raise InputError(f"job {cp.job!r}: agent rank {rank} cannot checkpoint: {mark['error']}")
+            if int(mark.get("step", -1)) >= wanted:
+                acked[rank] = mark
+        if len(acked) == len(live):
+            step = min(int(m["step"]) for m in acked.values())
+            folders = sorted({str(m.get("dir")) for m in acked.values()})
+            return CheckpointWritten(step, ", ".join(folders), tuple(sorted(acked)))
+        try:
+            message = await sub.get(max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise AgentLost(
+                f"job {cp.job!r}: no checkpoint of step {wanted} or later acknowledged by ranks "
+                f"{sorted(live - set(acked))} within {timeout_s:g} s (do they have --checkpoint-dir?); see their logs"
+            ) from None
+        if isinstance(message, StatusMessage) and message.rank in live and message.state in BAD_STATES:
+            raise AgentLost(_lost_message(cp.job, message, None))
 
 
 def status_table(statuses: dict[int, StatusMessage]) -> str:

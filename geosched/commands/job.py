@@ -22,7 +22,7 @@ import json
 import sys
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
-from geosched.commands.checks import at_least
+from geosched.commands.checks import above, at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="after this step (0-based; default: now if idle, else after the step in progress)",
     )
+    checkpoint.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="wait this long for every agent's acknowledgement"
+    )
+    checkpoint.add_argument("--json", action="store_true", help="print the step, folder and ranks as JSON")
     for p in (start, status, sub.choices["stop"], checkpoint):
         add_mqtt_arguments(p)
 
@@ -101,10 +105,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "checkpoint":
         at_least(args, "after_step", 0)
-        asyncio.run(
-            coordinator.checkpoint_job(url, args.job, after_step=args.after_step, ca_file=args.ca_file, keys=signing)
+        above(args, "timeout", 0, "seconds")
+        written = asyncio.run(
+            coordinator.checkpoint_job(
+                url, args.job, after_step=args.after_step, ca_file=args.ca_file, keys=signing, timeout_s=args.timeout
+            )
         )
-        print(f"checkpoint asked of job {args.job!r}")
+        if args.json:
+            print(json.dumps({"step": written.step, "folder": written.folder, "ranks": list(written.ranks)}))
+        else:
+            print(
+                f"checkpoint step {written.step} of job {args.job!r} written to {written.folder} "
+                f"(acknowledged by {len(written.ranks)} agents)"
+            )
         return 0
     asyncio.run(coordinator.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
     print(f"stop sent to job {args.job!r}")
