@@ -253,21 +253,33 @@ class RankWorker:
                 os.makedirs(opts.run_dir, exist_ok=True)
                 out = open(os.path.join(opts.run_dir, f"rank{role.rank}.jsonl"), "a", encoding="utf-8")
             service = self._open_prefill(stack) if opts.prefill_bind else None
-            session = stack.enter_context(
-                RankSession(
-                    self.layout.job,
-                    role,
-                    data=opts.data or default_corpus_paths(),
-                    addresses=self.book,
-                    bind_host=opts.bind_host,
-                    start_step=self.start_step,
-                    connect_timeout_s=opts.connect_timeout_s,
-                    recv_timeout_s=opts.recv_timeout_s,
-                    wan_config={"chunk_bytes": opts.wan_chunk_bytes},
-                    bubble_filler=service,
-                    link_security=self._link_security(),
+            opened = threading.Event()  # the session waits for the job to start, which may take long: meanwhile
+            helper = None  # the prefill service serves on a helper thread with all of the time
+            if service is not None:
+                helper = threading.Thread(
+                    target=service.serve_idle, args=(opened.is_set, IDLE_SLICE_S), name="prefill-idle", daemon=True
                 )
-            )
+                helper.start()
+            try:
+                session = stack.enter_context(
+                    RankSession(
+                        self.layout.job,
+                        role,
+                        data=opts.data or default_corpus_paths(),
+                        addresses=self.book,
+                        bind_host=opts.bind_host,
+                        start_step=self.start_step,
+                        connect_timeout_s=opts.connect_timeout_s,
+                        recv_timeout_s=opts.recv_timeout_s,
+                        wan_config={"chunk_bytes": opts.wan_chunk_bytes},
+                        bubble_filler=service,
+                        link_security=self._link_security(),
+                    )
+                )
+            finally:
+                opened.set()
+                if helper is not None:
+                    helper.join()
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():

@@ -1,8 +1,9 @@
 """``geosched agent --prefill-bind``: the agent serves prefill in its bubbles and reports it on MQTT.
 
 Two agent processes (tiny job, us -> eu) with prefill on: each publishes its
-bound prefill endpoint in its status, answers every request sent while it
-trains, and every per-step metrics message carries the service's metrics.
+bound prefill endpoint in its status, answers a request before the job starts,
+every request sent while it trains and, idle afterwards, 40 sent at once; every
+per-step metrics message carries the service's metrics.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def _send_prompts(endpoints: dict[int, str], stop: threading.Event, answers: lis
             client.close()
 
 
+def _prompts(endpoint: str, n: int) -> list:
+    """Send ``n`` prompts at once to ``endpoint``; their answers (deadline 5 s), in any order."""
+    from agents.prefill.client import PrefillClient
+
+    client = PrefillClient(endpoint)
+    try:
+        for k in range(n):
+            client.submit(b"prompt %d" % k, deadline_s=5.0, return_kv=False)
+        return [client.receive(10.0) for _ in range(n)]
+    finally:
+        client.close()
+
+
 def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):
     url, job = mqtt_broker.url_for("geosched"), "pf"
     plan = tiny_plan(tmp_path).read_text()
@@ -52,12 +66,13 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
         spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0")
         for rank, dc in enumerate(["us", "eu"])
     ]
-    stop, answers, sent, endpoints = threading.Event(), [], [], {}
+    stop, answers, sent, endpoints, early = threading.Event(), [], [], {}, []
     sender: list[threading.Thread] = []
 
     async def before_start(statuses: dict) -> dict:
         for rank, status in statuses.items():
             endpoints[rank] = status.extra["endpoints"][f"prefill/r{rank}"]
+        early.append(await asyncio.to_thread(_prompts, endpoints[0], 1))  # before any training: served at once
         thread = threading.Thread(target=_send_prompts, args=(endpoints, stop, answers, sent), daemon=True)
         thread.start()
         sender.append(thread)
@@ -102,6 +117,9 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
                 "idle_s",
             } <= set(m["prefill"])
         assert sum(m["prefill"]["prefill_tokens"] for m in metrics if m["step"] == 2) > 0
+        assert [a.status for a in early[0]] == ["ok"], early
+        # after training the agent is idle: 40 prompts at once are all taken (no stale bubble share)
+        assert [a.status for a in _prompts(endpoints[1], 40)] == ["ok"] * 40, log_tail(tmp_path)
     finally:
         stop.set()
         stop_processes(agents)

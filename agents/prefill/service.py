@@ -122,6 +122,7 @@ class PrefillService:
         self._work = threading.Event()
         self._stop = threading.Event()
         self._forecast_share: float | None = None
+        self._idle_servers = 0  # threads in serve_idle: no training is running, so every second is the stage's
         self.metrics_ = PrefillMetrics()
         self.cost = ChunkCostModel.measure(model)
         self.sec_per_token = self.cost.seconds(TYPICAL_CHUNK) / TYPICAL_CHUNK  # whole prompts, for admission
@@ -172,7 +173,10 @@ class PrefillService:
             self._forecast_share = max(0.0, min(1.0, bubble_s_per_iteration / max(iteration_s, 1e-9)))
 
     def bubble_share(self) -> float:
-        """Bubble seconds per wall second: measured over the last seconds, else forecast, else 1 (idle)."""
+        """Bubble seconds per wall second: 1 while serving outside training (:meth:`serve_idle`), else measured
+        over the last seconds, else forecast, else 1 (idle)."""
+        if self._idle_servers:
+            return 1.0
         measured = self.metrics_.measured_bubble_share()
         if measured is not None:
             return measured
@@ -236,9 +240,15 @@ class PrefillService:
 
         ``until`` is checked between chunks and at least every 50 ms while the queue is empty.
         """
-        while not until() and not self._stop.is_set():
-            if self._work.wait(0.05):
-                self.fill(until, slice_s, in_bubble=False)
+        with self._lock:
+            self._idle_servers += 1  # admission counts all of the time as the stage's to give
+        try:
+            while not until() and not self._stop.is_set():
+                if self._work.wait(0.05):
+                    self.fill(until, slice_s, in_bubble=False)
+        finally:
+            with self._lock:
+                self._idle_servers -= 1
 
     def _next_job(self) -> _Job | None:
         """The running job, else the queued one with the highest priority and earliest deadline."""
