@@ -130,6 +130,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_bind_host(host: str) -> None:
+    """InputError (one line, at once) unless ``host`` is an address of this machine: binding a TCP socket to
+    it is what every link endpoint will do, and torch's c10d store would otherwise fail later, at length."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise InputError(
+            f"--bind-host {host!r}: not an address or resolvable name ({exc}); give an IP of this host"
+        ) from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise InputError(
+                f"--bind-host {host}: not an address of this host ({exc.strerror or exc}); give one of its own "
+                "IPs, the one the other hosts reach it by (see 'ip -brief address')"
+            ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until stopped."""
     from agents.control.auth import ControlKeys
@@ -139,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "threads", 1)
     at_least(args, "wan_chunk_bytes", 0, "0 lets the link pick")
     at_least(args, "checkpoint_every", 0)
+    check_bind_host(args.bind_host)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
