@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from agent_helpers import TINY_CONFIG
 
-from agents.control.coordinator import _follow
+from agents.control.coordinator import Liveness, _follow
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
@@ -29,6 +29,7 @@ class _Feed:
 @dataclass
 class _Plane:
     job: str = "gaps"
+    connected: bool = True
 
 
 def _metrics(rank: int, step: int) -> MetricsMessage:
@@ -59,3 +60,34 @@ def test_a_lost_metrics_message_is_reported_and_later_steps_still_print() -> Non
     assert "metrics of ranks 1 lost" in lines[1] and "lost" not in lines[2]
     assert "step    4: no metrics arrived" in lines[4]
     assert result.steps[2].loss == 3.0
+
+
+def test_an_offline_will_followed_by_signs_of_life_is_not_a_lost_agent() -> None:
+    """A broker restart: every agent's will ('offline') arrives, then their republished statuses and metrics."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    feed = _Feed(
+        [
+            _metrics(0, 0),
+            _metrics(1, 0),
+            StatusMessage(0, "offline"),
+            StatusMessage(1, "offline"),
+            StatusMessage(0, "training", extra={"next_step": 0}),
+            _metrics(1, 1),
+            _metrics(0, 1),
+            StatusMessage(0, "ready", extra={"next_step": 2}),
+            StatusMessage(1, "ready", extra={"next_step": 2}),
+        ]
+    )
+    result = asyncio.run(_follow(_Plane(), feed, layout, 0, 2, io.StringIO(), step_timeout_s=5.0))  # type: ignore[arg-type]
+    assert [s.step for s in result.steps] == [0, 1] and result.missing == {}
+
+
+def test_liveness_counts_only_connected_silence() -> None:
+    live = Liveness(8.0, now=0.0)
+    live.offline(3)
+    assert live.tick(5.0, connected=False) == []  # the coordinator itself was cut off: no time counted
+    assert live.tick(10.0, connected=True) == [] and live.next_s() == 3.0
+    live.offline(3)  # a second will does not restart the clock
+    assert live.tick(13.0, connected=True) == [3]
+    live.alive(3)
+    assert live.next_s() is None and live.tick(100.0, connected=True) == []

@@ -43,6 +43,9 @@ STEP_LINE = (
 )
 BAD_STATES = ("offline", "error", "stopped")
 RETAINED_SETTLE_S = 0.3
+OFFLINE_GRACE_S = 8.0
+"""Connected seconds an agent's ``offline`` will waits for a sign of life before the job stops (agents
+reconnect within their 5 s back-off cap after a broker restart and republish their status)."""
 METRICS_LISTEN_S = 3.0
 """How long ``job checkpoint`` listens for step metrics to learn the step a training job is in."""
 """How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
@@ -94,6 +97,39 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
         bubble_fraction=sum(float(m.get("bubble_fraction", 0.0)) for m in metrics.values()) / len(metrics),
         wan_bytes=sum(int(m.get("wan_bytes", 0)) for m in metrics.values()),
     )
+
+
+class Liveness:
+    """Ranks whose ``offline`` status (their last will) is not believed yet.
+
+    A broker that shuts down publishes every connected client's will, and an
+    agent republishes its own status after it reconnects; so an ``offline``
+    is a suspicion, confirmed only after ``grace_s`` seconds during which this
+    coordinator was connected and heard nothing else from that rank (no
+    status, no metrics). Time while the coordinator itself is disconnected
+    does not count.
+    """
+
+    def __init__(self, grace_s: float, now: float) -> None:
+        self.grace_s, self._last = grace_s, now
+        self._left: dict[int, float] = {}  # rank -> connected seconds before its offline is believed
+
+    def offline(self, rank: int) -> None:
+        self._left.setdefault(rank, self.grace_s)
+
+    def alive(self, rank: int) -> None:
+        self._left.pop(rank, None)
+
+    def next_s(self) -> float | None:
+        """Seconds until the first suspicion would be confirmed (None: no suspect)."""
+        return min(self._left.values(), default=None)
+
+    def tick(self, now: float, connected: bool) -> list[int]:
+        """Count the time since the last tick (if connected); the ranks now confirmed lost."""
+        elapsed, self._last = now - self._last, now
+        if connected:
+            self._left = {rank: left - elapsed for rank, left in self._left.items()}
+        return sorted(rank for rank, left in self._left.items() if left <= 0)
 
 
 @dataclass
@@ -259,22 +295,43 @@ async def _follow(
         """Every rank reported a later step or finished: the metrics of ``step`` not here were lost."""
         return all(r in finished or newest.get(r, -1) > step for r in ranks)
 
+    loop = asyncio.get_running_loop()
+    liveness = Liveness(OFFLINE_GRACE_S, loop.time())
+    progress_at = loop.time()
     while len(finished) < len(ranks):
+        wait = step_timeout_s - (loop.time() - progress_at)
+        suspect_s = liveness.next_s()
+        if suspect_s is not None:
+            wait = min(wait, suspect_s + 0.05)
         try:
-            message = await sub.get(step_timeout_s)
+            message = await sub.get(max(0.0, wait))
         except TimeoutError:
-            raise AgentLost(
-                f"job {cp.job!r}: no progress for {step_timeout_s:g} s at step {current}; "
-                f"ranks not finished: {sorted(ranks - finished)}"
-            ) from None
+            message = None
+        gone = liveness.tick(loop.time(), cp.connected)
+        if gone:
+            status = result.statuses[gone[0]]
+            raise AgentLost(_lost_message(cp.job, status, current) + f" (no sign of life for {OFFLINE_GRACE_S:g} s)")
+        if message is None:
+            if loop.time() - progress_at >= step_timeout_s:
+                raise AgentLost(
+                    f"job {cp.job!r}: no progress for {step_timeout_s:g} s at step {current}; "
+                    f"ranks not finished: {sorted(ranks - finished)}"
+                )
+            continue
         if isinstance(message, MetricsMessage):
             pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = message.step
+            progress_at = loop.time()
+            liveness.alive(message.rank)
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
-            if message.state in BAD_STATES:
+            if message.state == "offline":  # its last will: believed once it stays silent (see Liveness)
+                liveness.offline(message.rank)
+            elif message.state in BAD_STATES:
                 raise AgentLost(_lost_message(cp.job, message, current))
+            else:
+                liveness.alive(message.rank)
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):
