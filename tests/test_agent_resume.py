@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
 
-from agents.control.coordinator import AgentRefused, checkpoint_job, start_job
+from agents.control.commands import checkpoint_job
+from agents.control.coordinator import AgentRefused, start_job
 from geosched.errors import InputError
 
 pytestmark = pytest.mark.slow

@@ -35,7 +35,8 @@ from agents.control.auth import (
     Verifier,
     _signed_bytes,
 )
-from agents.control.coordinator import job_statuses, start_job, stop_job
+from agents.control.commands import job_statuses, stop_job
+from agents.control.coordinator import start_job
 from agents.control.messages import CommandMessage, EventMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.layout import plan_id
@@ -403,7 +404,7 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
             start_job(url, "ref", plan, steps=steps, ready_timeout_s=90, out=None, keys=coordinator)
         )
         assert len(reference.steps) == steps, log_tail(ref_dir)
-        asyncio.run(stop_job(url, "ref", keys=coordinator))  # a signed stop is obeyed
+        assert asyncio.run(stop_job(url, "ref", keys=coordinator)) == []  # a signed stop is obeyed, acknowledged
         assert [a.wait(30) for a in agents] == [0, 0], log_tail(ref_dir)
     finally:
         stop_processes(agents)

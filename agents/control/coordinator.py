@@ -1,12 +1,12 @@
-"""The coordinator of a job: ``geosched job start|status|stop`` over the MQTT control plane.
+"""The coordinator of a job: ``geosched job start`` over the MQTT control plane.
 
 ``start_job`` publishes the plan (retained), waits until every rank of the
 plan's layout is ``ready`` (naming the missing ones after a timeout, and
 failing at once on an agent that reports ``error`` or joins from the wrong
 DC), sends ``start`` (with optional ``routes``), prints one fixed-format line
 per step with a progress bar, and stops the job naming the agent if one goes
-offline (exit 1). ``job_statuses`` reads the retained statuses;
-``stop_job`` sends ``stop``.
+offline (exit 1). The one-shot commands (status, stop, checkpoint) are in
+:mod:`agents.control.commands`.
 
 Step line (one per training step, the global view over all ranks)::
 
@@ -46,8 +46,6 @@ RETAINED_SETTLE_S = 0.3
 OFFLINE_GRACE_S = 8.0
 """Connected seconds an agent's ``offline`` will waits for a sign of life before the job stops (agents
 reconnect within their 5 s back-off cap after a broker restart and republish their status)."""
-METRICS_LISTEN_S = 3.0
-"""How long ``job checkpoint`` listens for step metrics to learn the step a training job is in."""
 """How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
 
 
@@ -162,7 +160,7 @@ def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
                 )
 
 
-def _lost_message(job: str, status: StatusMessage, step: int | None) -> str:
+def lost_message(job: str, status: StatusMessage, step: int | None) -> str:
     parts = [
         status.dc,
         *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
@@ -269,7 +267,7 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
         _check_same_plan(cp.job, message, layout)
         if message.extra.get("plan_id") == want_plan:
             if message.state == "error":
-                raise AgentRefused(_lost_message(cp.job, message, None))
+                raise AgentRefused(lost_message(cp.job, message, None))
             check_joined(layout, {message.rank: message})
 
 
@@ -310,7 +308,7 @@ async def _follow(
         gone = liveness.tick(loop.time(), cp.connected)
         if gone:
             status = result.statuses[gone[0]]
-            raise AgentLost(_lost_message(cp.job, status, current) + f" (no sign of life for {OFFLINE_GRACE_S:g} s)")
+            raise AgentLost(lost_message(cp.job, status, current) + f" (no sign of life for {OFFLINE_GRACE_S:g} s)")
         if message is None:
             if loop.time() - progress_at >= step_timeout_s:
                 raise AgentLost(
@@ -329,7 +327,7 @@ async def _follow(
             if message.state == "offline":  # its last will: believed once it stays silent (see Liveness)
                 liveness.offline(message.rank)
             elif message.state in BAD_STATES:
-                raise AgentLost(_lost_message(cp.job, message, current))
+                raise AgentLost(lost_message(cp.job, message, current))
             else:
                 liveness.alive(message.rank)
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
@@ -349,137 +347,3 @@ async def _follow(
                 print(line, file=out, flush=True)
             printed += 1
     return result
-
-
-async def job_statuses(
-    url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None, keys: ControlKeys | None = None
-) -> dict[int, StatusMessage]:
-    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive).
-
-    With ``keys``, only statuses signed by the rank's own agent key are shown.
-    """
-    client_id = f"{job}-status-{id(object()) % 100000}"
-    async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status"):
-            await asyncio.sleep(settle_s)
-            return cp.statuses()
-
-
-async def stop_job(url: str, job: str, *, ca_file: str | None = None, keys: ControlKeys | None = None) -> None:
-    """Send ``stop`` to every agent of ``job`` (signed with the coordinator's ``keys`` if given)."""
-    async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
-        await cp.publish_command("stop")
-
-
-@dataclass(frozen=True)
-class CheckpointWritten:
-    """What ``geosched job checkpoint`` reports: the step every agent acknowledged and where it is."""
-
-    step: int
-    folder: str
-    ranks: tuple[int, ...]
-
-
-LIVE_STATES = ("ready", "training")
-
-
-async def checkpoint_job(
-    url: str,
-    job: str,
-    *,
-    after_step: int | None = None,
-    ca_file: str | None = None,
-    keys: ControlKeys | None = None,
-    timeout_s: float = 120.0,
-) -> CheckpointWritten:
-    """Ask every live agent of ``job`` for a checkpoint after step ``after_step`` (None: now when idle, else
-    after the step in progress) and wait until each acknowledges it in its status.
-
-    InputError (exit 2) when no agent is live or ``after_step`` is already done (naming the job's step);
-    AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
-    """
-    async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics") as sub:
-            await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
-            live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
-            if not live:
-                raise InputError(f"job {job!r}: no agent is ready or training; start the job before a checkpoint")
-            done = await _steps_done(cp, sub, live)
-            if after_step is not None and after_step < done:
-                raise InputError(
-                    f"--after-step {after_step}: that step is done (job {job!r} has completed {done} steps); "
-                    f"ask for --after-step {done} or later, or leave it out to checkpoint now"
-                )
-            sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
-            wanted = done if after_step is None else after_step + 1
-            return await _acknowledged(cp, sub, live, wanted, sent.seq, timeout_s)
-
-
-async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
-    """Steps the job has completed: the agents' ``next_step``, or newer step metrics of a training job."""
-    statuses = cp.statuses()
-    done = max(int(statuses[r].extra.get("next_step", 0)) for r in live)
-    if all(statuses[r].state == "ready" for r in live):
-        return done
-    loop = asyncio.get_running_loop()
-    until = loop.time() + METRICS_LISTEN_S  # a training job: its next step metrics name the step in progress
-    while (left := until - loop.time()) > 0:
-        try:
-            message = await sub.get(left)
-        except TimeoutError:
-            break
-        if isinstance(message, MetricsMessage):
-            return max(done, message.step + 1)
-    return done
-
-
-async def _acknowledged(
-    cp: ControlPlane, sub: Any, live: set[int], wanted: int, seq: int, timeout_s: float
-) -> CheckpointWritten:
-    """Wait until every rank of ``live`` reports a checkpoint of step ``wanted`` or later (InputError at once
-    if one refuses command ``seq``, e.g. for want of a checkpoint folder)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    acked: dict[int, dict[str, Any]] = {}
-    while True:
-        for rank in live - set(acked):
-            mark = cp.statuses()[rank].extra.get("checkpoint")
-            if not isinstance(mark, dict):
-                continue
-            if mark.get("seq") == seq and mark.get("error"):
-                raise InputError(f"job {cp.job!r}: agent rank {rank} cannot checkpoint: {mark['error']}")
-            if int(mark.get("step", -1)) >= wanted:
-                acked[rank] = mark
-        if len(acked) == len(live):
-            step = min(int(m["step"]) for m in acked.values())
-            folders = sorted({str(m.get("dir")) for m in acked.values()})
-            return CheckpointWritten(step, ", ".join(folders), tuple(sorted(acked)))
-        try:
-            message = await sub.get(max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            raise AgentLost(
-                f"job {cp.job!r}: no checkpoint of step {wanted} or later acknowledged by ranks "
-                f"{sorted(live - set(acked))} within {timeout_s:g} s (do they have --checkpoint-dir?); see their logs"
-            ) from None
-        if isinstance(message, StatusMessage) and message.rank in live and message.state in BAD_STATES:
-            raise AgentLost(_lost_message(cp.job, message, None))
-
-
-def status_table(statuses: dict[int, StatusMessage]) -> str:
-    """A text table of agent statuses, one row per rank."""
-    rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step")]
-    for rank, s in sorted(statuses.items()):
-        rows.append(
-            (
-                str(rank),
-                s.state,
-                s.dc or "-",
-                "-" if s.stage is None else str(s.stage),
-                "-" if s.replica is None else str(s.replica),
-                s.host or "-",
-                str(s.pid or "-"),
-                str(s.extra.get("next_step", "-")),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

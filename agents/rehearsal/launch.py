@@ -282,7 +282,8 @@ def launch(
     TCP links and an open prefill endpoint (one warning line on ``out``).
     """
     from agents.control.broker import EmbeddedBroker
-    from agents.control.coordinator import start_job, stop_job
+    from agents.control.commands import stop_job
+    from agents.control.coordinator import start_job
     from agents.layout import load_plan_file, parse_layout, plan_for_config, runtime_refusal
     from agents.rehearsal.report import build_report, load_rank_reports, report_text, write_run_folder
     from geosched.config import load_config

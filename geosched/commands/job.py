@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
-    from agents.control import coordinator
+    from agents.control import commands, coordinator
     from agents.control.auth import ControlKeys
+    from agents.control.coordinator import AgentLost
 
     keys = load_keys(args)
     signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator"))
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"steps": [vars(s) for s in result.steps]}))
         return 0
     if args.action == "status":
-        statuses = asyncio.run(coordinator.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
+        statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
         if args.json:
             print(
                 json.dumps(
@@ -101,13 +102,13 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            print(coordinator.status_table(statuses) if statuses else f"no agents of job {args.job!r}")
+            print(commands.status_table(statuses) if statuses else f"no agents of job {args.job!r}")
         return 0
     if args.action == "checkpoint":
         at_least(args, "after_step", 0)
         above(args, "timeout", 0, "seconds")
         written = asyncio.run(
-            coordinator.checkpoint_job(
+            commands.checkpoint_job(
                 url, args.job, after_step=args.after_step, ca_file=args.ca_file, keys=signing, timeout_s=args.timeout
             )
         )
@@ -119,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
                 f"(acknowledged by {len(written.ranks)} agents)"
             )
         return 0
-    asyncio.run(coordinator.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
-    print(f"stop sent to job {args.job!r}")
+    left = asyncio.run(commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
+    if left:
+        raise AgentLost(f"job {args.job!r}: ranks {left} did not acknowledge stop within 30 s; see their logs")
+    print(f"job {args.job!r} stopped: every agent acknowledged")
     return 0
