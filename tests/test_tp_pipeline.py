@@ -163,8 +163,9 @@ def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_l
 
 
 def test_checkpoint_of_a_tensor_parallel_stage_is_whole_and_resumes_at_any_tp(tmp_path: Path, reference_losses):
-    """tp 2 writes checkpoint 5 (whole stages); tp 2 (re-sharded) and tp 1 resume it and train like one process."""
-    half = STEPS // 2
+    """tp 2 writes checkpoint 3 (whole stages); tp 2 (re-sharded) and tp 1 resume it and train like one process
+    (3 steps each: tensor parallelism over gloo is slow on CPU; the 10-step equivalence is tested above)."""
+    half = 3
     tp2 = parse_layout(layout_plan_text(tp_config(), ["us", "eu"]))
     tp1 = parse_layout(layout_plan_text(tp_config(tensor_parallel=1), ["us", "eu"]))
     first = run_layout(tp2, steps=half, ckpt_dir=tmp_path / "tp2")
@@ -172,8 +173,8 @@ def test_checkpoint_of_a_tensor_parallel_stage_is_whole_and_resumes_at_any_tp(tm
     shutil.copytree(tmp_path / "tp2", tmp_path / "tp1")
     for layout, folder in ((tp2, "tp2"), (tp1, "tp1")):
         resumed = run_layout(layout, steps=half, ckpt_dir=tmp_path / folder)
-        assert [r.step for r in resumed[len(layout.roles) - 1][0]] == list(range(half, STEPS))
-        assert _global_losses(layout, resumed) == pytest.approx(reference_losses[half:], rel=1e-4), folder
+        assert [r.step for r in resumed[len(layout.roles) - 1][0]] == list(range(half, 2 * half))
+        assert _global_losses(layout, resumed) == pytest.approx(reference_losses[half : 2 * half], rel=1e-4), folder
 
 
 def _geosched(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
