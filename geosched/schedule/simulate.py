@@ -38,7 +38,7 @@ from geosched.schedule.actions import (
     message_edges,
     receive_for,
 )
-from geosched.schedule.timeline import Event, IdleGap, LinkUse, StageStats, Timeline, peak_inflight, summarize
+from geosched.schedule.timeline import Event, IdleGap, LinkUse, Timeline, peak_inflight, stage_stats, summarize
 from geosched.schedule.validate import describe_deadlock, validate
 
 K = ActionKind
@@ -320,17 +320,7 @@ class _Run:
         """The timeline of an unrecorded run: iteration time and per-stage stats only."""
         ran = [free_at[s] for s in range(self.p) if self.code.steps[s]]
         iteration = max(ran, default=0.0)
-        stats = [
-            StageStats(
-                stage=s,
-                busy_s=busy[s],
-                comm_s=comm[s],
-                idle_s=max(0.0, iteration - busy[s] - comm[s]),
-                bubble_fraction=1.0 - busy[s] / iteration if iteration > 0 else 0.0,
-                peak_inflight=self.code.peaks[s],
-            )
-            for s in range(self.p)
-        ]
+        stats = stage_stats(iteration, busy, comm, list(self.code.peaks))
         s = self.schedule
         return Timeline(s.name, s.num_stages, s.num_microbatches, iteration, [], [], stats)
 

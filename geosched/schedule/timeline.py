@@ -132,15 +132,20 @@ def summarize(
             comm[e.stage] += e.end - e.start
         last_end[e.stage] = max(last_end[e.stage], e.end)
     gaps += [IdleGap(s, last_end[s], iteration, None) for s in range(p) if last_end[s] < iteration]
-    stats = [
+    stats = stage_stats(iteration, busy, comm, [peak_inflight(schedule, s) for s in range(p)])
+    return Timeline(schedule.name, p, schedule.num_microbatches, iteration, events, gaps, stats, list(links))
+
+
+def stage_stats(iteration: float, busy: list[float], comm: list[float], peaks: list[int]) -> list[StageStats]:
+    """Per-stage stats from each stage's compute and communication seconds in an iteration."""
+    return [
         StageStats(
             stage=s,
             busy_s=busy[s],
             comm_s=comm[s],
             idle_s=max(0.0, iteration - busy[s] - comm[s]),
             bubble_fraction=1.0 - busy[s] / iteration if iteration > 0 else 0.0,
-            peak_inflight=peak_inflight(schedule, s),
+            peak_inflight=peaks[s],
         )
-        for s in range(p)
+        for s in range(len(busy))
     ]
-    return Timeline(schedule.name, p, schedule.num_microbatches, iteration, events, gaps, stats, list(links))
