@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from agent_helpers import TINY_CONFIG
 
-from agents.control.coordinator import Liveness, _follow
+from agents.control.coordinator import Liveness, _follow, stranded_endpoints
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
@@ -91,3 +91,17 @@ def test_liveness_counts_only_connected_silence() -> None:
     assert live.tick(13.0, connected=True) == [3]
     live.alive(3)
     assert live.next_s() is None and live.tick(100.0, connected=True) == []
+
+
+def test_loopback_endpoints_on_a_multi_host_job_are_named_before_the_start() -> None:
+    def status(rank: int, host: str, address: str) -> StatusMessage:
+        return StatusMessage(rank, "ready", host=host, extra={"endpoints": {f"pipe/s{rank}/r0": address}})
+
+    mixed = {0: status(0, "hostA", "tcp://10.0.0.5:4000"), 1: status(1, "hostB", "tcp://127.0.0.1:4001")}
+    (warning,) = stranded_endpoints(mixed)
+    assert "rank 1 on host hostB publishes pipe/s1/r0 on a loopback address" in warning
+    assert "hostA cannot reach" in warning and "--bind-host" in warning
+    one_host = {0: status(0, "hostA", "tcp://127.0.0.1:4000"), 1: status(1, "hostA", "[::1]:4001")}
+    assert stranded_endpoints(one_host) == []  # a rehearsal on one machine
+    bound = {0: status(0, "hostA", "tcp://10.0.0.5:4000"), 1: status(1, "hostB", "10.0.0.6:4001")}
+    assert stranded_endpoints(bound) == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -208,6 +209,8 @@ async def start_job(
                 _check_same_plan(cp.job, status, layout)
             await cp.publish_plan(plan_text)
             statuses = await _wait_ready(cp, sub, layout, ready_timeout_s)
+            for warning in stranded_endpoints(statuses):
+                print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             first = _first_step(statuses)
             routes = await before_start(statuses) if before_start is not None else {}
             await cp.publish_command("start", steps=steps, routes=routes)
@@ -217,6 +220,38 @@ async def start_job(
                 with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
                     await cp.publish_command("stop", timeout=2.0)
                 raise
+
+
+def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
+    """Ranks on one host that publish loopback endpoints while other ranks run on other hosts (an agent
+    started without ``--bind-host`` on a multi-host job): one line each naming the fix, since the links
+    would otherwise fail only at the connect timeout."""
+    hosts = {st.host for st in statuses.values() if st.host}
+    out = []
+    for rank, status in sorted(statuses.items()):
+        endpoints = status.extra.get("endpoints")
+        if len(hosts) < 2 or not status.host or not isinstance(endpoints, dict):
+            continue
+        loopback = sorted(str(name) for name, address in endpoints.items() if _is_loopback(str(address)))
+        if loopback:
+            others = ", ".join(sorted(hosts - {status.host}))
+            out.append(
+                f"rank {rank} on host {status.host} publishes {loopback[0]} on a loopback address, which ranks on "
+                f"{others} cannot reach; restart it with --bind-host <its address on the network> "
+                "(or give the others --peer-override)"
+            )
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    """True for ``tcp://127.0.0.1:5555``, ``[::1]:80``, ``localhost:1``-style addresses."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _first_step(statuses: dict[int, StatusMessage]) -> int:
