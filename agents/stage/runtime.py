@@ -163,8 +163,8 @@ class StageRuntime:
         self._check_microbatches(microbatches)
         state = _StepState(step, microbatches)
         sent_before = self.transport.bytes_sent() if self.transport is not None else {}
+        self.memory.start_step()  # before the clocks are read: started_at and t0 must be the same instant
         started_at = time.time()
-        self.memory.start_step()
         t0 = state.t0 = time.perf_counter()
         for action in self.actions:
             begin = time.perf_counter()
