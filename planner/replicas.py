@@ -156,6 +156,7 @@ def everywhere(problem: Problem) -> list[Candidate]:
     return [
         c
         for group, roomiest in _groups(problem)
+        if len(group) >= 2
         for d, m in problem.dp_options()
         for c in _copies(problem, group, roomiest, d, m, 1)
     ]
@@ -167,8 +168,7 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     gradients cross the WAN, once per iteration: the hybrids between data parallelism everywhere and one
     long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one more, twice as many."""
     out: list[Candidate] = []
-    for group in problem.components():
-        roomiest = max(group, key=lambda dc: problem.gpus[dc])
+    for group, roomiest in _groups(problem):
         for dc in group:
             for d, m in problem.dp_options():
                 most = min(problem.layers, problem.gpus[dc] // d)
@@ -183,8 +183,8 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
 
 
 def _groups(problem: Problem) -> list[tuple[list[str], str]]:
-    """Every linked group of two or more DCs, with its DC of the most GPUs."""
-    return [(g, max(g, key=lambda dc: problem.gpus[dc])) for g in problem.components() if len(g) >= 2]
+    """Every linked group of DCs, with its DC of the most GPUs."""
+    return [(g, max(g, key=lambda dc: problem.gpus[dc])) for g in problem.components()]
 
 
 def _stacked(problem: Problem, dc: str, d: int, m: int, p: int) -> Candidate:

@@ -40,13 +40,31 @@ def load_shard(
     CheckpointError names the file and the fault and the model, optimizer and
     RNG are left exactly as they were.
     """
-    tensor_path, meta_path = shard_paths(ckpt_dir, step, stage)
-    meta = read_json(meta_path)
-    check_meta(meta, meta_path, step, stage, job_fingerprint)
-    tensors = read_tensors(tensor_path, meta)
+    tensor_path, meta, tensors = _read_shard(ckpt_dir, step, stage, job_fingerprint)
     _install(meta, tensors, tensor_path, model, optimizer, restore_rng)
     log.info("loaded checkpoint step %d stage %d from %s", step, stage, tensor_path)
     return dict(meta["extra"])
+
+
+def _read_shard(
+    ckpt_dir: str | os.PathLike[str],
+    step: int,
+    stage: int,
+    job_fingerprint: str | None,
+    model_fingerprint: str | None = None,
+) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """(tensor file, checked metadata, verified tensors) of one stage's shard of ``step``; the fingerprints
+    given are checked before the tensor file is read."""
+    tensor_path, meta_path = shard_paths(ckpt_dir, step, stage)
+    meta = read_json(meta_path)
+    check_meta(meta, meta_path, step, stage, job_fingerprint)
+    if model_fingerprint is not None and meta.get("model_fingerprint") != model_fingerprint:
+        raise CheckpointError(
+            f"{meta_path}: written for another model (fingerprint {meta.get('model_fingerprint')}, this job "
+            f"{model_fingerprint}: shape, seed or precision differ, or written before resharding existed); "
+            "resume with the same model, or use another --checkpoint-dir"
+        )
+    return tensor_path, meta, read_tensors(tensor_path, meta)
 
 
 def _install(
@@ -138,16 +156,7 @@ def load_resharded(
     tensors: dict[str, torch.Tensor] = {}
     rngs: dict[int, torch.Tensor] = {}
     for old in range(saved_stages(ckpt_dir, step)):
-        tensor_path, meta_path = shard_paths(ckpt_dir, step, old)
-        meta = read_json(meta_path)
-        check_meta(meta, meta_path, step, old, None)
-        if meta.get("model_fingerprint") != model_fingerprint:
-            raise CheckpointError(
-                f"{meta_path}: written for another model (fingerprint {meta.get('model_fingerprint')}, this job "
-                f"{model_fingerprint}: shape, seed or precision differ, or written before resharding existed); "
-                "resume with the same model, or use another --checkpoint-dir"
-            )
-        shard = read_tensors(tensor_path, meta)
+        _, meta, shard = _read_shard(ckpt_dir, step, old, None, model_fingerprint)
         rng = shard.pop("rng/torch_cpu", None)
         if rng is not None:
             rngs[old] = rng

@@ -105,7 +105,8 @@ class MemoryMeter:
     def report(self) -> dict[str, int]:
         """This step's figures: ``peak_bytes`` (state + activations), ``state_bytes``; on CUDA also
         ``cuda_max_allocated_bytes`` (the allocator's peak since the last report)."""
-        out = {"peak_bytes": max(self.peak, self.state_bytes() + self.live), "state_bytes": self.state_bytes()}
+        state = self.state_bytes()
+        out = {"peak_bytes": max(self.peak, state + self.live), "state_bytes": state}
         device = next((p.device for p in self.module.parameters()), None)
         if device is not None and device.type == "cuda":
             out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))

@@ -128,7 +128,7 @@ class _Step(NamedTuple):
     action: Action
     text: str
     tag: str  # ActionKind value
-    needs: int  # index of the message it waits for in _Compiled.messages, or -1
+    needs: int  # index of the message it waits for in CompiledSchedule.messages, or -1
     produces: int  # index of the message it emits, or -1
     is_comm: bool  # SEND/RECV: no stage time unless the costs charge messages
     category: str
@@ -157,7 +157,8 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
     """:func:`compile_schedule`, memoized on the exact actions (for callers that pass a plain Schedule)."""
     p = len(actions)
     index: dict[Message, int] = {}
-    lowered = any(a.kind in COMM_KINDS for row in actions for a in row)
+    snapshot = Schedule({s: list(row) for s, row in enumerate(actions)}, p, microbatches, name)
+    lowered = snapshot.has_communication
 
     def number(msg: Message | None) -> int:
         return -1 if msg is None else index.setdefault(msg, len(index))
@@ -171,7 +172,6 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
             needs, produces = message_edges(a, p, lowered)
             compiled.append(_Step(a, str(a), KIND_TAG[a.kind], number(needs), number(produces), is_comm, category))
         steps.append(tuple(compiled))
-    snapshot = Schedule({s: list(row) for s, row in enumerate(actions)}, p, microbatches, name)
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
     return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks)
 
