@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.control.auth import ControlKeys
-from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
+from agents.control.coordinator import BAD_STATES, OFFLINE_GRACE_S, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.control.plane import ControlPlane
 from geosched.errors import InputError
 
 METRICS_LISTEN_S = 3.0
 """How long ``job checkpoint`` listens for step metrics to learn the step a training job is in."""
+STOP_TIMEOUT_S = 30.0
+"""How long ``job stop`` waits for every agent's acknowledgement."""
 DONE_STATES = ("stopped", "error", "offline")
 """States of an agent that no longer trains (``offline``: its will, or really gone)."""
 
@@ -46,15 +48,15 @@ async def stop_job(
     *,
     ca_file: str | None = None,
     keys: ControlKeys | None = None,
-    timeout_s: float = 30.0,
+    timeout_s: float = STOP_TIMEOUT_S,
     resend_s: float = 2.0,
 ) -> list[int]:
     """Send ``stop`` to every agent of ``job`` until each acknowledges it (status ``stopped``, or ``error``);
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
 
-    The command is sent again every ``resend_s`` seconds, so an agent that was reconnecting (its retained
-    status still its ``offline`` will) is stopped as soon as it is back; a rank still ``offline`` when the
-    time is up is presumed gone and not reported.
+    The command is sent again every ``resend_s`` seconds, and while a rank's status is ``offline`` (its will:
+    it may be reconnecting) for up to :data:`~agents.control.coordinator.OFFLINE_GRACE_S`, so an agent back
+    from a reconnect is stopped too; a rank still ``offline`` then is presumed gone and not reported.
     """
     async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
@@ -62,17 +64,22 @@ async def stop_job(
             sent = await cp.publish_command("stop")
             loop = asyncio.get_running_loop()
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s
+            offline_until = loop.time() + OFFLINE_GRACE_S
 
             def running() -> list[int]:
                 return sorted(r for r, st in cp.statuses().items() if st.state not in DONE_STATES)
 
-            while running() and loop.time() < deadline:
+            def waiting() -> bool:
+                offline = any(st.state == "offline" for st in cp.statuses().values())
+                return bool(running()) or (offline and loop.time() < offline_until)
+
+            while waiting() and loop.time() < deadline:
                 with contextlib.suppress(TimeoutError):
                     await sub.get(max(0.0, min(resend_at, deadline) - loop.time()))
-                if loop.time() >= resend_at and running():
+                if loop.time() >= resend_at and waiting():
                     await cp.publish_command("stop", seq=sent.seq)
                     resend_at = loop.time() + resend_s
-            return [r for r in running() if cp.statuses()[r].state != "offline"]
+            return running()
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     left = asyncio.run(commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
     if left:
-        raise AgentLost(f"job {args.job!r}: ranks {left} did not acknowledge stop within 30 s; see their logs")
+        raise AgentLost(
+            f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "
+            "see their logs"
+        )
     print(f"job {args.job!r} stopped: every agent acknowledged")
     return 0

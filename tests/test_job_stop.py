@@ -1,0 +1,45 @@
+"""``job stop`` is acknowledged: it is sent again until every agent says ``stopped``, including one whose
+retained status was still its ``offline`` will (reconnecting) when the stop was first sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from agents.control.commands import stop_job
+from agents.control.messages import CommandMessage
+from agents.control.plane import ControlPlane
+
+
+async def _agent(url: str, rank: int, back_after_s: float, stops: list[float]) -> None:
+    """A stand-in agent on the real control plane. With ``back_after_s``: its status reads 'offline' (as its
+    will would) and it is not connected until then, so it misses the first stop; then 'training' until it
+    receives ``stop``, then 'stopped'."""
+    if back_after_s:
+        async with ControlPlane(url, "stopjob", f"stopjob-will-{rank}") as will:
+            await will.publish_status(rank, "offline")
+        await asyncio.sleep(back_after_s)
+    async with ControlPlane(url, "stopjob", f"stopjob-agent-{rank}") as cp:
+        async with await cp.subscribe("command") as sub:
+            await cp.publish_status(rank, "training")
+            while True:
+                message = await sub.get(30.0)
+                if isinstance(message, CommandMessage) and message.cmd == "stop":
+                    stops.append(time.monotonic())
+                    await cp.publish_status(rank, "stopped")
+                    return
+
+
+def test_stop_reaches_an_agent_back_from_a_reconnect(embedded_broker) -> None:
+    url = embedded_broker.url_for("geosched")
+    stops: list[float] = []
+
+    async def run() -> list[int]:
+        agents = [asyncio.create_task(_agent(url, r, back, stops)) for r, back in ((0, 0.0), (1, 3.0))]
+        await asyncio.sleep(1.0)  # both statuses retained: rank 0 training, rank 1 offline
+        left = await stop_job(url, "stopjob", timeout_s=20.0)
+        await asyncio.wait_for(asyncio.gather(*agents), 10.0)
+        return left
+
+    assert asyncio.run(run()) == []
+    assert len(stops) == 2  # rank 1 got a re-sent stop once it was back
