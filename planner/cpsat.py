@@ -39,6 +39,7 @@ from planner.space import Candidate, Problem, even_split, from_split
 
 USD_UNIT = 1e-6  # costs in micro-dollars
 SEED = 14  # CP-SAT's random seed: fixed, so a solve is reproducible
+LINEARIZATION = 2  # CP-SAT linearization_level: 2 puts the placement constraints into its LP relaxation
 
 
 @dataclass(frozen=True)
@@ -432,14 +433,12 @@ def solve(
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = SEED
-    solver.parameters.linearization_level = 2
+    solver.parameters.linearization_level = LINEARIZATION
     solver.parameters.search_branching = cp_model.PORTFOLIO_SEARCH
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     if effort is not None:
-        solver.parameters.max_deterministic_time = max(
-            0.01, effort * float(__import__("os").environ.get("ESCALE", "1"))
-        )
+        solver.parameters.max_deterministic_time = max(0.01, effort)
     collector = _Collector(model)
     status = solver.solve(model.model, collector)
     name = _STATUS.get(status, "unknown")
