@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import CommandMessage, PlanMessage, StatusMessage
+from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.keys import JobKeys
 from agents.layout import (
@@ -220,15 +220,17 @@ class Agent:
                 self.cp = cp
                 await self._set_status("starting")
                 async with await cp.subscribe("plan", "command", "status") as sub:
-                    pump = asyncio.create_task(self._pump(sub))
+                    tasks = [asyncio.create_task(self._pump(sub)), asyncio.create_task(self._heartbeats())]
                     try:
                         code = await self._adopt(self.layout) if self.layout is not None else None
                         if code is None:
                             code = await self._serve()
                     finally:
-                        pump.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await pump
+                        for task in tasks:
+                            task.cancel()
+                        for task in tasks:
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await task
                         await self._shutdown_worker()
                 await self._set_status("stopped" if code == 0 else "error", endpoints=None)
                 return code
@@ -239,6 +241,18 @@ class Agent:
     async def _pump(self, sub: Any) -> None:
         async for message in sub:
             await self._inbox.put(("mqtt", message))
+
+    async def _heartbeats(self) -> None:
+        """Every HEARTBEAT_S: this agent's state and its stage's progress (see agents.control.liveness)."""
+        assert self.cp is not None
+        seq = 0
+        while True:
+            step, actions = self.worker.progress() if self.worker is not None else (None, 0)
+            state = self._status.get("state")
+            with contextlib.suppress(GeoschedError):
+                await self.cp.publish_heartbeat(self.opts.rank, seq, state=state, step=step, actions=actions)
+            seq += 1
+            await asyncio.sleep(HEARTBEAT_S)
 
     def post(self, *item: Any) -> None:
         """Thread-safe: hand an event from the worker thread to the agent's loop."""
@@ -362,11 +376,13 @@ class Agent:
             )
             return None
         if command.cmd == "start":
+            if command.seq == self._status.get("started"):
+                return None  # a re-sent start this agent already applied (its status acknowledges it)
             routes = command.extra.get("routes") or {}
             steps = command.steps or self.layout.job.steps  # type: ignore[union-attr]
             self.book.open_gate(routes if isinstance(routes, dict) else {})  # type: ignore[union-attr]
             self.worker.request_steps(steps)
-            await self._set_status("training", steps=steps)
+            await self._set_status("training", steps=steps, started=command.seq)
         elif command.cmd == "checkpoint":
             step = command.extra.get("step")
             if self.opts.checkpoint_dir is None:

@@ -207,6 +207,7 @@ class RankWorker:
         self._requests: queue.Queue[int | None] = queue.Queue()
         self._stop = threading.Event()
         self._checkpoint_asked: list[int | None] = []
+        self._runtime: Any = None  # the session's StageRuntime once open (read by progress())
         self._thread = threading.Thread(target=self._main, name=f"geosched-rank{role.rank}", daemon=True)
 
     @property
@@ -217,6 +218,11 @@ class RankWorker:
     def start(self) -> None:
         """Start the thread (it opens the session)."""
         self._thread.start()
+
+    def progress(self) -> tuple[int | None, int]:
+        """(step in progress, schedule actions done) of the rank's stage, for heartbeats (any thread)."""
+        runtime = self._runtime
+        return (None, 0) if runtime is None else (runtime.step_in_progress, runtime.actions_done)
 
     def request_steps(self, steps: int) -> None:
         """Train ``steps`` more steps once the session is open."""
@@ -280,6 +286,7 @@ class RankWorker:
                 opened.set()
                 if helper is not None:
                     helper.join()
+            self._runtime = session.runtime
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():

@@ -9,15 +9,18 @@ job naming it, without hanging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
 
 from agents.control.coordinator import AgentLost, start_job
+from agents.control.plane import ControlPlane
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +44,17 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         for rank, status in seen.items():
             assert status["retained"] and status["state"] == "ready" and status["next_step"] == 2
             assert status["dc"] == DCS[rank] and status["pid"] == agents[rank].pid
+            assert status["started"] == seen[0]["started"]  # the start command's seq: its acknowledgement
+
+        async def send_start_again(seq: int) -> None:
+            """The coordinator re-sends a start until all acknowledge: an agent applies one seq once."""
+            async with ControlPlane(url, job, f"{job}-resend") as cp:
+                await cp.publish_command("start", steps=5, seq=seq)
+                await asyncio.sleep(1.0)
+
+        asyncio.run(send_start_again(seen[0]["started"]))
+        again = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
+        assert [(s["state"], s["next_step"]) for s in again.values()] == [("ready", 2)] * 2, log_tail(tmp_path)
 
         async def run_and_kill() -> str:
             """Start 500 more steps, SIGKILL rank 1 after the first one; return the coordinator's error."""
@@ -54,7 +68,7 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
             return str(info.value)
 
         message = asyncio.run(run_and_kill())
-        assert "rank 1" in message and "eu" in message and "offline" in message, message
+        assert "rank 1" in message and "eu" in message and "went offline" in message, message
         seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
         assert seen[1]["state"] == "offline"
         # the coordinator sent stop: the surviving agent leaves (cleanly, or reporting its lost peer first)
@@ -62,4 +76,32 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
         assert (code, seen[0]["state"]) in ((0, "stopped"), (1, "error")), log_tail(tmp_path)
     finally:
+        stop_processes(agents)
+
+
+def test_a_frozen_agent_is_named_from_its_missing_heartbeats(embedded_broker, tmp_path: Path):
+    """SIGSTOP keeps the agent's MQTT connection open (no will for 1.5 x keepalive): its silent heartbeats name
+    it, while the other agent is still heard and the job has stalled."""
+    url, job = embedded_broker.url_for("geosched"), "frozen"
+    plan = tiny_plan(tmp_path).read_text()
+    agents = [spawn_agent(url, job, rank, dc, tmp_path) for rank, dc in enumerate(DCS)]
+
+    async def run_and_freeze() -> str:
+        out = io.StringIO()
+        task = asyncio.create_task(start_job(url, job, plan, steps=100_000, ready_timeout_s=60, out=out))
+        while not out.getvalue() and not task.done():
+            await asyncio.sleep(0.05)
+        os.kill(agents[1].pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        with pytest.raises(AgentLost) as info:
+            await asyncio.wait_for(task, 60)
+        print(f"frozen agent named after {time.monotonic() - frozen_at:.1f} s")  # the bound: docs/control-plane.md
+        return str(info.value)
+
+    try:
+        message = asyncio.run(run_and_freeze())
+        assert "rank 1" in message and "eu" in message and "frozen or cut off" in message, message
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agents[1].pid, signal.SIGCONT)
         stop_processes(agents)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent_helpers import TINY_CONFIG
 
-from agents.control.coordinator import Liveness, _follow, stranded_endpoints
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.coordinator import StartAcks, _follow, stranded_endpoints
+from agents.control.liveness import Liveness
+from agents.control.messages import CommandMessage, ControlStats, MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
 
@@ -19,6 +20,9 @@ class _Feed:
 
     def __init__(self, messages: list[object]) -> None:
         self.messages = list(messages)
+
+    def backlog(self) -> int:
+        return len(self.messages)
 
     async def get(self, timeout: float) -> object:
         if not self.messages:
@@ -30,6 +34,10 @@ class _Feed:
 class _Plane:
     job: str = "gaps"
     connected: bool = True
+    stats: ControlStats = field(default_factory=ControlStats)
+
+    def statuses(self) -> dict[int, StatusMessage]:
+        return {}
 
 
 def _metrics(rank: int, step: int) -> MetricsMessage:
@@ -82,15 +90,57 @@ def test_an_offline_will_followed_by_signs_of_life_is_not_a_lost_agent() -> None
     assert [s.step for s in result.steps] == [0, 1] and result.missing == {}
 
 
-def test_liveness_counts_only_connected_silence() -> None:
-    live = Liveness(8.0, now=0.0)
-    live.offline(3)
-    assert live.tick(5.0, connected=False) == []  # the coordinator itself was cut off: no time counted
-    assert live.tick(10.0, connected=True) == [] and live.next_s() == 3.0
-    live.offline(3)  # a second will does not restart the clock
-    assert live.tick(13.0, connected=True) == [3]
-    live.alive(3)
-    assert live.next_s() is None and live.tick(100.0, connected=True) == []
+def test_a_will_counts_only_connected_silence_and_is_believed_once_the_job_stalls() -> None:
+    live = Liveness([0, 1], now=0.0)
+    live.offline(1)
+    live.tick(5.0, connected=False, connects=0)  # the coordinator itself was cut off: no time counted
+    assert live.lost() == []
+    for t in range(6, 14):  # rank 0 beats, without progress: the job has stalled
+        live.tick(float(t), connected=True, connects=0)
+        live.heard(0, step=3, actions=17)
+    live.offline(1)  # a second will does not restart the clock
+    assert [rank for rank, _ in live.lost()] == [1]
+    assert "went offline (its last will) and was silent for 8 s" in live.lost()[0][1]
+    live.heard(1)
+    assert live.lost() == []
+
+
+def test_a_will_is_not_believed_while_the_job_progresses() -> None:
+    """A broker restart publishes every will; the pipeline keeps training, which proves its ranks alive."""
+    live = Liveness([0, 1], now=0.0)
+    live.offline(1)
+    for t in range(1, 30):
+        live.tick(float(t), connected=True, connects=0)
+        live.heard(0, step=t // 5, actions=t)  # rank 0's stage completes actions: the job moves
+    assert live.lost() == []
+
+
+def test_a_silent_rank_is_lost_only_while_others_are_heard() -> None:
+    live = Liveness([0, 1, 2], now=0.0)
+    for t in range(1, 6):
+        live.tick(float(t), connected=True, connects=0)
+        live.heard(0, step=0, actions=5)
+        live.heard(1, step=0, actions=5)  # rank 2 froze at t=0
+        assert live.lost() == []
+    live.tick(6.5, connected=True, connects=0)
+    live.heard(0, step=0, actions=5)
+    ((rank, why),) = live.lost()
+    assert rank == 2 and "frozen or cut off" in why
+    stalled = Liveness([0, 1], now=0.0)  # the coordinator stalled: every rank silent at once, nobody blamed
+    stalled.tick(30.0, connected=True, connects=0)
+    assert stalled.lost() == []
+
+
+def test_a_rank_not_heard_since_the_coordinator_reconnected_gets_the_back_off_grace() -> None:
+    live = Liveness([0, 1], now=0.0)
+    live.tick(1.0, connected=True, connects=1)  # reconnected: rank 1 may be in its reconnect back-off
+    for t in range(2, 9):
+        live.tick(float(t), connected=True, connects=1)
+        live.heard(0, step=0, actions=0)
+    assert live.lost() == []  # 7 s since the reconnect: more than SILENT_S but within WILL_GRACE_S
+    live.tick(9.5, connected=True, connects=1)  # 8.5 s
+    live.heard(0, step=0, actions=0)
+    assert [rank for rank, _ in live.lost()] == [1]
 
 
 def test_loopback_endpoints_on_a_multi_host_job_are_named_before_the_start() -> None:
@@ -105,3 +155,15 @@ def test_loopback_endpoints_on_a_multi_host_job_are_named_before_the_start() -> 
     assert stranded_endpoints(one_host) == []  # a rehearsal on one machine
     bound = {0: status(0, "hostA", "tcp://10.0.0.5:4000"), 1: status(1, "hostB", "10.0.0.6:4001")}
     assert stranded_endpoints(bound) == []
+
+
+def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> None:
+    start = CommandMessage("start", seq=41, steps=3)
+    acks = StartAcks(start, [0, 1, 2], now=0.0)
+    acks.heard(StatusMessage(0, "training", extra={"started": 41}))
+    acks.heard(StatusMessage(1, "training", extra={"started": 40}))  # an older start: not this one
+    acks.heard(MetricsMessage(2, 0))  # a step reported: it runs
+    assert acks.waiting == {1} and not acks.due(1.0) and acks.due(2.0) and not acks.due(3.0)
+    assert acks.overdue(29.0) == [] and acks.overdue(30.0) == [1]
+    acks.heard(StatusMessage(1, "training", extra={"started": 41}))
+    assert not acks.due(10.0) and acks.overdue(60.0) == []

@@ -77,9 +77,10 @@ def test_acl_names_only_the_job_s_topics() -> None:
             access, topic = line.split(" ")[1:]
             users[user].append(f"{access} {topic}")
             own = re.fullmatch(rf"{re.escape(topics.root)}/agents/(\d+)/\w+", topic)
-            assert topic in known or (own and topic in (topics.status(int(own[1])), topics.metrics(int(own[1])))), (
-                f"geosched.acl: {topic!r} is not a topic of job {DOC_JOB!r}"
-            )
+            assert topic in known or (
+                own
+                and topic in (topics.status(int(own[1])), topics.metrics(int(own[1])), topics.heartbeat(int(own[1])))
+            ), f"geosched.acl: {topic!r} is not a topic of job {DOC_JOB!r}"
     assert users["coordinator"] == [
         f"write {topics.plan}",
         f"write {topics.command}",
@@ -92,6 +93,7 @@ def test_acl_names_only_the_job_s_topics() -> None:
         assert users[user] == [
             f"write {topics.status(rank)}",
             f"write {topics.metrics(rank)}",
+            f"write {topics.heartbeat(rank)}",
             f"write {topics.events}",
             f"read {topics.plan}",
             f"read {topics.command}",

@@ -99,10 +99,10 @@ class Refused(ProtocolError):
 
 
 def may_publish(identity: str, kind: str, rank: int | None) -> bool:
-    """Whether ``identity`` may sign a message of ``kind`` (on the topic of ``rank``, for status/metrics)."""
+    """Whether ``identity`` may sign a message of ``kind`` (on the topic of ``rank``, for an agent's own topics)."""
     if kind in ("plan", "command"):
         return identity == "coordinator"
-    if kind in ("status", "metrics"):
+    if kind in ("status", "metrics", "heartbeat"):
         return rank is not None and identity == agent_identity(rank)
     return kind == "event"
 

@@ -140,6 +140,7 @@ class JobAcl:
         return (
             ("write", t.status(rank)),
             ("write", t.metrics(rank)),
+            ("write", t.heartbeat(rank)),
             ("write", t.events),
             ("read", t.plan),
             ("read", t.command),
@@ -158,7 +159,7 @@ class JobAcl:
         return any(a == access and topic_matches(p, topic) for a, p in self.rules(username))
 
     def may_publish(self, username: str | None, topic: str) -> bool:
-        """True for the coordinator's plan/command, and an agent's own status/metrics and events."""
+        """True for the coordinator's plan/command, and an agent's own status/metrics/heartbeat and events."""
         return self._allows(username, "write", topic)
 
     def may_subscribe(self, username: str | None, topic_filter: str) -> bool:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.control.auth import ControlKeys
-from agents.control.coordinator import BAD_STATES, OFFLINE_GRACE_S, RETAINED_SETTLE_S, AgentLost, lost_message
+from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
+from agents.control.liveness import WILL_GRACE_S
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.control.plane import ControlPlane
+from agents.control.watch import align
 from geosched.errors import InputError
 
 METRICS_LISTEN_S = 3.0
@@ -55,7 +57,7 @@ async def stop_job(
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
 
     The command is sent again every ``resend_s`` seconds, and while a rank's status is ``offline`` (its will:
-    it may be reconnecting) for up to :data:`~agents.control.coordinator.OFFLINE_GRACE_S`, so an agent back
+    it may be reconnecting) for up to :data:`~agents.control.liveness.WILL_GRACE_S`, so an agent back
     from a reconnect is stopped too; a rank still ``offline`` then is presumed gone and not reported.
     """
     async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
@@ -64,7 +66,7 @@ async def stop_job(
             sent = await cp.publish_command("stop")
             loop = asyncio.get_running_loop()
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s
-            offline_until = loop.time() + OFFLINE_GRACE_S
+            offline_until = loop.time() + WILL_GRACE_S
 
             def running() -> list[int]:
                 return sorted(r for r, st in cp.statuses().items() if st.state not in DONE_STATES)
@@ -192,5 +194,4 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
                 str(s.extra.get("next_step", "-")),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(align(rows))

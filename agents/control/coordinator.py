@@ -24,17 +24,19 @@ import contextlib
 import ipaddress
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.liveness import Liveness
+from agents.control.messages import AGENT_STATES, CommandMessage, HeartbeatMessage, MetricsMessage, StatusMessage
 from agents.control.plane import AgentsNotReady, ControlPlane
 from geosched.errors import GeoschedError, InputError, PlanError
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
+    from agents.metrics.families import JobMetrics
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,11 @@ STEP_LINE = (
 )
 BAD_STATES = ("offline", "error", "stopped")
 RETAINED_SETTLE_S = 0.3
-OFFLINE_GRACE_S = 8.0
-"""Connected seconds an agent's ``offline`` will waits for a sign of life before the job stops (agents
-reconnect within their 5 s back-off cap after a broker restart and republish their status)."""
 """How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
+RESEND_S = 2.0
+"""Seconds between re-sends of ``start`` to the agents that have not acknowledged it."""
+START_ACK_S = 30.0
+"""Seconds every agent has to acknowledge ``start`` (its status's ``started``) before the job stops."""
 
 
 class AgentLost(GeoschedError):
@@ -98,39 +101,6 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
     )
 
 
-class Liveness:
-    """Ranks whose ``offline`` status (their last will) is not believed yet.
-
-    A broker that shuts down publishes every connected client's will, and an
-    agent republishes its own status after it reconnects; so an ``offline``
-    is a suspicion, confirmed only after ``grace_s`` seconds during which this
-    coordinator was connected and heard nothing else from that rank (no
-    status, no metrics). Time while the coordinator itself is disconnected
-    does not count.
-    """
-
-    def __init__(self, grace_s: float, now: float) -> None:
-        self.grace_s, self._last = grace_s, now
-        self._left: dict[int, float] = {}  # rank -> connected seconds before its offline is believed
-
-    def offline(self, rank: int) -> None:
-        self._left.setdefault(rank, self.grace_s)
-
-    def alive(self, rank: int) -> None:
-        self._left.pop(rank, None)
-
-    def next_s(self) -> float | None:
-        """Seconds until the first suspicion would be confirmed (None: no suspect)."""
-        return min(self._left.values(), default=None)
-
-    def tick(self, now: float, connected: bool) -> list[int]:
-        """Count the time since the last tick (if connected); the ranks now confirmed lost."""
-        elapsed, self._last = now - self._last, now
-        if connected:
-            self._left = {rank: left - elapsed for rank, left in self._left.items()}
-        return sorted(rank for rank, left in self._left.items() if left <= 0)
-
-
 @dataclass
 class JobResult:
     """What ``start_job`` saw: one summary per step, in order, and the ranks whose metrics of a step never
@@ -143,6 +113,8 @@ class JobResult:
 
 BeforeStart = Callable[[dict[int, StatusMessage]], Awaitable[dict[str, str]]]
 """Called with the ready statuses (their ``endpoints``) before ``start``; returns routes."""
+OnMetrics = Callable[[MetricsMessage], None]
+"""Called with every metrics message while the job runs (e.g. to record it for the run folder)."""
 
 
 def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
@@ -161,7 +133,9 @@ def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
                 )
 
 
-def lost_message(job: str, status: StatusMessage, step: int | None) -> str:
+def lost_message(job: str, status: StatusMessage, step: int | None, why: str | None = None) -> str:
+    """One line naming the lost agent (rank, DC, stage, replica, host), what happened (``why``, else the
+    state it went to) and when."""
     parts = [
         status.dc,
         *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
@@ -170,7 +144,7 @@ def lost_message(job: str, status: StatusMessage, step: int | None) -> str:
     detail = status.extra.get("message")
     at = f" during step {step}" if step is not None else " before training started"
     return (
-        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} went {status.state}{at}"
+        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} {why or 'went ' + status.state}{at}"
         f"{': ' + str(detail) if detail else ''}; job stopped"
     )
 
@@ -188,8 +162,14 @@ async def start_job(
     step_timeout_s: float = 600.0,
     keys: ControlKeys | None = None,
     plan_source: str = "plan",
+    on_metrics: OnMetrics | None = None,
+    metrics: JobMetrics | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
+
+    ``before_start`` sees the ready statuses (their endpoints) and returns the start command's routes;
+    ``on_metrics`` sees every metrics message of the run (:mod:`agents.runfolder.record`); ``metrics`` (Prometheus,
+    :class:`~agents.metrics.families.JobMetrics`) gets the ranks' states and every step summary.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -203,7 +183,9 @@ async def start_job(
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
     async with ControlPlane(url, job, f"{job}-coordinator", ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics", ranks=ranks) as sub:
+        async with await cp.subscribe("status", "metrics", "heartbeat", ranks=ranks) as sub:
+            if metrics is not None:
+                metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
                 _check_same_plan(cp.job, status, layout)
@@ -213,9 +195,10 @@ async def start_job(
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             first = _first_step(statuses)
             routes = await before_start(statuses) if before_start is not None else {}
-            await cp.publish_command("start", steps=steps, routes=routes)
+            command = await cp.publish_command("start", steps=steps, routes=routes)
             try:
-                return await _follow(cp, sub, layout, first, steps, out, step_timeout_s)
+                acks = StartAcks(command, ranks, asyncio.get_running_loop().time())
+                return await _follow(cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics)
             except BaseException:
                 with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
                     await cp.publish_command("stop", timeout=2.0)
@@ -232,7 +215,8 @@ def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
         endpoints = status.extra.get("endpoints")
         if len(hosts) < 2 or not status.host or not isinstance(endpoints, dict):
             continue
-        loopback = sorted(str(name) for name, address in endpoints.items() if _is_loopback(str(address)))
+        peer_facing = {name: address for name, address in endpoints.items() if not str(name).startswith("metrics/")}
+        loopback = sorted(str(name) for name, address in peer_facing.items() if _is_loopback(str(address)))
         if loopback:
             others = ", ".join(sorted(hosts - {status.host}))
             out.append(
@@ -306,8 +290,47 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
             check_joined(layout, {message.rank: message})
 
 
+class StartAcks:
+    """Which agents have acknowledged ``start`` (policy only): an agent acknowledges with ``started: seq`` in
+    its status (or by reporting a step); the same command (same ``seq``, which agents apply once) is re-sent
+    every :data:`RESEND_S` to the others, so an agent that was reconnecting when it was sent still gets it."""
+
+    def __init__(self, command: CommandMessage, ranks: Iterable[int], now: float) -> None:
+        self.command, self.waiting = command, set(ranks)
+        self._sent_at = self._first = now
+
+    def heard(self, message: object) -> None:
+        if isinstance(message, MetricsMessage) or (
+            isinstance(message, StatusMessage) and message.extra.get("started") == self.command.seq
+        ):
+            self.waiting.discard(message.rank)
+
+    def due(self, now: float) -> bool:
+        """True when the command should be sent again now (and counts it as sent)."""
+        if not self.waiting or now - self._sent_at < RESEND_S:
+            return False
+        self._sent_at = now
+        return True
+
+    def overdue(self, now: float) -> list[int]:
+        """Ranks that did not acknowledge within :data:`START_ACK_S`."""
+        return sorted(self.waiting) if now - self._first >= START_ACK_S else []
+
+    def next_s(self, now: float) -> float:
+        return max(0.05, self._sent_at + RESEND_S - now) if self.waiting else float("inf")
+
+
 async def _follow(
-    cp: ControlPlane, sub: Any, layout: JobLayout, first: int, steps: int, out: TextIO | None, step_timeout_s: float
+    cp: ControlPlane,
+    sub: Any,
+    layout: JobLayout,
+    first: int,
+    steps: int,
+    out: TextIO | None,
+    step_timeout_s: float,
+    acks: StartAcks | None = None,
+    on_metrics: OnMetrics | None = None,
+    metrics: JobMetrics | None = None,
 ) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``.
 
@@ -329,21 +352,26 @@ async def _follow(
         return all(r in finished or newest.get(r, -1) > step for r in ranks)
 
     loop = asyncio.get_running_loop()
-    liveness = Liveness(OFFLINE_GRACE_S, loop.time())
+    liveness = Liveness(ranks, loop.time(), cp.stats.connects)
     progress_at = loop.time()
     while len(finished) < len(ranks):
-        wait = step_timeout_s - (loop.time() - progress_at)
-        suspect_s = liveness.next_s()
-        if suspect_s is not None:
-            wait = min(wait, suspect_s + 0.05)
+        wait = min(step_timeout_s - (loop.time() - progress_at), liveness.next_s() + 0.05)
+        if acks is not None:
+            wait = min(wait, acks.next_s(loop.time()))
         try:
             message = await sub.get(max(0.0, wait))
         except TimeoutError:
             message = None
-        gone = liveness.tick(loop.time(), cp.connected)
+        liveness.tick(loop.time(), cp.connected, cp.stats.connects)
+        if message is not None:
+            _hear(liveness, message)
+        if acks is not None:
+            await _resend_start(cp, acks, message, loop.time())
+        gone = liveness.lost() if sub.backlog() == 0 else []  # judged once everything delivered is read
         if gone:
-            status = result.statuses[gone[0]]
-            raise AgentLost(lost_message(cp.job, status, current) + f" (no sign of life for {OFFLINE_GRACE_S:g} s)")
+            rank, why = gone[0]
+            status = result.statuses.get(rank) or cp.statuses().get(rank) or StatusMessage(rank, "training")
+            raise AgentLost(lost_message(cp.job, status, current, why))
         if message is None:
             if loop.time() - progress_at >= step_timeout_s:
                 raise AgentLost(
@@ -352,19 +380,16 @@ async def _follow(
                 )
             continue
         if isinstance(message, MetricsMessage):
+            if on_metrics is not None:
+                on_metrics(message)
             pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = message.step
             progress_at = loop.time()
-            liveness.alive(message.rank)
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
-            if message.state == "offline":  # its last will: believed once it stays silent (see Liveness)
-                liveness.offline(message.rank)
-            elif message.state in BAD_STATES:
+            if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
                 raise AgentLost(lost_message(cp.job, message, current))
-            else:
-                liveness.alive(message.rank)
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):
@@ -380,5 +405,37 @@ async def _follow(
                 line += f" | metrics of ranks {', '.join(map(str, lost))} lost" if lost else ""
             if out is not None:
                 print(line, file=out, flush=True)
+            if metrics is not None:
+                metrics.step_done(printed, result.steps[-1] if got else None, lost)
             printed += 1
     return result
+
+
+async def _resend_start(cp: ControlPlane, acks: StartAcks, message: object, now: float) -> None:
+    """Count ``message`` as an acknowledgement, re-send ``start`` when due; AgentLost naming the ranks that
+    never acknowledged."""
+    acks.heard(message)
+    late = acks.overdue(now)
+    if late:
+        raise AgentLost(
+            f"job {cp.job!r}: ranks {', '.join(map(str, late))} did not acknowledge start (seq {acks.command.seq}) "
+            f"within {START_ACK_S:g} s; are they connected to the broker? (geosched job status)"
+        )
+    if acks.due(now):
+        command = acks.command
+        with contextlib.suppress(GeoschedError):
+            await cp.publish_command("start", steps=command.steps, seq=command.seq, timeout=RESEND_S, **command.extra)
+
+
+def _hear(liveness: Liveness, message: object) -> None:
+    """Tell the judge what ``message`` says about its rank (see :mod:`agents.control.liveness`)."""
+    if isinstance(message, HeartbeatMessage):
+        liveness.heard(message.rank, message.step, message.actions)
+    elif isinstance(message, MetricsMessage):
+        liveness.heard(message.rank)
+        liveness.stepped()
+    elif isinstance(message, StatusMessage):
+        if message.state == "offline":  # its last will, or a broker shutting down: a suspicion
+            liveness.offline(message.rank)
+        else:
+            liveness.heard(message.rank)

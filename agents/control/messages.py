@@ -8,6 +8,7 @@ topic                       retained  QoS  who publishes -> who reads      paylo
 ``plan``                    yes       1    coordinator -> agents           plan file text (YAML/JSON)
 ``agents/<rank>/status``    yes       1    agent (+ its last will)         JSON :class:`StatusMessage`
 ``agents/<rank>/metrics``   no        0    agent -> coordinator, watchers  JSON :class:`MetricsMessage`
+``agents/<rank>/heartbeat`` no        0    agent -> coordinator, watchers  JSON :class:`HeartbeatMessage`
 ``command``                 no        1    coordinator -> agents           JSON :class:`CommandMessage`
 ``events``                  no        1    anyone -> anyone                JSON :class:`EventMessage`
 ==========================  ========  ===  ==============================  =========================
@@ -20,6 +21,10 @@ JSON payloads (``time`` is Unix seconds; ``?`` marks optional fields):
   ``"state": "offline"`` (retained), so a killed agent shows offline; ``time``
   in that will is when the agent connected, not when it died.
 - metrics: ``{"rank": int, "step": int, "time"?: number, <name>: <any JSON value>...}``.
+- heartbeat: ``{"rank": int, "seq": int, "state"?: str, "step"?: int, "actions"?: int, "time"?: number}``,
+  every :data:`HEARTBEAT_S` seconds while the agent's loop runs: ``seq`` counts heartbeats, ``step`` is
+  the step in progress and ``actions`` the schedule actions its stage has completed (data-plane
+  progress), so a watcher tells an agent that is alive and moving from one that is alive but stuck.
 - command: ``{"cmd": "start|stop|checkpoint", "seq": int, "steps"?: int}``; ``seq``
   increases with every command of a coordinator (it starts from the clock in ms,
   so a restarted coordinator still increases it).
@@ -57,7 +62,9 @@ MAX_PAYLOAD_BYTES = 1 << 20
 AGENT_STATES = ("starting", "ready", "training", "stopped", "offline", "error")
 COMMANDS = ("start", "stop", "checkpoint")
 EVENT_LEVELS = ("info", "warning", "error")
-KINDS = ("plan", "status", "metrics", "command", "event")
+KINDS = ("plan", "status", "metrics", "heartbeat", "command", "event")
+HEARTBEAT_S = 1.0
+"""Seconds between an agent's heartbeats."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RANK_RE = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical decimal, as Topics.status() writes it
 
@@ -103,12 +110,17 @@ class Topics:
         """Per-step metrics of ``rank``."""
         return f"{self.root}/agents/{rank}/metrics"
 
+    def heartbeat(self, rank: int) -> str:
+        """Liveness and progress of ``rank``, every :data:`HEARTBEAT_S` seconds."""
+        return f"{self.root}/agents/{rank}/heartbeat"
+
     def filter(self, kind: str) -> str:
         """The subscription filter that receives every message of ``kind``."""
         return {
             "plan": self.plan,
             "status": f"{self.root}/agents/+/status",
             "metrics": f"{self.root}/agents/+/metrics",
+            "heartbeat": f"{self.root}/agents/+/heartbeat",
             "command": self.command,
             "event": self.events,
         }[kind]
@@ -144,6 +156,19 @@ class MetricsMessage:
     step: int
     time: float | None = None
     values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeartbeatMessage:
+    """One agent's sign of life with its progress (see the module docstring)."""
+
+    rank: int
+    seq: int
+    state: str | None = None
+    step: int | None = None
+    actions: int | None = None
+    time: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -202,7 +227,7 @@ class AgentIdentity:
     replica: int | None = None
 
 
-ControlMessage = PlanMessage | StatusMessage | MetricsMessage | CommandMessage | EventMessage
+ControlMessage = PlanMessage | StatusMessage | MetricsMessage | HeartbeatMessage | CommandMessage | EventMessage
 
 _INT, _NUM, _STR = (int,), (int, float), (str,)
 # field -> (accepted types, required, allowed values or None)
@@ -218,6 +243,14 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[str, ...] | No
         "time": (_NUM, False, None),
     },
     "metrics": {"rank": (_INT, True, None), "step": (_INT, True, None), "time": (_NUM, False, None)},
+    "heartbeat": {
+        "rank": (_INT, True, None),
+        "seq": (_INT, True, None),
+        "state": (_STR, False, AGENT_STATES),
+        "step": (_INT, False, None),
+        "actions": (_INT, False, None),
+        "time": (_NUM, False, None),
+    },
     "command": {"cmd": (_STR, True, COMMANDS), "seq": (_INT, True, None), "steps": (_INT, False, None)},
     "event": {
         "level": (_STR, True, EVENT_LEVELS),
@@ -251,7 +284,7 @@ def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, 
 
 
 def classify_topic(job: str, topic: str) -> tuple[str, int | None]:
-    """(kind, rank) of a topic of ``job`` (rank: for status and metrics topics); ProtocolError otherwise."""
+    """(kind, rank) of a topic of ``job`` (rank: for the per-agent topics); ProtocolError otherwise."""
     topics = Topics(job)
     if topic == topics.plan:
         return "plan", None
@@ -261,7 +294,7 @@ def classify_topic(job: str, topic: str) -> tuple[str, int | None]:
     if (
         len(levels) == 3
         and levels[0] == "agents"
-        and levels[2] in ("status", "metrics")
+        and levels[2] in ("status", "metrics", "heartbeat")
         and _RANK_RE.fullmatch(levels[1])
     ):
         return levels[2], int(levels[1])
@@ -295,6 +328,8 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
         return StatusMessage(**known, extra=extra)
     if kind == "metrics":
         return MetricsMessage(**known, values=extra)
+    if kind == "heartbeat":
+        return HeartbeatMessage(**known, extra=extra)
     if kind == "command":
         return CommandMessage(**known, extra=extra)
     return EventMessage(**known, extra=extra)
@@ -306,6 +341,7 @@ def kind_of(message: ControlMessage) -> str:
         PlanMessage: "plan",
         StatusMessage: "status",
         MetricsMessage: "metrics",
+        HeartbeatMessage: "heartbeat",
         CommandMessage: "command",
         EventMessage: "event",
     }[type(message)]

@@ -1,15 +1,13 @@
 """The MQTT control plane client of a geosched job: connect, reconnect, publish, subscribe.
 
-The topic scheme and payload schemas live in :mod:`agents.control.messages`,
-the broker URL and its errors in :mod:`agents.control.address`, the
-subscription queue in :mod:`agents.control.subscription`: ``geosched/<job>/plan`` and ``.../agents/<rank>/status``
-(retained), ``.../agents/<rank>/metrics``, ``.../command``, ``.../events``.
+Topics and payloads: :mod:`agents.control.messages`; the broker URL and its errors:
+:mod:`agents.control.address`; the subscription queue: :mod:`agents.control.subscription`.
 An agent's client registers a retained last will ``{"state": "offline"}`` on
 its status topic, so a killed agent shows offline.
 
 Delivery: plan and status are *state*: retained, kept by the client and
 republished after every reconnect (so a restarted broker learns them again);
-subscribers may see the same status twice. Metrics and events are a stream:
+subscribers may see the same status twice. Metrics, heartbeats and events are a stream:
 dropped (and counted) while the broker is unreachable. Commands wait for the
 broker (up to ``timeout``) and raise BrokerUnreachable if it stays away.
 With ``keys`` everything is signed and verified (:mod:`agents.control.auth`).
@@ -460,6 +458,12 @@ class ControlPlane:
         """Publish one step's metrics (must contain ``step``); dropped and counted if offline."""
         payload = self._encode("metrics", {"rank": rank, "time": time.time(), **metrics})
         return await self._publish_stream(self.topics.metrics(rank), payload, qos=0)
+
+    async def publish_heartbeat(self, rank: int, seq: int, **progress: Any) -> bool:
+        """Publish one heartbeat (``state``, ``step``, ``actions``); dropped and counted if offline."""
+        data = {"rank": rank, "seq": seq, "time": time.time(), **progress}
+        payload = self._encode("heartbeat", {k: v for k, v in data.items() if v is not None})
+        return await self._publish_stream(self.topics.heartbeat(rank), payload, qos=0)
 
     async def publish_event(self, level: str, message: str, *, rank: int | None = None, **fields: Any) -> bool:
         """Publish an error or notice; dropped and counted if offline."""

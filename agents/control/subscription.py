@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from agents.control.messages import ControlMessage, MetricsMessage, StatusMessage, kind_of
+from agents.control.messages import ControlMessage, HeartbeatMessage, MetricsMessage, StatusMessage, kind_of
 
 __all__ = ["Subscription"]
 
@@ -44,9 +44,9 @@ class Subscription:
         """True when this subscription should receive ``message``."""
         if kind_of(message) not in self.kinds:
             return False
-        return (
-            self.ranks is None or not isinstance(message, (StatusMessage, MetricsMessage)) or message.rank in self.ranks
-        )
+        if self.ranks is None or not isinstance(message, (StatusMessage, MetricsMessage, HeartbeatMessage)):
+            return True
+        return message.rank in self.ranks
 
     def offer(self, message: ControlMessage) -> None:
         """Queue ``message`` without waiting (dropped and counted when the queue is full)."""
@@ -54,6 +54,10 @@ class Subscription:
             self._queue.put_nowait(message)
         except asyncio.QueueFull:
             self._on_drop()
+
+    def backlog(self) -> int:
+        """Messages received and not read yet."""
+        return self._queue.qsize()
 
     async def get(self, timeout: float | None = None) -> ControlMessage:
         """The next message; asyncio.TimeoutError after ``timeout`` s; StopAsyncIteration once closed."""

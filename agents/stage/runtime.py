@@ -153,6 +153,9 @@ class StageRuntime:
         self.num_microbatches = schedule.num_microbatches
         optimizer.zero_grad(set_to_none=True)
         self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
+        self.step_in_progress: int | None = None
+        self.actions_done = 0
+        """Schedule actions completed since the runtime opened: the data-plane progress heartbeats carry."""
 
     def run_step(self, step: int, microbatches: Sequence[Microbatch] | None = None) -> StepReport:
         """Run every action of this stage for ``step``; return its timings, loss and traffic.
@@ -166,6 +169,7 @@ class StageRuntime:
         self.memory.start_step()  # before the clocks are read: started_at and t0 must be the same instant
         started_at = time.time()
         t0 = state.t0 = time.perf_counter()
+        self.step_in_progress = step
         for action in self.actions:
             begin = time.perf_counter()
             try:
@@ -173,6 +177,7 @@ class StageRuntime:
             except Exception as exc:  # noqa: BLE001 - re-raised with the grid, keeping GeoschedError classes
                 raise self._failure(action, step, exc) from exc
             end = time.perf_counter()
+            self.actions_done += 1
             begin = max(begin, state.filled_until)  # prefill chunks run first in this receive's bubble
             state.events.append(Event(self.stage, str(action), begin - t0, end - t0, category, action.kind.value))
             if category == "idle":
