@@ -55,9 +55,12 @@ from agents.layout import (
     check_agent_fits,
     expected_endpoints,
     load_plan_file,
+    metrics_name,
     parse_layout,
     plan_id,
 )
+from agents.metrics.families import AgentMetrics, loop_answers
+from agents.metrics.server import MetricsServer
 from geosched.errors import GeoschedError, InputError, LinkError
 
 log = logging.getLogger(__name__)
@@ -164,10 +167,13 @@ class AgentOptions:
     recv_timeout_s: float = 120.0
     wan_chunk_bytes: int = 0
     prefill_bind: str | None = None  # serve prefill on this ZeroMQ endpoint (None: off)
-    prefill_weights: str | None = None  # safetensors weights of the served model (None: seeded)
+    prefill_weights: str | None = None  # weights file or checkpoint folder of the served model (None: seeded)
+    prefill_follow: bool = False  # serve each newer checkpoint that completes in the prefill_weights folder
+    prefill_http: tuple[str, int] | None = None  # also serve prefill over HTTP on (host, port) (None: off)
     control_keys: ControlKeys | None = None  # sign statuses; obey only the coordinator's signed plans/commands
     keys: JobKeys | None = None  # the job's key folder (--keys): signing, CURVE on links and prefill, MQTT login
     prefill_token: str | None = None  # prefill clients must send this token (--prefill-token-file or --keys)
+    metrics_bind: tuple[str, int] | None = None  # serve Prometheus /metrics and /health on (host, port) (None: off)
 
 
 class Agent:
@@ -183,16 +189,28 @@ class Agent:
         self._status: dict[str, Any] = {}
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = AgentMetrics(  # always kept (cheap); served only with metrics_bind
+            options.rank, options.job, stale_s=options.recv_timeout_s, grace_s=options.connect_timeout_s
+        )
+        self.metrics.sources["control"] = lambda: dict(vars(self.cp.stats)) if self.cp is not None else {}
+        self._fixed: dict[str, str] = {}  # endpoints the process holds from start to exit (metrics)
         if options.plan_path is not None:  # bad input at start: exit 2 before connecting
             text = load_plan_file(options.plan_path)
             layout = parse_layout(text, options.plan_path)
             check_agent_fits(layout, options.rank, options.dc)
+            if options.prefill_bind and options.prefill_weights:  # weights of another model: refused now, not later
+                from agents.checkpoint.export import check_served_source
+                from geosched.weights import ModelRecord
+
+                record = ModelRecord.of(layout.job.model, layout.job.seed, layout.job.precision)
+                check_served_source(options.prefill_weights, record, follow=options.prefill_follow)
             self.layout, self.plan_id = layout, plan_id(text)
 
     # -- status ------------------------------------------------------------------
     async def _set_status(self, state: str, **fields: Any) -> None:
         self._status = {k: v for k, v in {**self._status, **fields}.items() if v is not None}
         self._status["state"] = state
+        self.metrics.status(self._status)
         assert self.cp is not None
         fields_out = {k: v for k, v in self._status.items() if k != "state"}
         await self.cp.publish_status(self.opts.rank, state, **fields_out)
@@ -200,7 +218,8 @@ class Agent:
     async def _announce(self, own: dict[str, str]) -> None:
         """Worker thread published an endpoint; ready once every expected one is there."""
         assert self.layout is not None
-        ready = expected_endpoints(self.layout, self.opts.rank, bool(self.opts.prefill_bind)) <= set(own)
+        opts = self.opts
+        ready = expected_endpoints(self.layout, opts.rank, bool(opts.prefill_bind), bool(opts.prefill_http)) <= set(own)
         await self._set_status("ready" if ready else "starting", endpoints=own)
 
     # -- main loop -----------------------------------------------------------------
@@ -218,7 +237,7 @@ class Agent:
                 opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=opts.control_keys
             ) as cp:
                 self.cp = cp
-                await self._set_status("starting")
+                await self._set_status("starting", endpoints=dict(self._fixed) or None)
                 async with await cp.subscribe("plan", "command", "status") as sub:
                     tasks = [asyncio.create_task(self._pump(sub)), asyncio.create_task(self._heartbeats())]
                     try:
@@ -303,7 +322,8 @@ class Agent:
     def _owned_endpoints(self, rank: int, endpoints: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``endpoints`` that the plan gives to ``rank`` (the rest are dropped and logged)."""
         assert self.layout is not None
-        owned = expected_endpoints(self.layout, rank, True) if rank < len(self.layout.roles) else set()
+        owned = expected_endpoints(self.layout, rank, True, True) if rank < len(self.layout.roles) else set()
+        owned.add(metrics_name(rank))
         foreign = sorted(str(name)[:80] for name in endpoints if name not in owned)
         if foreign:
             log.warning(
@@ -347,7 +367,7 @@ class Agent:
             replica=role.replica,
             plan_id=self.plan_id,
             message=None,
-            endpoints={},
+            endpoints=dict(self._fixed),
         )
         checkpoints = None
         if opts.checkpoint_dir is not None:
@@ -356,10 +376,11 @@ class Agent:
             except GeoschedError as exc:  # a corrupt checkpoint: say so, load nothing, leave
                 return await self._on_failure(exc)
         self.book = MqttAddressBook(asyncio.get_running_loop(), self._announce, opts.peer_overrides)
-        self.worker = RankWorker(layout, role, opts, self.book, self.post, checkpoints)
+        self.book.own.update(self._fixed)
+        self.worker = RankWorker(layout, role, opts, self.book, self.post, checkpoints, metrics=self.metrics)
         self._status["next_step"] = self.worker.start_step
         self.worker.start()
-        if not expected_endpoints(layout, opts.rank, bool(opts.prefill_bind)):
+        if not expected_endpoints(layout, opts.rank, bool(opts.prefill_bind), bool(opts.prefill_http)):
             await self._set_status("ready")
         for status in self.cp.statuses().values():  # type: ignore[union-attr]  # peers already live
             await self._on_message(status)
@@ -407,6 +428,7 @@ class Agent:
             100 * record.get("bubble_fraction", 0.0),
             record.get("wan_bytes", 0),
         )
+        self.metrics.step(record)
         await self.cp.publish_metrics(self.opts.rank, record)  # type: ignore[union-attr]
 
     async def _on_failure(self, exc: BaseException) -> int:
@@ -420,6 +442,16 @@ class Agent:
         with contextlib.suppress(GeoschedError):
             await self.cp.publish_event(level, message, rank=self.opts.rank)  # type: ignore[union-attr]
 
+    def serve_metrics(self) -> MetricsServer | None:
+        """Serve ``/metrics`` and ``/health`` on ``metrics_bind`` (InputError if it cannot be bound), published
+        as ``metrics/r<rank>`` in the status; the server, None when off."""
+        opts, metrics = self.opts, self.metrics
+        if opts.metrics_bind is None:
+            return None
+        server = MetricsServer(*opts.metrics_bind, metrics.registry, lambda: metrics.health(loop_answers(self._loop)))
+        self._fixed[metrics_name(opts.rank)] = server.start().url(opts.bind_host)
+        return server
+
     async def _shutdown_worker(self) -> None:
         if self.book is not None:
             self.book.stop("shutting down")
@@ -430,7 +462,12 @@ class Agent:
 def run_agent(options: AgentOptions) -> int:
     """Run the agent daemon to completion; the exit code (0 after stop/SIGTERM)."""
     agent = Agent(options)
-    code = asyncio.run(agent.run())
+    server = agent.serve_metrics()  # before connecting: a port that cannot be bound is bad input (exit 2)
+    try:
+        code = asyncio.run(agent.run())
+    finally:
+        if server is not None:
+            server.close()
     if agent.worker is not None and agent.worker.alive:
         # a rank thread stuck in a peer's socket cannot be interrupted; leave without waiting for it
         log.warning("rank %d: worker thread still busy at exit; leaving it", options.rank)

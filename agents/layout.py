@@ -10,8 +10,8 @@ pipeline (DC and ``[start, end)`` blocks of every stage), the data-parallel
 degree, TCP streams per WAN link, the prediction, and the :class:`RankRole` of
 every rank (rank = (stage x dp + replica) x tp + tp_rank, the plan's numbering).
 
-Endpoint names (:func:`pipe_name`, :func:`store_name`, :func:`prefill_name`)
-are the keys agents publish their bound addresses under; :func:`plan_id` tags
+Endpoint names (:func:`pipe_name`, :func:`store_name`, :func:`prefill_name`, :func:`prefill_http_name`,
+:func:`metrics_name`) are the keys agents publish their bound addresses under; :func:`plan_id` tags
 those statuses so endpoints of another plan are ignored.
 
 :func:`layout_plan_text` writes a plan for a layout chosen by hand (tests,
@@ -73,6 +73,11 @@ class RankRole:
     def group_size(self) -> int:
         """Processes in the stage's group (one rendezvous store): dp x tp."""
         return self.dp_size * self.tp_size
+
+    def wan_peer_dc(self, peer_stage: int) -> str | None:
+        """The DC of neighbouring stage ``peer_stage`` when reaching it crosses the WAN, else None."""
+        peer_dc = self.prev_dc if peer_stage == self.stage - 1 else self.next_dc
+        return peer_dc if peer_dc is not None and peer_dc != self.dc else None
 
 
 def layout_roles(
@@ -158,6 +163,16 @@ def prefill_name(rank: int) -> str:
     return f"prefill/r{rank}"
 
 
+def prefill_http_name(rank: int) -> str:
+    """The status endpoint name of a rank's prefill HTTP front end (an ``http://`` URL), e.g. ``prefill-http/r3``."""
+    return f"prefill-http/r{rank}"
+
+
+def metrics_name(rank: int) -> str:
+    """The status endpoint name of a rank's Prometheus endpoint (an ``http://`` URL), e.g. ``metrics/r3``."""
+    return f"metrics/r{rank}"
+
+
 def plan_id(text: str) -> str:
     """A short id of a plan text; statuses carry it so stale endpoints of another plan are ignored."""
     return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -211,10 +226,13 @@ class JobLayout:
         ]
 
 
-def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False) -> set[str]:
-    """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service too)."""
+def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False, prefill_http: bool = False) -> set[str]:
+    """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service
+    too; ``prefill_http``: its HTTP front end too)."""
     role = layout.role(rank)
     names = {prefill_name(rank)} if prefill else set()
+    if prefill_http:
+        names.add(prefill_http_name(rank))
     if not role.first:
         names.add(pipe_name(role.stage, role.replica, role.tp_rank))
     if role.group_size > 1 and role.group_rank == 0:
@@ -387,9 +405,11 @@ __all__ = [
     "layout_roles",
     "load_plan_file",
     "parse_layout",
+    "metrics_name",
     "pipe_name",
     "plan_for_config",
     "plan_id",
+    "prefill_http_name",
     "prefill_name",
     "runtime_refusal",
     "store_name",

@@ -11,8 +11,11 @@ of steps the agent requests and reports through ``post``:
 - ``post("failed", exc)``: the session failed (the agent reports it and exits).
 
 With ``prefill_bind`` set, the worker also opens a
-:class:`~agents.prefill.service.PrefillService` (the job's model shape,
-seeded or ``prefill_weights``), publishes its endpoint as ``prefill/r<R>``,
+:class:`~agents.prefill.swap.SwappablePrefillService` (the job's model shape,
+seeded or ``prefill_weights``: a file from ``geosched export`` or a
+checkpoint folder's newest complete step; with ``prefill_follow`` each newer
+step is swapped in between requests as it completes), publishes its endpoint as ``prefill/r<R>``
+(and with ``prefill_http`` its HTTP front end's URL as ``prefill-http/r<R>``),
 lets the runtime fill bubbles with it, serves it outright while there are
 no steps to run (between and after training requests), adds its metrics to every step record
 (``prefill``) and writes them to ``run_dir/prefill-rank<R>.json``.
@@ -55,16 +58,22 @@ class StopTraining(Exception):
     """Raised between steps inside the worker when the agent stops."""
 
 
+METRICS_EVENTS_MAX_BYTES = 256 * 1024
+"""Timed events above this (as JSON) stay out of a step's metrics (``events_dropped``): a payload is <= 1 MiB."""
+
+
 def metrics_record(report: Any, role: Any) -> dict[str, Any]:
-    """The metrics message of one step: the StepReport without events, plus bytes sent over the WAN."""
-    data = report.to_dict(with_events=False)
-    wan = 0
-    for peer, nbytes in report.bytes_sent.items():
-        peer_dc = role.prev_dc if peer == role.stage - 1 else role.next_dc
-        if peer_dc is not None and peer_dc != role.dc:
-            wan += nbytes
+    """The metrics message of one step: the StepReport, plus bytes sent over the WAN.
+
+    Replica 0's ranks add the step's timed events and idle gaps (the coordinator's measured timeline,
+    :mod:`agents.runfolder.record`) unless they exceed :data:`METRICS_EVENTS_MAX_BYTES`; the others
+    send none (the timeline shows replica 0's pipeline).
+    """
+    data = report.to_dict(with_events=role.replica == 0)
+    if len(json.dumps(data.get("events", [])) + json.dumps(data.get("idle_gaps", []))) > METRICS_EVENTS_MAX_BYTES:
+        data["events_dropped"] = len(data.pop("events")) + len(data.pop("idle_gaps"))
+    wan = sum(nbytes for peer, nbytes in report.bytes_sent.items() if role.wan_peer_dc(peer) is not None)
     data.update(dc=role.dc, wan_bytes=wan)
-    data.pop("started_at", None)
     record: dict[str, Any] = json.loads(json.dumps(data))  # JSON-safe: what the control plane sends
     return record
 
@@ -155,8 +164,11 @@ class RankCheckpoints:
         if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
             return False
         if self._writer is None:
+            from geosched.weights import ModelRecord
+
+            record = ModelRecord.of(self.job.model, self.job.seed, self.job.precision).to_dict()
             self._writer = CheckpointWriter(
-                self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint, self.model_fingerprint
+                self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint, self.model_fingerprint, record
             )
         self._writer.save(done, module, optimizer, extra={"next_step": done})
         return True
@@ -200,14 +212,20 @@ class RankWorker:
         book: Any,
         post: Callable[..., None],
         checkpoints: RankCheckpoints | None = None,
+        metrics: Any = None,
     ) -> None:
         self.layout, self.role, self.opts, self.book, self.post = layout, role, options, book, post
+        self.metrics = metrics  # the agent's AgentMetrics: told every prefill TTFT, reads the snapshots below
+        if metrics is not None:
+            metrics.sources.update(links=self.link_snapshots, prefill=self.prefill_snapshot)
         self.checkpoints = checkpoints
         self.start_step = checkpoints.start_step if checkpoints is not None else 0
         self._requests: queue.Queue[int | None] = queue.Queue()
         self._stop = threading.Event()
         self._checkpoint_asked: list[int | None] = []
         self._runtime: Any = None  # the session's StageRuntime once open (read by progress())
+        self._links: dict[int, Any] = {}  # peer stage -> the session's WanLink once open (read by link_snapshots())
+        self._service: Any = None  # the PrefillService once open (read by prefill_snapshot())
         self._thread = threading.Thread(target=self._main, name=f"geosched-rank{role.rank}", daemon=True)
 
     @property
@@ -223,6 +241,19 @@ class RankWorker:
         """(step in progress, schedule actions done) of the rank's stage, for heartbeats (any thread)."""
         runtime = self._runtime
         return (None, 0) if runtime is None else (runtime.step_in_progress, runtime.actions_done)
+
+    def link_snapshots(self) -> list[dict[str, Any]]:
+        """``WanLink.metrics()`` of the rank's open links, each with ``peer_stage`` and ``peer_dc`` (any thread)."""
+        role = self.role
+        return [
+            {"peer_stage": peer, "peer_dc": role.prev_dc if peer < role.stage else role.next_dc, **link.metrics()}
+            for peer, link in list(self._links.items())
+        ]
+
+    def prefill_snapshot(self) -> dict[str, Any] | None:
+        """The prefill service's metrics now (None without a service), also while idle (any thread)."""
+        service = self._service
+        return None if service is None else dict(service.metrics())
 
     def request_steps(self, steps: int) -> None:
         """Train ``steps`` more steps once the session is open."""
@@ -287,6 +318,7 @@ class RankWorker:
                 if helper is not None:
                     helper.join()
             self._runtime = session.runtime
+            self._links = dict(session.transport.links) if session.transport is not None else {}
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():
@@ -345,25 +377,62 @@ class RankWorker:
 
     def _open_prefill(self, stack: ExitStack) -> Any:
         """Load the served model, bind the prefill service, publish its endpoint; closed with ``stack``."""
+        from agents.checkpoint.export import served_weights
         from agents.layout import prefill_name
-        from agents.prefill.model import load_inference_model
-        from agents.prefill.service import PrefillService
+        from agents.prefill.model import frozen, load_inference_model
+        from agents.prefill.swap import SwappablePrefillService
+        from geosched.weights import ModelRecord
 
-        job = self.layout.job
-        model = load_inference_model(job.model, self.opts.prefill_weights, seed=job.seed)
+        job, source = self.layout.job, self.opts.prefill_weights
+        record = ModelRecord.of(job.model, job.seed, job.precision)
+        whole, step = served_weights(source, record, follow=self.opts.prefill_follow)
+        model = frozen(whole) if whole is not None else load_inference_model(job.model, None, seed=job.seed)
+        served = f"the seeded initial weights (seed {job.seed})" if whole is None else str(source)
+        if whole is not None and step is not None:  # a checkpoint folder, or a file exported from one
+            served = f"checkpoint step {step} of {source}" if os.path.isdir(str(source)) else f"{source} (step {step})"
         keys, curve = self.opts.keys, None
         if keys is not None:  # CURVE with the rank's keypair: encrypted; any client key (the token authenticates)
             from agents.sockets import CurveServer
 
             curve = CurveServer(*keys.curve_keypair(self.role.rank))
         service = stack.enter_context(
-            PrefillService(model, bind=self.opts.prefill_bind, auth_token=self.opts.prefill_token, curve_server=curve)
+            SwappablePrefillService(
+                model,
+                served=served,
+                bind=self.opts.prefill_bind,
+                auth_token=self.opts.prefill_token,
+                curve_server=curve,
+            )
         )
+        service.metrics_.on_ttft = None if self.metrics is None else self.metrics.observe_ttft
+        self._service = service
+        log.info("rank %d: prefill serves %s", self.role.rank, served)
+        if self.opts.prefill_follow:
+            self._follow_checkpoints(stack, service, record, step)
         host, port = service.endpoint.removeprefix("tcp://").rsplit(":", 1)
         if host in ("0.0.0.0", "*"):  # bound everywhere: peers reach it at the agent's address
             host = self.opts.bind_host
         self.book.publish(prefill_name(self.role.rank), f"tcp://{host}:{port}")
+        if self.opts.prefill_http is not None:  # the OpenAI-style HTTP front end: the same service and queue
+            from agents.layout import prefill_http_name
+            from agents.prefill.http import PrefillHttpServer
+
+            http = stack.enter_context(PrefillHttpServer(service, *self.opts.prefill_http))
+            url = http.url if http.host not in ("0.0.0.0", "::", "") else f"http://{self.opts.bind_host}:{http.port}"
+            self.book.publish(prefill_http_name(self.role.rank), url)
         return service
+
+    def _follow_checkpoints(self, stack: ExitStack, service: Any, record: Any, step: int | None) -> None:
+        """Serve each newer checkpoint that completes in the ``prefill_weights`` folder (swapped between requests)."""
+        from agents.checkpoint.follow import CheckpointFollower
+        from agents.prefill.model import frozen
+
+        folder = self.opts.prefill_weights
+
+        def serve(new_step: int, model: Any) -> None:
+            service.replace_model(frozen(model), f"checkpoint step {new_step} of {folder}")
+
+        stack.callback(CheckpointFollower(folder, record, step, serve).start().close)
 
     def _link_security(self) -> Any:
         """CURVE on the rank's pipeline links from the job's keys (None without ``--keys``)."""

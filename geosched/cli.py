@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "profile": ("geosched.commands.profile", "measure the model on this machine; write a cost-model calibration"),
     "wanem": ("geosched.commands.wanem", "WAN emulator: a TCP relay adding delay, per-connection window and link cap"),
     "prefill": ("geosched.commands.prefill", "send a prompt to an agent's prefill endpoint; optionally decode on"),
+    "export": ("geosched.commands.export", "merge a checkpoint's stage shards into one whole-model weights file"),
     "agent": ("geosched.commands.agent", "run one rank's agent daemon (MQTT control plane, trains on command)"),
     "job": ("geosched.commands.job", "start, show or stop a job over MQTT (the coordinator)"),
     "launch": ("geosched.commands.launch", "rehearse a whole job on this machine: broker, WAN emulator, agents"),

@@ -202,6 +202,7 @@ def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
         "datacenters": [asdict(d) for d in plan.datacenters],
         "links": [asdict(link) for link in plan.links],
         "unused": [asdict(r) for r in reasons],
+        "rank_layout": rank_blocks(plan),
         "floors": {
             "compute_s": floors.compute_s,
             "wan_s": floors.wan_s,
@@ -213,8 +214,48 @@ def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
     }
 
 
-def _ranges(values: tuple[int, ...]) -> str:
-    return f"{values[0]}-{values[-1]}" if len(values) > 1 else (str(values[0]) if values else "-")
+def _ranges(values: tuple[int, ...] | list[int]) -> str:
+    """``"3-7"``, ``"3"`` (one value) or ``"-"`` (none) for sorted ``values``."""
+    if not values:
+        return "-"
+    return str(values[0]) if values[0] == values[-1] else f"{values[0]}-{values[-1]}"
+
+
+def rank_blocks(plan: Plan) -> list[dict[str, Any]]:
+    """The rank layout in runs, not one line per process: each run of consecutive ranks of one stage in one
+    DC, as ``{"ranks": [first, last], "dc", "stage", "replicas": [first, last], "layers": [start, end]}``."""
+    blocks: list[dict[str, Any]] = []
+    for r in plan.ranks:
+        last = blocks[-1] if blocks else None
+        if last is not None and (last["dc"], last["stage"], last["ranks"][1]) == (r.dc, r.stage, r.rank - 1):
+            last["ranks"][1], last["replicas"][1] = r.rank, max(last["replicas"][1], r.replica)
+        else:
+            blocks.append(
+                {
+                    "ranks": [r.rank, r.rank],
+                    "dc": r.dc,
+                    "stage": r.stage,
+                    "replicas": [r.replica, r.replica],
+                    "layers": list(r.layers),
+                }
+            )
+    return blocks
+
+
+def rank_layout_text(plan: Plan) -> list[str]:
+    """The rank table of the summary: one line per run of ranks (:func:`rank_blocks`)."""
+    tp = f" x {plan.tensor_parallel} + tp rank" if plan.tensor_parallel > 1 else ""
+    order = f"rank = (stage x {plan.dp} + replica){tp}" if not plan.extra_pipelines else "stage-major, then pipeline"
+    lines = [
+        f"ranks ({plan.world_size}, {order}):",
+        f"  {'ranks':<13} {'datacenter':<12} {'stage':>5}  {'replicas':<11} blocks",
+    ]
+    for b in rank_blocks(plan):
+        start, end = b["layers"]
+        lines.append(
+            f"  {_ranges(b['ranks']):<13} {b['dc']:<12} {b['stage']:>5}  {_ranges(b['replicas']):<11} {start}-{end - 1}"
+        )
+    return lines
 
 
 def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
@@ -250,6 +291,7 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
             )
     else:
         lines += ["", "no WAN link carries pipeline traffic"]
+    lines += ["", *rank_layout_text(plan)]
     if reasons:
         lines += ["", "idle GPUs:"] + [f"  {r.text}" for r in reasons]
     return "\n".join(lines)

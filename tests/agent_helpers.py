@@ -61,11 +61,16 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "geosched.cli", *args]
 
 
-def spawn_agent(url: str, job: str, rank: int, dc: str, log_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """Start ``geosched agent`` for one rank in its own process group; output to ``agent<R>.log``."""
+def spawn_agent(
+    url: str, job: str, rank: int, dc: str, log_dir: Path, *extra: str, verbose: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``geosched agent`` for one rank in its own process group; output to ``agent<R>.log`` (INFO lines
+    too with ``verbose``)."""
+    flags = ("-v",) if verbose else ()
+    args = ("--mqtt", url, "--job", job, "--rank", str(rank), "--dc", dc, "--threads", "1", *extra)
     with open(log_dir / f"agent{rank}.log", "ab") as log:
         return subprocess.Popen(
-            cli("agent", "--mqtt", url, "--job", job, "--rank", str(rank), "--dc", dc, "--threads", "1", *extra),
+            cli(*flags, "agent", *args),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=agent_subprocess_env(),

@@ -1,9 +1,10 @@
 """Agents and the coordinator against a real broker (Mosquitto and the embedded one).
 
 Separate ``geosched agent`` processes get the plan from the broker; a plain
-MQTT subscriber sees every agent's retained status; the coordinator trains;
-killing an agent publishes its offline status and the coordinator stops the
-job naming it, without hanging.
+MQTT subscriber sees every agent's retained status; the coordinator
+(``geosched job start --run-dir``) trains and writes the run folder from the
+metrics it receives; killing an agent publishes its offline status and the
+coordinator stops the job naming it, without hanging.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import signal
 import time
@@ -21,23 +23,39 @@ from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_pr
 
 from agents.control.coordinator import AgentLost, start_job
 from agents.control.plane import ControlPlane
+from geosched.cli import main
 
 pytestmark = pytest.mark.slow
 
 DCS = ["us", "eu"]
 
 
-def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path):
+def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path, capsys):
     url, job = mqtt_broker.url_for("geosched"), "ctl"
-    plan = tiny_plan(tmp_path).read_text()
+    plan_path = tiny_plan(tmp_path)
+    plan = plan_path.read_text()
     agents = [spawn_agent(url, job, rank, dc, tmp_path) for rank, dc in enumerate(DCS)]
     try:
-        out = io.StringIO()
-        result = asyncio.run(start_job(url, job, plan, steps=2, ready_timeout_s=60, out=out))
-        assert [s.step for s in result.steps] == [0, 1], log_tail(tmp_path)
-        assert all(s.loss is not None and s.loss > 0 and s.iteration_s > 0 for s in result.steps)
-        lines = out.getvalue().splitlines()
+        run = tmp_path / "run"
+        start = ["job", "start", str(plan_path), "--mqtt", url, "--job", job, "--steps", "2", "--ready-timeout", "60"]
+        assert main([*start, "--run-dir", str(run), "--json"]) == 0, log_tail(tmp_path)
+        printed = capsys.readouterr()
+        steps = json.loads(printed.out.splitlines()[-1])["steps"]
+        assert [s["step"] for s in steps] == [0, 1], log_tail(tmp_path)
+        assert all(s["loss"] is not None and s["loss"] > 0 and s["iteration_s"] > 0 for s in steps)
+        lines = [line for line in printed.err.splitlines() if line.startswith("step ")]
         assert len(lines) == 2 and lines[0].startswith("step    0/1") and "loss" in lines[0] and "WAN" in lines[0]
+        # the run folder, from the metrics and statuses the coordinator received
+        report = json.loads((run / "report.json").read_text())
+        assert report["steps"] == [0, 1] and report["losses"] == [s["loss"] for s in steps]
+        assert report["predicted_iteration_s"] > 0 and set(report["wan_bytes"]) == {"us->eu", "eu->us"}
+        endpoints = json.loads((run / "endpoints.json").read_text())["ranks"]
+        assert set(endpoints) == {"0", "1"} and "pipe/s1/r0" in endpoints["1"]["endpoints"]
+        for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
+            assert (run / name).stat().st_size > 0, name
+        trace = json.loads((run / "trace.json").read_text())
+        processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+        assert {"link us -> eu", "link eu -> us"} <= processes  # the measured messages that crossed the WAN
 
         seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, len(DCS)))
         assert sorted(seen) == [0, 1]

@@ -1,7 +1,8 @@
 """``geosched agent --prefill-bind``: the agent serves prefill in its bubbles and reports it on MQTT.
 
 Two agent processes (tiny job, us -> eu) with prefill on: each publishes its
-bound prefill endpoint in its status, answers a request before the job starts,
+bound prefill endpoint in its status (rank 0 also its HTTP front end's URL, which
+answers a completion), answers a request before the job starts,
 every request sent while it trains and, idle afterwards, 40 sent at once; every
 per-step metrics message carries the service's metrics.
 """
@@ -21,6 +22,7 @@ from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
 from agents.control.coordinator import start_job
 
 pytestmark = pytest.mark.slow
+HTTP = ["--prefill-http", "127.0.0.1:0"]
 
 
 def _send_prompts(endpoints: dict[int, str], stop: threading.Event, answers: list, sent: list) -> None:
@@ -59,11 +61,21 @@ def _prompts(endpoint: str, n: int) -> list:
         client.close()
 
 
+def _http_completion(url: str, prompt: str) -> dict:
+    """POST /v1/completions to an agent's prefill HTTP front end (a real HTTP client); the JSON answer."""
+    import urllib.request
+
+    body = json.dumps({"prompt": prompt, "max_tokens": 1, "logprobs": 3}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
 def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):
     url, job = mqtt_broker.url_for("geosched"), "pf"
     plan = tiny_plan(tmp_path).read_text()
     agents = [
-        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0")
+        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0", *(HTTP if rank == 0 else []))
         for rank, dc in enumerate(["us", "eu"])
     ]
     stop, answers, sent, endpoints, early = threading.Event(), [], [], {}, []
@@ -72,6 +84,8 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
     async def before_start(statuses: dict) -> dict:
         for rank, status in statuses.items():
             endpoints[rank] = status.extra["endpoints"][f"prefill/r{rank}"]
+        http_url = statuses[0].extra["endpoints"]["prefill-http/r0"]  # rank 0 also serves OpenAI-style HTTP
+        early.append(await asyncio.to_thread(_http_completion, http_url, "geosched"))
         early.append(await asyncio.to_thread(_prompts, endpoints[0], 1))  # before any training: served at once
         thread = threading.Thread(target=_send_prompts, args=(endpoints, stop, answers, sent), daemon=True)
         thread.start()
@@ -117,7 +131,8 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
                 "idle_s",
             } <= set(m["prefill"])
         assert sum(m["prefill"]["prefill_tokens"] for m in metrics if m["step"] == 2) > 0
-        assert [a.status for a in early[0]] == ["ok"], early
+        assert [a.status for a in early[1]] == ["ok"], early
+        assert early[0]["object"] == "text_completion" and early[0]["usage"]["prompt_tokens"] == 8, early
         # after training the agent is idle: 40 prompts at once are all taken (no stale bubble share)
         assert [a.status for a in _prompts(endpoints[1], 40)] == ["ok"] * 40, log_tail(tmp_path)
     finally:
@@ -146,6 +161,12 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
                 "missing.safetensors",
             ],
             "does not exist",
+        ),
+        (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", *HTTP], "--prefill-http needs --prefill-bind"),
+        (
+            ["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--prefill-bind", "tcp://127.0.0.1:0"]
+            + ["--prefill-http", "localhost"],
+            "--prefill-http: expected HOST:PORT",
         ),
         (["launch", "configs/demo-3dc.yaml", "--prefill-rate", "-1"], "--prefill-rate"),
     ],

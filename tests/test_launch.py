@@ -67,7 +67,12 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
             "3",
             "--run-dir",
             str(run),
+            "--checkpoint-dir",
+            "ckpt",  # relative to the launcher's folder, though the agents run in the repository root
+            "--checkpoint-every",
+            "2",
             "--json",
+            "--metrics",
         ),
         capture_output=True,
         text=True,
@@ -78,6 +83,10 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == json.loads((run / "report.json").read_text())
+    # --metrics: every agent and the coordinator served Prometheus metrics (scraped in tests/test_metrics.py)
+    assert set(report["metrics"]) == {"coordinator", "r0", "r1", "r2"}, report.get("metrics")
+    assert all(url.startswith("http://127.0.0.1:") for url in report["metrics"].values())
+    assert "launch: Prometheus metrics (and /health): coordinator http://127.0.0.1:" in done.stderr
     assert report["steps"] == [0, 1, 2]
     assert len(report["losses"]) == 3 and all(loss > 0 for loss in report["losses"])
     assert report["losses"][-1] < report["losses"][0]
@@ -93,8 +102,15 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     for row in report["memory"]:
         assert 0 < row["measured_state_bytes"] < row["measured_peak_bytes"], row
         assert 0.5 < row["measured_peak_bytes"] / row["predicted_bytes"] < 1.5, row
-    for name in ("timeline.png", "loss.png", "predicted.png", "plan.yaml"):
+    for name in ("timeline.png", "loss.png", "predicted.png", "timelines.png", "plan.yaml"):
         assert (run / name).stat().st_size > 0, name
+    # every agent's endpoints, and the relays the ranks reached them through
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert set(endpoints["ranks"]) == {"0", "1", "2"} and "pipe/s2/r0" in endpoints["ranks"]["2"]["endpoints"]
+    assert set(endpoints["routes"]) == {"pipe/s1/r0", "pipe/s2/r0"}
+    # --checkpoint-dir and --checkpoint-every reached every agent: after step 2, each stage wrote its shard
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / "step-000002").glob("stage-*.json"))
+    assert shards == ["stage-00.json", "stage-01.json", "stage-02.json"], shards
     trace = json.loads((run / "trace.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"0F0", "2B7"}
     step_lines = [line for line in done.stderr.splitlines() if line.startswith("step ")]

@@ -2,7 +2,8 @@
 
 Runs the real CLI twice on the same plan (3 stages us -> eu -> ap, 3 steps):
 with a Poisson prefill stream and without. Every request is answered, the
-report's ``prefill`` section adds up, prefill chunks reach the measured
+report's ``prefill`` section adds up, every agent's HTTP front end URL
+(``--prefill-http``) is recorded, prefill chunks reach the measured
 timeline, and the losses are identical (prefill does not change training).
 """
 
@@ -53,7 +54,7 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
 
     plan = tmp_path / "plan.yaml"
     plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
-    with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20")
+    with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20", "--prefill-http")
     without, _ = _launch(tmp_path, plan, "plain")
 
     section = with_load["prefill"]
@@ -66,7 +67,9 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
     for split in section["agents"].values():
         assert split["training_compute_s"] > 0 and split["idle_s"] >= 0 and split["prefill_compute_s"] >= 0
     assert sum(a["prefill_tokens"] for a in section["agents"].values()) >= section["prefill_tokens"]
-    assert "prefill" not in without
+    assert "prefill" not in without and "prefill_http" not in without
+    urls = with_load["prefill_http"]  # --prefill-http: every agent's OpenAI-style front end, recorded
+    assert set(urls) == {"0", "1", "2"} and all(u.startswith("http://127.0.0.1:") for u in urls.values())
 
     assert with_load["losses"] == without["losses"]  # training is unchanged by the prefill load
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from geosched.cli import main
 from planner.explain import summary_dict, summary_text, unused_reasons
 from planner.generate import two_datacenters
@@ -45,3 +47,37 @@ def test_cli_summary_and_json_carry_the_same_facts(tmp_path, capsys) -> None:
     for reason in data["unused"]:
         assert reason["text"] in text
     assert f"{data['prediction']['iteration_s']:.4g} s" in text
+
+
+def test_summary_prints_the_rank_layout_in_runs_not_one_line_per_rank() -> None:
+    """512 ranks over two DCs: one line per stage's run of ranks, with the replicas it holds."""
+    import copy
+
+    from agent_helpers import TINY_CONFIG
+
+    from agents.layout import layout_plan_text
+    from geosched.config import config_from_dict
+    from planner.explain import rank_blocks
+    from planner.plan import plan_from_dict
+
+    data = copy.deepcopy(TINY_CONFIG)
+    for dc in data["cluster"]["datacenters"]:
+        dc["gpus"] = 256
+    data["job"]["global_batch"] = 1024
+    plan = plan_from_dict(yaml.safe_load(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=256)))
+    assert plan.world_size == 512
+    text = summary_text(plan, [])
+    section = text[text.index("ranks (512") :].splitlines()
+    assert section[0] == "ranks (512, rank = (stage x 256 + replica)):"
+    assert section[1].split() == ["ranks", "datacenter", "stage", "replicas", "blocks"]
+    assert section[2].split() == ["0-255", "us", "0", "0-255", "0-0"]
+    assert section[3].split() == ["256-511", "eu", "1", "0-255", "1-1"]
+    assert len(section) == 4
+    assert (
+        summary_dict(plan, [])["rank_layout"]
+        == rank_blocks(plan)
+        == [
+            {"ranks": [0, 255], "dc": "us", "stage": 0, "replicas": [0, 255], "layers": [0, 1]},
+            {"ranks": [256, 511], "dc": "eu", "stage": 1, "replicas": [0, 255], "layers": [1, 2]},
+        ]
+    )

@@ -70,7 +70,8 @@ def test_chrome_trace_is_well_formed(tmp_path: Path) -> None:
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert [names[s] for s in range(3)] == ["stage 0", "stage 1", "stage 2"]
-    assert {names[3], names[4]} == {"link (0, 1)", "link (1, 2)"}
+    links = {"link stage 0 -> stage 1", "link stage 1 -> stage 2", "link stage 2 -> stage 1", "link stage 1 -> stage 0"}
+    assert {names[pid] for pid in range(3, 7)} == links  # one process per link direction
     assert len(complete) == len(timeline.events) + len(timeline.idle_gaps) + len(timeline.links)
     by_name = {(e["pid"], e["name"]): e for e in complete if e["cat"] == "compute"}
     first_backward = next(e for e in timeline.events if e.action == "1B0")

@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import yaml
 from agent_helpers import cli
 from mqtt_brokers import agent_subprocess_env
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from agents.checkpoint.export import export_weights
 from agents.layout import JobLayout, layout_plan_text, parse_layout, pipe_name
 from agents.stage.report import StepReport, global_loss
 from agents.stage.session import RankSession, train_one_process
@@ -175,6 +178,13 @@ def test_checkpoint_of_a_tensor_parallel_stage_is_whole_and_resumes_at_any_tp(tm
         resumed = run_layout(layout, steps=half, ckpt_dir=tmp_path / folder)
         assert [r.step for r in resumed[len(layout.roles) - 1][0]] == list(range(half, 2 * half))
         assert _global_losses(layout, resumed) == pytest.approx(reference_losses[half : 2 * half], rel=1e-4), folder
+    # step 6 as tp 2 and as tp 1 wrote it, exported: the same whole weights (up to float rounding)
+    whole = {tp: export_weights(tmp_path / tp, tmp_path / f"{tp}.safetensors")["step"] for tp in ("tp2", "tp1")}
+    assert whole == {"tp2": 2 * half, "tp1": 2 * half}
+    tp2_weights, tp1_weights = (load_file(tmp_path / f"{tp}.safetensors") for tp in ("tp2", "tp1"))
+    assert tp2_weights.keys() == tp1_weights.keys()
+    for name, value in tp2_weights.items():
+        torch.testing.assert_close(value, tp1_weights[name], rtol=0, atol=1e-4, msg=name)
 
 
 def _geosched(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:

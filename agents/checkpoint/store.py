@@ -136,12 +136,14 @@ class CheckpointWriter:
         num_stages: int,
         job_fingerprint: str,
         model_fingerprint: str | None = None,
+        model_record: dict[str, Any] | None = None,
     ) -> None:
         if not 0 <= stage < num_stages:
             raise CheckpointError(f"checkpoint stage {stage} is outside 0..{num_stages - 1}")
         self.ckpt_dir = os.fspath(ckpt_dir)
         self.stage, self.num_stages, self.fingerprint = stage, num_stages, job_fingerprint
         self.model_fingerprint = model_fingerprint
+        self.model_record = model_record  # geosched.weights.ModelRecord.to_dict(): what rebuilds the whole model
         try:
             os.makedirs(self.ckpt_dir, exist_ok=True)
         except OSError as exc:
@@ -196,6 +198,7 @@ class CheckpointWriter:
                 "num_stages": self.num_stages,
                 "job_fingerprint": self.fingerprint,
                 "model_fingerprint": self.model_fingerprint,
+                "model_record": self.model_record,
                 "tensor_file": os.path.basename(tensor_path),
                 "tensor_bytes": nbytes,
                 "sha256": sha,
@@ -352,6 +355,17 @@ def saved_stages(ckpt_dir: str | os.PathLike[str], step: int) -> int:
     meta = read_json(meta_path)
     check_meta(meta, meta_path, step, 0, None)
     return int(meta["num_stages"])
+
+
+def newest_marked(ckpt_dir: str | os.PathLike[str], after: int = -1) -> int | None:
+    """The newest step after ``after`` whose manifest (the completion marker) exists, or None; cheap enough to
+    poll (a listing and a stat or two): nothing is verified, loading it still checks every shard."""
+    for step in reversed(list_steps(ckpt_dir)):
+        if step <= after:
+            return None
+        if os.path.isfile(os.path.join(step_dir(ckpt_dir, step), "manifest.json")):
+            return step
+    return None
 
 
 def latest_complete(ckpt_dir: str | os.PathLike[str], num_stages: int | None = None) -> int | None:

@@ -54,7 +54,12 @@ START_ACK_S = 30.0
 
 
 class AgentLost(GeoschedError):
-    """An agent went offline or failed while the job ran; the job was stopped."""
+    """An agent went offline or failed while the job ran; the job was stopped. ``ranks``: the lost ones
+    (empty when the job stalled with no one to blame)."""
+
+    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = sorted(set(ranks))
 
 
 class AgentRefused(InputError):
@@ -371,7 +376,7 @@ async def _follow(
         if gone:
             rank, why = gone[0]
             status = result.statuses.get(rank) or cp.statuses().get(rank) or StatusMessage(rank, "training")
-            raise AgentLost(lost_message(cp.job, status, current, why))
+            raise AgentLost(lost_message(cp.job, status, current, why), [r for r, _ in gone])
         if message is None:
             if loop.time() - progress_at >= step_timeout_s:
                 raise AgentLost(
@@ -389,7 +394,7 @@ async def _follow(
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
             if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
-                raise AgentLost(lost_message(cp.job, message, current))
+                raise AgentLost(lost_message(cp.job, message, current), [message.rank])
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):
@@ -419,7 +424,8 @@ async def _resend_start(cp: ControlPlane, acks: StartAcks, message: object, now:
     if late:
         raise AgentLost(
             f"job {cp.job!r}: ranks {', '.join(map(str, late))} did not acknowledge start (seq {acks.command.seq}) "
-            f"within {START_ACK_S:g} s; are they connected to the broker? (geosched job status)"
+            f"within {START_ACK_S:g} s; are they connected to the broker? (geosched job status)",
+            late,
         )
     if acks.due(now):
         command = acks.command

@@ -4,7 +4,8 @@
 factory) to an agent's prefill endpoint. ``prefill`` is one blocking
 round trip; ``submit`` / ``receive`` keep many requests in flight.
 :func:`continue_greedy` continues greedy decoding locally from a returned
-KV cache with the same model weights. Example::
+KV cache with the same model weights; :func:`prefill_locally` gives the
+answer an agent would, computed in this process. Example::
 
     with PrefillClient("tcp://agent:5600", token="s3cret") as client:
         result = client.prefill("The quick brown fox", deadline_s=2.0)
@@ -24,7 +25,14 @@ from typing import TypedDict, Unpack
 import torch
 import zmq
 
-from agents.prefill.protocol import PrefillRequest, PrefillResponse, decode_response, encode_request, prompt_tokens
+from agents.prefill.protocol import (
+    PrefillRequest,
+    PrefillResponse,
+    decode_request,
+    decode_response,
+    encode_request,
+    prompt_tokens,
+)
 from agents.sockets import CurveClient, make_socket
 from geosched.errors import InputError, LinkError
 from geosched.model import StageModule, decode_step
@@ -157,3 +165,32 @@ def continue_greedy(model: StageModule, response: PrefillResponse, max_new_token
         tokens.append(int(logits.argmax(dim=-1)))
         pos += 1
     return tokens[:max_new_tokens]
+
+
+def prefill_locally(
+    model: StageModule, prompt: str | bytes | Sequence[int] | torch.Tensor, top_k: int = 5
+) -> PrefillResponse:
+    """The answer an agent serving ``model`` gives to ``prompt``, computed here: no agent, no network.
+
+    The request passes the service's own limits (:func:`decode_request`:
+    length, token ids, ``top_k``; ProtocolError otherwise) and runs as one
+    chunk; first token, top-k logits and KV cache as the service computes them,
+    with the compute time as ``compute_ms`` and ``ttft_ms``.
+    """
+    frames = [bytes(frame) for frame in encode_request(PrefillRequest("local", prompt_tokens(prompt), top_k=top_k))]
+    req = decode_request(frames, max_prompt_tokens=model.shape.seq_len, vocab=model.shape.vocab)
+    started = time.perf_counter()
+    with torch.no_grad():
+        logits, kv = model.forward_cached(req.tokens.view(1, -1))  # (1, T, V), per layer (1, H, T, D)
+    ms = (time.perf_counter() - started) * 1e3
+    top = torch.topk(logits[0, -1].float(), req.top_k)  # of the last position (V,)
+    return PrefillResponse(
+        req.id,
+        "ok",
+        prompt_tokens=req.tokens.numel(),
+        first_token=int(top.indices[0]),
+        topk_ids=top.indices.tolist(),
+        topk_logits=top.values.tolist(),
+        kv=kv,
+        timings={"queued_ms": 0.0, "compute_ms": ms, "ttft_ms": ms, "chunks": 1, "bubble_share": 0.0},
+    )

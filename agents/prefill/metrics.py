@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 TTFT_WINDOW = 10_000  # most recent time-to-first-token samples kept for the percentiles
@@ -46,6 +47,7 @@ class PrefillMetrics:
         self.training_compute_s = 0.0  # from record_step
         self.training_wall_s = 0.0
         self.ttft_s: deque[float] = deque(maxlen=TTFT_WINDOW)
+        self.on_ttft: Callable[[float], None] | None = None  # also told each TTFT (e.g. a Prometheus histogram)
         self._offered: deque[tuple[float, float]] = deque()  # (time, predicted bubble seconds offered)
 
     def chunk(self, tokens: int, seconds: float, in_bubble: bool) -> None:
@@ -62,6 +64,8 @@ class PrefillMetrics:
         self.counts[status] += 1
         if ttft_s is not None:
             self.ttft_s.append(ttft_s)
+            if self.on_ttft is not None:
+                self.on_ttft(ttft_s)
 
     def offered(self, budget_s: float) -> None:
         """A bubble predicted to last ``budget_s`` began (whether or not work was queued)."""

@@ -7,7 +7,7 @@ pickle), under the model's global parameter names. Example::
 
     model = build_model(shape, seed=1)
     save_inference_weights(model, "/tmp/gpt.safetensors")
-    served = load_inference_model(shape, "/tmp/gpt.safetensors")
+    served = load_inference_model(shape, "/tmp/gpt.safetensors")   # or a file from `geosched export`
     nbytes = inference_memory_bytes(shape, max_tokens=shape.seq_len, max_kv_bytes=64 << 20)
 """
 
@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from geosched.errors import InputError
 from geosched.model import ModelShape, StageModule, build_model, total_params
 from geosched.model_counts import ShapeLike
+from geosched.weights import load_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -39,38 +39,17 @@ def load_inference_model(
     """The whole model of ``shape`` in eval mode, with weights from a safetensors file.
 
     ``weights`` None keeps the seeded initial weights (a demo model). Raises
-    InputError when the file is missing, unreadable or does not match the shape.
+    InputError when the file is missing, unreadable or holds another model
+    (:func:`geosched.weights.load_weights_file`).
     """
-    model = build_model(shape, seed=seed, dtype=dtype)
-    if weights is not None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+    if weights is None:
+        return frozen(build_model(shape, seed=seed, dtype=dtype), dtype)
+    return frozen(load_weights_file(weights, shape, seed=seed, dtype=dtype), dtype)
 
-        if not os.path.isfile(weights):
-            raise InputError(
-                f"weights file {str(weights)!r} does not exist; pass a .safetensors file "
-                f"written by save_inference_weights or a training checkpoint"
-            )
-        try:
-            tensors = load_file(str(weights))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise InputError(f"cannot read weights {str(weights)!r} as safetensors: {exc}") from None
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(tensors))
-        unknown = sorted(set(tensors) - set(expected))
-        if missing or unknown:
-            raise InputError(
-                f"weights {str(weights)!r} do not fit the model shape: missing {missing[:3]}, "
-                f"unexpected {unknown[:3]}; check --config matches the weights"
-            )
-        for name, tensor in tensors.items():
-            if tensor.shape != expected[name].shape:
-                raise InputError(
-                    f"weights {str(weights)!r}: {name} is {list(tensor.shape)}, the model expects "
-                    f"{list(expected[name].shape)}; check --config matches the weights"
-                )
-        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-    model.eval()
+
+def frozen(model: StageModule, dtype: torch.dtype = torch.float32) -> StageModule:
+    """``model`` ready to serve: cast to ``dtype``, eval mode, no gradients (in place; returned)."""
+    model.to(dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -6,7 +6,8 @@ Network I/O runs on the service's own thread (a ROUTER socket made by
 applies admission control (bounded queue, bounded KV memory, deadline
 feasibility against the predicted bubble capacity: ``rejected`` with the
 reason), expires queued work past its deadline (``expired``) and sends the
-responses computed elsewhere. It never computes.
+responses computed elsewhere. It never computes. A front end that decodes requests itself
+(:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage
 runtime on the training thread when a receive has not arrived (a bubble):
@@ -52,6 +53,9 @@ EMA_WEIGHT = 0.3  # weight of the newest finished prompt in the seconds-per-toke
 TYPICAL_CHUNK = 8  # tokens per chunk assumed to seed the seconds-per-token estimate
 POLL_MS = 20  # the network thread wakes at least this often (to expire queued work)
 
+Reply = bytes | Callable[[PrefillResponse], None]
+"""Where a response goes: a ZeroMQ client's routing id, or a callback (a front end such as agents.prefill.http)."""
+
 
 class ChunkSpan(NamedTuple):
     """One prefill chunk run inside ``fill`` (``time.perf_counter`` seconds)."""
@@ -67,7 +71,7 @@ class _Job:
     """A queued or running prefill."""
 
     req: PrefillRequest
-    identity: bytes
+    identity: Reply
     arrived: float  # time.monotonic()
     deadline: float  # time.monotonic()
     kv_bytes: int
@@ -117,7 +121,7 @@ class PrefillService:
         self._compute = threading.Lock()  # one computing thread at a time (stages sharing a service)
         self._queue: list[_Job] = []
         self._current: _Job | None = None
-        self._outbox: deque[tuple[bytes, PrefillResponse]] = deque()
+        self._outbox: deque[tuple[Reply, PrefillResponse]] = deque()
         self._kv_reserved = 0
         self._work = threading.Event()
         self._stop = threading.Event()
@@ -322,7 +326,7 @@ class PrefillService:
             ttft,
         )
 
-    def _respond(self, identity: bytes, response: PrefillResponse, ttft_s: float | None = None) -> None:
+    def _respond(self, identity: Reply, response: PrefillResponse, ttft_s: float | None = None) -> None:
         """Hand a response to the network thread (lock held)."""
         self.metrics_.outcome(response.status, ttft_s)
         self._outbox.append((identity, response))
@@ -385,7 +389,10 @@ class PrefillService:
         finally:
             self._compute.release()
 
-    def _send(self, identity: bytes, response: PrefillResponse) -> None:
+    def _send(self, identity: Reply, response: PrefillResponse) -> None:
+        if callable(identity):
+            identity(response)
+            return
         try:
             self._sock.send_multipart([identity, *encode_response(response)], copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client's queue is full or it is gone: its loss, not ours
@@ -405,9 +412,7 @@ class PrefillService:
         except BadRequest as exc:
             self._reply_now(identity, exc.request_id, "error", str(exc), count="bad_requests")
             return
-        if self.auth_token is not None and not hmac.compare_digest(
-            (req.auth_token or "").encode(), self.auth_token.encode()
-        ):
+        if not self.authorized(req.auth_token):
             self._reply_now(
                 identity,
                 req.id,
@@ -420,7 +425,31 @@ class PrefillService:
         if reason is not None:
             self._reply_now(identity, req.id, "rejected", reason)
 
-    def _admission(self, req: PrefillRequest, identity: bytes) -> str | None:
+    def authorized(self, token: str | None) -> bool:
+        """Whether ``token`` is the service's (constant-time); always true without an ``auth_token``."""
+        return self.auth_token is None or hmac.compare_digest((token or "").encode(), self.auth_token.encode())
+
+    def submit(self, req: PrefillRequest, reply: Callable[[PrefillResponse], None]) -> None:
+        """Admit a request a front end decoded and authenticated; its one response goes to ``reply``.
+
+        ``reply`` runs at once (rejected) or later on the service's network
+        thread, so it must be thread-safe; ``req`` must already be within the
+        limits :func:`~agents.prefill.protocol.decode_request` enforces.
+        """
+        with self._lock:
+            self.metrics_.counts["received"] += 1
+        reason = self._admission(req, reply)
+        if reason is not None:
+            self._reply_now(reply, req.id, "rejected", reason)
+
+    def count_refused(self, count: str) -> None:
+        """A front end refused a request before :meth:`submit` (``bad_requests`` or ``unauthenticated``)."""
+        with self._lock:
+            self.metrics_.counts["received"] += 1
+            self.metrics_.counts[count] += 1
+            self.metrics_.outcome("error")
+
+    def _admission(self, req: PrefillRequest, identity: Reply) -> str | None:
         """Queue ``req`` and return None, or the reason it cannot be taken."""
         now = time.monotonic()
         deadline_s = req.deadline_s if req.deadline_s is not None else self.default_deadline_s
@@ -449,7 +478,7 @@ class PrefillService:
         return None
 
     def _reply_now(
-        self, identity: bytes, request_id: str | None, status: str, reason: str, count: str | None = None
+        self, identity: Reply, request_id: str | None, status: str, reason: str, count: str | None = None
     ) -> None:
         """Answer from the network thread (bad input, auth failure, rejection)."""
         with self._lock:

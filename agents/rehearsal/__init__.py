@@ -3,6 +3,6 @@
 Owns: the launcher (``launch``: embedded broker, WAN emulator, one agent
 process per rank, coordinator), the prefill load it offers (``prompt_load``),
 calibration of compute and messages on this machine (``calibrate``,
-``link_profile``) and the run report and pictures (``report``). It is the
-top of agents/ with the daemon: it may import every other agents package.
+``link_profile``); the run folder it writes is :mod:`agents.runfolder`'s. It
+is the top of agents/ with the daemon: it may import every other agents package.
 """

@@ -7,7 +7,10 @@ agent is ready, start a WAN emulator relay for every pipeline link that
 crosses datacenters (bandwidths scaled by ``wan_scale``, delays kept; the
 pipelines of one link share its capacity) and tell the ranks to connect
 through them (``routes`` in the ``start`` command); train; stop the agents;
-write the run folder (:mod:`agents.rehearsal.report`).
+write the run folder (:mod:`agents.runfolder`): ``endpoints.json`` as soon as
+every agent is ready, the report and the pictures at the end. With
+``checkpoint_dir`` every agent checkpoints there (``--checkpoint-dir``,
+``--checkpoint-every``).
 
 Secure by default: a fresh key folder (:mod:`agents.keys`) goes into
 ``RUN_DIR/secrets/`` (prefill token in ``RUN_DIR/secrets/prefill.token``);
@@ -29,45 +32,30 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import os
-import signal
-import subprocess
+import shutil
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from agents.rehearsal.elastic import describe
+from agents.rehearsal.processes import AgentProcesses, RelayRoutes
+from agents.runfolder.predict import predict
 from geosched.errors import GeoschedError, PlanError
-from geosched.processes import REPO_ROOT, child_env
 
 if TYPE_CHECKING:
     from agents.keys import JobKeys
     from agents.layout import JobLayout
-    from geosched.config import Config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WAN_SCALE = 0.05
 """Multiplies WAN bandwidths: the demo's 0.2 Gb/s links become 10 Mb/s relays (delays are kept).
 """
-
-
-def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None = None) -> Config:
-    """The cluster as rehearsed here: WAN bandwidths x ``wan_scale`` (what the relays emulate) and,
-    when ``cpu_tflops`` is given, every DC's GPU replaced by this machine's measured core."""
-    links = tuple(
-        dataclasses.replace(
-            lk, bandwidth_gbps=lk.bandwidth_gbps * wan_scale, per_connection_gbps=lk.per_connection_gbps * wan_scale
-        )
-        for lk in config.cluster.links
-    )
-    dcs = config.cluster.datacenters
-    if cpu_tflops is not None:
-        dcs = tuple(dataclasses.replace(dc, gpu=dataclasses.replace(dc.gpu, tflops=cpu_tflops)) for dc in dcs)
-    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, links=links, datacenters=dcs))
 
 
 def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
@@ -92,34 +80,6 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
     return Calibration.from_dict(data)
 
 
-def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) -> Any:
-    """The simulator's Timeline for ``layout`` as rehearsed: WAN scaled, compute from ``calibration`` if given."""
-    from agents.stage.session import job_schedule
-    from geosched.costmodel import PipelineCosts
-    from geosched.schedule import simulate
-
-    config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
-    across: dict[str, Any] = {}
-    if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
-        from planner.replicas import cost_options
-        from planner.space import Candidate, Problem
-
-        m = layout.job.global_batch // (layout.replicas * layout.job.batch)
-        cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
-        across = cost_options(Problem(dataclasses.replace(config, job=layout.job)), cand)
-    costs = PipelineCosts(
-        config.cluster,
-        layout.job,
-        layout.stage_dcs,
-        layout.stage_layers,
-        layout.dp,
-        layout.streams,
-        calibration=calibration,
-        **across,
-    )
-    return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas), costs)
-
-
 def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
     """WAN chunk size that stripes one activation over all of its link's streams.
 
@@ -134,122 +94,6 @@ def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
         for s, a, b in layout.wan_boundaries()
     ]
     return max(floor, min(sizes)) if sizes else 0
-
-
-class AgentProcesses:
-    """One ``geosched agent`` subprocess per rank, each in its own process group; a context manager."""
-
-    def __init__(self, layout: JobLayout, url: str, job: str, run_dir: Path, extra_args: list[str] | None = None):
-        self.layout, self.url, self.job, self.run_dir = layout, url, job, run_dir
-        self.extra_args = list(extra_args or [])
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    def start(self) -> AgentProcesses:
-        """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder."""
-        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        for role in self.layout.roles:
-            cmd = [
-                sys.executable,
-                "-m",
-                "geosched.cli",
-                "agent",
-                "--mqtt",
-                self.url,
-                "--job",
-                self.job,
-                "--rank",
-                str(role.rank),
-                "--dc",
-                role.dc,
-                "--threads",
-                "1",
-                "--run-dir",
-                str(self.run_dir),
-                *self.extra_args,
-            ]
-            with open(self.run_dir / f"agent{role.rank}.log", "ab") as logfile:
-                self.procs[role.rank] = subprocess.Popen(
-                    cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO_ROOT
-                )
-        return self
-
-    def wait(self, timeout_s: float) -> dict[int, int | None]:
-        """Wait up to ``timeout_s`` for every agent to exit; rank -> exit code (None: still running)."""
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        return {rank: proc.poll() for rank, proc in self.procs.items()}
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace_s``, and reap them all."""
-        for proc in self.procs.values():
-            _signal_group(proc, signal.SIGTERM)
-        self.wait(grace_s)
-        for proc in self.procs.values():
-            _signal_group(proc, signal.SIGKILL)  # also reaps grandchildren left in the group
-            proc.wait()
-
-    def __enter__(self) -> AgentProcesses:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-class RelayRoutes:
-    """Starts the WAN emulator once the agents are ready: one relay per cross-DC pipeline link."""
-
-    def __init__(self, layout: JobLayout, wan_scale: float) -> None:
-        self.layout, self.wan_scale = layout, wan_scale
-        self.emulator: Any = None
-        self.route_links: dict[str, tuple[str, str]] = {}
-
-    async def __call__(self, statuses: dict[int, Any]) -> dict[str, str]:
-        """The ``before_start`` hook of the coordinator: relays to the listeners' bound endpoints."""
-        from agents.layout import pipe_name
-        from agents.wanem.emulator import WanEmulator, shape_for_link
-
-        routes, ends = {}, {}
-        for role in self.layout.roles:
-            if role.prev_dc is None or role.prev_dc == role.dc:  # the first stage, or a link inside a DC
-                continue
-            name = pipe_name(role.stage, role.replica, role.tp_rank)
-            bound = statuses[role.rank].extra.get("endpoints", {}).get(name)
-            if not bound:
-                raise GeoschedError(f"rank {role.rank} is ready but did not publish its endpoint {name!r}")
-            host, port = bound.removeprefix("tcp://").rsplit(":", 1)
-            link = self.layout.config.cluster.link(role.prev_dc, role.dc)
-            routes[name] = ((host, int(port)), shape_for_link(link, self.wan_scale))
-            ends[name] = (role.prev_dc, role.dc)
-        self.route_links = ends
-        self.emulator = WanEmulator(routes, link_ends=ends).start()
-        return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}
-
-    def wan_bytes(self) -> dict[str, int]:
-        """Bytes the relays carried per link direction, e.g. ``{"us->eu": n, "eu->us": m}``."""
-        if self.emulator is None:
-            return {}
-        out: dict[str, int] = {}
-        for name, stats in self.emulator.stats().items():
-            a, b = self.route_links[name]
-            out[f"{a}->{b}"] = out.get(f"{a}->{b}", 0) + int(stats["bytes_to_target"])
-            out[f"{b}->{a}"] = out.get(f"{b}->{a}", 0) + int(stats["bytes_to_client"])
-        return out
-
-    def close(self) -> None:
-        """Close every relay."""
-        if self.emulator is not None:
-            self.emulator.close()
 
 
 def launch(
@@ -267,6 +111,11 @@ def launch(
     calibration: Any = "measure",
     prefill_rate: float = 0.0,
     insecure: bool = False,
+    prefill_http: bool = False,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    metrics: bool = False,
+    elastic: bool = False,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -280,12 +129,32 @@ def launch(
 
     ``insecure``: no key folder, no broker logins, unsigned commands, plain
     TCP links and an open prefill endpoint (one warning line on ``out``).
+
+    ``prefill_http``: every agent serves prefill (as with ``prefill_rate``)
+    and also answers OpenAI-style HTTP (``--prefill-http 127.0.0.1:0``,
+    :mod:`agents.prefill.http`); the URLs are printed once the agents are
+    ready and recorded as the report's ``prefill_http`` (rank -> URL).
+
+    ``checkpoint_dir``: every agent writes its checkpoints there (every
+    ``checkpoint_every`` steps if > 0, and on ``geosched job checkpoint``).
+
+    ``metrics``: every agent (``--metrics-bind 127.0.0.1:0``) and the
+    coordinator serve Prometheus ``/metrics`` and ``/health``
+    (:mod:`agents.metrics`); the URLs are printed once the agents are ready
+    and recorded as the report's ``metrics`` (``coordinator``, ``r<rank>``).
+
+    ``elastic``: survive lost agents or a lost DC (:mod:`agents.rehearsal.elastic`): re-plan on the GPUs
+    left, resume from the newest complete checkpoint (``RUN_DIR/checkpoints`` every step unless
+    ``checkpoint_dir`` is given), finish the steps; the report lists ``recoveries``. The rank files of a
+    failed attempt move to ``RUN_DIR/attempt-<n>/``.
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
     from agents.control.coordinator import start_job
     from agents.layout import load_plan_file, parse_layout, plan_for_config, runtime_refusal
-    from agents.rehearsal.report import build_report, load_rank_reports, report_text, write_run_folder
+    from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
+    from agents.runfolder.record import endpoints_hook
+    from agents.runfolder.report import build_report, load_rank_reports, report_text, write_run_folder
     from geosched.config import load_config
 
     config = load_config(config_path)
@@ -304,7 +173,11 @@ def launch(
         calibration = calibrate(layout, wan_scale)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale)
-    keys = None if insecure else job_keys(run / "secrets", len(layout.roles))
+    if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
+        checkpoint_dir, checkpoint_every = run / "checkpoints", checkpoint_every or 1
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    most_ranks = max(len(layout.roles), sum(dc.gpus for dc in config.cluster.datacenters) if elastic else 0)
+    keys = None if insecure else job_keys(run / "secrets", most_ranks)  # a new plan may use other GPUs
     if insecure and out is not None:
         print(INSECURE_WARNING, file=out, flush=True)
     broker = None
@@ -315,9 +188,12 @@ def launch(
             broker.start()
             stack.callback(broker.stop)
             mqtt = broker.url
-        chunk_args = ["--wan-chunk-bytes", str(striped_chunk_bytes(layout))]
+        chunk_args: list[str] = []
         if keys is not None:
             chunk_args += ["--keys", str(keys.directory.resolve())]  # the agents run in the repository root
+        if checkpoint_dir is not None:
+            chunk_args += ["--checkpoint-dir", str(Path(checkpoint_dir).resolve())]
+            chunk_args += ["--checkpoint-every", str(checkpoint_every)]
         load = None
         if prefill_rate > 0:
             from agents.rehearsal.prompt_load import PrefillLoad
@@ -325,31 +201,66 @@ def launch(
             chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
             load = PrefillLoad(prefill_rate, seed=layout.job.seed, keys=keys)
             stack.callback(load.stop, 0.0)  # on errors: stop at once (a no-op once stopped)
-        agents = stack.enter_context(AgentProcesses(layout, mqtt, job, run, chunk_args + list(agent_args or [])))
-        if out is not None:
-            secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
-            print(
-                f"launch: {len(layout.roles)} agents, {layout.num_stages} stages over "
-                f"{' -> '.join(layout.stage_dcs)}, dp {layout.dp}"
-                + "".join(f" + {' -> '.join(dict.fromkeys(path))}" for path in layout.extra_pipelines)
-                + f", broker {mqtt}, run folder {run} ({secured})",
-                file=out,
-                flush=True,
-            )
+        http_urls: dict[int, str] = {}
+        if prefill_http:  # every agent also answers OpenAI-style HTTP (agents.prefill.http) on a free port
+            chunk_args += [] if load is not None else ["--prefill-bind", "tcp://127.0.0.1:0"]
+            chunk_args += ["--prefill-http", "127.0.0.1:0"]
+        metrics_urls: dict[str, str] = {}
+        job_metrics = None
+        if metrics:  # every agent and the coordinator serve Prometheus metrics on a free port
+            from agents.metrics.families import JobMetrics
+            from agents.metrics.server import MetricsServer
+
+            chunk_args += ["--metrics-bind", "127.0.0.1:0"]
+            job_metrics = JobMetrics(job)
+            server = stack.enter_context(MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health))
+            metrics_urls["coordinator"] = server.url()
         coordinator_url, control = coordinator_login(mqtt, keys)
-        started = time.monotonic()
-        asyncio.run(
-            start_job(
-                coordinator_url,
-                job,
-                text,
-                steps=steps,
-                ready_timeout_s=ready_timeout_s,
-                before_start=relays if load is None else _with_load(relays, load),
-                out=out,
-                **control,
+        routes = relays if load is None else _with_load(relays, load)
+        hook = _with_metrics_urls(endpoints_hook(run, _with_http_urls(routes, http_urls, keys, out)), metrics_urls, out)
+
+        def start_agents(plan: JobLayout, resume: bool) -> AgentProcesses:
+            if resume:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
+                set_aside(run)
+                relays.adopt(plan)
+                (run / "plan.yaml").write_text(plan.text)
+            args = ["--wan-chunk-bytes", str(striped_chunk_bytes(plan)), *chunk_args, *(agent_args or [])]
+            procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args + (["--resume"] if resume else [])))
+            if out is not None:
+                secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
+                print(f"launch: {describe(plan)}, broker {mqtt}, run folder {run} ({secured})", file=out, flush=True)
+            return procs
+
+        def run_job(plan_text: str, count: int) -> None:
+            asyncio.run(
+                start_job(
+                    coordinator_url,
+                    job,
+                    plan_text,
+                    steps=count,
+                    ready_timeout_s=ready_timeout_s,
+                    before_start=hook,
+                    out=out,
+                    metrics=job_metrics,
+                    **control,
+                )
             )
+
+        def stop_attempt(procs: AgentProcesses) -> list[int]:
+            dead = [rank for rank, code in procs.wait(0.0).items() if code is not None]
+            with contextlib.suppress(GeoschedError):
+                asyncio.run(stop_job(coordinator_url, job, timeout_s=10.0, **control))
+            procs.stop()
+            return dead
+
+        started = time.monotonic()
+        recovering = ElasticJob(
+            config, run, Path(checkpoint_dir or run), start_agents, run_job, stop_attempt, out, MAX_RECOVERIES * elastic
         )
+        text, agents = recovering.train(text, steps)
+        if recovering.recoveries:
+            layout = parse_layout(text)
+            predicted = predict(layout, wan_scale, calibration)
         wall_s = time.monotonic() - started
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
@@ -372,6 +283,9 @@ def launch(
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
             "secure": keys is not None,
             "broker_refusals": refusals,  # the embedded broker's refusals by kind (None: an outside broker)
+            **({"prefill_http": http_urls} if http_urls else {}),  # rank -> URL of its OpenAI-style front end
+            **({"metrics": metrics_urls} if metrics_urls else {}),  # coordinator, r<rank> -> Prometheus URL
+            **({"recoveries": [r.to_dict() for r in recovering.recoveries]} if elastic else {}),
         },
     )
     if load is not None:
@@ -437,5 +351,43 @@ def _with_load(relays: RelayRoutes, load: Any) -> Any:
             raise GeoschedError(f"ranks {missing} are ready but did not publish a prefill endpoint")
         load.start(endpoints)
         return await relays(statuses)
+
+    return hook
+
+
+def _with_http_urls(then: Any, urls: dict[int, str], keys: JobKeys | None, out: TextIO | None) -> Any:
+    """A ``before_start`` hook: note (in ``urls``) and print every rank's prefill HTTP URL, then run ``then``."""
+    from agents.keys import PREFILL_TOKEN
+    from agents.layout import prefill_http_name
+
+    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
+        for rank, status in sorted(statuses.items()):
+            url = status.extra.get("endpoints", {}).get(prefill_http_name(rank))
+            if url:
+                urls[rank] = str(url)
+        if urls and out is not None:
+            token = "no token" if keys is None else f"token in {keys.directory / PREFILL_TOKEN}"
+            listed = ", ".join(f"r{rank} {url}" for rank, url in urls.items())
+            print(f"launch: prefill over HTTP ({token}): {listed}", file=out, flush=True)
+        result: dict[str, str] = await then(statuses)
+        return result
+
+    return hook
+
+
+def _with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> Any:
+    """A ``before_start`` hook: note (in ``urls``, as ``r<rank>``) and print the Prometheus URLs, then ``then``."""
+    from agents.layout import metrics_name
+
+    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
+        for rank, status in sorted(statuses.items()):
+            url = status.extra.get("endpoints", {}).get(metrics_name(rank))
+            if url:
+                urls[f"r{rank}"] = str(url)
+        if urls and out is not None:
+            listed = ", ".join(f"{who} {url}" for who, url in urls.items())
+            print(f"launch: Prometheus metrics (and /health): {listed}", file=out, flush=True)
+        result: dict[str, str] = await then(statuses)
+        return result
 
     return hook

@@ -10,7 +10,11 @@ every stage) for one step into a :class:`~geosched.schedule.Timeline`: the
 same object the simulator returns, so ``render_grid``,
 ``write_timeline_png`` and ``write_chrome_trace`` draw it and its
 ``iteration_s`` and bubbles compare directly with the prediction. Stages are
-aligned on the wall clock (``started_at``), exact on one machine.
+aligned on the wall clock (``started_at``), exact on one machine. Given the
+stages' DCs, every message that crossed datacenters becomes a
+:class:`~geosched.schedule.LinkUse` keyed ``(from DC, to DC)`` like the cost
+model's, spanning from its send to the moment its receiver had it (queueing,
+transfer and latency together; an upper bound when the receiver was busy).
 
 :func:`global_loss` is the loss of the whole step: the mean over replicas of
 each replica's last-stage loss (all replicas see equally many samples).
@@ -18,12 +22,12 @@ each replica's last-stage loss (all replicas see equally many samples).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from geosched.errors import StageError
-from geosched.schedule import Event, IdleGap, Schedule, Timeline
+from geosched.schedule import Action, Event, IdleGap, LinkUse, Message, Schedule, Timeline, message_edges
 from geosched.schedule.timeline import summarize
 
 
@@ -118,8 +122,11 @@ class StepReport:
         )
 
 
-def measured_timeline(schedule: Schedule, reports: Iterable[StepReport]) -> Timeline:
-    """The Timeline of one step of one pipeline: one report per stage, same step and replica."""
+def measured_timeline(
+    schedule: Schedule, reports: Iterable[StepReport], stage_dcs: Sequence[str] | None = None
+) -> Timeline:
+    """The Timeline of one step of one pipeline: one report per stage, same step and replica; with
+    ``stage_dcs`` (each stage's DC), the messages that crossed datacenters as its ``links``."""
     by_stage = {r.stage: r for r in reports}
     missing = [s for s in range(schedule.num_stages) if s not in by_stage]
     if missing:
@@ -137,7 +144,32 @@ def measured_timeline(schedule: Schedule, reports: Iterable[StepReport]) -> Time
         events += [e._replace(start=e.start + shift, end=e.end + shift) for e in r.events]
         gaps += [g._replace(start=g.start + shift, end=g.end + shift) for g in r.idle_gaps]
     events.sort(key=lambda e: (e.stage, e.start))
-    return summarize(schedule, events, gaps)
+    links = [] if stage_dcs is None else wan_messages(events, schedule.num_stages, stage_dcs)
+    return summarize(schedule, events, gaps, links)
+
+
+_COMM_TAGS = frozenset({"SEND_F", "SEND_B", "RECV_F", "RECV_B"})
+
+
+def wan_messages(events: Iterable[Event], num_stages: int, stage_dcs: Sequence[str]) -> list[LinkUse]:
+    """Each message between stages of different DCs, from its SEND's start to its RECV's end (aligned events)."""
+    sent: dict[Message, float] = {}
+    received: dict[Message, float] = {}
+    for e in events:
+        if e.kind not in _COMM_TAGS:
+            continue
+        needs, produces = message_edges(Action.parse(e.action), num_stages, lowered=True)
+        if produces is not None:
+            sent[produces] = e.start
+        elif needs is not None:
+            received[needs] = e.end
+    out = []
+    for msg, start in sent.items():
+        src, dst = stage_dcs[msg.src], stage_dcs[msg.dst]
+        if src != dst and msg in received:
+            end = max(start, received[msg])  # hosts' clocks may disagree a little
+            out.append(LinkUse((src, dst), msg.src, msg.dst, msg.kind, msg.microbatch, start, start, end, end))
+    return sorted(out, key=lambda u: u.start)
 
 
 def global_loss(reports: Iterable[StepReport]) -> float:

@@ -7,7 +7,10 @@ its link endpoints and publishes their addresses in its status, and waits for
   geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
   geosched agent --plan plan.yaml --rank 0 --mqtt mqtt://127.0.0.1:1883 --bind-host 10.0.0.5
   geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0
+  geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0 --prefill-http 127.0.0.1:8000
   geosched agent --mqtt mqtt://broker:1883 --job demo --rank 1 --dc eu --keys secrets   # secure
+  geosched agent ... --metrics-bind 127.0.0.1:9400   # Prometheus /metrics and /health
+  geosched agent ... --checkpoint-dir ckpt --prefill-bind tcp://127.0.0.1:0 --prefill-follow-checkpoints
 
 Credentials may also come from GEOSCHED_MQTT_USERNAME / GEOSCHED_MQTT_PASSWORD
 (never put them on a shared command line), the URL from GEOSCHED_MQTT_URL.
@@ -116,9 +119,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tcp://127.0.0.1:0 (off by default; the bound address goes into the status)",
     )
     parser.add_argument(
+        "--prefill-http",
+        metavar="HOST:PORT",
+        help="also serve prefill over OpenAI-style HTTP (POST /v1/completions, /v1/prefill) on HOST:PORT, "
+        "e.g. 127.0.0.1:0 (port 0: any; the URL goes into the status as prefill-http/r<RANK>); needs --prefill-bind",
+    )
+    parser.add_argument(
         "--prefill-weights",
-        metavar="FILE",
-        help="safetensors weights of the served model (default: the job's seeded weights)",
+        metavar="FILE|DIR",
+        help="the served model's weights: a file from 'geosched export', or a checkpoint folder (its newest "
+        "complete step) (default: the job's seeded weights)",
+    )
+    parser.add_argument(
+        "--prefill-follow-checkpoints",
+        action="store_true",
+        help="serve each newer checkpoint as it completes in the --prefill-weights folder (default: the "
+        "--checkpoint-dir), swapped in between requests",
     )
     parser.add_argument(
         "--prefill-token-file",
@@ -127,6 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--connect-timeout", type=float, default=300.0, help="seconds to wait for peers once bound (default 300)"
+    )
+    parser.add_argument(
+        "--metrics-bind",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (/metrics) and /health over HTTP on HOST:PORT, e.g. 127.0.0.1:9400 "
+        "(port 0: any; off by default; the URL goes into the status as metrics/r<RANK>)",
     )
 
 
@@ -168,11 +190,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(
             f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 (got {args.prefill_bind!r})"
         )
-    if args.prefill_weights is not None:
+    prefill_http = None
+    if args.prefill_http is not None:
+        from geosched.commands.wanem import parse_address
+
         if not args.prefill_bind:
-            raise InputError("--prefill-weights needs --prefill-bind ENDPOINT")
-        if not os.path.isfile(args.prefill_weights):
-            raise InputError(f"--prefill-weights: {args.prefill_weights!r} does not exist; pass a .safetensors file")
+            raise InputError("--prefill-http needs --prefill-bind ENDPOINT (the HTTP front end feeds that service)")
+        prefill_http = parse_address(args.prefill_http, "--prefill-http")
+    prefill_weights = served_weights_source(args)
     keys = load_keys(args)
     token = None
     if args.prefill_token_file is not None:
@@ -186,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         keys.signing_key(agent_identity(args.rank))
         if args.prefill_bind and token is None:
             token = keys.prefill_token()
+    from geosched.commands.wanem import parse_address
+
     options = AgentOptions(
         mqtt=mqtt_url(args, keys, f"agent-{args.rank}"),
         rank=args.rank,
@@ -204,12 +231,40 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         wan_chunk_bytes=args.wan_chunk_bytes,
         prefill_bind=args.prefill_bind,
-        prefill_weights=args.prefill_weights,
+        prefill_weights=prefill_weights,
+        prefill_follow=args.prefill_follow_checkpoints,
+        prefill_http=prefill_http,
         keys=keys,
         prefill_token=token,
         control_keys=None if keys is None else ControlKeys(*keys.control_fields(f"agent-{args.rank}")),
+        metrics_bind=None if args.metrics_bind is None else parse_address(args.metrics_bind, "--metrics-bind"),
     )
     return run_agent(options)
+
+
+def served_weights_source(args: argparse.Namespace) -> str | None:
+    """``--prefill-weights`` (with ``--prefill-follow-checkpoints``: default ``--checkpoint-dir``), checked to exist;
+    a folder that follows may be this agent's own --checkpoint-dir, created by its first checkpoint."""
+    source, follow = args.prefill_weights, args.prefill_follow_checkpoints
+    if follow and source is None:
+        source = args.checkpoint_dir
+        if source is None:
+            raise InputError("--prefill-follow-checkpoints needs a checkpoint folder: --prefill-weights DIR")
+    if source is None:
+        return None
+    flag = "--prefill-weights" if args.prefill_weights is not None else "--prefill-follow-checkpoints"
+    if not args.prefill_bind:
+        raise InputError(f"{flag} needs --prefill-bind ENDPOINT")
+    own = args.checkpoint_dir is not None and os.path.abspath(source) == os.path.abspath(args.checkpoint_dir)
+    if not os.path.exists(source) and not (follow and own):
+        raise InputError(
+            f"--prefill-weights: {source!r} does not exist; pass a file from 'geosched export' or a checkpoint folder"
+        )
+    if follow and os.path.isfile(source):
+        raise InputError(
+            f"--prefill-follow-checkpoints: {source!r} is a file; follow a checkpoint folder (--prefill-weights DIR)"
+        )
+    return source
 
 
 def read_token_file(path: str, flag: str) -> str:

@@ -1,28 +1,36 @@
 """Coordinate a job over MQTT: start it (publish the plan, wait for every agent, train), show or stop it.
 
-  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --steps 100
+  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --steps 100 --run-dir runs/demo
   geosched job status --mqtt mqtt://broker:1883 --job demo [--json]
+  geosched job status --mqtt mqtt://broker:1883 --job demo --watch   # live table until Ctrl-C
   geosched job checkpoint --mqtt mqtt://broker:1883 --job demo [--after-step N]
   geosched job stop --mqtt mqtt://broker:1883 --job demo
   geosched job start plan.yaml --mqtt mqtts://broker:8883 --job demo --keys secrets   # secure
+  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --metrics-bind 127.0.0.1:9400   # Prometheus
 
 With ``--keys DIR`` (from ``geosched keys DIR --ranks N``) the coordinator logs
 in to the broker as ``coordinator`` with its password from DIR and signs its
 commands and plans with DIR/coordinator.sign.
 
 ``start`` prints one line per step (step, loss, iteration ms, bubble %, WAN MB/s)
-with a progress bar and exits 1 naming the agent if one goes offline.
+with a progress bar and exits 1 naming the agent if one goes offline. With
+``--run-dir DIR`` it writes the run folder ``geosched launch`` writes (endpoints.json
+once every agent is ready; report.json, timeline.png, predicted.png, timelines.png,
+trace.json, loss.png at the end) from the metrics it receives.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
 from geosched.commands.checks import above, at_least
+from geosched.errors import GeoschedError, InputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +43,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=120.0, help="seconds to wait for every agent to be ready (default 120)"
     )
     start.add_argument("--json", action="store_true", help="print the step summaries as JSON at the end")
+    start.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="write the run folder here: endpoints.json on ready; report.json and the pictures at the end",
+    )
+    start.add_argument(
+        "--metrics-bind",
+        metavar="HOST:PORT",
+        help="serve the job's Prometheus metrics (/metrics) and /health on HOST:PORT while it runs, e.g. "
+        "127.0.0.1:9400 (port 0: any; off by default)",
+    )
     status = sub.add_parser("status", help="table of the agents' retained statuses")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
+    status.add_argument(
+        "--watch", action="store_true", help="a live table (state, step, iteration, bubble, WAN, prefill) until Ctrl-C"
+    )
+    status.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="with --watch: seconds between redraws (default 1)"
+    )
     sub.add_parser("stop", help="tell every agent of the job to stop")
     checkpoint = sub.add_parser("checkpoint", help="ask every agent (with --checkpoint-dir) for a checkpoint")
     checkpoint.add_argument(
@@ -50,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--json", action="store_true", help="print the step, folder and ranks as JSON")
     for p in (start, status, sub.choices["stop"], checkpoint):
         add_mqtt_arguments(p)
+
+
+def _job_metrics(args: argparse.Namespace, out: Any) -> tuple[Any, Any]:
+    """With ``--metrics-bind``: the coordinator's JobMetrics and its server, started (its URL printed);
+    else (None, None)."""
+    if args.metrics_bind is None:
+        return None, None
+    from agents.metrics.families import JobMetrics
+    from agents.metrics.server import MetricsServer
+    from geosched.commands.wanem import parse_address
+
+    host, port = parse_address(args.metrics_bind, "--metrics-bind")
+    metrics = JobMetrics(args.job)
+    server = MetricsServer(host, port, metrics.registry, metrics.health).start()
+    print(f"metrics of job {args.job!r}: {server.url()} (health: /health)", file=out, flush=True)
+    return metrics, server
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,21 +107,53 @@ def run(args: argparse.Namespace) -> int:
 
         at_least(args, "steps", 1)
         text = load_plan_file(args.plan)
-        result = asyncio.run(
-            coordinator.start_job(
-                url,
-                args.job,
-                text,
-                steps=args.steps,
-                ready_timeout_s=args.ready_timeout,
-                ca_file=args.ca_file,
-                keys=signing,
-                plan_source=args.plan,
-                out=sys.stderr if args.json else sys.stdout,
-            )
+        out = sys.stderr if args.json else sys.stdout
+        metrics, server = _job_metrics(args, out)
+        recorder = _recorder(args.run_dir, text, args.plan)
+        hooks: dict[str, Any] = (
+            {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
         )
+        try:
+            result = asyncio.run(
+                coordinator.start_job(
+                    url,
+                    args.job,
+                    text,
+                    steps=args.steps,
+                    ready_timeout_s=args.ready_timeout,
+                    ca_file=args.ca_file,
+                    keys=signing,
+                    plan_source=args.plan,
+                    out=out,
+                    metrics=metrics,
+                    **hooks,
+                )
+            )
+        except GeoschedError:
+            if recorder is not None:  # what the steps that did complete show, then the error
+                with contextlib.suppress(GeoschedError, OSError):
+                    _write_run_folder(recorder, args.run_dir, out)
+            raise
+        finally:
+            if recorder is not None:
+                recorder.close()
+            if server is not None:
+                server.close()
+        if recorder is not None:
+            _write_run_folder(recorder, args.run_dir, out)
         if args.json:
             print(json.dumps({"steps": [vars(s) for s in result.steps]}))
+        return 0
+    if args.action == "status" and args.watch:
+        from agents.control.watch import watch_job
+
+        above(args, "interval", 0, "seconds")
+        if args.json:
+            raise InputError("--watch draws a live table for people; scripts read 'geosched job status --json'")
+        try:
+            asyncio.run(watch_job(url, args.job, interval_s=args.interval, ca_file=args.ca_file, keys=signing))
+        except KeyboardInterrupt:
+            print(file=sys.stdout)
         return 0
     if args.action == "status":
         statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
@@ -128,3 +201,26 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"job {args.job!r} stopped: every agent acknowledged")
     return 0
+
+
+def _recorder(run_dir: str | None, text: str, source: str) -> Any:
+    """The run folder's recorder for ``--run-dir`` (None without it); InputError when the folder cannot be made."""
+    if run_dir is None:
+        return None
+    from agents.layout import parse_layout
+    from agents.runfolder.record import RunRecorder
+
+    try:
+        return RunRecorder(run_dir, parse_layout(text, source))
+    except OSError as exc:
+        raise InputError(f"--run-dir {run_dir!r}: {exc.strerror or exc}; pick a writable folder") from None
+
+
+def _write_run_folder(recorder: Any, run_dir: str, out: Any) -> None:
+    """report.json and the pictures from the recorded metrics, compared with the plan's prediction."""
+    from agents.runfolder.predict import predict
+    from agents.runfolder.report import report_text
+
+    report = recorder.finish(predict(recorder.layout))
+    print(report_text(report), file=out)
+    print(f"run folder: {run_dir}", file=out, flush=True)

@@ -3,7 +3,8 @@
 Plans the config (or takes --plan), starts an embedded MQTT broker (unless
 --mqtt), spawns one `geosched agent` per rank, relays every cross-DC link
 through the WAN emulator (bandwidths x --wan-scale, delays kept), trains and
-writes a run folder: report.json, timeline.png, trace.json, loss.png.
+writes a run folder: endpoints.json (as soon as every agent is ready), report.json,
+timeline.png, predicted.png, timelines.png (predicted above measured), trace.json, loss.png.
 
 Secure by default: a fresh key folder in RUN_DIR/secrets/ (files mode 0600;
 the prefill token is RUN_DIR/secrets/prefill.token), broker logins per
@@ -13,6 +14,10 @@ identity, signed commands, CURVE on every WAN link and prefill endpoint.
   geosched launch configs/demo-3dc.yaml
   geosched launch configs/demo-3dc.yaml --steps 5 --run-dir runs/demo --wan-scale 0.1 --json
   geosched launch configs/demo-3dc.yaml --prefill-rate 20   # + prefill requests served in the bubbles
+  geosched launch configs/demo-3dc.yaml --prefill-http      # + an OpenAI-style HTTP endpoint per agent (URLs printed)
+  geosched launch configs/demo-3dc.yaml --checkpoint-dir ckpt --checkpoint-every 10   # every agent checkpoints
+  geosched launch configs/demo-3dc.yaml --metrics           # + Prometheus /metrics and /health (URLs printed)
+  geosched launch configs/demo-3dc.yaml --elastic --steps 40   # kill a DC's agents: it re-plans and finishes
   geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
 
 Ctrl-C stops every child process; nothing is left running.
@@ -66,9 +71,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "agent serves prefill in its bubbles (default 0: off)",
     )
     parser.add_argument(
+        "--prefill-http",
+        action="store_true",
+        help="every agent serves prefill and also answers OpenAI-style HTTP on 127.0.0.1 (a free port each; "
+        "the URLs are printed when the agents are ready and recorded in report.json)",
+    )
+    parser.add_argument(
         "--insecure",
         action="store_true",
         help="no key folder, broker logins, signatures, CURVE or prefill token (default: all on)",
+    )
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="every agent writes its checkpoints here")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only on command)"
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="every agent and the coordinator serve Prometheus /metrics and /health on 127.0.0.1 (a free port "
+        "each; the URLs are printed when the agents are ready and recorded in report.json as metrics)",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survive lost agents or a lost DC: re-plan on the GPUs left, resume from the newest complete "
+        "checkpoint (RUN_DIR/checkpoints every step unless --checkpoint-dir), finish the steps; report.json "
+        "lists the recoveries",
     )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
@@ -78,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     from agents.rehearsal.launch import launch
 
     at_least(args, "steps", 1)
+    at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
+    if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:
+        raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"
@@ -101,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration,
         prefill_rate=args.prefill_rate,
         insecure=args.insecure,
+        prefill_http=args.prefill_http,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        metrics=args.metrics,
+        elastic=args.elastic,
     )
     if args.json:
         print(json.dumps(report))

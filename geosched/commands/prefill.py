@@ -8,6 +8,11 @@ decoding locally from that cache (needs the same weights: --weights, --config):
   geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
   geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\
       --weights gpt.safetensors --config configs/demo-3dc.yaml --json "Once upon a time"
+  geosched prefill --local --weights model.safetensors --config configs/demo-3dc.yaml --decode 20 "Hello"
+
+``--local`` runs the same prefill in this process, no agent and no network, on
+--weights (a file from ``geosched export``, or a checkpoint folder), and prints
+what the agent's answer prints: a quick check of an exported file.
 
 Exit code 1 when the agent answers rejected, expired or error (the reason is printed).
 """
@@ -23,6 +28,7 @@ from geosched.commands.checks import at_least
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
+    from agents.prefill.protocol import PrefillResponse
     from agents.sockets import CurveClient
     from geosched.model import StageModule
 
@@ -30,7 +36,12 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched prefill``."""
     parser.add_argument("prompt", help="prompt text (one token per UTF-8 byte)")
-    parser.add_argument("--endpoint", required=True, help="the agent's prefill endpoint, tcp://HOST:PORT")
+    parser.add_argument("--endpoint", help="the agent's prefill endpoint, tcp://HOST:PORT")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="no agent: prefill in this process on --weights (a file or checkpoint folder) with --config's model",
+    )
     parser.add_argument("--token", help="shared secret, when the agent requires one (prefer --token-file)")
     parser.add_argument("--token-file", help="read the shared secret from this file (mode 0600)")
     parser.add_argument(
@@ -45,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=0, help="0-9, higher first (default 0)")
     parser.add_argument("--top-k", type=int, default=5, help="logits to return (1-16, default 5)")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="greedy-decode N tokens locally")
-    parser.add_argument("--weights", help="safetensors weights of the served model (for --decode)")
+    parser.add_argument(
+        "--weights", help="the served model's weights file or checkpoint folder (for --decode and --local)"
+    )
     parser.add_argument("--config", help="config whose job.model is the served model's shape (for --decode)")
     parser.add_argument("--seed", type=int, help="without --weights: the seeded demo model (config's job.seed)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
@@ -53,16 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_local_model(args: argparse.Namespace) -> StageModule:
-    from agents.prefill.model import load_inference_model
+    from agents.checkpoint.export import served_weights
+    from agents.prefill.model import frozen, load_inference_model
     from geosched.config import load_config
+    from geosched.weights import ModelRecord
 
     if args.config is None or (args.weights is None and args.seed is None):
         raise InputError(
-            "--decode needs the served model locally: pass --config (its job.model) and --weights "
-            "(or --seed for the seeded demo model)"
+            f"{'--local' if args.local else '--decode'} needs the served model locally: pass --config (its "
+            "job.model) and --weights (or --seed for the seeded demo model)"
         )
     job = load_config(args.config).job
-    return load_inference_model(job.model, args.weights, seed=job.seed if args.seed is None else args.seed)
+    if args.weights is None:
+        return load_inference_model(job.model, None, seed=args.seed)
+    model, _ = served_weights(args.weights, ModelRecord.of(job.model, job.seed, job.precision))
+    assert model is not None  # a weights source without following gives a model or raises
+    return frozen(model)
 
 
 def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> tuple[str, CurveClient]:
@@ -83,15 +102,24 @@ def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient |
 
 def run(args: argparse.Namespace) -> int:
     """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
-    from agents.prefill.client import PrefillClient, continue_greedy
+    from agents.prefill.client import PrefillClient, prefill_locally
     from agents.sockets import CurveClient
 
     at_least(args, "decode", 0, colon=False)
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
+    if args.local:
+        if args.endpoint is not None:
+            raise InputError("pass either --endpoint (an agent) or --local (this process), not both")
+        model = _load_local_model(args)
+        return _report(args, prefill_locally(model, args.prompt, args.top_k), model if args.decode else None)
+    if args.endpoint is None:
+        raise InputError(
+            "pass --endpoint tcp://HOST:PORT (an agent's prefill endpoint), or --local --weights FILE --config CONFIG"
+        )
     if (args.curve_key is None) != (args.server_key is None):
         raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
-    model = _load_local_model(args) if args.decode else None
+    served = _load_local_model(args) if args.decode else None
     curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
     token = args.token
     if args.token_file is not None:
@@ -110,6 +138,13 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             return_kv=bool(args.decode),
         )
+    return _report(args, result, served)
+
+
+def _report(args: argparse.Namespace, result: PrefillResponse, model: StageModule | None) -> int:
+    """Print the answer (text, or one JSON object), decoding ``--decode N`` tokens on with ``model``; 0 when ok."""
+    from agents.prefill.client import continue_greedy
+
     out: dict[str, object] = {"id": result.id, "status": result.status}
     if result.status != "ok":
         out["reason"] = result.reason

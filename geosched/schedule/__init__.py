@@ -11,7 +11,7 @@ from __future__ import annotations
 from geosched.schedule.actions import Action, ActionKind, Message, Schedule, message_edges
 from geosched.schedule.builders import SCHEDULE_BUILDERS, build_1f1b, build_gpipe, build_schedule, build_zb1p
 from geosched.schedule.lower import add_communication, add_gradient_sync, lower
-from geosched.schedule.plot import write_timeline_png
+from geosched.schedule.plot import timelines_figure, write_timeline_png, write_timelines_png
 from geosched.schedule.render import render_grid
 from geosched.schedule.simulate import (
     CompiledSchedule,
@@ -21,7 +21,7 @@ from geosched.schedule.simulate import (
     compile_schedule,
     simulate,
 )
-from geosched.schedule.timeline import Event, IdleGap, LinkUse, StageStats, Timeline
+from geosched.schedule.timeline import Event, IdleGap, LinkUse, StageStats, Timeline, link_label
 from geosched.schedule.trace import chrome_trace, write_chrome_trace
 from geosched.schedule.validate import dry_run, validate
 
@@ -49,11 +49,14 @@ __all__ = [
     "chrome_trace",
     "compile_schedule",
     "dry_run",
+    "link_label",
     "lower",
     "message_edges",
     "render_grid",
     "simulate",
+    "timelines_figure",
     "validate",
     "write_chrome_trace",
     "write_timeline_png",
+    "write_timelines_png",
 ]

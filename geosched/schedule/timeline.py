@@ -53,6 +53,15 @@ class LinkUse(NamedTuple):
     arrive: float  # it reached the receiver (end + latency)
 
 
+def link_label(use: LinkUse) -> str:
+    """How pictures and traces name the link a message used: ``"us -> eu"`` for a DC pair (the cost
+    model's link keys, one per direction), else the message's own direction, ``"stage 0 -> stage 1"``."""
+    link = use.link
+    if isinstance(link, tuple) and len(link) == 2 and all(isinstance(end, str) for end in link):
+        return f"{link[0]} -> {link[1]}"
+    return f"stage {use.src} -> stage {use.dst}"
+
+
 @dataclass
 class StageStats:
     """Where one stage's iteration time went."""

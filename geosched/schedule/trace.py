@@ -1,7 +1,7 @@
 """Chrome trace export: open the JSON in Perfetto (ui.perfetto.dev) or chrome://tracing.
 
 Each stage is a process ("stage 0", ...) with two threads, its actions and
-its idle gaps; each network link is a process of its own. Complete events
+its idle gaps; each network link direction is a process of its own (``link us -> eu``). Complete events
 ("ph": "X") carry ``ts``/``dur`` in microseconds; compute kinds get their own
 colour (``cname``, one of the trace viewer's reserved names), so the zero-bubble
 I and W stand apart from F and B.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from geosched.schedule.timeline import Timeline
+from geosched.schedule.timeline import Timeline, link_label
 
 US = 1e6  # seconds -> microseconds
 ACTIONS_TID, GAPS_TID = 0, 1
@@ -32,13 +32,13 @@ def chrome_trace(timeline: Timeline) -> dict[str, object]:
     for g in timeline.idle_gaps:
         args: dict[str, object] = {"waiting_for": g.waiting_for or "end of iteration"}
         events.append(_complete("idle", "idle", g.start, g.end, g.stage, GAPS_TID, args))
-    link_pid = {name: timeline.num_stages + i for i, name in enumerate(sorted({str(u.link) for u in timeline.links}))}
+    link_pid = {name: timeline.num_stages + i for i, name in enumerate(sorted({link_label(u) for u in timeline.links}))}
     for name, pid in link_pid.items():
         events += _names(pid, f"link {name}", {ACTIONS_TID: "messages"})
     for u in timeline.links:
         args = {"src": u.src, "dst": u.dst, "sent_s": u.sent, "arrive_s": u.arrive}
         name = f"{u.kind}{u.microbatch} {u.src}->{u.dst}"
-        events.append(_complete(name, "link", u.start, u.end, link_pid[str(u.link)], ACTIONS_TID, args))
+        events.append(_complete(name, "link", u.start, u.end, link_pid[link_label(u)], ACTIONS_TID, args))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

@@ -1,7 +1,8 @@
 """The run folder of a training run: ``report.json``, measured timeline (PNG + Chrome trace), loss curve.
 
-Inputs are the per-step reports every rank writes to ``<run>/rank<R>.jsonl``
-(:class:`~agents.stage.report.StepReport` with timed events), the plan's
+Inputs are the per-step reports of every rank (:class:`~agents.stage.report.StepReport`
+with timed events: the ``<run>/rank<R>.jsonl`` agents write, or the metrics the
+coordinator received, :mod:`agents.runfolder.record`), the plan's
 layout and the prediction. :func:`build_report` makes the JSON-ready dict;
 :func:`write_run_folder` writes it and the pictures::
 
@@ -10,9 +11,10 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
                       bubble_fraction_predicted, wan_bytes (per link direction),
                       memory (per rank: measured peak and predicted bytes),
                       memory_measured_vs_predicted_max, per-step detail
-    timeline.png      measured timeline of the last step (replica 0's pipeline)
+    timeline.png      measured timeline of the last step (replica 0's pipeline), with link rows
     trace.json        the same as a Chrome trace (chrome://tracing, Perfetto)
     predicted.png     the simulator's timeline for the same layout
+    timelines.png     predicted above measured, on one time axis
     loss.png          loss per step
 
 Measured iteration time of a step is the slowest rank's; the run's figure is
@@ -176,24 +178,35 @@ def write_run_folder(
     predicted_timeline: Any | None = None,
 ) -> dict[str, str]:
     """Write report.json and the pictures into ``run_dir``; return {what: path}."""
-    from geosched.schedule import write_chrome_trace, write_timeline_png
+    from geosched.schedule import write_chrome_trace, write_timeline_png, write_timelines_png
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     last = report["steps"][-1]
     pipeline = [r for rs in reports.values() for r in rs if r.step == last and r.replica == 0]
-    timeline = measured_timeline(_schedule(layout), pipeline)
+    timeline = measured_timeline(_schedule(layout), pipeline, layout.stage_dcs)
+    measured_title = f"measured, step {last}: {_figures(timeline)}"
     written = {
-        "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=f"measured, step {last}")),
+        "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=measured_title)),
         "trace": str(write_chrome_trace(timeline, run / "trace.json")),
         "loss": str(write_loss_png(report["steps"], report["losses"], run / "loss.png")),
     }
     if predicted_timeline is not None:
-        written["predicted"] = str(write_timeline_png(predicted_timeline, run / "predicted.png", title="predicted"))
-    report["files"] = dict(written)
+        predicted_title = f"predicted: {_figures(predicted_timeline)}"
+        written["predicted"] = str(write_timeline_png(predicted_timeline, run / "predicted.png", title=predicted_title))
+        written["timelines"] = str(
+            write_timelines_png(
+                [(predicted_timeline, predicted_title), (timeline, measured_title)], run / "timelines.png"
+            )
+        )
+    report["files"] = {**report.get("files", {}), **written}
     with open(run / "report.json", "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
     return {**written, "report": str(run / "report.json")}
+
+
+def _figures(timeline: Any) -> str:
+    return f"iteration {timeline.iteration_s * 1e3:.1f} ms, bubble {timeline.bubble_fraction:.1%}"
 
 
 def report_text(report: Mapping[str, Any]) -> str:

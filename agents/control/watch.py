@@ -1,0 +1,132 @@
+"""A live view of a job: ``geosched job status --watch``.
+
+:func:`view_lines` is the table, a pure function of the agents' statuses and
+their latest step metrics (one row per rank: rank, DC, state, step,
+iteration time, bubble, WAN MB/s, prefill queue, message), so it is tested
+without a terminal. :func:`watch_job` is the thin loop around it: it follows
+the job's status and metrics topics and redraws the table every
+``interval_s`` seconds, in place on a terminal (one block after another
+otherwise), until cancelled (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from agents.control.auth import ControlKeys
+from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.plane import ControlPlane
+
+HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
+MESSAGE_CHARS = 60
+"""A status message is cut to this many characters in the table."""
+CLEAR = "\x1b[H\x1b[J"
+"""Cursor home and clear to the end of the screen: the next table is drawn in place."""
+
+
+def align(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as left-aligned columns, two spaces apart, trailing blanks cut."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def view_lines(
+    job: str,
+    statuses: Mapping[int, StatusMessage],
+    metrics: Mapping[int, MetricsMessage],
+    *,
+    max_rows: int | None = None,
+    now: float | None = None,
+) -> list[str]:
+    """The live table: a headline, then one row per rank known from a status or metrics (at most
+    ``max_rows``, then a line saying how many more)."""
+    ranks = sorted(set(statuses) | set(metrics))
+    states: dict[str, int] = {}
+    for st in statuses.values():
+        states[st.state] = states.get(st.state, 0) + 1
+    newest = max((m.step for m in metrics.values()), default=None)
+    clock = time.strftime("%H:%M:%S", time.localtime(now))
+    headline = (
+        f"job {job!r} at {clock}: {len(ranks)} agent{'' if len(ranks) == 1 else 's'}"
+        + (" (" + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) + ")" if states else "")
+        + (f", newest step {newest}" if newest is not None else "")
+    )
+    if not ranks:
+        return [headline, "no agents seen yet (waiting for their statuses)"]
+    shown = ranks if max_rows is None else ranks[: max(1, max_rows)]
+    rows = [HEADER] + [_row(rank, statuses.get(rank), metrics.get(rank)) for rank in shown]
+    lines = [headline, *align(rows)]
+    if len(shown) < len(ranks):
+        lines.append(f"... {len(ranks) - len(shown)} more ranks ('geosched job status --json' lists them all)")
+    return lines
+
+
+def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None) -> tuple[str, ...]:
+    values: dict[str, Any] = metrics.values if metrics is not None else {}
+    extra: dict[str, Any] = status.extra if status is not None else {}
+    iteration_s = _number(values.get("iteration_s"))
+    bubble = _number(values.get("bubble_fraction"))
+    wan = _number(values.get("wan_bytes"))
+    prefill = values.get("prefill")
+    queue = prefill.get("queue_len") if isinstance(prefill, dict) else None
+    if metrics is not None:
+        step = str(metrics.step)
+    else:
+        done = extra.get("next_step")
+        step = str(done - 1) if isinstance(done, int) and done > 0 else "-"
+    message = str(extra.get("message") or "").replace("\n", " ")
+    return (
+        str(rank),
+        (status.dc if status is not None else None) or str(values.get("dc") or "-"),
+        status.state if status is not None else "?",
+        step,
+        "-" if iteration_s is None else f"{iteration_s * 1e3:.1f}",
+        "-" if bubble is None else f"{100 * bubble:.1f}%",
+        "-" if wan is None or not iteration_s else f"{wan / iteration_s / 1e6:.2f}",
+        "-" if not isinstance(queue, int) else str(queue),
+        message[:MESSAGE_CHARS] + ("..." if len(message) > MESSAGE_CHARS else ""),
+    )
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+async def watch_job(
+    url: str,
+    job: str,
+    *,
+    interval_s: float = 1.0,
+    out: TextIO = sys.stdout,
+    ca_file: str | None = None,
+    keys: ControlKeys | None = None,
+    settle_s: float = 0.5,
+) -> None:
+    """Redraw :func:`view_lines` every ``interval_s`` seconds until cancelled (the first after ``settle_s``,
+    once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count."""
+    terminal = out.isatty()
+    async with ControlPlane(url, job, f"{job}-watch-{os.getpid()}", ca_file=ca_file, keys=keys) as cp:
+        async with await cp.subscribe("status", "metrics") as sub:
+            latest: dict[int, MetricsMessage] = {}
+            loop = asyncio.get_running_loop()
+            draw_at = loop.time() + settle_s
+            while True:
+                try:
+                    message = await sub.get(max(0.0, draw_at - loop.time()))
+                except TimeoutError:
+                    message = None
+                if isinstance(message, MetricsMessage):
+                    latest[message.rank] = message
+                if loop.time() < draw_at:
+                    continue
+                rows = shutil.get_terminal_size().lines - 3 if terminal else None
+                lines = view_lines(job, cp.statuses(), latest, max_rows=rows)
+                out.write((CLEAR if terminal else "") + "\n".join(lines) + "\n" + ("" if terminal else "\n"))
+                out.flush()
+                draw_at = loop.time() + interval_s

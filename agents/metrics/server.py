@@ -1,0 +1,143 @@
+"""The HTTP endpoint of a process's metrics: ``/metrics`` (Prometheus text) and ``/health`` (JSON).
+
+:class:`MetricsServer` serves one dedicated registry with prometheus_client's
+own WSGI app on a thread, bound to the host it is given (off unless a
+``--metrics-bind HOST:PORT`` asks for it; port 0 picks a free one).
+``/health`` answers 200 with a small JSON body when the process's health
+callable says so, else 503. It only reads: nothing a client sends changes
+anything. Request lines and headers are bounded by the standard library,
+each connection by a timeout, and connections at once by
+:data:`MAX_CLIENTS` (more are closed unanswered).
+
+Example::
+
+    with MetricsServer("127.0.0.1", 0, metrics.registry, metrics.health) as server:
+        print(server.url())          # http://127.0.0.1:40123/metrics
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from geosched.errors import InputError
+
+MAX_CLIENTS = 16
+"""Connections served at once; further ones are closed at once (a scrape retries)."""
+CLIENT_TIMEOUT_S = 10.0
+"""A connection idle this long is closed."""
+WILDCARDS = ("0.0.0.0", "::", "")
+
+Health = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = CLIENT_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Log nothing per request."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per request, at most :data:`MAX_CLIENTS` at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``/health`` from ``health``, ``/metrics`` (and ``/``) from prometheus_client, else 404."""
+    prometheus = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/metrics", "/"):
+            result: Iterable[bytes] = prometheus(environ, start_response)
+            return result
+        if path != "/health":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: try /metrics or /health\n"]
+        try:
+            ok, body = health()
+        except Exception as exc:  # noqa: BLE001 - a failing check is an unhealthy process, never a 500
+            ok, body = False, {"status": "unhealthy", "reason": f"health check failed: {exc}"[:300]}
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "application/json"), ("Cache-Control", "no-store")])
+        return [json.dumps(body).encode() + b"\n"]
+
+    return app
+
+
+class MetricsServer:
+    """Serves ``registry`` and ``health`` over HTTP on ``host:port`` from a daemon thread (a context manager)."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
+        self.host, self.port = host, port
+        self._app = metrics_app(registry, health)
+        self._httpd: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> MetricsServer:
+        """Bind and serve; InputError (one line) if ``host:port`` cannot be bound."""
+        where = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        try:
+            family, _, _, _, address = socket.getaddrinfo(
+                self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
+            self._httpd = make_server(str(address[0]), self.port, self._app, server_class, handler_class=_QuietHandler)
+        except (OSError, UnicodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise InputError(
+                f"--metrics-bind {where}: cannot serve metrics there ({why}); give an address of this host "
+                "and a free port (0 picks one)"
+            ) from None
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def url(self, advertise_host: str | None = None) -> str:
+        """``http://HOST:PORT/metrics``; a wildcard bind is advertised as ``advertise_host`` (else 127.0.0.1)."""
+        host = self.host if self.host not in WILDCARDS else (advertise_host or "127.0.0.1")
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def __enter__(self) -> MetricsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

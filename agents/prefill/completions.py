@@ -1,0 +1,268 @@
+"""OpenAI-style request and response bodies of the prefill service's HTTP front end: no sockets, no threads.
+
+:func:`parse_request` reads a ``/v1/completions`` or ``/v1/prefill`` JSON
+body strictly (:func:`load_json`: UTF-8, one object, no duplicate keys, no
+NaN) and turns it into a :class:`~agents.prefill.protocol.PrefillRequest`
+through :func:`~agents.prefill.protocol.decode_request`, so both endpoints
+enforce one set of limits (prompt length, token ids, priority, deadline).
+:func:`completion_body` writes the OpenAI completion object;
+:func:`kv_safetensors` / :func:`response_from_safetensors` carry a KV cache
+as safetensors bytes. Every refusal is an :class:`HttpError`, whose
+:meth:`~HttpError.body` is OpenAI's ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agents.prefill.protocol import MAX_TOP_K, VERSION, BadRequest, PrefillResponse, decode_request
+from geosched import wire
+from geosched.errors import ProtocolError
+from geosched.model import KVCache
+
+COMPLETION_FIELDS = frozenset(
+    {"model", "prompt", "max_tokens", "logprobs", "n", "stream", "echo", "temperature", "user"}
+    | {"priority", "deadline_ms"}  # geosched's own: the service's queue order and the answer's deadline
+)
+PREFILL_FIELDS = frozenset({"model", "prompt", "user", "priority", "deadline_ms", "top_k"})
+KV_FORMAT = "geosched-prefill-kv/1"
+MAX_SAFETENSORS_HEADER = 1 << 20
+
+
+class HttpError(Exception):
+    """A request answered with an HTTP error status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> HttpError:
+    """A 400 (or ``status``) ``invalid_request_error``."""
+    return HttpError(status, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class Ask:
+    """A parsed request: what goes to the service, and how to write the answer."""
+
+    request: Any  # PrefillRequest
+    prompt_text: str  # the prompt as text (for text_offset)
+    logprobs: int | None = None  # completions: top logprobs asked for (None: no logprobs object)
+
+
+def load_json(body: bytes) -> dict[str, Any]:
+    """The JSON object in ``body``; HttpError (400) for anything else: not UTF-8, NaN, duplicate keys, not an object."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(items)
+        if len(out) != len(items):
+            raise ValueError("duplicate keys in an object")
+        return out
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text[:40]} is out of range")
+        return value
+
+    try:
+        value = json.loads(body.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
+        raise invalid(f"the body is not valid JSON: {str(exc)[:200]}; send one JSON object") from None
+    if not isinstance(value, dict):
+        raise invalid(f"the body must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def token_text(token: int) -> str:
+    """The text of one byte token (``"\\xc3"`` for a byte that is not UTF-8 alone; ``"<id>"`` beyond bytes)."""
+    if token >= 256:
+        return f"<{token}>"
+    return bytes([token]).decode("utf-8", errors="backslashreplace")
+
+
+def _prompt_frame(prompt: Any) -> tuple[str, bytes, str]:
+    """(kind, frame, text) of a JSON prompt: a string (UTF-8 bytes are the tokens) or a list of token ids."""
+    if isinstance(prompt, str):
+        return "text", prompt.encode("utf-8"), prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not -(1 << 63) <= t < 1 << 63 for t in prompt):
+            raise invalid("prompt token ids must fit in int64", "prompt")
+        ids = np.asarray(prompt, dtype="<i8")
+        return "tokens", ids.tobytes(), "".join(token_text(t) for t in prompt if 0 <= t)
+    raise invalid(
+        "prompt must be a string or a list of token ids (one prompt per request; token ids are bytes of UTF-8)",
+        "prompt",
+    )
+
+
+def _flag(body: dict[str, Any], key: str, allowed: Any, why: str) -> None:
+    if key in body and body[key] is not None and body[key] != allowed:
+        raise invalid(f"{key} must be {json.dumps(allowed)}: {why}", key, "unsupported_value")
+
+
+def parse_request(body: dict[str, Any], *, kind: str, model_id: str, max_prompt_tokens: int, vocab: int) -> Ask:
+    """The :class:`Ask` of a ``completions`` or ``prefill`` body; HttpError naming the bad field."""
+    known = COMPLETION_FIELDS if kind == "completions" else PREFILL_FIELDS
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(f"unknown fields {unknown[:4]}; this endpoint takes {sorted(known)}", unknown[0])
+    if "prompt" not in body:
+        raise invalid("prompt is required: a string or a list of token ids", "prompt")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise invalid(
+            f"model {str(model)[:80]!r} is not served here; use {model_id!r} (GET /v1/models)",
+            "model",
+            "model_not_found",
+            404,
+        )
+    logprobs = None
+    if kind == "completions":
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (max_tokens != 1 or isinstance(max_tokens, bool)):
+            raise invalid(
+                f"max_tokens must be 1 (got {json.dumps(max_tokens)[:40]}): this endpoint prefills and answers the "
+                "first token; decode further from POST /v1/prefill's KV cache (continue_greedy)",
+                "max_tokens",
+                "unsupported_value",
+            )
+        _flag(body, "n", 1, "one choice per request")
+        _flag(body, "stream", False, "answers are not streamed")
+        _flag(body, "echo", False, "the prompt is not echoed")
+        _flag(body, "temperature", 0, "the first token is the greedy one (temperature 0)")
+        logprobs = body.get("logprobs")
+        top = min(MAX_TOP_K, vocab)
+        if logprobs is not None and (
+            not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= top
+        ):
+            raise invalid(f"logprobs must be an integer 0-{top} (got {json.dumps(logprobs)[:40]})", "logprobs")
+    kind_, frame, text = _prompt_frame(body["prompt"])
+    header: dict[str, Any] = {"v": VERSION, "id": f"cmpl-{uuid.uuid4().hex[:24]}", "prompt": kind_}
+    header.update({k: body[k] for k in ("priority", "deadline_ms", "top_k") if body.get(k) is not None})
+    header["return_kv"] = kind == "prefill"
+    try:
+        request = decode_request([wire.encode_header(header), frame], max_prompt_tokens=max_prompt_tokens, vocab=vocab)
+    except OverflowError:
+        raise invalid("priority, deadline_ms and top_k must be numbers of ordinary size") from None
+    except (BadRequest, ProtocolError) as exc:
+        field = next((f for f in ("priority", "deadline_ms", "top_k") if f"'{f}'" in str(exc)), "prompt")
+        raise invalid(str(exc), field) from None
+    if logprobs is not None:
+        request.top_k = vocab  # every logit: log-probabilities need the whole distribution's normaliser
+    return Ask(request, text, logprobs)
+
+
+def completion_body(ask: Ask, response: PrefillResponse, model_id: str, created: int) -> dict[str, Any]:
+    """OpenAI's ``text_completion`` object for a served prefill (one choice: the greedy first token)."""
+    assert response.first_token is not None
+    text = token_text(response.first_token)
+    logprobs = None
+    if ask.logprobs is not None:
+        logits = response.topk_logits  # every logit, highest first
+        top = logits[0]
+        normaliser = top + math.log(sum(math.exp(x - top) for x in logits))
+        best = {token_text(t): x - normaliser for t, x in zip(response.topk_ids[: ask.logprobs], logits)}
+        logprobs = {
+            "tokens": [text],
+            "token_logprobs": [top - normaliser],
+            "top_logprobs": [best],
+            "text_offset": [len(ask.prompt_text)],
+        }
+    return {
+        "id": ask.request.id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_id,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
+        "usage": {
+            "prompt_tokens": response.prompt_tokens,
+            "completion_tokens": 1,
+            "total_tokens": response.prompt_tokens + 1,
+        },
+        "geosched": {"first_token": response.first_token, **response.timings},
+    }
+
+
+def error_of(response: PrefillResponse) -> HttpError:
+    """The HTTP error of a response that is not ``ok``: 429 rejected, 504 expired, 503 otherwise."""
+    if response.status == "rejected":
+        return HttpError(429, response.reason, "rate_limit_error", None, "rate_limit_exceeded")
+    if response.status == "expired":
+        return HttpError(504, response.reason, "timeout_error", "deadline_ms", "deadline_exceeded")
+    return HttpError(503, response.reason or "prefill failed", "server_error", None, "unavailable")
+
+
+def kv_safetensors(response: PrefillResponse) -> bytes:
+    """A served prefill as safetensors: ``layers.<i>.k`` / ``layers.<i>.v`` (1, H, T, D) and the answer as metadata."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for i, (k, v) in enumerate(response.kv or []):
+        tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"] = k.contiguous(), v.contiguous()
+    metadata = {
+        "format": KV_FORMAT,
+        "id": str(response.id),
+        "prompt_tokens": str(response.prompt_tokens),
+        "first_token": str(response.first_token),
+        "topk_ids": json.dumps(response.topk_ids),
+        "topk_logits": json.dumps(response.topk_logits),
+        "timings": json.dumps(response.timings),
+    }
+    return bytes(save(tensors, metadata=metadata))
+
+
+def response_from_safetensors(data: bytes) -> PrefillResponse:
+    """The :class:`PrefillResponse` in a ``/v1/prefill`` answer (for ``continue_greedy``); ProtocolError if not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        size = int.from_bytes(data[:8], "little")
+        if not 0 < size <= min(MAX_SAFETENSORS_HEADER, len(data) - 8):
+            raise ValueError(f"header of {size} bytes")
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+        if meta.get("format") != KV_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, not {KV_FORMAT!r}")
+        tensors = load(data)
+        layers = len(tensors) // 2
+        kv: KVCache = [(tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"]) for i in range(layers)]
+        return PrefillResponse(
+            meta["id"],
+            "ok",
+            prompt_tokens=int(meta["prompt_tokens"]),
+            first_token=int(meta["first_token"]),
+            topk_ids=[int(t) for t in json.loads(meta["topk_ids"])],
+            topk_logits=[float(x) for x in json.loads(meta["topk_logits"])],
+            kv=kv,
+            timings={k: float(v) for k, v in json.loads(meta["timings"]).items()},
+        )
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"not a prefill KV answer ({KV_FORMAT}): {exc}") from None
+
+
+__all__ = [
+    "Ask",
+    "HttpError",
+    "completion_body",
+    "error_of",
+    "kv_safetensors",
+    "load_json",
+    "parse_request",
+    "response_from_safetensors",
+    "token_text",
+]

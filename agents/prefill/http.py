@@ -1,0 +1,270 @@
+"""The prefill service's OpenAI-style HTTP front end (aiohttp), beside its ZeroMQ endpoint.
+
+Routes: ``POST /v1/completions`` (the greedy first token, with top-k
+logprobs; ``max_tokens`` must be 1), ``POST /v1/prefill`` (the KV cache as
+safetensors bytes, :func:`~agents.prefill.completions.kv_safetensors`) and
+``GET /v1/models``. Thin: bodies are parsed by
+:mod:`agents.prefill.completions`, and requests go through the service's own
+queue (:meth:`PrefillService.submit <agents.prefill.service.PrefillService.submit>`):
+the same admission control, deadlines, priorities and token as the ZeroMQ
+endpoint. ``Authorization: Bearer <token>`` is checked (constant time) before
+the body is read; bodies are bounded; refusals are OpenAI error objects
+(400 bad input, 401 token, 404, 413 body too large, 429 queue full or
+deadline infeasible, 504 deadline passed, 503 shutting down).
+
+The server runs its own event loop on its own thread, as the service runs its
+network thread; :meth:`PrefillHttpServer.close` answers every waiting request
+(503) and stops it. Example::
+
+    with PrefillService(model) as service, PrefillHttpServer(service, "127.0.0.1", 0) as http:
+        print(http.url)   # http://127.0.0.1:PORT; curl $URL/v1/completions -d '{"prompt": "Hi"}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from agents.prefill.completions import (
+    Ask,
+    HttpError,
+    completion_body,
+    error_of,
+    invalid,
+    kv_safetensors,
+    load_json,
+    parse_request,
+)
+from agents.prefill.protocol import PrefillResponse
+from agents.prefill.service import PrefillService
+from geosched.errors import LinkError
+
+log = logging.getLogger(__name__)
+
+BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") or an id ("65535,")
+BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
+BODY_TIMEOUT_S = 10.0  # a body must arrive within this (no connection held open by a trickle)
+ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class PrefillHttpServer:
+    """Serves a :class:`PrefillService` over HTTP on ``host:port`` (0: any free port) from its own thread."""
+
+    def __init__(
+        self,
+        service: PrefillService,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        model_id: str = "",
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
+        self.service, self.body_timeout_s = service, body_timeout_s
+        s = service.shape
+        self.model_id = model_id or f"geosched-gpt-{s.layers}x{s.hidden}"
+        self.max_body_bytes = BODY_SLACK_BYTES + BODY_BYTES_PER_TOKEN * service.max_prompt_tokens
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:  # bound now: errors and the port at once
+            self._sock = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise LinkError(
+                f"cannot bind the prefill HTTP front end on {host}:{port}: {exc.strerror or exc} (is the port in use?)"
+            ) from None
+        self.host, self.port = host, int(self._sock.getsockname()[1])
+        self.url = f"http://[{host}]:{self.port}" if family == socket.AF_INET6 else f"http://{host}:{self.port}"
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "prefill HTTP on %s is plain HTTP: prompts and the token cross the network unencrypted; "
+                "bind 127.0.0.1 and put a TLS proxy in front",
+                self.url,
+            )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._pending: set[asyncio.Future[PrefillResponse]] = set()
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="prefill-http", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> PrefillHttpServer:
+        """Start serving (returns once the server accepts connections)."""
+        self._thread.start()
+        self._ready.wait(30.0)
+        if self._failure is not None:
+            raise self._failure
+        return self
+
+    def __enter__(self) -> PrefillHttpServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Answer waiting requests with 503, stop the server, join its thread, close the socket."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and self._thread.is_alive():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass  # the loop already ended
+            self._thread.join(15.0)
+        self._sock.close()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+            self._failure = exc
+            if self._ready.is_set():
+                log.exception("prefill HTTP server failed")
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/prefill", self._prefill),
+                web.get("/v1/models", self._models),
+            ]
+        )
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, self._sock).start()
+            log.info("prefill HTTP front end on %s", self.url)
+            self._ready.set()
+            await self._stop.wait()
+            closing = PrefillResponse(
+                None, "error", reason="the agent's prefill service is shutting down; retry elsewhere"
+            )
+            for future in list(self._pending):
+                if not future.done():
+                    future.set_result(closing)
+        finally:
+            await runner.cleanup()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every refusal as OpenAI's error object."""
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+            if exc.status == 429:
+                headers["Retry-After"] = "1"
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
+        except web.HTTPRequestEntityTooLarge:
+            self.service.count_refused("bad_requests")
+            error = invalid(
+                f"the body exceeds {self.max_body_bytes} bytes; send a shorter prompt", None, "request_too_large", 413
+            )
+            return web.json_response(error.body(), status=413)
+        except web.HTTPException as exc:  # 404, 405 from the router
+            error = HttpError(
+                exc.status, f"{exc.reason}: {request.method} {request.path[:100]}", "invalid_request_error"
+            )
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+            return web.json_response(error.body(), status=exc.status, headers=allow)
+        except Exception:  # noqa: BLE001 - one request's failure is not the server's
+            log.exception("prefill HTTP request failed unexpectedly")
+            body = HttpError(500, "internal error in the prefill front end", "server_error").body()
+            return web.json_response(body, status=500)
+
+    def _authenticate(self, request: web.Request) -> None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if not self.service.authorized(token.strip() if scheme.lower() == "bearer" else None):
+            self.service.count_refused("unauthenticated")
+            raise HttpError(
+                401,
+                "missing or wrong token: send 'Authorization: Bearer <prefill token>'",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
+
+    async def _ask(self, request: web.Request, kind: str) -> tuple[Ask, PrefillResponse]:
+        """Authenticate, read and parse the body, queue it in the service, wait for its answer."""
+        self._authenticate(request)
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        try:
+            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except TimeoutError:
+            raise invalid(
+                f"the body did not arrive within {self.body_timeout_s:g} s", None, "request_timeout", 408
+            ) from None
+        try:
+            ask = parse_request(
+                load_json(body),
+                kind=kind,
+                model_id=self.model_id,
+                max_prompt_tokens=self.service.max_prompt_tokens,
+                vocab=self.service.shape.vocab,
+            )
+        except HttpError:
+            self.service.count_refused("bad_requests")
+            raise
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PrefillResponse] = loop.create_future()
+
+        def deliver(response: PrefillResponse) -> None:  # on the service's thread
+            try:
+                loop.call_soon_threadsafe(_resolve, future, response)
+            except RuntimeError:
+                pass  # this server's loop is closed: nobody waits any more
+
+        self._pending.add(future)
+        try:
+            self.service.submit(ask.request, deliver)
+            deadline = ask.request.deadline_s or self.service.default_deadline_s
+            try:
+                response = await asyncio.wait_for(future, deadline + ANSWER_GRACE_S)
+            except TimeoutError:
+                response = PrefillResponse(ask.request.id, "expired", reason="no answer from the prefill service")
+        finally:
+            self._pending.discard(future)
+        if response.status != "ok":
+            raise error_of(response)
+        return ask, response
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        ask, response = await self._ask(request, "completions")
+        return web.json_response(completion_body(ask, response, self.model_id, int(time.time())))
+
+    async def _prefill(self, request: web.Request) -> web.StreamResponse:
+        _, response = await self._ask(request, "prefill")
+        data = await asyncio.to_thread(kv_safetensors, response)
+        headers = {
+            "X-Prefill-Id": str(response.id),
+            "X-Prefill-Prompt-Tokens": str(response.prompt_tokens),
+            "X-Prefill-First-Token": str(response.first_token),
+        }
+        return web.Response(body=data, content_type="application/octet-stream", headers=headers)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        self._authenticate(request)
+        model: dict[str, Any] = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "geosched"}
+        return web.json_response({"object": "list", "data": [model]})
+
+
+def _resolve(future: asyncio.Future[PrefillResponse], response: PrefillResponse) -> None:
+    if not future.done():  # not timed out or answered at shutdown already
+        future.set_result(response)
+
+
+__all__ = ["PrefillHttpServer"]

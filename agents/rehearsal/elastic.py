@@ -1,0 +1,207 @@
+"""Elastic recovery: lose agents or a whole datacenter, re-plan on what remains, resume, finish the steps.
+
+``geosched launch --elastic`` runs its job as a series of *attempts*. When the
+coordinator names lost ranks (:class:`~agents.control.coordinator.AgentLost`
+``.ranks``: killed, frozen, or failed), :class:`ElasticJob`:
+
+1. stops the survivors (``job stop``, then their processes);
+2. takes the lost ranks' GPUs out of the config (:func:`surviving_config`): a
+   DC whose every planned rank was lost is dropped with its links, any other
+   keeps its GPUs less the lost ones;
+3. re-plans on the rest, with the same global batch, so the optimisation is
+   unchanged (the batch of step ``s`` is the same sequences whatever the layout:
+   :mod:`geosched.data`);
+4. starts one agent per rank of the new plan with ``--resume``: each loads the
+   newest complete checkpoint, resharded into its own layout
+   (:mod:`agents.checkpoint.load`), and the job runs the steps still to do;
+5. records a :class:`Recovery` (lost ranks and DCs, old and new plan, the step
+   resumed from, steps redone, downtime), which the run report lists as
+   ``recoveries``.
+
+Recovery needs checkpoints: ``launch --elastic`` writes them into its run
+folder every step unless told otherwise. Moving back to the better plan when
+the lost GPUs return is not done yet (restart the job to use them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from agents.layout import JobLayout, parse_layout, plan_for_config
+from geosched.config import Config
+from geosched.errors import PlanInfeasible
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERIES = 3
+"""Recoveries one run attempts before it gives up (each one drops GPUs for good)."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery, as the run report's ``recoveries`` lists it."""
+
+    lost_ranks: list[int]
+    lost_dcs: list[str]
+    reason: str
+    old_plan: str
+    new_plan: str
+    failed_at_step: int  # the newest step any rank reported before the loss
+    resumed_from_step: int
+    steps_redone: int
+    downtime_s: float  # from the loss to the new plan's agents starting the job
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def describe(layout: JobLayout) -> str:
+    """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``."""
+    paths = [" -> ".join(layout.stage_dcs), *(" -> ".join(p) for p in layout.extra_pipelines)]
+    ranks = len(layout.roles)
+    return f"{layout.num_stages} stages {' + '.join(paths)}, dp {layout.dp}, tp {layout.job.tp} ({ranks} ranks)"
+
+
+def surviving_config(config: Config, layout: JobLayout, lost: Iterable[int]) -> tuple[Config, list[str]]:
+    """``config`` without the GPUs of the ``lost`` ranks, and the DCs lost whole (every rank the plan put
+    there). PlanInfeasible when no DC is left."""
+    lost_per_dc: dict[str, int] = {}
+    for rank in set(lost):
+        dc = layout.role(rank).dc
+        lost_per_dc[dc] = lost_per_dc.get(dc, 0) + 1
+    planned = {dc: sum(1 for r in layout.roles if r.dc == dc) for dc in lost_per_dc}
+    gone = sorted(dc for dc, n in lost_per_dc.items() if n >= planned[dc])
+    kept = [
+        dataclasses.replace(spec, gpus=spec.gpus - lost_per_dc.get(spec.name, 0))
+        for spec in config.cluster.datacenters
+        if spec.name not in gone
+    ]
+    if not kept:
+        raise PlanInfeasible("elastic recovery: every datacenter was lost; nothing is left to train on")
+    links = tuple(link for link in config.cluster.links if not set(link.between) & set(gone))
+    cluster = dataclasses.replace(config.cluster, datacenters=tuple(kept), links=links)
+    return dataclasses.replace(config, cluster=cluster), gone
+
+
+class ElasticJob:
+    """Runs a rehearsal's job to its last step, recovering from lost agents (see the module docstring).
+
+    ``start_agents(layout, resume)`` starts (and returns) the agents of a plan, after moving the run
+    folder's rank files of an earlier attempt aside; ``run(text, steps)`` runs ``steps`` steps of the plan
+    ``text`` (raising AgentLost); ``stop(agents)`` stops a failed attempt's agents and returns the ranks
+    whose processes had died (lost with the ones the coordinator named). ``most``: recoveries
+    allowed (0: the first loss ends the run, as without ``--elastic``).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        checkpoint_dir: Path,
+        start_agents: Callable[[JobLayout, bool], Any],
+        run: Callable[[str, int], None],
+        stop: Callable[[Any], Iterable[int]],
+        out: TextIO | None = None,
+        most: int = MAX_RECOVERIES,
+    ) -> None:
+        self.config, self.run_dir, self.checkpoint_dir = config, run_dir, checkpoint_dir
+        self.start_agents, self.run, self.stop, self.out, self.most = start_agents, run, stop, out, most
+        self.recoveries: list[Recovery] = []
+        self._lost_at: float | None = None  # Unix time of the last loss, until the next attempt's first step
+
+    def train(self, text: str, steps: int) -> tuple[str, Any]:
+        """Run ``steps`` steps of plan ``text``, recovering up to ``most`` times; the plan that finished and
+        its agents."""
+        from agents.checkpoint.store import latest_complete
+        from agents.control.coordinator import AgentLost
+
+        layout, config, first = parse_layout(text), self.config, 0
+        agents = self.start_agents(layout, False)
+        while True:
+            try:
+                self.run(text, steps - first)
+                break
+            except AgentLost as exc:
+                if not exc.ranks or len(self.recoveries) >= self.most:
+                    raise
+                lost_at, failed_at = time.time(), newest_step(self.run_dir)
+                self._say(f"elastic: {exc}")
+                lost = sorted({*exc.ranks, *self.stop(agents)})
+                config, gone = surviving_config(config, layout, lost)
+                new_text = plan_for_config(config)
+                new_layout = parse_layout(new_text)
+                resumed = latest_complete(self.checkpoint_dir) or 0
+                recovery = Recovery(
+                    lost,
+                    gone,
+                    str(exc),
+                    describe(layout),
+                    describe(new_layout),
+                    failed_at,
+                    resumed,
+                    max(0, failed_at + 1 - resumed),
+                    -1.0,  # known once the new plan's first step has started
+                )
+                self._say(
+                    f"elastic: lost ranks {lost}{' (DC ' + ', '.join(gone) + ')' if gone else ''}; "
+                    f"re-planned {recovery.old_plan} -> {recovery.new_plan}; resuming from step {resumed}"
+                )
+                self._downtimes()
+                agents = self.start_agents(new_layout, True)
+                self.recoveries.append(recovery)
+                self._lost_at = lost_at
+                text, layout, first = new_text, new_layout, resumed
+        self._downtimes()
+        return text, agents
+
+    def _downtimes(self) -> None:
+        """The last recovery's downtime: from its loss to the first step the next attempt started."""
+        began = first_step_started(self.run_dir)
+        if self._lost_at is not None and began is not None:
+            self.recoveries[-1] = dataclasses.replace(self.recoveries[-1], downtime_s=max(0.0, began - self._lost_at))
+        self._lost_at = None
+
+    def _say(self, line: str) -> None:
+        log.warning("%s", line)
+        if self.out is not None:
+            print(line, file=self.out, flush=True)
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move the run folder's rank files (and plan) of a failed attempt into ``attempt-<n>/``; that folder."""
+    n = 1 + sum(1 for _ in run_dir.glob("attempt-*"))
+    folder = run_dir / f"attempt-{n}"
+    folder.mkdir()
+    for path in [*run_dir.glob("rank*.jsonl"), *run_dir.glob("prefill-rank*.json"), run_dir / "plan.yaml"]:
+        if path.exists():
+            path.rename(folder / path.name)
+    return folder
+
+
+def _records(run_dir: Path) -> Iterable[dict[str, Any]]:
+    for path in run_dir.glob("rank*.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def newest_step(run_dir: Path) -> int:
+    """The newest step any rank wrote to ``run_dir/rank*.jsonl`` (-1: none)."""
+    return max((int(r["step"]) for r in _records(run_dir) if isinstance(r.get("step"), int)), default=-1)
+
+
+def first_step_started(run_dir: Path) -> float | None:
+    """When (Unix time) the first step in ``run_dir/rank*.jsonl`` started, or None."""
+    times = [float(r["started_at"]) for r in _records(run_dir) if isinstance(r.get("started_at"), (int, float))]
+    return min(times, default=None)

@@ -1,0 +1,146 @@
+"""The rehearsal's local fleet: one ``geosched agent`` process per rank, and the WAN emulator's relays.
+
+:class:`AgentProcesses` starts every rank's agent in its own process group
+(one torch thread) and, whatever happens, stops them: SIGTERM to the group,
+SIGKILL after a grace period, and waits. :class:`RelayRoutes` is the
+coordinator's ``before_start`` hook that starts one WAN emulator relay per
+cross-DC pipeline link once the agents are ready (bandwidths scaled by
+``wan_scale``, delays kept) and routes the ranks through them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from geosched.errors import GeoschedError
+from geosched.processes import REPO_ROOT, child_env
+
+if TYPE_CHECKING:
+    from agents.layout import JobLayout
+
+
+class AgentProcesses:
+    """One ``geosched agent`` subprocess per rank, each in its own process group; a context manager."""
+
+    def __init__(self, layout: JobLayout, url: str, job: str, run_dir: Path, extra_args: list[str] | None = None):
+        self.layout, self.url, self.job, self.run_dir = layout, url, job, run_dir
+        self.extra_args = list(extra_args or [])
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> AgentProcesses:
+        """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder."""
+        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        for role in self.layout.roles:
+            cmd = [
+                sys.executable,
+                "-m",
+                "geosched.cli",
+                "agent",
+                "--mqtt",
+                self.url,
+                "--job",
+                self.job,
+                "--rank",
+                str(role.rank),
+                "--dc",
+                role.dc,
+                "--threads",
+                "1",
+                "--run-dir",
+                str(self.run_dir),
+                *self.extra_args,
+            ]
+            with open(self.run_dir / f"agent{role.rank}.log", "ab") as logfile:
+                self.procs[role.rank] = subprocess.Popen(
+                    cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO_ROOT
+                )
+        return self
+
+    def wait(self, timeout_s: float) -> dict[int, int | None]:
+        """Wait up to ``timeout_s`` for every agent to exit; rank -> exit code (None: still running)."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return {rank: proc.poll() for rank, proc in self.procs.items()}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, SIGKILL what is left after ``grace_s``, and reap them all."""
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        self.wait(grace_s)
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGKILL)  # also reaps grandchildren left in the group
+            proc.wait()
+
+    def __enter__(self) -> AgentProcesses:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class RelayRoutes:
+    """Starts the WAN emulator once the agents are ready: one relay per cross-DC pipeline link."""
+
+    def __init__(self, layout: JobLayout, wan_scale: float) -> None:
+        self.layout, self.wan_scale = layout, wan_scale
+        self.emulator: Any = None
+        self.route_links: dict[str, tuple[str, str]] = {}
+
+    async def __call__(self, statuses: dict[int, Any]) -> dict[str, str]:
+        """The ``before_start`` hook of the coordinator: relays to the listeners' bound endpoints."""
+        from agents.layout import pipe_name
+        from agents.wanem.emulator import WanEmulator, shape_for_link
+
+        routes, ends = {}, {}
+        for role in self.layout.roles:
+            if role.prev_dc is None or role.prev_dc == role.dc:  # the first stage, or a link inside a DC
+                continue
+            name = pipe_name(role.stage, role.replica, role.tp_rank)
+            bound = statuses[role.rank].extra.get("endpoints", {}).get(name)
+            if not bound:
+                raise GeoschedError(f"rank {role.rank} is ready but did not publish its endpoint {name!r}")
+            host, port = bound.removeprefix("tcp://").rsplit(":", 1)
+            link = self.layout.config.cluster.link(role.prev_dc, role.dc)
+            routes[name] = ((host, int(port)), shape_for_link(link, self.wan_scale))
+            ends[name] = (role.prev_dc, role.dc)
+        self.route_links = ends
+        self.emulator = WanEmulator(routes, link_ends=ends).start()
+        return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}
+
+    def wan_bytes(self) -> dict[str, int]:
+        """Bytes the relays carried per link direction, e.g. ``{"us->eu": n, "eu->us": m}``."""
+        if self.emulator is None:
+            return {}
+        out: dict[str, int] = {}
+        for name, stats in self.emulator.stats().items():
+            a, b = self.route_links[name]
+            out[f"{a}->{b}"] = out.get(f"{a}->{b}", 0) + int(stats["bytes_to_target"])
+            out[f"{b}->{a}"] = out.get(f"{b}->{a}", 0) + int(stats["bytes_to_client"])
+        return out
+
+    def adopt(self, layout: JobLayout) -> None:
+        """Route a new plan's links (elastic recovery): the relays of the old one close."""
+        self.close()
+        self.layout, self.emulator, self.route_links = layout, None, {}
+
+    def close(self) -> None:
+        """Close every relay."""
+        if self.emulator is not None:
+            self.emulator.close()

@@ -1,0 +1,59 @@
+"""The simulator's timeline of a job's layout: what ``report.json`` and ``predicted.png`` compare with.
+
+:func:`predict` simulates the plan's layout with its WAN bandwidths scaled
+(``wan_scale``, what a rehearsal's relays emulate) and compute from a
+calibration when given, else the config's GPU FLOP rates (the plan's own
+prediction: ``geosched job start``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agents.layout import JobLayout
+    from geosched.config import Config
+
+
+def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None = None) -> Config:
+    """The cluster as rehearsed here: WAN bandwidths x ``wan_scale`` (what the relays emulate) and,
+    when ``cpu_tflops`` is given, every DC's GPU replaced by this machine's measured core."""
+    links = tuple(
+        dataclasses.replace(
+            lk, bandwidth_gbps=lk.bandwidth_gbps * wan_scale, per_connection_gbps=lk.per_connection_gbps * wan_scale
+        )
+        for lk in config.cluster.links
+    )
+    dcs = config.cluster.datacenters
+    if cpu_tflops is not None:
+        dcs = tuple(dataclasses.replace(dc, gpu=dataclasses.replace(dc.gpu, tflops=cpu_tflops)) for dc in dcs)
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, links=links, datacenters=dcs))
+
+
+def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) -> Any:
+    """The simulator's Timeline for ``layout`` as rehearsed: WAN scaled, compute from ``calibration`` if given."""
+    from agents.stage.session import job_schedule
+    from geosched.costmodel import PipelineCosts
+    from geosched.schedule import simulate
+
+    config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
+    across: dict[str, Any] = {}
+    if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
+        from planner.replicas import cost_options
+        from planner.space import Candidate, Problem
+
+        m = layout.job.global_batch // (layout.replicas * layout.job.batch)
+        cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
+        across = cost_options(Problem(dataclasses.replace(config, job=layout.job)), cand)
+    costs = PipelineCosts(
+        config.cluster,
+        layout.job,
+        layout.stage_dcs,
+        layout.stage_layers,
+        layout.dp,
+        layout.streams,
+        calibration=calibration,
+        **across,
+    )
+    return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas), costs)

@@ -1,0 +1,119 @@
+"""``geosched export``: a checkpoint's stage shards merged into one whole-model weights file, whatever layout.
+
+Checkpoints of the same weights written by a 2-stage and a 4-stage layout
+(the second resharded from the first, as a resumed job would) export to the
+same whole weights, those of the trained stages, with the model's record in
+the file. Bad, missing and incomplete folders, a shard or weights of another
+model given where whole weights are expected: one line, exit 2.
+(The tensor-parallel layout is exported in tests/test_tp_pipeline.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_checkpoint_reshard import NEW, OLD, SEED, SHAPE, pipeline, train
+
+from agents.checkpoint.export import export_weights, load_whole_model, resolve_step
+from agents.checkpoint.load import load_resharded
+from agents.checkpoint.store import CheckpointWriter, job_fingerprint, model_fingerprint
+from geosched.cli import main
+from geosched.errors import CheckpointError
+from geosched.model import ModelShape
+from geosched.weights import FORMAT, ModelRecord
+
+RECORD = ModelRecord(SHAPE, SEED, "fp32")
+
+
+def save(folder: Path, step: int, cuts, stages, optimizers, record: ModelRecord | None = RECORD) -> None:
+    """Every stage's shard of ``step``, as agents write them (with the model's record unless None)."""
+    for i, (stage, opt) in enumerate(zip(stages, optimizers, strict=True)):
+        fp = job_fingerprint(SHAPE, cuts[i], first=i == 0, last=i == len(cuts) - 1, seed=SEED, num_stages=len(cuts))
+        writer = CheckpointWriter(
+            folder, i, len(cuts), fp, model_fingerprint(SHAPE, seed=SEED), record and record.to_dict()
+        )
+        writer.save(step, stage, opt, extra={"next_step": step})
+
+
+@pytest.fixture(scope="module")
+def two_layouts(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """(2-stage folder, 4-stage folder, the trained weights): step 2 of one training run in both layouts."""
+    root = tmp_path_factory.mktemp("layouts")
+    stages, optimizers = pipeline(OLD)
+    train(stages, optimizers, range(2))
+    save(root / "two", 2, OLD, stages, optimizers)
+    resumed, resumed_optimizers = pipeline(NEW, seed=SEED + 1)  # other initial weights: all are overwritten
+    for i, (stage, opt) in enumerate(zip(resumed, resumed_optimizers, strict=True)):
+        load_resharded(root / "two", 2, i, stage, opt, model_fingerprint=model_fingerprint(SHAPE, seed=SEED))
+    save(root / "four", 2, NEW, resumed, resumed_optimizers)
+    weights = {name: p.detach().clone() for stage in stages for name, p in stage.state_dict().items()}
+    return root / "two", root / "four", weights
+
+
+def test_two_layouts_export_the_same_whole_weights(two_layouts, tmp_path: Path, capsys) -> None:
+    two, four, trained = two_layouts
+    assert main(["export", str(two), "-o", str(tmp_path / "two.safetensors")]) == 0
+    text = capsys.readouterr().out
+    assert "exported checkpoint step 2 (2 stages)" in text and "layers=6 hidden=32 heads=4" in text, text
+    assert main(["export", str(four), "-o", str(tmp_path / "four.safetensors"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["step"], summary["stages"], summary["model"]) == (2, 4, RECORD.to_dict())
+    a, b = load_file(tmp_path / "two.safetensors"), load_file(tmp_path / "four.safetensors")
+    assert a.keys() == b.keys() == trained.keys()
+    for name, value in trained.items():
+        assert torch.equal(a[name], value) and torch.equal(b[name], value), name
+    assert summary["parameters"] == sum(t.numel() for t in trained.values())
+    with safe_open(tmp_path / "four.safetensors", framework="pt") as fh:
+        meta = fh.metadata()
+    assert meta["format"] == FORMAT and meta["step"] == "2" and meta["source_stages"] == "4"
+    assert json.loads(meta["model"]) == RECORD.to_dict()
+    assert meta["model_fingerprint"] == model_fingerprint(SHAPE, seed=SEED)
+
+
+def test_a_checkpoint_without_a_record_exports_with_its_config(tmp_path: Path) -> None:
+    stages, optimizers = pipeline(OLD)
+    save(tmp_path / "old", 1, OLD, stages, optimizers, record=None)  # written before shards recorded the model
+    with pytest.raises(CheckpointError, match="records no model shape.*--config"):
+        export_weights(tmp_path / "old", tmp_path / "w.safetensors")
+    bigger = ModelRecord(ModelShape(layers=600, hidden=32, heads=4, seq_len=16), SEED, "fp32")
+    with pytest.raises(CheckpointError, match="needs .* bytes of weights, the step's shards hold"):
+        export_weights(tmp_path / "old", tmp_path / "w.safetensors", config=bigger)  # refused before allocating
+    done = export_weights(tmp_path / "old", tmp_path / "w.safetensors", config=RECORD)
+    model, record = load_whole_model(tmp_path / "old", resolve_step(tmp_path / "old"), RECORD)
+    assert done["step"] == 1 and record == RECORD
+    assert all(torch.equal(v, load_file(tmp_path / "w.safetensors")[k]) for k, v in model.state_dict().items())
+
+
+def _one_line_exit_2(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
+
+
+def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, capsys) -> None:
+    two, _, _ = two_layouts
+    out = str(tmp_path / "w.safetensors")
+    _one_line_exit_2(["export", str(tmp_path / "missing"), "-o", out], "not a checkpoint folder", capsys)
+    (tmp_path / "empty").mkdir()
+    _one_line_exit_2(["export", str(tmp_path / "empty"), "-o", out], "holds no checkpoint", capsys)
+    _one_line_exit_2(["export", str(two), "--step", "9", "-o", out], "no checkpoint step 9", capsys)
+    _one_line_exit_2(["export", str(two), "-o", str(tmp_path / "no" / "w.safetensors")], "existing folder", capsys)
+    shutil.copytree(two, tmp_path / "partial")
+    (tmp_path / "partial" / "step-000002" / "stage-01.json").unlink()  # a stage never finished writing
+    _one_line_exit_2(["export", str(tmp_path / "partial"), "-o", out], "no complete checkpoint", capsys)
+    shard = two / "step-000002" / "stage-00.safetensors"
+    config = Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml"  # another model
+    local = ["prefill", "--local", "--config", str(config), "--weights"]
+    _one_line_exit_2([*local, str(shard), "hi"], "one stage's checkpoint shard", capsys)
+    assert main(["export", str(two), "-o", out]) == 0
+    capsys.readouterr()
+    _one_line_exit_2([*local, out, "hi"], "hold hidden=32 seq_len=16 where the model has hidden=64 seq_len=64", capsys)
+    _one_line_exit_2([*local, str(two), "hi"], "do not fit the model shape", capsys)
+    _one_line_exit_2(["prefill", "hi"], "--endpoint tcp://HOST:PORT", capsys)
+    assert not (tmp_path / "w.safetensors.tmp").exists() and not list(tmp_path.glob(".w.safetensors.tmp*"))

@@ -1,0 +1,201 @@
+"""Prometheus metrics: two real agents and the coordinator scraped over real HTTP, the health verdicts, the docs.
+
+The end-to-end test runs the tiny job (us -> eu) with ``--metrics-bind
+127.0.0.1:0`` and prefill on, scrapes each idle agent before the start (prefill
+metrics without any step), answers one prefill request, trains 3 steps and
+scrapes again, parsing everything with prometheus_client's own parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan
+from mqtt_brokers import agent_subprocess_env
+from prometheus_client.parser import text_string_to_metric_families
+
+from agents.metrics.families import AgentMetrics, JobMetrics
+from agents.metrics.server import MetricsServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scrape(url: str) -> dict[str, Any]:
+    """name -> family of what ``url`` (a /metrics URL) serves, parsed by prometheus_client."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+
+
+def health(metrics_url: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) of the /health next to ``metrics_url``."""
+    url = metrics_url.removesuffix("/metrics") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def value(families: dict[str, Any], name: str, sample: str | None = None, **labels: str) -> float:
+    """The one sample ``sample`` (default ``name``) of family ``name`` whose labels include ``labels``."""
+    found = [
+        s.value
+        for s in families[name].samples
+        if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, (name, labels, families[name].samples)
+    return float(found[0])
+
+
+@pytest.mark.slow
+def test_agents_and_coordinator_serve_metrics_and_health_over_http(embedded_broker, tmp_path: Path):
+    from agents.control.coordinator import start_job
+    from agents.prefill.client import PrefillClient
+
+    url, job = embedded_broker.url_for("geosched"), "prom"
+    plan = tiny_plan(tmp_path).read_text()
+    flags = ("--metrics-bind", "127.0.0.1:0", "--prefill-bind", "tcp://127.0.0.1:0")
+    agents = [spawn_agent(url, job, rank, dc, tmp_path, *flags) for rank, dc in enumerate(["us", "eu"])]
+    job_metrics = JobMetrics(job)
+    seen: dict[str, Any] = {}
+
+    async def before_start(statuses: dict) -> dict:
+        seen["urls"] = {rank: st.extra["endpoints"][f"metrics/r{rank}"] for rank, st in statuses.items()}
+        seen["idle"] = {rank: await asyncio.to_thread(scrape, u) for rank, u in seen["urls"].items()}
+        seen["idle_health"] = {rank: await asyncio.to_thread(health, u) for rank, u in seen["urls"].items()}
+        seen["job_ready"] = await asyncio.to_thread(scrape, server.url())
+        client = PrefillClient(statuses[0].extra["endpoints"]["prefill/r0"])
+        try:  # answered at once by the idle service: one TTFT observation on rank 0
+            seen["answer"] = await asyncio.to_thread(client.prefill, b"metrics please", deadline_s=10.0)
+        finally:
+            client.close()
+        return {}
+
+    try:
+        with MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health) as server:
+            asyncio.run(
+                start_job(
+                    url,
+                    job,
+                    plan,
+                    steps=3,
+                    ready_timeout_s=60,
+                    before_start=before_start,
+                    out=None,
+                    metrics=job_metrics,
+                )
+            )
+            after = {rank: scrape(u) for rank, u in seen["urls"].items()}
+            job_after, job_health = scrape(server.url()), health(server.url())
+            agent_health = {rank: health(u) for rank, u in seen["urls"].items()}
+    finally:
+        stop_processes(agents)
+    assert all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics") for u in seen["urls"].values())
+    for rank, idle in seen["idle"].items():  # an idle agent: prefill metrics, no step yet
+        assert value(idle, "geosched_prefill_queue_length") == 0, log_tail(tmp_path)
+        assert value(idle, "geosched_prefill_requests", "geosched_prefill_requests_total", status="ok") == 0
+        assert value(idle, "geosched_agent_state", state="ready") == 1
+        assert "geosched_last_step" not in idle
+        assert seen["idle_health"][rank] == (200, {**seen["idle_health"][rank][1], "status": "ok", "state": "ready"})
+    assert value(seen["job_ready"], "geosched_job_ranks", state="ready") == 2
+    assert seen["answer"].status == "ok"
+    for rank, families in after.items():
+        ours = {name for name in families if name.startswith("geosched_")}
+        assert len(ours) >= 10, sorted(ours)
+        assert families["geosched_step_seconds"].type == "histogram"
+        assert value(families, "geosched_step_seconds", "geosched_step_seconds_count") == 3
+        assert value(families, "geosched_last_step") == 2
+        assert families["geosched_prefill_ttft_seconds"].type == "histogram"
+        assert 0.0 <= value(families, "geosched_busy_fraction") <= 1.0
+        assert value(families, "geosched_control_refused", "geosched_control_refused_total", reason="signature") == 0
+        wan = [s for s in families["geosched_wan_sent_bytes"].samples if s.name.endswith("_total")]
+        assert wan and all(s.labels["peer_dc"] == ("eu" if rank == 0 else "us") for s in wan)
+        assert sum(s.value for s in wan) > 0
+        assert {s.labels["reason"] for s in families["geosched_wan_dropped_frames"].samples} >= {"bad_checksum"}
+        assert agent_health[rank][0] == 200 and agent_health[rank][1]["last_step"] == 2
+    ttft = value(after[0], "geosched_prefill_ttft_seconds", "geosched_prefill_ttft_seconds_count")
+    assert ttft == value(after[0], "geosched_prefill_requests", "geosched_prefill_requests_total", status="ok") >= 1
+    assert "geosched_loss" in after[1] and "geosched_loss" not in after[0]  # the last stage has the loss
+    assert value(job_after, "geosched_job_steps", "geosched_job_steps_total") == 3
+    assert value(job_after, "geosched_job_step_seconds", "geosched_job_step_seconds_count") == 3
+    assert value(job_after, "geosched_job_lost_metrics", "geosched_job_lost_metrics_total") == 0
+    assert value(job_after, "geosched_job_last_step") == 2
+    assert job_health[0] == 200 and job_health[1]["status"] == "ok"
+
+
+def test_health_verdicts_and_routes_over_real_http():
+    metrics = AgentMetrics(4, "unit", stale_s=10.0, grace_s=50.0)
+    before = time.time()
+    metrics.status({"state": "training"})
+    assert metrics.health(True, now=before + 59)[0]  # before the first step: grace + stale
+    ok, body = metrics.health(True, now=time.time() + 61)
+    assert not ok and "no step ended for" in body["reason"] and "limit 60 s" in body["reason"]
+    before = time.time()
+    metrics.step({"step": 0, "iteration_s": 0.5, "busy_s": 0.2, "bubble_fraction": 0.6})
+    assert metrics.health(True, now=before + 9)[0] and not metrics.health(True, now=time.time() + 11)[0]
+    assert "event loop" in metrics.health(False)[1]["reason"]
+    metrics.status({"state": "error", "message": "link to stage 1 lost"})
+    assert metrics.health(True)[1]["reason"] == "state error: link to stage 1 lost"
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True)) as server:
+        status, body = health(server.url())
+        assert (status, body["status"], body["rank"]) == (503, "unhealthy", 4)
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url().replace("/metrics", "/nope"), timeout=10)
+        assert missing.value.code == 404
+        assert value(scrape(server.url()), "geosched_busy_fraction") == pytest.approx(0.4)
+
+
+def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():
+    """docs/metrics.md names every family both registries can expose; the Grafana dashboard queries no other."""
+    agent = AgentMetrics(0, "docs")
+    agent.step({"step": 0, "iteration_s": 1.0, "loss": 3.0, "bubble_fraction": 0.5, "busy_s": 0.5, "wan_bytes": 1})
+    stream = {"index": 0, "up": True, "send_bytes_per_s": 0.0, "recv_bytes_per_s": 0.0}
+    stream.update(dict.fromkeys(("bytes_sent", "bytes_received", "resends", "disconnects"), 0))
+    agent.sources.update(
+        control=lambda: {"received": 0, "connects": 1, "refused_unsigned": 0, "dropped_oversize": 0},
+        links=lambda: [{"link_id": 1, "peer_stage": 1, "peer_dc": "eu", "streams": [stream], "drops": {"stale": 0}}],
+        prefill=lambda: {"queue_len": 0},
+    )
+    job = JobMetrics("docs")
+    job.watch([0], ["ready"], lambda: {}, lambda: {"received": 0})
+    job.step_done(0, type("S", (), {"iteration_s": 1.0, "loss": 2.0, "bubble_fraction": 0.1, "wan_bytes": 5})(), [])
+    names = {f.name for registry in (agent.registry, job.registry) for f in registry.collect()}
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(geosched_[a-z_]+)", doc))
+    exposed = {n + "_total" if n + "_total" in documented else n for n in names}
+    assert exposed <= documented, sorted(exposed - documented)
+    dashboard = (ROOT / "docs" / "grafana-dashboard.json").read_text()
+    json.loads(dashboard)
+    used = {re.sub(r"_(bucket|count|sum)$", "", n) for n in re.findall(r"geosched_[a-z_]+", dashboard)}
+    assert used and used <= documented | names, sorted(used - documented - names)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--metrics-bind", "nowhere"], "--metrics-bind"),
+        (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--metrics-bind", "127.0.0.1:PORT"], "cannot serve"),
+        (["job", "start", "PLAN", "--mqtt", "mqtt://127.0.0.1:1", "--metrics-bind", ":70000"], "--metrics-bind"),
+    ],
+)
+def test_bad_metrics_bind_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path):
+    plan = str(tiny_plan(tmp_path))
+    with socket.socket() as taken:  # a port something else holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = [a.replace("PORT", str(taken.getsockname()[1])).replace("PLAN", plan) for a in args]
+        done = subprocess.run(
+            cli(*args), capture_output=True, text=True, timeout=60, env=agent_subprocess_env(), cwd=ROOT
+        )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr

@@ -1,0 +1,228 @@
+"""The OpenAI-style HTTP front end over a real PrefillService, with a real HTTP client (http.client).
+
+The same prompt answered over HTTP and over ZeroMQ; the bearer token; bad
+bodies; a full queue (429), a missed deadline (504) and a shutdown (503)
+through the service's one queue; the KV cache as loadable safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from polling import wait_for
+
+from agents.prefill.client import PrefillClient, continue_greedy
+from agents.prefill.completions import response_from_safetensors, token_text
+from agents.prefill.http import PrefillHttpServer
+from agents.prefill.service import PrefillService
+from geosched.model import ModelShape, build_model, greedy_generate, prefill
+
+SHAPE = ModelShape(layers=2, hidden=32, heads=4, seq_len=64)
+TOKEN = "t" * 24
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def call(
+    server: PrefillHttpServer,
+    method: str,
+    path: str,
+    body: Any = None,
+    token: str | None = TOKEN,
+    raw: bytes | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """One real HTTP request; (status, headers, body)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, body=data, headers=headers)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def error(reply: tuple[int, dict[str, str], bytes]) -> dict[str, Any]:
+    """The OpenAI error object of a reply (asserting its layout)."""
+    body = json.loads(reply[2])
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(SHAPE, seed=3).eval()
+
+
+@contextmanager
+def serving(model, *, idle: bool = True, **options: Any) -> Iterator[tuple[PrefillService, PrefillHttpServer]]:
+    """A service (computing on an idle thread unless ``idle`` is False) with its HTTP front end."""
+    stop = threading.Event()
+    with PrefillService(model, auth_token=TOKEN, **options) as service:
+        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
+        if idle:
+            worker.start()
+        try:
+            with PrefillHttpServer(service, "127.0.0.1", 0) as server:
+                yield service, server
+        finally:
+            stop.set()
+            if idle:
+                worker.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    with serving(model) as pair:
+        yield pair
+
+
+def test_a_completion_with_logprobs_matches_the_zeromq_answer(served, model):
+    service, server = served
+    prompt = "The quick brown fox"
+    status, headers, body = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 5})
+    assert status == 200 and headers["Content-Type"].startswith("application/json"), body
+    answer = json.loads(body)
+    with PrefillClient(service.endpoint, token=TOKEN) as client:
+        zmq_answer = client.prefill(prompt, top_k=5, return_kv=False)
+    choice = answer["choices"][0]
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
+    assert answer["model"] == server.model_id and isinstance(answer["created"], int)
+    assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1}
+    assert choice["text"] == token_text(zmq_answer.first_token) and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    top = logprobs["top_logprobs"][0]
+    assert list(top) == [token_text(t) for t in zmq_answer.topk_ids]  # the same five tokens, best first
+    values = list(top.values())
+    for (a, b), (x, y) in zip(zip(values, values[1:]), zip(zmq_answer.topk_logits, zmq_answer.topk_logits[1:])):
+        assert a - b == pytest.approx(x - y, abs=1e-4)  # log-probabilities differ as the logits do
+    logits, _ = prefill(model, torch.tensor([list(prompt.encode())]))  # (1, V)
+    expected = torch.log_softmax(logits[0].double(), dim=-1)
+    assert values == pytest.approx(expected[zmq_answer.topk_ids].tolist(), abs=1e-4)
+    assert logprobs["tokens"] == [choice["text"]] and logprobs["token_logprobs"] == [values[0]]
+    assert logprobs["text_offset"] == [len(prompt)] and math.exp(values[0]) <= 1.0
+    # the same prompt as token ids, without logprobs; and the served model listed
+    status, _, body = call(
+        server, "POST", "/v1/completions", {"prompt": list(prompt.encode()), "model": server.model_id}
+    )
+    assert status == 200 and json.loads(body)["choices"][0] | {"logprobs": 0} == choice | {"logprobs": 0}
+    assert json.loads(body)["choices"][0]["logprobs"] is None
+    status, _, body = call(server, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [server.model_id]
+
+
+def test_the_kv_route_returns_loadable_safetensors(served, model):
+    from safetensors.torch import load
+
+    service, server = served
+    tokens = torch.randint(0, SHAPE.vocab, (21,), generator=torch.Generator().manual_seed(5))
+    status, headers, body = call(server, "POST", "/v1/prefill", {"prompt": tokens.tolist(), "priority": 3})
+    assert status == 200 and headers["Content-Type"] == "application/octet-stream"
+    tensors = load(body)
+    _, kv = prefill(model, tokens.view(1, -1))  # per layer (1, H, T, D)
+    assert sorted(tensors) == sorted(f"layers.{i}.{kv_}" for i in range(SHAPE.layers) for kv_ in "kv")
+    for i, (k, v) in enumerate(kv):
+        torch.testing.assert_close(tensors[f"layers.{i}.k"], k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tensors[f"layers.{i}.v"], v, atol=1e-5, rtol=1e-5)
+    response = response_from_safetensors(body)
+    assert headers["X-Prefill-Prompt-Tokens"] == "21" and headers["X-Prefill-First-Token"] == str(response.first_token)
+    expected = greedy_generate(model, tokens.view(1, -1), 6)[0, 21:].tolist()
+    assert continue_greedy(model, response, 6) == expected  # decode on locally from the HTTP answer
+
+
+def test_the_token_is_required(served):
+    service, server = served
+    before = service.metrics()["unauthenticated"]
+    for token in (None, "wrong" * 5, ""):
+        reply = call(server, "POST", "/v1/completions", {"prompt": "hi"}, token=token)
+        assert reply[0] == 401 and reply[1]["WWW-Authenticate"] == "Bearer"
+        assert error(reply)["type"] == "authentication_error"
+    assert call(server, "GET", "/v1/models", token=None)[0] == 401
+    assert service.metrics()["unauthenticated"] == before + 4
+
+
+@pytest.mark.parametrize(
+    "raw, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"prompt": "a", "prompt": "b"}', 400, "duplicate keys"),
+        (b'{"prompt": "a", "deadline_ms": NaN}', 400, "NaN is not JSON"),
+        (b'["a"]', 400, "must be a JSON object"),
+        (b"[" * 5000, 400, "not valid JSON"),
+        (b'{"prompt": "a", "deadline_ms": 1e400}', 400, "1e400 is out of range"),
+        (b'{"prompt": "a", "deadline_ms": 1' + b"0" * 40 + b"}", 400, "numbers of ordinary size"),
+        (b'{"prompt": "a", "deadline_ms": "soon"}', 400, "'deadline_ms' must be int/float (got str)"),
+        (b'{"prompt": "a", "top_p": 1}', 400, "unknown fields ['top_p']"),
+        (b'{"prompt": "a", "max_tokens": 2}', 400, "max_tokens must be 1"),
+        (b'{"prompt": "a", "logprobs": 99}', 400, "logprobs must be an integer 0-16"),
+        (b'{"prompt": "a", "priority": 10}', 400, "'priority' must be 0-9"),
+        (b'{"prompt": [1, 999]}', 400, "token ids must be in [0, 256)"),
+        (b'{"prompt": ["a", "b"]}', 400, "one prompt per request"),
+        (b'{"prompt": ""}', 400, "prompt is empty"),
+        (json.dumps({"prompt": "x" * 65}).encode(), 400, "exceeds this agent's limit of 64"),
+        (b'{"prompt": "a", "model": "gpt-4"}', 404, "is not served here"),
+        (b'{"prompt": "' + b"x" * 20_000 + b'"}', 413, "the body exceeds"),
+    ],
+)
+def test_bad_bodies_are_refused_with_openai_errors(served, raw: bytes, status: int, needle: str):
+    reply = call(served[1], "POST", "/v1/completions", raw=raw)
+    assert reply[0] == status and needle in error(reply)["message"], reply
+
+
+def test_a_body_that_does_not_arrive_is_refused(model):
+    import socket
+
+    with PrefillService(model) as service, PrefillHttpServer(service, body_timeout_s=0.3) as server:
+        with socket.create_connection((server.host, server.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # and no more
+            head = conn.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in head, head
+
+
+def test_unknown_routes_and_methods_answer_json(served):
+    assert call(served[1], "GET", "/v1/completions")[0] == 405
+    reply = call(served[1], "POST", "/v1/chat/completions", {"prompt": "hi"})
+    assert reply[0] == 404 and "Not Found" in error(reply)["message"]
+
+
+def test_a_full_queue_answers_429_a_missed_deadline_504_and_a_shutdown_503(model):
+    with serving(model, idle=False, max_queue=1) as (service, server), ThreadPoolExecutor(2) as pool:
+        # nothing computes: the first request waits in the one-slot queue until its deadline
+        first = pool.submit(call, server, "POST", "/v1/completions", {"prompt": "wait", "deadline_ms": 1500})
+        assert _wait_queued(service, 1)
+        full = call(server, "POST", "/v1/completions", {"prompt": "more"})
+        assert full[0] == 429 and full[1]["Retry-After"] == "1" and "queue full" in error(full)["message"]
+        late = first.result(30)
+        assert late[0] == 504 and error(late)["code"] == "deadline_exceeded"
+        pending = pool.submit(call, server, "POST", "/v1/prefill", {"prompt": "wait", "deadline_ms": 60_000})
+        assert _wait_queued(service, 1)
+        server.close()  # the waiting request is answered, not dropped
+        closed = pending.result(30)
+        assert closed[0] == 503 and "shutting down" in error(closed)["message"]
+
+
+def _wait_queued(service: PrefillService, n: int) -> bool:
+    return wait_for(lambda: service.metrics()["queue_len"] == n, 10.0)
+
+
+def test_priority_and_deadline_reach_the_service_request():
+    from agents.prefill.completions import load_json, parse_request
+
+    body = load_json(b'{"prompt": "hi", "priority": 7, "deadline_ms": 250, "max_tokens": null, "logprobs": 2}')
+    ask = parse_request(body, kind="completions", model_id="m", max_prompt_tokens=64, vocab=256)
+    assert (ask.request.priority, ask.request.deadline_s, ask.request.return_kv) == (7, 0.25, False)
+    assert ask.request.tokens.tolist() == [104, 105] and ask.request.top_k == 256  # every logit, for logprobs
+    ask = parse_request(load_json(b'{"prompt": [1, 2]}'), kind="prefill", model_id="m", max_prompt_tokens=64, vocab=256)
+    assert (ask.request.priority, ask.request.deadline_s, ask.request.return_kv) == (0, None, True)

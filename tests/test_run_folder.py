@@ -1,0 +1,113 @@
+"""The run folder without processes: pictures (predicted above measured, link rows), the coordinator's
+recorder (metrics -> report.json and pictures), endpoints.json.
+
+The measured step reports are cut from the simulated timeline of the tiny two-DC job, one per stage, as the
+runtime would time them (the recorder and the report are pure logic; the real agents behind them are
+exercised in test_agent_control.py and test_launch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from agent_helpers import TINY_CONFIG
+
+from agents.control.messages import MetricsMessage, StatusMessage
+from agents.layout import layout_plan_text, parse_layout
+from agents.runfolder.predict import predict
+from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
+from agents.stage.report import StepReport, measured_timeline
+from agents.stage.session import job_schedule
+from agents.worker import metrics_record
+from geosched.config import config_from_dict
+from geosched.schedule import timelines_figure
+from geosched.schedule.plot import COLOURS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def job():
+    """The tiny job over us -> eu with dp 2 (4 ranks), its prediction, and three steps of step reports."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
+    predicted = predict(layout)
+    reports: dict[int, list[StepReport]] = {}
+    for role in layout.roles:
+        events = [e for e in predicted.events if e.stage == role.stage]
+        gaps = [g for g in predicted.idle_gaps if g.stage == role.stage]
+        for step in range(3):
+            reports.setdefault(role.rank, []).append(
+                StepReport.from_events(
+                    step=step,
+                    stage=role.stage,
+                    replica=role.replica,
+                    loss=5.0 - step if role.last else None,
+                    iteration_s=predicted.iteration_s,
+                    started_at=1000.0 + 10 * step,
+                    events=events,
+                    idle_gaps=gaps,
+                    bytes_sent={1 - role.stage: 1000},
+                    memory={"peak_bytes": 2000, "state_bytes": 1000},
+                )
+            )
+    return layout, predicted, reports
+
+
+def test_predicted_and_measured_share_one_figure_with_link_rows_in_both(job) -> None:
+    layout, predicted, reports = job
+    schedule = job_schedule(layout.job, layout.num_stages, layout.replicas)
+    measured = measured_timeline(schedule, [r[-1] for r in reports.values() if r[-1].replica == 0], layout.stage_dcs)
+    assert {u.link for u in measured.links} == {("us", "eu"), ("eu", "us")}
+    fig = timelines_figure([(predicted, "predicted"), (measured, "measured")])
+    top, bottom = fig.axes
+    assert top.get_title(loc="left") == "predicted" and bottom.get_title(loc="left") == "measured"
+    for ax in (top, bottom):
+        rows = [label.get_text() for label in ax.get_yticklabels()]
+        assert rows == ["stage 0", "stage 1", "link eu -> us", "link us -> eu"], rows
+        assert {t.get_text() for t in ax.texts} >= {"0", "1"}  # microbatch numbers on the wide blocks
+    assert top.get_shared_x_axes().joined(top, bottom) and top.get_xlim() == bottom.get_xlim()
+    assert len({colour for colour, _ in COLOURS.values()}) == len(COLOURS)  # every category its own colour
+
+
+def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> None:
+    layout, predicted, reports = job
+    run = tmp_path / "run"
+    recorder = RunRecorder(run, layout)
+    ready = {r.rank: StatusMessage(r.rank, "ready", dc=r.dc, stage=r.stage, replica=r.replica) for r in layout.roles}
+    for rank, status in ready.items():
+        status.extra["endpoints"] = {f"pipe/s{status.stage}/r{status.replica}": f"tcp://127.0.0.1:{5000 + rank}"}
+    assert asyncio.run(recorder.ready(ready)) == {}
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert endpoints["ranks"]["3"]["endpoints"] == {"pipe/s1/r1": "tcp://127.0.0.1:5003"}
+    assert endpoints["ranks"]["3"]["dc"] == "eu"
+    for step in range(3):
+        for role in layout.roles:
+            record = metrics_record(reports[role.rank][step], role)
+            assert ("events" in record) == (role.replica == 0)  # only the drawn pipeline sends its events
+            recorder.record(MetricsMessage(role.rank, step, values=record))
+    report = recorder.finish(predicted)
+    assert report == json.loads((run / "report.json").read_text())
+    assert report["steps"] == [0, 1, 2] and report["losses"] == [5.0, 4.0, 3.0]
+    assert report["measured_iteration_s"] == pytest.approx(predicted.iteration_s)
+    assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
+    assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
+    for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
+        assert (run / name).read_bytes().startswith(PNG_MAGIC), name
+    trace = json.loads((run / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {"link us -> eu", "link eu -> us"} <= names
+    assert set(load_metrics_reports(run / "metrics.jsonl")) == {0, 1, 2, 3}
+
+
+def test_endpoints_json_carries_the_routes_the_hook_returns(tmp_path: Path) -> None:
+    async def relays(statuses: dict[int, StatusMessage]) -> dict[str, str]:
+        return {"pipe/s1/r0": "tcp://127.0.0.1:9999"}
+
+    status = StatusMessage(0, "ready", dc="us", extra={"endpoints": {"prefill/r0": "tcp://127.0.0.1:7000"}})
+    assert asyncio.run(endpoints_hook(tmp_path, relays)({0: status})) == {"pipe/s1/r0": "tcp://127.0.0.1:9999"}
+    written = json.loads((tmp_path / "endpoints.json").read_text())
+    assert written["routes"] == {"pipe/s1/r0": "tcp://127.0.0.1:9999"}
+    assert written["ranks"]["0"]["endpoints"] == {"prefill/r0": "tcp://127.0.0.1:7000"}
