@@ -116,6 +116,7 @@ def launch(
     checkpoint_every: int = 0,
     metrics: bool = False,
     elastic: bool = False,
+    wan_reset_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -147,6 +148,9 @@ def launch(
     left, resume from the newest complete checkpoint (``RUN_DIR/checkpoints`` every step unless
     ``checkpoint_dir`` is given), finish the steps; the report lists ``recoveries``. The rank files of a
     failed attempt move to ``RUN_DIR/attempt-<n>/``.
+
+    ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often (the
+    links reconnect and resend, :mod:`agents.wan`).
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
@@ -172,7 +176,7 @@ def launch(
     if calibration == "measure":
         calibration = calibrate(layout, wan_scale)
     predicted = predict(layout, wan_scale, calibration)
-    relays = RelayRoutes(layout, wan_scale)
+    relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
         checkpoint_dir, checkpoint_every = run / "checkpoints", checkpoint_every or 1
         shutil.rmtree(checkpoint_dir, ignore_errors=True)

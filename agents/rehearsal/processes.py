@@ -5,7 +5,8 @@
 SIGKILL after a grace period, and waits. :class:`RelayRoutes` is the
 coordinator's ``before_start`` hook that starts one WAN emulator relay per
 cross-DC pipeline link once the agents are ready (bandwidths scaled by
-``wan_scale``, delays kept) and routes the ranks through them.
+``wan_scale``, delays kept; ``reset_every_s``: every connection reset that
+often, a fault the links must survive) and routes the ranks through them.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 class RelayRoutes:
     """Starts the WAN emulator once the agents are ready: one relay per cross-DC pipeline link."""
 
-    def __init__(self, layout: JobLayout, wan_scale: float) -> None:
-        self.layout, self.wan_scale = layout, wan_scale
+    def __init__(self, layout: JobLayout, wan_scale: float, reset_every_s: float | None = None) -> None:
+        self.layout, self.wan_scale, self.reset_every_s = layout, wan_scale, reset_every_s
         self.emulator: Any = None
         self.route_links: dict[str, tuple[str, str]] = {}
 
@@ -121,7 +122,7 @@ class RelayRoutes:
             routes[name] = ((host, int(port)), shape_for_link(link, self.wan_scale))
             ends[name] = (role.prev_dc, role.dc)
         self.route_links = ends
-        self.emulator = WanEmulator(routes, link_ends=ends).start()
+        self.emulator = WanEmulator(routes, link_ends=ends, reset_every_s=self.reset_every_s).start()
         return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}
 
     def wan_bytes(self) -> dict[str, int]:

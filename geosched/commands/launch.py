@@ -98,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint (RUN_DIR/checkpoints every step unless --checkpoint-dir), finish the steps; report.json "
         "lists the recoveries",
     )
+    parser.add_argument(
+        "--wan-reset-every",
+        type=float,
+        metavar="S",
+        help="fault injection: every WAN relay resets all of its connections every S seconds (the links reconnect)",
+    )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "steps", 1)
     at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
+    above(args, "wan_reset_every", 0, "e.g. 5")
     if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if not 0 <= args.prefill_rate <= 10_000:
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         metrics=args.metrics,
         elastic=args.elastic,
+        wan_reset_every_s=args.wan_reset_every,
     )
     if args.json:
         print(json.dumps(report))
