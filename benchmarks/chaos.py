@@ -72,21 +72,11 @@ class Mosquitto:
             self.proc.wait(10)
 
 
-def _records(folder: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in folder.glob("rank*.jsonl"):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 def newest_step(run: Path) -> int:
     """The newest step any rank of any attempt reported."""
-    folders = [run, *run.glob("attempt-*")]
-    return max((int(r["step"]) for f in folders for r in _records(f) if "step" in r), default=-1)
+    from agents.rehearsal.elastic import newest_step as in_folder
+
+    return max(in_folder(folder) for folder in [run, *run.glob("attempt-*")])
 
 
 def live_ranks(run: Path) -> dict[int, dict[str, Any]]:

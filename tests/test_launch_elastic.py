@@ -13,21 +13,12 @@ import pytest
 from agent_helpers import cli, wait_for
 from mqtt_brokers import agent_subprocess_env
 
+from agents.rehearsal.elastic import newest_step
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
-
-
-def _newest_step(run: Path) -> int:
-    newest = -1
-    for path in run.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                newest = max(newest, json.loads(line)["step"])
-            except (ValueError, KeyError):
-                continue  # a line being written
-    return newest
 
 
 def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: Path) -> None:
@@ -41,7 +32,7 @@ def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: 
         env=agent_subprocess_env(),
     )
     try:
-        wait_for(lambda: _newest_step(run) >= 1 or proc.poll() is not None, 180, "step 1 of the first plan")
+        wait_for(lambda: newest_step(run) >= 1 or proc.poll() is not None, 180, "step 1 of the first plan")
         ranks = json.loads((run / "endpoints.json").read_text())["ranks"]
         eu = {int(rank): int(info["pid"]) for rank, info in ranks.items() if info["dc"] == "eu"}
         assert eu, f"the demo's plan should use eu: {ranks}"

@@ -56,7 +56,7 @@ class Recovery:
     failed_at_step: int  # the newest step any rank reported before the loss
     resumed_from_step: int
     steps_redone: int
-    downtime_s: float  # from the loss to the new plan's agents starting the job
+    downtime_s: float  # from the loss to the start of the new plan's first step (-1: it never started)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -259,7 +259,14 @@ def launch(
 
         started = time.monotonic()
         recovering = ElasticJob(
-            config, run, Path(checkpoint_dir or run), start_agents, run_job, stop_attempt, out, MAX_RECOVERIES * elastic
+            config,
+            run,
+            Path(checkpoint_dir or run),
+            start_agents,
+            run_job,
+            stop_attempt,
+            out,
+            MAX_RECOVERIES if elastic else 0,
         )
         text, agents = recovering.train(text, steps)
         if recovering.recoveries:
