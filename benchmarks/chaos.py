@@ -190,7 +190,9 @@ def run(args: Any) -> dict[str, Any]:
         command += ["--steps", str(steps), "--mqtt", broker.url, "--run-dir", str(run_dir), "--json"]
         command += ["--wan-reset-every", str(RESET_EVERY_S)]
         started = time.monotonic()
-        launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        log_path = work / "launch.err"
+        with open(log_path, "w") as log_file:
+            launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=ROOT)
         injected = [f"WAN relay resets every {RESET_EVERY_S:g} s"]
         try:
             for at, name, fault in faults:
@@ -200,7 +202,10 @@ def run(args: Any) -> dict[str, Any]:
                     break
                 injected.append(f"{name}: {fault(run_dir)} at step {newest_step(run_dir)}")
                 print(f"chaos: {injected[-1]}", file=sys.stderr, flush=True)
-            out, err = launcher.communicate(timeout=600)
+            try:
+                out, _ = launcher.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                out = ""  # a hung recovery: the launch log below says where
         finally:
             if launcher.poll() is None:
                 launcher.send_signal(signal.SIGINT)
@@ -215,7 +220,7 @@ def run(args: Any) -> dict[str, Any]:
         if completed and not args.quick:
             diffs = [clean_diff(run_dir, work, k, r, 4) for k, r in enumerate(recoveries)]
         if not completed:
-            print(err[-3000:], file=sys.stderr)
+            print(log_path.read_text()[-4000:], file=sys.stderr)
     return {
         "faults_injected": len(injected),
         "faults": injected,
@@ -232,6 +237,7 @@ def run(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "three faults, no clean comparison runs (under two minutes)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the launch may take (default 600)")
     args = parser.parse_args(argv)
     result = run(args)
     for key, value in result.items():

@@ -229,7 +229,9 @@ def launch(
                 relays.adopt(plan)
                 (run / "plan.yaml").write_text(plan.text)
             args = ["--wan-chunk-bytes", str(striped_chunk_bytes(plan)), *chunk_args, *(agent_args or [])]
-            procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args + (["--resume"] if resume else [])))
+            if resume:  # the broker still retains the old plan: the new agents must not adopt it first
+                args += ["--resume", "--plan", str((run / "plan.yaml").resolve())]
+            procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))
             if out is not None:
                 secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
                 print(f"launch: {describe(plan)}, broker {mqtt}, run folder {run} ({secured})", file=out, flush=True)
@@ -251,7 +253,8 @@ def launch(
             )
 
         def stop_attempt(procs: AgentProcesses) -> list[int]:
-            dead = [rank for rank, code in procs.wait(0.0).items() if code is not None]
+            # killed by a signal; not the agents that failed because a peer died (they exit with an error code)
+            dead = [rank for rank, code in procs.wait(0.0).items() if code is not None and code < 0]
             with contextlib.suppress(GeoschedError):
                 asyncio.run(stop_job(coordinator_url, job, timeout_s=10.0, **control))
             procs.stop()
