@@ -53,6 +53,7 @@ class RankRole:
     streams_next: int = 1  # TCP streams this rank opens to stage+1
     tp_rank: int = 0  # rank inside its tensor-parallel group (one node)
     tp_size: int = 1  # GPUs per stage replica
+    warmup: tuple[int, ...] = ()  # forwards per stage before its first backward, every stage (): the schedule's
 
     @property
     def first(self) -> bool:
@@ -192,6 +193,12 @@ class JobLayout:
     predicted_iteration_s: float | None = None
     predicted_bubble_fraction: float | None = None
     extra_pipelines: tuple[tuple[str, ...], ...] = ()
+    warmup: tuple[int, ...] = ()  # forwards per stage before its first backward (): the schedule's own
+
+    @property
+    def stage_warmup(self) -> tuple[int, ...] | None:
+        """The warm-up per stage to build the schedule with (None: the schedule's own)."""
+        return self.warmup or None
 
     @property
     def job(self) -> JobSpec:
@@ -326,6 +333,8 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         roles = [
             _role_of(spec, plan.num_stages, plan.dp * (1 + len(plan.extra_pipelines)), streams) for spec in plan.ranks
         ]
+    if plan.warmup:
+        roles = [replace(role, warmup=plan.warmup) for role in roles]
     for role, spec in zip(roles, plan.ranks):  # the runtime's numbering
         assert (role.rank, role.dc, role.stage, role.replica, role.group, role.tp_rank) == (
             spec.rank,
@@ -346,6 +355,7 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         plan.prediction.iteration_s,
         plan.prediction.bubble_fraction,
         plan.extra_pipelines,
+        plan.warmup,
     )
 
 

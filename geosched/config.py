@@ -21,6 +21,7 @@ listed is absent: those two DCs cannot exchange pipeline traffic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -98,19 +99,24 @@ class ClusterSpec:
     datacenters: tuple[DatacenterSpec, ...] = spec("the datacenters", max_items=MAX_DATACENTERS)
     links: tuple[WanLinkSpec, ...] = spec("WAN links; a pair not listed cannot talk", (), max_items=4096)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, DatacenterSpec]:
+        return {dc.name: dc for dc in self.datacenters}
+
+    @functools.cached_property
+    def _by_pair(self) -> dict[frozenset[str], WanLinkSpec]:
+        return {frozenset(link.between): link for link in reversed(self.links)}  # the first listed wins
+
     def dc(self, name: str) -> DatacenterSpec:
-        """The datacenter called ``name``."""
-        for dc in self.datacenters:
-            if dc.name == name:
-                return dc
-        raise ConfigError(f"unknown datacenter {name!r}; known: {', '.join(d.name for d in self.datacenters)}")
+        """The datacenter called ``name`` (a dict lookup: the cost model asks for every stage)."""
+        found = self._by_name.get(name)
+        if found is None:
+            raise ConfigError(f"unknown datacenter {name!r}; known: {', '.join(d.name for d in self.datacenters)}")
+        return found
 
     def link(self, a: str, b: str) -> WanLinkSpec | None:
         """The link joining ``a`` and ``b`` (either order), or None."""
-        for link in self.links:
-            if set(link.between) == {a, b}:
-                return link
-        return None
+        return self._by_pair.get(frozenset((a, b))) if a != b else None
 
     @property
     def total_gpus(self) -> int:

@@ -27,8 +27,7 @@ from geosched.netcost import (
     streams_to_fill,
     wan_transfer,
 )
-from geosched.schedule import Action, Transfer, build_schedule
-from geosched.schedule.timeline import peak_inflight as schedule_peak_inflight
+from geosched.schedule import Action, Transfer
 
 GIB = 1024**3
 BACKWARD_TO_FORWARD = model_counts.BACKWARD_FLOPS_PER_FORWARD  # Kaplan et al. 2020, sec. 2.1
@@ -165,6 +164,18 @@ def tp_allreduce_s(job: JobSpec, dc: DatacenterSpec) -> float:
     return ring_allreduce_s(nbytes, job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6)
 
 
+def tp_gather_s(job: JobSpec, dc: DatacenterSpec, nbytes: int) -> float:
+    """All-gather of a boundary tensor of ``nbytes`` over a receiving stage's ``t`` tensor-parallel ranks.
+
+    Megatron's scatter/gather (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters", sec. 4.1): each of the sending stage's ``t`` ranks sends only its ``1/t`` slice of the
+    (replicated) boundary activation or gradient, so a link carries the tensor once per replica instead of
+    ``t`` times, and the receivers rebuild it with one ring all-gather inside their node: half a ring
+    all-reduce, ``(t-1)/t x bytes x 8 / B + (t-1) x latency``. 0 without tensor parallelism.
+    """
+    return ring_allreduce_s(nbytes, job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6) / 2
+
+
 def stage_compute(
     job: JobSpec,
     gpu_tflops: float,
@@ -258,59 +269,6 @@ def boundary_bytes(job: JobSpec, after_layer: int) -> int:
     return job.batch * per_sample
 
 
-# ------------------------------------------------------------------- memory ---
-
-
-def stage_memory_bytes(
-    job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int, dp: int = 1
-) -> int:
-    """Peak memory of one GPU holding a stage (of ``dp`` data-parallel replicas).
-
-    ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
-    for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
-    al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state,
-    stage 2 also ``1/dp`` of the gradients (sec. 5.1-5.2). Parameters are per
-    GPU (blocks divided by the tensor-parallel degree, :func:`gpt_block_cost`).
-    Plus ``inflight`` microbatches of stashed activations (1F1B holds at most
-    ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream;
-    :func:`peak_inflight`). With full recomputation a block keeps only its
-    input per microbatch, and one block's full stash is live at a time during
-    its backward.
-    """
-    params = stage_params(job, layers, first, last)
-    zero = job.zero_stage
-    grads = job.bytes_per_element / (dp if zero >= 2 else 1)
-    optimizer = job.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
-    state = params * (job.bytes_per_element + grads + optimizer)
-    blocks = layer_costs(job)[layers[0] : layers[1]]
-    head = head_cost(job).stash_bytes if last else 0
-    b = job.batch
-    if job.recompute == "full":
-        kept = sum(c.activation_bytes for c in blocks) + head
-        working = max((c.stash_bytes for c in blocks), default=0)
-        return int(state + b * (inflight * kept + working))
-    stash = sum(c.stash_bytes for c in blocks) + head
-    return int(state + inflight * b * stash)
-
-
-@functools.cache
-def _schedule_inflight(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per stage, the most microbatches between their F and their last backward action (B or W)."""
-    built = build_schedule(schedule, num_stages, num_microbatches)
-    return tuple(schedule_peak_inflight(built, s) for s in range(num_stages))
-
-
-def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Microbatches whose activations a stage holds at peak: 1F1B ``min(p - s, m)``, GPipe ``m``;
-    other schedules (zb1p, whose weight-gradient passes keep activations longer) counted on the
-    built schedule, from each F to its microbatch's last backward action."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_stages - stage, num_microbatches)
-    return _schedule_inflight(schedule, num_stages, num_microbatches)[stage]
-
-
 # ------------------------------------------------------- a pipeline's costs ---
 
 
@@ -370,22 +328,34 @@ class PipelineCosts:
         share = sharing or {}
         self.stage_dcs, self.stage_layers = tuple(stage_dcs), tuple(stage_layers)
         p = len(self.stage_dcs)
+        known: dict[tuple[str, tuple[int, int], bool, bool], StageCompute] = {}  # stages alike cost alike
+
+        def compute(dc: str, lay: tuple[int, int], first: bool, last: bool) -> StageCompute:
+            key = (dc, lay, first, last)
+            if key not in known:
+                spec = cluster.dc(dc)
+                known[key] = stage_compute(
+                    job,
+                    spec.gpu.tflops,
+                    lay,
+                    first,
+                    last,
+                    calibration,
+                    tp_allreduce=tp_allreduce_s(job, spec),
+                    dp=self.replicas,
+                )
+            return known[key]
+
         self.compute = [
-            stage_compute(
-                job,
-                cluster.dc(dc).gpu.tflops,
-                lay,
-                i == 0,
-                i == p - 1,
-                calibration,
-                tp_allreduce=tp_allreduce_s(job, cluster.dc(dc)),
-                dp=self.replicas,
-            )
-            for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
+            compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
+        params: dict[tuple[tuple[int, int], bool, bool], int] = {}
+        for i, lay in enumerate(self.stage_layers):
+            key = (lay, i == 0, i == p - 1)
+            if key not in params:
+                params[key] = stage_params(job, lay, i == 0, i == p - 1)
         self.grad_bytes = [
-            stage_params(job, lay, i == 0, i == p - 1) * job.bytes_per_element
-            for i, lay in enumerate(self.stage_layers)
+            params[lay, i == 0, i == p - 1] * job.bytes_per_element for i, lay in enumerate(self.stage_layers)
         ]
         if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
             self.compute = [
@@ -411,17 +381,19 @@ class PipelineCosts:
             if a != b and link is None:
                 raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
             k = 1 if link is None else streams.get((min(a, b), max(a, b)), streams_to_fill(link))
+            part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
             if cal is not None and self.charges_messages:
                 self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(
-                    cal, nbytes, k, wan=link is not None
+                    cal, part, k, wan=link is not None
                 )
             for src, dst in ((s, s + 1), (s + 1, s)):
+                gather = tp_gather_s(job, cluster.dc(self.stage_dcs[dst]), nbytes)
                 if link is None:
-                    tr = intra_transfer(cluster.dc(a), nbytes)
-                else:
-                    shared = share.get((min(a, b), max(a, b)), dp) * job.tp  # every TP rank sends it whole
+                    tr = intra_transfer(cluster.dc(a), part)
+                else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
+                    shared = share.get((min(a, b), max(a, b)), dp)
                     tr = wan_transfer(link, nbytes, k, shared)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
-                self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + latency)
+                self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + gather + latency)
 
     def compute_s(self, action: Action) -> float:
         """Duration of a compute or collective action on its stage."""
@@ -472,15 +444,14 @@ class PipelineCosts:
         return self._transfers[src_stage, dst_stage]
 
     def wan_bytes_per_iteration(self, microbatches: int) -> dict[tuple[str, str], int]:
-        """Bytes each WAN link direction carries per iteration, over all ``dp`` pipelines (and all tensor-parallel
-        ranks: the runtime sends the whole boundary activation from each; Megatron's scatter/gather, which sends
-        ``1/t`` from each, is not implemented)."""
+        """Bytes each WAN link direction carries per iteration, over all ``dp`` pipelines (a tensor-parallel
+        stage's ``t`` ranks send ``1/t`` of each boundary tensor each: the whole tensor once, :func:`tp_gather_s`)."""
         out: dict[tuple[str, str], int] = {}
         for s in range(len(self.stage_dcs) - 1):
             a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
             if a == b:
                 continue
-            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp * self.job.tp
+            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp
             out[(a, b)] = out.get((a, b), 0) + nbytes
             out[(b, a)] = out.get((b, a), 0) + nbytes
         return out

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geosched.costmodel import stage_compute, stage_memory_bytes, total_params
+from geosched.costmodel import stage_compute, total_params
+from geosched.memory import stage_memory_bytes
 from geosched.netcost import ring_allreduce_s, wan_effective_bps
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
 from planner.evaluate import GB, Evaluation, Evaluator
@@ -204,8 +205,7 @@ def equal_pipeline(problem: Problem, evaluator: Evaluator) -> BaselineResult:
         if problem.violation(cand) is None:
             valid.append((p * d, cand))
     most = max((gpus for gpus, _ in valid), default=0)  # the most GPUs; among those, the fastest (simulated)
-    found = [evaluator.evaluate(cand) for gpus, cand in valid if gpus == most]
-    best = min(found, key=lambda ev: ev.iteration_s) if found else None
+    best = evaluator.fastest([cand for gpus, cand in valid if gpus == most])
     if best is None:
         return BaselineResult(
             name,

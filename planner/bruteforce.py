@@ -69,8 +69,8 @@ class _Stage:
         key = (a, b, after_block)
         if key not in self._hop:
             nbytes = boundary_bytes(self.problem.job, after_block)
-            if a == b:
-                tr, fifo = intra_transfer(self.problem.cluster.dc(a), nbytes), False
+            if a == b:  # each tensor-parallel rank sends its slice (the all-gather after it is left out)
+                tr, fifo = intra_transfer(self.problem.cluster.dc(a), -(-nbytes // self.problem.job.tp)), False
             else:
                 link = self.problem.require_link(a, b)
                 tr, fifo = wan_transfer(link, nbytes, self.problem.streams(a, b), self.dp), True
@@ -136,6 +136,7 @@ def brute_force(
             bi: list[float] = []
             ar: list[float] = []
             chain = bi if problem.schedule == "zb1p" else b  # what a gradient waits for on its way down
+            deepest = [m] * p  # any warm-up (planner.warmup): the round-trip bound is then the weakest
             occ: list[float] = []
             lat: list[float] = []
             fifo: list[bool] = []
@@ -149,7 +150,7 @@ def brute_force(
                 left_blocks, left_stages = L - done, p - s
                 if s == p:
                     stats.leaves += 1
-                    bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo, bi)
+                    bound = pipeline_lower_bound(problem.schedule, m, f, b, ar, occ, lat, fifo, bi, deepest)
                     if bound < best.iteration_s:
                         leaves.append(
                             (bound, from_split(d, m, tuple(dcs), tuple(e - a for a, e in zip([0] + ends[:-1], ends))))
@@ -183,7 +184,11 @@ def brute_force(
                         else:
                             new_start = new_drain = 0.0
                         ar0 = ar[0] if ar else ars
-                        bound = max(busy_bound, new_start + m * (fs + bs) + max(ars, new_drain + ar0))
+                        if chain is b:
+                            busy = new_start + m * (fs + bs) + max(ars, new_drain + ar0)
+                        else:  # zb1p: its weight-gradient passes may overlap the way down
+                            busy = max(new_start + m * (fs + bs) + ars, new_start + m * (fs + bis) + new_drain + ar0)
+                        bound = max(busy_bound, busy)
                         dcs.append(dc)
                         ends.append(done + x)
                         f.append(fs)
@@ -202,6 +207,8 @@ def brute_force(
     for bound, cand in sorted(leaves, key=lambda item: item[0]):
         if bound >= best.iteration_s:
             break
+        if evaluator.lower_bound(cand) >= best.iteration_s:  # with the candidate's own warm-up: tighter
+            continue
         stats.simulated += 1
         ev = evaluator.evaluate(cand)
         if ev.iteration_s < best.iteration_s:

@@ -18,6 +18,7 @@ from geosched.costmodel import PipelineCosts
 from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
 from planner.replicas import cost_options, gradient_wan_bytes
 from planner.space import Candidate, Problem
+from planner.warmup import wan_warmup
 
 GB = 1e9  # egress is priced per decimal GB
 
@@ -32,6 +33,7 @@ class Evaluation:
     wan_bytes: tuple[tuple[tuple[str, str], int], ...]  # per link direction (src, dst) per iteration
     wan_cost_usd: float  # egress per iteration, both directions of every crossed link
     busy_s: float = 0.0  # compute seconds per iteration of a GPU, the mean over stages (the rest is bubble)
+    warmup: tuple[int, ...] | None = None  # forwards per stage before its first backward (None: the schedule's)
 
     def score(self, weight: float) -> float:
         """``iteration_s + weight x wan_cost_usd`` (weight in seconds per dollar)."""
@@ -53,6 +55,7 @@ def pipeline_lower_bound(
     latency: Sequence[float],
     fifo: Sequence[bool],
     backward_input: Sequence[float] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> float:
     """A time no simulation of this pipeline can beat (stages ``p``, boundaries ``p - 1``).
 
@@ -65,9 +68,11 @@ def pipeline_lower_bound(
     ``tail_s = max(allreduce_s, D_s + allreduce_0)`` what must follow its last
     backward (``D_s``: the last gradient travelling down to stage 0):
 
-    * busy:   ``A_s + m (f_s + b_s) + tail_s``;
+    * busy:   ``A_s + m (f_s + b_s) + tail_s`` (zb1p: its weight-gradient passes may overlap the last
+      input gradient's way down, so ``A_s + m (f_s + b_s) + allreduce_s`` and
+      ``A_s + m (f_s + i_s) + D_s + allreduce_0``);
     * round trip: microbatch ``k + w + 1`` starts on ``s`` only after ``B_k`` ended
-      there (1F1B, ``w`` warm-up forwards), and ``B_k`` ends at least
+      there (1F1B, ``w`` warm-up forwards: ``warmup[s]``, default ``p - 1 - s``), and ``B_k`` ends at least
       ``R_s`` = forward to the end and back after ``F_k`` began;
     * link: a shared WAN link (``fifo``) carries ``m`` messages one after the other.
     """
@@ -85,8 +90,13 @@ def pipeline_lower_bound(
     best = 0.0
     for s in range(p):
         tail = max(allreduce[s], down[s] + allreduce[0])
-        best = max(best, start[s] + m * (forward[s] + backward[s]) + tail)
-        in_flight = min(p - 1 - s, m) + 1 if schedule in ("1f1b", "zb1p") else m
+        if chain is backward:
+            best = max(best, start[s] + m * (forward[s] + backward[s]) + tail)
+        else:  # zb1p: weight-gradient passes may still run while the last input gradient travels down
+            best = max(best, start[s] + m * (forward[s] + backward[s]) + allreduce[s])
+            best = max(best, start[s] + m * (forward[s] + chain[s]) + down[s] + allreduce[0])
+        warm = min(p - 1 - s, m) if warmup is None else warmup[s]
+        in_flight = warm + 1 if schedule in ("1f1b", "zb1p") else m
         rounds = (m - 1) // in_flight
         best = max(best, start[s] + (rounds + 1) * trip[s] + (m - 1 - rounds * in_flight) * backward[s] + tail)
         if s < p - 1 and fifo[s]:
@@ -96,11 +106,11 @@ def pipeline_lower_bound(
     return best
 
 
-@functools.lru_cache(maxsize=64)
-def job_schedule(name: str, stages: int, microbatches: int) -> CompiledSchedule:
-    """Schedule ``name`` with gradient sync appended, compiled (shared by every evaluator: variants meet
-    the same shapes)."""
-    return compile_schedule(add_gradient_sync(build_schedule(name, stages, microbatches)))
+@functools.lru_cache(maxsize=512)
+def job_schedule(name: str, stages: int, microbatches: int, warmup: tuple[int, ...] | None = None) -> CompiledSchedule:
+    """Schedule ``name`` (with ``warmup`` forwards per stage, :mod:`planner.warmup`) with gradient sync
+    appended, compiled (shared by every evaluator: variants meet the same shapes)."""
+    return compile_schedule(add_gradient_sync(build_schedule(name, stages, microbatches, warmup)))
 
 
 class Evaluator:
@@ -110,22 +120,37 @@ class Evaluator:
         self.problem = problem
         self._cache: dict[Candidate, Evaluation] = {}
         self.simulations = 0
+        self._warmups: dict[Candidate, tuple[int, ...] | None] = {}
         self.bounds: dict[Candidate, float] = {}
-        """Memo of :func:`planner.search.lower_bound` (climbs and explanations meet candidates again)."""
+        """Memo of :meth:`lower_bound` (climbs and explanations meet the same candidates again and again)."""
         self.baselines: list[Evaluation] | None = None
         """Memo of :func:`planner.baselines.pipeline_baselines`."""
+        self.proposals: list[Candidate] | None = None
+        """Memo of :func:`planner.search.proposals`."""
 
     def fork(self) -> Evaluator:
         """A copy that knows every verdict so far and goes on alone (for searches run side by side)."""
         other = Evaluator(self.problem)
         other._cache = dict(self._cache)
         other.bounds = dict(self.bounds)
+        other._warmups = dict(self._warmups)
         other.baselines = None if self.baselines is None else list(self.baselines)
+        other.proposals = None if self.proposals is None else list(self.proposals)
         return other
 
-    def schedule(self, stages: int, microbatches: int) -> CompiledSchedule:
-        """The job's schedule for ``stages`` x ``microbatches`` with all-reduce and step appended, compiled."""
-        return job_schedule(self.problem.schedule, stages, microbatches)
+    def schedule(self, stages: int, microbatches: int, warmup: tuple[int, ...] | None = None) -> CompiledSchedule:
+        """The job's schedule for ``stages`` x ``microbatches`` (``warmup``: forwards per stage before the first
+        backward, default the schedule's) with all-reduce and step appended, compiled."""
+        return job_schedule(self.problem.schedule, stages, microbatches, warmup)
+
+    def warmup(self, cand: Candidate) -> tuple[int, ...] | None:
+        """How deep each stage of ``cand`` warms up (:func:`planner.warmup.wan_warmup`; memoised); None:
+        the schedule's own."""
+        if cand not in self._warmups:
+            distinct = list(dict.fromkeys(cand.pipelines))
+            costs = [self.costs(cand, cand.pipelines.index(dcs)) for dcs in distinct]
+            self._warmups[cand] = wan_warmup(self.problem, cand, costs)
+        return self._warmups[cand]
 
     def costs(self, cand: Candidate, pipeline: int = 0) -> PipelineCosts:
         """The simulator's cost provider for one pipeline of ``cand`` (links filled with streams); with
@@ -142,7 +167,8 @@ class Evaluator:
         hit = self._cache.get(cand)
         if hit is not None:
             return hit
-        schedule = self.schedule(cand.num_stages, cand.microbatches)
+        warmup = self.warmup(cand)
+        schedule = self.schedule(cand.num_stages, cand.microbatches, warmup)
         distinct = list(dict.fromkeys(cand.pipelines))
         timelines = []
         wan: dict[tuple[str, str], int] = {}
@@ -159,7 +185,7 @@ class Evaluator:
         iteration = max(t.iteration_s for t in timelines)
         bubble = sum(t.bubble_fraction for t in timelines) / len(timelines)
         busy = sum(st.busy_s for t in timelines for st in t.stages) / sum(len(t.stages) for t in timelines)
-        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost, busy)
+        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost, busy, warmup)
         self._cache[cand] = result
         return result
 
@@ -177,7 +203,14 @@ class Evaluator:
         return self._egress_usd(self.costs(cand).wan_bytes_per_iteration(cand.microbatches))
 
     def lower_bound(self, cand: Candidate) -> float:
-        """:func:`pipeline_lower_bound` of ``cand``."""
+        """:func:`pipeline_lower_bound` of ``cand`` (memoised)."""
+        known = self.bounds.get(cand)
+        if known is not None:
+            return known
+        self.bounds[cand] = bound = self._lower_bound(cand)
+        return bound
+
+    def _lower_bound(self, cand: Candidate) -> float:
         costs = self.costs(cand)
         p = cand.num_stages
         transfers = [costs.transfer(s, s + 1, "F", 0) for s in range(p - 1)]
@@ -191,7 +224,20 @@ class Evaluator:
             [t.latency_s for t in transfers],
             [t.link is not None for t in transfers],
             [c.backward_input_s for c in costs.compute],
+            self.warmup(cand),
         )
+
+    def fastest(self, cands: Sequence[Candidate]) -> Evaluation | None:
+        """The fastest of ``cands`` when simulated (ties: the first); each whose proven lower bound cannot beat
+        the fastest so far is skipped unsimulated, so the answer is the same as simulating them all."""
+        best: Evaluation | None = None
+        for cand in sorted(cands, key=self.lower_bound):
+            if best is not None and self.lower_bound(cand) >= best.iteration_s:
+                break
+            ev = self.evaluate(cand)
+            if best is None or ev.iteration_s < best.iteration_s:
+                best = ev
+        return best
 
     @property
     def evaluated(self) -> list[Evaluation]:

@@ -14,8 +14,9 @@ import dataclasses
 import functools
 
 from geosched.config import JobSpec
-from geosched.costmodel import GIB, layer_costs, stage_memory_bytes
+from geosched.costmodel import GIB, layer_costs
 from geosched.errors import InputError, PlanInfeasible
+from geosched.memory import stage_memory_bytes
 from planner.floors import fewest_stages
 from planner.space import Problem
 

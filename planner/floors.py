@@ -29,9 +29,9 @@ from geosched.costmodel import (
     head_cost,
     layer_costs,
     optimizer_step_estimate_s,
-    stage_memory_bytes,
     total_params,
 )
+from geosched.memory import stage_memory_bytes
 from geosched.netcost import streams_to_fill, wan_effective_bps
 from planner.space import Problem
 

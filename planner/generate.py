@@ -141,3 +141,46 @@ def mixed_speed_two_datacenters() -> Config:
         {"layers": 48, "hidden": 4096, "heads": 32, "seq_len": 2048, "vocab": 50257},
         256,
     )
+
+
+REGIONS = ("na", "eu", "ap", "sa")
+
+
+def regional_config(seed: int, dcs: int = 32, gpus: int = 512) -> Config:
+    """A large seeded cluster like ``configs/scale-16dc.yaml``: ``dcs`` datacenters of ``gpus`` H100s in up to
+    four regions, every pair inside a region linked (200 Gb/s, 5-30 ms), about half of the cross-region
+    pairs linked (10-50 Gb/s, 70-200 ms), and a 70B-class GPT (80 blocks). For the planner's wall time."""
+    rng = random.Random(seed)
+    regions = REGIONS[: max(1, min(len(REGIONS), dcs // 4))]
+    names = [f"{regions[i % len(regions)]}{i // len(regions) + 1}" for i in range(dcs)]
+    gpu = {"name": "H100", "tflops": 400, "memory_gib": 80}
+    links = []
+    for i in range(dcs):
+        for j in range(i + 1, dcs):
+            same = names[i][:2] == names[j][:2]
+            if not same and rng.random() < 0.5:
+                continue
+            bandwidth = 200 if same else rng.choice([10, 25, 50])
+            links.append(
+                {
+                    "between": [names[i], names[j]],
+                    "bandwidth_gbps": bandwidth,
+                    "rtt_ms": rng.randint(5, 30) if same else rng.randint(70, 200),
+                    "per_connection_gbps": 10 if same else 2,
+                    "egress_usd_per_gb": 0.01 if same else 0.05,
+                }
+            )
+    job = {
+        "model": {"layers": 80, "hidden": 8192, "heads": 64, "seq_len": 4096, "vocab": 128256},
+        "global_batch": 2048,
+        "microbatch_size": 1,
+        "precision": "bf16",
+        "optimizer_bytes_per_param": 12,
+        "schedule": "1f1b",
+        "recompute": "full",
+    }
+    datacenters = [{"name": name, "gpus": gpus, "gpu": gpu} for name in names]
+    return config_from_dict(
+        {"cluster": {"name": f"regional-{dcs}dc-{seed}", "datacenters": datacenters, "links": links}, "job": job},
+        source=f"regional_config({seed}, {dcs}, {gpus})",
+    )

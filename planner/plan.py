@@ -17,8 +17,10 @@ import os
 from dataclasses import dataclass
 
 from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
-from geosched.errors import ConfigError, PlanError
+from geosched.costmodel import GIB
+from geosched.errors import ConfigError, PlanError, ScheduleError
 from geosched.netcost import wan_effective_bps
+from geosched.schedule.builders import build_schedule, check_warmup
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file, short
 from planner.evaluate import GB, Evaluation
@@ -143,6 +145,14 @@ class Plan:
         max_len=MAX_NAME_LEN,
         max_items=64,
     )
+    warmup: tuple[int, ...] = spec(
+        "forwards each stage runs before its first backward (1f1b, zb1p), deeper above WAN boundaries; "
+        "empty: the schedule's own, p - 1 - s",
+        (),
+        ge=0,
+        le=1 << 24,
+        max_items=MAX_LAYERS,
+    )
 
     def rank(self, r: int) -> RankSpec:
         """The process with global rank ``r``."""
@@ -163,6 +173,11 @@ class Plan:
     def world_size(self) -> int:
         """All processes: stages x dp."""
         return len(self.ranks)
+
+    @property
+    def stage_warmup(self) -> tuple[int, ...] | None:
+        """The warm-up per stage the agents run (None: the schedule's own)."""
+        return self.warmup or None
 
     def candidate(self) -> Candidate:
         """The decisions as a planner candidate."""
@@ -270,6 +285,7 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
         job.zero_stage,
         job.batch,
         cand.extra_paths,
+        ev.warmup or (),
     )
 
 
@@ -320,6 +336,8 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     problem_text = problem.violation(cand)
     if problem_text is not None:
         raise PlanError(f"plan.stages: {problem_text}")
+    if plan.warmup:
+        _check_warmup(plan, problem, cand)
     expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
@@ -334,6 +352,24 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
                 f"(expected {getattr(want, field)!r})"
             )
     return plan
+
+
+def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:
+    """PlanError unless the plan's warm-up is one its schedule runs (one count per stage, from plain 1F1B's
+    to ``m``, never growing) and every stage still fits its GPUs with the activations it then holds."""
+    try:
+        check_warmup(plan.warmup, plan.num_stages, plan.microbatches)
+        build_schedule(plan.schedule, 1, 1, [0])  # the schedule takes a warm-up at all
+    except ScheduleError as exc:
+        raise PlanError(f"plan.warmup: {exc}") from None
+    for s, w in enumerate(plan.warmup):
+        need = problem.stage_memory(cand.stage_layers[s], s, cand.num_stages, cand.microbatches, w)
+        for path in cand.pipelines:
+            if need > problem.memory_bytes[path[s]]:
+                raise PlanError(
+                    f"plan.warmup[{s}]: {w} forwards in flight need {need / GIB:.3g} GiB per GPU > "
+                    f"{problem.memory_bytes[path[s]] / GIB:g} GiB in dc {path[s]!r}; lower it or re-run 'geosched plan'"
+                )
 
 
 PLAN_LIMITS = YamlLimits(

@@ -42,7 +42,7 @@ from planner.variants import (
     variant_options,
 )
 
-FULL_EFFORT = SMALL_EFFORT
+FULL_EFFORT = SMALL_EFFORT / 2
 """CP-SAT deterministic seconds one full search spends (:mod:`planner.variants` gives each variant a share)."""
 FULL_POLISH_STARTS = 8
 """Hill climbs of a variant's full search (its best plans of distinct degree and path, the re-sized

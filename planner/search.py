@@ -28,18 +28,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict, Unpack
 
-from geosched.costmodel import boundary_bytes, stage_compute
-from geosched.netcost import wan_transfer
+from geosched.costmodel import stage_compute
 from planner import baselines
 from planner.cpsat import Goal, solve
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
+from planner.proposals import PROPOSAL_WORK, PROPOSALS, chain_pipelines, chains
 from planner.space import Candidate, Problem, from_split
 
 log = logging.getLogger(__name__)
 
 SHORTLIST = 6  # clusters with more DCs are searched along chains of DCs
-CHAIN = 6  # DCs in one chain
 # CP-SAT deterministic seconds (about a quarter of a wall second each on one core of the test machine)
 MODEL_EFFORT = 0.25  # per model on large clusters (their plans are not proven optimal)
 LARGE_EFFORT = 2.0  # one whole search on a large cluster
@@ -63,18 +62,9 @@ class SearchStats:
     notes: list[str] = field(default_factory=list)
 
 
-def lower_bound(evaluator: Evaluator, cand: Candidate) -> float:
-    """:meth:`Evaluator.lower_bound`, memoised per evaluator (the climbs and explanations meet the same
-    candidates again and again)."""
-    known = evaluator.bounds
-    if cand not in known:
-        known[cand] = evaluator.lower_bound(cand)
-    return known[cand]
-
-
 def score_bound(evaluator: Evaluator, cand: Candidate, goal: Goal) -> float:
     """A score ``cand`` cannot beat: its proven time bound, its exact WAN cost."""
-    time_bound = lower_bound(evaluator, cand)
+    time_bound = evaluator.lower_bound(cand)
     if goal.max_time_s is not None:
         return math.inf if time_bound > goal.max_time_s else evaluator.wan_cost_usd(cand)
     return time_bound + (goal.weight * evaluator.wan_cost_usd(cand) if goal.weight else 0.0)
@@ -100,45 +90,20 @@ def estimate_s(problem: Problem, dp: int, microbatches: int) -> float:
     return (microbatches - 1) * blocks * (block.forward_s + block.backward_s) + whole.forward_s + whole.backward_s
 
 
-def chains(
-    problem: Problem, dp: int, must: set[str] | None = None, width: int = CHAIN, keep: int = 1
-) -> list[tuple[str, ...]]:
-    """Orders of DCs for CP-SAT on large clusters: greedy chains along the fastest links, best ``keep``.
-
-    A chain starts at every DC (every DC of ``must``, when given) and grows at
-    its better end by the neighbour whose link has the least occupancy +
-    latency for this ``d``; chains are ranked by their slowest link, then by
-    total delay. The pipeline is then a contiguous run of one chain.
-    """
-    nbytes = boundary_bytes(problem.job, max(1, problem.layers - 1))
-
-    def delay(a: str, b: str) -> float:
-        tr = wan_transfer(problem.require_link(a, b), nbytes, problem.streams(a, b), dp)
-        return tr.occupancy_s + tr.latency_s
-
-    found = []
-    for start in sorted(must) if must else problem.dcs:
-        chain = [start]
-        while len(chain) < width:
-            options = [
-                (delay(end, nxt), k, nxt)
-                for k, end in ((0, chain[0]), (1, chain[-1]))
-                for nxt in problem.neighbours[end]
-                if nxt not in chain
-            ]
-            if not options:
+def proposals(problem: Problem, evaluator: Evaluator) -> list[Candidate]:
+    """The :data:`~planner.proposals.PROPOSALS` chain pipelines of ``problem`` with the best lower bounds
+    (computed once per evaluator)."""
+    if evaluator.proposals is None:
+        chosen: list[Candidate] = []
+        work = 0
+        for cand in sorted(chain_pipelines(problem), key=evaluator.lower_bound):
+            size = cand.num_stages * cand.microbatches
+            if len(chosen) == PROPOSALS or work + size > PROPOSAL_WORK:
                 break
-            _, k, nxt = min(options)
-            chain = [nxt] + chain if k == 0 else chain + [nxt]
-        hops = [delay(a, b) for a, b in zip(chain, chain[1:])] or [0.0]
-        found.append((max(hops), sum(hops), tuple(chain)))
-    out: list[tuple[str, ...]] = []
-    for _, _, order in sorted(found):
-        if set(order) not in [set(c) for c in out]:
-            out.append(order)
-        if len(out) == keep:
-            break
-    return out
+            chosen.append(cand)
+            work += size
+        evaluator.proposals = chosen
+    return list(evaluator.proposals)
 
 
 def single_stage(problem: Problem) -> Iterator[Candidate]:
@@ -276,6 +241,7 @@ def search(
     stats = SearchStats()
     seeds = list(single_stage(problem)) + [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)]
     seeds += [ev.candidate for ev in evaluator.evaluated]  # what earlier searches simulated (explanations share it)
+    seeds += proposals(problem, evaluator)
     spent = 0.0  # CP-SAT deterministic seconds so far
     pool: list[Evaluation] = []
 

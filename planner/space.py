@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from geosched.config import Config, WanLinkSpec
-from geosched.costmodel import GIB, layer_costs, peak_inflight, stage_memory_bytes
+from geosched.costmodel import GIB, layer_costs
+from geosched.memory import peak_inflight, stage_memory_bytes
 from geosched.netcost import streams_to_fill
 
 
@@ -236,9 +237,10 @@ class Problem:
 
     # -------------------------------------------------------------- memory ---
 
-    def inflight(self, stage: int, stages: int, microbatches: int) -> int:
-        """Microbatches of activations the stage holds at peak under the job's schedule."""
-        return peak_inflight(self.schedule, stages, microbatches, stage)
+    def inflight(self, stage: int, stages: int, microbatches: int, warmup: int | None = None) -> int:
+        """Microbatches of activations the stage holds at peak under the job's schedule (after ``warmup``
+        forwards before its first backward; default the schedule's own)."""
+        return peak_inflight(self.schedule, stages, microbatches, stage, warmup)
 
     @property
     def most_replicas(self) -> int:
@@ -250,14 +252,17 @@ class Problem:
         return max(1, self.job.global_batch // (microbatches * self.job.batch))
 
     @functools.cache  # noqa: B019 (a Problem lives for one planning run; the cache is its memo)
-    def stage_memory(self, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> int:
-        """Peak bytes on one GPU of ``stage`` holding blocks ``layers`` (ZeRO shards over all replicas)."""
+    def stage_memory(
+        self, layers: tuple[int, int], stage: int, stages: int, microbatches: int, warmup: int | None = None
+    ) -> int:
+        """Peak bytes on one GPU of ``stage`` holding blocks ``layers`` (ZeRO shards over all replicas), after
+        ``warmup`` forwards before its first backward (default: the schedule's own)."""
         return stage_memory_bytes(
             self.job,
             layers,
             stage == 0,
             stage == stages - 1,
-            self.inflight(stage, stages, microbatches),
+            self.inflight(stage, stages, microbatches, warmup),
             self.replicas(microbatches),
         )
 
@@ -272,16 +277,26 @@ class Problem:
         Exact for identical blocks; for ``custom_layers`` the window rule is
         conservative (a stage that fits only thanks to light blocks is excluded).
         """
-        best = 0
-        for n in range(1, self.layers - (stages - 1) + 1):
-            starts = [0] if stage == 0 else ([self.layers - n] if stage == stages - 1 else range(self.layers - n + 1))
+
+        def fits(n: int) -> bool:
             if self.uniform_layers:
-                starts = [0 if stage == 0 else self.layers - n if stage == stages - 1 else 1]
-            if all(self.fits(dc, (s, s + n), stage, stages, microbatches) for s in starts):
-                best = n
+                starts: range | list[int] = [0 if stage == 0 else self.layers - n if stage == stages - 1 else 1]
             else:
-                break
-        return best
+                starts = (
+                    [0] if stage == 0 else ([self.layers - n] if stage == stages - 1 else range(self.layers - n + 1))
+                )
+            return all(self.fits(dc, (s, s + n), stage, stages, microbatches) for s in starts)
+
+        lo, hi = 0, self.layers - (stages - 1)  # fits(lo) holds (no blocks); more blocks never need less memory
+        if hi >= 1 and fits(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     # ------------------------------------------------------------ validity ---
 

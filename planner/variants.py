@@ -39,7 +39,7 @@ from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
 from planner.replicas import everywhere, local_pipelines, widen
-from planner.search import lower_bound, polish
+from planner.search import polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
 T = TypeVar("T")
@@ -59,12 +59,15 @@ SCREEN_MODELS = 3
 """CP-SAT models one screening search may solve (each costs a fifth of a second or more)."""
 SCREEN_WORK = 2_000
 """Stage-microbatches one screening hill climb may simulate."""
-FINALISTS = 4
-"""Best candidates of a variant simulated under the other schedules."""
+FINALISTS = 6
+"""Best candidates of a variant (the best of each shape: replicas, DC path, pipelines) simulated under the
+other schedules."""
 SEED_CLIMBS = 4
 """Re-sized placements of other variants a full search's variant climbs from (:func:`translated`)."""
 SEED_WORK = 2_000
 """Stage-microbatches one such climb may simulate."""
+ACROSS_TOP = 2
+"""Best variants (after their full searches) whose plans are given more pipelines in other DCs."""
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
 THREADS = min(4, os.cpu_count() or 1)
@@ -193,22 +196,29 @@ Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
 screening search; otherwise the share of a full search's budgets this search may spend."""
 
 
+def under_schedule(result: VariantResult, schedule: str, pins: Pins, cfg: Config) -> VariantResult | None:
+    """The variant's :data:`FINALISTS` best candidates simulated under ``schedule`` (same placements, those
+    that fit its memory), as that schedule's variant; None when none fits."""
+    if result.best is None:
+        return None
+    ranked = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)
+    shapes: dict[tuple[int, tuple[str, ...], int], Evaluation] = {}  # the best of each shape: diverse finalists
+    for ev in ranked:
+        if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths)):
+            shapes.setdefault((ev.candidate.dp, ev.candidate.path, len(ev.candidate.extra_paths)), ev)
+    top = list(shapes.values())[:FINALISTS]
+    problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=pins.dp)
+    evaluator = Evaluator(problem)
+    fits = [evaluator.evaluate(ev.candidate) for ev in top if problem.violation(ev.candidate) is None]
+    if not fits:
+        return None
+    return VariantResult(problem, evaluator, min(fits, key=lambda ev: ev.iteration_s))
+
+
 def with_schedules(result: VariantResult, pins: Pins, cfg: Config) -> list[VariantResult]:
     """The variant's best candidates simulated under every other allowed schedule (same placement)."""
-    out: list[VariantResult] = []
-    if result.best is None:
-        return out
-    ranked = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)
-    top = [ev for ev in ranked if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths))][:FINALISTS]
-    for schedule in schedule_options(pins):
-        if schedule == result.problem.variant.schedule:
-            continue
-        problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=pins.dp)
-        evaluator = Evaluator(problem)
-        fits = [evaluator.evaluate(ev.candidate) for ev in top if problem.violation(ev.candidate) is None]
-        if fits:
-            out.append(VariantResult(problem, evaluator, min(fits, key=lambda ev: ev.iteration_s)))
-    return out
+    others = [s for s in schedule_options(pins) if s != result.problem.variant.schedule]
+    return [r for r in (under_schedule(result, s, pins, cfg) for s in others) if r is not None]
 
 
 def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal()) -> list[VariantResult]:
@@ -217,19 +227,40 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     Returns every result, best first (results with no plan last).
     """
 
+    def with_local(result: VariantResult) -> VariantResult:
+        if pins.cross_dc_dp is not False:  # pipelines inside DCs: cheap, and often the best on slow WANs
+            best = result.best
+            found = local_best(result.problem, result.evaluator, pins, best) + ([best] if best is not None else [])
+            result.best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
+        return result
+
     def screen(variant: Variant) -> VariantResult:
         problem = Problem(cfg, variant, dp=pins.dp)
         evaluator = Evaluator(problem)
-        best = search(problem, evaluator, 0.0)
-        if pins.cross_dc_dp is not False:  # pipelines inside DCs: cheap, and often the best on slow WANs
-            found = local_best(problem, evaluator, pins, best) + ([best] if best is not None else [])
-            best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
-        return VariantResult(problem, evaluator, best)
+        return with_local(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
 
+    def derive(variant: Variant) -> VariantResult:  # a zero-bubble variant from its 1F1B twin's placements
+        twin = screened_by[dataclasses.replace(variant, schedule="1f1b")]
+        derived = under_schedule(twin, variant.schedule, pins, cfg)
+        if derived is None:
+            problem = Problem(cfg, variant, dp=pins.dp)
+            derived = VariantResult(problem, Evaluator(problem), None)
+        return with_local(derived)
+
+    def screen_all(options: list[Variant]) -> list[VariantResult]:
+        """Every variant screened: GPipe and 1F1B ones by a search each; a ZB-H1 one (whose placements are
+        1F1B's: same dependencies, its memory checked) from its 1F1B twin when that is screened too."""
+        derived = [v for v in options if v.schedule == "zb1p" and dataclasses.replace(v, schedule="1f1b") in options]
+        searched = [v for v in options if v not in derived]
+        screened_by.update(zip(searched, in_parallel(screen, searched)))
+        screened_by.update(zip(derived, in_parallel(derive, derived)))
+        return [screened_by[v] for v in options]
+
+    screened_by: dict[Variant, VariantResult] = {}
     options = variant_options(cfg, pins)
-    screened = in_parallel(screen, options)
+    screened = screen_all(options)
     if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
-        screened += in_parallel(screen, [dataclasses.replace(variant, zero=2) for variant in options])
+        screened += screen_all([dataclasses.replace(variant, zero=2) for variant in options])
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)
@@ -256,7 +287,7 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     for result, full in zip(searched, in_parallel(full_search, searched)):
         if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
             result.best = full
-    for result in screened[:2] if not pins.cross_dc_dp else screened:
+    for result in screened[:ACROSS_TOP] if not pins.cross_dc_dp else screened:
         across_dcs(result, pins)
     if pins.cross_dc_dp:
         for result in screened:
@@ -314,8 +345,8 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
     cands = everywhere(problem) + widened
     if pins.dp is not None:
         cands = [c for c in cands if c.dp == pins.dp]
-    found = [evaluator.evaluate(c) for c in cands]
     kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []
+    found = [ev for ev in [evaluator.fastest(cands)] if ev is not None]
     found += local_best(problem, evaluator, pins, min(found + kept, key=lambda ev: ev.iteration_s, default=None))
     result.best = min(found + kept, key=lambda ev: ev.iteration_s, default=None)
 
@@ -330,8 +361,8 @@ def local_best(problem: Problem, evaluator: Evaluator, pins: Pins, best: Evaluat
         if pins.dp in (None, c.dp) and pins.cross_dc_dp in (None, bool(c.extra_paths))
     ]
     found: list[Evaluation] = []
-    for cand in sorted(cands, key=lambda c: lower_bound(evaluator, c))[:LOCAL_SIMULATIONS]:
-        if best is not None and lower_bound(evaluator, cand) >= best.iteration_s:
+    for cand in sorted(cands, key=lambda c: evaluator.lower_bound(c))[:LOCAL_SIMULATIONS]:
+        if best is not None and evaluator.lower_bound(cand) >= best.iteration_s:
             break
         found.append(evaluator.evaluate(cand))
         best = min(filter(None, (best, found[-1])), key=lambda ev: ev.iteration_s)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import yaml
 
+from geosched.cli import main
 from geosched.config import Config, load_config
 from geosched.errors import PlanError
 from planner.evaluate import Evaluator
@@ -145,3 +147,29 @@ def test_malformed_plan_names_the_field(tmp_path, edit, field) -> None:
         plan_from_dict(data)
     with pytest.raises(PlanError, match="no such file"):
         load_plan(tmp_path / "missing.yaml")
+
+
+def test_plan_warmup_is_written_run_and_checked(tmp_path) -> None:
+    """A pipeline crossing the WAN warms its upstream stages up deeper (planner.warmup); the plan file carries
+    it, ``geosched simulate PLAN`` reproduces the prediction with it, and a warm-up the schedule cannot run or
+    the GPUs cannot hold is refused naming plan.warmup."""
+    problem, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
+    plain = [min(plan.num_stages - 1 - s, plan.microbatches) for s in range(plan.num_stages)]
+    assert len(plan.warmup) == 3 and plan.warmup[1] > plain[1] and plan.warmup[-1] == 0
+    path = tmp_path / "plan.yaml"
+    path.write_text(dump_plan(plan))
+    assert load_plan(path).warmup == plan.warmup
+    assert main(["simulate", str(path), "--json"]) == 0
+    data = yaml.safe_load(dump_plan(plan))
+    for bad, why in (
+        ([4, 4], "2 counts for 3 stages"),
+        ([4, 5, 0], "exceeds stage 0's"),
+        ([0, 0, 0], "from 2 (plain 1F1B)"),
+    ):
+        with pytest.raises(PlanError, match=r"plan\.warmup: .*" + re.escape(why)):
+            plan_from_dict({**data, "warmup": bad})
+    tight = yaml.safe_load(dump_plan(plan))  # GPUs that hold plain 1F1B's activations and no more
+    need = problem.stage_memory(plan.stages[0].layers, 0, 3, plan.microbatches)
+    tight["config"]["cluster"]["datacenters"][0]["gpu"]["memory_gib"] = need / 1024**3
+    with pytest.raises(PlanError, match=r"plan\.warmup\[0\]: 4 forwards in flight need .* GiB per GPU"):
+        plan_from_dict(tight)

@@ -56,4 +56,4 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
         calibration=calibration,
         **across,
     )
-    return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas), costs)
+    return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup), costs)

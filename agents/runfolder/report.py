@@ -119,8 +119,8 @@ def build_report(
 
 def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[dict[str, Any]]:
     """Per rank: the most memory any step held (:class:`~agents.stage.memory.MemoryMeter`) and the
-    planner's prediction for its stage (:func:`geosched.costmodel.stage_memory_bytes`)."""
-    from geosched.costmodel import peak_inflight, stage_memory_bytes
+    planner's prediction for its stage (:func:`geosched.memory.stage_memory_bytes`)."""
+    from geosched.memory import peak_inflight, stage_memory_bytes
 
     job, p = layout.job, layout.num_stages
     microbatches = _schedule(layout).num_microbatches
@@ -130,7 +130,8 @@ def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[di
         measured = [r.memory for r in reports.get(role.rank, []) if r.memory]
         if not measured:
             continue
-        inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s)
+        warmup = layout.warmup[s] if layout.warmup else None
+        inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s, warmup)
         predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, layout.replicas)
         row = {
             "rank": role.rank,
@@ -149,7 +150,7 @@ def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[di
 def _schedule(layout: Any) -> Any:
     from agents.stage.session import job_schedule
 
-    return job_schedule(layout.job, layout.num_stages, layout.replicas)
+    return job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup)
 
 
 def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike[str]) -> Path:

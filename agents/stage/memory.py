@@ -2,7 +2,7 @@
 
 The planner predicts a stage's peak as model state (weights, gradients, the
 optimizer state: each ZeRO shard only) plus the activations its in-flight
-microbatches keep for backward (:func:`geosched.costmodel.stage_memory_bytes`).
+microbatches keep for backward (:func:`geosched.memory.stage_memory_bytes`).
 :class:`MemoryMeter` measures the same two terms, on CPU and GPU alike:
 
 * model state: the bytes of the stage's parameters, their gradients and every

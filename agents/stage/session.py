@@ -95,9 +95,10 @@ def num_microbatches(job: JobSpec, dp: int) -> int:
     return job.global_batch // per_step
 
 
-def job_schedule(job: JobSpec, num_stages: int, dp: int) -> Schedule:
-    """The job's lowered, validated schedule for ``num_stages`` stages."""
-    schedule = lower(build_schedule(job.pipeline_schedule, num_stages, num_microbatches(job, dp)))
+def job_schedule(job: JobSpec, num_stages: int, dp: int, warmup: Sequence[int] | None = None) -> Schedule:
+    """The job's lowered, validated schedule for ``num_stages`` stages (``warmup``: the plan's forwards per
+    stage before the first backward; None: the schedule's own)."""
+    schedule = lower(build_schedule(job.pipeline_schedule, num_stages, num_microbatches(job, dp), warmup))
     validate(schedule)
     return schedule
 
@@ -143,7 +144,7 @@ class RankSession:
         refusal = tp_refusal(job, role.dp_size)
         if refusal is not None:
             raise PlanError(f"rank {role.rank}: {refusal}")
-        self.schedule = job_schedule(job, role.num_stages, role.dp_size)
+        self.schedule = job_schedule(job, role.num_stages, role.dp_size, role.warmup or None)
         self._stack = ExitStack()
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

@@ -53,7 +53,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
             "predicted_iteration_s": plan.prediction.iteration_s,
             "wan_usd_per_iteration": plan.prediction.wan_usd_per_iteration,
         }
-        return build_schedule(plan.schedule, cand.num_stages, cand.microbatches), Evaluator(problem).costs(cand), info
+        schedule = build_schedule(plan.schedule, cand.num_stages, cand.microbatches, plan.warmup or None)
+        return schedule, Evaluator(problem).costs(cand), info
     if isinstance(data, dict) and "cluster" in data:
         return _from_config(args)
     raise InputError(f"{args.source}: neither a plan (with 'ranks') nor a config (with 'cluster' and 'job')")

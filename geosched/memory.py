@@ -1,0 +1,66 @@
+"""Memory of one GPU holding a pipeline stage: weights, gradients, optimizer state, activations in flight.
+
+The formulas the planner checks every placement with (and the run report
+compares with what the agents measured), each with its source; the per-layer
+sizes come from :mod:`geosched.costmodel`.
+"""
+
+from __future__ import annotations
+
+from geosched.config import JobSpec
+from geosched.costmodel import head_cost, layer_costs, stage_params
+from geosched.errors import ConfigError
+
+
+def stage_memory_bytes(
+    job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int, dp: int = 1
+) -> int:
+    """Peak memory of one GPU holding a stage (of ``dp`` data-parallel replicas).
+
+    ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
+    for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
+    al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state,
+    stage 2 also ``1/dp`` of the gradients (sec. 5.1-5.2). Parameters are per
+    GPU (blocks divided by the tensor-parallel degree, :func:`gpt_block_cost`).
+    Plus ``inflight`` microbatches of stashed activations (1F1B holds at most
+    ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream;
+    :func:`peak_inflight`). With full recomputation a block keeps only its
+    input per microbatch, and one block's full stash is live at a time during
+    its backward.
+    """
+    params = stage_params(job, layers, first, last)
+    zero = job.zero_stage
+    grads = job.bytes_per_element / (dp if zero >= 2 else 1)
+    optimizer = job.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
+    state = params * (job.bytes_per_element + grads + optimizer)
+    blocks = layer_costs(job)[layers[0] : layers[1]]
+    head = head_cost(job).stash_bytes if last else 0
+    b = job.batch
+    if job.recompute == "full":
+        kept = sum(c.activation_bytes for c in blocks) + head
+        working = max((c.stash_bytes for c in blocks), default=0)
+        return int(state + b * (inflight * kept + working))
+    stash = sum(c.stash_bytes for c in blocks) + head
+    return int(state + inflight * b * stash)
+
+
+def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int, warmup: int | None = None) -> int:
+    """Microbatches whose activations a stage holds at peak: GPipe ``m``; 1F1B ``min(w + 1, m)`` and ZB-H1
+    ``min(w + s + 1, m)`` for a warm-up of ``w`` forwards (default ``p - 1 - s``: ``min(p - s, m)`` and
+    ``min(p, m)``; :mod:`geosched.schedule.builders`).
+
+    ZB-H1 (:func:`~geosched.schedule.builders.build_zb1p`) defers stage ``s``'s weight-gradient passes by
+    ``s`` input-gradient passes, so it holds ``w + min(s + 1, m - w)`` graphs before its first W frees one
+    (Qi et al. 2023, sec. 3.1: plain ZB-H1 peaks at 1F1B's first-stage count on every stage);
+    ``tests/test_schedule_builders.py`` checks these against the counted schedules
+    (:func:`geosched.schedule.timeline.peak_inflight`).
+    """
+    m = num_microbatches
+    w = min(num_stages - 1 - stage, m) if warmup is None else warmup
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(w + 1, m)
+    if schedule == "zb1p":
+        return min(w + stage + 1, m)
+    raise ConfigError(f"unknown schedule {schedule!r}: choose one of gpipe, 1f1b, zb1p")
