@@ -4,13 +4,16 @@ Each configuration (dp, tp) spawns dp*tp processes forming one group
 (``run_local_group``), lays it out as the ("dp", "tp") stage mesh, and runs
 every check once: a sharded middle stage of the demo model against the
 unsharded one (output, input gradient, every parameter gradient), then 10
-AdamW steps of the sharded whole model with gradients averaged over dp. The
-single-process references run here, in the test process.
+AdamW steps of the sharded whole model with gradients averaged over dp, then
+the scatter/gather of stage boundaries (each rank sends its 1/tp slice of an
+activation and a gradient over a real loopback WanLink, the tp ranks all-gather
+them). The single-process references run here, in the test process.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,14 @@ from torch.distributed.tensor import DTensor
 
 from agents.dp.group import DataParallelGroup
 from agents.dp.local_group import run_local_group
+from agents.stage.scatter import ScatterGatherTransport, boundary_slice, check_divisible, gather_boundary
+from agents.stage.transport import LinkTransport, link_id
 from agents.tp.mesh import average_gradients_over_dp, mesh_coordinates, stage_mesh
 from agents.tp.shard import full_state_dict, full_tensor, shard_stage
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
 from geosched.config import load_config
-from geosched.errors import CollectiveError, ConfigError
+from geosched.errors import CollectiveError, ConfigError, StageError
 from geosched.model import ModelShape, StageModule, build_model, build_stage
 from geosched.processes import REPO_ROOT
 
@@ -123,6 +130,57 @@ def _bad_input_messages(mesh: Any) -> list[str]:
     return messages
 
 
+def _boundary(replica: int, kind: str) -> torch.Tensor:
+    """A boundary tensor of ``replica`` (b, T, C): the same on its tp ranks, different across replicas."""
+    gen = torch.Generator().manual_seed(100 * replica + ord(kind))
+    return torch.randn((2, DEMO.seq_len, DEMO.hidden), generator=gen)
+
+
+def _check_boundaries(group: DataParallelGroup, mesh: Any, replica: int) -> dict[str, Any]:
+    """Stage 0 -> 1 of this replica in one process, over a loopback WanLink, each side scatter/gathering over
+    the tp ranks: the activation and the gradient must arrive whole, with 1/tp of their bytes sent."""
+    tp_group = mesh["tp"].get_group()
+    config = WanLinkConfig(link_id=link_id(0, group.rank), streams=1, connect_timeout_s=10)
+    with WanLink.listen("tcp://127.0.0.1:0", config) as listener:
+        with WanLink.connect(f"tcp://127.0.0.1:{listener.port}", config) as connector:
+            listener.wait_peer(10)
+            up = ScatterGatherTransport(LinkTransport({1: connector}, stage=0), tp_group, hidden=DEMO.hidden, stage=0)
+            down = ScatterGatherTransport(
+                LinkTransport({0: listener}, stage=1), tp_group, hidden=DEMO.hidden, stage=1, guard=group.guard
+            )
+            activation, gradient = _boundary(replica, "F"), _boundary(replica, "B")
+            up.send(activation, 1, "F", step=0, microbatch=0)
+            got_activation = down.recv(0, "F", 0, 0, timeout=20)
+            down.send(gradient, 0, "B", step=0, microbatch=0)
+            got_gradient = up.recv(1, "B", 0, 0, timeout=20)
+            up.flush(10)
+            down.flush(10)
+            refused: list[str] = []
+
+            def recv_elsewhere() -> None:  # a second thread must not issue tp collectives
+                try:
+                    down.recv(0, "F", 0, 1, timeout=1)
+                except StageError as exc:
+                    refused.append(str(exc))
+
+            other = threading.Thread(target=recv_elsewhere)
+            other.start()
+            other.join()
+            try:
+                up.send(torch.zeros(2, 3), 1, "F", step=0, microbatch=1)
+            except StageError as exc:
+                refused.append(str(exc))
+    half = boundary_slice(activation.bfloat16(), mesh["tp"].get_local_rank(), mesh["tp"].size())
+    return {
+        "activation": torch.equal(got_activation, activation),
+        "gradient": torch.equal(got_gradient, gradient),
+        "bf16": torch.equal(gather_boundary(half, tp_group, mesh["tp"].size()), activation.bfloat16()),
+        "bytes_sent": (up.bytes_sent(), down.bytes_sent()),
+        "whole_bytes": activation.numel() * activation.element_size(),
+        "refused": refused,
+    }
+
+
 def _rank_checks(group: DataParallelGroup, dp: int, tp: int) -> dict[str, Any]:
     """Everything one rank of a dp x tp group checks; the parent compares the ranks and the references."""
     torch.manual_seed(0)  # nothing may depend on it: every tensor comes from a seeded generator
@@ -133,6 +191,7 @@ def _rank_checks(group: DataParallelGroup, dp: int, tp: int) -> dict[str, Any]:
     losses, model = _train(mesh, replica)
     weights = full_state_dict(model)  # a collective: every rank gathers, rank 0 hands it back
     result.update(replica=replica, losses=losses, bad_input=_bad_input_messages(mesh) if tp > 1 else [])
+    result["boundaries"] = _check_boundaries(group, mesh, replica)
     result["weights_after"] = {n: w.numpy() for n, w in weights.items()} if group.rank == 0 else None
     return result
 
@@ -197,6 +256,21 @@ def test_adamw_steps_match_single_process(dp: int, tp: int, one_torch_thread: No
     weights_after = results[0]["weights_after"]
     for name, expected in expected_weights.items():
         np.testing.assert_allclose(weights_after[name], expected.numpy(), rtol=0, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize(("dp", "tp"), CONFIGURATIONS, ids=lambda v: str(v))
+def test_stage_boundaries_cross_as_one_slice_per_tp_rank(dp: int, tp: int, one_torch_thread: None) -> None:
+    for rank, result in enumerate(_run(dp, tp)):
+        checks = result["boundaries"]
+        for what in ("activation", "gradient", "bf16"):  # gathered over tp only: each replica gets its own
+            assert checks[what], f"rank {rank}: the {what} did not arrive whole"
+        sliced = checks["whole_bytes"] // tp
+        assert checks["bytes_sent"] == ({1: sliced}, {0: sliced}), f"rank {rank}: {checks['bytes_sent']}"
+        off_thread, wrong_shape = checks["refused"]
+        assert "must run on the thread that opened the transport" in off_thread
+        assert "must end in the hidden size 64" in wrong_shape and "(2, 3)" in wrong_shape
+    with pytest.raises(ConfigError, match=r"model.hidden\(66\) must be divisible by tensor_parallel\(4\)"):
+        check_divisible(66, 4)
 
 
 def test_bad_meshes_and_shapes_say_what_to_change(one_torch_thread: None) -> None:

@@ -5,9 +5,11 @@ and read back with ``parse_layout``: a 2-stage x tp 2 pipeline (us -> eu, 4
 rank processes, real WanLinks, one gloo group of 2 per stage) and a 1-stage
 dp 2 x tp 2 job (4 processes in one group, gradients averaged over "dp"
 only) each train 10 steps whose global loss equals a one-process run within
-1e-4. ``geosched launch`` trains a tp plan from ``geosched plan --tp 2`` and a
-hand-made 2-stage x tp 2 plan whose links cross the WAN emulator. An agent
-given a tp plan it cannot run exits 2 with one line.
+1e-4, each tp rank sending only its 1/tp slice of every boundary tensor
+(Megatron's scatter/gather). ``geosched launch`` trains a tp plan from
+``geosched plan --tp 2`` and a hand-made 2-stage x tp 2 plan whose links cross
+the WAN emulator, which carries one copy of each boundary tensor, not tp. An
+agent given a tp plan it cannot run exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from torch.distributed.tensor import DTensor
 from agents.checkpoint.export import export_weights
 from agents.layout import JobLayout, layout_plan_text, parse_layout, pipe_name
 from agents.stage.report import StepReport, global_loss
-from agents.stage.session import RankSession, train_one_process
+from agents.stage.session import RankSession, num_microbatches, train_one_process
 from agents.stage.transport import StoreAddressBook
 from agents.worker import RankCheckpoints
 from geosched.cli import main
 from geosched.config import Config, config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
+from geosched.model import PRECISION_DTYPES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -131,6 +134,11 @@ def run_layout(
         del store
 
 
+def _boundary_bytes(job: Any) -> int:
+    """Bytes of one whole boundary message, an activation or a gradient (b, T, C)."""
+    return job.batch * job.model.seq_len * job.model.hidden * PRECISION_DTYPES[job.precision].itemsize
+
+
 def _global_losses(layout: JobLayout, runs: dict[int, tuple[list[StepReport], int]]) -> list[float]:
     last_stage = [r for r in layout.roles if r.last]
     steps = len(runs[last_stage[0].rank][0])
@@ -163,6 +171,12 @@ def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_l
         assert [r.loss for r in runs[role.rank]] == pytest.approx([r.loss for r in runs[twin.rank]], rel=1e-5)
     assert _global_losses(layout, outcomes) == pytest.approx(reference_losses, rel=1e-4)
     assert reference_losses[-1] < reference_losses[0]  # it trains, not just agrees
+    # every boundary message (b, T, C) leaves each tp rank as its slice (b, T, C / tp)
+    per_step = num_microbatches(layout.job, dp) * _boundary_bytes(layout.job) // layout.job.tp
+    for role in layout.roles:
+        peers = [s for s in (role.stage - 1, role.stage + 1) if 0 <= s < role.num_stages]
+        sent = [r.bytes_sent for r in runs[role.rank]]
+        assert sent == [dict.fromkeys(peers, per_step)] * STEPS, (role.rank, sent)
 
 
 def test_checkpoint_of_a_tensor_parallel_stage_is_whole_and_resumes_at_any_tp(tmp_path: Path, reference_losses):
@@ -206,14 +220,19 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
     layout = parse_layout((tmp_path / "plan.yaml").read_text())
     assert layout.job.tp == 2
     run = tmp_path / "run"
-    args = ("launch", str(config), "--plan", "plan.yaml", "--steps", "4", "--run-dir", str(run), "--json")
+    steps = 4
+    args = ("launch", str(config), "--plan", "plan.yaml", "--steps", str(steps), "--run-dir", str(run), "--json")
     launched = _geosched(*args, cwd=tmp_path, timeout=300)
     assert launched.returncode == 0, launched.stderr[-3000:]
     report = json.loads(launched.stdout.splitlines()[-1])
     assert report["layout"]["ranks"] == len(layout.roles) and set(report["agent_exit_codes"].values()) == {0}
-    assert report["losses"] == pytest.approx(reference_losses[:4], rel=1e-4)
+    assert report["losses"] == pytest.approx(reference_losses[:steps], rel=1e-4)
     if layout.num_stages > 1:
         assert report["wan_bytes"]["us->eu"] > 0
+    if planned_by == "hand, us -> eu":  # the relays carried one copy of each boundary tensor (plus headers), not tp
+        tensors = steps * num_microbatches(layout.job, layout.dp) * _boundary_bytes(layout.job)
+        for direction in ("us->eu", "eu->us"):
+            assert tensors <= report["wan_bytes"][direction] < 1.25 * tensors, (direction, report["wan_bytes"])
 
 
 def test_pipe_names_carry_the_tp_rank_and_stay_unchanged_without_it():

@@ -2,10 +2,12 @@
 
 Owns: ``runtime`` (``StageRuntime``, which executes a lowered schedule with
 its collaborators as Protocols), ``transport`` (sends and receives between
-stages over WAN links, address books, relay routes), ``security``
+stages over WAN links, address books, relay routes), ``scatter``
+(``ScatterGatherTransport``: a tp rank sends its 1/tp slice of each boundary
+tensor, the receiving tp ranks all-gather the slices), ``security``
 (``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
 group of one rank) and ``report`` (``StepReport``, measured timelines). May
-import ``agents.dp``, ``agents.wan``, ``agents.wanem``, ``agents.layout`` and
-the core.
+import ``agents.dp``, ``agents.tp``, ``agents.wan``, ``agents.wanem``, ``agents.layout``
+and the core.
 """

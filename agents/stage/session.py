@@ -23,8 +23,11 @@ With tensor parallelism (``role.tp_size`` > 1) a stage's group has dp x tp
 processes (group rank = replica x tp + tp_rank, :mod:`agents.tp.mesh`): the
 stage is sharded over the mesh's "tp" dimension (:func:`agents.tp.shard.shard_stage`),
 ALL_REDUCE averages over "dp" only, all tp ranks of a replica read the same
-microbatches, and tp rank j of stage s talks to tp rank j of stage s+1 (a
-sharded stage's input and output are whole, replicated tensors).
+microbatches, and tp rank j of stage s talks to tp rank j of stage s+1. A
+sharded stage's input and output are whole, replicated tensors; tp rank j sends
+only slice j of their hidden dimension and the receiving tp ranks all-gather
+the slices (:class:`~agents.stage.scatter.ScatterGatherTransport`, Megatron's
+scatter/gather), so each boundary crosses the WAN once, not tp times.
 
 Example (one process of a 2-stage, dp-1 job; the other runs ``roles[1]``)::
 
@@ -53,6 +56,7 @@ from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name, tp_refusal
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
+from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.security import LinkSecurity
 from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
@@ -149,7 +153,8 @@ class RankSession:
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.prefetcher: Prefetcher | None = None
-        self.transport: LinkTransport | None = None
+        self.transport: LinkTransport | ScatterGatherTransport | None = None
+        self.mesh: DeviceMesh | None = None  # the stage's ("dp", "tp") mesh when tp > 1
         self.group: DataParallelGroup | None = None
         self.runtime: StageRuntime | None = None
         self._hosted_store: Any = None
@@ -184,6 +189,8 @@ class RankSession:
         self.group = self._join_group()
         log.debug("rank %d: group joined", role.rank)
         self.optimizer, grad_sync = self._build_optimizer()
+        if self.mesh is not None and self.transport is not None:
+            self.transport = self._scatter_gather(self.transport, self.mesh)
         if role.first or role.last:
             dataset = (
                 self.data
@@ -233,10 +240,19 @@ class RankSession:
             built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=self.group)
             return built.optimizer, built.grad_sync
         assert isinstance(module, StageModule) and self.group is not None
-        mesh = stage_mesh(role.dp_size, role.tp_size)
+        mesh = self.mesh = stage_mesh(role.dp_size, role.tp_size)
         shard_stage(module, mesh["tp"])
         optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)  # over the local shards
         return optimizer, _MeshGradientSync(self.group, mesh) if role.dp_size > 1 else None
+
+    def _scatter_gather(self, links: LinkTransport, mesh: DeviceMesh) -> ScatterGatherTransport:
+        """The links of a tp rank: its slice of each boundary tensor out, the tp ranks' slices all-gathered in."""
+        role, tp_mesh = self.role, mesh["tp"]
+        assert tp_mesh.get_local_rank() == role.tp_rank, (tp_mesh.get_local_rank(), role.tp_rank)
+        assert self.group is not None
+        return ScatterGatherTransport(
+            links, tp_mesh.get_group(), hidden=self.job.model.hidden, stage=role.stage, guard=self.group.guard
+        )
 
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
         """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
