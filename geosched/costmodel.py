@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from geosched import model_counts
 from geosched.calibration import Calibration
 from geosched.chunking import chunks_per_message
-from geosched.config import ClusterSpec, DatacenterSpec, JobSpec
+from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
 from geosched.errors import ConfigError
 from geosched.netcost import (
     intra_transfer,
@@ -305,7 +306,9 @@ class PipelineCosts:
     ``stage_layers[i]`` is its ``[start, end)`` block range and ``streams`` the
     TCP connections per WAN link (keyed by the sorted DC pair). Messages between
     stages in different DCs go over the WAN link shared by the ``dp`` pipelines;
-    each direction of a link is a FIFO resource in the simulator.
+    each direction of a link is a FIFO resource in the simulator. ``memo`` is a cache
+    shared by the costs of many pipelines of one cluster, job and calibration (the planner's evaluator passes
+    one): stages and boundaries alike are costed once.
     """
 
     def __init__(
@@ -321,6 +324,7 @@ class PipelineCosts:
         sharing: Mapping[tuple[str, str], int] | None = None,
         replicas: int | None = None,
         sync_s: Sequence[float] | None = None,
+        memo: dict[Hashable, Any] | None = None,
     ):
         self.cluster, self.job, self.dp = cluster, job, dp
         self.replicas = replicas or dp  # ZeRO shards over every replica of a stage
@@ -328,10 +332,10 @@ class PipelineCosts:
         share = sharing or {}
         self.stage_dcs, self.stage_layers = tuple(stage_dcs), tuple(stage_layers)
         p = len(self.stage_dcs)
-        known: dict[tuple[str, tuple[int, int], bool, bool], StageCompute] = {}  # stages alike cost alike
+        known = {} if memo is None else memo  # stages (and boundaries) alike cost alike
 
         def compute(dc: str, lay: tuple[int, int], first: bool, last: bool) -> StageCompute:
-            key = (dc, lay, first, last)
+            key = ("compute", dc, lay, first, last, self.replicas)
             if key not in known:
                 spec = cluster.dc(dc)
                 known[key] = stage_compute(
@@ -344,19 +348,18 @@ class PipelineCosts:
                     tp_allreduce=tp_allreduce_s(job, spec),
                     dp=self.replicas,
                 )
-            return known[key]
+            return known[key]  # type: ignore[no-any-return]
+
+        def grad_bytes(lay: tuple[int, int], first: bool, last: bool) -> int:
+            key = ("params", lay, first, last)
+            if key not in known:
+                known[key] = stage_params(job, lay, first, last) * job.bytes_per_element
+            return known[key]  # type: ignore[no-any-return]
 
         self.compute = [
             compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
-        params: dict[tuple[tuple[int, int], bool, bool], int] = {}
-        for i, lay in enumerate(self.stage_layers):
-            key = (lay, i == 0, i == p - 1)
-            if key not in params:
-                params[key] = stage_params(job, lay, i == 0, i == p - 1)
-        self.grad_bytes = [
-            params[lay, i == 0, i == p - 1] * job.bytes_per_element for i, lay in enumerate(self.stage_layers)
-        ]
+        self.grad_bytes = [grad_bytes(lay, i == 0, i == p - 1) for i, lay in enumerate(self.stage_layers)]
         if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
             self.compute = [
                 dataclasses.replace(
@@ -368,32 +371,46 @@ class PipelineCosts:
             ]
         self._transfers: dict[tuple[int, int], Transfer] = {}
         self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
-        cal = calibration
+        cal = self.calibration = calibration
         latency = (cal.message_latency_s or 0.0) if cal is not None else 0.0
         self.charges_messages = cal is not None and cal.message_overhead_s is not None
         """True when SEND/RECV take stage time (the simulator asks ``compute_s`` for them)."""
         self.durations_by_kind = True
         """Durations depend on the stage and kind only (the simulator asks once per pair)."""
         for s in range(p - 1):
-            nbytes = boundary_bytes(job, self.stage_layers[s][1])
             a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
             link = cluster.link(a, b) if a != b else None
             if a != b and link is None:
                 raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
             k = 1 if link is None else streams.get((min(a, b), max(a, b)), streams_to_fill(link))
-            part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
+            shared = share.get((min(a, b), max(a, b)), dp)
+            key = ("boundary", self.stage_layers[s][1], a, b, k, shared, latency)
+            if key not in known:
+                known[key] = self._boundary(self.stage_layers[s][1], a, b, link, k, shared, latency)
+            forward, backward, message_s = known[key]
+            self._transfers[s, s + 1], self._transfers[s + 1, s] = forward, backward
             if cal is not None and self.charges_messages:
-                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_overhead_s(
-                    cal, part, k, wan=link is not None
-                )
-            for src, dst in ((s, s + 1), (s + 1, s)):
-                gather = tp_gather_s(job, cluster.dc(self.stage_dcs[dst]), nbytes)
-                if link is None:
-                    tr = intra_transfer(cluster.dc(a), part)
-                else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
-                    shared = share.get((min(a, b), max(a, b)), dp)
-                    tr = wan_transfer(link, nbytes, k, shared)._replace(link=(self.stage_dcs[src], self.stage_dcs[dst]))
-                self._transfers[src, dst] = tr._replace(latency_s=tr.latency_s + gather + latency)
+                self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_s
+
+    def _boundary(
+        self, after: int, a: str, b: str, link: WanLinkSpec | None, streams: int, shared: int, latency: float
+    ) -> tuple[Transfer, Transfer, float]:
+        """The activation (``a`` to ``b``) and gradient (back) messages after block ``after - 1``, and the stage
+        time one costs each end (a calibration's per-message overhead, else 0)."""
+        job, cluster, cal = self.job, self.cluster, self.calibration
+        nbytes = boundary_bytes(job, after)
+        part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
+        out = []
+        for src, dst in ((a, b), (b, a)):
+            gather = tp_gather_s(job, cluster.dc(dst), nbytes)
+            if link is None:
+                tr = intra_transfer(cluster.dc(a), part)
+            else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
+                tr = wan_transfer(link, nbytes, streams, shared)._replace(link=(src, dst))
+            out.append(tr._replace(latency_s=tr.latency_s + gather + latency))
+        charged = cal is not None and self.charges_messages
+        message_s = message_overhead_s(cal, part, streams, wan=link is not None) if charged and cal else 0.0
+        return out[0], out[1], message_s
 
     def compute_s(self, action: Action) -> float:
         """Duration of a compute or collective action on its stage."""

@@ -11,8 +11,9 @@ without simulating them, and checked against the simulator in the tests).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from geosched.costmodel import PipelineCosts
 from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
@@ -21,6 +22,9 @@ from planner.space import Candidate, Problem
 from planner.warmup import wan_warmup
 
 GB = 1e9  # egress is priced per decimal GB
+COSTS_MEMO = 4096
+"""Pipeline costs an evaluator keeps (each a few kB): the bound, the warm-up and the simulation of a candidate
+reuse one."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class Evaluator:
         self._cache: dict[Candidate, Evaluation] = {}
         self.simulations = 0
         self._warmups: dict[Candidate, tuple[int, ...] | None] = {}
+        self._costs: dict[tuple[Candidate, int], PipelineCosts] = {}  # the bound, the warm-up, the simulation
+        self._stage_costs: dict[Hashable, Any] = {}  # PipelineCosts' memo: stages and boundaries alike cost once
         self.bounds: dict[Candidate, float] = {}
         """Memo of :meth:`lower_bound` (climbs and explanations meet the same candidates again and again)."""
         self.baselines: list[Evaluation] | None = None
@@ -133,6 +139,7 @@ class Evaluator:
         other = Evaluator(self.problem)
         other._cache = dict(self._cache)
         other.bounds = dict(self.bounds)
+        other._stage_costs = self._stage_costs  # costs are a function of their key: safe to share
         other._warmups = dict(self._warmups)
         other.baselines = None if self.baselines is None else list(self.baselines)
         other.proposals = None if self.proposals is None else list(self.proposals)
@@ -160,7 +167,21 @@ class Evaluator:
         path = tuple(dict.fromkeys(dcs))
         streams = {(min(a, b), max(a, b)): self.problem.streams(a, b) for a, b in zip(path, path[1:])}
         pr = self.problem
-        return PipelineCosts(pr.cluster, pr.job, dcs, cand.stage_layers, cand.dp, streams, **cost_options(pr, cand))
+        key = (cand, pipeline)
+        if key not in self._costs:
+            if len(self._costs) >= COSTS_MEMO:
+                self._costs.clear()
+            self._costs[key] = PipelineCosts(
+                pr.cluster,
+                pr.job,
+                dcs,
+                cand.stage_layers,
+                cand.dp,
+                streams,
+                memo=self._stage_costs,
+                **cost_options(pr, cand),
+            )
+        return self._costs[key]
 
     def evaluate(self, cand: Candidate) -> Evaluation:
         """Simulate ``cand`` (cached): every distinct pipeline, the slowest sets the iteration."""

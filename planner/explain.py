@@ -25,7 +25,9 @@ from planner.variants import in_parallel, space_floors
 
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)
-EXPLAIN_EFFORT = 0.4  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
+EXPLAIN_EFFORT = float(
+    __import__("os").environ.get("GS_EE", "0.4")
+)  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
 EXPLAIN_WORK = 16_000  # stage-microbatches their hill climbs may simulate (see planner.search.POLISH_WORK)
 
 
@@ -87,6 +89,14 @@ def unused_reasons(
     that one. Each counterfactual search has deterministic budgets (:data:`EXPLAIN_EFFORT`,
     :data:`EXPLAIN_WORK`), so the text is the same however loaded the machine is.
     """
+    return explain_idle(problem, evaluator, best, goal, time_limit_s)[0]
+
+
+def explain_idle(
+    problem: Problem, evaluator: Evaluator, best: Evaluation, goal: Goal = Goal(), time_limit_s: float | None = None
+) -> tuple[list[UnusedReason], list[Evaluation]]:
+    """:func:`unused_reasons`, and the counterfactual plans they found (:func:`planner.planning.make_plan`
+    adopts one that is faster than its plan: the summary never names a plan it could have had)."""
     large = len(problem.dcs) > SHORTLIST
     cand, out, asked = best.candidate, [], []
     chosen = {dc for path in cand.pipelines for dc in path}
@@ -111,13 +121,13 @@ def unused_reasons(
         out.append(UnusedReason(dc, gpus, used, head))  # completed below
 
     def counterfactual(dc: str) -> Evaluation | None:  # each on its own copy of the evaluator: independent
-        require = {dc: cand.gpus_used(dc) + 1, **{other: 1 for other in chosen if other != dc}}
+        require = {dc: cand.gpus_used(dc) + 1, **{other: 1 for other in sorted(chosen) if other != dc}}
         alt, _ = search(
             problem,
             evaluator.fork(),
             goal,
             time_limit_s=time_limit_s,
-            effort=min(0.15, EXPLAIN_EFFORT / share),
+            effort=min(0.15, EXPLAIN_EFFORT / share),  # x
             polish_work=min(8_000, EXPLAIN_WORK / share),
             require=require,
             allowed=chosen | {dc} if large else None,
@@ -126,7 +136,8 @@ def unused_reasons(
         return alt
 
     found = dict(zip(asked, in_parallel(counterfactual, asked)))
-    return [_reason(problem, best, goal, r, found[r.dc]) if r.dc in found else r for r in out]
+    reasons = [_reason(problem, best, goal, r, found[r.dc]) if r.dc in found else r for r in out]
+    return reasons, [alt for alt in found.values() if alt is not None]
 
 
 def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, alt: Evaluation | None) -> UnusedReason:

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 
 from geosched.config import JobSpec
-from geosched.costmodel import GIB, layer_costs
+from geosched.costmodel import GIB, layer_costs, total_params
 from geosched.errors import InputError, PlanInfeasible
 from geosched.memory import stage_memory_bytes
 from planner.floors import fewest_stages
@@ -71,10 +71,23 @@ def _explain_memory(problem: Problem, layers: tuple[int, int], first: bool, last
 
 
 def check_feasible(problem: Problem) -> None:
-    """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint.
+    """Raise :class:`PlanInfeasible` when no plan can exist, naming the tightest constraint (judged once per
+    problem: every search of it asks).
 
     Memory is relaxed to the most ZeRO sharding any plan has (:attr:`Problem.most_replicas`), so only a job that
     no plan can hold is refused."""
+    verdict = problem.memo.get("feasible")
+    if verdict is None:
+        try:
+            _check_feasible(problem)
+            verdict = problem.memo["feasible"] = ""
+        except PlanInfeasible as exc:
+            verdict = problem.memo["feasible"] = str(exc)
+    if verdict:
+        raise PlanInfeasible(verdict)
+
+
+def _check_feasible(problem: Problem) -> None:
     job, L = problem.job, problem.layers
     shard = problem.most_replicas
     if not problem.dp_options():
@@ -120,6 +133,7 @@ def check_feasible(problem: Problem) -> None:
     check_inflight(problem)
 
 
+@functools.lru_cache(maxsize=1024)
 def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools._lru_cache_wrapper[int]:
     """``cap(first, last, inflight)``: most identical blocks one stage holds in ``memory`` bytes (ZeRO over
     ``shard`` replicas)."""
@@ -139,26 +153,29 @@ def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools
     return cap
 
 
-def deepest_fit(problem: Problem, job: JobSpec, most_stages: int) -> tuple[int, int]:
+def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: bool = True) -> tuple[int, int]:
     """(blocks, stages): the most blocks any pipeline of at most ``most_stages`` stages holds, and its depth.
 
     A relaxation (so "fewer than the model's blocks" proves no plan fits):
-    every GPU has the roomiest GPU's memory and ``m`` is the fewest
+    every GPU has the roomiest GPU's memory, ZeRO shards each stage over the
+    most replicas ``p`` stages leave room for (``most_stages // p``, every
+    pipeline together), and ``m`` is the fewest
     microbatches of a data-parallel degree ``d`` with ``p x d`` at most
     ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
-    ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe).
+    ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe); none without ``activations``
+    (the weights, gradients and optimizer state alone).
     """
-    L, shard = problem.layers, problem.most_replicas
-    cap = _capacity(job, L, max(problem.memory_bytes.values()), shard)
+    L, mem = problem.layers, max(problem.memory_bytes.values())
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
-    whole = stage_memory_bytes(job, (0, L), True, True, 1, shard)
-    best = (L if whole <= max(problem.memory_bytes.values()) else 0, 1)
+    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), max(1, most_stages))
+    best = (L if whole <= mem else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
         if not m:
             break
-        held = [min(p - s, m) if job.schedule == "1f1b" else m for s in range(p)]
+        cap = _capacity(job, L, mem, max(1, most_stages // p))
+        held = [(min(p - s, m) if job.schedule == "1f1b" else m) * activations for s in range(p)]
         caps = [cap(True, False, held[0])] + [cap(False, False, i) for i in held[1:-1]] + [cap(False, True, held[-1])]
         total = sum(caps) if min(caps) >= 1 else 0
         if total > best[0]:
@@ -184,9 +201,20 @@ def check_inflight(problem: Problem) -> None:
     held, depth = deepest_fit(problem, job, most)
     if held >= L:
         return
+    mem = max(problem.memory_bytes.values())
+    state_held, state_depth = deepest_fit(problem, job, most, activations=False)
+    if state_held < L:  # the state alone does not fit: no schedule or recompute choice helps
+        devices = "GPUs" if job.tp == 1 else f"tensor-parallel groups of {job.tp} GPUs"
+        raise PlanInfeasible(
+            f"the weights, gradients and optimizer state alone do not fit: {total_params(job) / 1e9:.3g}B parameters "
+            f"at {2 * job.bytes_per_element + job.optimizer_bytes_per_param:g} bytes each (ZeRO {job.zero_stage} "
+            f"shards a stage's over at most {most} / p replicas), and with {mem / GIB:g} GiB per GPU the best depth "
+            f"({state_depth} stage{'s' if state_depth != 1 else ''} over the {most} {devices} of "
+            f"{', '.join(group)}) holds {state_held} of the {L} blocks; add GPUs (or link more datacenters to "
+            "them), use GPUs with more memory, or pick a smaller model"
+        )
     block = layer_costs(job)[0]
     state = stage_memory_bytes(job, (0, 1), False, False, 0, problem.most_replicas)  # at the most ZeRO sharding
-    mem = max(problem.memory_bytes.values())
     if job.recompute == "full":
         kept_gb = block.activation_bytes * job.batch / 1e9
         kept = f"each block keeping its input, {kept_gb:.3g} GB per microbatch per block"

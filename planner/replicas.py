@@ -42,7 +42,7 @@ def link_sharing(cand: Candidate) -> dict[tuple[str, str], int]:
     """Per sorted DC pair, the pipeline replicas crossing that link (``dp`` per pipeline crossing it)."""
     out: dict[tuple[str, str], int] = {}
     for dcs in cand.pipelines:
-        for a, b in {(min(a, b), max(a, b)) for a, b in zip(dcs, dcs[1:]) if a != b}:
+        for a, b in dict.fromkeys((min(a, b), max(a, b)) for a, b in zip(dcs, dcs[1:]) if a != b):
             out[a, b] = out.get((a, b), 0) + cand.dp
     return out
 

@@ -144,7 +144,7 @@ def neighbours(problem: Problem, cand: Candidate, load: list[float]) -> Iterator
         if s + 1 < p:  # merge with the next stage, in either one's DC
             merged = tuple(split[:s] + [split[s] + split[s + 1]] + split[s + 2 :])
             joined = tuple(path[: s + 1] + path[s + 2 :] for path in extra)
-            for keep in {dcs[s], dcs[s + 1]}:
+            for keep in dict.fromkeys((dcs[s], dcs[s + 1])):  # in order: a set of names iterates by hash seed
                 yield from_split(d, m, tuple(dcs[:s] + [keep] + dcs[s + 2 :]), merged, joined)
     if d % 2 == 0:  # half the replicas, each with twice the microbatches: room to split stages
         yield from_split(d // 2, 2 * m, tuple(dcs), tuple(split), extra)
@@ -308,7 +308,7 @@ def search(
         return None, stats
     # the surrogate can misjudge the stage count (few microbatches): re-solve the best with p - 1 and p + 1
     tried = set()
-    for ev in sorted(set(pool), key=lambda ev: score(ev, goal))[: (1 if large else 2) if restage else 0]:
+    for ev in sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))[: (1 if large else 2) if restage else 0]:
         d, p = ev.candidate.dp, ev.candidate.num_stages
         for stages in (p - 1, p + 1):
             if (d, stages) in tried or stages < 2 or time.monotonic() >= deadline:
@@ -332,7 +332,7 @@ def search(
             stats.models += 1
             stats.solve_s += result.wall_s
             consider([sol.candidate for sol in reversed(result.solutions)])
-    ranked = sorted(set(pool), key=lambda ev: score(ev, goal))
+    ranked = sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))  # ties: the first simulated first
     finals = []
     if math.isinf(deadline):  # no time limit: the simulation budget alone bounds the climb, so the plan
         polish_until = math.inf  # is the same on a busy machine as on an idle one
@@ -402,7 +402,7 @@ def plan_search(
 def pareto(evals: list[Evaluation]) -> list[Evaluation]:
     """The time/cost frontier of ``evals``: sorted by time, each strictly cheaper than the one before."""
     out: list[Evaluation] = []
-    for ev in sorted(set(evals), key=lambda e: (e.iteration_s, e.wan_cost_usd)):
+    for ev in sorted(dict.fromkeys(evals), key=lambda e: (e.iteration_s, e.wan_cost_usd)):
         if not out or ev.wan_cost_usd < out[-1].wan_cost_usd - 1e-12:
             out.append(ev)
     return out

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from geosched.config import Config, WanLinkSpec
 from geosched.costmodel import GIB, layer_costs
@@ -168,6 +169,8 @@ class Problem:
             for name in self.dcs
         }
         self.uniform_layers = len(set(layer_costs(cfg.job))) == 1
+        self.memo: dict[str, Any] = {}
+        """Verdicts computed once per problem (e.g. :func:`planner.feasibility.check_feasible`'s)."""
 
     # ------------------------------------------------------------- choices ---
 

