@@ -153,4 +153,6 @@ def wan_bytes_sent(layout: Any, reports: Mapping[int, list[StepReport]]) -> dict
                 peer_dc = role.wan_peer_dc(peer)
                 if peer_dc is not None:
                     out[f"{role.dc}->{peer_dc}"] = out.get(f"{role.dc}->{peer_dc}", 0) + nbytes
+            for peer_dc, nbytes in report.sync_bytes.items():  # gradient links (data parallelism across DCs)
+                out[f"{role.dc}->{peer_dc}"] = out.get(f"{role.dc}->{peer_dc}", 0) + nbytes
     return out
