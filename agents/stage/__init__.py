@@ -6,6 +6,6 @@ stages over WAN links, address books, relay routes), ``security``
 (``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
 group of one rank) and ``report`` (``StepReport``, measured timelines). May
-import ``agents.dp``, ``agents.wan``, ``agents.wanem``, ``agents.layout`` and
-the core.
+import ``agents.crossdc``, ``agents.dp``, ``agents.wan``, ``agents.wanem``,
+``agents.layout`` and the core.
 """
