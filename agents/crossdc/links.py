@@ -67,12 +67,14 @@ class SyncLinks:
         self.wan_config = dict(wan_config or {})
         self.links: dict[int, WanLink] = {}
 
-    def _config(self, peer: SyncPeer, listener_rank: int, streams: int) -> WanLinkConfig:
+    def _config(self, peer: SyncPeer, listener_rank: int, streams: int, **security: Any) -> WanLinkConfig:
+        """The link to ``peer`` (``security``: its CURVE side, if any)."""
         options: dict[str, Any] = {
             "connect_timeout_s": self.connect_timeout_s,
             "recv_timeout_s": self.recv_timeout_s,
             "peer_name": f"stage {self.role.stage} replica {peer.replica} (rank {peer.rank} in {peer.dc}), gradients",
             **self.wan_config,
+            **{key: value for key, value in security.items() if value is not None},
         }
         return WanLinkConfig(link_id=sync_link_id(listener_rank), streams=streams, **options)
 
@@ -81,9 +83,8 @@ class SyncLinks:
         peer = self.sync.prev
         if peer is None:
             return
-        config = self._config(peer, self.role.rank, 1)  # the connecting side chooses the streams
-        if self.curve_server is not None:
-            config = _with(config, curve_server=self.curve_server(peer.rank))
+        server = self.curve_server(peer.rank) if self.curve_server is not None else None
+        config = self._config(peer, self.role.rank, 1, curve_server=server)  # the connecting side picks the streams
         link = WanLink.listen(f"tcp://{self.bind_host}:0", config)
         self.links[-1] = link
         name = sync_name(self.role.stage, self.role.replica, self.role.tp_rank)
@@ -96,10 +97,8 @@ class SyncLinks:
             endpoint = self.addresses.lookup(
                 sync_name(self.role.stage, peer.replica, self.role.tp_rank), self.connect_timeout_s
             )
-            config = self._config(peer, peer.rank, peer.streams)
-            if self.curve_client is not None:
-                config = _with(config, curve_client=self.curve_client(peer.rank))
-            self.links[+1] = WanLink.connect(endpoint, config)
+            client = self.curve_client(peer.rank) if self.curve_client is not None else None
+            self.links[+1] = WanLink.connect(endpoint, self._config(peer, peer.rank, peer.streams, curve_client=client))
             log.debug("rank %d: gradient link to rank %d via %s", self.role.rank, peer.rank, endpoint)
         if -1 in self.links:
             self.links[-1].wait_peer(self.connect_timeout_s)
@@ -109,9 +108,3 @@ class SyncLinks:
         for link in self.links.values():
             link.close()
         self.links.clear()
-
-
-def _with(config: WanLinkConfig, **changes: Any) -> WanLinkConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)

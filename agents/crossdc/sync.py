@@ -159,7 +159,9 @@ class CrossDcSync:
             ready = progress.ready(lambda op: posted[op.tag].done())
             if not ready:  # every region waits for a message: sleep until one comes (or fails)
                 waiting = [posted[op.tag] for op in progress.waiting()]
-                concurrent.futures.wait(waiting, timeout=self.timeout_s + 10.0, return_when="FIRST_COMPLETED")
+                concurrent.futures.wait(
+                    waiting, timeout=self.timeout_s + 10.0, return_when=concurrent.futures.FIRST_COMPLETED
+                )
                 if not any(future.done() for future in waiting):
                     raise LinkError(f"{self.name}: no cross-DC gradient piece arrived within {self.timeout_s:g} s")
                 continue
