@@ -1,8 +1,8 @@
 """The hierarchical gradient all-reduce across datacenters, as data: who sends which piece to whom, when.
 
 Pure and torch-free (no sockets, no tensors): :mod:`agents.crossdc` executes it
-over gloo inside each DC and WanLinks between DCs; the tests run it on plain
-numbers. This is the algorithm the planner prices
+over gloo inside each DC and WanLinks between DCs; ``tests/test_hierarchical.py``
+runs it on float32 tensors. This is the algorithm the planner prices
 (:func:`geosched.netcost.hierarchical_allreduce_s`, :func:`planner.replicas.sync_times`).
 
 Who. A stage's replicas live in the DCs of a *chain* (the planner's
@@ -53,7 +53,8 @@ it can at once and the links never wait for an unrelated receive.
 Example::
 
     ops = chain_ops(position=0, k=2, lane_numels=[1000], piece_numel=256)
-    [str(op) for op in ops[:3]]   # ['t0 send b0[0:64] +1 #0', 't0 send b0[128:192] +1 #4', ...]
+    [str(op) for op in ops[:3]]   # ['t0 send b0[0:125] +1 #0', 't1 recv_add b0[125:250] +1 #2',
+                                  #  't1 scale b0[125:250]']: 4 pieces of 250, halves of 125
 """
 
 from __future__ import annotations
