@@ -9,7 +9,8 @@ nothing imports upward, not even lazily):
   ``runfolder``: a job's run folder (report.json, pictures, endpoints.json) for
   ``geosched launch`` and ``geosched job start --run-dir``;
 - ``stage``, ``control``, ``prefill``, ``checkpoint``: independent of each other;
-- ``dp``, ``wan``, ``wanem``: independent of each other;
+- ``crossdc``: data parallelism across DCs (the gradient all-reduce's WAN part, over ``dp`` and ``wan``);
+- ``dp``, ``wan``, ``wanem``, ``tp``: independent of each other;
 - ``keys``: a job's key folder (signing keys, CURVE keys, prefill token, MQTT
   passwords), written by ``geosched keys`` and read by agents and the coordinator;
 - ``layout`` (plan, roles, endpoint names; torch-free), ``sockets`` (the

@@ -9,9 +9,14 @@ embedded config, and turns it into a :class:`JobLayout`: the config, the
 pipeline (DC and ``[start, end)`` blocks of every stage), the data-parallel
 degree, TCP streams per WAN link, the prediction, and the :class:`RankRole` of
 every rank (rank = (stage x dp + replica) x tp + tp_rank, the plan's numbering).
+With pipelines in several DCs (``extra_pipelines``) a stage's group is its
+replicas in one DC (``"<dc>/stage<s>"``) and each role's ``sync`` says its part
+in the cross-DC gradient all-reduce (:class:`~geosched.hierarchical.SyncRole`:
+the planner's chain through the stage's DCs, its lane, its lane partners).
 
-Endpoint names (:func:`pipe_name`, :func:`store_name`, :func:`prefill_name`, :func:`prefill_http_name`,
-:func:`metrics_name`) are the keys agents publish their bound addresses under; :func:`plan_id` tags
+Endpoint names (:func:`pipe_name`, :func:`sync_name`, :func:`store_name`, :func:`prefill_name`,
+:func:`prefill_http_name`, :func:`metrics_name`) are the keys agents publish their bound addresses under;
+:func:`wan_listeners` lists the ones that cross DCs; :func:`plan_id` tags
 those statuses so endpoints of another plan are ignored.
 
 :func:`layout_plan_text` writes a plan for a layout chosen by hand (tests,
@@ -23,10 +28,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
+from geosched.hierarchical import Member, SyncRole, sync_roles
 
 if TYPE_CHECKING:
     from planner.plan import RankSpec as RankSpecLike
@@ -54,6 +60,7 @@ class RankRole:
     tp_rank: int = 0  # rank inside its tensor-parallel group (one node)
     tp_size: int = 1  # GPUs per stage replica
     warmup: tuple[int, ...] = ()  # forwards per stage before its first backward, every stage (): the schedule's
+    sync: SyncRole | None = None  # data parallelism across DCs: the cross-DC part of the gradient all-reduce
 
     @property
     def first(self) -> bool:
@@ -66,14 +73,20 @@ class RankRole:
         return self.stage == self.num_stages - 1
 
     @property
-    def group_rank(self) -> int:
-        """This process's rank in its stage's process group: replica x tp + tp_rank."""
+    def pipeline_index(self) -> int:
+        """Which pipeline link this rank's links to stage +- 1 belong to: replica x tp + tp_rank."""
         return self.replica * self.tp_size + self.tp_rank
 
     @property
+    def group_rank(self) -> int:
+        """This process's rank in its stage's process group: replica x tp + tp_rank (across DCs: the replica's
+        index in its DC)."""
+        return (self.replica if self.sync is None else self.sync.dc_index) * self.tp_size + self.tp_rank
+
+    @property
     def group_size(self) -> int:
-        """Processes in the stage's group (one rendezvous store): dp x tp."""
-        return self.dp_size * self.tp_size
+        """Processes in the stage's group (one rendezvous store): dp x tp (across DCs: this DC's replicas x tp)."""
+        return (self.dp_size if self.sync is None else self.sync.dc_replicas) * self.tp_size
 
     def wan_peer_dc(self, peer_stage: int) -> str | None:
         """The DC of neighbouring stage ``peer_stage`` when reaching it crosses the WAN, else None."""
@@ -124,12 +137,32 @@ def layout_roles(
     return roles
 
 
-def _role_of(spec: RankSpecLike, num_stages: int, replicas: int, streams: dict[tuple[str, str], int]) -> RankRole:
-    """The role of one rank of a plan with pipelines in several DCs (its DC path is its pipeline's)."""
+def _streams(streams: dict[tuple[str, str], int], a: str, b: str | None) -> int:
+    """TCP streams of the plan's link between DCs ``a`` and ``b`` (1 inside a DC or without a link)."""
+    return 1 if b in (None, a) else streams.get((min(a, str(b)), max(a, str(b))), 1)
 
-    def streams_to(other: str | None) -> int:
-        return 1 if other in (None, spec.dc) else streams.get((min(spec.dc, str(other)), max(spec.dc, str(other))), 1)
 
+def _sync_roles(plan: Any, streams: dict[tuple[str, str], int]) -> dict[int, SyncRole]:
+    """Every rank's :class:`~geosched.hierarchical.SyncRole` in a plan with pipelines in several DCs, each
+    stage's replicas chained through their DCs in the planner's order (the ring it prices)."""
+    from planner.space import Problem
+
+    problem, cand = Problem(plan.config), plan.candidate()
+    out: dict[int, SyncRole] = {}
+    for s in range(plan.num_stages):
+        chain = problem.stage_ring(cand, s)
+        if chain is None:
+            raise PlanError(f"stage {s}: the DCs holding its replicas are not linked in a chain; re-plan")
+        members = [Member(r.rank, r.dc, r.replica, r.tp_rank) for r in plan.ranks if r.stage == s]
+        out.update(sync_roles(members, chain, lambda a, b: _streams(streams, a, b)))
+    return out
+
+
+def _role_of(
+    spec: RankSpecLike, num_stages: int, replicas: int, streams: dict[tuple[str, str], int], sync: SyncRole
+) -> RankRole:
+    """The role of one rank of a plan with pipelines in several DCs (its DC path is its pipeline's; its group
+    the stage's replicas in its DC)."""
     return RankRole(
         rank=spec.rank,
         dc=spec.dc,
@@ -140,11 +173,12 @@ def _role_of(spec: RankSpecLike, num_stages: int, replicas: int, streams: dict[t
         layers=(int(spec.layers[0]), int(spec.layers[1])),
         prev_dc=spec.prev_dc,
         next_dc=spec.next_dc,
-        group=spec.group,
-        streams_prev=streams_to(spec.prev_dc),
-        streams_next=streams_to(spec.next_dc),
+        group=f"{spec.dc}/stage{spec.stage}",
+        streams_prev=_streams(streams, spec.dc, spec.prev_dc),
+        streams_next=_streams(streams, spec.dc, spec.next_dc),
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
+        sync=sync,
     )
 
 
@@ -152,6 +186,18 @@ def pipe_name(stage: int, replica: int, tp_rank: int = 0) -> str:
     """Address book name of the link endpoint stage ``stage`` (replica ``replica``, tp rank ``tp_rank``)
     listens on for the same tp rank of stage-1, e.g. ``pipe/s1/r0`` or ``pipe/s1/r0/t1``."""
     return f"pipe/s{stage}/r{replica}" + (f"/t{tp_rank}" if tp_rank else "")
+
+
+def sync_name(stage: int, replica: int, tp_rank: int = 0) -> str:
+    """Address book name of the cross-DC gradient link endpoint a rank listens on for its lane partner in the
+    previous DC of its stage's chain, e.g. ``sync/s1/r2`` or ``sync/s1/r2/t1``."""
+    return f"sync/s{stage}/r{replica}" + (f"/t{tp_rank}" if tp_rank else "")
+
+
+def sync_link_id(listener_rank: int) -> int:
+    """The id both ends of a cross-DC gradient link agree on: above every pipeline link's (:func:`agents.stage.
+    transport.link_id`), one per listening rank (a rank listens for at most one)."""
+    return (1 << 30) | listener_rank
 
 
 def store_name(group: str) -> str:
@@ -233,6 +279,18 @@ class JobLayout:
         ]
 
 
+def wan_listeners(layout: JobLayout) -> list[tuple[int, str, str, str]]:
+    """(rank, endpoint name, connecting side's DC, listening side's DC) of every link that crosses DCs:
+    pipeline links between stages in different DCs and the cross-DC gradient links (a relay goes there)."""
+    out = []
+    for role in layout.roles:
+        if role.prev_dc is not None and role.prev_dc != role.dc:
+            out.append((role.rank, pipe_name(role.stage, role.replica, role.tp_rank), role.prev_dc, role.dc))
+        if role.sync is not None and role.sync.prev is not None:
+            out.append((role.rank, sync_name(role.stage, role.replica, role.tp_rank), role.sync.prev.dc, role.dc))
+    return out
+
+
 def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False, prefill_http: bool = False) -> set[str]:
     """The endpoint names ``rank`` binds and publishes before it can be called ready (``prefill``: its service
     too; ``prefill_http``: its HTTP front end too)."""
@@ -242,6 +300,8 @@ def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False, pref
         names.add(prefill_http_name(rank))
     if not role.first:
         names.add(pipe_name(role.stage, role.replica, role.tp_rank))
+    if role.sync is not None and role.sync.prev is not None:
+        names.add(sync_name(role.stage, role.replica, role.tp_rank))
     if role.group_size > 1 and role.group_rank == 0:
         names.add(store_name(role.group))
     return names
@@ -266,9 +326,19 @@ def tp_refusal(job: JobSpec, dp: int) -> str | None:
     return None
 
 
+def sync_refusal(job: JobSpec) -> str | None:
+    """Why a stage cannot sync its gradients across DCs (:mod:`agents.crossdc`) in ``job``, or None."""
+    if job.tp > 1:  # the cross-DC sync runs on whole stages
+        return f"tensor_parallel {job.tp} with data parallelism across DCs is not supported; re-plan with --tp 1"
+    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN
+        return f"ZeRO {job.zero_stage} with data parallelism across DCs is not supported; re-plan with --zero 1"
+    return None
+
+
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
-    return tp_refusal(layout.job, layout.replicas)
+    across = sync_refusal(layout.job) if layout.extra_pipelines else None
+    return tp_refusal(layout.job, layout.replicas) or across
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
@@ -329,21 +399,21 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         )
     except PlanError as exc:
         raise PlanError(f"{source}: {exc}") from None
-    if plan.extra_pipelines:  # data parallelism across DCs: the plan's ranks, one group per stage over every DC
-        roles = [
-            _role_of(spec, plan.num_stages, plan.dp * (1 + len(plan.extra_pipelines)), streams) for spec in plan.ranks
-        ]
+    if plan.extra_pipelines:  # data parallelism across DCs: one group per stage and DC, WanLinks between DCs
+        sync = _sync_roles(plan, streams)
+        replicas = plan.dp * (1 + len(plan.extra_pipelines))
+        roles = [_role_of(spec, plan.num_stages, replicas, streams, sync[spec.rank]) for spec in plan.ranks]
     if plan.warmup:
         roles = [replace(role, warmup=plan.warmup) for role in roles]
     for role, spec in zip(roles, plan.ranks):  # the runtime's numbering
-        assert (role.rank, role.dc, role.stage, role.replica, role.group, role.tp_rank) == (
+        assert (role.rank, role.dc, role.stage, role.replica, role.tp_rank) == (
             spec.rank,
             spec.dc,
             spec.stage,
             spec.replica,
-            spec.group,
             spec.tp_rank,
         ), (role, spec)
+        assert role.sync is not None or role.group == spec.group, (role, spec)
     return JobLayout(
         text,
         plan.config,
@@ -423,5 +493,9 @@ __all__ = [
     "prefill_name",
     "runtime_refusal",
     "store_name",
+    "sync_link_id",
+    "sync_name",
+    "sync_refusal",
     "tp_refusal",
+    "wan_listeners",
 ]

@@ -63,7 +63,7 @@ METRICS_EVENTS_MAX_BYTES = 256 * 1024
 
 
 def metrics_record(report: Any, role: Any) -> dict[str, Any]:
-    """The metrics message of one step: the StepReport, plus bytes sent over the WAN.
+    """The metrics message of one step: the StepReport, plus bytes sent over the WAN (pipeline and gradient links).
 
     Replica 0's ranks add the step's timed events and idle gaps (the coordinator's measured timeline,
     :mod:`agents.runfolder.record`) unless they exceed :data:`METRICS_EVENTS_MAX_BYTES`; the others
@@ -73,6 +73,7 @@ def metrics_record(report: Any, role: Any) -> dict[str, Any]:
     if len(json.dumps(data.get("events", [])) + json.dumps(data.get("idle_gaps", []))) > METRICS_EVENTS_MAX_BYTES:
         data["events_dropped"] = len(data.pop("events")) + len(data.pop("idle_gaps"))
     wan = sum(nbytes for peer, nbytes in report.bytes_sent.items() if role.wan_peer_dc(peer) is not None)
+    wan += sum(report.sync_bytes.values())  # the cross-DC gradient links (data parallelism across DCs)
     data.update(dc=role.dc, wan_bytes=wan)
     record: dict[str, Any] = json.loads(json.dumps(data))  # JSON-safe: what the control plane sends
     return record

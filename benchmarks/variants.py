@@ -6,8 +6,9 @@ with ``geosched launch`` (real agents, broker, WanLinks through the WAN
 emulator, CURVE on) for a few steps, and train the same model on the same
 global batches in this process (:func:`agents.stage.session.train_one_process`).
 Reported per variant: the plan, the largest absolute difference between the
-two loss curves, the launch's measured/predicted iteration time and
-measured/predicted peak memory. :mod:`pipeline` adds the aggregates
+two loss curves, the launch's measured/predicted iteration time, gradient
+sync (its ALL_REDUCE: the WAN part with data parallelism across DCs) and
+peak memory. :mod:`pipeline` adds the aggregates
 ``equivalence_max_abs_loss_diff`` and ``measured_vs_predicted_by_variant``.
 
     python benchmarks/variants.py --quick    # one variant (zb1p), 3 steps
@@ -62,6 +63,7 @@ def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
         "reference_losses": reference,
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(report["losses"], reference, strict=True)),
         "measured_vs_predicted": report["measured_vs_predicted"],
+        "sync_measured_vs_predicted": report["sync_measured_vs_predicted"],  # the gradient sync (ALL_REDUCE)
         "memory_measured_vs_predicted_max": report["memory_measured_vs_predicted_max"],
     }
 
@@ -74,10 +76,15 @@ def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]
             one = out[name] = run_variant(name, steps, Path(tmp))
             print(
                 f"variant {name:<12} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, measured/"
-                f"predicted {one['measured_vs_predicted']:.2f}, memory {one['memory_measured_vs_predicted_max']:.2f}",
+                f"predicted {one['measured_vs_predicted']:.2f} (sync {_ratio(one['sync_measured_vs_predicted'])}), "
+                f"memory {one['memory_measured_vs_predicted_max']:.2f}",
                 flush=True,
             )
     return out
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

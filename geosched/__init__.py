@@ -3,8 +3,8 @@ format) and, in ``cli`` and ``commands/``, the command line.
 
 Layers, top to bottom: ``geosched.cli`` and ``geosched.commands`` (one module
 per verb) > ``agents/`` > ``planner/`` > the core, i.e. every other module
-here. The core imports nothing from the layers above it; ``costmodel`` and
-``schedule/`` never import torch. The contracts live in pyproject.toml.
+here. The core imports nothing from the layers above it; ``costmodel``,
+``netcost``, ``hierarchical`` and ``schedule/`` never import torch. The contracts live in pyproject.toml.
 """
 
 __version__ = "0.1.0"

@@ -2,22 +2,39 @@
 
 The planner, pinned to ``--cross-dc-dp`` on the demo config, places two
 pipelines on different DC paths; every rank of the plan then trains in its
-own process (real WanLinks between stages, one gloo group per stage spanning
-the DCs, ZeRO 0 and 1 over it) and the global loss of 10 steps equals a
-one-process run within 1e-4.
+own process (real WanLinks between stages, one group per stage and DC, the
+hierarchical gradient all-reduce over WanLinks between the DCs, ZeRO 0 and 1
+inside each DC) and the global loss of 10 steps equals a one-process run
+within 1e-4. A hand-made plan over a chain of three DCs (a DC in the middle,
+one with a replica that has no lane, no link closing the ring) does the same
+with its gradient links behind WAN relays and CURVE on them.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import traceback
+from datetime import timedelta
+from typing import Any
+
 import pytest
+import torch.distributed as dist
+import zmq
 from test_tp_pipeline import STEPS, _global_losses, run_layout
 
-from agents.layout import parse_layout
-from agents.stage.session import train_one_process
-from geosched.config import load_config
+from agents.layout import JobLayout, parse_layout
+from agents.stage.report import StepReport, global_loss
+from agents.stage.security import LinkSecurity
+from agents.stage.session import run_rank, sync_routes, train_one_process
+from agents.stage.transport import RelayRouter, StoreAddressBook
+from agents.wanem.emulator import LinkShape
+from geosched.config import config_from_dict, load_config
 from geosched.data import TextDataset, default_corpus_paths
-from planner.plan import dump_plan
+from geosched.model import build_model
+from planner.evaluate import Evaluator
+from planner.plan import SolverInfo, build_plan, dump_plan
 from planner.planning import make_plan
+from planner.space import Candidate, Problem
 from planner.variants import Pins
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -31,7 +48,8 @@ def test_pipelines_in_several_datacenters_train_like_one_process(zero: int) -> N
     assert layout.extra_pipelines and layout.replicas == layout.dp * (1 + len(layout.extra_pipelines))
     paths = {tuple(r.dc for r in layout.roles if r.replica == replica) for replica in range(layout.replicas)}
     assert len(paths) >= 2  # the replicas of a stage live in different DCs
-    assert {r.group for r in layout.roles} == {f"stage{s}" for s in range(layout.num_stages)}
+    assert {r.group for r in layout.roles} == {f"{r.dc}/stage{r.stage}" for r in layout.roles}  # one group per DC
+    assert all(r.sync is not None and len(r.sync.chain) == 2 for r in layout.roles)  # the rest over WanLinks
     assert layout.job.zero == zero
     runs = run_layout(layout)
     job = layout.job
@@ -40,3 +58,106 @@ def test_pipelines_in_several_datacenters_train_like_one_process(zero: int) -> N
     )
     assert _global_losses(layout, runs) == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
+
+
+# A 1-stage job over a chain of three DCs with no link closing the ring (us - eu - ap), 4 replicas:
+# us holds 2 (one lane: its second replica only takes part in the in-DC reduce-scatter and all-gather),
+# eu is the middle of the chain, ap its end.
+CHAIN_CONFIG = {
+    "cluster": {
+        "name": "chain-3dc",
+        "datacenters": [
+            {"name": dc, "gpus": gpus, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}}
+            for dc, gpus in (("us", 2), ("eu", 1), ("ap", 1))
+        ],
+        "links": [
+            {"between": ["us", "eu"], "bandwidth_gbps": 1, "rtt_ms": 4, "per_connection_gbps": 0.5},
+            {"between": ["eu", "ap"], "bandwidth_gbps": 1, "rtt_ms": 4, "per_connection_gbps": 0.5},
+        ],
+    },
+    "job": {
+        "model": {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32},
+        "global_batch": 8,
+        "microbatch_size": 1,
+        "precision": "fp32",
+        "seed": 5,
+        "learning_rate": 0.003,
+    },
+}
+CHAIN_STEPS = 3
+RELAY = LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6)
+
+
+def _chain_layout() -> JobLayout:
+    """The plan of CHAIN_CONFIG's four one-stage pipelines (us, us, eu, ap), made by hand."""
+    problem = Problem(config_from_dict(CHAIN_CONFIG))
+    cand = Candidate(1, 2, ("us",), ((0, 2),), (("us",), ("eu",), ("ap",)))
+    assert problem.violation(cand) is None
+    plan = build_plan(problem, Evaluator(problem).evaluate(cand), SolverInfo("time", False, 0.0))
+    return parse_layout(dump_plan(plan))
+
+
+def _routed_rank(layout: JobLayout, rank: int, store_port: int, keys: dict[int, tuple[bytes, bytes]], results: Any):
+    """One rank: train CHAIN_STEPS steps with CURVE on its gradient links, looked up through the router."""
+    try:
+        security = LinkSecurity(*keys[rank], peer_public=lambda r: keys[r][0])
+        reports = run_rank(
+            layout.job,
+            layout.role(rank),
+            steps=CHAIN_STEPS,
+            data=default_corpus_paths(),
+            addresses=StoreAddressBook.connect("127.0.0.1", store_port, routed=True),
+            link_security=security,
+            connect_timeout_s=60,
+            recv_timeout_s=60,
+        )
+        results.put((rank, [r.to_dict() for r in reports]))
+    except BaseException:  # noqa: BLE001 - handed to the test
+        results.put((rank, traceback.format_exc()))
+
+
+def test_a_chain_of_three_dcs_averages_through_wan_relays_with_curve_like_one_process() -> None:
+    layout = _chain_layout()
+    roles = {r.rank: r for r in layout.roles}
+    assert [(r.dc, r.sync.position, r.sync.lane) for r in roles.values()] == [
+        ("us", 0, 0), ("us", 0, None), ("eu", 1, 0), ("ap", 2, 0),
+    ]  # fmt: skip
+    keys = {rank: zmq.curve_keypair() for rank in roles}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    router = RelayRouter(
+        StoreAddressBook.connect("127.0.0.1", store.port, routed=True), sync_routes(layout.roles, lambda a, b: RELAY)
+    ).start()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.crossdc.sync"])
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_routed_rank, args=(layout, r, store.port, keys, results), daemon=True) for r in roles]
+    try:
+        for p in procs:
+            p.start()
+        runs = {}
+        for _ in roles:
+            rank, payload = results.get(timeout=120)
+            assert not isinstance(payload, str), f"rank {rank} failed:\n{payload}"
+            runs[rank] = [StepReport.from_dict(d) for d in payload]
+        relayed = {name: relay.stats() for name, relay in router.relays.items()}
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+        router.close()
+        del store
+    job = layout.job
+    reference = train_one_process(
+        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), CHAIN_STEPS
+    )
+    losses = [global_loss(runs[rank][i] for rank in roles) for i in range(CHAIN_STEPS)]
+    assert losses == pytest.approx(reference, rel=1e-4)
+    lane_bytes = 4 * sum(p.numel() for p in build_model(job.model, seed=job.seed).parameters())
+    assert sorted(relayed) == ["sync/s0/r2", "sync/s0/r3"]  # the listeners in eu and ap, behind their relays
+    for stats in relayed.values():  # each direction of each hop: the whole lane once per step
+        assert (
+            stats["bytes_to_target"] >= CHAIN_STEPS * lane_bytes
+            and stats["bytes_to_client"] >= CHAIN_STEPS * lane_bytes
+        )
+    assert runs[2][-1].sync_bytes == {"us": lane_bytes, "ap": lane_bytes} and runs[1][-1].sync_bytes == {}

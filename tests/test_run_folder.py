@@ -17,8 +17,9 @@ from agent_helpers import TINY_CONFIG
 
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
-from agents.runfolder.predict import predict
+from agents.runfolder.predict import predict, sync_seconds
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
+from agents.runfolder.report import report_text
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.session import job_schedule
 from agents.worker import metrics_record
@@ -93,6 +94,9 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["steps"] == [0, 1, 2] and report["losses"] == [5.0, 4.0, 3.0]
     assert report["measured_iteration_s"] == pytest.approx(predicted.iteration_s)
     assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
+    assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
+    assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])
+    assert "gradient sync: measured" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
         assert (run / name).read_bytes().startswith(PNG_MAGIC), name

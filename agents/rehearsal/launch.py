@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes
-from agents.runfolder.predict import predict
+from agents.runfolder.predict import predict, sync_seconds
 from geosched.errors import GeoschedError, PlanError
 
 if TYPE_CHECKING:
@@ -288,6 +288,7 @@ def launch(
         reports,
         predicted_iteration_s=predicted.iteration_s,
         predicted_bubble_fraction=predicted.bubble_fraction,
+        predicted_sync_s=sync_seconds(predicted),
         wan_bytes=wan,
         extra={
             "wan_scale": wan_scale,

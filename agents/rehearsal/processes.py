@@ -4,7 +4,8 @@
 (one torch thread) and, whatever happens, stops them: SIGTERM to the group,
 SIGKILL after a grace period, and waits. :class:`RelayRoutes` is the
 coordinator's ``before_start`` hook that starts one WAN emulator relay per
-cross-DC pipeline link once the agents are ready (bandwidths scaled by
+link that crosses DCs (pipeline links, and the gradient links of data parallelism across DCs) once the
+agents are ready (bandwidths scaled by
 ``wan_scale``, delays kept; ``reset_every_s``: every connection reset that
 often, a fault the links must survive) and routes the ranks through them.
 """
@@ -97,7 +98,8 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 class RelayRoutes:
-    """Starts the WAN emulator once the agents are ready: one relay per cross-DC pipeline link."""
+    """Starts the WAN emulator once the agents are ready: one relay per link that crosses DCs (the relays of
+    one DC pair share its capacity)."""
 
     def __init__(self, layout: JobLayout, wan_scale: float, reset_every_s: float | None = None) -> None:
         self.layout, self.wan_scale, self.reset_every_s = layout, wan_scale, reset_every_s
@@ -106,21 +108,18 @@ class RelayRoutes:
 
     async def __call__(self, statuses: dict[int, Any]) -> dict[str, str]:
         """The ``before_start`` hook of the coordinator: relays to the listeners' bound endpoints."""
-        from agents.layout import pipe_name
+        from agents.layout import wan_listeners
         from agents.wanem.emulator import WanEmulator, shape_for_link
 
         routes, ends = {}, {}
-        for role in self.layout.roles:
-            if role.prev_dc is None or role.prev_dc == role.dc:  # the first stage, or a link inside a DC
-                continue
-            name = pipe_name(role.stage, role.replica, role.tp_rank)
-            bound = statuses[role.rank].extra.get("endpoints", {}).get(name)
+        for rank, name, client_dc, dc in wan_listeners(self.layout):  # pipeline and cross-DC gradient links
+            bound = statuses[rank].extra.get("endpoints", {}).get(name)
             if not bound:
-                raise GeoschedError(f"rank {role.rank} is ready but did not publish its endpoint {name!r}")
+                raise GeoschedError(f"rank {rank} is ready but did not publish its endpoint {name!r}")
             host, port = bound.removeprefix("tcp://").rsplit(":", 1)
-            link = self.layout.config.cluster.link(role.prev_dc, role.dc)
+            link = self.layout.config.cluster.link(client_dc, dc)
             routes[name] = ((host, int(port)), shape_for_link(link, self.wan_scale))
-            ends[name] = (role.prev_dc, role.dc)
+            ends[name] = (client_dc, dc)
         self.route_links = ends
         self.emulator = WanEmulator(routes, link_ends=ends, reset_every_s=self.reset_every_s).start()
         return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}

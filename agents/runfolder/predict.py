@@ -3,7 +3,8 @@
 :func:`predict` simulates the plan's layout with its WAN bandwidths scaled
 (``wan_scale``, what a rehearsal's relays emulate) and compute from a
 calibration when given, else the config's GPU FLOP rates (the plan's own
-prediction: ``geosched job start``).
+prediction: ``geosched job start``); :func:`sync_seconds` reads its gradient
+sync (the longest ALL_REDUCE of any stage) for the report.
 """
 
 from __future__ import annotations
@@ -57,3 +58,8 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
         **across,
     )
     return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup), costs)
+
+
+def sync_seconds(timeline: Any) -> float:
+    """The gradient sync of a Timeline (predicted or measured): its longest ALL_REDUCE over the stages."""
+    return max((e.end - e.start for e in timeline.events if e.kind == "ALL_REDUCE"), default=0.0)

@@ -107,6 +107,7 @@ class RunRecorder:
         ``predicted``: the simulator's Timeline of the layout (``predicted.png``, ``timelines.png`` and the
         predicted figures of the report), or None.
         """
+        from agents.runfolder.predict import sync_seconds
         from agents.runfolder.report import build_report, write_run_folder
 
         self.close()
@@ -116,6 +117,7 @@ class RunRecorder:
             reports,
             predicted_iteration_s=None if predicted is None else predicted.iteration_s,
             predicted_bubble_fraction=None if predicted is None else predicted.bubble_fraction,
+            predicted_sync_s=None if predicted is None else sync_seconds(predicted),
             wan_bytes=wan_bytes_sent(self.layout, reports),
             extra={"source": "coordinator metrics", **(extra or {})},
         )
@@ -153,4 +155,6 @@ def wan_bytes_sent(layout: Any, reports: Mapping[int, list[StepReport]]) -> dict
                 peer_dc = role.wan_peer_dc(peer)
                 if peer_dc is not None:
                     out[f"{role.dc}->{peer_dc}"] = out.get(f"{role.dc}->{peer_dc}", 0) + nbytes
+            for peer_dc, nbytes in report.sync_bytes.items():  # gradient links (data parallelism across DCs)
+                out[f"{role.dc}->{peer_dc}"] = out.get(f"{role.dc}->{peer_dc}", 0) + nbytes
     return out

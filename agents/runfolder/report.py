@@ -7,7 +7,8 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
 :func:`write_run_folder` writes it and the pictures::
 
     report.json       steps, losses (one per step), predicted_iteration_s,
-                      measured_iteration_s, bubble_fraction_measured,
+                      measured_iteration_s, predicted_sync_s, measured_sync_s
+                      (the gradient sync), bubble_fraction_measured,
                       bubble_fraction_predicted, wan_bytes (per link direction),
                       memory (per rank: measured peak and predicted bytes),
                       memory_measured_vs_predicted_max, per-step detail
@@ -17,8 +18,10 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
     timelines.png     predicted above measured, on one time axis
     loss.png          loss per step
 
-Measured iteration time of a step is the slowest rank's; the run's figure is
-the median over steps after the first (the first warms up caches and links).
+Measured iteration time of a step is the slowest rank's, and so is its gradient
+sync (the ALL_REDUCE action, :attr:`StepReport.sync_s`; with data parallelism
+across DCs the part that crosses the WAN); the run's figures are the medians
+over steps after the first (the first warms up caches and links).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def build_report(
     *,
     predicted_iteration_s: float | None,
     predicted_bubble_fraction: float | None = None,
+    predicted_sync_s: float | None = None,
     wan_bytes: Mapping[str, int] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -87,17 +91,23 @@ def build_report(
                 "iteration_s": max(r.iteration_s for r in rs),
                 "bubble_fraction": timeline.bubble_fraction,
                 "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),
+                "sync_s": max(r.sync_s for r in rs),
+                "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
             }
         )
     if not per_step:
         raise GeoschedError("run report: no step completed on every rank")
     measured = steady([s["iteration_s"] for s in per_step])
+    sync = steady([s["sync_s"] for s in per_step])
     report: dict[str, Any] = {
         "steps": [s["step"] for s in per_step],
         "losses": [s["loss"] for s in per_step],
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
+        "predicted_sync_s": predicted_sync_s,
+        "measured_sync_s": sync,
+        "sync_measured_vs_predicted": sync / predicted_sync_s if predicted_sync_s else None,
         "bubble_fraction_measured": steady([s["bubble_fraction"] for s in per_step]),
         "bubble_fraction_predicted": predicted_bubble_fraction,
         "wan_bytes": dict(wan_bytes or {}),
@@ -229,6 +239,17 @@ def report_text(report: Mapping[str, Any]) -> str:
             else ""
         ),
     ]
+    predicted_sync = report.get("predicted_sync_s")
+    if report.get("measured_sync_s") or predicted_sync:
+        lines.append(
+            f"gradient sync: measured {report['measured_sync_s'] * 1e3:.1f} ms"
+            + (
+                f", predicted {predicted_sync * 1e3:.1f} ms (measured/predicted "
+                f"{report['sync_measured_vs_predicted']:.2f})"
+                if predicted_sync
+                else ""
+            )
+        )
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB")
     rows = report.get("memory") or []

@@ -8,6 +8,6 @@ tensor, the receiving tp ranks all-gather the slices), ``security``
 (``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
 group of one rank) and ``report`` (``StepReport``, measured timelines). May
-import ``agents.dp``, ``agents.tp``, ``agents.wan``, ``agents.wanem``, ``agents.layout``
-and the core.
+import ``agents.crossdc``, ``agents.dp``, ``agents.tp``, ``agents.wan``, ``agents.wanem``,
+``agents.layout`` and the core.
 """

@@ -1,7 +1,8 @@
 """What a stage reports per training step, and the measured timeline built from those reports.
 
 :class:`StepReport` is one rank's step: loss (last stage), iteration time,
-busy/comm/idle seconds, bytes sent per peer stage and the timed events. It
+busy/comm/idle seconds, the gradient sync's seconds (``sync_s``, the ALL_REDUCE action) and the bytes it
+sent across DCs (``sync_bytes``), bytes sent per peer stage and the timed events. It
 is plain data (``to_dict``/``from_dict``) so it can cross process
 boundaries and MQTT as JSON.
 
@@ -48,6 +49,8 @@ class StepReport:
     events: list[Event] = field(default_factory=list)
     idle_gaps: list[IdleGap] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)  # agents.stage.memory.MemoryMeter.report()
+    sync_s: float = 0.0  # the gradient sync: seconds of the ALL_REDUCE action
+    sync_bytes: dict[str, int] = field(default_factory=dict)  # peer DC -> bytes sent on gradient links (agents.crossdc)
 
     @classmethod
     def from_events(
@@ -68,6 +71,7 @@ class StepReport:
         spent = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
         for e in events:
             spent[e.category] = spent.get(e.category, 0.0) + (e.end - e.start)
+        sync_s = sum(e.end - e.start for e in events if e.kind == "ALL_REDUCE")
         return cls(
             step,
             stage,
@@ -82,6 +86,7 @@ class StepReport:
             list(events),
             list(idle_gaps),
             dict(memory or {}),
+            sync_s,
         )
 
     @property
@@ -119,6 +124,8 @@ class StepReport:
             events=[Event(**e) for e in data.get("events", [])],
             idle_gaps=[IdleGap(**g) for g in data.get("idle_gaps", [])],
             memory={str(k): int(v) for k, v in data.get("memory", {}).items()},
+            sync_s=float(data.get("sync_s", 0.0)),
+            sync_bytes={str(k): int(v) for k, v in data.get("sync_bytes", {}).items()},
         )
 
 

@@ -19,6 +19,12 @@ publishes it. Everything is closed on the way out, also on errors. With a
 the listener admits only the upstream rank's public key, the connector only
 talks to the downstream rank's.
 
+With pipelines in several DCs (``role.sync``) a stage's group is its replicas
+in this DC, and ALL_REDUCE is :class:`~agents.crossdc.sync.CrossDcSync`: the
+hierarchical all-reduce over that group and WanLinks to the lane partners in
+the neighbouring DCs (:class:`~agents.crossdc.links.SyncLinks`: listened for
+and published with the pipeline link, connected after it, CURVE like it).
+
 With tensor parallelism (``role.tp_size`` > 1) a stage's group has dp x tp
 processes (group rank = replica x tp + tp_rank, :mod:`agents.tp.mesh`): the
 stage is sharded over the mesh's "tp" dimension (:func:`agents.tp.shard.shard_stage`),
@@ -50,10 +56,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from agents.crossdc.links import SyncLinks
+from agents.crossdc.sync import CrossDcSync
 from agents.dp.group import DataParallelGroup, join_group
 from agents.dp.spec import GroupSpec
 from agents.dp.zero import build_stage_optimizer
-from agents.layout import RankRole, pipe_name, store_name, tp_refusal
+from agents.layout import RankRole, pipe_name, store_name, sync_name, sync_refusal, tp_refusal
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
@@ -85,6 +93,16 @@ def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], A
         Route(pipe_name(r.stage, r.replica, r.tp_rank), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
         for r in roles
         if r.prev_dc is not None  # every stage but the first
+    ]
+
+
+def sync_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
+    """The cross-DC gradient links (data parallelism across DCs) a RelayRouter routes: one per listening rank,
+    shaped by ``wan_shape(client DC, listener DC)``."""
+    return [
+        Route(sync_name(r.stage, r.replica, r.tp_rank), wan_shape(r.sync.prev.dc, r.dc))
+        for r in roles
+        if r.sync is not None and r.sync.prev is not None
     ]
 
 
@@ -145,7 +163,7 @@ class RankSession:
         self.recv_timeout_s = recv_timeout_s
         self.wan_config = dict(wan_config or {})
         self.backend = backend
-        refusal = tp_refusal(job, role.dp_size)
+        refusal = tp_refusal(job, role.dp_size) or (sync_refusal(job) if role.sync is not None else None)
         if refusal is not None:
             raise PlanError(f"rank {role.rank}: {refusal}")
         self.schedule = job_schedule(job, role.num_stages, role.dp_size, role.warmup or None)
@@ -156,6 +174,8 @@ class RankSession:
         self.transport: LinkTransport | ScatterGatherTransport | None = None
         self.mesh: DeviceMesh | None = None  # the stage's ("dp", "tp") mesh when tp > 1
         self.group: DataParallelGroup | None = None
+        self.sync_links: SyncLinks | None = None  # gradient links to the lane partners in other DCs
+        self.grad_sync: GradientSync | None = None  # what ALL_REDUCE runs
         self.runtime: StageRuntime | None = None
         self._hosted_store: Any = None
 
@@ -188,7 +208,8 @@ class RankSession:
         log.debug("rank %d: links open", role.rank)
         self.group = self._join_group()
         log.debug("rank %d: group joined", role.rank)
-        self.optimizer, grad_sync = self._build_optimizer()
+        self.optimizer, in_dc = self._build_optimizer()
+        self.grad_sync = grad_sync = self._across_dcs(in_dc)
         if self.mesh is not None and self.transport is not None:
             self.transport = self._scatter_gather(self.transport, self.mesh)
         if role.first or role.last:
@@ -254,17 +275,28 @@ class RankSession:
             links, tp_mesh.get_group(), hidden=self.job.model.hidden, stage=role.stage, guard=self.group.guard
         )
 
+    def _across_dcs(self, in_dc: GradientSync | None) -> GradientSync | None:
+        """What ALL_REDUCE runs: the in-DC sync, unless the stage's replicas live in several DCs; then the
+        hierarchical all-reduce over the in-DC group and the gradient links (:mod:`agents.crossdc`)."""
+        role = self.role
+        if role.sync is None or len(role.sync.chain) == 1:
+            return in_dc
+        links = self.sync_links.links if self.sync_links is not None else {}  # none: a replica without a lane
+        where = f"stage {role.stage} replica {role.replica} in {role.dc}"
+        return CrossDcSync(role.sync, links, self.group, name=where, timeout_s=self.recv_timeout_s)
+
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
         """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
         role = self.role
         listening = upstream_stage == role.stage - 1
         peer_stage = upstream_stage if listening else role.stage + 1
-        if role.rank != role.stage * role.group_size + role.group_rank:  # how layout_roles numbers ranks
+        width = role.dp_size * role.tp_size  # ranks per stage
+        if role.rank != role.stage * width + role.pipeline_index:  # how layout_roles numbers ranks
             raise PlanError(
                 f"rank {role.rank} is not (stage {role.stage} x dp {role.dp_size} + replica {role.replica}) "
                 f"x tp {role.tp_size} + tp rank {role.tp_rank}"
             )
-        peer_rank = peer_stage * role.group_size + role.group_rank  # the same replica and tp rank
+        peer_rank = peer_stage * width + role.pipeline_index  # the same replica and tp rank
         peer_dc = role.prev_dc if listening else role.next_dc
         options: dict[str, Any] = {
             "connect_timeout_s": self.connect_timeout_s,
@@ -277,11 +309,27 @@ class RankSession:
                 options["curve_server"] = self.link_security.server(peer_rank)
             else:
                 options["curve_client"] = self.link_security.client(peer_rank)
-        return WanLinkConfig(link_id=link_id(upstream_stage, role.group_rank), streams=streams, **options)
+        return WanLinkConfig(link_id=link_id(upstream_stage, role.pipeline_index), streams=streams, **options)
 
     def _listen_and_host(self) -> WanLink | None:
-        """Everything that only binds: the link for stage-1 and (group rank 0) the group's store."""
+        """Everything that only binds: the link for stage-1, the gradient link for the previous DC's lane
+        partner, and (group rank 0) the group's store."""
         role, listener = self.role, None
+        if role.sync is not None and role.sync.lane is not None and len(role.sync.chain) > 1:
+            security = self.link_security
+            self.sync_links = SyncLinks(
+                role,
+                addresses=self.addresses,
+                bind_host=self.bind_host,
+                advertise_host=self.advertise_host,
+                curve_server=security.server if security is not None else None,
+                curve_client=security.client if security is not None else None,
+                connect_timeout_s=self.connect_timeout_s,
+                recv_timeout_s=self.recv_timeout_s,
+                wan_config=self.wan_config,
+            )
+            self._stack.callback(self.sync_links.close)
+            self.sync_links.listen()
         if not role.first:
             config = self._link_config(role.stage - 1, role.streams_prev)
             listener = WanLink.listen(f"tcp://{self.bind_host}:0", config)
@@ -314,6 +362,8 @@ class RankSession:
             links[role.stage + 1] = link
         if listener is not None:
             listener.wait_peer(self.connect_timeout_s)
+        if self.sync_links is not None:
+            self.sync_links.connect()
         return LinkTransport(links, stage=role.stage) if links else None
 
     def _join_group(self) -> DataParallelGroup | None:
@@ -362,7 +412,11 @@ class RankSession:
         for _ in range(steps):
             step = self.next_step
             microbatches = self.prefetcher.get(step) if self.prefetcher is not None else None
+            sync = self.grad_sync if isinstance(self.grad_sync, CrossDcSync) else None
+            before = dict(sync.bytes_sent) if sync is not None else {}
             report = self.runtime.run_step(step, microbatches)
+            if sync is not None:  # what this rank's cross-DC gradient links carried, per peer DC
+                report.sync_bytes = {dc: n - before.get(dc, 0) for dc, n in sync.bytes_sent.items()}
             self.next_step = step + 1
             yield report
         if self.transport is not None:

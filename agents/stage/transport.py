@@ -40,6 +40,8 @@ from geosched.errors import LinkError, StageError
 
 log = logging.getLogger(__name__)
 
+ROUTED_PREFIXES = ("pipe/", "sync/")
+"""Endpoints a router may put a relay in front of: pipeline links and cross-DC gradient links."""
 KIND_NAMES = {"F": "activation", "B": "gradient"}
 """Message kinds of the schedule ("F" activation, "B" gradient) -> WanLink kinds."""
 
@@ -182,7 +184,8 @@ class AddressBook(Protocol):
 class StoreAddressBook:
     """An :class:`AddressBook` in a torch ``TCPStore`` (host it with ``is_master=True``, port 0 is fine).
 
-    With ``routed=True``, pipeline endpoints are published under ``bound/<name>``
+    With ``routed=True``, link endpoints (pipeline and cross-DC gradient links, :data:`ROUTED_PREFIXES`)
+    are published under ``bound/<name>``
     and looked up under ``<name>``: a :class:`RelayRouter` fills in the
     address peers should connect to (a WAN relay's, or the bound one).
     ``prefix`` keeps the names of successive runs on one store apart.
@@ -211,7 +214,7 @@ class StoreAddressBook:
 
     def publish(self, name: str, endpoint: str) -> None:
         """Write ``endpoint`` under ``name`` (or ``bound/<name>`` when routed)."""
-        if self.routed and name.startswith("pipe/"):
+        if self.routed and name.startswith(ROUTED_PREFIXES):
             name = f"bound/{name}"
         self.store.set(self.key(name), endpoint)
 

@@ -39,7 +39,8 @@ from geosched.wire import (
 
 log = logging.getLogger(__name__)
 
-KINDS = ("activation", "gradient", "control")
+KINDS = ("activation", "gradient", "control", "allreduce")
+"""Message kinds: pipeline activations and gradients, control messages, pieces of a cross-DC gradient all-reduce."""
 Key = tuple[int, int, str]  # (step, microbatch, kind)
 U63 = (1 << 63) - 1
 _T = TypeVar("_T")
