@@ -52,7 +52,6 @@ from agents.control.plane import AgentIdentity, ControlPlane
 from agents.keys import JobKeys
 from agents.layout import (
     JobLayout,
-    check_agent_fits,
     expected_endpoints,
     load_plan_file,
     metrics_name,
@@ -61,6 +60,7 @@ from agents.layout import (
 )
 from agents.metrics.families import AgentMetrics, loop_answers
 from agents.metrics.server import MetricsServer
+from agents.runnable import check_agent_fits
 from geosched.errors import GeoschedError, InputError, LinkError
 
 log = logging.getLogger(__name__)

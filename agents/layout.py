@@ -307,56 +307,6 @@ def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False, pref
     return names
 
 
-RUNTIME_TP = 8
-"""The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
-
-
-def tp_refusal(job: JobSpec, dp: int) -> str | None:
-    """Why a stage cannot run tensor parallelism ``job.tp`` with data-parallel degree ``dp``, or None."""
-    if job.tp > RUNTIME_TP:
-        return (
-            f"the plan's tensor_parallel {job.tp} is more than this agent runs ({RUNTIME_TP}); "
-            f"re-plan with 'geosched plan CONFIG --tp {RUNTIME_TP}'"
-        )
-    if job.tp > 1 and dp > 1 and job.zero_stage > 0:
-        return (
-            f"ZeRO {job.zero_stage} with tensor_parallel {job.tp} and dp {dp} is not supported (the optimizer "
-            f"would shard over the tp ranks too); re-plan with 'geosched plan CONFIG --zero 0' or '--tp 1'"
-        )
-    return None
-
-
-def sync_refusal(job: JobSpec) -> str | None:
-    """Why a stage cannot sync its gradients across DCs (:mod:`agents.crossdc`) in ``job``, or None."""
-    if job.tp > 1:  # the cross-DC sync runs on whole stages
-        return f"tensor_parallel {job.tp} with data parallelism across DCs is not supported; re-plan with --tp 1"
-    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN
-        return f"ZeRO {job.zero_stage} with data parallelism across DCs is not supported; re-plan with --zero 1"
-    return None
-
-
-def runtime_refusal(layout: JobLayout) -> str | None:
-    """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
-    across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job, layout.replicas) or across
-
-
-def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
-    """PlanError unless ``rank`` exists in the plan, (if given) ``dc`` is its DC, and the agent runs every
-    dimension of the plan (:func:`runtime_refusal`)."""
-    role = layout.role(rank)
-    refusal = runtime_refusal(layout)
-    if refusal is not None:
-        raise PlanError(f"rank {rank}: {refusal}")
-    if dc is not None and dc != role.dc:
-        known = sorted({r.dc for r in layout.roles})
-        where = f"it is in {role.dc!r}" if dc in known else f"the plan's DCs are {', '.join(known)}"
-        raise PlanError(
-            f"agent started for rank {rank} in DC {dc!r}, but {where}; "
-            f"start it with --dc {role.dc} or pick a rank of DC {dc!r}"
-        )
-
-
 def load_plan_file(path: str) -> str:
     """The text of a plan file; PlanError naming the file if it cannot be read."""
     try:
@@ -462,24 +412,10 @@ def layout_plan_text(
     return dump_plan(build_plan(problem, evaluation, solver))
 
 
-def plan_for_config(config: Config) -> str:
-    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; when the agents
-    cannot run it (:func:`runtime_refusal`), the best plan without tensor parallelism."""
-    from planner.plan import dump_plan
-    from planner.planning import make_plan
-    from planner.variants import Pins
-
-    text = dump_plan(make_plan(config).plan)
-    if runtime_refusal(parse_layout(text)) is None:
-        return text
-    return dump_plan(make_plan(config, pins=Pins(tp=1)).plan)
-
-
 __all__ = [
     "MAX_PLAN_BYTES",
     "JobLayout",
     "RankRole",
-    "check_agent_fits",
     "expected_endpoints",
     "layout_plan_text",
     "layout_roles",
@@ -487,15 +423,11 @@ __all__ = [
     "parse_layout",
     "metrics_name",
     "pipe_name",
-    "plan_for_config",
     "plan_id",
     "prefill_http_name",
     "prefill_name",
-    "runtime_refusal",
     "store_name",
     "sync_link_id",
     "sync_name",
-    "sync_refusal",
-    "tp_refusal",
     "wan_listeners",
 ]

@@ -174,8 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from agents.layout import layout_roles
-    from agents.stage.session import pipeline_routes
-    from agents.stage.transport import RelayRouter, StoreAddressBook
+    from agents.stage.transport import RelayRouter, StoreAddressBook, pipeline_routes
     from agents.wanem.emulator import LinkShape
     from geosched.config import JobSpec, ModelSpec
 

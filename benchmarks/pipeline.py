@@ -265,8 +265,7 @@ def run_geosched(
     import torch.distributed as dist
 
     from agents.layout import layout_roles
-    from agents.stage.session import pipeline_routes
-    from agents.stage.transport import RelayRouter, StoreAddressBook
+    from agents.stage.transport import RelayRouter, StoreAddressBook, pipeline_routes
 
     roles = layout_roles(stage_dcs, LAYERS, 1, wan_streams=STREAMS)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))

@@ -25,8 +25,8 @@ from test_tp_pipeline import STEPS, _global_losses, run_layout
 from agents.layout import JobLayout, parse_layout
 from agents.stage.report import StepReport, global_loss
 from agents.stage.security import LinkSecurity
-from agents.stage.session import run_rank, sync_routes, train_one_process
-from agents.stage.transport import RelayRouter, StoreAddressBook
+from agents.stage.session import run_rank, train_one_process
+from agents.stage.transport import RelayRouter, StoreAddressBook, sync_routes
 from agents.wanem.emulator import LinkShape
 from geosched.config import config_from_dict, load_config
 from geosched.data import TextDataset, default_corpus_paths

@@ -8,8 +8,9 @@ import copy
 import pytest
 from agent_helpers import TINY_CONFIG
 
-from agents.layout import layout_plan_text, parse_layout, plan_for_config
+from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.elastic import describe, surviving_config
+from agents.runnable import plan_for_config
 from geosched.config import config_from_dict
 from geosched.errors import PlanInfeasible
 

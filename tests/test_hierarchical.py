@@ -23,12 +23,11 @@ from agents.layout import (
     JobLayout,
     expected_endpoints,
     parse_layout,
-    runtime_refusal,
     sync_name,
-    sync_refusal,
     wan_listeners,
 )
 from agents.rehearsal.processes import RelayRoutes
+from agents.runnable import runtime_refusal, sync_refusal
 from geosched.config import load_config
 from geosched.errors import PlanError
 from geosched.hierarchical import (

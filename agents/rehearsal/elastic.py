@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from agents.layout import JobLayout, parse_layout, plan_for_config
+from agents.layout import JobLayout, parse_layout
+from agents.runnable import plan_for_config
 from geosched.config import Config
 from geosched.errors import PlanInfeasible
 

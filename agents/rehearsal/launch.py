@@ -155,10 +155,11 @@ def launch(
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
     from agents.control.coordinator import start_job
-    from agents.layout import load_plan_file, parse_layout, plan_for_config, runtime_refusal
+    from agents.layout import load_plan_file, parse_layout
     from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
     from agents.runfolder.record import endpoints_hook
     from agents.runfolder.report import build_report, load_rank_reports, report_text, write_run_folder
+    from agents.runnable import plan_for_config, runtime_refusal
     from geosched.config import load_config
 
     config = load_config(config_path)

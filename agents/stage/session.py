@@ -61,12 +61,13 @@ from agents.crossdc.sync import CrossDcSync
 from agents.dp.group import DataParallelGroup, join_group
 from agents.dp.spec import GroupSpec
 from agents.dp.zero import build_stage_optimizer
-from agents.layout import RankRole, pipe_name, store_name, sync_name, sync_refusal, tp_refusal
+from agents.layout import RankRole, pipe_name, store_name
+from agents.runnable import sync_refusal, tp_refusal
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.security import LinkSecurity
-from agents.stage.transport import AddressBook, LinkTransport, Route, link_id
+from agents.stage.transport import AddressBook, LinkTransport, link_id
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from agents.tp.shard import shard_stage
 from agents.wan.config import WanLinkConfig
@@ -81,29 +82,6 @@ log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 10.0
 """How long group rank 0 keeps its group's store up for the other ranks to leave."""
-
-
-def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
-    """The links a :class:`~agents.stage.transport.RelayRouter` routes: one per (stage >= 1, replica, tp rank).
-
-    ``wan_shape(prev_dc, dc)`` gives the relay's LinkShape for a link between
-    two DCs (None: connect directly); links inside a DC never get a relay.
-    """
-    return [
-        Route(pipe_name(r.stage, r.replica, r.tp_rank), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
-        for r in roles
-        if r.prev_dc is not None  # every stage but the first
-    ]
-
-
-def sync_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
-    """The cross-DC gradient links (data parallelism across DCs) a RelayRouter routes: one per listening rank,
-    shaped by ``wan_shape(client DC, listener DC)``."""
-    return [
-        Route(sync_name(r.stage, r.replica, r.tp_rank), wan_shape(r.sync.prev.dc, r.dc))
-        for r in roles
-        if r.sync is not None and r.sync.prev is not None
-    ]
 
 
 def num_microbatches(job: JobSpec, dp: int) -> int:

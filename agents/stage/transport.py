@@ -28,13 +28,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
 from torch import Tensor
 
+from agents.layout import RankRole, pipe_name, sync_name
 from agents.wan.link import WanLink
 from geosched.errors import LinkError, StageError
 
@@ -242,6 +243,29 @@ class Route:
 
     name: str
     relay_shape: Any | None  # agents.wanem.emulator.LinkShape, or None for a direct (intra-DC) link
+
+
+def pipeline_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
+    """The links a :class:`~agents.stage.transport.RelayRouter` routes: one per (stage >= 1, replica, tp rank).
+
+    ``wan_shape(prev_dc, dc)`` gives the relay's LinkShape for a link between
+    two DCs (None: connect directly); links inside a DC never get a relay.
+    """
+    return [
+        Route(pipe_name(r.stage, r.replica, r.tp_rank), None if r.prev_dc == r.dc else wan_shape(r.prev_dc, r.dc))
+        for r in roles
+        if r.prev_dc is not None  # every stage but the first
+    ]
+
+
+def sync_routes(roles: Sequence[RankRole], wan_shape: Callable[[str, str], Any | None]) -> list[Route]:
+    """The cross-DC gradient links (data parallelism across DCs) a RelayRouter routes: one per listening rank,
+    shaped by ``wan_shape(client DC, listener DC)``."""
+    return [
+        Route(sync_name(r.stage, r.replica, r.tp_rank), wan_shape(r.sync.prev.dc, r.dc))
+        for r in roles
+        if r.sync is not None and r.sync.prev is not None
+    ]
 
 
 class RelayRouter:
