@@ -20,11 +20,14 @@ from __future__ import annotations
 import glob
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 from common import benchmark_parser, emit
 
-from geosched.config import load_config
+from geosched.config import dump_config, load_config
 from planner.baselines import all_baselines
 from planner.bruteforce import extended_brute_force
 from planner.evaluate import Evaluator
@@ -48,6 +51,25 @@ QUICK_NO_BRUTE_FORCE = ("two-dc-slow-link", "two-dc-fast-link")  # --quick: thei
 def plan_text(outcome) -> str:
     """The plan file without its wall-time field."""
     return "\n".join(line for line in dump_plan(outcome.plan).splitlines() if "solve_s:" not in line)
+
+
+CLI_CASES = ("gpt3-3dc", "scale-16dc", "unequal-5dc", "demo-3dc", "mixed-speed-2dc", "regional-16dc", "regional-32dc")
+"""Cases also timed as a user runs them: ``geosched plan CONFIG -o plan.yaml`` in a fresh process."""
+
+
+def cli_wall_s(cfg) -> float:
+    """Wall seconds of ``geosched plan CONFIG -o PLAN`` (default flags) in a new process, imports included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.yaml")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(dump_config(cfg))
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "geosched.cli", "plan", path, "-o", os.path.join(tmp, "plan.yaml")],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        return time.perf_counter() - started
 
 
 def run_case(name: str, cfg, time_limit_s: float | None, exact_check: bool = True) -> dict:
@@ -76,6 +98,7 @@ def run_case(name: str, cfg, time_limit_s: float | None, exact_check: bool = Tru
     for result in all_baselines(problem, Evaluator(problem), flat_ring=True):
         row[result.name] = result.iteration_s
         row[f"{result.name}_ratio"] = result.iteration_s / best.iteration_s if result.feasible else None
+    row["cli_wall_s"] = cli_wall_s(cfg) if name in CLI_CASES else None
     row["gap"] = None
     exact = extended_brute_force(cfg, hint=(outcome.problem, best.candidate)) if exact_check else None
     if exact is not None:
@@ -146,6 +169,7 @@ def main() -> None:
         "max_plan_wall_s": max(r["plan_wall_s"] for r in rows if r["dcs"] <= 16),
         "max_plan_wall_case": max((r["plan_wall_s"], r["case"]) for r in rows if r["dcs"] <= 16)[1],
         "max_plan_wall_s_32dc": max((r["plan_wall_s"] for r in rows if r["dcs"] > 16), default=None),
+        "cli_wall_s": {r["case"]: r["cli_wall_s"] for r in rows if r["cli_wall_s"] is not None},
         "deterministic": all(r["deterministic"] for r in rows),
         "cases": len(rows),
         "geomean_ratio_to_floor": geomean([r["ratio_to_floor"] for r in rows if r["ratio_to_floor"]]),

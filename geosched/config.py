@@ -195,6 +195,14 @@ class JobSpec:
     seed: int = spec("seed for initialisation and data order", 0, ge=0, le=2**63 - 1)
     learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0, le=10)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the cost model's caches are keyed by the job, in hot loops."""
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def bytes_per_element(self) -> int:
         """Bytes per activation/weight element at the job's precision."""

@@ -384,21 +384,21 @@ class PipelineCosts:
                 raise ConfigError(f"stages {s} and {s + 1} are in {a!r} and {b!r} but no WAN link joins them")
             k = 1 if link is None else streams.get((min(a, b), max(a, b)), streams_to_fill(link))
             shared = share.get((min(a, b), max(a, b)), dp)
-            key = ("boundary", self.stage_layers[s][1], a, b, k, shared, latency)
+            nbytes = boundary_bytes(job, self.stage_layers[s][1])
+            key = ("boundary", nbytes, a, b, k, shared, latency)
             if key not in known:
-                known[key] = self._boundary(self.stage_layers[s][1], a, b, link, k, shared, latency)
+                known[key] = self._boundary(nbytes, a, b, link, k, shared, latency)
             forward, backward, message_s = known[key]
             self._transfers[s, s + 1], self._transfers[s + 1, s] = forward, backward
             if cal is not None and self.charges_messages:
                 self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_s
 
     def _boundary(
-        self, after: int, a: str, b: str, link: WanLinkSpec | None, streams: int, shared: int, latency: float
+        self, nbytes: int, a: str, b: str, link: WanLinkSpec | None, streams: int, shared: int, latency: float
     ) -> tuple[Transfer, Transfer, float]:
-        """The activation (``a`` to ``b``) and gradient (back) messages after block ``after - 1``, and the stage
-        time one costs each end (a calibration's per-message overhead, else 0)."""
+        """The activation (``a`` to ``b``) and gradient (back) messages of ``nbytes`` at a stage boundary, and
+        the stage time one costs each end (a calibration's per-message overhead, else 0)."""
         job, cluster, cal = self.job, self.cluster, self.calibration
-        nbytes = boundary_bytes(job, after)
         part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
         out = []
         for src, dst in ((a, b), (b, a)):

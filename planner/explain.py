@@ -25,9 +25,7 @@ from planner.variants import in_parallel, space_floors
 
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)
-EXPLAIN_EFFORT = float(
-    __import__("os").environ.get("GS_EE", "0.4")
-)  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
+EXPLAIN_EFFORT = 0.15  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
 EXPLAIN_WORK = 16_000  # stage-microbatches their hill climbs may simulate (see planner.search.POLISH_WORK)
 
 
@@ -127,7 +125,7 @@ def explain_idle(
             evaluator.fork(),
             goal,
             time_limit_s=time_limit_s,
-            effort=min(0.15, EXPLAIN_EFFORT / share),  # x
+            effort=min(0.15, EXPLAIN_EFFORT / share),
             polish_work=min(8_000, EXPLAIN_WORK / share),
             require=require,
             allowed=chosen | {dc} if large else None,

@@ -154,7 +154,8 @@ def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools
 
 
 def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: bool = True) -> tuple[int, int]:
-    """(blocks, stages): the most blocks any pipeline of at most ``most_stages`` stages holds, and its depth.
+    """(blocks, stages): the most blocks any pipeline of at most ``most_stages`` stages holds, and its depth
+    (the shallowest that holds all of them, once one does).
 
     A relaxation (so "fewer than the model's blocks" proves no plan fits):
     every GPU has the roomiest GPU's memory, ZeRO shards each stage over the
@@ -180,6 +181,8 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
         total = sum(caps) if min(caps) >= 1 else 0
         if total > best[0]:
             best = (total, p)
+        if best[0] >= L:  # a depth that holds every block: nothing to refuse (the callers ask only that)
+            break
     return best
 
 

@@ -43,7 +43,7 @@ from planner.variants import (
     variant_options,
 )
 
-FULL_EFFORT = SMALL_EFFORT * float(__import__("os").environ.get("GS_FE", "0.5"))
+FULL_EFFORT = SMALL_EFFORT
 """CP-SAT deterministic seconds one full search spends (:mod:`planner.variants` gives each variant a share)."""
 ADOPT_ROUNDS = 2
 """Faster plans the idle-DC explanations may hand the plan with ``explain=True`` (each is explained again)."""

@@ -39,10 +39,10 @@ from planner.space import Candidate, Problem, from_split
 log = logging.getLogger(__name__)
 
 SHORTLIST = 6  # clusters with more DCs are searched along chains of DCs
-# CP-SAT deterministic seconds (about a quarter of a wall second each on one core of the test machine)
+# CP-SAT deterministic seconds (about 4 wall seconds each on one core of the 2-core test machine)
 MODEL_EFFORT = 0.25  # per model on large clusters (their plans are not proven optimal)
-LARGE_EFFORT = 2.0  # one whole search on a large cluster
-SMALL_EFFORT = 2.0  # the same on a small cluster (a model cut short leaves the plan unproven)
+LARGE_EFFORT = 0.2  # one whole search on a large cluster
+SMALL_EFFORT = 0.2  # the same on a small cluster (a model cut short leaves the plan unproven)
 REACH = 4  # the local search moves a block to a stage at most this far away (any stage when p <= 16)
 POLISH_SIMULATIONS = 300  # simulations one hill climb may spend
 POLISH_WORK = 40_000  # stage-microbatches (a simulation costs about stages x microbatches) all climbs may spend

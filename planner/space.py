@@ -40,6 +40,14 @@ class Candidate:
     """More pipelines of ``dp`` replicas each, same blocks per stage, stage ``s`` of pipeline ``i`` in DC
     ``extra_paths[i][s]``: data parallelism across DCs (gradients all-reduced across DCs)."""
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (candidates key every memo of the search)."""
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.dp, self.microbatches, self.stage_dcs, self.stage_layers, self.extra_paths))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def pipelines(self) -> tuple[tuple[str, ...], ...]:
         """The DC of every stage, per pipeline (the first is ``stage_dcs``)."""

@@ -53,7 +53,7 @@ FULL_WITHIN = 0.5
 """A screened variant this much slower than the best screened one is not searched in full."""
 MIN_SHARE = 0.5
 """The least share of a full search's budgets one variant's full search gets."""
-SCREEN_EFFORT = float(os.environ.get("GS_SE", "0.3"))
+SCREEN_EFFORT = 0.1
 """CP-SAT deterministic seconds for one variant's screening search."""
 SCREEN_MODELS = 3
 """CP-SAT models one screening search may solve (each costs a fifth of a second or more)."""

@@ -122,11 +122,17 @@ class UniformCosts:
         return Transfer((min(src_stage, dst_stage), max(src_stage, dst_stage)), self.transfer_s, 0.0)
 
 
+_KIND_INFO = {
+    kind: (KIND_TAG[kind], kind in COMM_KINDS, "comm" if kind in COMM_KINDS or kind is K.ALL_REDUCE else "compute")
+    for kind in K
+}
+"""Per kind: its tag, whether it moves a message, its timeline category."""
+
+
 class _Step(NamedTuple):
     """An action with everything the hot loop needs precomputed."""
 
     action: Action
-    text: str
     tag: str  # ActionKind value
     needs: int  # index of the message it waits for in CompiledSchedule.messages, or -1
     produces: int  # index of the message it emits, or -1
@@ -165,12 +171,12 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
 
     steps = []
     for row in actions:
-        compiled = []
+        compiled: list[_Step] = []
+        append = compiled.append
         for a in row:
-            is_comm = a.kind in COMM_KINDS
-            category = "comm" if is_comm or a.kind is K.ALL_REDUCE else "compute"
+            tag, is_comm, category = _KIND_INFO[a.kind]
             needs, produces = message_edges(a, p, lowered)
-            compiled.append(_Step(a, str(a), KIND_TAG[a.kind], number(needs), number(produces), is_comm, category))
+            append(_Step(a, tag, number(needs), number(produces), is_comm, category))
         steps.append(tuple(compiled))
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
     return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks)
@@ -286,19 +292,19 @@ class _Run:
                 if step.is_comm:  # a receive that waited is idle, its handling included (as the runtime measures it)
                     if start > waited_from:
                         if record:
-                            self.gaps.append(IdleGap(s, waited_from, end, step.text))
-                            self.events.append(Event(s, step.text, waited_from, end, "idle", step.tag))
+                            self.gaps.append(IdleGap(s, waited_from, end, str(step.action)))
+                            self.events.append(Event(s, str(step.action), waited_from, end, "idle", step.tag))
                     else:
                         comm[s] += end - start
                         if record:
-                            self.events.append(Event(s, step.text, waited_from, end, "comm", step.tag))
+                            self.events.append(Event(s, str(step.action), waited_from, end, "comm", step.tag))
                 else:
                     if step.category == "compute":
                         busy[s] += end - start
                     else:
                         comm[s] += end - start
                     if record:
-                        self.events.append(Event(s, step.text, start, end, step.category, step.tag))
+                        self.events.append(Event(s, str(step.action), start, end, step.category, step.tag))
                 i += 1
                 free_at[s] = end
                 if end > now:
@@ -334,7 +340,7 @@ class _Run:
     def _record_wait(self, s: int, step: _Step, start: float, arrive: float) -> None:
         """Note an idle gap before a compute step; unlowered schedules also get an event for their implicit receive."""
         if self.lowered:
-            self.gaps.append(IdleGap(s, start, arrive, step.text))
+            self.gaps.append(IdleGap(s, start, arrive, str(step.action)))
             return
         recv = receive_for(self.code.messages[step.needs])
         self.gaps.append(IdleGap(s, start, arrive, str(recv)))
