@@ -26,6 +26,7 @@ from planner.variants import in_parallel, space_floors
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)
 EXPLAIN_EFFORT = 0.15  # CP-SAT deterministic seconds (see planner.search.SMALL_EFFORT)
+EXPLAIN_MODELS = 2  # CP-SAT models one counterfactual search may solve
 EXPLAIN_WORK = 16_000  # stage-microbatches their hill climbs may simulate (see planner.search.POLISH_WORK)
 
 
@@ -130,6 +131,8 @@ def explain_idle(
             require=require,
             allowed=chosen | {dc} if large else None,
             polish_top=1,
+            restage=False,
+            max_models=EXPLAIN_MODELS,
         )
         return alt
 

@@ -47,6 +47,9 @@ FULL_EFFORT = SMALL_EFFORT
 """CP-SAT deterministic seconds one full search spends (:mod:`planner.variants` gives each variant a share)."""
 ADOPT_ROUNDS = 2
 """Faster plans the idle-DC explanations may hand the plan with ``explain=True`` (each is explained again)."""
+FULL_MODELS = 6
+"""CP-SAT models one variant's full search may solve (data-parallel degrees, most promising first, and the
+re-solves with one stage fewer and one more)."""
 FULL_POLISH_STARTS = 8
 """Hill climbs of a variant's full search (its best plans of distinct degree and path, the re-sized
 placements of the other variants among them)."""
@@ -136,6 +139,7 @@ def make_plan(
                 effort=FULL_EFFORT * share,
                 polish_work=POLISH_WORK * share,
                 polish_top=FULL_POLISH_STARTS,
+                max_models=FULL_MODELS,
             )
         else:
             best, stats = search(

@@ -273,7 +273,7 @@ def search(
         for chain in chains(problem, d, set(require or {})) if large else [None]:
             left = deadline - time.monotonic()
             limit = None if math.isinf(left) else max(0.05, left * 0.5)
-            work = max(0.05, (effort - spent) * 0.5)
+            work = max(min(0.05, effort), (effort - spent) * 0.5)  # at least 0.05, or all of a smaller budget
             result = solve(
                 problem,
                 d,
@@ -308,7 +308,7 @@ def search(
         return None, stats
     # the surrogate can misjudge the stage count (few microbatches): re-solve the best with p - 1 and p + 1
     tried = set()
-    for ev in sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))[: (1 if large else 2) if restage else 0]:
+    for ev in sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))[: (1 if large else int(__import__("os").environ.get("GS_RS", "2"))) if restage else 0]:
         d, p = ev.candidate.dp, ev.candidate.num_stages
         for stages in (p - 1, p + 1):
             if (d, stages) in tried or stages < 2 or time.monotonic() >= deadline:
