@@ -166,7 +166,8 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     """Pipelines that keep their activations inside one DC: ``p`` stages of equal blocks in one DC, alone
     or (from the roomiest DC of a linked group) copied into every DC with room (:func:`widen`; only
     gradients cross the WAN, once per iteration: the hybrids between data parallelism everywhere and one
-    long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one more, twice as many."""
+    long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one or two more, twice and
+    three times as many."""
     out: list[Candidate] = []
     for group, roomiest in _groups(problem):
         for dc in group:
@@ -174,7 +175,7 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
                 most = min(problem.layers, problem.gpus[dc] // d)
                 fitting = (p for p in range(1, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
                 fewest = next(fitting, None)
-                for p in sorted({fewest, fewest + 1, 2 * fewest} if fewest is not None else set()):
+                for p in sorted({fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()):
                     if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
                         out.append(alone)
                         if dc == roomiest and len(group) >= 2:

@@ -46,7 +46,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes the planner tries (those dividing the global batch)."""
-FULL_SEARCHES = int(os.environ.get("GS_FS", "4"))
+FULL_SEARCHES = 2
 """Most variants searched in full after the screening: the best screened one of each tensor-parallel degree,
 best first, within :data:`FULL_WITHIN` of the best."""
 FULL_WITHIN = 0.5
