@@ -15,17 +15,12 @@ RUNTIME_TP = 8
 """The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
 
 
-def tp_refusal(job: JobSpec, dp: int) -> str | None:
-    """Why a stage cannot run tensor parallelism ``job.tp`` with data-parallel degree ``dp``, or None."""
+def tp_refusal(job: JobSpec) -> str | None:
+    """Why a stage cannot run tensor parallelism ``job.tp``, or None (every ZeRO level and dp run with it)."""
     if job.tp > RUNTIME_TP:
         return (
             f"the plan's tensor_parallel {job.tp} is more than this agent runs ({RUNTIME_TP}); "
             f"re-plan with 'geosched plan CONFIG --tp {RUNTIME_TP}'"
-        )
-    if job.tp > 1 and dp > 1 and job.zero_stage > 0:
-        return (
-            f"ZeRO {job.zero_stage} with tensor_parallel {job.tp} and dp {dp} is not supported (the optimizer "
-            f"would shard over the tp ranks too); re-plan with 'geosched plan CONFIG --zero 0' or '--tp 1'"
         )
     return None
 
@@ -42,7 +37,7 @@ def sync_refusal(job: JobSpec) -> str | None:
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
     across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job, layout.replicas) or across
+    return tp_refusal(layout.job) or across
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
