@@ -27,9 +27,7 @@ def tp_refusal(job: JobSpec) -> str | None:
 
 def sync_refusal(job: JobSpec) -> str | None:
     """Why a stage cannot sync its gradients across DCs (:mod:`agents.crossdc`) in ``job``, or None."""
-    if job.tp > 1:  # the cross-DC sync runs on whole stages
-        return f"tensor_parallel {job.tp} with data parallelism across DCs is not supported; re-plan with --tp 1"
-    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN
+    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN every step; the planner never proposes it
         return f"ZeRO {job.zero_stage} with data parallelism across DCs is not supported; re-plan with --zero 1"
     return None
 

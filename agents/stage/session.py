@@ -28,7 +28,8 @@ and published with the pipeline link, connected after it, CURVE like it).
 With tensor parallelism (``role.tp_size`` > 1) a stage's group has dp x tp
 processes (group rank = replica x tp + tp_rank, :mod:`agents.tp.mesh`): the
 stage is sharded over the mesh's "tp" dimension (:func:`agents.tp.shard.shard_stage`),
-ALL_REDUCE averages over "dp" only, ZeRO shards each tp rank's optimizer state
+ALL_REDUCE averages over "dp" only (across DCs: tp rank j syncs its local shards
+with tp rank j of its lane partners), ZeRO shards each tp rank's optimizer state
 over "dp" only (:mod:`agents.dp.zero`), all tp ranks of a replica read the same
 microbatches, and tp rank j of stage s talks to tp rank j of stage s+1. A
 sharded stage's input and output are whole, replicated tensors; tp rank j sends
@@ -267,7 +268,8 @@ class RankSession:
             return in_dc
         links = self.sync_links.links if self.sync_links is not None else {}  # none: a replica without a lane
         where = f"stage {role.stage} replica {role.replica} in {role.dc}"
-        return CrossDcSync(role.sync, links, self.group, name=where, timeout_s=self.recv_timeout_s)
+        replicas = self.mesh.get_group("dp") if self.mesh is not None else None  # tp: this tp rank's replicas
+        return CrossDcSync(role.sync, links, self.group, replicas=replicas, name=where, timeout_s=self.recv_timeout_s)
 
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
         """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
