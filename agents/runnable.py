@@ -55,13 +55,14 @@ def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
 
 
 def plan_for_config(config: Config) -> str:
-    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; when the agents
-    cannot run it (:func:`runtime_refusal`), the best plan without tensor parallelism."""
+    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; PlanError naming
+    the dimension if the agents cannot run it (:func:`runtime_refusal`: only a tensor-parallel degree above
+    :data:`RUNTIME_TP`, from nodes larger than that)."""
     from planner.plan import dump_plan
     from planner.planning import make_plan
-    from planner.variants import Pins
 
     text = dump_plan(make_plan(config).plan)
-    if runtime_refusal(parse_layout(text)) is None:
-        return text
-    return dump_plan(make_plan(config, pins=Pins(tp=1)).plan)
+    refusal = runtime_refusal(parse_layout(text))
+    if refusal is not None:
+        raise PlanError(f"the best plan for {config.cluster.name!r}: {refusal}")
+    return text
