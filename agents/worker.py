@@ -120,11 +120,13 @@ class RankCheckpoints:
         checkpoint has this layout, else resharded from every shard of the step (another stage split)."""
         if self.start_step > 0:
             if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
+                from agents.checkpoint.state import load_optimizer_state
                 from agents.tp.whole import load_whole_training_state
 
                 whole, whole_optimizer = self._whole_stage()
                 self._load(whole, whole_optimizer)
-                load_whole_training_state(module, optimizer, whole.state_dict(), whole_optimizer.state_dict())
+                shards = load_whole_training_state(module, whole.state_dict(), whole_optimizer.state_dict())
+                load_optimizer_state(optimizer, shards)  # ZeRO keeps its replica's share of them
             else:
                 self._load(module, optimizer)
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
@@ -155,15 +157,14 @@ class RankCheckpoints:
         from agents.checkpoint.state import gather_optimizer_state
         from agents.checkpoint.store import CheckpointWriter
 
+        # ZeRO: every replica sends its share of the state to replica 0 (with tp: each tp rank over its "dp" group)
+        gather_optimizer_state(optimizer)
+        if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
+            return False
         if self.role.tp_size > 1:  # replica 0's tp ranks gather the whole stage; its tp rank 0 writes it
-            if self.role.replica != 0:
-                return False
             module, optimizer = self._whole_stage(module, optimizer)
             if self.role.tp_rank != 0:
                 return False
-        gather_optimizer_state(optimizer)  # ZeRO: every replica sends its share of the state to replica 0
-        if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
-            return False
         if self._writer is None:
             from geosched.weights import ModelRecord
 
@@ -193,7 +194,14 @@ class RankCheckpoints:
         )
         optimizer = torch.optim.AdamW(whole.parameters(), lr=job.learning_rate)
         if sharded is not None:
-            module_state, optimizer_state = whole_training_state(sharded, sharded_optimizer)
+            from agents.checkpoint.state import ShardedOptimizer
+
+            saved = (  # ZeRO: the whole state gathered on this replica by save_now; else the optimizer's own
+                sharded_optimizer.whole_state_dict()
+                if isinstance(sharded_optimizer, ShardedOptimizer)
+                else sharded_optimizer.state_dict()
+            )
+            module_state, optimizer_state = whole_training_state(sharded, saved)
             whole.load_state_dict(module_state)
             optimizer.load_state_dict(optimizer_state)
         return whole, optimizer
