@@ -175,7 +175,8 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
                 most = min(problem.layers, problem.gpus[dc] // d)
                 fitting = (p for p in range(1, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
                 fewest = next(fitting, None)
-                for p in sorted({fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()):
+                depths = {fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()
+                for p in sorted(depths):
                     if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
                         out.append(alone)
                         if dc == roomiest and len(group) >= 2:
