@@ -363,8 +363,8 @@ def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:
     except ScheduleError as exc:
         raise PlanError(f"plan.warmup: {exc}") from None
     for s, w in enumerate(plan.warmup):
-        need = problem.stage_memory(cand.stage_layers[s], s, cand.num_stages, cand.microbatches, w)
         for path in cand.pipelines:
+            need = problem.memory_need(cand, s, path[s], w)
             if need > problem.memory_bytes[path[s]]:
                 raise PlanError(
                     f"plan.warmup[{s}]: {w} forwards in flight need {need / GIB:.3g} GiB per GPU > "

@@ -142,7 +142,8 @@ def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[di
             continue
         warmup = layout.warmup[s] if layout.warmup else None
         inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s, warmup)
-        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, layout.replicas)
+        shard = sum(1 for r in layout.roles if r.stage == s and r.dc == role.dc and r.tp_rank == 0)  # in-DC ZeRO
+        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, shard)
         row = {
             "rank": role.rank,
             "stage": s,
