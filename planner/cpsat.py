@@ -34,6 +34,7 @@ from fractions import Fraction
 
 from ortools.sat.python import cp_model
 
+from geosched.compression import compressed_bytes
 from geosched.costmodel import boundary_bytes, stage_compute, stage_params
 from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
 from planner.space import Candidate, Problem, even_split, from_split
@@ -159,6 +160,8 @@ class _Model:
         self.model = cp_model.CpModel()
         L = problem.layers
         self.nbytes = max(boundary_bytes(problem.job, e) for e in range(1, L + 1))
+        job = problem.job  # on the WAN, compressed where the job allows it
+        self.wire_bytes = compressed_bytes(self.nbytes, job.bytes_per_element, job.wan_compression)
         self.chain = chain
         if chain is not None:
             allowed = set(chain) if allowed is None else allowed & set(chain)
@@ -187,7 +190,7 @@ class _Model:
         L, P, cluster = pr.layers, self.max_stages, pr.cluster
         # bounds: one stage (or a whole round trip, or an all-reduce) never exceeds the horizon
         hops = [nums[dc].hop for dc in dcs] + [
-            round(sum(wan_transfer(link, self.nbytes, pr.streams(*link.between), d)[1:]) / self.tick)
+            round(sum(wan_transfer(link, self.wire_bytes, pr.streams(*link.between), d)[1:]) / self.tick)
             for link in cluster.links
             if set(link.between) <= set(dcs)
         ]
@@ -268,12 +271,12 @@ class _Model:
         occupancy, cost_terms, wan_delay, hop = new("occ"), [], [], {}
         for (i, j), z in arcs.items():
             link = pr.require_link(i, j)
-            tr = wan_transfer(link, self.nbytes, pr.streams(i, j), d)
+            tr = wan_transfer(link, self.wire_bytes, pr.streams(i, j), d)
             occ = round(tr.occupancy_s / self.tick)
             hop[i, j] = occ + round(tr.latency_s / self.tick)
             md.add(occupancy >= occ * z)
             wan_delay.append(hop[i, j] * z)
-            cost_terms.append(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
+            cost_terms.append(round(2 * self.wire_bytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
         work = sum(nums[i].block * blocks[i] + nums[i].head * last[i] for i in dcs)  # all stage times
         delays = sum(nums[i].hop * (n[i] - use[i]) for i in dcs) + sum(wan_delay)  # one way, all boundaries
         # suffix[i]: work + 2 x delays from the DC's first stage to the end; after[i]: strictly after the DC
@@ -351,7 +354,8 @@ class _Model:
         self.time = new("T", time_hi)
         md.add(self.time == (m - 1) * steady + work + 2 * delays + tail)
         cost_hi = max(
-            1, sum(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links)
+            1,
+            sum(round(2 * self.wire_bytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links),
         )
         self.cost = md.new_int_var(0, cost_hi, "cost")
         md.add(self.cost == sum(cost_terms))

@@ -14,12 +14,12 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 * a stage's gradients are all-reduced hierarchically
   (:func:`~geosched.costmodel.hierarchical_allreduce_s`): inside each DC,
   then across the DCs holding its replicas over the multi-stream WAN links
-  of a ring (or chain) through them. All stages (and all tensor-parallel
+  of a chain through them. All stages (and all tensor-parallel
   ranks of each) sync at the end of the iteration on the same links, so each
   stage is charged the cross-DC time of every stage's whole gradients together
   (:func:`sync_times`): exact for one-stage pipelines, pessimistic for deeper ones;
-* egress: each hop of that ring carries ``2 (k-1)/k`` of the gradients in each
-  direction (:func:`gradient_wan_bytes`).
+* egress: each hop of that chain carries the gradients once in each direction
+  (:func:`gradient_wan_bytes`; :mod:`geosched.hierarchical`).
 
 :func:`widen` adds pipelines to a candidate where GPUs are left;
 :func:`everywhere` builds data parallelism over every DC of a linked group,
@@ -100,8 +100,7 @@ def gradient_wan_bytes(problem: Problem, cand: Candidate) -> dict[tuple[str, str
         hops = _hops(problem, cand, s)
         if not hops:
             continue
-        k = len(hops) + 1
-        nbytes = int(2 * (k - 1) / k * _grad_bytes(problem, cand, s) * problem.job.tp)
+        nbytes = int(_grad_bytes(problem, cand, s) * problem.job.tp)
         for a, b in hops:
             out[a, b] = out.get((a, b), 0) + nbytes
             out[b, a] = out.get((b, a), 0) + nbytes
