@@ -279,27 +279,25 @@ class _Model:
             cost_terms.append(round(2 * self.wire_bytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
         work = sum(nums[i].block * blocks[i] + nums[i].head * last[i] for i in dcs)  # all stage times
         delays = sum(nums[i].hop * (n[i] - use[i]) for i in dcs) + sum(wan_delay)  # one way, all boundaries
-        # suffix[i]: work + 2 x delays from the DC's first stage to the end; after[i]: strictly after the DC
-        suffix = {i: new(f"W_{i}") for i in dcs}
-        after = {i: new(f"A_{i}") for i in dcs}
-        for i in dcs:
-            own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
-            md.add(suffix[i] == own + after[i])
-            md.add(after[i] == 0).only_enforce_if(last[i])
-            md.add(after[i] == 0).only_enforce_if(use[i].negated())
-        for (i, j), z in arcs.items():
-            md.add(after[i] == suffix[j] + 2 * hop[i, j]).only_enforce_if(z)
-        # the same without the WAN hops: 1F1B and ZB-H1 warm up deeper above a WAN boundary, enough
-        # microbatches in flight to cover its round trip (planner.warmup), so only these stall a stage
-        inner = {i: new(f"Wi_{i}") for i in dcs}
-        inner_after = {i: new(f"Ai_{i}") for i in dcs}
-        for i in dcs:
-            own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
-            md.add(inner[i] == own + inner_after[i])
-            md.add(inner_after[i] == 0).only_enforce_if(last[i])
-            md.add(inner_after[i] == 0).only_enforce_if(use[i].negated())
-        for (i, j), z in arcs.items():
-            md.add(inner_after[i] == inner[j]).only_enforce_if(z)
+
+        def sums(tag: str, wan: bool) -> tuple[dict[str, cp_model.IntVar], dict[str, cp_model.IntVar]]:
+            """suffix[i]: work + 2 x delays from the DC's first stage to the end; after[i]: strictly after the
+            DC; with ``wan`` False the WAN hops left out."""
+            suffix = {i: new(f"W{tag}_{i}") for i in dcs}
+            after = {i: new(f"A{tag}_{i}") for i in dcs}
+            for i in dcs:
+                own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
+                md.add(suffix[i] == own + after[i])
+                md.add(after[i] == 0).only_enforce_if(last[i])
+                md.add(after[i] == 0).only_enforce_if(use[i].negated())
+            for (i, j), z in arcs.items():
+                md.add(after[i] == suffix[j] + (2 * hop[i, j] if wan else 0)).only_enforce_if(z)
+            return suffix, after
+
+        suffix, after = sums("", wan=True)
+        # 1F1B and ZB-H1 warm up deeper above a WAN boundary, enough microbatches in flight to cover its
+        # round trip (planner.warmup), so only the in-DC hops stall a stage's round trip
+        inner, inner_after = sums("i", wan=False)
         c0 = stage_compute(pr.job, 1.0, (0, 1), False, False)
         ratio = Fraction(c0.backward_s / c0.forward_s).limit_denominator(100)  # b = ratio x f
         rn, rd = ratio.numerator, ratio.denominator
