@@ -235,6 +235,7 @@ class RankWorker:
         self._runtime: Any = None  # the session's StageRuntime once open (read by progress())
         self._links: dict[int, Any] = {}  # peer stage -> the session's WanLink once open (read by link_snapshots())
         self._service: Any = None  # the PrefillService once open (read by prefill_snapshot())
+        self._http: Any = None  # its HTTP front end once open (its stats go into prefill_snapshot())
         self._thread = threading.Thread(target=self._main, name=f"geosched-rank{role.rank}", daemon=True)
 
     @property
@@ -261,8 +262,10 @@ class RankWorker:
 
     def prefill_snapshot(self) -> dict[str, Any] | None:
         """The prefill service's metrics now (None without a service), also while idle (any thread)."""
-        service = self._service
-        return None if service is None else dict(service.metrics())
+        service, http = self._service, self._http
+        if service is None:
+            return None
+        return {**service.metrics(), **({"http": http.stats()} if http is not None else {})}
 
     def request_steps(self, steps: int) -> None:
         """Train ``steps`` more steps once the session is open."""
@@ -426,8 +429,15 @@ class RankWorker:
             from agents.layout import prefill_http_name
             from agents.prefill.http import PrefillHttpServer
 
-            http = stack.enter_context(PrefillHttpServer(service, *self.opts.prefill_http))
-            url = http.url if http.host not in ("0.0.0.0", "::", "") else f"http://{self.opts.bind_host}:{http.port}"
+            opts = self.opts
+            http = stack.enter_context(
+                PrefillHttpServer(
+                    service, *opts.prefill_http, limits=opts.prefill_http_limits, tls=opts.prefill_http_tls
+                )
+            )
+            self._http = http
+            scheme = http.url.split(":", 1)[0]
+            url = http.url if http.host not in ("0.0.0.0", "::", "") else f"{scheme}://{opts.bind_host}:{http.port}"
             self.book.publish(prefill_http_name(self.role.rank), url)
         return service
 
@@ -455,7 +465,7 @@ class RankWorker:
 
     def _prefill_metrics(self, service: Any) -> dict[str, Any]:
         """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
-        metrics: dict[str, Any] = json.loads(json.dumps(service.metrics()))
+        metrics: dict[str, Any] = json.loads(json.dumps(self.prefill_snapshot() or service.metrics()))
         if self.opts.run_dir is not None:
             path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
             with open(path + ".tmp", "w", encoding="utf-8") as fh:
