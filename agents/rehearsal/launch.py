@@ -86,19 +86,26 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
     return Calibration.from_dict(data)
 
 
-def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
+def striped_chunk_bytes(layout: JobLayout, floor: int = 2048) -> int:
     """WAN chunk size that stripes one activation over all of its link's streams.
 
     WanLink's own choice (>= 64 KiB) sends a small activation as one chunk on one
-    TCP stream, which a long link's per-connection window then throttles.
+    TCP stream, which a long link's per-connection window then throttles. The
+    size is the message's on the wire: its compressed payload where the plan
+    compresses the link (:mod:`geosched.compression`).
     """
+    from geosched.compression import compressed_bytes
     from geosched.costmodel import boundary_bytes
 
-    sizes = [
-        boundary_bytes(layout.job, layout.stage_layers[s - 1][1])
-        // max(1, layout.streams.get((min(a, b), max(a, b)), 1))  # keyed by the sorted DC pair
-        for s, a, b in layout.wan_boundaries()
-    ]
+    job, sizes = layout.job, []
+    for s, a, b in layout.wan_boundaries():
+        pair = (min(a, b), max(a, b))  # links are keyed by the sorted DC pair
+        wire = compressed_bytes(
+            boundary_bytes(job, layout.stage_layers[s - 1][1]),
+            job.bytes_per_element,
+            layout.compression.get(pair, "none"),
+        )
+        sizes.append(-(-wire // max(1, layout.streams.get(pair, 1))))
     return max(floor, min(sizes)) if sizes else 0
 
 

@@ -6,8 +6,9 @@ to the same layers of a one-process model), AdamW with the job's learning
 rate (sharded over the data-parallel group at ZeRO stage ``job.zero``, see
 :mod:`agents.dp.zero`), the data prefetcher (first stage: inputs; last stage: targets; both
 read ``batch(step, replica, ...)`` independently and deterministically),
-the links to the previous and next stage, the data-parallel group, and the
-lowered, validated schedule; then it runs the steps and returns one
+the links to the previous and next stage (compressed where the plan's link is,
+``boundary_codecs``), the data-parallel group, and the lowered, validated
+schedule; then it runs the steps and returns one
 :class:`~agents.stage.report.StepReport` per step (also appended to
 ``run_dir/rank<R>.jsonl`` when a run folder is given).
 
@@ -69,7 +70,7 @@ from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.security import LinkSecurity
-from agents.stage.transport import AddressBook, LinkTransport, link_id
+from agents.stage.transport import AddressBook, LinkTransport, boundary_codecs, link_id
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from agents.tp.shard import shard_stage
 from agents.wan.config import WanLinkConfig
@@ -350,7 +351,7 @@ class RankSession:
             listener.wait_peer(self.connect_timeout_s)
         if self.sync_links is not None:
             self.sync_links.connect()
-        return LinkTransport(links, stage=role.stage) if links else None
+        return LinkTransport(links, stage=role.stage, codecs=boundary_codecs(self.job, role)) if links else None
 
     def _join_group(self) -> DataParallelGroup | None:
         role = self.role
