@@ -1,26 +1,32 @@
-"""WAN compression (issue 18): the bytes, the time and the learning fp8 on the WAN links changes.
+"""WAN compression (issue 18): the bytes, the time and the learning a codec on the WAN links changes.
+
+``--codec`` (int8, the default, or fp8) is the codec of the keys:
 
 (a) A WAN-bound rehearsal: ``geosched launch`` of the demo model planned by hand
     one stage per DC (us -> eu -> ap, 2 blocks each), its two WAN links emulated
     at ``--wan-scale`` (default launch's 0.05: the demo's 0.2 Gb/s links become
     10 Mb/s, delays kept; an activation takes 26 ms of link, its forward 4 ms),
-    once with ``job.wan_compression: none`` and once with ``fp8`` (the same
+    once with ``job.wan_compression: none`` and once with the codec (the same
     layout; the planner compresses both links), rounds alternating the order.
     Both predictions use one calibration measured here first (the launch's
     own, plus the codec's cost, :mod:`agents.rehearsal.codec_profile`;
     ``--quick``: none, the config's FLOP rates).
-    ``wan_bytes_ratio``: the bytes the relays carried, fp8 / none (goal <= 0.55;
+    ``wan_bytes_ratio``: the bytes the relays carried, codec / none (goal <= 0.55;
     fp32 activations: (128 + 4) / 512 = 0.26); ``iteration_ratio_wan_bound``:
-    the measured iteration times, fp8 / none (goal <= 0.7); and each run's
+    the measured iteration times, codec / none (goal <= 0.7); and each run's
     measured / predicted.
 (b) What is learned: the demo model cut as that plan (3 stages of 2 blocks)
-    trained ``--loss-steps`` steps (200) in one process, twice, on the same
-    batches from the same seed: once as is, once with every tensor crossing a
-    stage boundary, per microbatch, encoded and decoded as the transports do
+    trained ``--loss-steps`` steps (200) in one process on the same batches from
+    the same seed: as is, and with every tensor crossing a stage boundary, per
+    microbatch, encoded and decoded as the transports do
     (:class:`agents.wan.compress.TensorCodec`: the activation forward, its
-    gradient back). ``loss_rel_diff_after_200_steps``: |final loss fp8 - final
-    loss none| / final loss none (goal <= 0.01); int8 too, except with ``--quick``.
-(c) The planner: ``configs/gpt3-3dc.yaml`` with ``job.wan_compression: fp8``,
+    gradient back). ``loss_rel_diff_after_200_steps``: |L codec - L none| / L none
+    (goal <= 0.01), L the trained model's loss on 8 held-out batches (the same
+    for all; one training step's loss is one batch's, too noisy to compare).
+    Except with ``--quick`` also the other codec and the noise floor: a training
+    whose boundary tensors are perturbed by 1e-6 of themselves ("jitter"). The
+    last training step's loss and the mean of the last 20 are reported beside.
+(c) The planner: ``configs/gpt3-3dc.yaml`` with ``job.wan_compression`` the codec,
     ``planner.planning.make_plan``'s predicted iteration
     (``gpt3_3dc_iteration_s_with_compression``; the uncompressed plan's too,
     except with ``--quick``).
@@ -28,12 +34,12 @@
     python benchmarks/compression.py --quick       # 3 steps a rehearsal, uncalibrated; 40 learning steps; no gpt3
     python benchmarks/compression.py --json        # last line: one JSON object
 
-JSON keys: ``wan_bytes_ratio``, ``loss_rel_diff_after_200_steps`` (None unless the learning ran 200 steps;
-``loss_rel_diff`` and ``loss_steps`` are what ran), ``iteration_ratio_wan_bound``,
+JSON keys: ``codec``, ``wan_bytes_ratio``, ``loss_rel_diff_after_200_steps`` (None unless the learning ran
+200 steps; ``loss_rel_diff`` and ``loss_steps`` are what ran), ``iteration_ratio_wan_bound``,
 ``gpt3_3dc_iteration_s_with_compression`` (None with ``--quick``), ``gpt3_3dc_iteration_s_without_compression``,
-``loss_rel_diff_int8``, ``losses_final`` ({none, fp8, int8}), ``measured_vs_predicted`` ({none, fp8}),
-``iteration_s`` ({none, fp8}), ``wan_bytes`` ({none, fp8}), ``codec_s_per_byte``, ``wan_scale``, ``steps``,
-``rounds``.
+``loss_rel_diff_by_codec`` ({codec, other, jitter}), ``held_out_loss``, ``train_loss_last_step`` ({none, ...}),
+``train_loss_rel_diff_last_step``, ``train_loss_rel_diff_mean_last_20``, ``measured_vs_predicted``,
+``iteration_s``, ``wan_bytes`` ({none, codec}), ``codec_s_per_byte``, ``wan_scale``, ``steps``, ``rounds``.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ DEMO = ROOT / "configs" / "demo-3dc.yaml"
 GPT3 = ROOT / "configs" / "gpt3-3dc.yaml"
 STAGE_DCS = ["us", "eu", "ap"]
 CUTS = [(0, 2), (2, 4), (4, 6)]
+HELD_OUT_FROM = 1_000_000  # the held-out batches' steps: never trained on
+HELD_OUT_STEPS = 8
+LAST_STEPS = 20  # the training losses averaged for the second figure
 
 
 def with_compression(path: Path, codec: str) -> dict[str, Any]:
@@ -75,40 +84,40 @@ def with_compression(path: Path, codec: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- (a) the rehearsal
 
 
-def rehearse(folder: Path, steps: int, wan_scale: float, rounds: int, calibrated: bool) -> dict[str, Any]:
-    """(a): the demo, one stage per DC, none and fp8 alternately; bytes, iteration times, predictions
+def rehearse(folder: Path, codec: str, steps: int, wan_scale: float, rounds: int, calibrated: bool) -> dict[str, Any]:
+    """(a): the demo, one stage per DC, none and ``codec`` alternately; bytes, iteration times, predictions
     (``calibrated``: from one calibration measured here, else from the config's FLOP rates)."""
     plans: dict[str, Path] = {}
     configs: dict[str, Path] = {}
-    for codec in ("none", "fp8"):
-        data = with_compression(DEMO, codec)
-        configs[codec] = folder / f"demo-{codec}.yaml"
-        configs[codec].write_text(yaml.safe_dump(data, sort_keys=False))
-        plans[codec] = folder / f"plan-{codec}.yaml"
-        plans[codec].write_text(layout_plan_text(config_from_dict(data), STAGE_DCS, stage_layers=CUTS))
-    layout = parse_layout(plans["fp8"].read_text())
-    assert layout.compression == {("eu", "us"): "fp8", ("ap", "eu"): "fp8"}, layout.compression
+    for name in ("none", codec):
+        data = with_compression(DEMO, name)
+        configs[name] = folder / f"demo-{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(data, sort_keys=False))
+        plans[name] = folder / f"plan-{name}.yaml"
+        plans[name].write_text(layout_plan_text(config_from_dict(data), STAGE_DCS, stage_layers=CUTS))
+    layout = parse_layout(plans[codec].read_text())
+    assert layout.compression == {("eu", "us"): codec, ("ap", "eu"): codec}, layout.compression
     started = time.monotonic()
     codec_cost = measure_codec(layout.job)["codec_s_per_byte"]
     cal = None
     if calibrated:
         cal = dataclasses.replace(calibrate(layout, wan_scale), codec_s_per_byte=codec_cost)  # launch's, once
     print(f"calibration: {time.monotonic() - started:.1f} s, codec {codec_cost:.3g} s/byte", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {"none": [], "fp8": []}
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], codec: []}
     for r in range(rounds):
-        for codec in ("none", "fp8") if r % 2 == 0 else ("fp8", "none"):
+        for name in ("none", codec) if r % 2 == 0 else (codec, "none"):
             report = launch(
-                str(configs[codec]),
-                plan_path=str(plans[codec]),
+                str(configs[name]),
+                plan_path=str(plans[name]),
                 steps=steps,
-                run_dir=folder / f"r{r}-{codec}",
+                run_dir=folder / f"r{r}-{name}",
                 wan_scale=wan_scale,
                 calibration=cal,
                 out=None,
             )
-            runs[codec].append(report)
+            runs[name].append(report)
             print(
-                f"round {r}: {codec:<4} {report['measured_iteration_s'] * 1e3:7.1f} ms/iteration (predicted "
+                f"round {r}: {name:<4} {report['measured_iteration_s'] * 1e3:7.1f} ms/iteration (predicted "
                 f"{report['predicted_iteration_s'] * 1e3:.1f}), WAN {sum(report['wan_bytes'].values()) / 1e6:.3f} MB, "
                 f"loss {report['losses'][-1]:.4f}",
                 flush=True,
@@ -116,8 +125,8 @@ def rehearse(folder: Path, steps: int, wan_scale: float, rounds: int, calibrated
     iteration = {c: statistics.median(r["measured_iteration_s"] for r in runs[c]) for c in runs}
     wan = {c: statistics.median(sum(r["wan_bytes"].values()) for r in runs[c]) for c in runs}
     return {
-        "wan_bytes_ratio": wan["fp8"] / wan["none"],
-        "iteration_ratio_wan_bound": iteration["fp8"] / iteration["none"],
+        "wan_bytes_ratio": wan[codec] / wan["none"],
+        "iteration_ratio_wan_bound": iteration[codec] / iteration["none"],
         "iteration_s": iteration,
         "wan_bytes": wan,
         "measured_vs_predicted": {c: statistics.median(r["measured_vs_predicted"] for r in runs[c]) for c in runs},
@@ -142,10 +151,24 @@ class Boundary(torch.autograd.Function):
         return ctx.codec.decode(ctx.codec.encode(grad.contiguous())), None
 
 
-def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> list[float]:
+class Jitter:
+    """Not a codec: every value times (1 + 1e-6 x a seeded normal), to measure how far two trainings part
+    that differ by next to nothing (the learning comparison's noise floor)."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + 1e-6 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype))
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> tuple[list[float], float]:
     """The losses of ``steps`` steps of the model cut at :data:`CUTS`, microbatch by microbatch as the
     runtime runs them ((loss / m).backward() each, then one AdamW step), each boundary tensor through
-    ``codec`` ("none": as is)."""
+    ``codec`` ("none": as is; "jitter": :class:`Jitter`); and the trained model's :func:`held_out_loss`."""
     stages = [
         build_stage(job.model, a, b, first=i == 0, last=i == len(CUTS) - 1, seed=job.seed)
         for i, (a, b) in enumerate(CUTS)
@@ -154,7 +177,11 @@ def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> lis
     optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
     m = job.global_batch // job.batch
     shape = (job.batch, job.model.seq_len, job.model.hidden)
-    link = None if codec == "none" else TensorCodec(codec, PRECISION_DTYPES[job.precision], shape)  # type: ignore[arg-type]
+    link: Any = None
+    if codec == "jitter":
+        link = Jitter()
+    elif codec != "none":
+        link = TensorCodec(codec, PRECISION_DTYPES[job.precision], shape)  # type: ignore[arg-type]
     losses = []
     for step in range(steps):
         total = 0.0
@@ -169,36 +196,61 @@ def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> lis
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses
+    return losses, held_out_loss(stages, dataset, job)
+
+
+def held_out_loss(stages: list[Any], dataset: TextDataset, job: JobSpec) -> float:
+    """What the model learned: its mean loss, uncompressed, on :data:`HELD_OUT_STEPS` batches of steps far
+    beyond any trained (the same batches for every codec). One training step's loss is one batch's, whose
+    noise (+-0.2 here) swamps the codec's effect."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for step in range(HELD_OUT_FROM, HELD_OUT_FROM + HELD_OUT_STEPS):
+            for inputs, targets in dataset.batch(step, 0, 1, job.batch, job.global_batch // job.batch):
+                h = inputs
+                for stage in stages:
+                    h = stage(h)
+                total += float(stages[-1].loss(h, targets))
+                count += 1
+    return total / count
 
 
 def learning(job: JobSpec, steps: int, codecs: tuple[str, ...]) -> dict[str, Any]:
-    """(b): the final loss with each codec against none."""
+    """(b): what each codec changes in what is learned: the held-out loss after ``steps`` steps against
+    none's (the first codec's is the key), and the last training step's loss and the mean of the last
+    :data:`LAST_STEPS`."""
     dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
-    finals = {}
+    held, last, tail = {}, {}, {}
     for codec in ("none", *codecs):
         started = time.monotonic()
-        losses = train_cut(job, dataset, steps, codec)
-        finals[codec] = losses[-1]
+        losses, held[codec] = train_cut(job, dataset, steps, codec)
+        last[codec], tail[codec] = losses[-1], statistics.fmean(losses[-LAST_STEPS:])
         print(
-            f"learning {codec:<4}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {steps} steps "
+            f"learning {codec:<4}: training loss {losses[0]:.4f} -> {losses[-1]:.4f} in {steps} steps (mean of "
+            f"the last {LAST_STEPS} {tail[codec]:.4f}), held-out loss {held[codec]:.4f} "
             f"({time.monotonic() - started:.1f} s)",
             flush=True,
         )
-    diff = {c: abs(finals[c] - finals["none"]) / finals["none"] for c in codecs}
+
+    def rel(values: dict[str, float], codec: str) -> float:
+        return abs(values[codec] - values["none"]) / values["none"]
+
     return {
-        "loss_rel_diff_after_200_steps": diff["fp8"] if steps == 200 else None,
-        "loss_rel_diff": diff["fp8"],
+        "loss_rel_diff_after_200_steps": rel(held, codecs[0]) if steps == 200 else None,
+        "loss_rel_diff": rel(held, codecs[0]),
         "loss_steps": steps,
-        "loss_rel_diff_int8": diff.get("int8"),
-        "losses_final": finals,
+        "loss_rel_diff_by_codec": {c: rel(held, c) for c in codecs},
+        "held_out_loss": held,
+        "train_loss_last_step": last,
+        "train_loss_rel_diff_last_step": {c: rel(last, c) for c in codecs},
+        f"train_loss_rel_diff_mean_last_{LAST_STEPS}": {c: rel(tail, c) for c in codecs},
     }
 
 
 # ---------------------------------------------------------------------------- (c) the planner
 
 
-def gpt3(codecs: tuple[str, ...]) -> dict[str, Any]:
+def gpt3(codecs: tuple[str, ...]) -> dict[str, Any]:  # the first compresses
     """(c): the planner's predicted iteration of gpt3-3dc with each codec."""
     from planner.planning import make_plan
 
@@ -208,7 +260,7 @@ def gpt3(codecs: tuple[str, ...]) -> dict[str, Any]:
         config: Config = config_from_dict(with_compression(GPT3, codec))
         plan = make_plan(config).plan
         compressed = sum(link.compression != "none" for link in plan.links)
-        name = "with" if codec == "fp8" else "without"
+        name = "without" if codec == "none" else "with"
         out[f"gpt3_3dc_iteration_s_{name}_compression"] = plan.prediction.iteration_s
         print(
             f"gpt3-3dc {codec:<4}: {plan.prediction.iteration_s:.3f} s per iteration, {len(plan.links)} WAN links "
@@ -222,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     """(a), (b), (c); print each line and, with --json, one object."""
     parser = benchmark_parser(__doc__, "3 steps a rehearsal, uncalibrated; 40 learning steps; no gpt3 (under a minute)")
     parser.add_argument("--steps", type=int, help="training steps per rehearsal (default 10; --quick 3)")
-    parser.add_argument("--rounds", type=int, help="none+fp8 rehearsal pairs (default 2; --quick 1)")
+    parser.add_argument("--rounds", type=int, help="uncompressed+compressed rehearsal pairs (default 2; --quick 1)")
+    parser.add_argument("--codec", choices=("int8", "fp8"), default="int8", help="the codec of the keys (int8)")
     parser.add_argument(
         "--wan-scale",
         type=float,
@@ -235,19 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     loss_steps = args.loss_steps or (40 if args.quick else 200)
     torch.set_num_threads(1)  # as every rank runs; the learning comparison too
-    job = config_from_dict(with_compression(DEMO, "fp8")).job
-    result: dict[str, Any] = {}
-    result.update(learning(job, loss_steps, ("fp8",) if args.quick else ("fp8", "int8")))
+    codec, other = args.codec, {"int8": "fp8", "fp8": "int8"}[args.codec]
+    job = config_from_dict(with_compression(DEMO, codec)).job
+    result: dict[str, Any] = {"codec": codec}
+    result.update(learning(job, loss_steps, (codec,) if args.quick else (codec, other, "jitter")))
     with tempfile.TemporaryDirectory(prefix="geosched-compression-") as tmp:
-        result.update(rehearse(Path(tmp), steps, args.wan_scale, rounds, calibrated=not args.quick))
-    result.update(gpt3(() if args.quick else ("fp8", "none")))
+        result.update(rehearse(Path(tmp), codec, steps, args.wan_scale, rounds, calibrated=not args.quick))
+    result.update(gpt3(() if args.quick else (codec, "none")))
     result.setdefault("gpt3_3dc_iteration_s_with_compression", None)
     result.update({"wan_scale": args.wan_scale, "steps": steps, "rounds": rounds})
     print(
-        f"WAN bytes fp8/none {result['wan_bytes_ratio']:.3f} (goal <= 0.55), iteration fp8/none "
-        f"{result['iteration_ratio_wan_bound']:.3f} (goal <= 0.7), loss rel diff after {loss_steps} steps "
+        f"{codec}: WAN bytes / none {result['wan_bytes_ratio']:.3f} (goal <= 0.55), iteration / none "
+        f"{result['iteration_ratio_wan_bound']:.3f} (goal <= 0.7), held-out loss rel diff after {loss_steps} steps "
         f"{result['loss_rel_diff']:.2e} (goal <= 0.01), measured/predicted none "
-        f"{result['measured_vs_predicted']['none']:.2f}, fp8 {result['measured_vs_predicted']['fp8']:.2f}"
+        f"{result['measured_vs_predicted']['none']:.2f}, {codec} {result['measured_vs_predicted'][codec]:.2f}"
     )
     emit(result, args.json)
     return 0
