@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from geosched import model_counts
-from geosched.calibration import Calibration
+from geosched.calibration import Calibration, ring_rate
 from geosched.chunking import chunks_per_message
 from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
 from geosched.errors import ConfigError
@@ -153,28 +153,33 @@ def optimizer_step_estimate_s(
     return params * per_param / memory_bandwidth_bps
 
 
-def tp_allreduce_s(job: JobSpec, dc: DatacenterSpec) -> float:
+def tp_allreduce_s(job: JobSpec, dc: DatacenterSpec, calibration: Calibration | None = None) -> float:
     """One tensor-parallel all-reduce of a block's output for one microbatch inside a node.
 
     Megatron-LM (Shoeybi et al. 2019, sec. 3) all-reduces the ``b x s x h``
     output of the attention and of the MLP: 2 per block forward, 2 backward
     (2 more when the forward is recomputed), each a ring over the ``t`` GPUs
-    of a node (:func:`ring_allreduce_s`). 0 without tensor parallelism.
+    of a node (:func:`ring_allreduce_s`) at the node link's rate, or at the
+    rate measured between co-located ranks when ``calibration`` has a fit
+    (:func:`geosched.calibration.ring_rate`). 0 without tensor parallelism.
     """
     nbytes = job.batch * job.model.seq_len * job.model.hidden * job.bytes_per_element
-    return ring_allreduce_s(nbytes, job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6)
+    bps, latency = ring_rate(calibration, "all_reduce", job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6)
+    return ring_allreduce_s(nbytes, job.tp, bps, latency)
 
 
-def tp_gather_s(job: JobSpec, dc: DatacenterSpec, nbytes: int) -> float:
+def tp_gather_s(job: JobSpec, dc: DatacenterSpec, nbytes: int, calibration: Calibration | None = None) -> float:
     """All-gather of a boundary tensor of ``nbytes`` over a receiving stage's ``t`` tensor-parallel ranks.
 
     Megatron's scatter/gather (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     Clusters", sec. 4.1): each of the sending stage's ``t`` ranks sends only its ``1/t`` slice of the
     (replicated) boundary activation or gradient, so a link carries the tensor once per replica instead of
     ``t`` times, and the receivers rebuild it with one ring all-gather inside their node: half a ring
-    all-reduce, ``(t-1)/t x bytes x 8 / B + (t-1) x latency``. 0 without tensor parallelism.
+    all-reduce, ``(t-1)/t x bytes x 8 / B + (t-1) x latency`` (B and latency measured when ``calibration``
+    has an all-gather fit). 0 without tensor parallelism.
     """
-    return ring_allreduce_s(nbytes, job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6) / 2
+    bps, latency = ring_rate(calibration, "all_gather", job.tp, dc.node_bandwidth_gbps * 1e9, dc.node_latency_us * 1e-6)
+    return ring_allreduce_s(nbytes, job.tp, bps, latency) / 2
 
 
 def stage_compute(
@@ -195,8 +200,9 @@ def stage_compute(
     "Training Deep Nets with Sublinear Memory Cost"). With a calibration,
     measured per-sequence times are used instead, scaled by
     ``calibration.tflops / gpu_tflops`` for other GPU kinds: the stage's own
-    times if it was measured whole (``Calibration.stage_times``), else the sum
-    of its pieces. Blocks divide by the tensor-parallel degree ``t`` (the
+    times if it was measured whole (``Calibration.stage_times``; a tensor-parallel
+    one sharded over its ``t`` processes, all-reduces included), else the sum
+    of its pieces. Pieces' blocks divide by the tensor-parallel degree ``t`` (the
     head and embeddings do not) and add ``tp_allreduce`` (:func:`tp_allreduce_s`)
     2 times per block forward and 2 (+2 with recompute) backward.
 
@@ -209,6 +215,8 @@ def stage_compute(
     calibration.optimizer_step_s_per_param`` (same scaling), else
     :func:`optimizer_step_estimate_s`; with ZeRO (stage >= 1) each of the
     ``dp`` replicas steps ``1/dp`` of the parameters (Rajbhandari et al. 2020).
+    A stage measured whole with its step (``StageTime.step_s``, at this ``dp``
+    unless ZeRO is off) takes that instead: ZeRO-1's parameter broadcasts included.
     """
     b, t = job.batch, job.tp
     start, end = layers
@@ -219,9 +227,10 @@ def stage_compute(
     if calibration is not None:
         ratio = calibration.tflops / gpu_tflops
         scale = b * ratio
-        whole = calibration.stage_time(layers, first, last) if t == 1 else None
+        whole = calibration.stage_time(layers, first, last, t)
         if whole is not None:
             fwd, bwd = whole.forward_s, whole.backward_s
+            tp_allreduce = 0.0 if t > 1 else tp_allreduce  # measured inside the sharded stage's times
         else:
             fwd = (
                 n * calibration.block_forward_s / t
@@ -235,6 +244,8 @@ def stage_compute(
             )
         per_param = calibration.optimizer_step_s_per_param
         step = step_params * per_param * ratio if per_param is not None else optimizer_step_estimate_s(job, step_params)
+        if whole is not None and whole.step_s is not None and (whole.dp == dp or job.zero_stage == 0):
+            step = whole.step_s * ratio
         fwd, bwd = fwd * scale, bwd * scale
     else:
         costs = layer_costs(job)
@@ -327,6 +338,7 @@ class PipelineCosts:
         memo: dict[Hashable, Any] | None = None,
     ):
         self.cluster, self.job, self.dp = cluster, job, dp
+        self.calibration = calibration
         self.replicas = replicas or dp  # ZeRO shards over every replica of a stage
         self._sync_s = tuple(sync_s) if sync_s is not None else None
         share = sharing or {}
@@ -345,7 +357,7 @@ class PipelineCosts:
                     first,
                     last,
                     calibration,
-                    tp_allreduce=tp_allreduce_s(job, spec),
+                    tp_allreduce=tp_allreduce_s(job, spec, calibration),
                     dp=self.replicas,
                 )
             return known[key]  # type: ignore[no-any-return]
@@ -371,7 +383,7 @@ class PipelineCosts:
             ]
         self._transfers: dict[tuple[int, int], Transfer] = {}
         self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
-        cal = self.calibration = calibration
+        cal = calibration
         latency = (cal.message_latency_s or 0.0) if cal is not None else 0.0
         self.charges_messages = cal is not None and cal.message_overhead_s is not None
         """True when SEND/RECV take stage time (the simulator asks ``compute_s`` for them)."""
@@ -402,7 +414,7 @@ class PipelineCosts:
         part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
         out = []
         for src, dst in ((a, b), (b, a)):
-            gather = tp_gather_s(job, cluster.dc(dst), nbytes)
+            gather = tp_gather_s(job, cluster.dc(dst), nbytes, cal)
             if link is None:
                 tr = intra_transfer(cluster.dc(a), part)
             else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
@@ -441,20 +453,23 @@ class PipelineCosts:
         a ring all-reduce; the reduce-scatters ran after every microbatch's
         backward (:meth:`reduce_scatter_s`), which is why ZeRO 2 costs time
         under a pipeline's gradient accumulation and pays only when memory binds.
+        The ring runs at the DC's intra link, or as measured between co-located ranks when the calibration
+        has an all-reduce fit for ``dp`` (:func:`geosched.calibration.ring_rate`).
         """
         if self._sync_s is not None:
             return self._sync_s[stage]
-        dc = self.cluster.dc(self.stage_dcs[stage])
-        whole = ring_allreduce_s(
-            self.grad_bytes[stage], self.dp, dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
-        )
+        whole = ring_allreduce_s(self.grad_bytes[stage], self.dp, *self._dp_rate(stage))
         return whole / 2 if self.job.zero_stage >= 2 else whole
 
     def reduce_scatter_s(self, stage: int) -> float:
         """One reduce-scatter of ``stage``'s gradients among its ``dp`` replicas: half a ring all-reduce."""
+        return ring_allreduce_s(self.grad_bytes[stage], self.dp, *self._dp_rate(stage)) / 2
+
+    def _dp_rate(self, stage: int) -> tuple[float, float]:
         dc = self.cluster.dc(self.stage_dcs[stage])
-        bps, latency = dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
-        return ring_allreduce_s(self.grad_bytes[stage], self.dp, bps, latency) / 2
+        return ring_rate(
+            self.calibration, "all_reduce", self.dp, dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
+        )
 
     def transfer(self, src_stage: int, dst_stage: int, kind: str, microbatch: int) -> Transfer:
         """The message from ``src_stage`` to ``dst_stage`` (an activation for F, a gradient for B)."""
