@@ -80,6 +80,7 @@ def measure_stage(
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
     microbatches: int = 1,
+    module: torch.nn.Module | None = None,
 ) -> StageTiming:
     """Time forward and backward of one microbatch through the stage holding ``layers`` (+ embeddings/head).
 
@@ -89,12 +90,14 @@ def measure_stage(
     forward includes the loss. Gradients accumulate as they do across
     microbatches. Several microbatches in flight matter on a CPU: the stash
     and the weights no longer fit the caches, which a one-microbatch loop hides.
+    ``module``: the stage to time (e.g. one sharded over tensor-parallel ranks) instead of a fresh one.
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    stage = build_stage(
-        job.model, layers[0], layers[1], first=first, last=last, seed=job.seed, dtype=PRECISION_DTYPES[job.precision]
-    ).to(device)
+    stage: Any = module
+    if stage is None:
+        dtype = PRECISION_DTYPES[job.precision]
+        stage = build_stage(job.model, *layers, first=first, last=last, seed=job.seed, dtype=dtype).to(device)
     shape = ModelShape.of(job.model)
     b, T = job.batch, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
