@@ -58,17 +58,20 @@ DEFAULT_WAN_SCALE = 0.05
 """
 
 
-def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
+def calibrate(layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None) -> Any:
     """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
-    The plan's stages whole, its WAN streams and the emulator's share
-    (:func:`agents.rehearsal.calibrate.plan_options`).
+    The plan's stages whole, with tensor- or in-DC data-parallel groups its
+    ranks together and their collectives, its WAN streams and the emulator's
+    share (:func:`agents.rehearsal.calibrate.plan_options`); written to
+    ``save_to`` too when given (the run folder's ``calibration.json``).
     """
     import torch
 
     from agents.rehearsal.calibrate import calibrate as measure
     from agents.rehearsal.calibrate import plan_options
     from geosched.costmodel import Calibration
+    from geosched.profile import write_calibration
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
@@ -77,6 +80,8 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
         data = measure(layout.job, repeats=3, warmup=1, co_located=copies, **plan_options(layout, wan_scale))
     finally:
         torch.set_num_threads(threads)
+    if save_to is not None:
+        write_calibration(data, save_to)
     return Calibration.from_dict(data)
 
 
@@ -174,8 +179,11 @@ def launch(
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json")]:
         old.unlink()
     (run / "plan.yaml").write_text(text)
+    calibration_s = None
     if calibration == "measure":
-        calibration = calibrate(layout, wan_scale)
+        began = time.monotonic()
+        calibration = calibrate(layout, wan_scale, run / "calibration.json")
+        calibration_s = time.monotonic() - began
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
@@ -296,6 +304,7 @@ def launch(
             "wall_s": wall_s,
             "agent_exit_codes": codes,
             "calibrated": calibration is not None,
+            "calibration_s": calibration_s,  # seconds spent measuring it (None: given or none)
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
             "secure": keys is not None,
             "broker_refusals": refusals,  # the embedded broker's refusals by kind (None: an outside broker)
