@@ -14,8 +14,9 @@ nothing imports upward, not even lazily):
 - ``keys``: a job's key folder (signing keys, CURVE keys, prefill token, MQTT
   passwords), written by ``geosched keys`` and read by agents and the coordinator;
 - ``layout`` (plan, roles, endpoint names; torch-free), ``sockets`` (the
-  one ZeroMQ socket factory) and ``metrics`` (the Prometheus metrics and
-  their HTTP endpoint), which every layer may import.
+  one ZeroMQ socket factory), ``metrics`` (the Prometheus metrics and
+  their HTTP endpoint) and ``tls`` (the HTTP endpoints' TLS contexts and a
+  rehearsal's certificate), which every layer may import.
 
 agents/ may import planner/ and the core (geosched/ without its CLI), never
 geosched.cli or geosched.commands.

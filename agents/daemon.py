@@ -41,10 +41,11 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.control.auth import ControlKeys
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
@@ -62,6 +63,9 @@ from agents.metrics.families import AgentMetrics, loop_answers
 from agents.metrics.server import MetricsServer
 from agents.runnable import check_agent_fits
 from geosched.errors import GeoschedError, InputError, LinkError
+
+if TYPE_CHECKING:
+    from agents.prefill.connections import HttpLimits
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +174,13 @@ class AgentOptions:
     prefill_weights: str | None = None  # weights file or checkpoint folder of the served model (None: seeded)
     prefill_follow: bool = False  # serve each newer checkpoint that completes in the prefill_weights folder
     prefill_http: tuple[str, int] | None = None  # also serve prefill over HTTP on (host, port) (None: off)
+    prefill_http_tls: ssl.SSLContext | None = None  # its TLS (None: plain HTTP, --prefill-http-insecure)
+    prefill_http_limits: HttpLimits | None = None  # its bounds (None: the defaults)
     control_keys: ControlKeys | None = None  # sign statuses; obey only the coordinator's signed plans/commands
     keys: JobKeys | None = None  # the job's key folder (--keys): signing, CURVE on links and prefill, MQTT login
     prefill_token: str | None = None  # prefill clients must send this token (--prefill-token-file or --keys)
     metrics_bind: tuple[str, int] | None = None  # serve Prometheus /metrics and /health on (host, port) (None: off)
+    metrics_tls: ssl.SSLContext | None = None  # its TLS (None: plain HTTP, --metrics-insecure)
 
 
 class Agent:
@@ -448,7 +455,9 @@ class Agent:
         opts, metrics = self.opts, self.metrics
         if opts.metrics_bind is None:
             return None
-        server = MetricsServer(*opts.metrics_bind, metrics.registry, lambda: metrics.health(loop_answers(self._loop)))
+        server = MetricsServer(
+            *opts.metrics_bind, metrics.registry, lambda: metrics.health(loop_answers(self._loop)), tls=opts.metrics_tls
+        )
         self._fixed[metrics_name(opts.rank)] = server.start().url(opts.bind_host)
         return server
 

@@ -7,8 +7,9 @@ reads its text (what the coordinator publishes on the broker) with
 :func:`planner.plan.plan_from_dict`, which checks everything against the
 embedded config, and turns it into a :class:`JobLayout`: the config, the
 pipeline (DC and ``[start, end)`` blocks of every stage), the data-parallel
-degree, TCP streams per WAN link, the prediction, and the :class:`RankRole` of
-every rank (rank = (stage x dp + replica) x tp + tp_rank, the plan's numbering).
+degree, TCP streams and compression (``none``, ``int8``, ``fp8``) per WAN
+link, the prediction, and the :class:`RankRole` of every rank (rank = (stage
+x dp + replica) x tp + tp_rank, the plan's numbering).
 With pipelines in several DCs (``extra_pipelines``) a stage's group is its
 replicas in one DC (``"<dc>/stage<s>"``) and each role's ``sync`` says its part
 in the cross-DC gradient all-reduce (:class:`~geosched.hierarchical.SyncRole`:
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
+from geosched.compression import Codec
 from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
 from geosched.hierarchical import Member, SyncRole, sync_roles
@@ -61,6 +63,8 @@ class RankRole:
     tp_size: int = 1  # GPUs per stage replica
     warmup: tuple[int, ...] = ()  # forwards per stage before its first backward, every stage (): the schedule's
     sync: SyncRole | None = None  # data parallelism across DCs: the cross-DC part of the gradient all-reduce
+    compress_prev: Codec = "none"  # how activations and gradients cross the link to stage-1 (the plan's link)
+    compress_next: Codec = "none"  # the same for the link to stage+1 (geosched.compression)
 
     @property
     def first(self) -> bool:
@@ -140,6 +144,11 @@ def layout_roles(
 def _streams(streams: dict[tuple[str, str], int], a: str, b: str | None) -> int:
     """TCP streams of the plan's link between DCs ``a`` and ``b`` (1 inside a DC or without a link)."""
     return 1 if b in (None, a) else streams.get((min(a, str(b)), max(a, str(b))), 1)
+
+
+def _codec(codecs: dict[tuple[str, str], Codec], a: str, b: str | None) -> Codec:
+    """How the plan's link between DCs ``a`` and ``b`` carries the pipeline's tensors ("none" inside a DC)."""
+    return "none" if b in (None, a) else codecs.get((min(a, str(b)), max(a, str(b))), "none")
 
 
 def _sync_roles(plan: Any, streams: dict[tuple[str, str], int]) -> dict[int, SyncRole]:
@@ -240,6 +249,7 @@ class JobLayout:
     predicted_bubble_fraction: float | None = None
     extra_pipelines: tuple[tuple[str, ...], ...] = ()
     warmup: tuple[int, ...] = ()  # forwards per stage before its first backward (): the schedule's own
+    compression: dict[tuple[str, str], Codec] = field(default_factory=dict)  # sorted DC pair -> codec, if not none
 
     @property
     def stage_warmup(self) -> tuple[int, ...] | None:
@@ -343,6 +353,11 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
     stage_dcs = [s.dc for s in plan.stages]
     stage_layers = [s.layers for s in plan.stages]
     streams = {(min(link.between), max(link.between)): link.streams for link in plan.links}  # sorted DC pair
+    codecs: dict[tuple[str, str], Codec] = {
+        (min(link.between), max(link.between)): cast(Codec, link.compression)  # plan_from_dict checked it
+        for link in plan.links
+        if link.compression != "none"
+    }
     try:
         roles = layout_roles(
             stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1), tp=plan.tensor_parallel
@@ -355,6 +370,15 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         roles = [_role_of(spec, plan.num_stages, replicas, streams, sync[spec.rank]) for spec in plan.ranks]
     if plan.warmup:
         roles = [replace(role, warmup=plan.warmup) for role in roles]
+    if codecs:  # the plan compresses some WAN links: both ends of each know (agents.wan.compress)
+        roles = [
+            replace(
+                role,
+                compress_prev=_codec(codecs, role.dc, role.prev_dc),
+                compress_next=_codec(codecs, role.dc, role.next_dc),
+            )
+            for role in roles
+        ]
     for role, spec in zip(roles, plan.ranks):  # the runtime's numbering
         assert (role.rank, role.dc, role.stage, role.replica, role.tp_rank) == (
             spec.rank,
@@ -376,6 +400,7 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
         plan.prediction.bubble_fraction,
         plan.extra_pipelines,
         plan.warmup,
+        codecs,
     )
 
 

@@ -15,26 +15,19 @@ RUNTIME_TP = 8
 """The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
 
 
-def tp_refusal(job: JobSpec, dp: int) -> str | None:
-    """Why a stage cannot run tensor parallelism ``job.tp`` with data-parallel degree ``dp``, or None."""
+def tp_refusal(job: JobSpec) -> str | None:
+    """Why a stage cannot run tensor parallelism ``job.tp``, or None (every ZeRO level and dp run with it)."""
     if job.tp > RUNTIME_TP:
         return (
             f"the plan's tensor_parallel {job.tp} is more than this agent runs ({RUNTIME_TP}); "
             f"re-plan with 'geosched plan CONFIG --tp {RUNTIME_TP}'"
-        )
-    if job.tp > 1 and dp > 1 and job.zero_stage > 0:
-        return (
-            f"ZeRO {job.zero_stage} with tensor_parallel {job.tp} and dp {dp} is not supported (the optimizer "
-            f"would shard over the tp ranks too); re-plan with 'geosched plan CONFIG --zero 0' or '--tp 1'"
         )
     return None
 
 
 def sync_refusal(job: JobSpec) -> str | None:
     """Why a stage cannot sync its gradients across DCs (:mod:`agents.crossdc`) in ``job``, or None."""
-    if job.tp > 1:  # the cross-DC sync runs on whole stages
-        return f"tensor_parallel {job.tp} with data parallelism across DCs is not supported; re-plan with --tp 1"
-    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN
+    if job.zero_stage >= 2:  # it would reduce-scatter over the WAN every step; the planner never proposes it
         return f"ZeRO {job.zero_stage} with data parallelism across DCs is not supported; re-plan with --zero 1"
     return None
 
@@ -42,7 +35,7 @@ def sync_refusal(job: JobSpec) -> str | None:
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
     across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job, layout.replicas) or across
+    return tp_refusal(layout.job) or across
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
@@ -62,13 +55,14 @@ def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
 
 
 def plan_for_config(config: Config) -> str:
-    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; when the agents
-    cannot run it (:func:`runtime_refusal`), the best plan without tensor parallelism."""
+    """The planner's best plan for ``config`` (minimum iteration time), as plan file text; PlanError naming
+    the dimension if the agents cannot run it (:func:`runtime_refusal`: only a tensor-parallel degree above
+    :data:`RUNTIME_TP`, from nodes larger than that)."""
     from planner.plan import dump_plan
     from planner.planning import make_plan
-    from planner.variants import Pins
 
     text = dump_plan(make_plan(config).plan)
-    if runtime_refusal(parse_layout(text)) is None:
-        return text
-    return dump_plan(make_plan(config, pins=Pins(tp=1)).plan)
+    refusal = runtime_refusal(parse_layout(text))
+    if refusal is not None:
+        raise PlanError(f"the best plan for {config.cluster.name!r}: {refusal}")
+    return text

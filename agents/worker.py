@@ -120,11 +120,13 @@ class RankCheckpoints:
         checkpoint has this layout, else resharded from every shard of the step (another stage split)."""
         if self.start_step > 0:
             if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
+                from agents.checkpoint.state import load_optimizer_state
                 from agents.tp.whole import load_whole_training_state
 
                 whole, whole_optimizer = self._whole_stage()
                 self._load(whole, whole_optimizer)
-                load_whole_training_state(module, optimizer, whole.state_dict(), whole_optimizer.state_dict())
+                shards = load_whole_training_state(module, whole.state_dict(), whole_optimizer.state_dict())
+                load_optimizer_state(optimizer, shards)  # ZeRO keeps its replica's share of them
             else:
                 self._load(module, optimizer)
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
@@ -155,15 +157,14 @@ class RankCheckpoints:
         from agents.checkpoint.state import gather_optimizer_state
         from agents.checkpoint.store import CheckpointWriter
 
+        # ZeRO: every replica sends its share of the state to replica 0 (with tp: each tp rank over its "dp" group)
+        gather_optimizer_state(optimizer)
+        if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
+            return False
         if self.role.tp_size > 1:  # replica 0's tp ranks gather the whole stage; its tp rank 0 writes it
-            if self.role.replica != 0:
-                return False
             module, optimizer = self._whole_stage(module, optimizer)
             if self.role.tp_rank != 0:
                 return False
-        gather_optimizer_state(optimizer)  # ZeRO: every replica sends its share of the state to replica 0
-        if self.role.replica != 0:  # replicas hold identical weights; replica 0 writes (it holds the whole state now)
-            return False
         if self._writer is None:
             from geosched.weights import ModelRecord
 
@@ -193,7 +194,14 @@ class RankCheckpoints:
         )
         optimizer = torch.optim.AdamW(whole.parameters(), lr=job.learning_rate)
         if sharded is not None:
-            module_state, optimizer_state = whole_training_state(sharded, sharded_optimizer)
+            from agents.checkpoint.state import ShardedOptimizer
+
+            saved = (  # ZeRO: the whole state gathered on this replica by save_now; else the optimizer's own
+                sharded_optimizer.whole_state_dict()
+                if isinstance(sharded_optimizer, ShardedOptimizer)
+                else sharded_optimizer.state_dict()
+            )
+            module_state, optimizer_state = whole_training_state(sharded, saved)
             whole.load_state_dict(module_state)
             optimizer.load_state_dict(optimizer_state)
         return whole, optimizer
@@ -227,6 +235,7 @@ class RankWorker:
         self._runtime: Any = None  # the session's StageRuntime once open (read by progress())
         self._links: dict[int, Any] = {}  # peer stage -> the session's WanLink once open (read by link_snapshots())
         self._service: Any = None  # the PrefillService once open (read by prefill_snapshot())
+        self._http: Any = None  # its HTTP front end once open (its stats go into prefill_snapshot())
         self._thread = threading.Thread(target=self._main, name=f"geosched-rank{role.rank}", daemon=True)
 
     @property
@@ -253,8 +262,10 @@ class RankWorker:
 
     def prefill_snapshot(self) -> dict[str, Any] | None:
         """The prefill service's metrics now (None without a service), also while idle (any thread)."""
-        service = self._service
-        return None if service is None else dict(service.metrics())
+        service, http = self._service, self._http
+        if service is None:
+            return None
+        return {**service.metrics(), **({"http": http.stats()} if http is not None else {})}
 
     def request_steps(self, steps: int) -> None:
         """Train ``steps`` more steps once the session is open."""
@@ -418,8 +429,15 @@ class RankWorker:
             from agents.layout import prefill_http_name
             from agents.prefill.http import PrefillHttpServer
 
-            http = stack.enter_context(PrefillHttpServer(service, *self.opts.prefill_http))
-            url = http.url if http.host not in ("0.0.0.0", "::", "") else f"http://{self.opts.bind_host}:{http.port}"
+            opts = self.opts
+            http = stack.enter_context(
+                PrefillHttpServer(
+                    service, *opts.prefill_http, limits=opts.prefill_http_limits, tls=opts.prefill_http_tls
+                )
+            )
+            self._http = http
+            scheme = http.url.split(":", 1)[0]
+            url = http.url if http.host not in ("0.0.0.0", "::", "") else f"{scheme}://{opts.bind_host}:{http.port}"
             self.book.publish(prefill_http_name(self.role.rank), url)
         return service
 
@@ -447,7 +465,7 @@ class RankWorker:
 
     def _prefill_metrics(self, service: Any) -> dict[str, Any]:
         """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
-        metrics: dict[str, Any] = json.loads(json.dumps(service.metrics()))
+        metrics: dict[str, Any] = json.loads(json.dumps(self.prefill_snapshot() or service.metrics()))
         if self.opts.run_dir is not None:
             path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
             with open(path + ".tmp", "w", encoding="utf-8") as fh:

@@ -69,6 +69,8 @@ class Calibration:
     message_overhead_s_per_byte: float | None = None
     message_latency_s: float | None = None
     message_overhead_s_emulated: float | None = None
+    codec_s_per_byte: float | None = None
+    """Seconds to compress and decompress one byte of a boundary tensor for the WAN (geosched.compression)."""
     stage_times: tuple[StageTime, ...] = ()
     collectives: tuple[CollectiveFit, ...] | None = None
 

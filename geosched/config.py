@@ -191,6 +191,12 @@ class JobSpec:
     recompute: Literal["none", "full"] = spec(
         "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward", "none"
     )
+    wan_compression: Literal["none", "int8", "fp8"] = spec(
+        "lossy compression of activations and their gradients on WAN links, turned on per link where it "
+        "shortens the messages: 'int8' or 'fp8' (e4m3), one byte a value and one fp32 scale per 128; "
+        "'none': never (geosched.compression)",
+        "none",
+    )
     steps: int = spec("training iterations", 100, ge=1, le=10**9)
     seed: int = spec("seed for initialisation and data order", 0, ge=0, le=2**63 - 1)
     learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0, le=10)

@@ -20,6 +20,7 @@ from typing import Any
 from geosched import model_counts
 from geosched.calibration import Calibration, ring_rate
 from geosched.chunking import chunks_per_message
+from geosched.compression import Codec, codec_s, compressed_bytes, worth_it
 from geosched.config import ClusterSpec, DatacenterSpec, JobSpec, WanLinkSpec
 from geosched.errors import ConfigError
 from geosched.netcost import (
@@ -382,6 +383,8 @@ class PipelineCosts:
                 for i, c in enumerate(self.compute)
             ]
         self._transfers: dict[tuple[int, int], Transfer] = {}
+        self.codecs: dict[tuple[str, str], Codec] = {}
+        """WAN links (sorted DC pair) whose messages travel compressed, and how (geosched.compression)."""
         self._message_s: dict[tuple[int, int], float] = {}  # (this stage, peer stage) -> stage time per message
         cal = calibration
         latency = (cal.message_latency_s or 0.0) if cal is not None else 0.0
@@ -399,8 +402,13 @@ class PipelineCosts:
             nbytes = boundary_bytes(job, self.stage_layers[s][1])
             key = ("boundary", nbytes, a, b, k, shared, latency)
             if key not in known:
-                known[key] = self._boundary(nbytes, a, b, link, k, shared, latency)
-            forward, backward, message_s = known[key]
+                known[key] = (
+                    self._boundary(nbytes, a, b, link, k, shared, latency),
+                    self.codecs.get((min(a, b), max(a, b))),
+                )
+            (forward, backward, message_s), codec = known[key]
+            if codec is not None:
+                self.codecs[min(a, b), max(a, b)] = codec
             self._transfers[s, s + 1], self._transfers[s + 1, s] = forward, backward
             if cal is not None and self.charges_messages:
                 self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_s
@@ -412,16 +420,28 @@ class PipelineCosts:
         the stage time one costs each end (a calibration's per-message overhead, else 0)."""
         job, cluster, cal = self.job, self.cluster, self.calibration
         part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
+        wire, codec_time = nbytes, 0.0
+        if link is not None and job.wan_compression != "none":  # where it pays (geosched.compression)
+            small = compressed_bytes(nbytes, job.bytes_per_element, job.wan_compression)
+            codec_time = codec_s(nbytes, cal.codec_s_per_byte if cal is not None else None)
+            saved = wan_transfer(link, nbytes - small, streams, shared).occupancy_s
+            if worth_it(saved, codec_time):
+                wire = small
+                self.codecs[min(a, b), max(a, b)] = job.wan_compression
+            else:
+                codec_time = 0.0
         out = []
         for src, dst in ((a, b), (b, a)):
             gather = tp_gather_s(job, cluster.dc(dst), nbytes, cal)
             if link is None:
                 tr = intra_transfer(cluster.dc(a), part)
             else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
-                tr = wan_transfer(link, nbytes, streams, shared)._replace(link=(src, dst))
-            out.append(tr._replace(latency_s=tr.latency_s + gather + latency))
+                tr = wan_transfer(link, wire, streams, shared)._replace(link=(src, dst))
+            out.append(tr._replace(latency_s=tr.latency_s + gather + codec_time + latency))
         charged = cal is not None and self.charges_messages
-        message_s = message_overhead_s(cal, part, streams, wan=link is not None) if charged and cal else 0.0
+        message_s = (
+            message_overhead_s(cal, -(-wire // job.tp), streams, wan=link is not None) if charged and cal else 0.0
+        )
         return out[0], out[1], message_s
 
     def compute_s(self, action: Action) -> float:
@@ -483,7 +503,9 @@ class PipelineCosts:
             a, b = self.stage_dcs[s], self.stage_dcs[s + 1]
             if a == b:
                 continue
-            nbytes = boundary_bytes(self.job, self.stage_layers[s][1]) * microbatches * self.dp
+            nbytes = boundary_bytes(self.job, self.stage_layers[s][1])
+            codec = self.codecs.get((min(a, b), max(a, b)), "none")
+            nbytes = compressed_bytes(nbytes, self.job.bytes_per_element, codec) * microbatches * self.dp
             out[(a, b)] = out.get((a, b), 0) + nbytes
             out[(b, a)] = out.get((b, a), 0) + nbytes
         return out

@@ -71,12 +71,16 @@ def hierarchical_allreduce_s(
     """All-reduce of ``nbytes`` over replicas in several DCs: inside each DC, then across DCs, then back.
 
     ``in_dc``: per DC, (replicas, bits/s, latency s); ``ring``: per hop of the
-    DCs' ring or chain, (bits/s, latency s) of the WAN link. Hierarchical
-    all-reduce (reduce-scatter inside each DC, all-reduce of the shards across
-    DCs, all-gather inside; NCCL's tree/ring hierarchy, Thakur et al. 2005):
-    the slowest DC's ring all-reduce plus a ring all-reduce over the ``k``
-    DCs at the slowest hop's rate, where every DC's replicas together move
-    the whole gradient (their shards in parallel on the multi-stream link).
+    DCs' chain, (bits/s, latency s) of the WAN link. Hierarchical all-reduce
+    (reduce-scatter inside each DC, all-reduce of the shards across DCs,
+    all-gather inside; NCCL's tree/ring hierarchy, Thakur et al. 2005): the
+    slowest DC's ring all-reduce, plus the chain across the ``k`` DCs that the
+    agents run (:mod:`geosched.hierarchical`): half of every shard is reduced up
+    the chain and half down, each result sent back, in pieces that pipeline
+    along it, so every hop carries the whole gradient once in each direction
+    (every DC's replicas their shards side by side on the multi-stream link):
+    ``bytes x 8 / B_slowest + 2 (k - 1) x latency``. For two DCs this is the
+    ring all-reduce's time; for more it needs no link between the chain's ends.
     """
     inside = max((ring_allreduce_s(nbytes, n, bps, lat) for n, bps, lat in in_dc), default=0.0)
     if not ring:
@@ -84,4 +88,4 @@ def hierarchical_allreduce_s(
     k = len(ring) + 1
     slowest = min(bps for bps, _ in ring)
     latency = max(lat for _, lat in ring)
-    return inside + ring_allreduce_s(nbytes, k, slowest, latency)
+    return inside + nbytes * 8 / slowest + 2 * (k - 1) * latency

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from geosched.compression import compressed_bytes
 from geosched.config import Config
 from geosched.costmodel import StageCompute, boundary_bytes, stage_compute, stage_params
 from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
@@ -73,7 +74,9 @@ class _Stage:
                 tr, fifo = intra_transfer(self.problem.cluster.dc(a), -(-nbytes // self.problem.job.tp)), False
             else:
                 link = self.problem.require_link(a, b)
-                tr, fifo = wan_transfer(link, nbytes, self.problem.streams(a, b), self.dp), True
+                job = self.problem.job  # compressed where the job allows it (a bound may leave the codec out)
+                least = compressed_bytes(nbytes, job.bytes_per_element, job.wan_compression)
+                tr, fifo = wan_transfer(link, least, self.problem.streams(a, b), self.dp), True
             self._hop[key] = (tr.occupancy_s, tr.latency_s, fifo)
         return self._hop[key]
 

@@ -34,6 +34,7 @@ from fractions import Fraction
 
 from ortools.sat.python import cp_model
 
+from geosched.compression import compressed_bytes
 from geosched.costmodel import boundary_bytes, stage_compute, stage_params
 from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
 from planner.space import Candidate, Problem, even_split, from_split
@@ -159,6 +160,8 @@ class _Model:
         self.model = cp_model.CpModel()
         L = problem.layers
         self.nbytes = max(boundary_bytes(problem.job, e) for e in range(1, L + 1))
+        job = problem.job  # on the WAN, compressed where the job allows it
+        self.wire_bytes = compressed_bytes(self.nbytes, job.bytes_per_element, job.wan_compression)
         self.chain = chain
         if chain is not None:
             allowed = set(chain) if allowed is None else allowed & set(chain)
@@ -187,7 +190,7 @@ class _Model:
         L, P, cluster = pr.layers, self.max_stages, pr.cluster
         # bounds: one stage (or a whole round trip, or an all-reduce) never exceeds the horizon
         hops = [nums[dc].hop for dc in dcs] + [
-            round(sum(wan_transfer(link, self.nbytes, pr.streams(*link.between), d)[1:]) / self.tick)
+            round(sum(wan_transfer(link, self.wire_bytes, pr.streams(*link.between), d)[1:]) / self.tick)
             for link in cluster.links
             if set(link.between) <= set(dcs)
         ]
@@ -268,35 +271,33 @@ class _Model:
         occupancy, cost_terms, wan_delay, hop = new("occ"), [], [], {}
         for (i, j), z in arcs.items():
             link = pr.require_link(i, j)
-            tr = wan_transfer(link, self.nbytes, pr.streams(i, j), d)
+            tr = wan_transfer(link, self.wire_bytes, pr.streams(i, j), d)
             occ = round(tr.occupancy_s / self.tick)
             hop[i, j] = occ + round(tr.latency_s / self.tick)
             md.add(occupancy >= occ * z)
             wan_delay.append(hop[i, j] * z)
-            cost_terms.append(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
+            cost_terms.append(round(2 * self.wire_bytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) * z)
         work = sum(nums[i].block * blocks[i] + nums[i].head * last[i] for i in dcs)  # all stage times
         delays = sum(nums[i].hop * (n[i] - use[i]) for i in dcs) + sum(wan_delay)  # one way, all boundaries
-        # suffix[i]: work + 2 x delays from the DC's first stage to the end; after[i]: strictly after the DC
-        suffix = {i: new(f"W_{i}") for i in dcs}
-        after = {i: new(f"A_{i}") for i in dcs}
-        for i in dcs:
-            own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
-            md.add(suffix[i] == own + after[i])
-            md.add(after[i] == 0).only_enforce_if(last[i])
-            md.add(after[i] == 0).only_enforce_if(use[i].negated())
-        for (i, j), z in arcs.items():
-            md.add(after[i] == suffix[j] + 2 * hop[i, j]).only_enforce_if(z)
-        # the same without the WAN hops: 1F1B and ZB-H1 warm up deeper above a WAN boundary, enough
-        # microbatches in flight to cover its round trip (planner.warmup), so only these stall a stage
-        inner = {i: new(f"Wi_{i}") for i in dcs}
-        inner_after = {i: new(f"Ai_{i}") for i in dcs}
-        for i in dcs:
-            own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
-            md.add(inner[i] == own + inner_after[i])
-            md.add(inner_after[i] == 0).only_enforce_if(last[i])
-            md.add(inner_after[i] == 0).only_enforce_if(use[i].negated())
-        for (i, j), z in arcs.items():
-            md.add(inner_after[i] == inner[j]).only_enforce_if(z)
+
+        def sums(tag: str, wan: bool) -> tuple[dict[str, cp_model.IntVar], dict[str, cp_model.IntVar]]:
+            """suffix[i]: work + 2 x delays from the DC's first stage to the end; after[i]: strictly after the
+            DC; with ``wan`` False the WAN hops left out."""
+            suffix = {i: new(f"W{tag}_{i}") for i in dcs}
+            after = {i: new(f"A{tag}_{i}") for i in dcs}
+            for i in dcs:
+                own = nums[i].block * blocks[i] + 2 * nums[i].hop * (n[i] - use[i]) + nums[i].head * last[i]
+                md.add(suffix[i] == own + after[i])
+                md.add(after[i] == 0).only_enforce_if(last[i])
+                md.add(after[i] == 0).only_enforce_if(use[i].negated())
+            for (i, j), z in arcs.items():
+                md.add(after[i] == suffix[j] + (2 * hop[i, j] if wan else 0)).only_enforce_if(z)
+            return suffix, after
+
+        suffix, after = sums("", wan=True)
+        # 1F1B and ZB-H1 warm up deeper above a WAN boundary, enough microbatches in flight to cover its
+        # round trip (planner.warmup), so only the in-DC hops stall a stage's round trip
+        inner, inner_after = sums("i", wan=False)
         c0 = stage_compute(pr.job, 1.0, (0, 1), False, False)
         ratio = Fraction(c0.backward_s / c0.forward_s).limit_denominator(100)  # b = ratio x f
         rn, rd = ratio.numerator, ratio.denominator
@@ -351,7 +352,8 @@ class _Model:
         self.time = new("T", time_hi)
         md.add(self.time == (m - 1) * steady + work + 2 * delays + tail)
         cost_hi = max(
-            1, sum(round(2 * self.nbytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links)
+            1,
+            sum(round(2 * self.wire_bytes * m * d / 1e9 * link.egress_usd_per_gb / USD_UNIT) for link in cluster.links),
         )
         self.cost = md.new_int_var(0, cost_hi, "cost")
         md.add(self.cost == sum(cost_terms))

@@ -38,6 +38,7 @@ class Evaluation:
     wan_cost_usd: float  # egress per iteration, both directions of every crossed link
     busy_s: float = 0.0  # compute seconds per iteration of a GPU, the mean over stages (the rest is bubble)
     warmup: tuple[int, ...] | None = None  # forwards per stage before its first backward (None: the schedule's)
+    codecs: tuple[tuple[tuple[str, str], str], ...] = ()  # WAN links (sorted DC pair) that travel compressed, how
 
     def score(self, weight: float) -> float:
         """``iteration_s + weight x wan_cost_usd`` (weight in seconds per dollar)."""
@@ -193,10 +194,12 @@ class Evaluator:
         distinct = list(dict.fromkeys(cand.pipelines))
         timelines = []
         wan: dict[tuple[str, str], int] = {}
+        codecs: dict[tuple[str, str], str] = {}
         for dcs in distinct:
             costs = self.costs(cand, cand.pipelines.index(dcs))
             timelines.append(simulate(schedule, costs, check=False, record=False))
             self.simulations += 1
+            codecs.update(costs.codecs)
             copies = cand.pipelines.count(dcs)
             for key, nbytes in costs.wan_bytes_per_iteration(cand.microbatches).items():
                 wan[key] = wan.get(key, 0) + nbytes * copies
@@ -206,7 +209,9 @@ class Evaluator:
         iteration = max(t.iteration_s for t in timelines)
         bubble = sum(t.bubble_fraction for t in timelines) / len(timelines)
         busy = sum(st.busy_s for t in timelines for st in t.stages) / sum(len(t.stages) for t in timelines)
-        result = Evaluation(cand, iteration, bubble, tuple(sorted(wan.items())), cost, busy, warmup)
+        result = Evaluation(
+            cand, iteration, bubble, tuple(sorted(wan.items())), cost, busy, warmup, tuple(sorted(codecs.items()))
+        )
         self._cache[cand] = result
         return result
 

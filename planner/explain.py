@@ -42,6 +42,11 @@ class UnusedReason:
     counterfactual_plan: str | None = None
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 stage``, ``3 stages``."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def _duration(seconds: float) -> str:
     """``+84 ms`` or ``+1.2 s``."""
     return f"{seconds:+.3g} s" if abs(seconds) >= 1 else f"{seconds * 1e3:+.3g} ms"
@@ -74,7 +79,8 @@ def _link_detail(problem: Problem, cand_path: tuple[str, ...], dc: str, dp: int)
         tr = wan_transfer(link, nbytes, problem.streams(dc, other), dp)
         parts.append(
             f"its link to {other} ({link.bandwidth_gbps:g} Gb/s, {link.rtt_ms:g} ms RTT) carries "
-            f"{nbytes / MB:.3g} MB per microbatch x {dp} pipelines: {_duration(tr.occupancy_s)[1:]} each"
+            f"{nbytes / MB:.3g} MB per microbatch x {dp} pipeline{'s' if dp != 1 else ''}: "
+            f"{_duration(tr.occupancy_s)[1:]} each"
         )
     return "; ".join(parts) or None
 
@@ -167,7 +173,7 @@ def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, 
         text += f": {detail}"
     elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
         text += (
-            f": it runs {alt_cand.num_stages} stages x {alt_cand.dp} replicas "
+            f": it runs {_count(alt_cand.num_stages, 'stage')} x {_count(alt_cand.dp, 'replica')} "
             f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})"
         )
     if goal.weight > 0 or goal.max_time_s is not None:
@@ -276,7 +282,8 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     floors, verdict = plan_floors(plan)
     wan = f"WAN {floors.wan_s:.4g} s" if floors.wan_s else "WAN 0 (the job may fit one datacenter)"
     lines = [
-        f"plan for {plan.config.cluster.name}: {plan.schedule}, {plan.num_stages} stages x {plan.dp} replicas"
+        f"plan for {plan.config.cluster.name}: {plan.schedule}, {_count(plan.num_stages, 'stage')} x "
+        f"{_count(plan.dp, 'replica')}"
         + (f" x {1 + len(plan.extra_pipelines)} pipelines" if plan.extra_pipelines else "")
         + (f" x tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
         + f" = {plan.world_size} GPUs, ZeRO {plan.zero}, {plan.microbatches} microbatches of {job.microbatch_size}",
@@ -284,7 +291,7 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",
         f"floors: compute {floors.compute_s:.4g} s, {wan}, memory allows no fewer than {floors.min_stages} "
-        f"stages; plan / best floor = {floors.ratio(pr.iteration_s):.3g}x",
+        f"stage{'s' if floors.min_stages != 1 else ''}; plan / best floor = {floors.ratio(pr.iteration_s):.3g}x",
         f"objective {_objective(plan)}, {verdict.text}, {plan.solver.solve_s:.2f} s",
         "",
         f"{'datacenter':<12} {'GPUs':>6} {'used':>6} {'unused':>6}  {'stages':<9} blocks",
@@ -294,12 +301,15 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         span = f"{blocks[0][0]}-{blocks[-1][1] - 1}" if blocks else "-"
         lines.append(f"{d.name:<12} {d.gpus:>6} {d.used:>6} {d.unused:>6}  {_ranges(d.stages):<9} {span}")
     if plan.links:
-        lines += ["", f"{'link':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"]
+        codecs = any(link.compression != "none" for link in plan.links)
+        head = f"{'link':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"
+        lines += ["", head + (f" {'compressed':>10}" if codecs else "")]
         for link in plan.links:
             name = f"{link.between[0]} -> {link.between[1]}"
             lines.append(
                 f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
                 f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}"
+                + (f" {link.compression:>10}" if codecs else "")
             )
     else:
         lines += ["", "no WAN link carries pipeline traffic"]

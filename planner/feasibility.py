@@ -233,10 +233,11 @@ def check_inflight(problem: Problem) -> None:
         "job.microbatch_size: 1": dataclasses.replace(job, microbatch_size=1),
     }
     fixes = [name for name, other in changes.items() if other != job and deepest_fit(problem, other, most)[0] >= L]
+    others = [name for name, other in changes.items() if other != job]  # what the job does not do already
     fix = (
         f"use {' or '.join(fixes)}, which lifts this limit"
         if fixes
-        else "use job.recompute: full, a smaller job.microbatch_size, or GPUs with more memory"
+        else f"use {' or '.join([*others, 'more GPUs (or datacenters linked to them)', 'GPUs with more memory'])}"
     )
     raise PlanInfeasible(
         f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "

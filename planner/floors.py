@@ -23,6 +23,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from geosched.compression import compressed_bytes
 from geosched.costmodel import (
     BACKWARD_TO_FORWARD,
     boundary_bytes,
@@ -140,6 +141,7 @@ def job_floors(problem: Problem) -> Floors:
     if not one_dc and links and problem.layers > 1 and job.global_batch % job.batch == 0:
         sequences = job.global_batch // job.batch
         least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
+        least = compressed_bytes(least, job.bytes_per_element, job.wan_compression)  # the fewest bytes it may take
         fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
         wan_s = sequences * least * 8 / fastest
     return Floors(compute_s, wan_s, min_stages)

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from geosched.compression import CODECS
 from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
 from geosched.costmodel import GIB
 from geosched.errors import ConfigError, PlanError, ScheduleError
@@ -55,6 +56,12 @@ class LinkPlan:
     effective_gbps: float = spec("min(link, streams x per-connection) Gb/s", ge=0, le=1e6)
     bytes_per_iteration: int = spec("activations + gradients over both directions, all pipelines", ge=0, le=BIG)
     egress_usd_per_iteration: float = spec("egress price of those bytes", ge=0, le=BIG)
+    compression: str = spec(
+        "how its activations and gradients travel: none, int8 or fp8 (geosched.compression; only where the "
+        "job's wan_compression allows it)",
+        "none",
+        max_len=8,
+    )
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,7 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
             hops.setdefault(frozenset((a, b)), (a, b))
     for a, b in sorted(wan):
         hops.setdefault(frozenset((a, b)), (a, b))
+    codecs = dict(ev.codecs)
     for a, b in hops.values():
         link = problem.link(a, b)
         assert link is not None
@@ -246,7 +254,12 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
         streams = problem.streams(a, b)
         links.append(
             LinkPlan(
-                (a, b), streams, wan_effective_bps(link, streams) / 1e9, nbytes, nbytes / GB * link.egress_usd_per_gb
+                (a, b),
+                streams,
+                wan_effective_bps(link, streams) / 1e9,
+                nbytes,
+                nbytes / GB * link.egress_usd_per_gb,
+                codecs.get((min(a, b), max(a, b)), "none"),
             )
         )
     dcs = tuple(
@@ -338,6 +351,12 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
         raise PlanError(f"plan.stages: {problem_text}")
     if plan.warmup:
         _check_warmup(plan, problem, cand)
+    for i, link in enumerate(plan.links):
+        if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
+            raise PlanError(
+                f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
+                f"wan_compression: {job.wan_compression}); use none or {job.wan_compression}, or re-run 'geosched plan'"
+            )
     expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
@@ -363,8 +382,8 @@ def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:
     except ScheduleError as exc:
         raise PlanError(f"plan.warmup: {exc}") from None
     for s, w in enumerate(plan.warmup):
-        need = problem.stage_memory(cand.stage_layers[s], s, cand.num_stages, cand.microbatches, w)
         for path in cand.pipelines:
+            need = problem.memory_need(cand, s, path[s], w)
             if need > problem.memory_bytes[path[s]]:
                 raise PlanError(
                     f"plan.warmup[{s}]: {w} forwards in flight need {need / GIB:.3g} GiB per GPU > "

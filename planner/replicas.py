@@ -14,12 +14,12 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 * a stage's gradients are all-reduced hierarchically
   (:func:`~geosched.costmodel.hierarchical_allreduce_s`): inside each DC,
   then across the DCs holding its replicas over the multi-stream WAN links
-  of a ring (or chain) through them. All stages (and all tensor-parallel
+  of a chain through them. All stages (and all tensor-parallel
   ranks of each) sync at the end of the iteration on the same links, so each
   stage is charged the cross-DC time of every stage's whole gradients together
   (:func:`sync_times`): exact for one-stage pipelines, pessimistic for deeper ones;
-* egress: each hop of that ring carries ``2 (k-1)/k`` of the gradients in each
-  direction (:func:`gradient_wan_bytes`).
+* egress: each hop of that chain carries the gradients once in each direction
+  (:func:`gradient_wan_bytes`; :mod:`geosched.hierarchical`).
 
 :func:`widen` adds pipelines to a candidate where GPUs are left;
 :func:`everywhere` builds data parallelism over every DC of a linked group,
@@ -100,8 +100,7 @@ def gradient_wan_bytes(problem: Problem, cand: Candidate) -> dict[tuple[str, str
         hops = _hops(problem, cand, s)
         if not hops:
             continue
-        k = len(hops) + 1
-        nbytes = int(2 * (k - 1) / k * _grad_bytes(problem, cand, s) * problem.job.tp)
+        nbytes = int(_grad_bytes(problem, cand, s) * problem.job.tp)
         for a, b in hops:
             out[a, b] = out.get((a, b), 0) + nbytes
             out[b, a] = out.get((b, a), 0) + nbytes
@@ -166,7 +165,8 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     """Pipelines that keep their activations inside one DC: ``p`` stages of equal blocks in one DC, alone
     or (from the roomiest DC of a linked group) copied into every DC with room (:func:`widen`; only
     gradients cross the WAN, once per iteration: the hybrids between data parallelism everywhere and one
-    long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one more, twice as many."""
+    long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one or two more, twice and
+    three times as many."""
     out: list[Candidate] = []
     for group, roomiest in _groups(problem):
         for dc in group:
@@ -174,7 +174,8 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
                 most = min(problem.layers, problem.gpus[dc] // d)
                 fitting = (p for p in range(1, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
                 fewest = next(fitting, None)
-                for p in sorted({fewest, fewest + 1, 2 * fewest} if fewest is not None else set()):
+                depths = {fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()
+                for p in sorted(depths):
                     if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
                         out.append(alone)
                         if dc == roomiest and len(group) >= 2:

@@ -227,7 +227,7 @@ def search(
 ) -> tuple[Evaluation | None, SearchStats]:
     """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
 
-    ``restage`` re-solves the best two with one stage fewer and one more. ``effort``: CP-SAT
+    ``restage`` re-solves the best with one stage fewer and one more. ``effort``: CP-SAT
     deterministic seconds for the whole search (default :data:`LARGE_EFFORT` or :data:`SMALL_EFFORT`);
     ``polish_budget``: simulations per hill climb; ``polish_work``: stage-microbatches simulated by all
     climbs together (what sizes the climbs by the problem: a 51-stage pipeline gets fewer simulations);
@@ -308,7 +308,7 @@ def search(
         return None, stats
     # the surrogate can misjudge the stage count (few microbatches): re-solve the best with p - 1 and p + 1
     tried = set()
-    for ev in sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))[: (1 if large else int(__import__("os").environ.get("GS_RS", "2"))) if restage else 0]:
+    for ev in sorted(dict.fromkeys(pool), key=lambda ev: score(ev, goal))[: 1 if restage else 0]:
         d, p = ev.candidate.dp, ev.candidate.num_stages
         for stages in (p - 1, p + 1):
             if (d, stages) in tried or stages < 2 or time.monotonic() >= deadline:

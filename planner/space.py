@@ -264,18 +264,31 @@ class Problem:
 
     @functools.cache  # noqa: B019 (a Problem lives for one planning run; the cache is its memo)
     def stage_memory(
-        self, layers: tuple[int, int], stage: int, stages: int, microbatches: int, warmup: int | None = None
+        self,
+        layers: tuple[int, int],
+        stage: int,
+        stages: int,
+        microbatches: int,
+        warmup: int | None = None,
+        shard: int | None = None,
     ) -> int:
-        """Peak bytes on one GPU of ``stage`` holding blocks ``layers`` (ZeRO shards over all replicas), after
-        ``warmup`` forwards before its first backward (default: the schedule's own)."""
+        """Peak bytes on one GPU of ``stage`` holding blocks ``layers``, after ``warmup`` forwards before its
+        first backward (default: the schedule's own), ZeRO sharding over ``shard`` replicas (default all of
+        them: one pipeline)."""
         return stage_memory_bytes(
             self.job,
             layers,
             stage == 0,
             stage == stages - 1,
             self.inflight(stage, stages, microbatches, warmup),
-            self.replicas(microbatches),
+            self.replicas(microbatches) if shard is None else shard,
         )
+
+    def memory_need(self, cand: Candidate, stage: int, dc: str, warmup: int | None = None) -> int:
+        """Peak bytes on one GPU of ``stage`` of ``cand`` in ``dc``: ZeRO shards a stage over its replicas
+        in that DC (the agents' in-DC group; across DCs only the gradients are all-reduced)."""
+        shard = cand.dp * sum(1 for path in cand.pipelines if path[stage] == dc) if cand.extra_paths else None
+        return self.stage_memory(cand.stage_layers[stage], stage, cand.num_stages, cand.microbatches, warmup, shard)
 
     def fits(self, dc: str, layers: tuple[int, int], stage: int, stages: int, microbatches: int) -> bool:
         """True when the stage's peak memory fits one GPU of ``dc``."""
@@ -350,7 +363,7 @@ class Problem:
                     f"groups of {t} GPUs > the {self.gpus[dc]} that fit the nodes of dc {dc!r}"
                 )
         for s, (dc, layers) in ((s, (path[s], cand.stage_layers[s])) for path in cand.pipelines for s in range(p)):
-            need = self.stage_memory(layers, s, p, cand.microbatches)
+            need = self.memory_need(cand, s, dc)
             if need > self.memory_bytes[dc]:
                 return (
                     f"stage {s} (blocks {layers[0]}-{layers[1] - 1}) needs {need / GIB:.3g} GiB per GPU > "

@@ -44,9 +44,12 @@ from planner.space import Candidate, Problem, Variant, tp_slots
 
 T = TypeVar("T")
 R = TypeVar("R")
+MAX_TENSOR_PARALLEL = 8
+"""The largest tensor-parallel degree planned: what the agents shard a stage over (one node's GPUs,
+``agents.runnable.RUNTIME_TP``; a test keeps the two equal)."""
 MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes the planner tries (those dividing the global batch)."""
-FULL_SEARCHES = int(os.environ.get("GS_FS", "4"))
+FULL_SEARCHES = 2
 """Most variants searched in full after the screening: the best screened one of each tensor-parallel degree,
 best first, within :data:`FULL_WITHIN` of the best."""
 FULL_WITHIN = 0.5
@@ -111,10 +114,16 @@ class Pins:
 
 
 def tp_options(cfg: Config, pinned: int | None) -> list[int]:
-    """Tensor-parallel degrees to try: powers of two dividing the heads that fit a node of some DC."""
+    """Tensor-parallel degrees to try: powers of two up to :data:`MAX_TENSOR_PARALLEL` dividing the heads that
+    fit a node of some DC."""
     heads = cfg.job.model.heads
     dcs = cfg.cluster.datacenters
     if pinned is not None:
+        if pinned > MAX_TENSOR_PARALLEL:
+            raise InputError(
+                f"--tp {pinned}: the agents shard a stage over at most {MAX_TENSOR_PARALLEL} GPUs of one node; "
+                f"pick a power of two up to {MAX_TENSOR_PARALLEL}"
+            )
         if heads % pinned:
             raise InputError(f"--tp {pinned}: must divide the model's heads ({heads}); try a divisor of {heads}")
         if not any(tp_slots(dc.gpus, dc.gpus_per_node, pinned) for dc in dcs):
@@ -125,7 +134,7 @@ def tp_options(cfg: Config, pinned: int | None) -> list[int]:
             )
         return [pinned]
     out, t = [], 1
-    while t <= max(dc.gpus_per_node for dc in dcs):
+    while t <= min(MAX_TENSOR_PARALLEL, max(dc.gpus_per_node for dc in dcs)):
         if heads % t == 0 and any(tp_slots(dc.gpus, dc.gpus_per_node, t) for dc in dcs):
             out.append(t)
         t *= 2

@@ -59,6 +59,7 @@ def wan_warmup(problem: Problem, cand: Candidate, costs: Sequence[PipelineCosts]
 
 def _fits(problem: Problem, cand: Candidate, stage: int, warmup: int) -> bool:
     """True when ``stage`` fits its GPU in every pipeline after ``warmup`` forwards."""
-    p, m, layers = cand.num_stages, cand.microbatches, cand.stage_layers[stage]
-    need = problem.stage_memory(layers, stage, p, m, warmup)
-    return all(need <= problem.memory_bytes[path[stage]] for path in cand.pipelines)
+    return all(
+        problem.memory_need(cand, stage, path[stage], warmup) <= problem.memory_bytes[path[stage]]
+        for path in cand.pipelines
+    )

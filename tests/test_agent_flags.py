@@ -1,4 +1,7 @@
-"""``geosched agent`` flags a host cannot honour are refused at once, in one line, exit 2."""
+"""``geosched agent`` (and ``job start``) flags a host cannot honour are refused at once, in one line, exit 2.
+
+Among them the HTTP endpoints' TLS choice: a certificate and its key, or plain HTTP asked for by name.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import pytest
 from geosched.cli import main
 
 BASE = ["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--connect-timeout", "1"]
+HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
 
 
 @pytest.mark.parametrize(
@@ -15,6 +19,13 @@ BASE = ["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--connect-timeo
         (["--bind-host", "192.0.2.1"], "--bind-host 192.0.2.1: not an address of this host"),  # TEST-NET-1
         (["--bind-host", "no-such-host.invalid"], "not an address or resolvable name"),
         (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir DIR"),
+        (HTTP, "--prefill-http: serve it over TLS (--prefill-http-tls-cert FILE --prefill-http-tls-key FILE), or"),
+        ([*HTTP, "--prefill-http-tls-cert", "c.pem"], "--prefill-http-tls-cert and --prefill-http-tls-key go together"),
+        ([*HTTP, "--prefill-http-tls-cert", "c", "--prefill-http-tls-key", "k"], "'c' does not exist"),
+        ([*HTTP, "--prefill-http-insecure", "--prefill-http-limit", "max_inflight=0"], "max_inflight: must be between"),
+        (["--prefill-http-insecure"], "--prefill-http-insecure goes with --prefill-http HOST:PORT"),
+        (["--metrics-bind", "127.0.0.1:0"], "--metrics-bind: serve it over TLS (--metrics-tls-cert FILE"),
+        (["--metrics-tls-key", "k"], "--metrics-tls-key goes with --metrics-bind HOST:PORT"),
     ],
 )
 def test_bad_agent_flags_are_one_line_before_any_connection(
@@ -23,3 +34,20 @@ def test_bad_agent_flags_are_one_line_before_any_connection(
     assert main(BASE + extra) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_job_start_wants_tls_or_insecure_for_its_metrics(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent_helpers import tiny_plan
+
+    start = ["job", "start", str(tiny_plan(tmp_path)), "--mqtt", "mqtt://127.0.0.1:1", "--metrics-bind", "127.0.0.1:0"]
+    assert main(start) == 2
+    err = capsys.readouterr().err
+    assert "--metrics-bind: serve it over TLS (--metrics-tls-cert FILE --metrics-tls-key FILE)" in err, err
+
+
+def test_launch_follows_checkpoints_only_with_a_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
+    assert main(["launch", config, "--prefill-follow-checkpoints"]) == 2
+    assert "--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic)" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """``geosched agent --prefill-bind``: the agent serves prefill in its bubbles and reports it on MQTT.
 
 Two agent processes (tiny job, us -> eu) with prefill on: each publishes its
-bound prefill endpoint in its status (rank 0 also its HTTP front end's URL, which
-answers a completion), answers a request before the job starts,
+bound prefill endpoint in its status (rank 0 also its HTTPS front end's URL, which
+answers a completion over TLS with a certificate the test's CA signed), answers a request before the job starts,
 every request sent while it trains and, idle afterwards, 40 sent at once; every
 per-step metrics message carries the service's metrics.
 """
@@ -61,21 +61,27 @@ def _prompts(endpoint: str, n: int) -> list:
         client.close()
 
 
-def _http_completion(url: str, prompt: str) -> dict:
-    """POST /v1/completions to an agent's prefill HTTP front end (a real HTTP client); the JSON answer."""
+def _http_completion(url: str, prompt: str, ca: Path) -> dict:
+    """POST /v1/completions to an agent's prefill HTTPS front end (a real client trusting ``ca``); the JSON answer."""
     import urllib.request
+
+    from agents.tls.context import client_context
 
     body = json.dumps({"prompt": prompt, "max_tokens": 1, "logprobs": 3}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as reply:
+    with urllib.request.urlopen(request, timeout=30, context=client_context(ca)) as reply:
         return json.loads(reply.read())
 
 
 def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: Path):
+    from agents.tls.selfsigned import write_rehearsal_tls
+
     url, job = mqtt_broker.url_for("geosched"), "pf"
     plan = tiny_plan(tmp_path).read_text()
+    tls = write_rehearsal_tls(tmp_path / "tls")
+    https = [*HTTP, "--prefill-http-tls-cert", str(tls.cert), "--prefill-http-tls-key", str(tls.key)]
     agents = [
-        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0", *(HTTP if rank == 0 else []))
+        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0", *(https if rank == 0 else []))
         for rank, dc in enumerate(["us", "eu"])
     ]
     stop, answers, sent, endpoints, early = threading.Event(), [], [], {}, []
@@ -85,7 +91,8 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
         for rank, status in statuses.items():
             endpoints[rank] = status.extra["endpoints"][f"prefill/r{rank}"]
         http_url = statuses[0].extra["endpoints"]["prefill-http/r0"]  # rank 0 also serves OpenAI-style HTTP
-        early.append(await asyncio.to_thread(_http_completion, http_url, "geosched"))
+        assert http_url.startswith("https://127.0.0.1:")
+        early.append(await asyncio.to_thread(_http_completion, http_url, "geosched", tls.ca))
         early.append(await asyncio.to_thread(_prompts, endpoints[0], 1))  # before any training: served at once
         thread = threading.Thread(target=_send_prompts, args=(endpoints, stop, answers, sent), daemon=True)
         thread.start()

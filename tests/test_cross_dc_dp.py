@@ -7,7 +7,10 @@ hierarchical gradient all-reduce over WanLinks between the DCs, ZeRO 0 and 1
 inside each DC) and the global loss of 10 steps equals a one-process run
 within 1e-4. A hand-made plan over a chain of three DCs (a DC in the middle,
 one with a replica that has no lane, no link closing the ring) does the same
-with its gradient links behind WAN relays and CURVE on them.
+with its gradient links behind WAN relays and CURVE on them. With tensor
+parallelism (tp 2, ZeRO 1, two replicas in us and one in eu) every tp rank syncs
+its own shards with the same tp rank of its lane partner, the in-DC part over
+the stage mesh's "dp" sub-group, and the losses equal one process's too.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import zmq
 from test_tp_pipeline import STEPS, _global_losses, run_layout
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from agents.layout import JobLayout, parse_layout
+from agents.runnable import runtime_refusal
 from agents.stage.report import StepReport, global_loss
 from agents.stage.security import LinkSecurity
 from agents.stage.session import run_rank, train_one_process
 from agents.stage.transport import RelayRouter, StoreAddressBook, sync_routes
+from agents.tp.shard import BLOCK_PLAN
 from agents.wanem.emulator import LinkShape
 from geosched.config import config_from_dict, load_config
 from geosched.data import TextDataset, default_corpus_paths
@@ -161,3 +168,57 @@ def test_a_chain_of_three_dcs_averages_through_wan_relays_with_curve_like_one_pr
             and stats["bytes_to_client"] >= CHAIN_STEPS * lane_bytes
         )
     assert runs[2][-1].sync_bytes == {"us": lane_bytes, "ap": lane_bytes} and runs[1][-1].sync_bytes == {}
+
+
+# One stage, tp 2 and ZeRO 1, three replicas: two in us (one lane: the second only reduces and gathers in the
+# DC, over the mesh's "dp" group, which also shards the optimizer state) and one in eu.
+TP_CONFIG = {
+    "cluster": {
+        "name": "tp-2dc",
+        "datacenters": [
+            {"name": dc, "gpus": gpus, "gpus_per_node": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}}
+            for dc, gpus in (("us", 4), ("eu", 2))
+        ],
+        "links": [{"between": ["us", "eu"], "bandwidth_gbps": 1, "rtt_ms": 4, "per_connection_gbps": 0.5}],
+    },
+    "job": {**CHAIN_CONFIG["job"], "global_batch": 6, "tensor_parallel": 2, "zero": 1},
+}
+TP_STEPS = 4  # 6 rank processes on the CI's 2 cores: the 10-step equivalence is the tests above and test_zero.py's
+
+
+def _local_numel(model: torch.nn.Module, tp: int) -> int:
+    """Elements one tp rank holds: the column- and row-parallel weights (and column-parallel biases) 1/tp."""
+    sharded = {
+        f"{name}.{kind}"
+        for name, module in model.named_modules()
+        for suffix, style in BLOCK_PLAN.items()
+        if name.endswith(suffix)
+        for kind in (("weight", "bias") if isinstance(style, ColwiseParallel) else ("weight",))
+    }
+    return sum(p.numel() // tp if name in sharded else p.numel() for name, p in model.named_parameters())
+
+
+def test_tensor_parallel_replicas_in_two_dcs_sync_their_shards_per_tp_rank_like_one_process() -> None:
+    problem = Problem(config_from_dict(TP_CONFIG))
+    cand = Candidate(1, 2, ("us",), ((0, 2),), (("us",), ("eu",)))
+    assert problem.violation(cand) is None
+    layout = parse_layout(
+        dump_plan(build_plan(problem, Evaluator(problem).evaluate(cand), SolverInfo("time", False, 0.0)))
+    )
+    assert runtime_refusal(layout) is None
+    assert [(r.dc, r.replica, r.tp_rank, r.sync.lane) for r in layout.roles] == [
+        ("us", 0, 0, 0), ("us", 0, 1, 0), ("us", 1, 0, None), ("us", 1, 1, None), ("eu", 2, 0, 0), ("eu", 2, 1, 0),
+    ]  # fmt: skip
+    assert [layout.roles[r].sync.next.rank for r in (0, 1)] == [4, 5]  # lane partners: the same tp rank
+    runs = run_layout(layout, steps=TP_STEPS)
+    job = layout.job
+    reference = train_one_process(
+        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), TP_STEPS
+    )
+    assert _global_losses(layout, runs) == pytest.approx(reference, rel=1e-4)
+    assert reference[-1] < reference[0]
+    # each lane owner sends its lane (its tp rank's shards and replicated parameters) once a step, no more
+    shards = 4 * _local_numel(build_model(job.model, seed=job.seed), job.tp)
+    assert shards < 4 * sum(p.numel() for p in build_model(job.model, seed=job.seed).parameters())
+    sent = {rank: runs[rank][0][-1].sync_bytes for rank in range(len(layout.roles))}
+    assert sent == {0: {"eu": shards}, 1: {"eu": shards}, 2: {}, 3: {}, 4: {"us": shards}, 5: {"us": shards}}

@@ -314,7 +314,7 @@ def _gpt3_with(tmp_path: Path, **changes: int) -> Path:
     "changes, expected",
     [
         ({"gpus": 1_000_000}, "the cluster has 3000000 GPUs over 3 datacenters; the planner plans at most 8192 GPUs"),
-        ({"layers": 4096}, "blocks(4096) x datacenters(3) x data-parallel choices(19) = 233472 > 32768, the largest"),
+        ({"layers": 1024}, "blocks(1024) x datacenters(3) x data-parallel choices(19) = 58368 > 32768, the largest"),
     ],
 )
 def test_planner_states_the_largest_problem_it_accepts(changes, expected, tmp_path):

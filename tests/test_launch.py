@@ -85,8 +85,9 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert report == json.loads((run / "report.json").read_text())
     # --metrics: every agent and the coordinator served Prometheus metrics (scraped in tests/test_metrics.py)
     assert set(report["metrics"]) == {"coordinator", "r0", "r1", "r2"}, report.get("metrics")
-    assert all(url.startswith("http://127.0.0.1:") for url in report["metrics"].values())
-    assert "launch: Prometheus metrics (and /health): coordinator http://127.0.0.1:" in done.stderr
+    assert all(url.startswith("https://127.0.0.1:") for url in report["metrics"].values())  # TLS, the run's CA
+    assert "launch: Prometheus metrics (and /health): coordinator https://127.0.0.1:" in done.stderr
+    assert report["tls_ca"] == str(run / "secrets" / "tls-ca.crt")
     assert report["steps"] == [0, 1, 2]
     assert len(report["losses"]) == 3 and all(loss > 0 for loss in report["losses"])
     assert report["losses"][-1] < report["losses"][0]
@@ -121,6 +122,7 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
     files = [p for p in secrets.rglob("*") if p.is_file()]
     assert {p.name for p in files} >= {"prefill.token", "coordinator.sign", "agent-2.key", "agent-2.password"}
+    assert {p.name for p in files} >= {"tls.crt", "tls.key", "tls-ca.crt"}
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert report["secure"] is True and report["broker_refusals"] == {}, report["broker_refusals"]
     assert "(secure, keys in" in done.stderr and "WARNING --insecure" not in done.stderr

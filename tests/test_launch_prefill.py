@@ -2,14 +2,17 @@
 
 Runs the real CLI twice on the same plan (3 stages us -> eu -> ap, 3 steps):
 with a Poisson prefill stream and without. Every request is answered, the
-report's ``prefill`` section adds up, every agent's HTTP front end URL
-(``--prefill-http``) is recorded, prefill chunks reach the measured
-timeline, and the losses are identical (prefill does not change training).
+report's ``prefill`` section adds up, every agent's HTTPS front end URL
+(``--prefill-http``, checked by the launch over TLS with the run's CA) is
+recorded, the agents follow their checkpoints (``--prefill-follow-checkpoints``),
+prefill chunks reach the measured timeline, and the losses are identical
+(prefill does not change training).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -54,7 +57,8 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
 
     plan = tmp_path / "plan.yaml"
     plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
-    with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20", "--prefill-http")
+    follow = ["--prefill-follow-checkpoints", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20", "--prefill-http", *follow)
     without, _ = _launch(tmp_path, plan, "plain")
 
     section = with_load["prefill"]
@@ -69,7 +73,10 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
     assert sum(a["prefill_tokens"] for a in section["agents"].values()) >= section["prefill_tokens"]
     assert "prefill" not in without and "prefill_http" not in without
     urls = with_load["prefill_http"]  # --prefill-http: every agent's OpenAI-style front end, recorded
-    assert set(urls) == {"0", "1", "2"} and all(u.startswith("http://127.0.0.1:") for u in urls.values())
+    assert set(urls) == {"0", "1", "2"} and all(u.startswith("https://127.0.0.1:") for u in urls.values())
+    assert with_load["tls_ca"] == str(run / "secrets" / "tls-ca.crt") and "tls_ca" in without
+    served = [agent["served"] for agent in section["agents"].values()]  # each followed its checkpoints
+    assert all(re.fullmatch(rf"checkpoint step \d+ of {re.escape(str(tmp_path / 'ckpt'))}", s) for s in served)
 
     assert with_load["losses"] == without["losses"]  # training is unchanged by the prefill load
 

@@ -1,9 +1,11 @@
 """Prometheus metrics: two real agents and the coordinator scraped over real HTTP, the health verdicts, the docs.
 
 The end-to-end test runs the tiny job (us -> eu) with ``--metrics-bind
-127.0.0.1:0`` and prefill on, scrapes each idle agent before the start (prefill
-metrics without any step), answers one prefill request, trains 3 steps and
-scrapes again, parsing everything with prometheus_client's own parser.
+127.0.0.1:0`` (rank 0 and the coordinator over TLS, rank 1 plain HTTP) and
+prefill on, scrapes each idle agent before the start (prefill metrics without
+any step), answers one prefill request, trains 3 steps and scrapes again,
+parsing everything with prometheus_client's own parser. The metrics server
+cuts off a client that trickles its request.
 """
 
 from __future__ import annotations
@@ -30,9 +32,19 @@ from agents.metrics.server import MetricsServer
 ROOT = Path(__file__).resolve().parent.parent
 
 
+TLS_FILES: list[Any] = []  # the test's TLS files (agents.tls.selfsigned.TlsFiles), once made
+
+
+def _context(url: str) -> Any:
+    """A client context trusting the test's CA for an https URL (None for http)."""
+    from agents.tls.context import client_context
+
+    return client_context(TLS_FILES[0].ca) if url.startswith("https://") else None
+
+
 def scrape(url: str) -> dict[str, Any]:
     """name -> family of what ``url`` (a /metrics URL) serves, parsed by prometheus_client."""
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=10, context=_context(url)) as response:
         return {f.name: f for f in text_string_to_metric_families(response.read().decode())}
 
 
@@ -40,7 +52,7 @@ def health(metrics_url: str) -> tuple[int, dict[str, Any]]:
     """(HTTP status, JSON body) of the /health next to ``metrics_url``."""
     url = metrics_url.removesuffix("/metrics") + "/health"
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=10, context=_context(url)) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -61,11 +73,15 @@ def value(families: dict[str, Any], name: str, sample: str | None = None, **labe
 def test_agents_and_coordinator_serve_metrics_and_health_over_http(embedded_broker, tmp_path: Path):
     from agents.control.coordinator import start_job
     from agents.prefill.client import PrefillClient
+    from agents.tls.context import server_context
+    from agents.tls.selfsigned import write_rehearsal_tls
 
     url, job = embedded_broker.url_for("geosched"), "prom"
     plan = tiny_plan(tmp_path).read_text()
+    TLS_FILES[:] = [files := write_rehearsal_tls(tmp_path / "tls")]
     flags = ("--metrics-bind", "127.0.0.1:0", "--prefill-bind", "tcp://127.0.0.1:0")
-    agents = [spawn_agent(url, job, rank, dc, tmp_path, *flags) for rank, dc in enumerate(["us", "eu"])]
+    tls = [("--metrics-tls-cert", str(files.cert), "--metrics-tls-key", str(files.key)), ("--metrics-insecure",)]
+    agents = [spawn_agent(url, job, rank, dc, tmp_path, *flags, *tls[rank]) for rank, dc in enumerate(["us", "eu"])]
     job_metrics = JobMetrics(job)
     seen: dict[str, Any] = {}
 
@@ -82,7 +98,8 @@ def test_agents_and_coordinator_serve_metrics_and_health_over_http(embedded_brok
         return {}
 
     try:
-        with MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health) as server:
+        context = server_context(files.cert, files.key, "--metrics-tls-cert")
+        with MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health, tls=context) as server:
             asyncio.run(
                 start_job(
                     url,
@@ -100,7 +117,8 @@ def test_agents_and_coordinator_serve_metrics_and_health_over_http(embedded_brok
             agent_health = {rank: health(u) for rank, u in seen["urls"].items()}
     finally:
         stop_processes(agents)
-    assert all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics") for u in seen["urls"].values())
+    assert seen["urls"][0].startswith("https://127.0.0.1:") and seen["urls"][1].startswith("http://127.0.0.1:")
+    assert server.url().startswith("https://") and all(u.endswith("/metrics") for u in seen["urls"].values())
     for rank, idle in seen["idle"].items():  # an idle agent: prefill metrics, no step yet
         assert value(idle, "geosched_prefill_queue_length") == 0, log_tail(tmp_path)
         assert value(idle, "geosched_prefill_requests", "geosched_prefill_requests_total", status="ok") == 0
@@ -155,6 +173,28 @@ def test_health_verdicts_and_routes_over_real_http():
         assert value(scrape(server.url()), "geosched_busy_fraction") == pytest.approx(0.4)
 
 
+def test_a_slow_or_silent_client_neither_holds_the_metrics_server_nor_blocks_a_scrape(monkeypatch, tmp_path: Path):
+    import agents.metrics.server as server_module
+    from agents.tls.context import server_context
+    from agents.tls.selfsigned import write_rehearsal_tls
+
+    monkeypatch.setattr(server_module, "CLIENT_TIMEOUT_S", 0.5)
+    TLS_FILES[:] = [files := write_rehearsal_tls(tmp_path)]
+    metrics = AgentMetrics(2, "slow")
+    context = server_context(files.cert, files.key, "--metrics-tls-cert")
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True), tls=context) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # never says hello
+        trickler = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        trickler.sendall(b"\x16\x03\x01")  # the first bytes of a TLS hello, and no more
+        assert value(scrape(server.url()), "geosched_agent_info", rank="2") == 1  # served meanwhile
+        started = time.monotonic()
+        assert silent.recv(1) == b"" and trickler.recv(1) == b""  # both cut off at their deadline
+        assert time.monotonic() - started < 5.0
+        silent.close()
+        trickler.close()
+        assert health(server.url())[0] == 200
+
+
 def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():
     """docs/metrics.md names every family both registries can expose; the Grafana dashboard queries no other."""
     agent = AgentMetrics(0, "docs")
@@ -164,7 +204,7 @@ def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():
     agent.sources.update(
         control=lambda: {"received": 0, "connects": 1, "refused_unsigned": 0, "dropped_oversize": 0},
         links=lambda: [{"link_id": 1, "peer_stage": 1, "peer_dc": "eu", "streams": [stream], "drops": {"stale": 0}}],
-        prefill=lambda: {"queue_len": 0},
+        prefill=lambda: {"queue_len": 0, "http": {"open": 1, "inflight": 0, "timed_out": 2}},
     )
     job = JobMetrics("docs")
     job.watch([0], ["ready"], lambda: {}, lambda: {"received": 0})
@@ -184,7 +224,11 @@ def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():
     "args, needle",
     [
         (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--metrics-bind", "nowhere"], "--metrics-bind"),
-        (["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--metrics-bind", "127.0.0.1:PORT"], "cannot serve"),
+        (
+            ["agent", "--mqtt", "mqtt://127.0.0.1:1", "--rank", "0", "--metrics-bind", "127.0.0.1:PORT"]
+            + ["--metrics-insecure"],
+            "cannot serve",
+        ),
         (["job", "start", "PLAN", "--mqtt", "mqtt://127.0.0.1:1", "--metrics-bind", ":70000"], "--metrics-bind"),
     ],
 )

@@ -122,3 +122,20 @@ def test_real_process_exit_code_and_one_line_error(tmp_path) -> None:
         timeout=120,
     )
     assert ok.returncode == 0 and json.loads(ok.stdout)["world_size"] >= 1
+
+
+def test_the_planner_plans_no_tensor_parallelism_the_agents_cannot_run(tmp_path, capsys) -> None:
+    """Nodes of 16 GPUs: tensor parallelism stays at the agents' limit, pinned or chosen (a plan the agents
+    refuse would only fail at start-up)."""
+    from agents.runnable import RUNTIME_TP
+    from planner.variants import MAX_TENSOR_PARALLEL, tp_options
+
+    assert MAX_TENSOR_PARALLEL == RUNTIME_TP
+    data = edited(lambda d: [dc.update(gpus_per_node=16, gpus=16) for dc in d["cluster"]["datacenters"]])
+    data["job"]["model"].update(heads=16, hidden=64)
+    path = write(tmp_path, data)
+    from geosched.config import load_config
+
+    assert max(tp_options(load_config(path), None)) == RUNTIME_TP
+    assert main(["plan", path, "--tp", "16", "--no-explain"]) == 2
+    assert f"at most {RUNTIME_TP} GPUs of one node" in capsys.readouterr().err

@@ -1,8 +1,11 @@
-"""The OpenAI-style HTTP front end over a real PrefillService, with a real HTTP client (http.client).
+"""The OpenAI-style HTTP front end over a real PrefillService, with real clients (http.client, raw sockets).
 
 The same prompt answered over HTTP and over ZeroMQ; the bearer token; bad
 bodies; a full queue (429), a missed deadline (504) and a shutdown (503)
-through the service's one queue; the KV cache as loadable safetensors bytes.
+through the service's one queue; the KV cache as loadable safetensors bytes;
+the bounds (connections, requests in flight, slow, idle and kept-alive
+clients cut off while a normal one is served); HTTPS with a rehearsal's
+certificate, from ``geosched prefill --endpoint https://...`` too.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -22,6 +27,7 @@ from polling import wait_for
 
 from agents.prefill.client import PrefillClient, continue_greedy
 from agents.prefill.completions import response_from_safetensors, token_text
+from agents.prefill.connections import HttpLimits
 from agents.prefill.http import PrefillHttpServer
 from agents.prefill.service import PrefillService
 from geosched.model import ModelShape, build_model, greedy_generate, prefill
@@ -67,7 +73,9 @@ def model():
 
 
 @contextmanager
-def serving(model, *, idle: bool = True, **options: Any) -> Iterator[tuple[PrefillService, PrefillHttpServer]]:
+def serving(
+    model, *, idle: bool = True, limits: HttpLimits | None = None, tls: Any = None, **options: Any
+) -> Iterator[tuple[PrefillService, PrefillHttpServer]]:
     """A service (computing on an idle thread unless ``idle`` is False) with its HTTP front end."""
     stop = threading.Event()
     with PrefillService(model, auth_token=TOKEN, **options) as service:
@@ -75,7 +83,7 @@ def serving(model, *, idle: bool = True, **options: Any) -> Iterator[tuple[Prefi
         if idle:
             worker.start()
         try:
-            with PrefillHttpServer(service, "127.0.0.1", 0) as server:
+            with PrefillHttpServer(service, "127.0.0.1", 0, limits=limits, tls=tls) as server:
                 yield service, server
         finally:
             stop.set()
@@ -182,9 +190,7 @@ def test_bad_bodies_are_refused_with_openai_errors(served, raw: bytes, status: i
 
 
 def test_a_body_that_does_not_arrive_is_refused(model):
-    import socket
-
-    with PrefillService(model) as service, PrefillHttpServer(service, body_timeout_s=0.3) as server:
+    with PrefillService(model) as service, PrefillHttpServer(service, limits=HttpLimits(body_timeout_s=0.3)) as server:
         with socket.create_connection((server.host, server.port), timeout=10) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # and no more
             head = conn.recv(4096)
@@ -226,3 +232,124 @@ def test_priority_and_deadline_reach_the_service_request():
     assert ask.request.tokens.tolist() == [104, 105] and ask.request.top_k == 256  # every logit, for logprobs
     ask = parse_request(load_json(b'{"prompt": [1, 2]}'), kind="prefill", model_id="m", max_prompt_tokens=64, vocab=256)
     assert (ask.request.priority, ask.request.deadline_s, ask.request.return_kv) == (0, None, True)
+
+
+def _closed_after(conn: socket.socket, trickle: bytes = b"", every_s: float = 0.1) -> float:
+    """Seconds until the server closes ``conn`` (reads EOF or a reset), sending ``trickle`` a byte at a time."""
+    start, pending = time.monotonic(), list(trickle)
+    conn.settimeout(every_s)
+    while time.monotonic() - start < 30:
+        try:
+            if pending:
+                conn.send(bytes([pending.pop(0)]))
+            if conn.recv(4096) == b"":
+                break
+        except TimeoutError:
+            continue
+        except OSError:  # reset (an aborted connection), or a send into it
+            break
+    return time.monotonic() - start
+
+
+def test_slow_idle_and_excess_clients_are_cut_off_while_a_normal_one_is_served(model):
+    limits = HttpLimits(
+        max_connections=3, max_inflight=1, header_timeout_s=0.6, body_timeout_s=0.6, keepalive_timeout_s=0.6
+    )
+    with serving(model, limits=limits) as (service, server), ThreadPoolExecutor(4) as pool:
+        address = (server.host, server.port)
+        # a body that trickles holds the one request slot: a second request is answered 503 with Retry-After
+        slow_body = socket.create_connection(address, timeout=10)
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")
+        slow_body.sendall(f"Authorization: Bearer {TOKEN}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        assert wait_for(lambda: server.stats()["inflight"] == 1, 10.0)
+        busy = call(server, "POST", "/v1/completions", {"prompt": "hi"})
+        assert busy[0] == 503 and busy[1]["Retry-After"] == "1" and error(busy)["code"] == "server_overloaded"
+        assert slow_body.recv(4096).startswith(b"HTTP/1.1 408")  # then its body times out
+        slow_body.close()
+        assert wait_for(lambda: server.stats()["open"] == 0, 10.0)
+        # three clients fill the connections: one sends nothing, one trickles its headers, one is kept alive idle
+        idle, trickler, kept = (socket.create_connection(address, timeout=10) for _ in range(3))
+        kept.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        cut = [
+            pool.submit(_closed_after, idle),
+            pool.submit(_closed_after, trickler, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X" * 400),
+            pool.submit(_closed_after, kept),
+        ]
+        assert wait_for(lambda: server.stats()["open"] == 3, 10.0)
+        full = call(server, "GET", "/v1/models")  # a fourth connection: refused at once, politely
+        assert full[0] == 503 and full[1]["Retry-After"] == "1" and "3 connections" in error(full)["message"]
+        waited = [f.result(30) for f in cut]
+        for conn in (idle, trickler, kept):
+            conn.close()
+        # cut off once their time is up: 0.6 s and a sweep (0.15 s), not the 30 s a trickle could last
+        assert all(0.3 < seconds < 5.0 for seconds in waited), waited
+        ok = call(server, "POST", "/v1/completions", {"prompt": "still served"})
+        assert ok[0] == 200 and json.loads(ok[2])["choices"][0]["text"]
+        stats = server.stats()
+        assert stats["timed_out"] == 3 and stats["refused_connections"] == 1 and stats["refused_requests"] == 1
+        assert stats["inflight"] == 0
+
+
+def test_https_with_a_rehearsal_certificate_and_the_cli_trusting_its_ca(model, tmp_path, capsys):
+    import ssl
+
+    from agents.tls.context import client_context, server_context
+    from agents.tls.selfsigned import write_rehearsal_tls
+    from geosched.cli import main
+    from geosched.errors import InputError
+
+    files = write_rehearsal_tls(tmp_path)
+    assert {p.stat().st_mode & 0o777 for p in (files.ca, files.cert, files.key)} == {0o600}
+    tls = server_context(files.cert, files.key, "--prefill-http-tls-cert")
+    with serving(model, tls=tls) as (service, server):
+        assert server.url.startswith("https://127.0.0.1:")
+        conn = http.client.HTTPSConnection(server.host, server.port, timeout=30, context=client_context(files.ca))
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "tls"}), {"Authorization": f"Bearer {TOKEN}"})
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+        with PrefillClient(service.endpoint, token=TOKEN) as client:
+            assert answer["geosched"]["first_token"] == client.prefill("tls", return_kv=False).first_token
+        with pytest.raises(ssl.SSLCertVerificationError):  # the system's CAs do not know the rehearsal's
+            untrusted = http.client.HTTPSConnection(server.host, server.port, timeout=30)
+            untrusted.request("GET", "/v1/models")
+        with pytest.raises((ConnectionError, http.client.HTTPException)):  # plain HTTP gets no answer
+            call(server, "GET", "/v1/models")
+        token_file = tmp_path / "prefill.token"
+        token_file.write_text(TOKEN)
+        token_file.chmod(0o600)
+        args = ["prefill", "--endpoint", server.url, "--ca-file", str(files.ca), "--token-file", str(token_file)]
+        assert main([*args, "--json", "tls"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["status"] == "ok" and printed["first_token"] == answer["geosched"]["first_token"]
+        assert main([*args[:3], "--token-file", str(token_file), "tls"]) == 1  # no CA: the certificate is refused
+        assert "not trusted" in capsys.readouterr().err
+    files.key.chmod(0o644)
+    with pytest.raises(InputError, match="readable by others"):
+        server_context(files.cert, files.key, "--prefill-http-tls-cert")
+    files.key.chmod(0o600)
+    with pytest.raises(InputError, match="cannot serve with the certificate"):
+        server_context(files.ca, files.key, "--prefill-http-tls-cert")  # a certificate of another key
+
+
+def test_the_connection_guard_admits_refuses_and_times_out():
+    from agents.prefill.connections import ConnectionGuard
+
+    guard = ConnectionGuard(HttpLimits(max_connections=2, max_inflight=1, header_timeout_s=1, keepalive_timeout_s=2))
+    assert [guard.admit(k, 0.0) for k in "abcd"] == ["accept", "accept", "refuse", "refuse"]
+    assert guard.admit("e", 0.0) == "drop"  # as many being refused as may be open: not even a 503
+    guard.refused("c")
+    guard.connected("a", 0.1)  # b never finishes its TLS handshake
+    assert guard.begin("a", 0.2) and not guard.begin("a", 0.2)  # one request in flight at a time
+    guard.end("a", 0.3, admitted=False)
+    assert guard.deadline("a") == 0.3 + 2
+    guard.end("a", 0.4, admitted=True)
+    assert guard.inflight == 0 and guard.overdue(1.9) == [] and guard.open == 2
+    assert guard.overdue(2.5) == ["a"] and guard.open == 0  # a: kept alive too long; b: forgotten
+    assert guard.snapshot()["timed_out"] == 2 and guard.snapshot()["refused_connections"] == 3
+    assert guard.admit("f", 2.5) == "accept" and guard.deadline("f") == 2.5 + 1
+    with pytest.raises(ValueError, match="--prefill-http-limit 'max_conn=3': expected KEY=VALUE with KEY one of"):
+        HttpLimits.parse(["max_conn=3"])
+    with pytest.raises(ValueError, match="header_timeout_s: must be between 0.05 and 3600"):
+        HttpLimits.parse(["header_timeout_s=0"])
+    assert HttpLimits.parse(["max_inflight=8"]) == HttpLimits(max_inflight=8)

@@ -9,7 +9,8 @@ only) each train 10 steps whose global loss equals a one-process run within
 (Megatron's scatter/gather). ``geosched launch`` trains a tp plan from
 ``geosched plan --tp 2`` and a hand-made 2-stage x tp 2 plan whose links cross
 the WAN emulator, which carries one copy of each boundary tensor, not tp. An
-agent given a tp plan it cannot run exits 2 with one line.
+agent given a tp plan it cannot run exits 2 with one line, and ``plan_for_config``
+names such a plan's dimension rather than quietly planning without tp.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from mqtt_brokers import agent_subprocess_env
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from agents import runnable
 from agents.checkpoint.export import export_weights
 from agents.layout import JobLayout, layout_plan_text, parse_layout, pipe_name
+from agents.runnable import plan_for_config, runtime_refusal
 from agents.stage.report import StepReport, global_loss
 from agents.stage.session import RankSession, num_microbatches, train_one_process
 from agents.stage.transport import StoreAddressBook
@@ -43,6 +46,7 @@ from agents.worker import RankCheckpoints
 from geosched.cli import main
 from geosched.config import Config, config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
+from geosched.errors import PlanError
 from geosched.model import PRECISION_DTYPES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -247,11 +251,19 @@ def test_pipe_names_carry_the_tp_rank_and_stay_unchanged_without_it():
     ]
 
 
-def test_agent_refuses_a_tp_plan_it_cannot_run(tmp_path: Path, capsys):
+def test_agent_refuses_a_tp_plan_it_cannot_run(tmp_path: Path, capsys, monkeypatch):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(layout_plan_text(tp_config(zero=1), ["eu"], dp=2))  # ZeRO-1 over dp 2 x tp 2
+    plan.write_text(layout_plan_text(tp_config(zero=2), ["eu"], dp=2))  # ZeRO-2 over dp 2 x tp 2: it runs
+    assert runtime_refusal(parse_layout(plan.read_text())) is None
+    monkeypatch.setattr(runnable, "RUNTIME_TP", 1)  # an agent that runs no tensor parallelism
     # refused before connecting: the broker URL is never used
     assert main(["agent", "--plan", str(plan), "--rank", "0", "--mqtt", "mqtt://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ZeRO 1 with tensor_parallel 2 and dp 2 is not supported" in err[0], err
-    assert "--zero 0" in err[0]
+    assert len(err) == 1 and "tensor_parallel 2 is more than this agent runs (1)" in err[0], err
+    assert "--tp 1" in err[0]
+
+
+def test_plan_for_config_names_what_the_agents_cannot_run_instead_of_replanning(monkeypatch):
+    monkeypatch.setattr(runnable, "RUNTIME_TP", 1)  # the planner's best plan here has tp 2 (its pin)
+    with pytest.raises(PlanError, match=r"tensor_parallel 2 is more than this agent runs \(1\).*--tp 1"):
+        plan_for_config(tp_config())

@@ -5,10 +5,13 @@ steps a real stage to the same parameters as plain AdamW on the averaged
 gradients, holds about 1/dp of the optimizer state per rank, gathers the whole
 state on replica 0 and takes its share of a whole state. Then whole jobs: two
 pipeline stages x dp 2 (4 rank processes, real links, gloo groups) train 10
-steps at zero 0, 1 and 2 with losses equal to one process; and a chain of
-checkpoints resumes across data-parallel degrees and ZeRO levels
-(dp 2 zero 2 -> dp 1 zero 0 -> dp 2 zero 1 -> dp 2 zero 2), its 10 losses equal
-to one process's.
+steps at zero 0, 1 and 2, and one stage x dp 2 x tp 2 at zero 1 and 2 (each tp
+rank's optimizer state sharded over its "dp" sub-group: half of its shards'),
+with losses equal to one process; and a chain of checkpoints resumes across
+data-parallel degrees, ZeRO levels, stage splits and tensor parallelism
+(dp 2 zero 2 -> dp 1 zero 0 -> dp 2 zero 1 -> dp 2 zero 2 -> dp 2 x tp 2 zero 1,
+8 ranks: TP x PP x DP with ZeRO -> one stage x dp 2 x tp 2 zero 2), its 14 losses
+equal to one process's.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents.dp.group import DataParallelGroup
+from agents.dp.group import DataParallelGroup, local_tensor
 from agents.dp.local_group import run_local_group
 from agents.dp.zero import ShardedGradAdamW, ShardedStateAdamW, build_stage_optimizer, optimizer_state_bytes
-from agents.layout import layout_roles
+from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss
 from agents.stage.session import RankSession, train_one_process
 from agents.stage.transport import StoreAddressBook
@@ -37,14 +40,14 @@ from agents.worker import RankCheckpoints
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import ConfigError
-from geosched.model import build_stage
+from geosched.model import build_model, build_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 STEPS = 10
 STAGE_DCS = ["us", "eu"]
 STAGE_LAYERS = [(0, 1), (1, 2)]
-SLOTS = 4  # rank processes: 2 stages x dp 2 (a dp-1 phase leaves two idle)
+SLOTS = 8  # rank processes: 2 stages x dp 2 x tp 2 (phases with fewer ranks leave some idle)
 JOB = JobSpec(
     model=ModelSpec(layers=2, hidden=32, heads=4, seq_len=32),
     global_batch=8,
@@ -174,31 +177,47 @@ def test_zero_without_a_group_is_plain_adamw():
 
 @dataclass(frozen=True)
 class Phase:
-    """One run of the 2-stage job: its ZeRO level and dp; with checkpoints, it resumes and saves at the end."""
+    """One run of the job: its ZeRO level, dp and tp, on 2 stages (or one); with checkpoints, it resumes and
+    saves at the end."""
 
     name: str
     zero: int
     dp: int
     steps: int
     checkpoints: bool = False
+    tp: int = 1
+    stages: int = 2
+
+    def roles(self) -> list[RankRole]:
+        """The phase's ranks: 2 stages us -> eu, or one stage in eu with every block."""
+        dcs, layers = (STAGE_DCS, STAGE_LAYERS) if self.stages == 2 else (["eu"], [(0, 2)])
+        return layout_roles(dcs, layers, self.dp, tp=self.tp)
 
 
-EQUIVALENCE = [Phase(f"zero{zero}", zero, 2, STEPS) for zero in (0, 1, 2)]
-RESUME_CHAIN = [  # 4 + 2 + 2 + 2 = STEPS, each resuming from the one before
+EQUIVALENCE = [Phase(f"zero{zero}", zero, 2, STEPS) for zero in (0, 1, 2)] + [
+    # tensor parallelism: each tp rank's shards' state sharded over its "dp" sub-group
+    Phase(f"tp2-zero{zero}", zero, 2, STEPS, tp=2, stages=1)
+    for zero in (1, 2)
+]
+RESUME_CHAIN = [  # 4 + 2 + 2 + 2 + 2 + 2 = STEPS + 4, each resuming from the one before
     Phase("chain-a", 2, 2, 4, True),
     Phase("chain-b", 0, 1, 2, True),
     Phase("chain-c", 1, 2, 2, True),
     Phase("chain-d", 2, 2, 2, True),
+    Phase("chain-e", 1, 2, 2, True, tp=2),  # TP x PP x DP x ZeRO: 2 stages x dp 2 x tp 2 at ZeRO 1 (8 ranks)
+    Phase("chain-f", 2, 2, 2, True, tp=2, stages=1),  # its tp shards, whole in the file, into 1 stage at ZeRO 2
 ]
+CHAIN_STEPS = sum(phase.steps for phase in RESUME_CHAIN)
 
 
-def _run_phase(phase: Phase, slot: int, store_port: int, ckpt_dir: str) -> tuple[list[dict[str, Any]], int] | None:
-    """Slot ``slot``'s rank in ``phase`` (None when the phase has fewer ranks): step reports, state bytes."""
-    roles = layout_roles(STAGE_DCS, STAGE_LAYERS, phase.dp)
+def _run_phase(phase: Phase, slot: int, store_port: int, ckpt_dir: str) -> tuple[list[dict[str, Any]], int, int] | None:
+    """Slot ``slot``'s rank in ``phase`` (None when the phase has fewer ranks): step reports, state bytes,
+    elements of the parameters this rank holds (its shards with tp)."""
+    roles = phase.roles()
     if slot >= len(roles):
         return None
-    role, job = roles[slot], replace(JOB, zero=phase.zero)
-    layout = SimpleNamespace(num_stages=len(STAGE_DCS), job=job)
+    role, job = roles[slot], replace(JOB, zero=phase.zero, tensor_parallel=phase.tp)
+    layout = SimpleNamespace(num_stages=phase.stages, job=job)
     checkpoints = RankCheckpoints(ckpt_dir, layout, role, every=0, resume=True) if phase.checkpoints else None
     book = StoreAddressBook.connect("127.0.0.1", store_port, prefix=phase.name)
     with RankSession(
@@ -215,9 +234,11 @@ def _run_phase(phase: Phase, slot: int, store_port: int, ckpt_dir: str) -> tuple
             checkpoints.restore(session.module, session.optimizer)
         reports = [r.to_dict() for r in session.train(phase.steps)]
         state_bytes = optimizer_state_bytes(session.optimizer)
+        assert session.module is not None
+        held = sum(local_tensor(p).numel() for p in session.module.parameters())
         if checkpoints is not None:  # every replica takes part: ZeRO gathers the state on replica 0
             checkpoints.save_now(session.next_step, session.module, session.optimizer)
-    return reports, state_bytes
+    return reports, state_bytes, held
 
 
 def _slot_main(slot: int, phases: list[Phase], store_port: int, ckpt_dir: str, results: Any) -> None:
@@ -270,31 +291,43 @@ def job_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, An
 @pytest.fixture(scope="module")
 def reference_losses() -> list[float]:
     dataset = TextDataset(default_corpus_paths(), seq_len=JOB.model.seq_len, seed=JOB.seed)
-    return train_one_process(JOB, dataset, STEPS)
+    return train_one_process(JOB, dataset, CHAIN_STEPS)
 
 
 def _losses(runs: dict[str, dict[int, Any]], phase: Phase) -> list[float]:
-    """The phase's global loss per step (mean over the last stage's replicas)."""
-    last = [role.rank for role in layout_roles(STAGE_DCS, STAGE_LAYERS, phase.dp) if role.last]
+    """The phase's global loss per step (mean over the last stage's replicas; one tp rank of each)."""
+    last = [role.rank for role in phase.roles() if role.last and role.tp_rank == 0]
     reports = [[StepReport.from_dict(d) for d in runs[phase.name][rank][0]] for rank in last]
     return [global_loss(per_step) for per_step in zip(*reports)]
 
 
 @pytest.mark.parametrize("phase", EQUIVALENCE, ids=lambda p: p.name)
 def test_pipeline_at_every_zero_level_equals_one_process(job_runs, reference_losses, phase):
-    assert _losses(job_runs, phase) == pytest.approx(reference_losses, rel=1e-4)
-    assert reference_losses[-1] < reference_losses[0]  # it trains, not just agrees
+    assert _losses(job_runs, phase) == pytest.approx(reference_losses[:STEPS], rel=1e-4)
+    assert reference_losses[STEPS - 1] < reference_losses[0]  # it trains, not just agrees
+    if phase.tp > 1:  # the tp ranks of a replica compute the same loss
+        last = [r for r in phase.roles() if r.last]
+        for role in last:
+            twin = next(r for r in last if r.replica == role.replica and r.tp_rank == 0)
+            mine, theirs = (job_runs[phase.name][r.rank][0] for r in (role, twin))
+            assert [d["loss"] for d in mine] == pytest.approx([d["loss"] for d in theirs], rel=1e-5)
 
 
 def test_optimizer_state_per_rank_is_a_dp_share(job_runs):
-    """Measured bytes per rank: zero 0 holds the stage's whole AdamW state, zero 1 and 2 about half (dp 2)."""
-    state = {phase.zero: {slot: run[1] for slot, run in job_runs[phase.name].items()} for phase in EQUIVALENCE}
-    print("optimizer state bytes per rank (slot = stage x 2 + replica):", state)
-    for slot in range(SLOTS):
-        whole = state[0][slot]
+    """Measured bytes per rank: zero 0 holds the stage's whole AdamW state, zero 1 and 2 about half (dp 2);
+    with tp 2, half of AdamW's state of the shards and replicated parameters the rank holds."""
+    state = {p.name: {slot: run[1] for slot, run in job_runs[p.name].items() if run} for p in EQUIVALENCE}
+    print("optimizer state bytes per rank (slot = rank):", state)
+    for slot in range(len(EQUIVALENCE[0].roles())):  # 4 ranks in every equivalence phase
+        whole = state["zero0"][slot]
         assert whole > 0
-        assert abs(state[1][slot] - whole / 2) < 0.15 * whole, (slot, state)
-        assert abs(state[2][slot] - whole / 2) < 0.01 * whole, (slot, state)
+        assert abs(state["zero1"][slot] - whole / 2) < 0.15 * whole, (slot, state)
+        assert abs(state["zero2"][slot] - whole / 2) < 0.01 * whole, (slot, state)
+        held = job_runs["tp2-zero1"][slot][2]  # elements of this tp rank's shards and replicated parameters
+        assert held < sum(p.numel() for p in build_model(JOB.model, seed=JOB.seed).parameters())
+        local = 2 * 4 * held  # AdamW: two fp32 moments per element this rank holds
+        assert abs(state["tp2-zero1"][slot] - local / 2) < 0.15 * local, (slot, state)
+        assert abs(state["tp2-zero2"][slot] - local / 2) < 0.01 * local, (slot, state)
 
 
 def test_resume_across_dp_degrees_and_zero_levels(job_runs, reference_losses):
@@ -305,3 +338,5 @@ def test_resume_across_dp_degrees_and_zero_levels(job_runs, reference_losses):
         losses += _losses(job_runs, phase)
         step += phase.steps
     assert losses == pytest.approx(reference_losses, rel=1e-4)
+    assert step == CHAIN_STEPS
+    assert all(job_runs["chain-e"][slot] is not None for slot in range(SLOTS))  # 2 stages x dp 2 x tp 2 ranks

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.dp.group import DEFAULT_BUCKET_CAP_MB, DataParallelGroup, adopt_grads
+from agents.dp.group import DEFAULT_BUCKET_CAP_MB, DataParallelGroup, adopt_grads, local_tensor
 from agents.wan.link import WanLink
 from geosched.errors import GeoschedError, LinkError, StageError
 from geosched.hierarchical import (
@@ -76,7 +76,9 @@ PIECE_BYTES_RANGE = (64 << 10, 4 << 20)
 
 
 class _Bucket:
-    """A flat gradient buffer of same-dtype parameters, padded for the in-DC reduce-scatter, and its lane."""
+    """A flat gradient buffer of same-dtype parameters, padded for the in-DC reduce-scatter, and its lane.
+
+    It holds the local gradients: a DTensor parameter's (tensor parallelism) is its shard's."""
 
     def __init__(self, params: list[nn.Parameter], layout: Lanes, exchanges: bool) -> None:
         dtype, device = params[0].dtype, params[0].device
@@ -86,8 +88,9 @@ class _Bucket:
         self.flat = torch.zeros(layout.padded, dtype=dtype)  # (dc_replicas * lane,), zeros past the gradients
         self.views, offset = [], 0
         for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            shape = local_tensor(p).shape
+            self.views.append(self.flat[offset : offset + shape.numel()].view(shape))
+            offset += shape.numel()
         one = layout.dc_replicas == 1
         self.lane = self.flat if one else torch.zeros(layout.lane_numel, dtype=dtype)  # (lane,) this replica's piece
         self.scratch = torch.empty(layout.lane_numel, dtype=dtype) if exchanges else None  # partial sums received
@@ -97,7 +100,10 @@ class CrossDcSync:
     """The gradient sync of one rank of a stage synced across DCs (see the module docstring).
 
     ``links``: this rank's gradient links by chain direction (-1 previous DC, +1 next), from
-    :class:`~agents.crossdc.links.SyncLinks`; ``group``: the stage's in-DC group (None: one replica here).
+    :class:`~agents.crossdc.links.SyncLinks`; ``group``: the stage's in-DC group (None: one replica here);
+    ``replicas``: the sub-group of it the in-DC collectives run over (tensor parallelism: the mesh's "dp"
+    group, this tp rank of every replica here; None: the whole group). With tensor parallelism every tp
+    rank syncs its local shards: tp rank j's lane partners are tp rank j of the other DCs' replicas.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class CrossDcSync:
         links: Mapping[int, WanLink],
         group: DataParallelGroup | None,
         *,
+        replicas: dist.ProcessGroup | None = None,
         name: str,
         timeout_s: float = 120.0,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -115,9 +122,11 @@ class CrossDcSync:
             need = {d for d, there in ((-1, sync.position > 0), (+1, sync.position < k - 1)) if there}
             if set(links) != need:
                 raise StageError(f"{name}: gradient links {sorted(links)} but chain position needs {sorted(need)}")
-        if (group.size if group is not None else 1) != sync.dc_replicas:
-            raise StageError(f"{name}: in-DC group of {group and group.size} for {sync.dc_replicas} replicas")
+        size = 1 if group is None else group.size if replicas is None else dist.get_world_size(replicas)
+        if size != sync.dc_replicas:
+            raise StageError(f"{name}: in-DC group of {size} for {sync.dc_replicas} replicas")
         self.sync, self.links, self.group, self.name = sync, dict(links), group, name
+        self.replicas, self.in_dc = replicas, size
         self.timeout_s, self.bucket_cap_mb = timeout_s, bucket_cap_mb
         self.round = 0  # WanLink "step" of the messages: every rank of the chain counts its syncs alike
         self.bytes_sent: dict[str, int] = {}  # peer DC -> payload bytes queued on the gradient links so far
@@ -214,12 +223,13 @@ class CrossDcSync:
             if not current:
                 groups.append(current)
             current.append(p)
-            size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+            size[p.dtype] = size.get(p.dtype, 0) + local_tensor(p).numel() * p.element_size()
             if size[p.dtype] >= cap:
                 del by_dtype[p.dtype], size[p.dtype]
         exchanges = sync.lane is not None and len(sync.chain) > 1
         self._buckets = [
-            _Bucket(g, Lanes(sum(p.numel() for p in g), sync.dc_replicas, sync.lanes), exchanges) for g in groups
+            _Bucket(g, Lanes(sum(local_tensor(p).numel() for p in g), sync.dc_replicas, sync.lanes), exchanges)
+            for g in groups
         ]
         self._ops = []
         if sync.lane is not None:
@@ -243,10 +253,10 @@ class CrossDcSync:
 
     def _collective(self, what: str, fn: Any, output: torch.Tensor, source: torch.Tensor) -> Any:
         """Start an in-DC collective (None with one replica in the DC: the lane is the bucket)."""
-        if self.group is None or self.group.size == 1:
+        if self.group is None or self.in_dc == 1:
             return None
         with self.group.guard(f"{self.name}: in-DC {what}"):
-            return fn(output, source, async_op=True)
+            return fn(output, source, group=self.replicas, async_op=True)
 
     def _wait_work(self, work: Any, what: str) -> None:
         if work is None:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from agents.dp import ring
 from agents.dp.health import HeartbeatMonitor, store_timeout, wait_for_listener
@@ -45,16 +46,36 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: its local shard of a tensor-parallel DTensor (an alias of the same
+    storage: in-place updates reach the DTensor), else the tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
 def adopt_grads(params: Iterable[nn.Parameter], views: Iterable[torch.Tensor]) -> None:
     """Make each parameter's gradient its view into a flat buffer (copying it in; a missing gradient counts
-    as zeros), so one collective on the buffer reduces them all."""
-    for p, view in zip(params, views):
-        if p.grad is None:
-            view.zero_()
-            p.grad = view
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
+    as zeros), so one collective on the buffer reduces them all.
+
+    A view has the parameter's local shape; a DTensor parameter (tensor parallelism) gets a DTensor gradient
+    whose local shard is the view, so backward accumulates into the buffer.
+    """
+    with torch.no_grad():
+        for p, view in zip(params, views):
+            grad = p.grad
+            if grad is not None and local_tensor(grad).data_ptr() == view.data_ptr():
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(local_tensor(grad))
+            p.grad = (
+                DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
+                if isinstance(p, DTensor)
+                else view
+            )
 
 
 class DataParallelGroup:

@@ -21,11 +21,21 @@ microbatch, and syncs once per step (the schedule's ALL_REDUCE action). Here the
 gradient buffer stays allocated (microbatches accumulate into it until ALL_REDUCE); what is sharded
 is the AdamW state (2 x params) and the averaged gradient the optimizer reads.
 
+With tensor parallelism (``agents.tp``) the module's parameters are DTensors: each tp rank owns its local
+shards of the sharded parameters and whole copies of the replicated ones. Levels 1 and 2 then shard over
+``replicas``, the stage mesh's "dp" sub-group (one tp rank of every replica), on the local tensors: tp rank
+j of every replica splits tp rank j's state, ZeroRedundancyOptimizer-style, and never shares it with the
+other tp ranks (the replicated parameters' gradients are the same on every tp rank, so each tp rank steps
+its copy to the same values). ZeroRedundancyOptimizer gets plain local tensors (aliases of the DTensors'
+shards: torch's broadcast has no DTensor rule); ZeRO 2 makes the DTensors' local shards views of its flat
+buffer.
+
 Every level computes what plain AdamW computes on the averaged gradients (AdamW is elementwise).
 With a group of size 1 (or none), levels 1 and 2 are level 0. Checkpoints keep the whole-stage AdamW
 format: :meth:`consolidate_state_dict` (every replica calls it) gathers the state on replica 0,
 ``whole_state_dict`` returns it there, ``load_whole_state_dict`` keeps this replica's share of a
-whole state, whatever dp or level wrote it.
+whole state, whatever dp or level wrote it. With ``replicas`` that is the sub-group's rank 0, and the
+whole state is that of this tp rank's local tensors (``agents.tp.whole`` joins the tp ranks' states).
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from agents.dp.group import DataParallelGroup, adopt_grads
+from agents.dp.group import DataParallelGroup, adopt_grads, local_tensor
 from geosched.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2)
@@ -55,22 +65,29 @@ class StageOptimizer:
 
 
 def build_stage_optimizer(
-    module: nn.Module, *, lr: float, zero: int, group: DataParallelGroup | None
+    module: nn.Module,
+    *,
+    lr: float,
+    zero: int,
+    group: DataParallelGroup | None,
+    replicas: dist.ProcessGroup | None = None,
 ) -> StageOptimizer:
-    """The optimizer of a stage at ZeRO stage ``zero`` over its data-parallel ``group`` (None: dp 1)."""
+    """The optimizer of a stage at ZeRO stage ``zero`` over its data-parallel ``group`` (None: dp 1).
+
+    ``replicas``: the sub-group of ``group`` the state is sharded over (tensor parallelism: the mesh's "dp"
+    group of this tp rank); None: the whole group. With a sub-group, levels 0 and 1 leave the gradient
+    average to the caller (``grad_sync`` None: ``agents.tp.mesh.average_gradients_over_dp``).
+    """
     if zero not in ZERO_STAGES:
         raise ConfigError(f"job.zero: must be 0, 1 or 2 (got {zero!r})")
-    if group is None or group.size == 1 or zero == 0:
-        return StageOptimizer(torch.optim.AdamW(module.parameters(), lr=lr), group)
+    size = 1 if group is None else group.size if replicas is None else dist.get_world_size(replicas)
+    in_group = group if replicas is None else None
+    if group is None or size == 1 or zero == 0:
+        return StageOptimizer(torch.optim.AdamW(module.parameters(), lr=lr), in_group)
     if zero == 1:
-        return StageOptimizer(ShardedStateAdamW(module.parameters(), group, lr=lr), group)
-    sharded = ShardedGradAdamW(module.parameters(), group, lr=lr)
+        return StageOptimizer(ShardedStateAdamW(module.parameters(), group, lr=lr, replicas=replicas), in_group)
+    sharded = ShardedGradAdamW(module.parameters(), group, lr=lr, replicas=replicas)
     return StageOptimizer(sharded, sharded)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``tensor``: its shard of a tensor-parallel DTensor, else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -98,20 +115,45 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class ShardedStateAdamW(ZeroRedundancyOptimizer):
-    """ZeRO-1: torch's ZeroRedundancyOptimizer over AdamW on the DP group, failures named by the group."""
+    """ZeRO-1: torch's ZeroRedundancyOptimizer over AdamW on the DP group (or ``replicas``), failures named
+    by the group. It steps plain tensors: a DTensor parameter's local shard (an alias of its storage), whose
+    gradient it takes from the DTensor's before each step."""
 
     whole_class_name = "AdamW"
     """The class a whole state is saved as: any level loads it."""
 
-    def __init__(self, params: Iterable[nn.Parameter], group: DataParallelGroup, *, lr: float) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: DataParallelGroup,
+        *,
+        lr: float,
+        replicas: dist.ProcessGroup | None = None,
+    ) -> None:
+        module_params = [p for p in params if p.requires_grad]
+        local_params = [local_tensor(p) for p in module_params]  # plain tensors: ZeRO broadcasts them in place
         # the DP group joined the default process group (agents.dp.group), so WORLD is the stage's replicas
-        super().__init__(params, optimizer_class=torch.optim.AdamW, process_group=dist.group.WORLD, lr=lr)
+        process_group = replicas if replicas is not None else dist.group.WORLD
+        super().__init__(local_params, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr)
         self.group = group
+        self.sharded = [(p, t) for p, t in zip(module_params, local_params) if t is not p]  # DTensor, its shard
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step this replica's share of the parameters, then broadcast every share."""
+        for p, t in self.sharded:  # the local shard's gradient is the DTensor gradient's (same storage)
+            t.grad = None if p.grad is None else local_tensor(p.grad)
         with self.group.guard("ZeRO-1 step (parameter broadcast)"):
             return super().step(closure, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the local shards' gradients and the DTensor parameters' own (which backward accumulates into)."""
+        super().zero_grad(set_to_none)
+        for p, _ in self.sharded:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every replica's state on replica ``to`` (every replica must call it)."""
@@ -130,8 +172,15 @@ class ShardedStateAdamW(ZeroRedundancyOptimizer):
 
     def load_whole_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep this replica's share of a whole-stage AdamW ``state_dict``."""
-        # torch's load_state_dict takes the global indexing of the whole stage and drops other ranks' entries
-        self.load_state_dict({"state": dict(state_dict["state"]), "param_groups": state_dict["param_groups"]})
+        # torch's load_state_dict takes the global indexing of the whole stage and drops other ranks' entries;
+        # a tensor-parallel stage's state may come as DTensors (agents.tp.whole): this optimizer steps their shards
+        state = {
+            index: {
+                key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()
+            }
+            for index, entry in state_dict["state"].items()
+        }
+        self.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
 class ShardedGradAdamW(torch.optim.Optimizer):
@@ -139,38 +188,51 @@ class ShardedGradAdamW(torch.optim.Optimizer):
 
     It is both the runtime's optimizer (:meth:`step`) and its gradient sync
     (:meth:`allreduce_gradients`, which here reduce-scatters). All parameters
-    share one dtype and device (a stage's do).
+    share one dtype and device (a stage's do). The flat buffers hold the local
+    tensors (a DTensor's shard), over ``replicas`` (None: the whole DP group).
     """
 
     whole_class_name = "AdamW"
     """The class a whole state is saved as: any level loads it."""
 
-    def __init__(self, params: Iterable[nn.Parameter], group: DataParallelGroup, *, lr: float) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: DataParallelGroup,
+        *,
+        lr: float,
+        replicas: dist.ProcessGroup | None = None,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         super().__init__(self.params, {"lr": lr})
-        kinds = {(p.dtype, p.device) for p in self.params}
+        local = [local_tensor(p) for p in self.params]
+        kinds = {(t.dtype, t.device) for t in local}
         if len(kinds) != 1:
             raise ConfigError(
                 f"ZeRO-2 needs parameters of one dtype and device; this stage has {sorted(map(str, kinds))}"
             )
         ((dtype, device),) = kinds
-        self.group = group
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_numel = -(-self.numel // group.size)  # ceil: the flat buffers are padded to dp x shard
-        self.shard_start = group.rank * self.shard_numel
-        padded = self.shard_numel * group.size
+        self.group, self.replicas = group, replicas
+        self.rank, self.size = (
+            (group.rank, group.size) if replicas is None else (dist.get_rank(replicas), dist.get_world_size(replicas))
+        )
+        self.shapes = [t.shape for t in local]  # local shapes: what the flat buffers hold
+        self.numel = sum(t.numel() for t in local)
+        self.shard_numel = -(-self.numel // self.size)  # ceil: the flat buffers are padded to dp x shard
+        self.shard_start = self.rank * self.shard_numel
+        padded = self.shard_numel * self.size
         self.flat_params = torch.zeros(padded, dtype=dtype, device=device)  # (dp * S,)
         self.flat_grads = torch.zeros(padded, dtype=dtype, device=device)  # (dp * S,)
         self.offsets: list[int] = []
         self.grad_views: list[torch.Tensor] = []
         offset = 0
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                view = self.flat_params[offset : offset + n]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)  # the module's parameter is now a view of the flat buffer
-                self.grad_views.append(self.flat_grads[offset : offset + n].view_as(p))
+            for p, t in zip(self.params, local):
+                n = t.numel()
+                view = self.flat_params[offset : offset + n].view(t.shape)
+                view.copy_(t)
+                _rehome(p, view)  # the module's parameter (its local shard) is now a view of the flat buffer
+                self.grad_views.append(self.flat_grads[offset : offset + n].view(t.shape))
                 self.offsets.append(offset)
                 offset += n
         # a view too: stepping the shard updates the module's parameters in place
@@ -190,10 +252,13 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         native_avg = self.group.backend == "nccl"
         with self.group.guard("ZeRO-2 gradient reduce-scatter"):
             dist.reduce_scatter_single(
-                self.shard.grad, self.flat_grads, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+                self.shard.grad,
+                self.flat_grads,
+                op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
+                group=self.replicas,
             )
         if not native_avg:
-            self.shard.grad.div_(self.group.size)
+            self.shard.grad.div_(self.size)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -201,8 +266,8 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         self.inner.param_groups[0].update(_hyperparameters(self))  # e.g. an LR schedule set on this optimizer
         self.inner.step()
-        with self.group.guard("ZeRO-2 parameter all-gather"):
-            dist.all_gather_single(self.flat_params, self.shard.detach().clone())  # input must not alias
+        with self.group.guard("ZeRO-2 parameter all-gather"):  # the input must not alias the output
+            dist.all_gather_single(self.flat_params, self.shard.detach().clone(), group=self.replicas)
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -212,18 +277,18 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         gathered: dict[str, torch.Tensor] = {}
         for key, value in shard_state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                parts = [torch.empty_like(value) for _ in range(self.group.size)] if self.group.rank == to else None
+                parts = [torch.empty_like(value) for _ in range(self.size)] if self.rank == to else None
                 with self.group.guard("ZeRO-2 state gather"):
-                    dist.gather(value, parts, dst=to)
+                    dist.gather(value, parts, group=self.replicas, group_dst=to)
                 if parts is not None:
                     gathered[key] = torch.cat(parts)[: self.numel]  # (N,) without the padding
-        if self.group.rank != to:
+        if self.rank != to:
             return
         state: dict[int, dict[str, Any]] = {}
         if shard_state:
-            for index, (p, offset) in enumerate(zip(self.params, self.offsets)):
+            for index, (shape, offset) in enumerate(zip(self.shapes, self.offsets)):
                 state[index] = {  # own tensors per parameter, as plain AdamW has (a checkpoint refuses shared ones)
-                    key: gathered[key][offset : offset + p.numel()].view_as(p).clone()
+                    key: gathered[key][offset : offset + shape.numel()].view(shape).clone()
                     if key in gathered
                     else value.clone()
                     if isinstance(value, torch.Tensor)
@@ -236,12 +301,13 @@ class ShardedGradAdamW(torch.optim.Optimizer):
     def whole_state_dict(self) -> dict[str, Any]:
         """The whole stage's state as plain AdamW's ``state_dict`` (after :meth:`consolidate_state_dict`)."""
         if self._whole is None:
-            raise RuntimeError(f"rank {self.group.rank}: call consolidate_state_dict(to={self.group.rank}) first")
+            raise RuntimeError(f"rank {self.rank}: call consolidate_state_dict(to={self.rank}) first")
         whole, self._whole = self._whole, None
         return whole
 
     def load_whole_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep this replica's slice of a whole-stage AdamW ``state_dict`` (checked before anything changes)."""
+        """Keep this replica's slice of a whole-stage AdamW ``state_dict`` (checked before anything changes;
+        DTensor values, a tensor-parallel stage's, give their local shards)."""
         entries: dict[int, dict[str, Any]] = state_dict["state"]
         if entries and sorted(entries) != list(range(len(self.params))):
             raise ValueError(f"the optimizer state covers {len(entries)} of {len(self.params)} parameters, not all")
@@ -252,10 +318,11 @@ class ShardedGradAdamW(torch.optim.Optimizer):
                 shard_state[key] = first.clone() if isinstance(first, torch.Tensor) else first  # AdamW's step
                 continue
             buffer = torch.zeros(self.shard_numel, dtype=first.dtype, device=self.shard.device)  # (S,)
-            for index, (p, offset) in enumerate(zip(self.params, self.offsets)):
-                start, end = max(offset, lo), min(offset + p.numel(), hi)
+            for index, (shape, offset) in enumerate(zip(self.shapes, self.offsets)):
+                start, end = max(offset, lo), min(offset + shape.numel(), hi)
                 if start < end:  # this parameter overlaps this replica's slice
-                    buffer[start - lo : end - lo] = entries[index][key].reshape(-1)[start - offset : end - offset]
+                    value = local_tensor(entries[index][key]).reshape(-1)
+                    buffer[start - lo : end - lo] = value[start - offset : end - offset]
             shard_state[key] = buffer
         (group,) = state_dict["param_groups"]
         hyper = {key: value for key, value in group.items() if key != "params"}
@@ -263,3 +330,15 @@ class ShardedGradAdamW(torch.optim.Optimizer):
             {"state": {0: shard_state} if entries else {}, "param_groups": [{**hyper, "params": [0]}]}
         )
         self.param_groups[0]["lr"] = hyper["lr"]
+
+
+def _rehome(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` (the parameter's local shape, holding its values) the storage of ``param``, in place:
+    ``param.data`` for a plain parameter; a DTensor's local shard can only be swapped, so the DTensor is
+    (``torch.utils.swap_tensors``: the same Python object, which the optimizer and the module keep)."""
+    if not isinstance(param, DTensor):
+        param.data = view
+        return
+    rehomed = nn.Parameter(DTensor.from_local(view, param.device_mesh, param.placements, run_check=False))
+    torch.utils.swap_tensors(param, rehomed)
+    assert local_tensor(param).data_ptr() == view.data_ptr()

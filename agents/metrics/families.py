@@ -112,6 +112,15 @@ def link_families(links: Iterable[Mapping[str, Any]]) -> Iterator[Metric]:
     yield from (*per_stream.values(), rate, drops)
 
 
+HTTP_REFUSALS = (
+    ("connection_limit", "refused_connections"),
+    ("inflight_limit", "refused_requests"),
+    ("slow_client", "timed_out"),
+    ("send_timeout", "send_timeouts"),
+)
+"""``geosched_prefill_http_refused_total`` reasons and the HTTP front end's counts behind them."""
+
+
 def prefill_families(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
     """``PrefillService.metrics()``: requests by status, queue length, KV bytes reserved, tokens, compute."""
     requests = _family("counter", "geosched_prefill_requests", "Prefill requests answered, by status", ["status"])
@@ -142,6 +151,21 @@ def prefill_families(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
     compute.add_metric(["bubble"], bubbles)
     compute.add_metric(["outside"], max(0.0, float(snapshot.get("prefill_compute_s") or 0.0) - bubbles))
     yield compute
+    http = snapshot.get("http")
+    if http:  # the HTTP front end (agents.prefill.connections): its connections and what it refused or cut off
+        for name, key, doc in (
+            ("geosched_prefill_http_connections", "open", "Open connections of the prefill HTTP front end"),
+            ("geosched_prefill_http_inflight", "inflight", "Requests the prefill HTTP front end is handling"),
+        ):
+            gauge = _family("gauge", name, doc)
+            gauge.add_metric([], http.get(key, 0))
+            yield gauge
+        cut = _family(
+            "counter", "geosched_prefill_http_refused", "HTTP connections or requests refused or cut off", ["reason"]
+        )
+        for reason, key in HTTP_REFUSALS:
+            cut.add_metric([reason], http.get(key, 0))
+        yield cut
 
 
 class _Pulled:

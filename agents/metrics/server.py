@@ -6,19 +6,25 @@ own WSGI app on a thread, bound to the host it is given (off unless a
 ``/health`` answers 200 with a small JSON body when the process's health
 callable says so, else 503. It only reads: nothing a client sends changes
 anything. Request lines and headers are bounded by the standard library,
-each connection by a timeout, and connections at once by
-:data:`MAX_CLIENTS` (more are closed unanswered).
+connections at once by :data:`MAX_CLIENTS` (more are closed unanswered), and
+each connection, from its accept to its answer (TLS handshake included), by
+:data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
+With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
+only, each handshake on the connection's own thread (the accepting thread
+never waits for a client); without, plain HTTP.
 
 Example::
 
-    with MetricsServer("127.0.0.1", 0, metrics.registry, metrics.health) as server:
-        print(server.url())          # http://127.0.0.1:40123/metrics
+    with MetricsServer("127.0.0.1", 0, metrics.registry, metrics.health, tls=context) as server:
+        print(server.url())          # https://127.0.0.1:40123/metrics
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,10 +35,12 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from geosched.errors import InputError
 
+log = logging.getLogger(__name__)
+
 MAX_CLIENTS = 16
 """Connections served at once; further ones are closed at once (a scrape retries)."""
 CLIENT_TIMEOUT_S = 10.0
-"""A connection idle this long is closed."""
+"""A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
 WILDCARDS = ("0.0.0.0", "::", "")
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]
@@ -46,7 +54,10 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _BoundedServer(ThreadingWSGIServer):
-    """A thread per request, at most :data:`MAX_CLIENTS` at once."""
+    """A thread per connection, at most :data:`MAX_CLIENTS` at once, each cut off :data:`CLIENT_TIMEOUT_S` after
+    its accept; TLS (``tls``) handshaken on that thread."""
+
+    tls: ssl.SSLContext | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
@@ -63,10 +74,35 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        held = [request]  # the socket the deadline cuts: the TLS one once wrapped (wrapping detaches the plain one)
+        deadline = threading.Timer(CLIENT_TIMEOUT_S, _cut, args=(held,))
+        deadline.daemon = True
+        deadline.start()
         try:
+            if self.tls is not None:
+                request.settimeout(CLIENT_TIMEOUT_S)
+                try:
+                    held[0] = request = self.tls.wrap_socket(request, server_side=True)
+                except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                    log.debug("metrics: TLS handshake with %s failed: %s", client_address, exc)
+                    self.shutdown_request(held[0])
+                    return
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client cut off or gone mid-request is no server error: logged at debug level, not printed."""
+        log.debug("metrics: connection from %s ended with an error", client_address, exc_info=True)
+
+
+def _cut(held: list[socket.socket]) -> None:
+    """Unblock whatever the connection's thread waits for (its reads and writes fail; the thread ends)."""
+    try:
+        held[0].shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):
+        pass  # already closed
 
 
 def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., Iterable[bytes]]:
@@ -95,8 +131,10 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., It
 class MetricsServer:
     """Serves ``registry`` and ``health`` over HTTP on ``host:port`` from a daemon thread (a context manager)."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
-        self.host, self.port = host, port
+    def __init__(
+        self, host: str, port: int, registry: CollectorRegistry, health: Health, *, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.host, self.port, self.tls = host, port, tls
         self._app = metrics_app(registry, health)
         self._httpd: Any = None
         self._thread: threading.Thread | None = None
@@ -108,7 +146,7 @@ class MetricsServer:
             family, _, _, _, address = socket.getaddrinfo(
                 self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )[0]
-            server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
+            server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family, "tls": self.tls})
             self._httpd = make_server(str(address[0]), self.port, self._app, server_class, handler_class=_QuietHandler)
         except (OSError, UnicodeError) as exc:
             why = getattr(exc, "strerror", None) or exc
@@ -117,15 +155,19 @@ class MetricsServer:
                 "and a free port (0 picks one)"
             ) from None
         self.port = int(self._httpd.server_address[1])
+        if self.tls is None:
+            log.warning(
+                "metrics on %s are plain HTTP (serve TLS with --metrics-tls-cert/--metrics-tls-key)", self.url()
+            )
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
         return self
 
     def url(self, advertise_host: str | None = None) -> str:
-        """``http://HOST:PORT/metrics``; a wildcard bind is advertised as ``advertise_host`` (else 127.0.0.1)."""
+        """``http(s)://HOST:PORT/metrics``; a wildcard bind is advertised as ``advertise_host`` (else 127.0.0.1)."""
         host = self.host if self.host not in WILDCARDS else (advertise_host or "127.0.0.1")
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         """Stop serving and close the socket."""

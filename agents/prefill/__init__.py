@@ -3,6 +3,7 @@
 Owns: the wire protocol (``protocol``), the client (``client``), the
 service with admission control and deadlines (``service``), the served
 model (``model``) and swapping it between requests (``swap``), its counters (``metrics``) and the OpenAI-style HTTP
-front end on the same service (``http``, its bodies in ``completions``).
+front end on the same service (``http``, its bodies in ``completions``, its bounds in ``connections``) with its
+client (``http_client``).
 May import ``agents.sockets`` and the core; it knows nothing of the stage it fills.
 """

@@ -9,15 +9,24 @@ queue (:meth:`PrefillService.submit <agents.prefill.service.PrefillService.submi
 the same admission control, deadlines, priorities and token as the ZeroMQ
 endpoint. ``Authorization: Bearer <token>`` is checked (constant time) before
 the body is read; bodies are bounded; refusals are OpenAI error objects
-(400 bad input, 401 token, 404, 413 body too large, 429 queue full or
-deadline infeasible, 504 deadline passed, 503 shutting down).
+(400 bad input, 401 token, 404, 408 body too slow, 413 body too large, 429
+queue full or deadline infeasible, 504 deadline passed, 503 shutting down or
+over a limit).
+
+Bounded as :mod:`agents.prefill.connections` says (:class:`HttpLimits`:
+connections and requests in flight at once, the headers', the body's, the
+keep-alive's and a KV answer's time): a connection over the limit is answered
+503 (``Retry-After: 1``) and closed, a request over the in-flight limit 503
+(``Retry-After: 1``), a client trickling or idling past its time cut off.
+With ``tls`` (an :func:`agents.tls.context.server_context`) it speaks HTTPS
+only; without, plain HTTP, and it logs a warning.
 
 The server runs its own event loop on its own thread, as the service runs its
 network thread; :meth:`PrefillHttpServer.close` answers every waiting request
 (503) and stops it. Example::
 
-    with PrefillService(model) as service, PrefillHttpServer(service, "127.0.0.1", 0) as http:
-        print(http.url)   # http://127.0.0.1:PORT; curl $URL/v1/completions -d '{"prompt": "Hi"}'
+    with PrefillService(model) as service, PrefillHttpServer(service, "127.0.0.1", 0, tls=context) as http:
+        print(http.url)   # https://127.0.0.1:PORT; curl --cacert CA $URL/v1/completions -d '{"prompt": "Hi"}'
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +52,13 @@ from agents.prefill.completions import (
     load_json,
     parse_request,
 )
+from agents.prefill.connections import (
+    ConnectionGuard,
+    GuardedProtocol,
+    HttpLimits,
+    RefusingProtocol,
+    overloaded_response,
+)
 from agents.prefill.protocol import PrefillResponse
 from agents.prefill.service import PrefillService
 from geosched.errors import LinkError
@@ -50,7 +67,6 @@ log = logging.getLogger(__name__)
 
 BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") or an id ("65535,")
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
-BODY_TIMEOUT_S = 10.0  # a body must arrive within this (no connection held open by a trickle)
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -65,33 +81,43 @@ class PrefillHttpServer:
         port: int = 0,
         *,
         model_id: str = "",
-        body_timeout_s: float = BODY_TIMEOUT_S,
+        limits: HttpLimits | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.service, self.body_timeout_s = service, body_timeout_s
+        self.service, self.limits, self.tls = service, limits or HttpLimits(), tls
         s = service.shape
         self.model_id = model_id or f"geosched-gpt-{s.layers}x{s.hidden}"
         self.max_body_bytes = BODY_SLACK_BYTES + BODY_BYTES_PER_TOKEN * service.max_prompt_tokens
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:  # bound now: errors and the port at once
-            self._sock = socket.create_server((host, port), family=family)
+            self._sock = socket.create_server((host, port), family=family, backlog=128)
         except OSError as exc:
             raise LinkError(
                 f"cannot bind the prefill HTTP front end on {host}:{port}: {exc.strerror or exc} (is the port in use?)"
             ) from None
         self.host, self.port = host, int(self._sock.getsockname()[1])
-        self.url = f"http://[{host}]:{self.port}" if family == socket.AF_INET6 else f"http://{host}:{self.port}"
-        if host not in ("127.0.0.1", "::1", "localhost"):
+        scheme = "https" if tls is not None else "http"
+        where = f"[{host}]" if family == socket.AF_INET6 else host
+        self.url = f"{scheme}://{where}:{self.port}"
+        if tls is None:
             log.warning(
-                "prefill HTTP on %s is plain HTTP: prompts and the token cross the network unencrypted; "
-                "bind 127.0.0.1 and put a TLS proxy in front",
+                "prefill HTTP on %s is plain HTTP: prompts and the token cross the network unencrypted "
+                "(serve TLS with --prefill-http-tls-cert/--prefill-http-tls-key)",
                 self.url,
             )
+        self._guard = ConnectionGuard(self.limits)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
         self._stop: asyncio.Event | None = None
         self._pending: set[asyncio.Future[PrefillResponse]] = set()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="prefill-http", daemon=True)
+
+    def stats(self) -> dict[str, int]:
+        """Connections (``accepted``, ``open``, ``refused_connections``, ``timed_out``) and requests (``inflight``,
+        ``refused_requests``, ``send_timeouts``) of the front end so far (any thread)."""
+        return self._guard.snapshot()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -132,7 +158,7 @@ class PrefillHttpServer:
 
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guarded, self._errors])
         app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -140,10 +166,25 @@ class PrefillHttpServer:
                 web.get("/v1/models", self._models),
             ]
         )
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        limits = self.limits
+        self._runner = runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=2.0,
+            # aiohttp's own idle timer is only a backstop: the guard cuts first, and counts it (_sweep)
+            keepalive_timeout=max(limits.header_timeout_s, limits.keepalive_timeout_s) + 1.0,
+            lingering_time=limits.body_timeout_s,
+        )
         await runner.setup()
+        server = None
+        sweeper = asyncio.create_task(self._sweep())
         try:
-            await web.SockSite(runner, self._sock).start()
+            server = await self._loop.create_server(
+                self._protocol,
+                sock=self._sock,
+                ssl=self.tls,
+                ssl_handshake_timeout=limits.header_timeout_s if self.tls is not None else None,
+            )
             log.info("prefill HTTP front end on %s", self.url)
             self._ready.set()
             await self._stop.wait()
@@ -154,9 +195,58 @@ class PrefillHttpServer:
                 if not future.done():
                     future.set_result(closing)
         finally:
+            sweeper.cancel()
+            if server is not None:
+                server.close()  # no more connections; those open are closed by the runner
             await runner.cleanup()
 
+    def _protocol(self) -> asyncio.Protocol:
+        """The protocol of a connection just accepted: aiohttp's behind the guard, or a refusal."""
+        assert self._loop is not None and self._runner is not None and self._runner.server is not None
+        inner = self._runner.server()  # aiohttp's RequestHandler: the guard's key for this connection
+        verdict = self._guard.admit(inner, self._loop.time())
+        if verdict == "accept":
+            return GuardedProtocol(inner, self._guard, self._loop)
+        answer = None
+        if verdict == "refuse":
+            answer = overloaded_response(
+                f"this agent's prefill front end holds its limit of {self.limits.max_connections} connections; "
+                "retry shortly"
+            )
+        return RefusingProtocol(answer, lambda: self._guard.refused(inner))
+
+    async def _sweep(self) -> None:
+        """Close every connection the guard finds overdue (slow or idle clients), every ``limits.sweep_s``."""
+        assert self._loop is not None
+        while True:
+            await asyncio.sleep(self.limits.sweep_s)
+            for handler in self._guard.overdue(self._loop.time()):
+                transport = getattr(handler, "transport", None)
+                if transport is not None:
+                    transport.abort()
+
     # -- requests -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """At most ``limits.max_inflight`` requests at once (503 and ``Retry-After`` beyond); the guard knows which
+        connection is inside a request."""
+        loop, key = asyncio.get_running_loop(), request.protocol
+        admitted = self._guard.begin(key, loop.time())
+        try:
+            if not admitted:
+                error = HttpError(
+                    503,
+                    f"this agent's prefill front end holds its limit of {self.limits.max_inflight} requests in "
+                    "flight; retry shortly",
+                    "server_error",
+                    None,
+                    "server_overloaded",
+                )
+                return web.json_response(error.body(), status=503, headers={"Retry-After": "1"})
+            return await handler(request)
+        finally:
+            self._guard.end(key, loop.time(), admitted)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -180,6 +270,8 @@ class PrefillHttpServer:
             )
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
             return web.json_response(error.body(), status=exc.status, headers=allow)
+        except ConnectionError:
+            raise  # the client is gone (or was cut off): nothing to answer
         except Exception:  # noqa: BLE001 - one request's failure is not the server's
             log.exception("prefill HTTP request failed unexpectedly")
             body = HttpError(500, "internal error in the prefill front end", "server_error").body()
@@ -203,10 +295,10 @@ class PrefillHttpServer:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
         try:
-            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            body = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except TimeoutError:
             raise invalid(
-                f"the body did not arrive within {self.body_timeout_s:g} s", None, "request_timeout", 408
+                f"the body did not arrive within {self.limits.body_timeout_s:g} s", None, "request_timeout", 408
             ) from None
         try:
             ask = parse_request(
@@ -254,7 +346,18 @@ class PrefillHttpServer:
             "X-Prefill-Prompt-Tokens": str(response.prompt_tokens),
             "X-Prefill-First-Token": str(response.first_token),
         }
-        return web.Response(body=data, content_type="application/octet-stream", headers=headers)
+        reply = web.StreamResponse(headers=headers)
+        reply.content_type, reply.content_length = "application/octet-stream", len(data)
+        await reply.prepare(request)
+        try:  # a client that does not take its answer gives up its connection (and its request slot)
+            await asyncio.wait_for(reply.write(data), self.limits.send_timeout_s)
+        except TimeoutError:
+            self._guard.send_timed_out()
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client did not take its answer in time") from None
+        await reply.write_eof()
+        return reply
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._authenticate(request)

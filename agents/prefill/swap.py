@@ -43,6 +43,10 @@ class SwappablePrefillService(PrefillService):
             finally:
                 self._compute.release()
 
+    def metrics(self) -> dict[str, Any]:
+        """The service's metrics, with ``served``: what it computes with now."""
+        return {**super().metrics(), "served": self.served}
+
     def _swap_between_requests(self) -> None:
         """Swap in the pending model unless a prompt is part-way through (the computing thread holds _compute)."""
         with self._lock:

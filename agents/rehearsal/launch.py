@@ -18,7 +18,11 @@ the embedded broker requires a login per identity (``agent-<r>``,
 ``coordinator``), the agents run with ``--keys`` (signed control messages,
 CURVE on every pipeline link and prefill endpoint, prefill token), the
 coordinator signs as ``coordinator`` and the prefill load sends the token
-over CURVE. ``insecure=True`` turns all of it off.
+over CURVE; the HTTP endpoints (``prefill_http``, ``metrics``) speak TLS with
+a certificate made for the run (:mod:`agents.tls.selfsigned`:
+``RUN_DIR/secrets/tls.crt``, clients trust ``RUN_DIR/secrets/tls-ca.crt``),
+each prefill URL checked over TLS before training starts. ``insecure=True``
+turns all of it off.
 
 Whatever happens (Ctrl-C, a failed agent, an exception), every child is
 stopped: SIGTERM to its process group, then SIGKILL after a grace period,
@@ -45,7 +49,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes
 from agents.runfolder.predict import predict, sync_seconds
-from geosched.errors import GeoschedError, PlanError
+from agents.tls.context import client_context, server_context
+from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
+from geosched.errors import GeoschedError, InputError, PlanError
 
 if TYPE_CHECKING:
     from agents.keys import JobKeys
@@ -85,19 +91,26 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = 
     return Calibration.from_dict(data)
 
 
-def striped_chunk_bytes(layout: JobLayout, floor: int = 4096) -> int:
+def striped_chunk_bytes(layout: JobLayout, floor: int = 2048) -> int:
     """WAN chunk size that stripes one activation over all of its link's streams.
 
     WanLink's own choice (>= 64 KiB) sends a small activation as one chunk on one
-    TCP stream, which a long link's per-connection window then throttles.
+    TCP stream, which a long link's per-connection window then throttles. The
+    size is the message's on the wire: its compressed payload where the plan
+    compresses the link (:mod:`geosched.compression`).
     """
+    from geosched.compression import compressed_bytes
     from geosched.costmodel import boundary_bytes
 
-    sizes = [
-        boundary_bytes(layout.job, layout.stage_layers[s - 1][1])
-        // max(1, layout.streams.get((min(a, b), max(a, b)), 1))  # keyed by the sorted DC pair
-        for s, a, b in layout.wan_boundaries()
-    ]
+    job, sizes = layout.job, []
+    for s, a, b in layout.wan_boundaries():
+        pair = (min(a, b), max(a, b))  # links are keyed by the sorted DC pair
+        wire = compressed_bytes(
+            boundary_bytes(job, layout.stage_layers[s - 1][1]),
+            job.bytes_per_element,
+            layout.compression.get(pair, "none"),
+        )
+        sizes.append(-(-wire // max(1, layout.streams.get(pair, 1))))
     return max(floor, min(sizes)) if sizes else 0
 
 
@@ -122,6 +135,7 @@ def launch(
     metrics: bool = False,
     elastic: bool = False,
     wan_reset_every_s: float | None = None,
+    prefill_follow_checkpoints: bool = False,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -156,6 +170,9 @@ def launch(
 
     ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often (the
     links reconnect and resend, :mod:`agents.wan`).
+
+    ``prefill_follow_checkpoints``: every agent serves prefill and swaps in each newer checkpoint of the
+    checkpoint folder as it completes (``--prefill-follow-checkpoints``); needs ``checkpoint_dir`` or ``elastic``.
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
@@ -167,6 +184,8 @@ def launch(
     from agents.runnable import plan_for_config, runtime_refusal
     from geosched.config import load_config
 
+    if prefill_follow_checkpoints and checkpoint_dir is None and not elastic:
+        raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
     config = load_config(config_path)
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
@@ -191,6 +210,7 @@ def launch(
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     most_ranks = max(len(layout.roles), sum(dc.gpus for dc in config.cluster.datacenters) if elastic else 0)
     keys = None if insecure else job_keys(run / "secrets", most_ranks)  # a new plan may use other GPUs
+    tls = None if keys is None or not (prefill_http or metrics) else write_rehearsal_tls(keys.directory)
     if insecure and out is not None:
         print(INSECURE_WARNING, file=out, flush=True)
     broker = None
@@ -208,29 +228,34 @@ def launch(
             chunk_args += ["--checkpoint-dir", str(Path(checkpoint_dir).resolve())]
             chunk_args += ["--checkpoint-every", str(checkpoint_every)]
         load = None
+        if prefill_rate > 0 or prefill_http or prefill_follow_checkpoints:
+            chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
+        if prefill_follow_checkpoints:  # each agent serves the newest complete checkpoint of --checkpoint-dir
+            chunk_args += ["--prefill-follow-checkpoints"]
         if prefill_rate > 0:
             from agents.rehearsal.prompt_load import PrefillLoad
 
-            chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
             load = PrefillLoad(prefill_rate, seed=layout.job.seed, keys=keys)
             stack.callback(load.stop, 0.0)  # on errors: stop at once (a no-op once stopped)
         http_urls: dict[int, str] = {}
         if prefill_http:  # every agent also answers OpenAI-style HTTP (agents.prefill.http) on a free port
-            chunk_args += [] if load is not None else ["--prefill-bind", "tcp://127.0.0.1:0"]
-            chunk_args += ["--prefill-http", "127.0.0.1:0"]
+            chunk_args += ["--prefill-http", "127.0.0.1:0", *tls_args("prefill-http", tls)]
         metrics_urls: dict[str, str] = {}
         job_metrics = None
         if metrics:  # every agent and the coordinator serve Prometheus metrics on a free port
             from agents.metrics.families import JobMetrics
             from agents.metrics.server import MetricsServer
 
-            chunk_args += ["--metrics-bind", "127.0.0.1:0"]
+            chunk_args += ["--metrics-bind", "127.0.0.1:0", *tls_args("metrics", tls)]
             job_metrics = JobMetrics(job)
-            server = stack.enter_context(MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health))
+            context = None if tls is None else server_context(tls.cert, tls.key, "launch's certificate")
+            server = MetricsServer("127.0.0.1", 0, job_metrics.registry, job_metrics.health, tls=context)
+            stack.enter_context(server)
             metrics_urls["coordinator"] = server.url()
         coordinator_url, control = coordinator_login(mqtt, keys)
         routes = relays if load is None else _with_load(relays, load)
-        hook = _with_metrics_urls(endpoints_hook(run, _with_http_urls(routes, http_urls, keys, out)), metrics_urls, out)
+        hook = _with_http_urls(routes, http_urls, keys, tls, out)
+        hook = _with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
 
         def start_agents(plan: JobLayout, resume: bool) -> AgentProcesses:
             if resume:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
@@ -307,6 +332,7 @@ def launch(
             "calibration_s": calibration_s,  # seconds spent measuring it (None: given or none)
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
             "secure": keys is not None,
+            "tls_ca": None if tls is None else str(tls.ca),  # what HTTPS clients of this run trust
             "broker_refusals": refusals,  # the embedded broker's refusals by kind (None: an outside broker)
             **({"prefill_http": http_urls} if http_urls else {}),  # rank -> URL of its OpenAI-style front end
             **({"metrics": metrics_urls} if metrics_urls else {}),  # coordinator, r<rank> -> Prometheus URL
@@ -329,9 +355,16 @@ def launch(
 
 
 INSECURE_WARNING = (
-    "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links and an open "
-    "prefill endpoint; anyone who can reach these ports can read or steer the job"
+    "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links, plain HTTP and an "
+    "open prefill endpoint; anyone who can reach these ports can read or steer the job"
 )
+
+
+def tls_args(prefix: str, tls: TlsFiles | None) -> list[str]:
+    """An agent's flags for its HTTP endpoint ``prefix``: the run's certificate, or plain HTTP when insecure."""
+    if tls is None:
+        return [f"--{prefix}-insecure"]
+    return [f"--{prefix}-tls-cert", str(tls.cert.resolve()), f"--{prefix}-tls-key", str(tls.key.resolve())]
 
 
 def job_keys(folder: Path, ranks: int) -> JobKeys:
@@ -380,8 +413,11 @@ def _with_load(relays: RelayRoutes, load: Any) -> Any:
     return hook
 
 
-def _with_http_urls(then: Any, urls: dict[int, str], keys: JobKeys | None, out: TextIO | None) -> Any:
-    """A ``before_start`` hook: note (in ``urls``) and print every rank's prefill HTTP URL, then run ``then``."""
+def _with_http_urls(
+    then: Any, urls: dict[int, str], keys: JobKeys | None, tls: TlsFiles | None, out: TextIO | None
+) -> Any:
+    """A ``before_start`` hook: note (in ``urls``), check (one ``GET /v1/models`` each, over TLS with the run's CA
+    and token) and print every rank's prefill HTTP URL, then run ``then``."""
     from agents.keys import PREFILL_TOKEN
     from agents.layout import prefill_http_name
 
@@ -390,14 +426,42 @@ def _with_http_urls(then: Any, urls: dict[int, str], keys: JobKeys | None, out: 
             url = status.extra.get("endpoints", {}).get(prefill_http_name(rank))
             if url:
                 urls[rank] = str(url)
+        token = None if keys is None else keys.prefill_token()
+        for rank, url in urls.items():
+            await asyncio.to_thread(check_http, rank, url, token, None if tls is None else tls.ca)
         if urls and out is not None:
-            token = "no token" if keys is None else f"token in {keys.directory / PREFILL_TOKEN}"
+            secured = "no token" if keys is None else f"token in {keys.directory / PREFILL_TOKEN}"
+            secured += "" if tls is None else f", CA {tls.ca}"
             listed = ", ".join(f"r{rank} {url}" for rank, url in urls.items())
-            print(f"launch: prefill over HTTP ({token}): {listed}", file=out, flush=True)
+            print(f"launch: prefill over HTTP ({secured}): {listed}", file=out, flush=True)
         result: dict[str, str] = await then(statuses)
         return result
 
     return hook
+
+
+def check_http(rank: int, url: str, token: str | None, ca: Path | None) -> None:
+    """GeoschedError unless ``GET url/v1/models`` answers 200 (over TLS trusting ``ca`` for an https URL)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 0
+    if parts.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, port, timeout=10, context=client_context(ca)
+        )
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request("GET", "/v1/models", headers={} if token is None else {"Authorization": f"Bearer {token}"})
+        status = conn.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        raise GeoschedError(f"rank {rank}'s prefill front end at {url} does not answer: {exc}") from None
+    finally:
+        conn.close()
+    if status != 200:
+        raise GeoschedError(f"rank {rank}'s prefill front end at {url} answers GET /v1/models with {status}")
 
 
 def _with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> Any:

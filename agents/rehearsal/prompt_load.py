@@ -180,6 +180,7 @@ def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
             "ttft_p50_ms": m.get("ttft_p50_ms"),
             "ttft_p99_ms": m.get("ttft_p99_ms"),
             "requests_sent": load.per_rank_sent.get(int(rank), 0),
+            "served": m.get("served"),  # the weights it computed with at the end (a checkpoint when following)
         }
     return {
         "rate_per_s": load.rate,

@@ -4,17 +4,24 @@
 (``wan_scale``, what a rehearsal's relays emulate) and compute from a
 calibration when given, else the config's GPU FLOP rates (the plan's own
 prediction: ``geosched job start``); :func:`sync_seconds` reads its gradient
-sync (the longest ALL_REDUCE of any stage) for the report.
+sync (the longest ALL_REDUCE of any stage) for the report. WAN compression is
+the plan's (``layout.compression``, what the agents run): a plan that
+compresses no link is predicted uncompressed whatever the job allows; where it
+does, the cost model decides again on the rehearsed links and a warning names
+any link where it decides otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
     from geosched.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None = None) -> Config:
@@ -39,6 +46,7 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
     from geosched.schedule import simulate
 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
+    job = layout.job if layout.compression else dataclasses.replace(layout.job, wan_compression="none")
     across: dict[str, Any] = {}
     if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
         from planner.replicas import cost_options
@@ -46,10 +54,10 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
 
         m = layout.job.global_batch // (layout.replicas * layout.job.batch)
         cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
-        across = cost_options(Problem(dataclasses.replace(config, job=layout.job)), cand)
+        across = cost_options(Problem(dataclasses.replace(config, job=job)), cand)
     costs = PipelineCosts(
         config.cluster,
-        layout.job,
+        job,
         layout.stage_dcs,
         layout.stage_layers,
         layout.dp,
@@ -57,6 +65,8 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
         calibration=calibration,
         **across,
     )
+    if costs.codecs != layout.compression:
+        log.warning("predicted WAN compression %s, the plan's %s", costs.codecs, layout.compression)
     return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup), costs)
 
 

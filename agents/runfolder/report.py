@@ -9,7 +9,8 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
     report.json       steps, losses (one per step), predicted_iteration_s,
                       measured_iteration_s, predicted_sync_s, measured_sync_s
                       (the gradient sync), bubble_fraction_measured,
-                      bubble_fraction_predicted, wan_bytes (per link direction),
+                      bubble_fraction_predicted, wan_bytes (per link direction;
+                      layout.wan_compression: the links that travel compressed),
                       memory (per rank: measured peak and predicted bytes),
                       memory_measured_vs_predicted_max, per-step detail
     timeline.png      measured timeline of the last step (replica 0's pipeline), with link rows
@@ -117,6 +118,7 @@ def build_report(
             "ranks": len(layout.roles),
             "schedule": layout.job.schedule,
             "microbatches": schedule.num_microbatches,
+            "wan_compression": {f"{a}-{b}": codec for (a, b), codec in getattr(layout, "compression", {}).items()},
         },
         "per_step": per_step,
         "memory": memory_rows(layout, reports),
@@ -142,7 +144,8 @@ def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[di
             continue
         warmup = layout.warmup[s] if layout.warmup else None
         inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s, warmup)
-        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, layout.replicas)
+        shard = sum(1 for r in layout.roles if r.stage == s and r.dc == role.dc and r.tp_rank == 0)  # in-DC ZeRO
+        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, shard)
         row = {
             "rank": role.rank,
             "stage": s,
@@ -250,8 +253,10 @@ def report_text(report: Mapping[str, Any]) -> str:
                 else ""
             )
         )
+    codecs = report.get("layout", {}).get("wan_compression", {})
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
-        lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB")
+        codec = codecs.get("-".join(sorted(link.split("->"))))
+        lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB" + (f" ({codec})" if codec else ""))
     rows = report.get("memory") or []
     if rows:
         peak = max(rows, key=lambda row: row["measured_peak_bytes"])

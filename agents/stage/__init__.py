@@ -2,8 +2,8 @@
 
 Owns: ``runtime`` (``StageRuntime``, which executes a lowered schedule with
 its collaborators as Protocols), ``transport`` (sends and receives between
-stages over WAN links, address books, relay routes), ``scatter``
-(``ScatterGatherTransport``: a tp rank sends its 1/tp slice of each boundary
+stages over WAN links, compressed where the plan says; address books, relay
+routes), ``scatter`` (``ScatterGatherTransport``: a tp rank sends its 1/tp slice of each boundary
 tensor, the receiving tp ranks all-gather the slices), ``security``
 (``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from agents.dp.zero import local_tensor, optimizer_state_bytes
+from agents.dp.group import local_tensor
+from agents.dp.zero import optimizer_state_bytes
 
 
 class _Saved:

@@ -16,8 +16,11 @@ process group, inside the node, back into the whole tensor in rank order:
 :class:`ScatterGatherTransport` wraps the stage's
 :class:`~agents.stage.transport.LinkTransport` with that; the runtime does not
 notice. Activations going forward and gradients going back take the same path,
-in a DC and across the WAN alike. ``bytes_sent`` is the inner transport's: the
-slices, what really goes on the wire.
+in a DC and across the WAN alike. On a link the plan compresses, the inner
+transport compresses the slice (its codec is for (b, T, C/t) tensors) and the
+receiver decodes it before the all-gather. ``bytes_sent`` is the inner
+transport's: the slices (their payloads where compressed), what really goes on
+the wire.
 
 The all-gathers line up because every tp rank of a stage runs the same action
 list, and each rank issues the stage's tp collectives (the sharded blocks'

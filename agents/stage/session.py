@@ -6,8 +6,9 @@ to the same layers of a one-process model), AdamW with the job's learning
 rate (sharded over the data-parallel group at ZeRO stage ``job.zero``, see
 :mod:`agents.dp.zero`), the data prefetcher (first stage: inputs; last stage: targets; both
 read ``batch(step, replica, ...)`` independently and deterministically),
-the links to the previous and next stage, the data-parallel group, and the
-lowered, validated schedule; then it runs the steps and returns one
+the links to the previous and next stage (compressed where the plan's link is,
+``boundary_codecs``), the data-parallel group, and the lowered, validated
+schedule; then it runs the steps and returns one
 :class:`~agents.stage.report.StepReport` per step (also appended to
 ``run_dir/rank<R>.jsonl`` when a run folder is given).
 
@@ -28,7 +29,9 @@ and published with the pipeline link, connected after it, CURVE like it).
 With tensor parallelism (``role.tp_size`` > 1) a stage's group has dp x tp
 processes (group rank = replica x tp + tp_rank, :mod:`agents.tp.mesh`): the
 stage is sharded over the mesh's "tp" dimension (:func:`agents.tp.shard.shard_stage`),
-ALL_REDUCE averages over "dp" only, all tp ranks of a replica read the same
+ALL_REDUCE averages over "dp" only (across DCs: tp rank j syncs its local shards
+with tp rank j of its lane partners), ZeRO shards each tp rank's optimizer state
+over "dp" only (:mod:`agents.dp.zero`), all tp ranks of a replica read the same
 microbatches, and tp rank j of stage s talks to tp rank j of stage s+1. A
 sharded stage's input and output are whole, replicated tensors; tp rank j sends
 only slice j of their hidden dimension and the receiving tp ranks all-gather
@@ -67,7 +70,7 @@ from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.security import LinkSecurity
-from agents.stage.transport import AddressBook, LinkTransport, link_id
+from agents.stage.transport import AddressBook, LinkTransport, boundary_codecs, link_id
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from agents.tp.shard import shard_stage
 from agents.wan.config import WanLinkConfig
@@ -141,7 +144,7 @@ class RankSession:
         self.recv_timeout_s = recv_timeout_s
         self.wan_config = dict(wan_config or {})
         self.backend = backend
-        refusal = tp_refusal(job, role.dp_size) or (sync_refusal(job) if role.sync is not None else None)
+        refusal = tp_refusal(job) or (sync_refusal(job) if role.sync is not None else None)
         if refusal is not None:
             raise PlanError(f"rank {role.rank}: {refusal}")
         self.schedule = job_schedule(job, role.num_stages, role.dp_size, role.warmup or None)
@@ -230,19 +233,24 @@ class RankSession:
         )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, GradientSync | None]:
-        """The optimizer and what ALL_REDUCE runs: AdamW at the job's ZeRO stage; with tp > 1 the stage is
-        sharded first and gradients are averaged over the mesh's "dp" dimension only (ZeRO > 0 is refused
-        there unless dp is 1, where it is plain AdamW)."""
+        """The optimizer and what ALL_REDUCE runs: AdamW at the job's ZeRO stage. With tp > 1 the stage is
+        sharded first; gradients are averaged and ZeRO shards the state over the mesh's "dp" dimension only
+        (tp rank j of every replica in this DC), on each tp rank's local shards (:mod:`agents.dp.zero`)."""
         job, role, module = self.job, self.role, self.module
         if role.tp_size == 1:
             assert module is not None
             built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=self.group)
             return built.optimizer, built.grad_sync
         assert isinstance(module, StageModule) and self.group is not None
-        mesh = self.mesh = stage_mesh(role.dp_size, role.tp_size)
+        dp_here = role.group_size // role.tp_size  # the stage's replicas in this group (across DCs: in this DC)
+        mesh = self.mesh = stage_mesh(dp_here, role.tp_size)
         shard_stage(module, mesh["tp"])
-        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)  # over the local shards
-        return optimizer, _MeshGradientSync(self.group, mesh) if role.dp_size > 1 else None
+        built = build_stage_optimizer(
+            module, lr=job.learning_rate, zero=job.zero_stage, group=self.group, replicas=mesh.get_group("dp")
+        )
+        if built.grad_sync is not None:  # ZeRO 2: the optimizer reduce-scatters over "dp"
+            return built.optimizer, built.grad_sync
+        return built.optimizer, _MeshGradientSync(self.group, mesh) if dp_here > 1 else None
 
     def _scatter_gather(self, links: LinkTransport, mesh: DeviceMesh) -> ScatterGatherTransport:
         """The links of a tp rank: its slice of each boundary tensor out, the tp ranks' slices all-gathered in."""
@@ -261,7 +269,8 @@ class RankSession:
             return in_dc
         links = self.sync_links.links if self.sync_links is not None else {}  # none: a replica without a lane
         where = f"stage {role.stage} replica {role.replica} in {role.dc}"
-        return CrossDcSync(role.sync, links, self.group, name=where, timeout_s=self.recv_timeout_s)
+        replicas = self.mesh.get_group("dp") if self.mesh is not None else None  # tp: this tp rank's replicas
+        return CrossDcSync(role.sync, links, self.group, replicas=replicas, name=where, timeout_s=self.recv_timeout_s)
 
     def _link_config(self, upstream_stage: int, streams: int) -> WanLinkConfig:
         """The link between ``upstream_stage`` and the next one, seen from this rank (it is one of the two)."""
@@ -342,7 +351,7 @@ class RankSession:
             listener.wait_peer(self.connect_timeout_s)
         if self.sync_links is not None:
             self.sync_links.connect()
-        return LinkTransport(links, stage=role.stage) if links else None
+        return LinkTransport(links, stage=role.stage, codecs=boundary_codecs(self.job, role)) if links else None
 
     def _join_group(self) -> DataParallelGroup | None:
         role = self.role

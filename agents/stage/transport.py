@@ -21,6 +21,15 @@ endpoint (port 0: the OS picks a free one) and the connector looks it up.
 :class:`StoreAddressBook` keeps them in a torch ``TCPStore``; with
 ``routed=True`` a router (see :class:`RelayRouter`) sits between publish and
 lookup and may hand out a WAN relay's address instead.
+
+Where the plan compresses a WAN link (``plan.links[i].compression``, which
+reaches both ends as ``RankRole.compress_prev`` / ``compress_next``), the
+transport sends each tensor to that peer as its :mod:`agents.wan.compress`
+payload (a uint8 message: one fp32 scale per 128 values, one byte a value) and
+decodes what it receives from it into the boundary tensor the runtime expects
+(:func:`boundary_codecs`: the stage boundary's dtype and shape, a tp rank's
+1/t slice of it), refusing in one line anything else. The codec runs on the
+calling (training) thread, where the cost model charges it.
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from agents.layout import RankRole, pipe_name, sync_name
+from agents.wan.compress import TensorCodec
 from agents.wan.link import WanLink
-from geosched.errors import LinkError, StageError
+from geosched.config import JobSpec
+from geosched.errors import LinkError, ProtocolError, StageError
+from geosched.model import PRECISION_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +92,31 @@ def link_id(upstream_stage: int, replica: int) -> int:
     return ((upstream_stage + 1) << 16) | replica
 
 
+def boundary_codecs(job: JobSpec, role: RankRole) -> dict[int, TensorCodec]:
+    """The rank's compressed links (peer stage -> codec), as its plan says, each for the one tensor a pipeline
+    link carries both ways: (microbatch, seq_len, hidden / tp) at the job's precision (activations forward,
+    their gradients back; a tp rank sends its slice)."""
+    shape = (job.batch, job.model.seq_len, job.model.hidden // role.tp_size)
+    dtype = PRECISION_DTYPES[job.precision]
+    codecs = {role.stage - 1: role.compress_prev, role.stage + 1: role.compress_next}
+    return {peer: TensorCodec(codec, dtype, shape) for peer, codec in codecs.items() if codec != "none"}
+
+
 class LinkTransport:
     """A :class:`StageTransport` over one WanLink per neighbour stage.
 
     Receives are posted on the link as soon as they are polled or awaited, so a
     message lands straight in its tensor. Sends return a future at once; a
-    failed send is raised by the next call (and by :meth:`flush`).
+    failed send is raised by the next call (and by :meth:`flush`). ``codecs``:
+    the peers whose links travel compressed, and how (:func:`boundary_codecs`).
     """
 
-    def __init__(self, links: Mapping[int, WanLink], *, stage: int) -> None:
+    def __init__(
+        self, links: Mapping[int, WanLink], *, stage: int, codecs: Mapping[int, TensorCodec] | None = None
+    ) -> None:
         self.links = dict(links)
         self.stage = stage
+        self.codecs = dict(codecs or {})
         self._sent = {peer: 0 for peer in self.links}
         self._pending_sends: list[tuple[str, concurrent.futures.Future[None]]] = []
         self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future[Tensor]] = {}
@@ -105,6 +131,15 @@ class LinkTransport:
         """Queue the tensor on the link to ``peer_stage``."""
         self._raise_failed_sends()
         link = self._link(peer_stage)
+        codec = self.codecs.get(peer_stage)
+        if codec is not None:
+            try:
+                tensor = codec.encode(tensor)  # (4 nb + n,) uint8: what crosses the WAN
+            except ProtocolError as exc:
+                raise StageError(
+                    f"stage {self.stage}: {KIND_NAMES[kind]} of step {step} microbatch {microbatch} for stage "
+                    f"{peer_stage} cannot travel {codec.codec}: {exc}"
+                ) from None
         future = link.start_send(tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
         self._sent[peer_stage] += tensor.numel() * tensor.element_size()
         self._pending_sends.append((f"{kind} step {step} microbatch {microbatch} to stage {peer_stage}", future))
@@ -113,7 +148,9 @@ class LinkTransport:
         key = (peer, kind, step, microbatch)
         future = self._posted.get(key)
         if future is None:
-            future = self._link(peer).start_recv(step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
+            codec = self.codecs.get(peer)
+            out = codec.buffer() if codec is not None else None  # a payload of another size is refused
+            future = self._link(peer).start_recv(step=step, microbatch=microbatch, kind=KIND_NAMES[kind], out=out)
             self._posted[key] = future
         return future
 
@@ -125,15 +162,22 @@ class LinkTransport:
         """The tensor of ``(step, microbatch, kind)`` from ``peer_stage``."""
         self._raise_failed_sends()
         future = self._posted_recv(peer_stage, kind, step, microbatch)
+        codec = self.codecs.get(peer_stage)
         try:
             tensor = future.result(timeout=timeout)
+            del self._posted[(peer_stage, kind, step, microbatch)]
+            return tensor if codec is None else codec.decode(tensor)
         except concurrent.futures.TimeoutError:
             raise LinkError(
                 f"stage {self.stage}: no {KIND_NAMES[kind]} for step {step} microbatch {microbatch} from stage "
                 f"{peer_stage} ({self._link(peer_stage).peer}) within {timeout:g} s; is that stage running?"
             ) from None
-        del self._posted[(peer_stage, kind, step, microbatch)]
-        return tensor
+        except ProtocolError as exc:  # only compressed links expect a given message; the plan says both ends do
+            expected = codec.describe() if codec is not None else "uncompressed tensor"
+            raise LinkError(
+                f"stage {self.stage}: the {KIND_NAMES[kind]} of step {step} microbatch {microbatch} from stage "
+                f"{peer_stage} ({self._link(peer_stage).peer}) is not the {expected} this link carries: {exc}"
+            ) from None
 
     def bytes_sent(self) -> dict[int, int]:
         """Bytes queued per peer stage since the transport was made."""

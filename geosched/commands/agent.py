@@ -7,9 +7,10 @@ its link endpoints and publishes their addresses in its status, and waits for
   geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
   geosched agent --plan plan.yaml --rank 0 --mqtt mqtt://127.0.0.1:1883 --bind-host 10.0.0.5
   geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0
-  geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0 --prefill-http 127.0.0.1:8000
+  geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0 --prefill-http 127.0.0.1:8000 \
+      --prefill-http-tls-cert tls.crt --prefill-http-tls-key tls.key [--prefill-http-limit max_connections=128]
   geosched agent --mqtt mqtt://broker:1883 --job demo --rank 1 --dc eu --keys secrets   # secure
-  geosched agent ... --metrics-bind 127.0.0.1:9400   # Prometheus /metrics and /health
+  geosched agent ... --metrics-bind 127.0.0.1:9400 --metrics-insecure   # Prometheus /metrics and /health, plain HTTP
   geosched agent ... --checkpoint-dir ckpt --prefill-bind tcp://127.0.0.1:0 --prefill-follow-checkpoints
 
 Credentials may also come from GEOSCHED_MQTT_USERNAME / GEOSCHED_MQTT_PASSWORD
@@ -17,7 +18,10 @@ Credentials may also come from GEOSCHED_MQTT_USERNAME / GEOSCHED_MQTT_PASSWORD
 With ``--keys DIR`` (from ``geosched keys DIR --ranks N``) the agent logs in
 as ``agent-<rank>`` with its password from DIR, signs as that identity,
 puts CURVE on its pipeline links (only the neighbour ranks' keys connect)
-and on its prefill endpoint, and requires the prefill token.
+and on its prefill endpoint, and requires the prefill token. Its HTTP
+endpoints (``--prefill-http``, ``--metrics-bind``) speak TLS with the
+certificate and key given, or plain HTTP only when asked (``--prefill-http-insecure``,
+``--metrics-insecure``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from geosched.commands.checks import at_least
+from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -124,6 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve prefill over OpenAI-style HTTP (POST /v1/completions, /v1/prefill) on HOST:PORT, "
         "e.g. 127.0.0.1:0 (port 0: any; the URL goes into the status as prefill-http/r<RANK>); needs --prefill-bind",
     )
+    add_tls_arguments(parser, "prefill-http", "the prefill HTTP front end")
+    parser.add_argument(
+        "--prefill-http-limit",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a bound of the prefill HTTP front end (repeatable): max_connections (64), max_inflight (32), "
+        "header_timeout_s (10), body_timeout_s (10), keepalive_timeout_s (15), send_timeout_s (30)",
+    )
     parser.add_argument(
         "--prefill-weights",
         metavar="FILE|DIR",
@@ -150,6 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics (/metrics) and /health over HTTP on HOST:PORT, e.g. 127.0.0.1:9400 "
         "(port 0: any; off by default; the URL goes into the status as metrics/r<RANK>)",
     )
+    add_tls_arguments(parser, "metrics", "the metrics endpoint")
 
 
 def check_bind_host(host: str) -> None:
@@ -190,13 +205,28 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(
             f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 (got {args.prefill_bind!r})"
         )
-    prefill_http = None
+    prefill_http, http_tls, http_limits = None, None, None
     if args.prefill_http is not None:
+        from agents.prefill.connections import HttpLimits
         from geosched.commands.wanem import parse_address
 
         if not args.prefill_bind:
             raise InputError("--prefill-http needs --prefill-bind ENDPOINT (the HTTP front end feeds that service)")
         prefill_http = parse_address(args.prefill_http, "--prefill-http")
+        http_tls = tls_context(args, "prefill-http", "--prefill-http")
+        try:
+            http_limits = HttpLimits.parse(args.prefill_http_limit)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+    else:
+        unused_tls_flags(args, "prefill-http", "--prefill-http")
+        if args.prefill_http_limit:
+            raise InputError("--prefill-http-limit goes with --prefill-http HOST:PORT")
+    metrics_tls = None
+    if args.metrics_bind is not None:
+        metrics_tls = tls_context(args, "metrics", "--metrics-bind")
+    else:
+        unused_tls_flags(args, "metrics", "--metrics-bind")
     prefill_weights = served_weights_source(args)
     keys = load_keys(args)
     token = None
@@ -234,10 +264,13 @@ def run(args: argparse.Namespace) -> int:
         prefill_weights=prefill_weights,
         prefill_follow=args.prefill_follow_checkpoints,
         prefill_http=prefill_http,
+        prefill_http_tls=http_tls,
+        prefill_http_limits=http_limits,
         keys=keys,
         prefill_token=token,
         control_keys=None if keys is None else ControlKeys(*keys.control_fields(f"agent-{args.rank}")),
         metrics_bind=None if args.metrics_bind is None else parse_address(args.metrics_bind, "--metrics-bind"),
+        metrics_tls=metrics_tls,
     )
     return run_agent(options)
 

@@ -6,7 +6,8 @@
   geosched job checkpoint --mqtt mqtt://broker:1883 --job demo [--after-step N]
   geosched job stop --mqtt mqtt://broker:1883 --job demo
   geosched job start plan.yaml --mqtt mqtts://broker:8883 --job demo --keys secrets   # secure
-  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --metrics-bind 127.0.0.1:9400   # Prometheus
+  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --metrics-bind 127.0.0.1:9400 \
+      --metrics-tls-cert tls.crt --metrics-tls-key tls.key     # Prometheus over TLS (or --metrics-insecure)
 
 With ``--keys DIR`` (from ``geosched keys DIR --ranks N``) the coordinator logs
 in to the broker as ``coordinator`` with its password from DIR and signs its
@@ -30,6 +31,7 @@ from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
 from geosched.commands.checks import above, at_least
+from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import GeoschedError, InputError
 
 
@@ -54,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the job's Prometheus metrics (/metrics) and /health on HOST:PORT while it runs, e.g. "
         "127.0.0.1:9400 (port 0: any; off by default)",
     )
+    add_tls_arguments(start, "metrics", "the job's metrics endpoint")
     status = sub.add_parser("status", help="table of the agents' retained statuses")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
     status.add_argument(
@@ -81,14 +84,16 @@ def _job_metrics(args: argparse.Namespace, out: Any) -> tuple[Any, Any]:
     """With ``--metrics-bind``: the coordinator's JobMetrics and its server, started (its URL printed);
     else (None, None)."""
     if args.metrics_bind is None:
+        unused_tls_flags(args, "metrics", "--metrics-bind")
         return None, None
     from agents.metrics.families import JobMetrics
     from agents.metrics.server import MetricsServer
     from geosched.commands.wanem import parse_address
 
     host, port = parse_address(args.metrics_bind, "--metrics-bind")
+    tls = tls_context(args, "metrics", "--metrics-bind")
     metrics = JobMetrics(args.job)
-    server = MetricsServer(host, port, metrics.registry, metrics.health).start()
+    server = MetricsServer(host, port, metrics.registry, metrics.health, tls=tls).start()
     print(f"metrics of job {args.job!r}: {server.url()} (health: /health)", file=out, flush=True)
     return metrics, server
 

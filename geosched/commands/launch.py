@@ -8,7 +8,9 @@ timeline.png, predicted.png, timelines.png (predicted above measured), trace.jso
 
 Secure by default: a fresh key folder in RUN_DIR/secrets/ (files mode 0600;
 the prefill token is RUN_DIR/secrets/prefill.token), broker logins per
-identity, signed commands, CURVE on every WAN link and prefill endpoint.
+identity, signed commands, CURVE on every WAN link and prefill endpoint,
+TLS on the HTTP endpoints (--prefill-http, --metrics) with a certificate made
+for the run (clients trust RUN_DIR/secrets/tls-ca.crt).
 --insecure turns all of that off (one warning line).
 
   geosched launch configs/demo-3dc.yaml
@@ -16,6 +18,8 @@ identity, signed commands, CURVE on every WAN link and prefill endpoint.
   geosched launch configs/demo-3dc.yaml --prefill-rate 20   # + prefill requests served in the bubbles
   geosched launch configs/demo-3dc.yaml --prefill-http      # + an OpenAI-style HTTP endpoint per agent (URLs printed)
   geosched launch configs/demo-3dc.yaml --checkpoint-dir ckpt --checkpoint-every 10   # every agent checkpoints
+  geosched launch configs/demo-3dc.yaml --checkpoint-dir ckpt --checkpoint-every 5 --prefill-follow-checkpoints \
+      --prefill-http                                        # the agents serve each newer checkpoint as it completes
   geosched launch configs/demo-3dc.yaml --metrics           # + Prometheus /metrics and /health (URLs printed)
   geosched launch configs/demo-3dc.yaml --elastic --steps 40   # kill a DC's agents: it re-plans and finishes
   geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
@@ -86,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only on command)"
     )
     parser.add_argument(
+        "--prefill-follow-checkpoints",
+        action="store_true",
+        help="every agent serves prefill from the newest complete checkpoint of --checkpoint-dir, swapping each "
+        "newer one in between requests as it completes (the agents' --prefill-follow-checkpoints)",
+    )
+    parser.add_argument(
         "--metrics",
         action="store_true",
         help="every agent and the coordinator serve Prometheus /metrics and /health on 127.0.0.1 (a free port "
@@ -117,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     above(args, "wan_reset_every", 0, "e.g. 5")
     if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
+    if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
+        raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"
@@ -145,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         elastic=args.elastic,
         wan_reset_every_s=args.wan_reset_every,
+        prefill_follow_checkpoints=args.prefill_follow_checkpoints,
     )
     if args.json:
         print(json.dumps(report))

@@ -6,9 +6,17 @@ decoding locally from that cache (needs the same weights: --weights, --config):
 
   geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file secrets/prefill.token "The quick brown fox"
   geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
+  geosched prefill --endpoint https://127.0.0.1:8443 --keys runs/demo/secrets "Hello"   # HTTPS: token + its CA
+  geosched prefill --endpoint https://agent:8443 --ca-file ca.crt --token-file prefill.token "Hello"
   geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\
       --weights gpt.safetensors --config configs/demo-3dc.yaml --json "Once upon a time"
   geosched prefill --local --weights model.safetensors --config configs/demo-3dc.yaml --decode 20 "Hello"
+
+An ``http(s)://`` endpoint (the agent's ``prefill-http/r<RANK>`` URL) is
+asked over its OpenAI-style front end (``POST /v1/prefill``), with the same
+answer; HTTPS verifies the agent's certificate against ``--ca-file`` (with
+``--keys DIR``: DIR/tls-ca.crt when present, as ``geosched launch`` writes
+it; else the system's CAs).
 
 ``--local`` runs the same prefill in this process, no agent and no network, on
 --weights (a file from ``geosched export``, or a checkpoint folder), and prints
@@ -36,7 +44,14 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched prefill``."""
     parser.add_argument("prompt", help="prompt text (one token per UTF-8 byte)")
-    parser.add_argument("--endpoint", help="the agent's prefill endpoint, tcp://HOST:PORT")
+    parser.add_argument(
+        "--endpoint", help="the agent's prefill endpoint, tcp://HOST:PORT, or its HTTP front end, https://HOST:PORT"
+    )
+    parser.add_argument(
+        "--ca-file",
+        metavar="FILE",
+        help="https: trust the agent's certificate if this CA signed it (default with --keys DIR: DIR/tls-ca.crt)",
+    )
     parser.add_argument(
         "--local",
         action="store_true",
@@ -49,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the job's key folder: its prefill token, and CURVE to the agent of --rank (its agent-<R>.key.pub)",
     )
-    parser.add_argument("--rank", type=int, help="with --keys: the rank whose agent serves --endpoint")
+    parser.add_argument("--rank", type=int, help="with --keys and tcp://: the rank whose agent serves --endpoint")
     parser.add_argument("--curve-key", help="CURVE: this client's NAME.key file (with --server-key)")
     parser.add_argument("--server-key", help="CURVE: the agent's NAME.key.pub file")
     parser.add_argument("--deadline-ms", type=float, help="answer within this many ms (else the agent rejects)")
@@ -126,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         from geosched.commands.agent import read_token_file
 
         token = read_token_file(args.token_file, "--token-file")
+    if args.endpoint.startswith(("http://", "https://")):
+        result = _over_http(args, token, curve)
+        return _report(args, result, served)
+    if args.ca_file is not None:
+        raise InputError("--ca-file goes with an https:// endpoint (tcp:// endpoints use CURVE)")
     if args.keys is not None:
         token, curve = _from_keys(args, token, curve)
     elif args.rank is not None:
@@ -139,6 +159,41 @@ def run(args: argparse.Namespace) -> int:
             return_kv=bool(args.decode),
         )
     return _report(args, result, served)
+
+
+def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> PrefillResponse:
+    """The prompt sent to an agent's HTTP front end (``POST /v1/prefill``), TLS checked against the CA."""
+    import os
+
+    from agents.prefill.http_client import prefill_over_http, split_url
+    from agents.tls.context import client_context
+    from agents.tls.selfsigned import CA_CERT
+
+    if curve is not None or args.rank is not None:
+        raise InputError("--curve-key, --server-key and --rank go with a tcp:// endpoint (HTTPS uses TLS)")
+    scheme = split_url(args.endpoint)[0]
+    ca_file = args.ca_file
+    if args.keys is not None:
+        from agents.keys import load_job_keys
+
+        token = token or load_job_keys(args.keys).prefill_token()
+        rehearsal_ca = os.path.join(args.keys, CA_CERT)
+        ca_file = ca_file or (rehearsal_ca if os.path.exists(rehearsal_ca) else None)
+    context = None
+    if scheme == "https":
+        context = client_context(ca_file)
+    else:
+        sys.stderr.write("geosched prefill: WARNING plain HTTP: the token and the prompt cross the network in clear\n")
+    return prefill_over_http(
+        args.endpoint,
+        args.prompt,
+        token=token,
+        context=context,
+        deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1e3,
+        priority=args.priority,
+        top_k=args.top_k,
+        timeout_s=args.timeout,
+    )
 
 
 def _report(args: argparse.Namespace, result: PrefillResponse, model: StageModule | None) -> int:

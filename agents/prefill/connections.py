@@ -1,0 +1,282 @@
+"""Bounds of the prefill HTTP front end: connections, requests in flight, and how long a client may dawdle.
+
+:class:`HttpLimits` says the bounds. :class:`ConnectionGuard` is the policy,
+with no sockets and no clock of its own (the caller passes ``now``): which
+connection is admitted, which request may run, which connection is overdue.
+:class:`GuardedProtocol` and :class:`RefusingProtocol` are the thin asyncio
+protocols that put it in front of aiohttp's (the server's event loop drives
+them; :mod:`agents.prefill.http` sweeps :meth:`ConnectionGuard.overdue`).
+
+A connection is accepted while fewer than ``max_connections`` are open (TLS
+handshakes in progress count); a further one is answered 503 with
+``Retry-After`` and closed (or, when even those pile up, closed at once).
+Outside a request, a connection is closed when it has not completed the
+headers of its first request within ``header_timeout_s`` of being accepted
+(the TLS handshake included), or, once answered, those of its next request
+within ``keepalive_timeout_s`` of the previous answer: a client trickling
+bytes (slowloris) or idling is cut off then. Inside a request the front end's
+own bounds hold (the body's ``body_timeout_s``, the request's deadline, the
+answer's ``send_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Hashable
+from dataclasses import dataclass, fields
+from typing import Any
+
+UNHANDSHAKEN_SLACK_S = 1.0
+"""An accepted TLS connection that never finished its handshake is forgotten this long after asyncio gave up on it."""
+REFUSAL_LINGER_S = 1.0
+"""A refused connection reads (and drops) what the client sends for at most this long, so the 503 is not lost."""
+LIMIT_BOUNDS = {
+    "max_connections": (1, 65536),
+    "max_inflight": (1, 65536),
+    "header_timeout_s": (0.05, 3600.0),
+    "body_timeout_s": (0.05, 3600.0),
+    "keepalive_timeout_s": (0.05, 3600.0),
+    "send_timeout_s": (0.05, 3600.0),
+}
+"""Each limit's range (inclusive)."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How much the prefill HTTP front end lets its clients hold (``--prefill-http-limit KEY=VALUE``)."""
+
+    max_connections: int = 64
+    """Open connections at once (TLS handshakes in progress count); more are answered 503 and closed."""
+    max_inflight: int = 32
+    """Requests being handled at once (body read, queued, computed, answered); more are answered 503."""
+    header_timeout_s: float = 10.0
+    """A new connection's TLS handshake and first request line and headers must arrive within this."""
+    body_timeout_s: float = 10.0
+    """A request's body must arrive within this of its headers (408 otherwise)."""
+    keepalive_timeout_s: float = 15.0
+    """After an answer, the next request's headers must arrive within this (the connection closes otherwise)."""
+    send_timeout_s: float = 30.0
+    """A KV answer (``/v1/prefill``) must be taken by the client within this (the connection closes otherwise)."""
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in LIMIT_BOUNDS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name}: must be between {low:g} and {high:g} (got {value:g})")
+
+    @property
+    def sweep_s(self) -> float:
+        """How often overdue connections are looked for: a connection is cut within this of its bound."""
+        return min(0.25, self.header_timeout_s / 4, self.keepalive_timeout_s / 4)
+
+    @classmethod
+    def parse(cls, items: list[str], flag: str = "--prefill-http-limit") -> HttpLimits:
+        """Limits from ``KEY=VALUE`` items (the rest default); ValueError naming the item and the remedy."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for item in items:
+            key, sep, text = item.partition("=")
+            if not sep or key not in known:
+                raise ValueError(f"{flag} {item!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+            kind = int if key.startswith("max_") else float
+            try:
+                values[key] = kind(text)
+            except ValueError:
+                raise ValueError(
+                    f"{flag} {item!r}: {key} must be {'an integer' if kind is int else 'a number'}"
+                ) from None
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {exc}") from None
+
+
+@dataclass
+class _Connection:
+    accepted_at: float
+    connected: bool = False
+    busy: bool = False  # inside a request (headers complete, answer not yet handed over)
+    answered_at: float | None = None  # the end of its latest request
+
+
+class ConnectionGuard:
+    """Admission and deadlines of one HTTP server's connections (pure logic: the caller passes ``now``)."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self._open: dict[Hashable, _Connection] = {}
+        self._refusing: dict[Hashable, float] = {}  # connections being answered 503 -> when accepted
+        self.inflight = 0
+        self.counts = dict.fromkeys(
+            ("accepted", "refused_connections", "refused_requests", "timed_out", "send_timeouts"), 0
+        )
+
+    @property
+    def open(self) -> int:
+        """Connections held now (accepted, not yet closed; TLS handshakes in progress included)."""
+        return len(self._open)
+
+    def admit(self, key: Hashable, now: float) -> str:
+        """A connection was accepted: ``"accept"`` (held until :meth:`lost`), ``"refuse"`` (over the limit: answer
+        it 503, then :meth:`refused`) or ``"drop"`` (so many are being refused: close it at once)."""
+        self._forget_stale(now)
+        if len(self._open) < self.limits.max_connections:
+            self._open[key] = _Connection(now)
+            self.counts["accepted"] += 1
+            return "accept"
+        self.counts["refused_connections"] += 1
+        if len(self._refusing) >= self.limits.max_connections:
+            return "drop"
+        self._refusing[key] = now
+        return "refuse"
+
+    def refused(self, key: Hashable) -> None:
+        """A refused connection closed."""
+        self._refusing.pop(key, None)
+
+    def connected(self, key: Hashable, now: float) -> None:
+        """Its transport is up (after the TLS handshake, if any)."""
+        connection = self._open.get(key)
+        if connection is None:  # forgotten while its handshake dragged on: hold it again
+            connection = self._open[key] = _Connection(now)
+        connection.connected = True
+
+    def lost(self, key: Hashable) -> None:
+        """It closed (a request still running on it ends with :meth:`end` all the same)."""
+        self._open.pop(key, None)
+
+    def begin(self, key: Hashable, now: float) -> bool:
+        """A request's headers are complete: True if it may run; :meth:`end` must follow either way."""
+        connection = self._open.get(key)
+        if connection is not None:
+            connection.busy = True
+        if self.inflight >= self.limits.max_inflight:
+            self.counts["refused_requests"] += 1
+            return False
+        self.inflight += 1
+        return True
+
+    def end(self, key: Hashable, now: float, admitted: bool) -> None:
+        """The request that :meth:`begin` let run (``admitted``) or refused handed over its answer."""
+        if admitted:
+            self.inflight -= 1
+        connection = self._open.get(key)
+        if connection is not None:
+            connection.busy, connection.answered_at = False, now
+
+    def send_timed_out(self) -> None:
+        """A client did not take its answer within ``send_timeout_s`` (its connection is closed)."""
+        self.counts["send_timeouts"] += 1
+
+    def deadline(self, key: Hashable) -> float | None:
+        """When the connection ``key`` is overdue if it is still outside a request (None: inside one, or unknown)."""
+        connection = self._open.get(key)
+        if connection is None or connection.busy:
+            return None
+        if connection.answered_at is None:
+            return connection.accepted_at + self.limits.header_timeout_s
+        return connection.answered_at + self.limits.keepalive_timeout_s
+
+    def overdue(self, now: float) -> list[Hashable]:
+        """Connections (transport up) past their deadline, to be closed now; each counted once as ``timed_out``."""
+        self._forget_stale(now)
+        late = []
+        for key, connection in self._open.items():
+            deadline = self.deadline(key)
+            if connection.connected and deadline is not None and now > deadline:
+                late.append(key)
+        for key in late:
+            self.counts["timed_out"] += 1
+            del self._open[key]  # lost() follows when its transport closes, a no-op then
+        return late
+
+    def _forget_stale(self, now: float) -> None:
+        # asyncio aborts a TLS handshake after header_timeout_s and tells no protocol: forget it a little later
+        limit = self.limits.header_timeout_s + UNHANDSHAKEN_SLACK_S
+        for key in [k for k, c in self._open.items() if not c.connected and now - c.accepted_at > limit]:
+            del self._open[key]  # cut off by asyncio at header_timeout_s (or failed): a slow client all the same
+            self.counts["timed_out"] += 1
+        limit += REFUSAL_LINGER_S
+        for key in [k for k, accepted in self._refusing.items() if now - accepted > limit]:
+            del self._refusing[key]
+
+    def snapshot(self) -> dict[str, int]:
+        """Counts and live state, JSON-ready."""
+        return {**self.counts, "open": self.open, "inflight": self.inflight}
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the guard told when it opens and closes."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard, loop: asyncio.AbstractEventLoop) -> None:
+        self.inner, self.guard, self.loop = inner, guard, loop
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.guard.connected(self.inner, self.loop.time())
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.lost(self.inner)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def overloaded_response(message: str) -> bytes:
+    """A whole HTTP/1.1 503 answer with OpenAI's error object, ``Retry-After: 1`` and ``Connection: close``."""
+    body = json.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": "server_overloaded"}}
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class RefusingProtocol(asyncio.Protocol):
+    """Answers a connection over the limit with a 503 at once, reads and drops what comes for at most
+    :data:`REFUSAL_LINGER_S` (so closing does not reset the answer away), then closes."""
+
+    def __init__(self, answer: bytes | None, done: Any) -> None:
+        self.answer, self.done = answer, done
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.answer is None:  # too many refusals at once: not even an answer
+            transport.abort()
+            return
+        transport.write(self.answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        """Dropped."""
+
+    def eof_received(self) -> bool | None:
+        return False  # the client is done: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.done()
+
+
+__all__ = ["ConnectionGuard", "GuardedProtocol", "HttpLimits", "RefusingProtocol", "overloaded_response"]

@@ -1,0 +1,66 @@
+"""TLS contexts of the HTTP endpoints and their clients, from Python's ``ssl`` module (OpenSSL underneath).
+
+:func:`server_context` loads a PEM certificate (chain) and its private key
+now, so a missing file, a key that does not match or a key others can read is
+bad input (one line naming the flag) before any port is bound;
+:func:`client_context` verifies the server's certificate chain and host name
+against a CA file (default: the system's CAs). Both refuse anything older than
+TLS 1.2. Example::
+
+    server = server_context("tls.crt", "tls.key", "--prefill-http-tls-cert")
+    client = client_context("tls-ca.crt")   # http.client.HTTPSConnection(host, port, context=client)
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import stat
+
+from geosched.errors import InputError
+
+MIN_VERSION = ssl.TLSVersion.TLSv1_2
+
+
+def server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str], flag: str) -> ssl.SSLContext:
+    """A server context holding ``cert`` and ``key``; InputError (one line, naming ``flag``) if they cannot serve.
+
+    The key file must be readable by its owner only (as every secret of a key folder).
+    """
+    cert, key = os.fspath(cert), os.fspath(key)
+    for path in (cert, key):
+        if not os.path.isfile(path):
+            raise InputError(f"{flag}: {path!r} does not exist; pass a PEM certificate and its private key")
+    mode = os.stat(key).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise InputError(
+            f"{flag}: the key {key!r} is readable by others (mode {stat.S_IMODE(mode):04o}): chmod 600 {key}"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = MIN_VERSION
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+        raise InputError(
+            f"{flag}: cannot serve with the certificate {cert!r} and the key {key!r} ({why}); pass a PEM "
+            "certificate (its chain after it) and the private key that goes with it"
+        ) from None
+    return context
+
+
+def client_context(ca_file: str | os.PathLike[str] | None = None, flag: str = "--ca-file") -> ssl.SSLContext:
+    """A client context that verifies the server's chain and host name against ``ca_file`` (None: the system's CAs);
+    InputError naming ``flag`` if the file cannot be read as PEM certificates."""
+    if ca_file is not None and not os.path.isfile(ca_file):
+        raise InputError(f"{flag}: {os.fspath(ca_file)!r} does not exist; pass the PEM certificate of the CA to trust")
+    try:
+        context = ssl.create_default_context(cafile=None if ca_file is None else os.fspath(ca_file))
+    except (ssl.SSLError, OSError) as exc:
+        why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+        raise InputError(f"{flag}: cannot read {os.fspath(ca_file or '')!r} as PEM certificates ({why})") from None
+    context.minimum_version = MIN_VERSION
+    return context
+
+
+__all__ = ["MIN_VERSION", "client_context", "server_context"]
