@@ -8,7 +8,7 @@ global batches in this process (:func:`agents.stage.session.train_one_process`).
 Reported per variant: the plan, the largest absolute difference between the
 two loss curves, the launch's measured/predicted iteration time, gradient
 sync (its ALL_REDUCE: the WAN part with data parallelism across DCs) and
-peak memory. :mod:`pipeline` adds the aggregates
+peak memory, and how long the launch's calibration took. :mod:`pipeline` adds the aggregates
 ``equivalence_max_abs_loss_diff`` and ``measured_vs_predicted_by_variant``.
 
     python benchmarks/variants.py --quick    # one variant (zb1p), 3 steps
@@ -65,6 +65,7 @@ def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
         "measured_vs_predicted": report["measured_vs_predicted"],
         "sync_measured_vs_predicted": report["sync_measured_vs_predicted"],  # the gradient sync (ALL_REDUCE)
         "memory_measured_vs_predicted_max": report["memory_measured_vs_predicted_max"],
+        "calibration_s": report["calibration_s"],  # what measuring the calibration took before the launch trained
     }
 
 

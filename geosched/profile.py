@@ -61,12 +61,14 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
 class StageTiming:
-    """Median seconds of one microbatch through a stage, and the spread of the samples."""
+    """Median seconds of one microbatch through a stage, the spread of the samples and their means."""
 
     forward_s: float
     backward_s: float
     forward_spread_s: float  # max - min over the timed repeats
     backward_spread_s: float
+    forward_mean_s: float  # what a step's many forwards add up to, preemptions on a shared host included
+    backward_mean_s: float
 
 
 def measure_stage(
@@ -142,6 +144,8 @@ def measure_stage(
         statistics.median(backward),
         max(forward) - min(forward),
         max(backward) - min(backward),
+        statistics.fmean(forward),
+        statistics.fmean(backward),
     )
 
 
