@@ -10,8 +10,9 @@ import yaml
 from agents.rehearsal.calibrate import calibrate
 from agents.rehearsal.collective_profile import RankGroup, fit_ring
 from geosched.config import load_config
-from geosched.costmodel import Calibration, PipelineCosts, stage_compute, tp_allreduce_s, tp_gather_s
+from geosched.costmodel import Calibration, stage_compute, tp_allreduce_s, tp_gather_s
 from geosched.netcost import ring_allreduce_s
+from geosched.pipeline_costs import PipelineCosts
 
 DEMO = "configs/demo-3dc.yaml"
 TINY = {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32, "vocab": 256}

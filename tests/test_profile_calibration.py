@@ -21,15 +21,14 @@ from geosched.config import load_config
 from geosched.costmodel import (
     ASSUMED_MEMORY_BANDWIDTH_BPS,
     Calibration,
-    PipelineCosts,
     boundary_bytes,
     gpt_block_cost,
-    message_overhead_s,
     stage_compute,
     stage_params,
     total_params,
 )
 from geosched.errors import InputError
+from geosched.pipeline_costs import PipelineCosts, message_overhead_s
 from geosched.processes import child_env
 from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 from geosched.schedule import build_schedule, lower, simulate
