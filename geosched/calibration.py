@@ -125,6 +125,9 @@ class StageTime:
     step_s: float | None = None
     """The stage's STEP as its agent runs it (optimizer at the job's ZeRO stage over ``dp`` replicas, its
     collectives included), seconds per iteration; None: not measured."""
+    sync_s: float | None = None
+    """The stage's ALL_REDUCE as its agent runs it over ``dp`` co-located replicas (its buckets, gloo's
+    per-call cost on this host), seconds per iteration; None: not measured (or ``dp`` 1)."""
 
 
 @dataclass(frozen=True)

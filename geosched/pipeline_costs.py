@@ -112,6 +112,10 @@ class PipelineCosts:
             compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
         self.grad_bytes = [grad_bytes(lay, i == 0, i == p - 1) for i, lay in enumerate(self.stage_layers)]
+        self._measured_sync = [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
+            _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)
+            for i, lay in enumerate(self.stage_layers)
+        ]
         if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
             self.compute = [
                 dataclasses.replace(
@@ -213,10 +217,15 @@ class PipelineCosts:
         backward (:meth:`reduce_scatter_s`), which is why ZeRO 2 costs time
         under a pipeline's gradient accumulation and pays only when memory binds.
         The ring runs at the DC's intra link, or as measured between co-located ranks when the calibration
-        has an all-reduce fit for ``dp`` (:func:`geosched.calibration.ring_rate`).
+        has an all-reduce fit for ``dp`` (:func:`geosched.calibration.ring_rate`). A stage the calibration
+        measured whole with its ALL_REDUCE over ``dp`` replicas (``StageTime.sync_s``) takes that: the
+        runtime's buckets and whatever a call costs beyond the ring model on this host.
         """
         if self._sync_s is not None:
             return self._sync_s[stage]
+        measured = self._measured_sync[stage]
+        if measured is not None:
+            return measured
         whole = ring_allreduce_s(self.grad_bytes[stage], self.dp, *self._dp_rate(stage))
         return whole / 2 if self.job.zero_stage >= 2 else whole
 
@@ -248,3 +257,11 @@ class PipelineCosts:
             out[(a, b)] = out.get((a, b), 0) + nbytes
             out[(b, a)] = out.get((b, a), 0) + nbytes
         return out
+
+
+def _measured_sync_s(
+    calibration: Calibration | None, layers: tuple[int, int], first: bool, last: bool, tp: int, dp: int
+) -> float | None:
+    """The calibration's ALL_REDUCE of this stage measured whole over ``dp`` replicas, if it has one."""
+    whole = calibration.stage_time(layers, first, last, tp) if calibration is not None else None
+    return whole.sync_s if whole is not None and whole.dp == dp and dp > 1 else None

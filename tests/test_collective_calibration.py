@@ -64,6 +64,27 @@ def test_a_tensor_parallel_stage_measured_whole_holds_its_all_reduces() -> None:
     assert c.backward_s == pytest.approx(0.02 * job.batch)
 
 
+def test_a_stage_measured_with_its_all_reduce_is_priced_with_it(tmp_path) -> None:
+    config = tiny_config(tmp_path)
+    job = config.job
+    stage = {"start": 0, "end": 2, "first": True, "last": True, "forward_s": 0.01, "backward_s": 0.02}
+    fit = {"kind": "all_reduce", "group": 2, "latency_s": 1e-3, "bandwidth_bps": 1e9}
+    measured = Calibration.from_dict(
+        {**PIECES, "stage_times": [{**stage, "dp": 2, "sync_s": 0.007}], "collectives": [fit]}
+    )
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=measured)
+    assert costs.allreduce_s(0) == pytest.approx(0.007)
+    other_dp = Calibration.from_dict(
+        {**PIECES, "stage_times": [{**stage, "dp": 4, "sync_s": 0.007}], "collectives": [fit]}
+    )
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=other_dp)
+    assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, 1e9, 1e-3)  # measured at another dp
+    older = Calibration.from_dict({**PIECES, "stage_times": [{**stage, "dp": 2}], "collectives": [fit]})
+    assert older.stage_times[0].sync_s is None  # files written before sync_s was measured load as before
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=older)
+    assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, 1e9, 1e-3)
+
+
 def test_the_ring_fit_recovers_latency_and_bandwidth() -> None:
     for kind, share in (("all_reduce", 1.0), ("all_gather", 0.5)):
         samples = [(n, share * ring_allreduce_s(n, 4, 2e9, 3e-4)) for n in (1e4, 1e5, 1e6)]
@@ -85,7 +106,11 @@ def test_collectives_are_measured_between_real_ranks_and_priced_with(tmp_path) -
     whole = cal.stage_time((0, 2), True, True)
     assert whole is not None and whole.dp == 2 and whole.step_s is not None and whole.step_s > 0
 
+    assert whole.sync_s is not None and whole.sync_s > 0
     costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=cal)
+    assert costs.allreduce_s(0) == whole.sync_s  # the stage's ALL_REDUCE as measured
+    unmeasured = dataclasses.replace(cal, stage_times=())  # other stages: the measured ring
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=unmeasured)
     assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, fit.bandwidth_bps, fit.latency_s)
     dc = config.cluster.dc("us")
     tp2 = dataclasses.replace(job, tensor_parallel=2)  # a tp all-reduce over 2 ranks: the same measured ring

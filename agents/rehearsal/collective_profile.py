@@ -154,7 +154,8 @@ def _context() -> tuple[Any, str]:
 
 
 def _stage_times(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ``stage_times`` record per measured (stage, tp, dp): the medians over its ranks."""
+    """One ``stage_times`` record per measured (stage, tp, dp): the medians over its ranks (``sync_s``, its
+    ALL_REDUCE, with replicas only)."""
     by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in ranks:
         by_key.setdefault((tuple(r["layers"]), r["first"], r["last"], r["tp"], r["dp"]), []).append(r)
@@ -165,7 +166,9 @@ def _stage_times(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             statistics.median(r["forward_s"] for r in rs),
             statistics.median(r["backward_s"] for r in rs),
         )
-        out.append({**record, "tp": tp, "dp": dp, "step_s": statistics.median(r["step_s"] for r in rs)})
+        step = statistics.median(r["step_s"] for r in rs)
+        sync = statistics.median(r["sync_s"] for r in rs) if dp > 1 else None
+        out.append({**record, "tp": tp, "dp": dp, "step_s": step, "sync_s": sync})
     return out
 
 
