@@ -69,6 +69,7 @@ def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
         "sync_collective_measured_vs_predicted": report["sync_collective_measured_vs_predicted"],
         "memory_measured_vs_predicted_max": report["memory_measured_vs_predicted_max"],
         "calibration_s": report["calibration_s"],  # what measuring the calibration took before the launch trained
+        "load_average": report["load_average"],  # the host's, after calibrating and after training (shared host)
     }
 
 
@@ -82,7 +83,8 @@ def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]
                 f"variant {name:<12} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, measured/"
                 f"predicted {one['measured_vs_predicted']:.2f} (sync {_ratio(one['sync_measured_vs_predicted'])}, "
                 f"collective {_ratio(one['sync_collective_measured_vs_predicted'])}), "
-                f"memory {one['memory_measured_vs_predicted_max']:.2f}",
+                f"memory {one['memory_measured_vs_predicted_max']:.2f}, load average calibrating "
+                f"{_load(one['load_average']['calibration'])} training {_load(one['load_average']['training'])}",
                 flush=True,
             )
     return out
@@ -90,6 +92,10 @@ def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _load(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,8 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert len(report["losses"]) == 3 and all(loss > 0 for loss in report["losses"])
     assert report["losses"][-1] < report["losses"][0]
     assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
+    assert report["calibrated"] and report["calibration_s"] > 0 and (run / "calibration.json").is_file()
+    assert report["load_average"]["calibration"] >= 0 and report["load_average"]["training"] >= 0  # the host's
     assert 0 < report["bubble_fraction_measured"] < 1
     # us -> eu -> ap: both links carried activations one way and gradients the other
     assert set(report["wan_bytes"]) == {"us->eu", "eu->us", "eu->ap", "ap->eu"}

@@ -203,6 +203,7 @@ def launch(
         began = time.monotonic()
         calibration = calibrate(layout, wan_scale, run / "calibration.json")
         calibration_s = time.monotonic() - began
+    load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
@@ -310,6 +311,7 @@ def launch(
             layout = parse_layout(text)
             predicted = predict(layout, wan_scale, calibration)
         wall_s = time.monotonic() - started
+        load_trained = _load_average()
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
         asyncio.run(stop_job(coordinator_url, job, **control))
@@ -330,6 +332,9 @@ def launch(
             "agent_exit_codes": codes,
             "calibrated": calibration is not None,
             "calibration_s": calibration_s,  # seconds spent measuring it (None: given or none)
+            # the 1-minute load average after calibrating and after training: on a shared host the two differ
+            # by what other jobs ran, which the prediction cannot know
+            "load_average": {"calibration": load_calibrated, "training": load_trained},
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
             "secure": keys is not None,
             "tls_ca": None if tls is None else str(tls.ca),  # what HTTPS clients of this run trust
@@ -480,3 +485,11 @@ def _with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> A
         return result
 
     return hook
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
