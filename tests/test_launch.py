@@ -160,9 +160,10 @@ def test_ctrl_c_stops_every_child(tmp_path: Path):
         cwd=tmp_path,
     )
     try:
-        wait_for(lambda: any(p.stat().st_size > 0 for p in run.glob("rank*.jsonl")), 120, "the first training step")
-        agents = _children(launcher.pid)
-        assert len(agents) == len(list(run.glob("agent*.log"))) >= 1
+        # planning, then calibrating the plan's ranks together (up to ~100 s on a busy 2-core host), then a step
+        wait_for(lambda: any(p.stat().st_size > 0 for p in run.glob("rank*.jsonl")), 300, "the first training step")
+        agents = _children(launcher.pid)  # the agents, and the fork server and resource tracker of a calibration
+        assert len(agents) >= len(list(run.glob("agent*.log"))) >= 1  # that measured the plan's ranks together
         launcher.send_signal(signal.SIGINT)
         code = launcher.wait(60)
         output = launcher.stdout.read().decode(errors="replace")  # type: ignore[union-attr]
