@@ -2,7 +2,7 @@
 
 (a) Two stages in two processes, pinned one per core (``os.sched_setaffinity``),
     joined by a WAN emulator relay (RTT and link cap below). The prediction is
-    the schedule simulator with :class:`~geosched.costmodel.PipelineCosts`
+    the schedule simulator with :class:`~geosched.pipeline_costs.PipelineCosts`
     calibrated as the stages run: :func:`agents.rehearsal.calibrate.calibrate` with two
     co-located copies (both cores busy), the per-message link costs on the
     link's streams and the emulator's own share; and each stage's forward and
@@ -305,7 +305,8 @@ def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
     """The simulator's timeline of the (a) layout with the measured calibration."""
     from agents.stage.session import job_schedule
-    from geosched.costmodel import Calibration, PipelineCosts
+    from geosched.costmodel import Calibration
+    from geosched.pipeline_costs import PipelineCosts
     from geosched.schedule import simulate
 
     gpu = {"name": "this-cpu-core", "tflops": calibration["tflops"], "memory_gib": 4}

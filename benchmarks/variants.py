@@ -7,8 +7,9 @@ emulator, CURVE on) for a few steps, and train the same model on the same
 global batches in this process (:func:`agents.stage.session.train_one_process`).
 Reported per variant: the plan, the largest absolute difference between the
 two loss curves, the launch's measured/predicted iteration time, gradient
-sync (its ALL_REDUCE: the WAN part with data parallelism across DCs) and
-peak memory. :mod:`pipeline` adds the aggregates
+sync (its ALL_REDUCE: the WAN part with data parallelism across DCs; the
+slowest rank's, and the collective alone, without waiting for later replicas) and
+peak memory, and how long the launch's calibration took. :mod:`pipeline` adds the aggregates
 ``equivalence_max_abs_loss_diff`` and ``measured_vs_predicted_by_variant``.
 
     python benchmarks/variants.py --quick    # one variant (zb1p), 3 steps
@@ -64,7 +65,11 @@ def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(report["losses"], reference, strict=True)),
         "measured_vs_predicted": report["measured_vs_predicted"],
         "sync_measured_vs_predicted": report["sync_measured_vs_predicted"],  # the gradient sync (ALL_REDUCE)
+        # the same without waiting for the replicas that reach it later: the collective itself
+        "sync_collective_measured_vs_predicted": report["sync_collective_measured_vs_predicted"],
         "memory_measured_vs_predicted_max": report["memory_measured_vs_predicted_max"],
+        "calibration_s": report["calibration_s"],  # what measuring the calibration took before the launch trained
+        "load_average": report["load_average"],  # the host's, after calibrating and after training (shared host)
     }
 
 
@@ -76,8 +81,10 @@ def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]
             one = out[name] = run_variant(name, steps, Path(tmp))
             print(
                 f"variant {name:<12} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, measured/"
-                f"predicted {one['measured_vs_predicted']:.2f} (sync {_ratio(one['sync_measured_vs_predicted'])}), "
-                f"memory {one['memory_measured_vs_predicted_max']:.2f}",
+                f"predicted {one['measured_vs_predicted']:.2f} (sync {_ratio(one['sync_measured_vs_predicted'])}, "
+                f"collective {_ratio(one['sync_collective_measured_vs_predicted'])}), "
+                f"memory {one['memory_measured_vs_predicted_max']:.2f}, load average calibrating "
+                f"{_load(one['load_average']['calibration'])} training {_load(one['load_average']['training'])}",
                 flush=True,
             )
     return out
@@ -85,6 +92,10 @@ def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _load(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

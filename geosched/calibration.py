@@ -1,8 +1,10 @@
 """Measured costs of one GPU kind: what ``geosched profile`` writes and :mod:`geosched.costmodel` prices with.
 
 A calibration replaces the cost model's FLOP and memory-traffic estimates by
-times measured on the real stage modules (per sequence), and adds what a
-message costs a stage beyond its wire time.
+times measured on the real stage modules (per sequence), adds what a
+message costs a stage beyond its wire time, and, for a plan with
+tensor-parallel or in-DC data-parallel groups, the collectives as measured
+between its co-located ranks (:class:`CollectiveFit`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,16 @@ class Calibration:
     plan measured as one module: :func:`stage_compute` uses such a stage's
     own times instead of adding up its pieces, which on a CPU misses the
     3-10 % that a stage's larger working set (every block's weights and
-    stash) costs in cache misses.
+    stash) costs in cache misses. A tensor-parallel stage measured whole
+    (``tp`` > 1) is sharded over its ``tp`` processes and its times hold the
+    blocks' all-reduces.
+
+    ``collectives`` (``calibrate(ranks=...)``, :mod:`agents.rehearsal.collective_profile`):
+    ring all-reduce and all-gather fits per group size, measured between the
+    plan's ranks on this host as the rehearsal co-locates them; the cost model
+    prices tensor-parallel and in-DC data-parallel collectives with them
+    instead of the config's node and intra-DC links. None: files written
+    before they were measured, or plans without such groups.
     """
 
     gpu_name: str
@@ -61,6 +72,7 @@ class Calibration:
     codec_s_per_byte: float | None = None
     """Seconds to compress and decompress one byte of a boundary tensor for the WAN (geosched.compression)."""
     stage_times: tuple[StageTime, ...] = ()
+    collectives: tuple[CollectiveFit, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
@@ -69,14 +81,21 @@ class Calibration:
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data or k not in optional}
         if "stage_times" in fields:
             fields["stage_times"] = tuple(StageTime(**dict(t)) for t in fields["stage_times"])
+        if fields.get("collectives") is not None:
+            fields["collectives"] = tuple(CollectiveFit(**dict(c)) for c in fields["collectives"])
         return cls(**fields)
 
-    def stage_time(self, layers: tuple[int, int], first: bool, last: bool) -> StageTime | None:
-        """The measured whole stage holding ``layers`` (+ embeddings/head), or None if it was not measured."""
+    def stage_time(self, layers: tuple[int, int], first: bool, last: bool, tp: int = 1) -> StageTime | None:
+        """The measured whole stage holding ``layers`` (+ embeddings/head) sharded over ``tp`` processes,
+        or None if it was not measured."""
         for t in self.stage_times:
-            if (t.start, t.end, t.first, t.last) == (layers[0], layers[1], first, last):
+            if (t.start, t.end, t.first, t.last, t.tp) == (layers[0], layers[1], first, last, tp):
                 return t
         return None
+
+    def collective(self, kind: str, group: int) -> CollectiveFit | None:
+        """The measured ring fit of ``kind`` ("all_reduce" or "all_gather") over ``group`` ranks, if any."""
+        return next((c for c in self.collectives or () if (c.kind, c.group) == (kind, group)), None)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
@@ -99,3 +118,40 @@ class StageTime:
     last: bool
     forward_s: float
     backward_s: float
+    tp: int = 1
+    """Processes the stage was sharded over (its blocks' all-reduces are in the times when > 1)."""
+    dp: int = 1
+    """Replicas in its group when it was measured (what ``step_s`` was measured with)."""
+    step_s: float | None = None
+    """The stage's STEP as its agent runs it (optimizer at the job's ZeRO stage over ``dp`` replicas, its
+    collectives included), seconds per iteration; None: not measured."""
+    sync_s: float | None = None
+    """The stage's ALL_REDUCE as its agent runs it over ``dp`` co-located replicas (its buckets, gloo's
+    per-call cost on this host), seconds per iteration; None: not measured (or ``dp`` 1)."""
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A collective over ``group`` co-located ranks, fitted to the ring alpha-beta model.
+
+    ``latency_s`` (alpha, per ring step) and ``bandwidth_bps`` (bits/s of each
+    ring link) are what :func:`geosched.netcost.ring_allreduce_s` takes: an
+    all-reduce of ``n`` bytes costs ``2(G-1)/G x n x 8 / bandwidth + 2(G-1) x
+    latency``, an all-gather of ``n`` bytes in all half that. ``samples``: the
+    timed calls behind the fit.
+    """
+
+    kind: str  # "all_reduce" or "all_gather"
+    group: int
+    latency_s: float
+    bandwidth_bps: float
+    samples: int = 0
+
+
+def ring_rate(
+    calibration: Calibration | None, kind: str, group: int, bandwidth_bps: float, latency_s: float
+) -> tuple[float, float]:
+    """(bits/s, latency s) to price a ring ``kind`` over ``group`` ranks with: the calibration's measured fit
+    when it has one, else the configured ``bandwidth_bps`` and ``latency_s``."""
+    fit = calibration.collective(kind, group) if calibration is not None else None
+    return (fit.bandwidth_bps, fit.latency_s) if fit is not None else (bandwidth_bps, latency_s)

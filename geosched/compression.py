@@ -14,7 +14,7 @@ Compression is lossy, so the job opts in (``job.wan_compression``); then each
 WAN link is compressed where that shortens the message: the link time it saves,
 ``(bytes - compressed bytes) x 8 / rate``, beats the codec time it adds, a few
 passes over the tensor at memory speed (:func:`codec_s`; measured by a
-calibration on the machine that runs it). :class:`~geosched.costmodel.PipelineCosts`
+calibration on the machine that runs it). :class:`~geosched.pipeline_costs.PipelineCosts`
 decides per link and the plan file records it; ``agents.wan.compress`` is the
 torch codec the agents run.
 """

@@ -61,12 +61,14 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
 class StageTiming:
-    """Median seconds of one microbatch through a stage, and the spread of the samples."""
+    """Median seconds of one microbatch through a stage, the spread of the samples and their means."""
 
     forward_s: float
     backward_s: float
     forward_spread_s: float  # max - min over the timed repeats
     backward_spread_s: float
+    forward_mean_s: float  # what a step's many forwards add up to, preemptions on a shared host included
+    backward_mean_s: float
 
 
 def measure_stage(
@@ -80,6 +82,7 @@ def measure_stage(
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
     microbatches: int = 1,
+    module: torch.nn.Module | None = None,
 ) -> StageTiming:
     """Time forward and backward of one microbatch through the stage holding ``layers`` (+ embeddings/head).
 
@@ -89,12 +92,14 @@ def measure_stage(
     forward includes the loss. Gradients accumulate as they do across
     microbatches. Several microbatches in flight matter on a CPU: the stash
     and the weights no longer fit the caches, which a one-microbatch loop hides.
+    ``module``: the stage to time (e.g. one sharded over tensor-parallel ranks) instead of a fresh one.
     """
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    stage = build_stage(
-        job.model, layers[0], layers[1], first=first, last=last, seed=job.seed, dtype=PRECISION_DTYPES[job.precision]
-    ).to(device)
+    stage: Any = module
+    if stage is None:
+        dtype = PRECISION_DTYPES[job.precision]
+        stage = build_stage(job.model, *layers, first=first, last=last, seed=job.seed, dtype=dtype).to(device)
     shape = ModelShape.of(job.model)
     b, T = job.batch, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
@@ -139,6 +144,8 @@ def measure_stage(
         statistics.median(backward),
         max(forward) - min(forward),
         max(backward) - min(backward),
+        statistics.fmean(forward),
+        statistics.fmean(backward),
     )
 
 

@@ -2,7 +2,7 @@
 
 Every final answer of the planner, the baselines and the brute force comes
 from :meth:`Evaluator.evaluate`: build the job's schedule (with gradient sync),
-build :class:`~geosched.costmodel.PipelineCosts` for the candidate and run
+build :class:`~geosched.pipeline_costs.PipelineCosts` for the candidate and run
 :func:`~geosched.schedule.simulate`. :func:`pipeline_lower_bound` is a bound
 the simulator can never beat (used by the brute force to skip candidates
 without simulating them, and checked against the simulator in the tests).
@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from geosched.costmodel import PipelineCosts
+from geosched.pipeline_costs import PipelineCosts
 from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
 from planner.replicas import cost_options, gradient_wan_bytes
 from planner.space import Candidate, Problem

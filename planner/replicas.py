@@ -84,7 +84,7 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
 
 
 def cost_options(problem: Problem, cand: Candidate) -> dict[str, Any]:
-    """The keyword arguments of :class:`~geosched.costmodel.PipelineCosts` for one pipeline of ``cand``: none
+    """The keyword arguments of :class:`~geosched.pipeline_costs.PipelineCosts` for one pipeline of ``cand``: none
     with one pipeline; else the links' sharing, every replica (ZeRO shards over them) and the gradient sync."""
     if not cand.extra_paths:
         return {}

@@ -3,7 +3,7 @@
 Plain 1F1B (and ZB-H1) keeps one microbatch more in flight on a stage than
 on the next, so a boundary whose messages take longer than a microbatch's
 compute stalls both of its stages every cycle: over a WAN link of one-way
-delay ``g`` (occupancy plus half the RTT, :class:`~geosched.costmodel.PipelineCosts`)
+delay ``g`` (occupancy plus half the RTT, :class:`~geosched.pipeline_costs.PipelineCosts`)
 the round trip grows by ``2 g`` that nothing overlaps. Little's law says how
 many more microbatches must be in flight to cover it at the pipeline's steady
 period ``P`` (its busiest stage's ``f + b``, or its busiest link's occupancy,
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from geosched.costmodel import PipelineCosts
+from geosched.pipeline_costs import PipelineCosts
 from geosched.schedule.builders import WARMUP_SCHEDULES, default_warmup
 from planner.space import Candidate, Problem
 

@@ -12,6 +12,7 @@ import yaml
 
 from agents.layout import parse_layout
 from agents.rehearsal.calibrate import block_unit, calibrate, plan_options, plan_stages
+from agents.rehearsal.collective_profile import RankGroup
 from agents.rehearsal.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
 from agents.wanem.emulator import LinkShape
 from geosched.chunking import chunks_per_message
@@ -20,15 +21,14 @@ from geosched.config import load_config
 from geosched.costmodel import (
     ASSUMED_MEMORY_BANDWIDTH_BPS,
     Calibration,
-    PipelineCosts,
     boundary_bytes,
     gpt_block_cost,
-    message_overhead_s,
     stage_compute,
     stage_params,
     total_params,
 )
 from geosched.errors import InputError
+from geosched.pipeline_costs import PipelineCosts, message_overhead_s
 from geosched.processes import child_env
 from geosched.profile import check_prediction, measure_activation_bytes, profile_job
 from geosched.schedule import build_schedule, lower, simulate
@@ -78,6 +78,8 @@ def test_cli_writes_a_calibration_that_the_cost_model_loads(tmp_path, capsys) ->
             assert getattr(cal, field) >= 0, field  # a difference of timings: may come out as 0 on a tiny model
         elif field == "stage_times":
             assert cal.stage_times == ()  # no --plan: nothing measured whole
+        elif field == "collectives":
+            assert cal.collectives is None  # no plan with groups: no collectives measured
         elif field != "gpu_name":
             assert getattr(cal, field) > 0, field
     job = load_config(config).job
@@ -333,15 +335,18 @@ def test_profile_cli_measures_a_plans_stages(tmp_path, capsys) -> None:
     )
     printed = capsys.readouterr().out
     cal = Calibration.load(out)
-    assert cal.stage_times and "(whole, from the plan)" in printed
-    assert plan_options(parse_layout(plan.read_text())) == {"stages": [((0, 2), True, True)]}  # one DC, no WAN
+    assert cal.stage_times and "(whole, from the plan" in printed and "all-reduce over 2 co-located ranks" in printed
+    options = plan_options(parse_layout(plan.read_text()))  # one DC, no WAN; its 2 replicas measured together
+    assert options == {"stages": [((0, 2), True, True)], "ranks": [RankGroup((0, 2), True, True, dp=2)]}
+    assert cal.collectives is not None and cal.stage_time((0, 2), True, True).dp == 2
 
     demo_plan = tmp_path / "demo-plan.yaml"
     assert main(["plan", DEMO, "-o", str(demo_plan), "--no-explain"]) == 0
     layout = parse_layout(demo_plan.read_text())
     _, up, down = layout.wan_boundaries()[0]
-    options = plan_options(layout)  # a real cluster: its stages and its first WAN link's streams
-    assert options == {"stages": plan_stages(layout.stage_layers), "streams": layout.streams[tuple(sorted((up, down)))]}
+    options = plan_options(layout)  # a real cluster: its stages, its first WAN link's streams (and its ranks)
+    assert options["stages"] == plan_stages(layout.stage_layers)
+    assert options["streams"] == layout.streams[tuple(sorted((up, down)))]
     rehearsal = plan_options(layout, wan_scale=0.05)["emulated"]  # + the emulator's shape of that link
     assert rehearsal.link_bytes_per_s == pytest.approx(
         layout.config.cluster.link(up, down).bandwidth_gbps * 1e9 / 8 * 0.05

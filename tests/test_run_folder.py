@@ -19,7 +19,7 @@ from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from agents.runfolder.predict import predict, sync_seconds
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
-from agents.runfolder.report import report_text
+from agents.runfolder.report import collective_sync_s, report_text
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.session import job_schedule
 from agents.worker import metrics_record
@@ -96,6 +96,7 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
     assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])
+    assert report["measured_sync_collective_s"] == pytest.approx(report["predicted_sync_s"])  # replicas in step
     assert "gradient sync: measured" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
@@ -115,3 +116,12 @@ def test_endpoints_json_carries_the_routes_the_hook_returns(tmp_path: Path) -> N
     written = json.loads((tmp_path / "endpoints.json").read_text())
     assert written["routes"] == {"pipe/s1/r0": "tcp://127.0.0.1:9999"}
     assert written["ranks"]["0"]["endpoints"] == {"prefill/r0": "tcp://127.0.0.1:7000"}
+
+
+def test_the_collective_alone_leaves_out_the_wait_for_a_later_replica() -> None:
+    def rank(stage: int, replica: int, sync_s: float) -> StepReport:
+        return StepReport(0, stage, replica, None, 1.0, 0.5, 0.1, 0.4, 0.0, sync_s=sync_s)
+
+    # replica 0 of each stage reached the all-reduce first and waited for replica 1
+    reports = [rank(0, 0, 0.200), rank(0, 1, 0.006), rank(1, 0, 0.150), rank(1, 1, 0.008)]
+    assert collective_sync_s(reports) == pytest.approx(0.008)  # the slowest stage's last arrival

@@ -1,4 +1,4 @@
-"""Run a function in G fresh processes forming one gloo group on 127.0.0.1.
+"""Run a function in G fresh processes forming one gloo (or NCCL) group on 127.0.0.1.
 
 For tests, benchmarks and rehearsals on one machine: the processes are
 spawned, join a :class:`~agents.dp.group.DataParallelGroup`, run the
@@ -38,7 +38,8 @@ def _local_worker(
 ) -> None:
     torch.set_num_threads(threads)
     try:
-        with join_group(dataclasses.replace(spec, rank=rank)) as group:
+        local_rank = rank if spec.backend == "nccl" else 0  # one GPU per process
+        with join_group(dataclasses.replace(spec, rank=rank, local_rank=local_rank)) as group:
             results.put((rank, fn(group, *args), None))
     except Exception as exc:  # noqa: BLE001 - handed back to the parent
         results.put((rank, None, f"{type(exc).__name__}: {exc}"))
@@ -53,6 +54,8 @@ def run_local_group(
     name: str = "local",
     host_store: bool = False,
     threads: int = 1,
+    backend: str = "gloo",
+    start_method: str = "spawn",
 ) -> list[LocalRankResult]:
     """Run ``fn(group, *args)`` in ``size`` fresh processes forming one gloo group on 127.0.0.1.
 
@@ -61,8 +64,10 @@ def run_local_group(
     it on a free port). ``fn`` must be importable (module level) and return
     something picklable; ``timeout_s`` is the group's collective timeout,
     ``deadline_s`` bounds the whole run, after which stragglers are killed.
+    ``backend="nccl"``: rank r on GPU r of this host. ``start_method="forkserver"`` forks the
+    processes from a server that imported its preload modules once (no torch import per process).
     """
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx: Any = torch.multiprocessing.get_context(start_method)  # spawn or forkserver: both make Processes
     results = ctx.Queue()
     store = None
     if host_store:
@@ -74,7 +79,7 @@ def run_local_group(
             "127.0.0.1", 0, None, True, timeout=store_timeout(timeout_s), wait_for_workers=False
         )
         port = store.port
-    spec = GroupSpec(name, 0, size, "127.0.0.1", port, backend="gloo", timeout_s=timeout_s, host_store=host_store)
+    spec = GroupSpec(name, 0, size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s, host_store=host_store)
     procs = [
         ctx.Process(target=_local_worker, args=(r, spec, fn, args, threads, results), daemon=True) for r in range(size)
     ]

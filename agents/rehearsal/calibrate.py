@@ -12,6 +12,11 @@ benchmarks call. It combines
   about 20 % slower while the other core works), so a calibration for
   ``geosched launch`` must be measured under the same load. Each time field
   is the median over the copies;
+- for a plan with tensor-parallel or in-DC data-parallel groups (``ranks``),
+  :func:`agents.rehearsal.collective_profile.measure_plan_ranks` instead of
+  the copies: every rank of the plan at once, each timing its stage whole
+  (sharded over its tp ranks), its ALL_REDUCE and STEP, ring fits of the
+  collectives over its groups (``collectives``) and the pieces;
 - :func:`agents.rehearsal.link_profile.measure_message_costs`: what each pipeline
   message costs on top of its wire time, with one block's forward and
   backward as the compute it slows down. On a CPU device the per-message
@@ -22,6 +27,7 @@ Example::
 
     cal = calibrate(job, repeats=7, co_located=2)       # JSON-ready dict
     cal = calibrate(job, co_located=2, stages=plan_stages([(0, 2), (2, 4)]))  # + whole stages
+    cal = calibrate(job, ranks=plan_groups(layout))      # a plan's ranks together: + its collectives
     Calibration.from_dict(cal)                           # what the cost model reads
 """
 
@@ -33,13 +39,16 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geosched.config import JobSpec
 from geosched.costmodel import Calibration
 from geosched.errors import InputError
 from geosched.profile import Progress, StageKey, profile_job
 from geosched.schema import dump_dataclass, load_dataclass
+
+if TYPE_CHECKING:
+    from agents.rehearsal.collective_profile import RankGroup
 
 WORKER_TIMEOUT_S = 600.0
 """Longest a co-located copy may take."""
@@ -58,6 +67,7 @@ def calibrate(
     stages: Sequence[StageKey] = (),
     streams: int = 1,
     emulated: Any = None,
+    ranks: Sequence[RankGroup] = (),
 ) -> dict[str, Any]:
     """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs.
 
@@ -67,10 +77,20 @@ def calibrate(
     ``emulated``: the :class:`~agents.wanem.emulator.LinkShape` of the WAN emulator
     that a rehearsal on this host relays its inter-DC links through; what it
     adds per message is measured too (``message_overhead_s_emulated``).
+    ``ranks``: a plan's stage groups (:func:`~agents.rehearsal.collective_profile.plan_groups`); every
+    rank runs at once and measures its stage whole, its step and its collectives (``collectives``), and
+    the pieces; ``co_located`` and ``stages`` are then not used (the plan's ranks are the copies).
     """
     if co_located < 1:
         raise InputError(f"co_located must be >= 1 (got {co_located}): how many ranks share this host")
-    if co_located == 1:
+    if ranks:
+        if progress is not None:
+            progress(0, 1, f"stages and collectives ({sum(g.size for g in ranks)} co-located ranks)")
+        cal = _profile_ranks(job, ranks, repeats=repeats, warmup=warmup, device=device)
+        co_located = cal["co_located"]
+        if progress is not None:
+            progress(1, 1, "stages and collectives")
+    elif co_located == 1:
         cal = profile_job(
             job, repeats=repeats, warmup=warmup, device=device, gpu_name=gpu_name, progress=progress, stages=stages
         )
@@ -172,6 +192,24 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return median_calibration(cals)
+
+
+def _profile_ranks(job: JobSpec, ranks: Sequence[RankGroup], **options: Any) -> dict[str, Any]:
+    """The pieces (median over the plan's ranks), its stages whole and its collectives, measured together."""
+    from agents.rehearsal.collective_profile import measure_plan_ranks
+
+    plan = measure_plan_ranks(job, ranks, **options)
+    cal = median_calibration([r["pieces"] for r in plan["ranks"]])
+    cal["stage_times"] = plan["stage_times"]
+    cal["collectives"] = plan["collectives"] or None
+    cal["co_located"] = len(plan["ranks"])
+    cal["ranks_measured"] = [{k: v for k, v in r.items() if k != "pieces"} for r in plan["ranks"]]
+    return cal
+
+
+def median_calibration(cals: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One calibration dict from several measured at once: the median of each time field."""
     out_cal = dict(cals[0])
     for key, value in out_cal.items():
         if key.endswith(("_s", "_s_per_param")) and isinstance(value, float):
@@ -190,14 +228,19 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
 def plan_options(layout: Any, wan_scale: float | None = None) -> dict[str, Any]:
     """What :func:`calibrate` should measure for a plan's layout (``agents.layout.JobLayout``).
 
-    Its stages whole, and message costs on the streams of its first WAN
+    Its stages whole (with tensor- or in-DC data-parallel groups, or more ranks
+    than cores: every rank at once, and the collectives), and message costs on the streams of its first WAN
     boundary; with ``wan_scale`` (a rehearsal through the WAN emulator), also
     the emulator's share on that link's shape (the links differ little in
     what a relay costs).
     """
+    from agents.rehearsal.collective_profile import plan_groups
     from agents.wanem.emulator import shape_for_link
 
     options: dict[str, Any] = {"stages": plan_stages(layout.stage_layers)}
+    groups = plan_groups(layout)
+    if any(g.size > 1 for g in groups) or len(layout.roles) > (os.cpu_count() or 1):
+        options["ranks"] = groups  # collectives to measure, or ranks that time-share the cores: all at once
     boundaries = layout.wan_boundaries()
     if boundaries:
         _, up, down = boundaries[0]

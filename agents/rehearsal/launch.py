@@ -64,17 +64,20 @@ DEFAULT_WAN_SCALE = 0.05
 """
 
 
-def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
+def calibrate(layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None) -> Any:
     """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
-    The plan's stages whole, its WAN streams and the emulator's share
-    (:func:`agents.rehearsal.calibrate.plan_options`).
+    The plan's stages whole, with tensor- or in-DC data-parallel groups its
+    ranks together and their collectives, its WAN streams and the emulator's
+    share (:func:`agents.rehearsal.calibrate.plan_options`); written to
+    ``save_to`` too when given (the run folder's ``calibration.json``).
     """
     import torch
 
     from agents.rehearsal.calibrate import calibrate as measure
     from agents.rehearsal.calibrate import plan_options
     from geosched.costmodel import Calibration
+    from geosched.profile import write_calibration
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every agent runs
@@ -83,6 +86,8 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0) -> Any:
         data = measure(layout.job, repeats=3, warmup=1, co_located=copies, **plan_options(layout, wan_scale))
     finally:
         torch.set_num_threads(threads)
+    if save_to is not None:
+        write_calibration(data, save_to)
     return Calibration.from_dict(data)
 
 
@@ -193,8 +198,12 @@ def launch(
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json")]:
         old.unlink()
     (run / "plan.yaml").write_text(text)
+    calibration_s = None
     if calibration == "measure":
-        calibration = calibrate(layout, wan_scale)
+        began = time.monotonic()
+        calibration = calibrate(layout, wan_scale, run / "calibration.json")
+        calibration_s = time.monotonic() - began
+    load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
     predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
@@ -302,6 +311,7 @@ def launch(
             layout = parse_layout(text)
             predicted = predict(layout, wan_scale, calibration)
         wall_s = time.monotonic() - started
+        load_trained = _load_average()
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
         asyncio.run(stop_job(coordinator_url, job, **control))
@@ -321,6 +331,10 @@ def launch(
             "wall_s": wall_s,
             "agent_exit_codes": codes,
             "calibrated": calibration is not None,
+            "calibration_s": calibration_s,  # seconds spent measuring it (None: given or none)
+            # the 1-minute load average after calibrating and after training: on a shared host the two differ
+            # by what other jobs ran, which the prediction cannot know
+            "load_average": {"calibration": load_calibrated, "training": load_trained},
             "predicted_unscaled_iteration_s": layout.predicted_iteration_s,
             "secure": keys is not None,
             "tls_ca": None if tls is None else str(tls.ca),  # what HTTPS clients of this run trust
@@ -471,3 +485,11 @@ def _with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> A
         return result
 
     return hook
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None

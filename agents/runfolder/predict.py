@@ -42,7 +42,7 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
 def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) -> Any:
     """The simulator's Timeline for ``layout`` as rehearsed: WAN scaled, compute from ``calibration`` if given."""
     from agents.stage.session import job_schedule
-    from geosched.costmodel import PipelineCosts
+    from geosched.pipeline_costs import PipelineCosts
     from geosched.schedule import simulate
 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)

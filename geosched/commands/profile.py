@@ -192,7 +192,15 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
         lines.append(f"{piece:<20} {fwd:>11.4f} {bwd:>12.4f}")
     for t in cal.get("stage_times", []):
         name = stage_label(((t["start"], t["end"]), t["first"], t["last"]))
-        lines.append(f"{name:<20} {t['forward_s'] * ms:>11.4f} {t['backward_s'] * ms:>12.4f}  (whole, from the plan)")
+        shards = f", over tp {t['tp']}" if t.get("tp", 1) > 1 else ""
+        step = f", STEP {t['step_s'] * ms:.2f} ms" if t.get("step_s") is not None else ""
+        fwd, bwd = t["forward_s"] * ms, t["backward_s"] * ms
+        lines.append(f"{name:<20} {fwd:>11.4f} {bwd:>12.4f}  (whole, from the plan{shards}{step})")
+    for c in cal.get("collectives") or []:
+        lines.append(
+            f"{c['kind'].replace('_', '-')} over {c['group']} co-located ranks: ring of "
+            f"{c['latency_s'] * 1e6:.0f} us per step at {c['bandwidth_bps'] / 1e9:.3g} Gb/s ({c['samples']} calls)"
+        )
     lines += [
         f"implied throughput: {cal['tflops']:.4g} TFLOP/s (block forward)",
         f"optimizer step (AdamW + zero_grad): {cal['optimizer_step_s_per_param'] * 1e9:.3f} ns per parameter",
@@ -200,7 +208,9 @@ def _text_report(cal: dict[str, Any], output: str | None) -> str:
         f"{cal['block_stash_bytes_per_sequence']} stashed per block, "
         f"{cal['head_stash_bytes_per_sequence']} by the head",
     ]
-    if cal.get("co_located", 1) > 1:
+    if cal.get("ranks_measured"):
+        lines.append(f"measured as the plan's {cal['co_located']} ranks at once (median)")
+    elif cal.get("co_located", 1) > 1:
         lines.append(f"measured as {cal['co_located']} co-located copies (median)")
     if cal.get("message_latency_s") is not None:
         cost = cal.get("message_overhead_s")

@@ -1,0 +1,119 @@
+"""Collectives measured between a plan's co-located ranks: fitted, kept in the calibration, priced by the cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from agents.rehearsal.calibrate import calibrate
+from agents.rehearsal.collective_profile import RankGroup, fit_ring
+from geosched.config import load_config
+from geosched.costmodel import Calibration, stage_compute, tp_allreduce_s, tp_gather_s
+from geosched.netcost import ring_allreduce_s
+from geosched.pipeline_costs import PipelineCosts
+
+DEMO = "configs/demo-3dc.yaml"
+TINY = {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 32, "vocab": 256}
+PIECES = {
+    "gpu_name": "cpu",
+    "tflops": 0.5,
+    **{f"{p}_{d}_s": 1e-4 for p in ("block", "head", "embed") for d in ("forward", "backward")},
+}
+
+
+def tiny_config(tmp_path):
+    """The demo cluster with a 2-layer model, microbatch 2, a global batch of 4."""
+    data = yaml.safe_load(open(DEMO))
+    data["job"].update(model=TINY, microbatch_size=2, global_batch=4)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def test_a_calibration_written_before_collectives_were_measured_still_loads(tmp_path) -> None:
+    config = tiny_config(tmp_path)
+    job = dataclasses.replace(config.job, tensor_parallel=2)
+    dc = config.cluster.dc("us")
+    old = Calibration.from_dict(
+        {
+            **PIECES,
+            "stage_times": [{"start": 0, "end": 2, "first": True, "last": True, "forward_s": 1, "backward_s": 2}],
+        }
+    )
+    assert old.collectives is None
+    assert old.stage_time((0, 2), True, True) is not None  # an old stage entry was measured unsharded
+    assert old.stage_time((0, 2), True, True, tp=2) is None
+    assert tp_allreduce_s(job, dc, old) == tp_allreduce_s(job, dc)  # the config's node link, as before
+    assert tp_gather_s(job, dc, 4096, old) == tp_gather_s(job, dc, 4096)
+
+
+def test_a_tensor_parallel_stage_measured_whole_holds_its_all_reduces() -> None:
+    cal = Calibration.from_dict(
+        {
+            **PIECES,
+            "stage_times": [
+                {"start": 0, "end": 2, "first": True, "last": False, "forward_s": 0.01, "backward_s": 0.02, "tp": 2}
+            ],
+        }
+    )
+    job = dataclasses.replace(load_config(DEMO).job, tensor_parallel=2)
+    c = stage_compute(job, cal.tflops, (0, 2), True, False, cal, tp_allreduce=1.0)
+    assert c.forward_s == pytest.approx(0.01 * job.batch)  # not divided by t, no all-reduce added on top
+    assert c.backward_s == pytest.approx(0.02 * job.batch)
+
+
+def test_a_stage_measured_with_its_all_reduce_is_priced_with_it(tmp_path) -> None:
+    config = tiny_config(tmp_path)
+    job = config.job
+    stage = {"start": 0, "end": 2, "first": True, "last": True, "forward_s": 0.01, "backward_s": 0.02}
+    fit = {"kind": "all_reduce", "group": 2, "latency_s": 1e-3, "bandwidth_bps": 1e9}
+    measured = Calibration.from_dict(
+        {**PIECES, "stage_times": [{**stage, "dp": 2, "sync_s": 0.007}], "collectives": [fit]}
+    )
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=measured)
+    assert costs.allreduce_s(0) == pytest.approx(0.007)
+    other_dp = Calibration.from_dict(
+        {**PIECES, "stage_times": [{**stage, "dp": 4, "sync_s": 0.007}], "collectives": [fit]}
+    )
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=other_dp)
+    assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, 1e9, 1e-3)  # measured at another dp
+    older = Calibration.from_dict({**PIECES, "stage_times": [{**stage, "dp": 2}], "collectives": [fit]})
+    assert older.stage_times[0].sync_s is None  # files written before sync_s was measured load as before
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=older)
+    assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, 1e9, 1e-3)
+
+
+def test_the_ring_fit_recovers_latency_and_bandwidth() -> None:
+    for kind, share in (("all_reduce", 1.0), ("all_gather", 0.5)):
+        samples = [(n, share * ring_allreduce_s(n, 4, 2e9, 3e-4)) for n in (1e4, 1e5, 1e6)]
+        latency, bps = fit_ring(kind, 4, samples)
+        assert latency == pytest.approx(3e-4)
+        assert bps == pytest.approx(2e9)
+
+
+@pytest.mark.slow
+def test_collectives_are_measured_between_real_ranks_and_priced_with(tmp_path) -> None:
+    config = tiny_config(tmp_path)
+    job = config.job
+    group = RankGroup((0, 2), True, True, dp=2)  # one stage, two replicas in one gloo group
+    cal = Calibration.from_dict(calibrate(job, repeats=1, warmup=0, link=False, ranks=[group]))
+
+    fit = cal.collective("all_reduce", 2)
+    assert fit is not None and fit.latency_s > 0 and fit.bandwidth_bps > 0 and fit.samples > 0
+    assert cal.collective("all_gather", 2) is not None
+    whole = cal.stage_time((0, 2), True, True)
+    assert whole is not None and whole.dp == 2 and whole.step_s is not None and whole.step_s > 0
+
+    assert whole.sync_s is not None and whole.sync_s > 0
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=cal)
+    assert costs.allreduce_s(0) == whole.sync_s  # the stage's ALL_REDUCE as measured
+    unmeasured = dataclasses.replace(cal, stage_times=())  # other stages: the measured ring
+    costs = PipelineCosts(config.cluster, job, ["us"], [(0, 2)], 2, {}, calibration=unmeasured)
+    assert costs.allreduce_s(0) == ring_allreduce_s(costs.grad_bytes[0], 2, fit.bandwidth_bps, fit.latency_s)
+    dc = config.cluster.dc("us")
+    tp2 = dataclasses.replace(job, tensor_parallel=2)  # a tp all-reduce over 2 ranks: the same measured ring
+    nbytes = job.batch * job.model.seq_len * job.model.hidden * job.bytes_per_element
+    assert tp_allreduce_s(tp2, dc, cal) == ring_allreduce_s(nbytes, 2, fit.bandwidth_bps, fit.latency_s)
+    assert tp_allreduce_s(tp2, dc, cal) != tp_allreduce_s(tp2, dc)
