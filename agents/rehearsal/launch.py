@@ -249,6 +249,8 @@ def launch(
         hook = _with_http_urls(routes, http_urls, keys, tls, out)
         hook = _with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
 
+        attempt: list[AgentProcesses] = []  # every attempt's agents, the running ones last
+
         def start_agents(plan: JobLayout, resume: bool) -> AgentProcesses:
             if resume:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
                 set_aside(run)
@@ -258,12 +260,14 @@ def launch(
             if resume:  # the broker still retains the old plan: the new agents must not adopt it first
                 args += ["--resume", "--plan", str((run / "plan.yaml").resolve())]
             procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))
+            attempt.append(procs)
             if out is not None:
                 secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
                 print(f"launch: {describe(plan)}, broker {mqtt}, run folder {run} ({secured})", file=out, flush=True)
             return procs
 
         def run_job(plan_text: str, count: int) -> None:
+            procs = attempt[-1]  # the agents of this attempt: their exits are losses (broker or not)
             asyncio.run(
                 start_job(
                     coordinator_url,
@@ -274,6 +278,7 @@ def launch(
                     before_start=hook,
                     out=out,
                     metrics=job_metrics,
+                    exits=procs.exited,
                     **control,
                 )
             )

@@ -74,6 +74,12 @@ class AgentProcesses:
                 pass
         return {rank: proc.poll() for rank, proc in self.procs.items()}
 
+    def exited(self) -> dict[int, int]:
+        """The agents that have exited, rank -> exit code (negative: killed by that signal); a child that exited
+        is a fact the coordinator acts on whatever the broker delivered (``start_job(exits=...)``)."""
+        codes = {rank: proc.poll() for rank, proc in self.procs.items()}
+        return {rank: code for rank, code in codes.items() if code is not None}
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, SIGKILL what is left after ``grace_s``, and reap them all."""
         for proc in self.procs.values():
