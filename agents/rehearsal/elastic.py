@@ -98,7 +98,10 @@ class ElasticJob:
     folder's rank files of an earlier attempt aside; ``run(text, steps)`` runs ``steps`` steps of the plan
     ``text`` (raising AgentLost); ``stop(agents)`` stops a failed attempt's agents and returns the ranks
     whose processes had died (lost with the ones the coordinator named). ``most``: recoveries
-    allowed (0: the first loss ends the run, as without ``--elastic``).
+    allowed (0: the first loss ends the run, as without ``--elastic``). ``progress()``: the newest step any
+    rank of the current attempt reported (-1: none) and when its first step started (Unix time, None: not
+    yet); by default read from the run folder's ``rank*.jsonl`` (a coordinator on another host, ``job start
+    --elastic``, passes what the metrics told it).
     """
 
     def __init__(
@@ -111,16 +114,17 @@ class ElasticJob:
         stop: Callable[[Any], Iterable[int]],
         out: TextIO | None = None,
         most: int = MAX_RECOVERIES,
+        progress: Callable[[], tuple[int, float | None]] | None = None,
     ) -> None:
         self.config, self.run_dir, self.checkpoint_dir = config, run_dir, checkpoint_dir
         self.start_agents, self.run, self.stop, self.out, self.most = start_agents, run, stop, out, most
+        self.progress = progress or (lambda: (newest_step(run_dir), first_step_started(run_dir)))
         self.recoveries: list[Recovery] = []
         self._lost_at: float | None = None  # Unix time of the last loss, until the next attempt's first step
 
     def train(self, text: str, steps: int) -> tuple[str, Any]:
         """Run ``steps`` steps of plan ``text``, recovering up to ``most`` times; the plan that finished and
         its agents."""
-        from agents.checkpoint.store import latest_complete
         from agents.control.coordinator import AgentLost
 
         layout, config, first = parse_layout(text), self.config, 0
@@ -132,13 +136,13 @@ class ElasticJob:
             except AgentLost as exc:
                 if not exc.ranks or len(self.recoveries) >= self.most:
                     raise
-                lost_at, failed_at = time.time(), newest_step(self.run_dir)
+                lost_at, failed_at = time.time(), self.progress()[0]
                 self._say(f"elastic: {exc}")
                 lost = sorted({*exc.ranks, *self.stop(agents)})
                 config, gone = surviving_config(config, layout, lost)
                 new_text = plan_for_config(config)
                 new_layout = parse_layout(new_text)
-                resumed = latest_complete(self.checkpoint_dir) or 0
+                resumed = self.resumed_from()
                 recovery = Recovery(
                     lost,
                     gone,
@@ -162,9 +166,15 @@ class ElasticJob:
         self._downtimes()
         return text, agents
 
+    def resumed_from(self) -> int:
+        """The step the next attempt resumes from: the newest complete checkpoint's (0: none)."""
+        from agents.checkpoint.store import latest_complete
+
+        return latest_complete(self.checkpoint_dir) or 0
+
     def _downtimes(self) -> None:
         """The last recovery's downtime: from its loss to the first step the next attempt started."""
-        began = first_step_started(self.run_dir)
+        began = self.progress()[1]
         if self._lost_at is not None and began is not None:
             self.recoveries[-1] = dataclasses.replace(self.recoveries[-1], downtime_s=max(0.0, began - self._lost_at))
         self._lost_at = None
