@@ -5,7 +5,6 @@ with ``--resume``; they resume from the newest complete checkpoint and the job f
 
 from __future__ import annotations
 
-import copy
 import json
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from agent_helpers import TINY_CONFIG, cli, log_tail, spawn_agent, stop_processes, wait_for
+from agent_helpers import cli, log_tail, spawn_agent, stop_processes, three_dc_config, wait_for
 from mqtt_brokers import MosquittoBroker, agent_subprocess_env
 
 from agents.checkpoint.store import latest_complete
@@ -26,22 +25,10 @@ STEPS = 6
 JOB = "elastic-hosts"
 
 
-def _three_dcs() -> dict:
-    raw = copy.deepcopy(TINY_CONFIG)
-    raw["cluster"]["datacenters"].append(
-        {"name": "ap", "gpus": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}}
-    )
-    raw["cluster"]["links"] += [
-        {"between": ["eu", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
-        {"between": ["us", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
-    ]
-    return raw
-
-
 def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path) -> None:
     broker = MosquittoBroker(tmp_path)
     broker.start()
-    raw = _three_dcs()
+    raw = three_dc_config()
     config_path = tmp_path / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     plan_path = tmp_path / "plan.yaml"

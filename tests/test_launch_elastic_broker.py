@@ -14,19 +14,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from agent_helpers import cli, wait_for
-from mqtt_brokers import MosquittoBroker, agent_subprocess_env
-
-from agents.rehearsal.elastic import newest_step
+from agent_helpers import elastic_launch, first_plan_ranks
+from mqtt_brokers import MosquittoBroker
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
 OUTAGE_S = 15.0
 """The longest the broker stays away: until every other agent of the attempt exited, or this."""
@@ -45,20 +41,9 @@ def test_broker_and_agent_killed_together_recovers(tmp_path: Path) -> None:
     broker = MosquittoBroker(tmp_path)
     broker.start()
     run = tmp_path / "run"
-    args = ("launch", str(ROOT / "configs/demo-3dc.yaml"), "--elastic", "--steps", str(STEPS), "--no-calibrate")
-    proc = subprocess.Popen(
-        cli(*args, "--mqtt", broker.url, "--run-dir", str(run), "--json"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=agent_subprocess_env(),
-    )
+    proc = elastic_launch(run, STEPS, "--mqtt", broker.url)
     try:
-        wait_for(lambda: newest_step(run) >= 1 or proc.poll() is not None, 180, "step 1 of the first plan")
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        ranks = {
-            int(r): int(info["pid"]) for r, info in json.loads((run / "endpoints.json").read_text())["ranks"].items()
-        }
+        ranks = {rank: int(info["pid"]) for rank, info in first_plan_ranks(run, proc).items()}
         victim = max(ranks)
         assert broker._process is not None
         broker._process.kill()  # SIGKILL: no wills, no retained statuses after the restart

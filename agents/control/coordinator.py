@@ -38,6 +38,7 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
     RETAINED_SETTLE_S,
     AgentLost,
     Exits,
+    JobInterrupted,
     Reread,
     exited_lost,
     lost_message,
@@ -157,6 +158,7 @@ async def start_job(
     metrics: JobMetrics | None = None,
     exits: Exits | None = None,
     stop_on_loss: bool = True,
+    stop_when: Callable[[], bool] | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -165,7 +167,8 @@ async def start_job(
     :class:`~agents.metrics.families.JobMetrics`) gets the ranks' states and every step summary;
     ``exits`` (:data:`Exits`) reports the agents' processes that exited, polled every :data:`EXIT_POLL_S`
     while the job runs. ``stop_on_loss=False``: a loss raises without sending ``stop`` (the caller stops the
-    survivors once it has published what they should adopt next: ``job start --elastic``).
+    survivors once it has published what they should adopt next: ``job start --elastic``). ``stop_when``,
+    polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -195,7 +198,7 @@ async def start_job(
             try:
                 acks = StartAcks(command, ranks, asyncio.get_running_loop().time())
                 return await _follow(
-                    cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics, exits
+                    cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics, exits, stop_when
                 )
             except BaseException as exc:
                 if stop_on_loss or not isinstance(exc, AgentLost):
@@ -331,6 +334,7 @@ async def _follow(
     on_metrics: OnMetrics | None = None,
     metrics: JobMetrics | None = None,
     exits: Exits | None = None,
+    stop_when: Callable[[], bool] | None = None,
 ) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``.
 
@@ -361,7 +365,7 @@ async def _follow(
         wait = min(step_timeout_s - (loop.time() - progress_at), liveness.next_s() + 0.05, reread.next_s(loop.time()))
         if acks is not None:
             wait = min(wait, acks.next_s(loop.time()))
-        if exits is not None:
+        if exits is not None or stop_when is not None:
             wait = min(wait, EXIT_POLL_S)
         try:
             message = await sub.get(max(0.0, wait))
@@ -377,6 +381,8 @@ async def _follow(
             loss = reread_lost(cp.job, cp.statuses(), ranks - finished, plan_id(layout.text))
         if loss is not None:
             raise loss
+        if stop_when is not None and stop_when():
+            raise JobInterrupted(f"job {cp.job!r}: stopped during step {current} as asked (stop_when)")
         gone = liveness.lost() if sub.backlog() == 0 else []  # judged once everything delivered is read
         if gone:
             rank, why = gone[0]

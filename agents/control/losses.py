@@ -87,6 +87,11 @@ def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], p
     )
 
 
+class JobInterrupted(GeoschedError):
+    """The caller's ``stop_when`` asked to end the job at a step boundary (``launch --elastic`` moving back to
+    the better plan); the agents were told to stop."""
+
+
 class Reread:
     """When to re-read the retained statuses (policy only): :data:`RETAINED_SETTLE_S` after every reconnect
     of the coordinator, once the broker has delivered them again."""

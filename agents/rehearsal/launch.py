@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -131,6 +132,7 @@ def launch(
     elastic: bool = False,
     wan_reset_every_s: float | None = None,
     prefill_follow_checkpoints: bool = False,
+    elastic_return_after_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -161,7 +163,9 @@ def launch(
     ``elastic``: survive lost agents or a lost DC (:mod:`agents.rehearsal.elastic`): re-plan on the GPUs
     left, resume from the newest complete checkpoint (``RUN_DIR/checkpoints`` every step unless
     ``checkpoint_dir`` is given), finish the steps; the report lists ``recoveries``. The rank files of a
-    failed attempt move to ``RUN_DIR/attempt-<n>/``.
+    failed attempt move to ``RUN_DIR/attempt-<n>/``. ``elastic_return_after_s``: the lost GPUs return that long
+    after each recovery and the job moves back to the original plan at the next checkpoint (one more entry
+    of ``recoveries``, with no lost ranks).
 
     ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often (the
     links reconnect and resend, :mod:`agents.wan`).
@@ -266,7 +270,7 @@ def launch(
                 print(f"launch: {describe(plan)}, broker {mqtt}, run folder {run} ({secured})", file=out, flush=True)
             return procs
 
-        def run_job(plan_text: str, count: int) -> None:
+        def run_job(plan_text: str, count: int, stop_when: Any = None) -> None:
             procs = attempt[-1]  # the agents of this attempt: their exits are losses (broker or not)
             asyncio.run(
                 start_job(
@@ -279,17 +283,18 @@ def launch(
                     out=out,
                     metrics=job_metrics,
                     exits=procs.exited,
+                    stop_when=stop_when,
                     **control,
                 )
             )
 
         def stop_attempt(procs: AgentProcesses) -> list[int]:
-            # killed by a signal; not the agents that failed because a peer died (they exit with an error code)
-            dead = [rank for rank, code in procs.wait(0.0).items() if code is not None and code < 0]
+            # killed by a signal, not our SIGTERM (also one whose SIGKILL landed late, e.g. in a disk write);
+            # not the agents that failed because a peer died (they exit with an error code)
             with contextlib.suppress(GeoschedError):
                 asyncio.run(stop_job(coordinator_url, job, timeout_s=10.0, **control))
-            procs.stop()
-            return dead
+            codes = procs.stop()
+            return [rank for rank, code in codes.items() if code is not None and code < 0 and code != -signal.SIGTERM]
 
         started = time.monotonic()
         recovering = ElasticJob(
@@ -301,6 +306,7 @@ def launch(
             stop_attempt,
             out,
             MAX_RECOVERIES if elastic else 0,
+            return_after_s=elastic_return_after_s,
         )
         text, agents = recovering.train(text, steps)
         if recovering.recoveries:
