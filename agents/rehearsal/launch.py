@@ -289,10 +289,9 @@ def launch(
             )
 
         def stop_attempt(procs: AgentProcesses) -> list[int]:
-            # killed by a signal, not our SIGTERM (also one whose SIGKILL landed late, e.g. in a disk write);
-            # not the agents that failed because a peer died (they exit with an error code)
-            with contextlib.suppress(GeoschedError):
-                asyncio.run(stop_job(coordinator_url, job, timeout_s=10.0, **control))
+            # SIGTERM is an agent's stop (it owns them: no waiting on the broker for the dead ones' statuses).
+            # Lost: killed by a signal, not our SIGTERM (also one whose SIGKILL landed late, e.g. in a disk
+            # write); not the agents that failed because a peer died (they exit with an error code)
             codes = procs.stop()
             return [rank for rank, code in codes.items() if code is not None and code < 0 and code != -signal.SIGTERM]
 
