@@ -75,3 +75,24 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path) 
     assert steps == list(range(recovery["resumed_from_step"], STEPS))  # the new plan ran the rest
     print(err)  # the coordinator's lines (pytest -s shows them)
     assert "elastic: new plan" in err and "--rank 0 --dc" in err and "recovery: lost ranks [1]" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (("--elastic",), "--elastic needs --config CONFIG"),
+        (("--config", "c.yaml"), "are for --elastic"),
+        (("--elastic", "--config", "c.yaml", "--checkpoint-dir", "d", "--run-dir", "r"), "does not write a run folder"),
+    ],
+)
+def test_job_start_elastic_bad_flags_exit_2_in_one_line(tmp_path: Path, extra: tuple[str, ...], says: str) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(layout_plan_text(config_from_dict(three_dc_config()), ["us", "eu"], dp=1))
+    done = subprocess.run(
+        cli("job", "start", str(plan), "--mqtt", "mqtt://127.0.0.1:1", *extra),
+        capture_output=True,
+        text=True,
+        env=agent_subprocess_env(),
+        timeout=60,
+    )
+    assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
