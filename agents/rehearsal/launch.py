@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
