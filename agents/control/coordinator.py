@@ -8,7 +8,8 @@ per step with a progress bar, and stops the job naming the agent if one goes
 offline (exit 1). After each reconnect to the broker it re-reads the retained
 statuses (an ``error`` published while it was away is not missed); a caller
 that owns the agents' processes (``launch``) passes ``exits``, and a child that
-exited is a loss whatever the broker delivered. The one-shot commands (status, stop, checkpoint) are in
+exited is a loss whatever the broker delivered (:mod:`agents.control.losses`).
+The one-shot commands (status, stop, checkpoint) are in
 :mod:`agents.control.commands`.
 
 Step line (one per training step, the global view over all ranks)::
