@@ -395,6 +395,8 @@ class Agent:
 
     async def _on_command(self, command: CommandMessage) -> int | None:
         if command.cmd == "stop":
+            if command.extra.get("plan_id") not in (None, self.plan_id):
+                return None  # a stop for the agents of another plan (an elastic recovery stopping the old one)
             log.info("rank %d: stop command", self.opts.rank)
             return 0
         if self.worker is None or self._status.get("state") not in ("ready", "training"):

@@ -39,6 +39,43 @@ TINY_CONFIG = {
 }
 
 
+def three_dc_config() -> dict:
+    """The tiny job on three DCs (``ap`` added, linked to both): what is left when one is lost."""
+    import copy
+
+    raw = copy.deepcopy(TINY_CONFIG)
+    raw["cluster"]["datacenters"].append(
+        {"name": "ap", "gpus": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}}
+    )
+    raw["cluster"]["links"] += [
+        {"between": ["eu", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
+        {"between": ["us", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
+    ]
+    return raw
+
+
+def elastic_launch(run: Path, steps: int, *extra: str) -> subprocess.Popen[str]:
+    """``geosched launch configs/demo-3dc.yaml --elastic`` (no calibration, ``--json``) into ``run``; output piped."""
+    config = Path(__file__).resolve().parent.parent / "configs/demo-3dc.yaml"
+    args = ("launch", str(config), "--elastic", "--steps", str(steps), "--no-calibrate", "--run-dir", str(run))
+    return subprocess.Popen(
+        cli(*args, "--json", *extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=agent_subprocess_env(),
+    )
+
+
+def first_plan_ranks(run: Path, proc: subprocess.Popen[str]) -> dict[int, dict]:
+    """Once the launch's first plan has done step 1: its ranks from endpoints.json (rank -> dc, pid, ...)."""
+    from agents.rehearsal.elastic import newest_step
+
+    wait_for(lambda: newest_step(run) >= 1 or proc.poll() is not None, 180, "step 1 of the first plan")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return {int(r): info for r, info in json.loads((run / "endpoints.json").read_text())["ranks"].items()}
+
+
 def tiny_plan(tmp_path: Path, stage_dcs: list[str] | None = None, dp: int = 1) -> Path:
     """Write the tiny job's plan (one stage per DC by default) and return its path."""
     from agents.layout import layout_plan_text

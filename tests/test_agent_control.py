@@ -123,3 +123,30 @@ def test_a_frozen_agent_is_named_from_its_missing_heartbeats(embedded_broker, tm
         with contextlib.suppress(ProcessLookupError):
             os.kill(agents[1].pid, signal.SIGCONT)
         stop_processes(agents)
+
+
+def test_an_agent_ignores_a_stop_for_another_plan(embedded_broker, tmp_path: Path):
+    """An elastic recovery stops the old plan's survivors while agents of the new plan come up: a ``stop``
+    carrying another plan's id leaves an agent running, one carrying its own plan's id (or none) stops it."""
+    from agents.layout import plan_id
+
+    url, job = embedded_broker.url_for("geosched"), "planstop"
+    plan = tiny_plan(tmp_path, ["us"]).read_text()
+    agent = spawn_agent(url, job, 0, "us", tmp_path)
+
+    async def run() -> None:
+        async with ControlPlane(url, job, f"{job}-coordinator") as cp:
+            async with await cp.subscribe("status", ranks=[0]):
+                await cp.publish_plan(plan)
+                await cp.wait_for_statuses([0], state="ready", timeout=60)
+                await cp.publish_command("stop", plan_id="another-plan")
+                with contextlib.suppress(TimeoutError):  # an agent that took it would exit within this
+                    await asyncio.wait_for(asyncio.to_thread(agent.wait), 10.0)
+                assert agent.poll() is None, "a stop for another plan stopped the agent"
+                await cp.publish_command("stop", plan_id=plan_id(plan))
+
+    try:
+        asyncio.run(run())
+        assert agent.wait(30) == 0, log_tail(tmp_path)
+    finally:
+        stop_processes([agent])

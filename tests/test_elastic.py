@@ -3,32 +3,18 @@ killed datacenter is in tests/test_launch_elastic.py)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from agent_helpers import TINY_CONFIG
+from agent_helpers import TINY_CONFIG, three_dc_config
 
 from agents.layout import layout_plan_text, parse_layout
-from agents.rehearsal.elastic import describe, surviving_config
+from agents.rehearsal.elastic import ReturnPolicy, describe, surviving_config
 from agents.runnable import plan_for_config
 from geosched.config import config_from_dict
 from geosched.errors import PlanInfeasible
 
 
-def _three_dcs() -> dict:
-    raw = copy.deepcopy(TINY_CONFIG)
-    raw["cluster"]["datacenters"].append(
-        {"name": "ap", "gpus": 2, "gpu": {"name": "cpu", "tflops": 0.01, "memory_gib": 2}}
-    )
-    raw["cluster"]["links"] += [
-        {"between": ["eu", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
-        {"between": ["us", "ap"], "bandwidth_gbps": 1, "rtt_ms": 2, "per_connection_gbps": 0.5},
-    ]
-    return raw
-
-
 def test_a_dc_whose_every_rank_is_lost_goes_with_its_links_and_the_rest_is_replanned() -> None:
-    config = config_from_dict(_three_dcs())
+    config = config_from_dict(three_dc_config())
     layout = parse_layout(layout_plan_text(config, ["us", "eu"], dp=2))  # ranks: us 0,1; eu 2,3
     eu = [r.rank for r in layout.roles if r.dc == "eu"]
     left, gone = surviving_config(config, layout, eu)
@@ -41,7 +27,7 @@ def test_a_dc_whose_every_rank_is_lost_goes_with_its_links_and_the_rest_is_repla
 
 
 def test_a_partly_lost_dc_keeps_its_other_gpus() -> None:
-    config = config_from_dict(_three_dcs())
+    config = config_from_dict(three_dc_config())
     layout = parse_layout(layout_plan_text(config, ["us", "eu"], dp=2))
     one_eu = next(r.rank for r in layout.roles if r.dc == "eu")
     left, gone = surviving_config(config, layout, [one_eu])
@@ -53,3 +39,18 @@ def test_losing_every_dc_is_a_clear_error() -> None:
     layout = parse_layout(layout_plan_text(config, ["us", "eu"], dp=1))
     with pytest.raises(PlanInfeasible, match="every datacenter was lost"):
         surviving_config(config, layout, [r.rank for r in layout.roles])
+
+
+def test_moving_back_waits_for_the_return_then_for_the_next_checkpoint() -> None:
+    policy = ReturnPolicy(5.0)
+    assert not policy.due(100.0, 3)  # no loss yet
+    policy.lost(10.0)
+    assert not policy.due(14.9, 3)  # the GPUs are not back yet
+    assert not policy.due(15.0, 3)  # back: the checkpoint complete now is not the next one
+    assert not policy.due(16.0, 3)
+    assert policy.due(17.0, 4)  # the next checkpoint: move back at this step boundary
+    policy.moved()
+    assert not policy.due(30.0, 9)
+    never = ReturnPolicy(None)
+    never.lost(0.0)
+    assert not never.due(1e9, 100)

@@ -43,3 +43,21 @@ def test_stop_reaches_an_agent_back_from_a_reconnect(embedded_broker) -> None:
 
     assert asyncio.run(run()) == []
     assert len(stops) == 2  # rank 1 got a re-sent stop once it was back
+
+
+def test_a_stop_for_one_plan_waits_only_for_its_agents_and_says_which_plan(embedded_broker) -> None:
+    url = embedded_broker.url_for("geosched")
+    seen: list[CommandMessage] = []
+
+    async def run() -> list[int]:
+        async with ControlPlane(url, "stopplan", "stopplan-agent-0") as cp:
+            async with await cp.subscribe("command") as sub:
+                await cp.publish_status(0, "training", plan_id="new")  # an agent of the next plan: not to stop
+                left = await stop_job(url, "stopplan", timeout_s=20.0, plan_id="old")
+                message = await sub.get(5.0)
+                assert isinstance(message, CommandMessage)
+                seen.append(message)
+                return left
+
+    assert asyncio.run(run()) == []  # rank 0 runs another plan: not waited for (else it would be left)
+    assert seen[0].cmd == "stop" and seen[0].extra.get("plan_id") == "old"  # the agents of 'new' ignore it

@@ -1,52 +1,46 @@
 """``geosched launch --elastic`` survives a datacenter whose agents are SIGKILLed: it re-plans on the GPUs
-left, resumes from the newest complete checkpoint (resharded into the new layout) and finishes the steps."""
+left, resumes from the newest complete checkpoint (resharded into the new layout) and finishes the steps;
+with ``--elastic-return-after`` it moves back to the original plan when the lost GPUs return."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from agent_helpers import cli, wait_for
-from mqtt_brokers import agent_subprocess_env
-
-from agents.rehearsal.elastic import newest_step
+from agent_helpers import elastic_launch, first_plan_ranks
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
 
 
-def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = ("launch", str(ROOT / "configs/demo-3dc.yaml"), "--elastic", "--steps", str(STEPS), "--no-calibrate")
-    proc = subprocess.Popen(
-        cli(*args, "--run-dir", str(run), "--json"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=agent_subprocess_env(),
-    )
+def _kill_eu(run: Path, *extra: str, steps: int = STEPS) -> tuple[dict, str, list[int]]:
+    """Launch the demo with --elastic, SIGKILL every agent of eu after step 1 of the first plan, wait for the
+    launch to end (exit 0); its report, its stderr and the ranks killed."""
+    proc = elastic_launch(run, steps, *extra)
     try:
-        wait_for(lambda: newest_step(run) >= 1 or proc.poll() is not None, 180, "step 1 of the first plan")
-        ranks = json.loads((run / "endpoints.json").read_text())["ranks"]
-        eu = {int(rank): int(info["pid"]) for rank, info in ranks.items() if info["dc"] == "eu"}
+        ranks = first_plan_ranks(run, proc)
+        eu = sorted(rank for rank, info in ranks.items() if info["dc"] == "eu")
         assert eu, f"the demo's plan should use eu: {ranks}"
-        for pid in eu.values():
-            os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
+        for rank in eu:
+            os.kill(int(ranks[rank]["pid"]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
     assert proc.returncode == 0, err[-3000:]
-    report = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1]), err, eu
+
+
+def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    report, err, eu = _kill_eu(run)
     (recovery,) = report["recoveries"]
-    assert recovery["lost_dcs"] == ["eu"] and recovery["lost_ranks"] == sorted(eu), recovery
+    assert recovery["lost_dcs"] == ["eu"] and recovery["lost_ranks"] == eu, recovery
     assert "eu" not in recovery["new_plan"] and recovery["downtime_s"] > 0
     assert 0 < recovery["resumed_from_step"] <= recovery["failed_at_step"] + 1
     assert "elastic: lost ranks" in err and "re-planned" in err
@@ -54,3 +48,14 @@ def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: 
     assert all(loss > 0 for loss in report["losses"])
     assert list((run / "attempt-1").glob("rank*.jsonl")), "the failed attempt's rank files are kept aside"
     assert (run / "checkpoints").is_dir()
+
+
+def test_when_the_lost_gpus_return_it_moves_back_to_the_original_plan(tmp_path: Path) -> None:
+    run, steps = tmp_path / "run", 12
+    report, err, _ = _kill_eu(run, "--elastic-return-after", "2", steps=steps)
+    lost, back = report["recoveries"]
+    assert lost["lost_dcs"] == ["eu"] and back["lost_ranks"] == [] and back["reason"].startswith("moved back")
+    assert back["old_plan"] == lost["new_plan"] and back["new_plan"] == lost["old_plan"]  # the original plan
+    assert back["resumed_from_step"] > lost["resumed_from_step"] and back["downtime_s"] > 0
+    assert report["steps"] == list(range(back["resumed_from_step"], steps))
+    assert (run / "attempt-2").is_dir() and "moved back" in err

@@ -52,6 +52,7 @@ async def stop_job(
     keys: ControlKeys | None = None,
     timeout_s: float = STOP_TIMEOUT_S,
     resend_s: float = 2.0,
+    plan_id: str | None = None,
 ) -> list[int]:
     """Send ``stop`` to every agent of ``job`` until each acknowledges it (status ``stopped``, or ``error``);
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
@@ -59,17 +60,23 @@ async def stop_job(
     The command is sent again every ``resend_s`` seconds, and while a rank's status is ``offline`` (its will:
     it may be reconnecting) for up to :data:`~agents.control.liveness.WILL_GRACE_S`, so an agent back
     from a reconnect is stopped too; a rank still ``offline`` then is presumed gone and not reported.
+    With ``plan_id`` only the agents of that plan stop (and are waited for): an elastic recovery stops the
+    old plan's survivors while agents restarted for the new plan come up.
     """
     async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
-            sent = await cp.publish_command("stop")
+            sent = await cp.publish_command("stop", plan_id=plan_id)
             loop = asyncio.get_running_loop()
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s
             offline_until = loop.time() + WILL_GRACE_S
 
             def running() -> list[int]:
-                return sorted(r for r, st in cp.statuses().items() if st.state not in DONE_STATES)
+                return sorted(
+                    r
+                    for r, st in cp.statuses().items()
+                    if st.state not in DONE_STATES and plan_id in (None, st.extra.get("plan_id"))
+                )
 
             def waiting() -> bool:
                 offline = any(st.state == "offline" for st in cp.statuses().values())
@@ -79,7 +86,7 @@ async def stop_job(
                 with contextlib.suppress(TimeoutError):
                     await sub.get(max(0.0, min(resend_at, deadline) - loop.time()))
                 if loop.time() >= resend_at and waiting():
-                    await cp.publish_command("stop", seq=sent.seq)
+                    await cp.publish_command("stop", seq=sent.seq, plan_id=plan_id)
                     resend_at = loop.time() + resend_s
             return running()
 

@@ -5,7 +5,11 @@ plan's layout is ``ready`` (naming the missing ones after a timeout, and
 failing at once on an agent that reports ``error`` or joins from the wrong
 DC), sends ``start`` (with optional ``routes``), prints one fixed-format line
 per step with a progress bar, and stops the job naming the agent if one goes
-offline (exit 1). The one-shot commands (status, stop, checkpoint) are in
+offline (exit 1). After each reconnect to the broker it re-reads the retained
+statuses (an ``error`` published while it was away is not missed); a caller
+that owns the agents' processes (``launch``) passes ``exits``, and a child that
+exited is a loss whatever the broker delivered (:mod:`agents.control.losses`).
+The one-shot commands (status, stop, checkpoint) are in
 :mod:`agents.control.commands`.
 
 Step line (one per training step, the global view over all ranks)::
@@ -30,6 +34,17 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.control.auth import ControlKeys
 from agents.control.liveness import Liveness
+from agents.control.losses import (  # AgentLost and lost_message: re-exported for the callers
+    EXIT_POLL_S,
+    RETAINED_SETTLE_S,
+    AgentLost,
+    Exits,
+    JobInterrupted,
+    Reread,
+    exited_lost,
+    lost_message,
+    reread_lost,
+)
 from agents.control.messages import AGENT_STATES, CommandMessage, HeartbeatMessage, MetricsMessage, StatusMessage
 from agents.control.plane import AgentsNotReady, ControlPlane
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -45,21 +60,10 @@ STEP_LINE = (
     "WAN {wan:7.2f} MB/s"
 )
 BAD_STATES = ("offline", "error", "stopped")
-RETAINED_SETTLE_S = 0.3
-"""How long the coordinator lets the broker deliver retained statuses before it publishes the plan."""
 RESEND_S = 2.0
 """Seconds between re-sends of ``start`` to the agents that have not acknowledged it."""
 START_ACK_S = 30.0
 """Seconds every agent has to acknowledge ``start`` (its status's ``started``) before the job stops."""
-
-
-class AgentLost(GeoschedError):
-    """An agent went offline or failed while the job ran; the job was stopped. ``ranks``: the lost ones
-    (empty when the job stalled with no one to blame)."""
-
-    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
-        super().__init__(message)
-        self.ranks = sorted(set(ranks))
 
 
 class AgentRefused(InputError):
@@ -138,22 +142,6 @@ def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
                 )
 
 
-def lost_message(job: str, status: StatusMessage, step: int | None, why: str | None = None) -> str:
-    """One line naming the lost agent (rank, DC, stage, replica, host), what happened (``why``, else the
-    state it went to) and when."""
-    parts = [
-        status.dc,
-        *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
-    ]
-    where = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
-    detail = status.extra.get("message")
-    at = f" during step {step}" if step is not None else " before training started"
-    return (
-        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} {why or 'went ' + status.state}{at}"
-        f"{': ' + str(detail) if detail else ''}; job stopped"
-    )
-
-
 async def start_job(
     url: str,
     job: str,
@@ -169,12 +157,19 @@ async def start_job(
     plan_source: str = "plan",
     on_metrics: OnMetrics | None = None,
     metrics: JobMetrics | None = None,
+    exits: Exits | None = None,
+    stop_on_loss: bool = True,
+    stop_when: Callable[[], bool] | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
     ``before_start`` sees the ready statuses (their endpoints) and returns the start command's routes;
     ``on_metrics`` sees every metrics message of the run (:mod:`agents.runfolder.record`); ``metrics`` (Prometheus,
-    :class:`~agents.metrics.families.JobMetrics`) gets the ranks' states and every step summary.
+    :class:`~agents.metrics.families.JobMetrics`) gets the ranks' states and every step summary;
+    ``exits`` (:data:`Exits`) reports the agents' processes that exited, polled every :data:`EXIT_POLL_S`
+    while the job runs. ``stop_on_loss=False``: a loss raises without sending ``stop`` (the caller stops the
+    survivors once it has published what they should adopt next: ``job start --elastic``). ``stop_when``,
+    polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -203,10 +198,13 @@ async def start_job(
             command = await cp.publish_command("start", steps=steps, routes=routes)
             try:
                 acks = StartAcks(command, ranks, asyncio.get_running_loop().time())
-                return await _follow(cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics)
-            except BaseException:
-                with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
-                    await cp.publish_command("stop", timeout=2.0)
+                return await _follow(
+                    cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics, exits, stop_when
+                )
+            except BaseException as exc:
+                if stop_on_loss or not isinstance(exc, AgentLost):
+                    with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
+                        await cp.publish_command("stop", timeout=2.0)
                 raise
 
 
@@ -336,6 +334,8 @@ async def _follow(
     acks: StartAcks | None = None,
     on_metrics: OnMetrics | None = None,
     metrics: JobMetrics | None = None,
+    exits: Exits | None = None,
+    stop_when: Callable[[], bool] | None = None,
 ) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``.
 
@@ -343,6 +343,8 @@ async def _follow(
     rank has moved past it, with what did arrive and the ranks whose metrics were lost (``JobResult.missing``):
     never held back forever, never dropped silently.
     """
+    from agents.layout import plan_id
+
     ranks = {r.rank for r in layout.roles}
     end = first + steps
     result = JobResult()
@@ -359,10 +361,13 @@ async def _follow(
     loop = asyncio.get_running_loop()
     liveness = Liveness(ranks, loop.time(), cp.stats.connects)
     progress_at = loop.time()
+    reread = Reread(cp.stats.connects)
     while len(finished) < len(ranks):
-        wait = min(step_timeout_s - (loop.time() - progress_at), liveness.next_s() + 0.05)
+        wait = min(step_timeout_s - (loop.time() - progress_at), liveness.next_s() + 0.05, reread.next_s(loop.time()))
         if acks is not None:
             wait = min(wait, acks.next_s(loop.time()))
+        if exits is not None or stop_when is not None:
+            wait = min(wait, EXIT_POLL_S)
         try:
             message = await sub.get(max(0.0, wait))
         except TimeoutError:
@@ -372,6 +377,13 @@ async def _follow(
             _hear(liveness, message)
         if acks is not None:
             await _resend_start(cp, acks, message, loop.time())
+        loss = exited_lost(cp.job, exits(), current) if exits is not None else None
+        if loss is None and reread.due(loop.time(), cp.stats.connects):
+            loss = reread_lost(cp.job, cp.statuses(), ranks - finished, plan_id(layout.text))
+        if loss is not None:
+            raise loss
+        if stop_when is not None and stop_when():
+            raise JobInterrupted(f"job {cp.job!r}: stopped during step {current} as asked (stop_when)")
         gone = liveness.lost() if sub.backlog() == 0 else []  # judged once everything delivered is read
         if gone:
             rank, why = gone[0]

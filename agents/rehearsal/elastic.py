@@ -19,8 +19,16 @@ coordinator names lost ranks (:class:`~agents.control.coordinator.AgentLost`
    ``recoveries``.
 
 Recovery needs checkpoints: ``launch --elastic`` writes them into its run
-folder every step unless told otherwise. Moving back to the better plan when
-the lost GPUs return is not done yet (restart the job to use them).
+folder every step unless told otherwise.
+
+**Moving back** (``return_after_s``, ``launch --elastic-return-after S``): in a
+rehearsal the lost GPUs "return" ``S`` seconds after a recovery (the killed
+ranks can be started again: they are processes on this host). At the next
+checkpoint that completes after that (:class:`ReturnPolicy`), the job is
+stopped at that step boundary, the original plan is started again on every
+GPU with ``--resume``, and the move is recorded as one more :class:`Recovery`
+(no lost ranks, ``reason`` saying it moved back). A job on several hosts
+(``job start --elastic``) does not move back: it cannot know when GPUs return.
 """
 
 from __future__ import annotations
@@ -63,6 +71,33 @@ class Recovery:
         return dataclasses.asdict(self)
 
 
+class ReturnPolicy:
+    """When to move back to the original plan (policy only): ``after_s`` seconds after each loss the lost GPUs
+    count as returned, and the move is due once a checkpoint newer than the one complete at that moment exists
+    (the next step boundary with a checkpoint). None: never."""
+
+    def __init__(self, after_s: float | None) -> None:
+        self.after_s = after_s
+        self._back_at: float | None = None
+        self._seen: int | None = None
+
+    def lost(self, now: float) -> None:
+        """A recovery happened at ``now``: the GPUs return ``after_s`` later."""
+        if self.after_s is not None:
+            self._back_at, self._seen = now + self.after_s, None
+
+    def due(self, now: float, checkpoint: int | None) -> bool:
+        """True when the job should move back now; ``checkpoint``: the newest complete step (None: none)."""
+        if self._back_at is None or now < self._back_at:
+            return False
+        if self._seen is None:
+            self._seen = checkpoint or 0
+        return (checkpoint or 0) > self._seen
+
+    def moved(self) -> None:
+        self._back_at, self._seen = None, None
+
+
 def describe(layout: JobLayout) -> str:
     """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``."""
     paths = [" -> ".join(layout.stage_dcs), *(" -> ".join(p) for p in layout.extra_pipelines)]
@@ -96,9 +131,13 @@ class ElasticJob:
 
     ``start_agents(layout, resume)`` starts (and returns) the agents of a plan, after moving the run
     folder's rank files of an earlier attempt aside; ``run(text, steps)`` runs ``steps`` steps of the plan
-    ``text`` (raising AgentLost); ``stop(agents)`` stops a failed attempt's agents and returns the ranks
+    ``text`` (raising AgentLost; ``run(text, steps, stop_when)`` stops when ``stop_when()`` is true, raising
+    JobInterrupted); ``stop(agents)`` stops a failed attempt's agents and returns the ranks
     whose processes had died (lost with the ones the coordinator named). ``most``: recoveries
-    allowed (0: the first loss ends the run, as without ``--elastic``).
+    allowed (0: the first loss ends the run, as without ``--elastic``). ``progress()``: the newest step any
+    rank of the current attempt reported (-1: none) and when its first step started (Unix time, None: not
+    yet); by default read from the run folder's ``rank*.jsonl`` (a coordinator on another host, ``job start
+    --elastic``, passes what the metrics told it).
     """
 
     def __init__(
@@ -107,38 +146,57 @@ class ElasticJob:
         run_dir: Path,
         checkpoint_dir: Path,
         start_agents: Callable[[JobLayout, bool], Any],
-        run: Callable[[str, int], None],
+        run: Callable[..., None],
         stop: Callable[[Any], Iterable[int]],
         out: TextIO | None = None,
         most: int = MAX_RECOVERIES,
+        progress: Callable[[], tuple[int, float | None]] | None = None,
+        return_after_s: float | None = None,
     ) -> None:
         self.config, self.run_dir, self.checkpoint_dir = config, run_dir, checkpoint_dir
         self.start_agents, self.run, self.stop, self.out, self.most = start_agents, run, stop, out, most
+        self.progress = progress or (lambda: (newest_step(run_dir), first_step_started(run_dir)))
         self.recoveries: list[Recovery] = []
+        self.returning = ReturnPolicy(return_after_s)
         self._lost_at: float | None = None  # Unix time of the last loss, until the next attempt's first step
 
     def train(self, text: str, steps: int) -> tuple[str, Any]:
         """Run ``steps`` steps of plan ``text``, recovering up to ``most`` times; the plan that finished and
         its agents."""
-        from agents.checkpoint.store import latest_complete
-        from agents.control.coordinator import AgentLost
+        from agents.control.coordinator import AgentLost, JobInterrupted
 
+        original = text
         layout, config, first = parse_layout(text), self.config, 0
         agents = self.start_agents(layout, False)
         while True:
             try:
-                self.run(text, steps - first)
+                if self.returning.after_s is None:
+                    self.run(text, steps - first)
+                else:
+                    self.run(text, steps - first, self._move_back_due)
                 break
+            except JobInterrupted:  # the lost GPUs returned: back to the original plan on all of them
+                lost_at, failed_at, old = time.time(), self.progress()[0], describe(layout)
+                self.stop(agents)
+                config, text, layout = self.config, original, parse_layout(original)
+                agents, first = self._restart(
+                    old,
+                    layout,
+                    f"moved back: the lost GPUs returned (after {self.returning.after_s:g} s)",
+                    failed_at,
+                    lost_at,
+                )
+                self.returning.moved()
             except AgentLost as exc:
                 if not exc.ranks or len(self.recoveries) >= self.most:
                     raise
-                lost_at, failed_at = time.time(), newest_step(self.run_dir)
+                lost_at, failed_at = time.time(), self.progress()[0]
                 self._say(f"elastic: {exc}")
                 lost = sorted({*exc.ranks, *self.stop(agents)})
                 config, gone = surviving_config(config, layout, lost)
                 new_text = plan_for_config(config)
                 new_layout = parse_layout(new_text)
-                resumed = latest_complete(self.checkpoint_dir) or 0
+                resumed = self.resumed_from()
                 recovery = Recovery(
                     lost,
                     gone,
@@ -158,13 +216,39 @@ class ElasticJob:
                 agents = self.start_agents(new_layout, True)
                 self.recoveries.append(recovery)
                 self._lost_at = lost_at
+                self.returning.lost(time.time())
                 text, layout, first = new_text, new_layout, resumed
         self._downtimes()
         return text, agents
 
+    def _move_back_due(self) -> bool:
+        from agents.checkpoint.store import latest_complete
+
+        return self.returning.due(time.time(), latest_complete(self.checkpoint_dir))
+
+    def _restart(self, old: str, layout: JobLayout, reason: str, failed_at: int, lost_at: float) -> tuple[Any, int]:
+        """Start ``layout``'s agents (after plan ``old``) from the newest complete checkpoint, recording the move
+        as a Recovery with no lost ranks; (agents, the step resumed from)."""
+        resumed = self.resumed_from()
+        recovery = Recovery(
+            [], [], reason, old, describe(layout), failed_at, resumed, max(0, failed_at + 1 - resumed), -1.0
+        )
+        self._say(f"elastic: {reason}; {recovery.old_plan} -> {recovery.new_plan}; resuming from step {resumed}")
+        self._downtimes()
+        agents = self.start_agents(layout, True)
+        self.recoveries.append(recovery)
+        self._lost_at = lost_at
+        return agents, resumed
+
+    def resumed_from(self) -> int:
+        """The step the next attempt resumes from: the newest complete checkpoint's (0: none)."""
+        from agents.checkpoint.store import latest_complete
+
+        return latest_complete(self.checkpoint_dir) or 0
+
     def _downtimes(self) -> None:
         """The last recovery's downtime: from its loss to the first step the next attempt started."""
-        began = first_step_started(self.run_dir)
+        began = self.progress()[1]
         if self._lost_at is not None and began is not None:
             self.recoveries[-1] = dataclasses.replace(self.recoveries[-1], downtime_s=max(0.0, began - self._lost_at))
         self._lost_at = None

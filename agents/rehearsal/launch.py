@@ -36,10 +36,10 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -136,6 +136,7 @@ def launch(
     elastic: bool = False,
     wan_reset_every_s: float | None = None,
     prefill_follow_checkpoints: bool = False,
+    elastic_return_after_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -166,7 +167,9 @@ def launch(
     ``elastic``: survive lost agents or a lost DC (:mod:`agents.rehearsal.elastic`): re-plan on the GPUs
     left, resume from the newest complete checkpoint (``RUN_DIR/checkpoints`` every step unless
     ``checkpoint_dir`` is given), finish the steps; the report lists ``recoveries``. The rank files of a
-    failed attempt move to ``RUN_DIR/attempt-<n>/``.
+    failed attempt move to ``RUN_DIR/attempt-<n>/``. ``elastic_return_after_s``: the lost GPUs return that long
+    after each recovery and the job moves back to the original plan at the next checkpoint (one more entry
+    of ``recoveries``, with no lost ranks).
 
     ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often (the
     links reconnect and resend, :mod:`agents.wan`).
@@ -258,6 +261,8 @@ def launch(
         hook = _with_http_urls(routes, http_urls, keys, tls, out)
         hook = _with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
 
+        attempt: list[AgentProcesses] = []  # every attempt's agents, the running ones last
+
         def start_agents(plan: JobLayout, resume: bool) -> AgentProcesses:
             if resume:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
                 set_aside(run)
@@ -267,12 +272,14 @@ def launch(
             if resume:  # the broker still retains the old plan: the new agents must not adopt it first
                 args += ["--resume", "--plan", str((run / "plan.yaml").resolve())]
             procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))
+            attempt.append(procs)
             if out is not None:
                 secured = "insecure" if keys is None else f"secure, keys in {keys.directory}"
                 print(f"launch: {describe(plan)}, broker {mqtt}, run folder {run} ({secured})", file=out, flush=True)
             return procs
 
-        def run_job(plan_text: str, count: int) -> None:
+        def run_job(plan_text: str, count: int, stop_when: Any = None) -> None:
+            procs = attempt[-1]  # the agents of this attempt: their exits are losses (broker or not)
             asyncio.run(
                 start_job(
                     coordinator_url,
@@ -283,17 +290,18 @@ def launch(
                     before_start=hook,
                     out=out,
                     metrics=job_metrics,
+                    exits=procs.exited,
+                    stop_when=stop_when,
                     **control,
                 )
             )
 
         def stop_attempt(procs: AgentProcesses) -> list[int]:
-            # killed by a signal; not the agents that failed because a peer died (they exit with an error code)
-            dead = [rank for rank, code in procs.wait(0.0).items() if code is not None and code < 0]
-            with contextlib.suppress(GeoschedError):
-                asyncio.run(stop_job(coordinator_url, job, timeout_s=10.0, **control))
-            procs.stop()
-            return dead
+            # SIGTERM is an agent's stop (it owns them: no waiting on the broker for the dead ones' statuses).
+            # Lost: killed by a signal, not our SIGTERM (also one whose SIGKILL landed late, e.g. in a disk
+            # write); not the agents that failed because a peer died (they exit with an error code)
+            codes = procs.stop()
+            return [rank for rank, code in codes.items() if code is not None and code < 0 and code != -signal.SIGTERM]
 
         started = time.monotonic()
         recovering = ElasticJob(
@@ -305,6 +313,7 @@ def launch(
             stop_attempt,
             out,
             MAX_RECOVERIES if elastic else 0,
+            return_after_s=elastic_return_after_s,
         )
         text, agents = recovering.train(text, steps)
         if recovering.recoveries:

@@ -74,14 +74,22 @@ class AgentProcesses:
                 pass
         return {rank: proc.poll() for rank, proc in self.procs.items()}
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace_s``, and reap them all."""
+    def exited(self) -> dict[int, int]:
+        """The agents that have exited, rank -> exit code (negative: killed by that signal); a child that exited
+        is a fact the coordinator acts on whatever the broker delivered (``start_job(exits=...)``)."""
+        codes = {rank: proc.poll() for rank, proc in self.procs.items()}
+        return {rank: code for rank, code in codes.items() if code is not None}
+
+    def stop(self, grace_s: float = 10.0) -> dict[int, int | None]:
+        """SIGTERM every process group, SIGKILL what is left after ``grace_s``, and reap them all; the exit codes
+        before that SIGKILL (None: still running then), so a -SIGKILL among them was someone else's."""
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGTERM)
-        self.wait(grace_s)
+        codes = self.wait(grace_s)
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGKILL)  # also reaps grandchildren left in the group
             proc.wait()
+        return codes
 
     def __enter__(self) -> AgentProcesses:
         return self.start()

@@ -6,6 +6,8 @@
   geosched job checkpoint --mqtt mqtt://broker:1883 --job demo [--after-step N]
   geosched job stop --mqtt mqtt://broker:1883 --job demo
   geosched job start plan.yaml --mqtt mqtts://broker:8883 --job demo --keys secrets   # secure
+  geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --elastic --config cluster.yaml \
+      --checkpoint-dir /shared/ckpt     # re-plan around lost ranks; agents run with --resume (docs/launch.md)
   geosched job start plan.yaml --mqtt mqtt://broker:1883 --job demo --metrics-bind 127.0.0.1:9400 \
       --metrics-tls-cert tls.crt --metrics-tls-key tls.key     # Prometheus over TLS (or --metrics-insecure)
 
@@ -18,6 +20,12 @@ with a progress bar and exits 1 naming the agent if one goes offline. With
 ``--run-dir DIR`` it writes the run folder ``geosched launch`` writes (endpoints.json
 once every agent is ready; report.json, timeline.png, predicted.png, timelines.png,
 trace.json, loss.png at the end) from the metrics it receives.
+
+``start --elastic`` survives lost ranks or DCs: it re-plans CONFIG on the GPUs
+left (same global batch), publishes the new plan (also written to
+CHECKPOINT_DIR/plans/), stops the survivors and waits for agents of the new
+plan, which their supervisor restarts with ``--resume --checkpoint-dir`` on
+the shared folder (:mod:`agents.rehearsal.supervised`); it prints each recovery.
 """
 
 from __future__ import annotations
@@ -57,6 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "127.0.0.1:9400 (port 0: any; off by default)",
     )
     add_tls_arguments(start, "metrics", "the job's metrics endpoint")
+    start.add_argument(
+        "--elastic",
+        action="store_true",
+        help="on lost ranks or DCs: re-plan --config on the GPUs left, publish the new plan, stop the survivors and "
+        "wait for agents of the new plan (restarted by their supervisor with --resume) to resume from the newest "
+        "complete checkpoint in --checkpoint-dir",
+    )
+    start.add_argument("--config", metavar="CONFIG", help="with --elastic: the cluster/job config to re-plan")
+    start.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="with --elastic: the checkpoint folder every agent shares (the agents' --checkpoint-dir)",
+    )
     status = sub.add_parser("status", help="table of the agents' retained statuses")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
     status.add_argument(
@@ -113,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         at_least(args, "steps", 1)
         text = load_plan_file(args.plan)
         out = sys.stderr if args.json else sys.stdout
+        if args.elastic or args.config or args.checkpoint_dir:
+            return _start_elastic(args, url, signing, text, out)
         metrics, server = _job_metrics(args, out)
         recorder = _recorder(args.run_dir, text, args.plan)
         hooks: dict[str, Any] = (
@@ -205,6 +228,53 @@ def run(args: argparse.Namespace) -> int:
             "see their logs"
         )
     print(f"job {args.job!r} stopped: every agent acknowledged")
+    return 0
+
+
+def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any) -> int:
+    """``job start --elastic``: run the steps, recovering from lost ranks (agents.rehearsal.supervised)."""
+    from pathlib import Path
+
+    from agents.layout import parse_layout
+    from agents.rehearsal.elastic import describe
+    from agents.rehearsal.supervised import run_supervised
+    from geosched.config import load_config
+
+    if not args.elastic:
+        raise InputError("--config and --checkpoint-dir are for --elastic; add --elastic or leave them out")
+    if not args.config or not args.checkpoint_dir:
+        raise InputError(
+            "--elastic needs --config CONFIG (to re-plan) and --checkpoint-dir DIR (the agents' shared folder)"
+        )
+    if args.run_dir or args.metrics_bind:
+        raise InputError(
+            "--elastic does not write a run folder or serve metrics yet; leave out --run-dir/--metrics-bind"
+        )
+    layout = parse_layout(text, args.plan)
+    done = run_supervised(
+        url,
+        args.job,
+        text,
+        load_config(args.config),
+        Path(args.checkpoint_dir),
+        steps=args.steps or layout.job.steps,
+        out=out,
+        ready_timeout_s=args.ready_timeout,
+        ca_file=args.ca_file,
+        keys=signing,
+    )
+    for r in done.recoveries:
+        print(
+            f"recovery: lost ranks {r.lost_ranks}{' (DC ' + ', '.join(r.lost_dcs) + ')' if r.lost_dcs else ''}; "
+            f"{r.old_plan} -> {r.new_plan}; resumed from step {r.resumed_from_step}, {r.steps_redone} steps redone, "
+            f"down {r.downtime_s:.1f} s",
+            file=out,
+            flush=True,
+        )
+    if args.json:
+        steps = [] if done.result is None else [vars(s) for s in done.result.steps]
+        plan = describe(parse_layout(done.plan_text))
+        print(json.dumps({"steps": steps, "plan": plan, "recoveries": [r.to_dict() for r in done.recoveries]}))
     return 0
 
 

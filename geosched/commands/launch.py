@@ -22,6 +22,7 @@ for the run (clients trust RUN_DIR/secrets/tls-ca.crt).
       --prefill-http                                        # the agents serve each newer checkpoint as it completes
   geosched launch configs/demo-3dc.yaml --metrics           # + Prometheus /metrics and /health (URLs printed)
   geosched launch configs/demo-3dc.yaml --elastic --steps 40   # kill a DC's agents: it re-plans and finishes
+  geosched launch configs/demo-3dc.yaml --elastic --elastic-return-after 10   # ... and moves back 10 s later
   geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
 
 Ctrl-C stops every child process; nothing is left running.
@@ -109,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lists the recoveries",
     )
     parser.add_argument(
+        "--elastic-return-after",
+        type=float,
+        metavar="S",
+        help="with --elastic: the lost GPUs return S seconds after a recovery, and the job moves back to the "
+        "original plan at the next checkpoint (recorded in report.json's recoveries)",
+    )
+    parser.add_argument(
         "--wan-reset-every",
         type=float,
         metavar="S",
@@ -125,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
     above(args, "wan_reset_every", 0, "e.g. 5")
+    above(args, "elastic_return_after", 0, "e.g. 10")
+    if args.elastic_return_after is not None and not args.elastic:
+        raise InputError("--elastic-return-after needs --elastic: there is no recovery to move back from")
     if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
@@ -158,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         elastic=args.elastic,
         wan_reset_every_s=args.wan_reset_every,
         prefill_follow_checkpoints=args.prefill_follow_checkpoints,
+        elastic_return_after_s=args.elastic_return_after,
     )
     if args.json:
         print(json.dumps(report))

@@ -1,0 +1,111 @@
+"""Who is lost besides what liveness hears (policy only, no I/O): :class:`AgentLost`, the line naming a lost
+agent, agent processes that exited (from a caller that supervises them, ``launch``), and the retained
+statuses re-read after a reconnect (an ``error`` published while the coordinator was away).
+
+The judgement of heartbeats, wills and silence is :mod:`agents.control.liveness`; the coordinator that
+acts on both is :mod:`agents.control.coordinator`.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterable
+
+from agents.control.messages import StatusMessage
+from geosched.errors import GeoschedError
+
+RETAINED_SETTLE_S = 0.3
+"""How long the coordinator lets the broker deliver retained statuses (before it publishes the plan, and
+after a reconnect before it re-reads them)."""
+
+
+class AgentLost(GeoschedError):
+    """An agent went offline or failed while the job ran; the job was stopped. ``ranks``: the lost ones
+    (empty when the job stalled with no one to blame)."""
+
+    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = sorted(set(ranks))
+
+
+def lost_message(job: str, status: StatusMessage, step: int | None, why: str | None = None) -> str:
+    """One line naming the lost agent (rank, DC, stage, replica, host), what happened (``why``, else the
+    state it went to) and when."""
+    parts = [
+        status.dc,
+        *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
+    ]
+    where = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
+    detail = status.extra.get("message")
+    at = f" during step {step}" if step is not None else " before training started"
+    return (
+        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} {why or 'went ' + status.state}{at}"
+        f"{': ' + str(detail) if detail else ''}; job stopped"
+    )
+
+
+Exits = Callable[[], dict[int, int]]
+"""The agents' processes that have exited, rank -> exit code (negative: killed by that signal); from a caller
+that supervises them (``launch``)."""
+EXIT_POLL_S = 0.5
+"""How often the coordinator asks ``exits`` while the job runs."""
+
+
+def exited_lost(job: str, codes: dict[int, int], step: int | None) -> AgentLost | None:
+    """The loss that exited agent processes mean (policy only): the ranks killed by a signal (the cause; the
+    ones that exited with an error failed because of them), else every exited rank; None when none exited."""
+    if not codes:
+        return None
+    killed = sorted(r for r, code in codes.items() if code < 0)
+    named = killed or sorted(codes)
+    how = ", ".join(f"rank {r} ({_exit_words(codes[r])})" for r in sorted(codes))
+    at = f" during step {step}" if step is not None else ""
+    return AgentLost(f"job {job!r}: agent processes exited{at}: {how}; job stopped", named)
+
+
+def _exit_words(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], plan: str) -> AgentLost | None:
+    """After a reconnect: a retained ``error`` or ``stopped`` status of this plan that arrived while the
+    coordinator was away (policy only); None when every rank's retained status is fine."""
+    bad = sorted(
+        r
+        for r, st in statuses.items()
+        if r in ranks and st.state in ("error", "stopped") and st.extra.get("plan_id") in (None, plan)
+    )
+    if not bad:
+        return None
+    return AgentLost(
+        lost_message(job, statuses[bad[0]], None, f"was {statuses[bad[0]].state} (seen after a reconnect)"), bad
+    )
+
+
+class JobInterrupted(GeoschedError):
+    """The caller's ``stop_when`` asked to end the job at a step boundary (``launch --elastic`` moving back to
+    the better plan); the agents were told to stop."""
+
+
+class Reread:
+    """When to re-read the retained statuses (policy only): :data:`RETAINED_SETTLE_S` after every reconnect
+    of the coordinator, once the broker has delivered them again."""
+
+    def __init__(self, connects: int) -> None:
+        self._connects, self._at = connects, float("inf")
+
+    def due(self, now: float, connects: int) -> bool:
+        if connects != self._connects:
+            self._connects, self._at = connects, now + RETAINED_SETTLE_S
+        if now < self._at:
+            return False
+        self._at = float("inf")
+        return True
+
+    def next_s(self, now: float) -> float:
+        return max(0.05, self._at - now) if self._at != float("inf") else float("inf")

@@ -1,0 +1,46 @@
+"""Who is lost besides liveness (agents.control.losses, policy only): exited agent processes and the retained
+statuses re-read after a reconnect (the real-process case is tests/test_launch_elastic_broker.py)."""
+
+from __future__ import annotations
+
+import signal
+
+from agents.control.losses import RETAINED_SETTLE_S, Reread, exited_lost, reread_lost
+from agents.control.messages import StatusMessage
+
+
+def test_no_exit_is_no_loss() -> None:
+    assert exited_lost("j", {}, 3) is None
+
+
+def test_killed_ranks_are_named_not_the_ones_that_failed_because_of_them() -> None:
+    loss = exited_lost("j", {3: -signal.SIGKILL, 2: 1}, 13)
+    assert loss is not None and loss.ranks == [3]
+    assert "rank 2 (exit code 1)" in str(loss) and "rank 3 (killed by SIGKILL)" in str(loss)
+    assert "during step 13" in str(loss)
+
+
+def test_exits_without_a_signal_name_every_exited_rank() -> None:
+    loss = exited_lost("j", {1: 1, 0: 0}, None)
+    assert loss is not None and loss.ranks == [0, 1]
+
+
+def _status(rank: int, state: str, plan: str | None = "p1") -> StatusMessage:
+    return StatusMessage(rank, state, extra={} if plan is None else {"plan_id": plan})
+
+
+def test_an_error_retained_while_away_is_a_loss_but_not_another_plans() -> None:
+    statuses = {0: _status(0, "training"), 1: _status(1, "error"), 2: _status(2, "error", "p0")}
+    loss = reread_lost("j", statuses, {0, 1, 2}, "p1")
+    assert loss is not None and loss.ranks == [1] and "seen after a reconnect" in str(loss)
+    assert reread_lost("j", {0: _status(0, "training"), 1: _status(1, "offline")}, {0, 1}, "p1") is None
+    assert reread_lost("j", statuses, {0}, "p1") is None  # rank 1 finished: not watched
+
+
+def test_reread_is_due_once_per_reconnect_after_the_retained_statuses_settle() -> None:
+    reread = Reread(connects=1)
+    assert not reread.due(0.0, 1) and reread.next_s(0.0) == float("inf")
+    assert not reread.due(10.0, 2)  # reconnected: wait for the retained statuses
+    assert abs(reread.next_s(10.0) - RETAINED_SETTLE_S) < 1e-9
+    assert reread.due(10.0 + RETAINED_SETTLE_S, 2)
+    assert not reread.due(20.0, 2)  # once
