@@ -284,7 +284,7 @@ def run_geosched(
     for p in procs:
         p.start()
     try:
-        times = _collect(results, procs, f"geosched ({prefix})")
+        times = _collect(results, procs, f"geosched ({prefix})", timeout_s=600)
     finally:
         if router is not None:
             router.close()
@@ -299,7 +299,7 @@ def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
     procs = [ctx.Process(target=_torch_rank, args=(rank, job, port, steps, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    return _collect(results, procs, "torch pipelining")
+    return _collect(results, procs, "torch pipelining", timeout_s=600)
 
 
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
@@ -339,7 +339,7 @@ def calibrate_here(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     results = ctx.Queue()
     proc = ctx.Process(target=_profile, args=(JOB, 5 if args.quick else 9, results))
     proc.start()
-    return _collect(results, [proc], "profile")[0]
+    return _collect(results, [proc], "profile", timeout_s=600)[0]  # a shared, loaded host calibrates slowly
 
 
 def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
