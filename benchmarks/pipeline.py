@@ -16,7 +16,7 @@
     ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
     geosched's runtime over loopback (WanLink, no relay), same pinning.
     Reported: ``throughput_vs_torch_pipelining`` = geosched steps/s over torch's.
-    Targets: within 15 % and >= 0.9x.
+    Targets: within 10 % and >= 1.05x (issue 18).
 
 This machine's speed drifts by tens of percent within seconds (a shared
 host), so the run is a series of rounds, each (b) (torch and geosched as
@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         result["variants"] = run_variants(tuple(VARIANTS), steps)
     result.update(aggregates(result.get("variants", {})))
     print(
-        f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 15%), throughput vs torch "
-        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 0.9x); medians over {rounds} rounds"
+        f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 10%), throughput vs torch "
+        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 1.05x); medians over {rounds} rounds"
     )
     emit(result, args.json)
     return 0
