@@ -16,7 +16,7 @@
     ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
     geosched's runtime over loopback (WanLink, no relay), same pinning.
     Reported: ``throughput_vs_torch_pipelining`` = geosched steps/s over torch's.
-    Targets: within 15 % and >= 0.9x.
+    Targets: within 10 % and >= 1.05x (issue 18).
 
 This machine's speed drifts by tens of percent within seconds (a shared
 host), so the run is a series of rounds, each (b) (torch and geosched as
@@ -284,7 +284,7 @@ def run_geosched(
     for p in procs:
         p.start()
     try:
-        times = _collect(results, procs, f"geosched ({prefix})")
+        times = _collect(results, procs, f"geosched ({prefix})", timeout_s=600)
     finally:
         if router is not None:
             router.close()
@@ -299,7 +299,7 @@ def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
     procs = [ctx.Process(target=_torch_rank, args=(rank, job, port, steps, results)) for rank in range(2)]
     for p in procs:
         p.start()
-    return _collect(results, procs, "torch pipelining")
+    return _collect(results, procs, "torch pipelining", timeout_s=600)
 
 
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
@@ -340,7 +340,7 @@ def calibrate_here(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     results = ctx.Queue()
     proc = ctx.Process(target=_profile, args=(JOB, 5 if args.quick else 9, results))
     proc.start()
-    return _collect(results, [proc], "profile")[0]
+    return _collect(results, [proc], "profile", timeout_s=600)[0]  # a shared, loaded host calibrates slowly
 
 
 def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -485,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         result["variants"] = run_variants(tuple(VARIANTS), steps)
     result.update(aggregates(result.get("variants", {})))
     print(
-        f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 15%), throughput vs torch "
-        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 0.9x); medians over {rounds} rounds"
+        f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 10%), throughput vs torch "
+        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 1.05x); medians over {rounds} rounds"
     )
     emit(result, args.json)
     return 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -259,6 +259,20 @@ class StageModule(nn.Module):
         Returns this stage's output for the new positions and the grown cache
         (a new list; the given one is not modified).
         """
+        steps = self.forward_cached_steps(x, kv_cache, start_pos)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result: tuple[Tensor, KVCache] = done.value
+                return result
+
+    def forward_cached_steps(
+        self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0
+    ) -> Generator[int, None, tuple[Tensor, KVCache]]:
+        """:meth:`forward_cached` one block at a time: yields the index of each block it has run, returns
+        ``(output, grown cache)``. A caller may stop between blocks and resume later (a prefill chunk that
+        gives its core back to training mid-chunk); grad mode is the caller's at each ``next``."""
         if self.first:
             assert x.dim() == 2 and x.dtype == torch.int64, f"first stage takes (B, T) tokens, got {x.dtype}"
         else:
@@ -281,6 +295,7 @@ class StageModule(nn.Module):
         for i, block in enumerate(self.blocks.values()):
             h, kv = block(h, None if kv_cache is None else kv_cache[i])  # (B, T, C)
             new_cache.append(kv)
+            yield i
         if self.last:
             h = self.head(self.ln_f(h))  # (B, T, V)
         return h, new_cache

@@ -88,6 +88,17 @@ def test_greedy_decoding_from_the_returned_cache_equals_decoding_from_scratch(se
             continue_greedy(model, no_kv, 3)
 
 
+def ready_after(calls: int):
+    """A ready() that turns true on its ``calls + 1``-th call and stays true."""
+    seen = [0]
+
+    def ready() -> bool:
+        seen[0] += 1
+        return seen[0] > calls
+
+    return ready
+
+
 def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(model):
     with (
         PrefillService(model, min_chunk_s=1e-9, max_chunk_s=1e-9) as service,
@@ -95,8 +106,8 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
     ):
         rid = client.submit(list(range(10)))
         assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
-        checks = iter([False, False, True])
-        spans = service.fill(lambda: next(checks), budget_s=1.0)
+        per_chunk = 1 + SHAPE.layers  # ready() is asked before each chunk and after each of its blocks
+        spans = service.fill(ready_after(2 * per_chunk), budget_s=1.0)
         assert [s.tokens for s in spans] == [1, 1]  # two chunks, then straight back to training
         assert all(s.request_id == rid for s in spans)
         rest = service.fill(lambda: False, budget_s=1.0)
@@ -105,6 +116,24 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
         assert result.status == "ok" and result.timings["chunks"] == 10
         assert result.timings["bubble_share"] == pytest.approx(1.0)
         assert result.first_token == int(prefill(model, torch.arange(10).view(1, -1))[0].argmax())
+
+
+def test_fill_gives_training_back_between_blocks_and_finishes_the_chunk_later(model):
+    with (
+        PrefillService(model, min_chunk_s=10.0, max_chunk_s=10.0) as service,  # the whole prompt in one chunk
+        PrefillClient(service.endpoint) as client,
+    ):
+        client.submit(list(range(10)))
+        assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
+        spans = service.fill(ready_after(2), budget_s=1.0)  # the message lands during the first block
+        assert [s.tokens for s in spans] == [0]  # stopped after that block: no token finished yet
+        rest = service.fill(lambda: False, budget_s=1.0)
+        assert [s.tokens for s in rest] == [10]  # the same chunk, from the second block on
+        result = client.receive(10)
+        assert result.status == "ok" and result.timings["chunks"] == 1
+        expected = prefill(model, torch.arange(10).view(1, -1))[0]
+        assert result.first_token == int(expected.argmax())
+        assert result.topk_logits[0] == pytest.approx(float(expected.max()), rel=1e-5)
 
 
 def test_chunk_size_follows_the_remaining_budget(model):

@@ -37,7 +37,7 @@ def test_new_weights_wait_for_the_prompt_in_progress(one_torch_thread) -> None:
     ):
         client.submit(PROMPT, return_kv=False)
         _queued(service)
-        answers = iter([False, True])
+        answers = iter([False] * (1 + SHAPE.layers) + [True])  # asked before the chunk and after each block
         assert [span.tokens for span in service.fill(lambda: next(answers), None)] == [1]  # one token in
         service.replace_model(new, "seed 2")
         assert service.served == "seed 1"  # the prompt is part-way: the swap waits

@@ -111,3 +111,44 @@ def test_poll_says_whether_a_message_has_arrived(link_pair):
     assert downstream.poll(0, "F", 0, 0)
     assert torch.equal(downstream.recv(0, "F", 0, 0, timeout=5), sent)
     assert upstream.bytes_sent() == {1: sent.numel() * 4}
+
+
+class RecordingTransport(LinkTransport):
+    """The real LinkTransport, noting the order of first polls (which post receives) and of receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, tuple]] = []
+
+    def poll(self, peer_stage, kind, step, microbatch):
+        key = (peer_stage, kind, step, microbatch)
+        if ("poll", key) not in self.calls and ("recv", key) not in self.calls:
+            self.calls.append(("poll", key))
+        return super().poll(peer_stage, kind, step, microbatch)
+
+    def recv(self, peer_stage, kind, step, microbatch, timeout=None):
+        self.calls.append(("recv", (peer_stage, kind, step, microbatch)))
+        return super().recv(peer_stage, kind, step, microbatch, timeout)
+
+
+def test_receives_are_posted_before_the_receive_ahead_of_them(dataset, link_pair):
+    listener, connector = link_pair
+    runtimes = [make_runtime(JOB, 0, connector), make_runtime(JOB, 1, listener)]
+    for runtime in runtimes:
+        runtime.transport = RecordingTransport(runtime.transport.links, stage=runtime.stage)
+    m = runtimes[0].num_microbatches
+
+    def drive(runtime: StageRuntime) -> None:
+        runtime.run_step(0, dataset.batch(0, 0, 1, JOB.microbatch_size, m))
+        runtime.transport.flush(10)
+
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(drive, rt) for rt in runtimes]:
+            future.result(timeout=120)
+    for runtime in runtimes:
+        calls = runtime.transport.calls
+        received = [key for what, key in calls if what == "recv"]
+        assert len(received) == m  # stage 0: m gradients, stage 1: m activations
+        for earlier, later in zip(received, received[1:]):
+            # posted (first polled) before the runtime even waited for the receive ahead of it
+            assert calls.index(("poll", later)) < calls.index(("recv", earlier)), (earlier, later)

@@ -34,17 +34,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import zmq
 
+from agents.prefill.jobs import ChunkSpan, Reply, _Job
 from agents.prefill.metrics import PrefillMetrics
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
 from agents.prefill.protocol import BadRequest, PrefillRequest, PrefillResponse, decode_request, encode_response
 from agents.sockets import CurveServer, ZapAuthenticator, bound_port, make_socket
-from geosched.model import KVCache, StageModule
+from geosched.model import StageModule
 
 log = logging.getLogger(__name__)
 
@@ -52,40 +52,6 @@ SAFETY = 0.5  # a chunk may use this share of the predicted remaining idle time
 EMA_WEIGHT = 0.3  # weight of the newest finished prompt in the seconds-per-token estimate
 TYPICAL_CHUNK = 8  # tokens per chunk assumed to seed the seconds-per-token estimate
 POLL_MS = 20  # the network thread wakes at least this often (to expire queued work)
-
-Reply = bytes | Callable[[PrefillResponse], None]
-"""Where a response goes: a ZeroMQ client's routing id, or a callback (a front end such as agents.prefill.http)."""
-
-
-class ChunkSpan(NamedTuple):
-    """One prefill chunk run inside ``fill`` (``time.perf_counter`` seconds)."""
-
-    start: float
-    end: float
-    tokens: int
-    request_id: str
-
-
-@dataclass
-class _Job:
-    """A queued or running prefill."""
-
-    req: PrefillRequest
-    identity: Reply
-    arrived: float  # time.monotonic()
-    deadline: float  # time.monotonic()
-    kv_bytes: int
-    pos: int = 0
-    kv: KVCache | None = None
-    logits: torch.Tensor | None = None
-    chunks: int = 0
-    compute_s: float = 0.0
-    bubble_s: float = 0.0
-    started: float | None = None
-
-    @property
-    def remaining(self) -> int:
-        return self.req.tokens.numel() - self.pos
 
 
 class PrefillService:
@@ -236,7 +202,7 @@ class PrefillService:
             target = self.min_chunk_s if left is None or left <= 0 else SAFETY * left
             target = min(self.max_chunk_s, max(self.min_chunk_s, target))
             tokens = min(job.remaining, self.cost.tokens_for(target))
-            spans.append(self._run_chunk(job, tokens, in_bubble))
+            spans.append(self._run_chunk(job, tokens, in_bubble, ready if in_bubble else None))
         return spans
 
     def serve_idle(self, until: Callable[[], bool], slice_s: float = 0.05) -> None:
@@ -270,26 +236,26 @@ class PrefillService:
                 self._current = best
             return self._current
 
-    def _run_chunk(self, job: _Job, tokens: int, in_bubble: bool) -> ChunkSpan:
-        x = job.req.tokens[job.pos : job.pos + tokens].view(1, -1)  # (1, t) int64
+    def _run_chunk(
+        self, job: _Job, tokens: int, in_bubble: bool, preempt: Callable[[], bool] | None = None
+    ) -> ChunkSpan:
+        """Run a chunk of ``tokens`` (or the rest of the one ``preempt`` stopped, :meth:`_Job.advance`)."""
         t0 = time.perf_counter()
         if job.started is None:
             job.started = time.monotonic()
-        with torch.no_grad():
-            logits, kv = self.model.forward_cached(x, job.kv, job.pos)  # (1, t, V), per layer (1, H, pos+t, D)
+        finished = job.advance(self.model, tokens, preempt)
         t1 = time.perf_counter()
         seconds = t1 - t0
-        job.kv, job.logits, job.pos = kv, logits[0, -1], job.pos + tokens  # logits of the last position (V,)
-        job.chunks += 1
         job.compute_s += seconds
         if in_bubble:
             job.bubble_s += seconds
-        self.cost.observe(tokens, seconds)
+        if finished:
+            self.cost.observe(finished, job.chunk_s)
         with self._lock:
-            self.metrics_.chunk(tokens, seconds, in_bubble)
-            if job.remaining == 0 and self._current is job:
+            self.metrics_.chunk(finished, seconds, in_bubble)
+            if finished and job.remaining == 0 and self._current is job:
                 self._finish(job, "ok")
-        return ChunkSpan(t0, t1, tokens, job.req.id)
+        return ChunkSpan(t0, t1, finished, job.req.id)
 
     def _finish(self, job: _Job, status: str, reason: str = "") -> None:
         """Queue the response of a job (lock held) and release its KV reservation."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from agents.prefill.service import PrefillService, _Job
+from agents.prefill.jobs import _Job
+from agents.prefill.service import PrefillService
 from geosched.model import StageModule
 
 log = logging.getLogger(__name__)

@@ -68,6 +68,11 @@ K = ActionKind
 Microbatch = tuple[Tensor, Tensor]
 """(inputs (b, T) int64, targets (b, T) int64), as :mod:`geosched.data` produces them."""
 
+RECV_AHEAD = 2
+"""Receives posted ahead of the action that needs them: each is on its link one or two actions early, so
+its message lands straight in its future (torch's 1F1B posts each irecv only when it needs it) and a
+receive whose message is there costs no hand-off to the link's I/O thread."""
+
 _CATEGORY = {
     K.FORWARD: "compute",
     K.BACKWARD: "compute",
@@ -151,6 +156,17 @@ class StageRuntime:
         self.bubble_filler = bubble_filler
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
+        self._names = [str(action) for action in self.actions]  # the events' action strings, made once
+        self._receives = [
+            (self.stage - 1 if a.kind is K.RECV_F else self.stage + 1, "F" if a.kind is K.RECV_F else "B", a.microbatch)
+            for a in self.actions
+            if a.kind in (K.RECV_F, K.RECV_B)
+        ]
+        seen = 0
+        self._post_before: list[int] = []  # receives to have posted before action i runs
+        for action in self.actions:
+            self._post_before.append(min(len(self._receives), seen + RECV_AHEAD))
+            seen += action.kind in (K.RECV_F, K.RECV_B)
         optimizer.zero_grad(set_to_none=True)
         self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
         self.step_in_progress: int | None = None
@@ -170,18 +186,21 @@ class StageRuntime:
         started_at, t0 = same_instant()
         state.t0 = t0
         self.step_in_progress = step
-        for action in self.actions:
-            begin = time.perf_counter()
+        posted = 0  # receives of this step posted on their links
+        for index, action in enumerate(self.actions):
             try:
+                posted = self._post_receives(posted, self._post_before[index], step)
+                begin = time.perf_counter()
                 category = self._execute(action, state)
             except Exception as exc:  # noqa: BLE001 - re-raised with the grid, keeping GeoschedError classes
                 raise self._failure(action, step, exc) from exc
             end = time.perf_counter()
             self.actions_done += 1
             begin = max(begin, state.filled_until)  # prefill chunks run first in this receive's bubble
-            state.events.append(Event(self.stage, str(action), begin - t0, end - t0, category, action.kind.value))
+            name = self._names[index]
+            state.events.append(Event(self.stage, name, begin - t0, end - t0, category, action.kind.value))
             if category == "idle":
-                state.gaps.append(IdleGap(self.stage, begin - t0, end - t0, str(action)))
+                state.gaps.append(IdleGap(self.stage, begin - t0, end - t0, name))
         iteration = time.perf_counter() - t0
         sent_after = self.transport.bytes_sent() if self.transport is not None else {}
         traffic = {peer: n - sent_before.get(peer, 0) for peer, n in sent_after.items()}
@@ -202,6 +221,15 @@ class StageRuntime:
             "stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step, iteration * 1e3, loss
         )
         return report
+
+    def _post_receives(self, posted: int, until: int, step: int) -> int:
+        """Post this step's receives ``posted`` .. ``until`` - 1 (``poll`` posts a receive); the new count."""
+        if posted < until:
+            assert self.transport is not None  # a stage with receives has neighbours
+            for peer, kind, mb in self._receives[posted:until]:
+                assert mb is not None, "validate() checked every receive"
+                self.transport.poll(peer, kind, step, mb)
+        return max(posted, until)
 
     # -- one action ---------------------------------------------------------------------------
 

@@ -71,7 +71,8 @@ class StageTransport(Protocol):
         ...
 
     def poll(self, peer_stage: int, kind: str, step: int, microbatch: int) -> bool:
-        """True once the message has fully arrived (a later ``recv`` will not wait)."""
+        """True once the message has fully arrived (a later ``recv`` will not wait). The first poll of a message
+        may post its receive: the runtime polls each receive an action or two before it needs it."""
         ...
 
     def bytes_sent(self) -> dict[int, int]:
