@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass, fields
 
-from agents.sockets import CurveClient, CurveServer
+from agents.sockets import CurveClient, CurveServer, is_loopback
 from geosched.errors import ConfigError
 
 CHECKSUMS = ("auto", "crc32c", "none")
@@ -110,17 +109,3 @@ class WanLinkConfig:
         if self.checksum != "auto":
             return self.checksum == "crc32c"
         return self.curve_server is None and self.curve_client is None and not is_loopback(endpoint)
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for an endpoint whose traffic stays inside this host (tcp://127.x, [::1], localhost; ipc, inproc)."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
