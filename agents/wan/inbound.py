@@ -178,23 +178,16 @@ class InboundFrames:
         except RejectedChunk as exc:
             return self._drop(exc.reason, frame, str(exc))
         verdict, msg, view = self.recv.begin_chunk(c, now)
-        if verdict in ("write", "adopt"):
-            assert msg is not None  # "write" and "adopt" always name the message ("write" also the slice)
-            if view is not None:  # into its slice of the destination: the one copy
-                # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12: an ndarray is a buffer here too
-                received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))  # type: ignore[arg-type]
-                landed: memoryview | np.ndarray = view
-            else:  # the frame itself becomes the tensor: no copy
-                payload = sock.recv(copy=False)
-                received, landed = len(payload), payload.buffer
+        if verdict == "write":
+            assert msg is not None and view is not None  # "write" always names the message and the slice
+            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12: an ndarray is a buffer here too
+            received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))  # type: ignore[arg-type]
             if sock.get(RCVMORE):
                 return self._drop("bad_header", frame, "unexpected extra frames")
             if received != c.length:
                 return self._drop("oversize", frame, f"payload of {received} bytes, header says {c.length}")
-            if c.crc >= 0 and checksum(landed) != c.crc:
+            if c.crc >= 0 and checksum(view) != c.crc:
                 return self._drop("bad_checksum", frame, f"crc32c mismatch in seq {c.seq} offset {c.offset}")
-            if view is None:
-                self.recv.adopt(msg, landed)  # type: ignore[arg-type]
             self.recv.finish_chunk(msg, c.offset, c.length, now)
             counters = self.counters.streams[stream]
             counters.bytes_received += c.length

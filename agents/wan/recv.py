@@ -43,9 +43,6 @@ KINDS = ("activation", "gradient", "control", "allreduce")
 """Message kinds: pipeline activations and gradients, control messages, pieces of a cross-DC gradient all-reduce."""
 Key = tuple[int, int, str]  # (step, microbatch, kind)
 U63 = (1 << 63) - 1
-ADOPT_MIN_BYTES = 64 << 10
-"""A one-chunk message at least this big, into a tensor the link allocates, is received without a copy:
-the tensor views the frame (smaller ones are copied: cheaper than keeping a frame per message)."""
 _T = TypeVar("_T")
 
 
@@ -147,7 +144,6 @@ class InMessage:
     last_progress: float
     received: set[int] = field(default_factory=set)
     posted: PostedRecv | None = None
-    own_buffer: bool = True  # tensor was allocated by the link (not a caller's out=)
 
     def __lt__(self, other: InMessage) -> bool:  # heap order: sequence number
         return self.seq < other.seq
@@ -203,8 +199,7 @@ class RecvState:
     # ------------------------------------------------------------ chunks
 
     def begin_chunk(self, c: ChunkHeader, now: float) -> tuple[str, InMessage | None, np.ndarray | None]:
-        """Decide a chunk's fate: ("write", msg, dest slice), ("adopt", msg, None): take the frame as the
-        tensor (:meth:`adopt`), or ("dup"|"busy"|"bad_spec", None, None)."""
+        """Decide a chunk's fate: ("write", msg, dest slice), ("dup"|"busy"|"bad_spec", None, None)."""
         self.advance_floor(c.floor)
         if self.is_done(c.seq):
             return "dup", None, None
@@ -217,21 +212,7 @@ class RecvState:
             return "bad_spec", None, None
         if c.offset in msg.received:
             return "dup", None, None
-        if msg.nchunks == 1 and msg.own_buffer and c.length >= ADOPT_MIN_BYTES:
-            return "adopt", msg, None
         return "write", msg, msg.array[c.offset : c.offset + c.length]
-
-    def adopt(self, msg: InMessage, buffer: memoryview) -> None:
-        """Make a one-chunk message's tensor a view of the (writable) buffer it arrived in: no copy.
-
-        The tensor keeps the buffer (a ZeroMQ frame's) alive. A buffer not aligned for the dtype is copied.
-        """
-        array = np.frombuffer(buffer, dtype=np.uint8)
-        if array.ctypes.data % msg.dtype.itemsize:
-            msg.array[:] = array
-            return
-        msg.tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(msg.dtype).reshape(msg.shape)
-        msg.array = array
 
     def finish_chunk(self, msg: InMessage, offset: int, length: int, now: float) -> None:
         """Record a chunk whose bytes landed and whose checksum matched; complete the message if whole."""
@@ -265,7 +246,6 @@ class RecvState:
         msg = InMessage(
             c.seq, c.key, c.prev, c.dtype, c.shape, c.total, c.chunk, nchunks, tensor, byte_array(tensor), staged, now
         )
-        msg.own_buffer = posted is None or posted.out is None
         if posted is not None:
             self._pop_posted(posted)
             posted.bound, msg.posted = msg, posted
