@@ -23,6 +23,7 @@ logs each refused peer at most once a minute). Key files are written by
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import os
 import threading
@@ -237,6 +238,21 @@ def keep_message_buffers(mmap_threshold: int = 64 << 20) -> bool:
         return False
     _MALLOC_TUNED = ok
     return ok
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for an endpoint whose traffic stays inside this host: ``tcp://127.0.0.1:5555``, ``[::1]:80``,
+    ``localhost:1`` (with or without a scheme), ``ipc://`` and ``inproc://``."""
+    scheme, _, rest = endpoint.rpartition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bound_port(sock: zmq.Socket[bytes]) -> int:

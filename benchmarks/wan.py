@@ -7,8 +7,11 @@ processes, so no two hot loops share one Python interpreter:
    of about 1/8 of the link): goodput of WanLink for K = 1, 2, 4, 8, 16
    streams as a fraction of the link cap;
 2. on plain loopback: WanLink goodput against raw pyzmq PUSH/PULL zero-copy
-   moving the same bytes in the same chunks;
-3. on loopback: WanLink goodput with CURVE against without.
+   moving the same bytes in the same chunks (WanLink as configured by default,
+   which sends no checksum on loopback, and with CRC32C forced on);
+3. on loopback: WanLink goodput with CURVE against without (one stream), and
+   the aggregate CURVE rate of 4 streams with 1, 2 and 4 ZeroMQ I/O threads
+   per side (and how the receiver's CPU spreads over its I/O threads).
 
 Examples::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
@@ -155,8 +159,33 @@ def cpu_seconds() -> float:
 # ---------------------------------------------------------------- measurements
 
 
+def zmq_io_thread_cpu() -> dict[str, float]:
+    """CPU seconds of each ZeroMQ I/O thread of this process, by thread name ({} where /proc is absent)."""
+    out: dict[str, float] = {}
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError):
+            stat = (task / "stat").read_text()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if name.startswith("ZMQbg/IO/"):
+                fields = stat[stat.rindex(")") + 2 :].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def wanlink_goodput(
-    nbytes: int, count: int, *, streams: int, chunk: int, relay: dict | None = None, curve_dir: str | None = None
+    nbytes: int,
+    count: int,
+    *,
+    streams: int,
+    chunk: int,
+    relay: dict | None = None,
+    curve_dir: str | None = None,
+    io_threads: int = 0,
+    checksum: str = "auto",
 ) -> dict[str, Any]:
     """Bytes/s of ``count`` tensors of ``nbytes`` sent by a child process to this one."""
     import torch
@@ -165,7 +194,14 @@ def wanlink_goodput(
     from agents.wan.config import WanLinkConfig
     from agents.wan.link import WanLink
 
-    config = {"link_id": 1, "streams": streams, "chunk_bytes": chunk, "max_chunk_bytes": max(chunk, 16 * MIB)}
+    config = {
+        "link_id": 1,
+        "streams": streams,
+        "chunk_bytes": chunk,
+        "max_chunk_bytes": max(chunk, 16 * MIB),
+        "io_threads": io_threads,
+        "checksum": checksum,
+    }
     curve = CurveServer.from_files(f"{curve_dir}/server.key", f"{curve_dir}/clients") if curve_dir else None
     server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(**config, curve_server=curve))
     relay_conn = None
@@ -186,11 +222,12 @@ def wanlink_goodput(
             outs = [torch.ones(nbytes, dtype=torch.uint8) for _ in range(count)]  # touched: no page faults timed
             assert conn.recv() == "ready"
             futures = [server.start_recv(step=0, microbatch=i, out=outs[i]) for i in range(count)]
-            cpu_start, start = cpu_seconds(), time.perf_counter()
+            io_start, cpu_start, start = zmq_io_thread_cpu(), cpu_seconds(), time.perf_counter()
             conn.send("go")
             for future in futures:
                 future.result()
             elapsed, receiver_cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+            io_cpu = {k: v - io_start.get(k, 0.0) for k, v in sorted(zmq_io_thread_cpu().items())}
         finally:
             report = _finish(conn)
     finally:
@@ -203,6 +240,7 @@ def wanlink_goodput(
         "cpu_s_per_gb": (receiver_cpu + report["cpu_s"]) / (nbytes * count / 1e9),
         "resends": report["metrics"]["resends"],
         "stream_bytes": [s["bytes_sent"] for s in report["metrics"]["streams"]],
+        "receiver_io_thread_cpu_s": list(io_cpu.values()),
     }
 
 
@@ -230,6 +268,11 @@ def raw_goodput(nbytes: int, count: int, chunk: int) -> dict[str, float]:
         pull.close(linger=0)
         ctx.term()
     return {"bytes_per_s": total / elapsed, "cpu_s_per_gb": (receiver_cpu + report["cpu_s"]) / (total / 1e9)}
+
+
+def _busiest_share(cpu_s: list[float]) -> float:
+    """The busiest thread's share of the CPU of all of them (nan if nothing was measured)."""
+    return max(cpu_s) / sum(cpu_s) if cpu_s and sum(cpu_s) > 0 else float("nan")
 
 
 def _make_curve_dir(folder: Path) -> str:
@@ -300,11 +343,13 @@ def main(argv: list[str] | None = None) -> int:
 
     loop_chunk = chunk or auto_chunk_bytes(loop_mib * MIB, 1, 16 * MIB)  # what WanLink picks; raw uses the same
     result["loopback_chunk_bytes"] = loop_chunk
-    raws, plains = [], []
-    for _ in range(repeats):  # interleaved; the best of each estimates an unloaded machine
+    raws, plains, crcs = [], [], []
+    for _ in range(repeats):  # interleaved, so each round's ratio compares runs under the same load
         raws.append(raw_goodput(loop_mib * MIB, loop_count, loop_chunk))
         plains.append(wanlink_goodput(loop_mib * MIB, loop_count, streams=1, chunk=chunk))
+        crcs.append(wanlink_goodput(loop_mib * MIB, loop_count, streams=1, chunk=chunk, checksum="crc32c"))
     ratios = [p["bytes_per_s"] / r["bytes_per_s"] for r, p in zip(raws, plains, strict=True)]
+    crc_ratios = [p["bytes_per_s"] / r["bytes_per_s"] for r, p in zip(raws, crcs, strict=True)]
     raw, plain = (statistics.median(x["bytes_per_s"] for x in runs) for runs in (raws, plains))
     raw_cpu, plain_cpu = (statistics.median(x["cpu_s_per_gb"] for x in runs) for runs in (raws, plains))
     result.update(
@@ -314,30 +359,58 @@ def main(argv: list[str] | None = None) -> int:
         loopback_ratios_each_repeat=ratios,
         raw_zmq_cpu_s_per_gb=raw_cpu,
         wanlink_cpu_s_per_gb=plain_cpu,
+        wanlink_cpu_vs_raw_zmq=plain_cpu / raw_cpu,
+        loopback_ratio_crc32c_vs_raw_zmq=statistics.median(crc_ratios),
+        wanlink_crc32c_cpu_s_per_gb=statistics.median(x["cpu_s_per_gb"] for x in crcs),
     )
     pairs = ", ".join(f"{x:.2f}" for x in ratios)
     print(
         f"loopback, {loop_chunk // 1024} KiB chunks (medians of {repeats}): raw pyzmq {raw / 1e9:.2f} GB/s, "
         f"WanLink {plain / 1e9:.2f} GB/s, ratio {result['loopback_ratio_vs_raw_zmq']:.2f} (pairs: {pairs}); "
-        f"CPU of both processes {raw_cpu:.2f} vs {plain_cpu:.2f} s/GB"
+        f"CPU of both processes {raw_cpu:.2f} vs {plain_cpu:.2f} s/GB; with CRC32C forced on: ratio "
+        f"{result['loopback_ratio_crc32c_vs_raw_zmq']:.2f}, {result['wanlink_crc32c_cpu_s_per_gb']:.2f} s/GB"
     )
 
     keys_dir = tempfile.TemporaryDirectory(prefix="wan-bench-keys-")
     keys = _make_curve_dir(Path(keys_dir.name))
     curve_mib = loop_mib // 4  # CURVE is much slower
+    scaling_mib = loop_mib // 2  # 4 streams: long enough to be measured on each of 4 I/O threads
     slowdowns, curves = [], []
     for _ in range(min(repeats, 3)):  # pairs again: with CURVE, then without
         curves.append(wanlink_goodput(curve_mib * MIB, loop_count, streams=1, chunk=chunk, curve_dir=keys))
         without = wanlink_goodput(curve_mib * MIB, loop_count, streams=1, chunk=chunk)
         slowdowns.append(without["bytes_per_s"] / curves[-1]["bytes_per_s"])
     curve = statistics.median(c["bytes_per_s"] for c in curves)
-    result.update(curve_bytes_per_s=curve, curve_slowdown=statistics.median(slowdowns))
     curve_cpu = statistics.median(c["cpu_s_per_gb"] for c in curves)
+    result.update(curve_bytes_per_s=curve, curve_slowdown=statistics.median(slowdowns), curve_cpu_s_per_gb=curve_cpu)
     print(
         f"loopback with CURVE: {curve / 1e9:.3f} GB/s, {result['curve_slowdown']:.1f}x slower than without "
         f"(CPU {curve_cpu:.2f} s/GB)",
         flush=True,
     )
+    scaling: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 4: []}
+    for _ in range(min(repeats, 5)):  # rounds of 1, 2, 4 I/O threads back to back
+        for threads, runs in scaling.items():
+            runs.append(
+                wanlink_goodput(
+                    scaling_mib * MIB, loop_count, streams=4, chunk=chunk, curve_dir=keys, io_threads=threads
+                )
+            )
+    for threads, runs in scaling.items():
+        rate = statistics.median(r["bytes_per_s"] for r in runs)
+        result[f"curve_k4_bytes_per_s_io{threads}"] = rate
+        result[f"curve_k4_cpu_s_per_gb_io{threads}"] = statistics.median(r["cpu_s_per_gb"] for r in runs)
+        busiest = [_busiest_share(r["receiver_io_thread_cpu_s"]) for r in runs]
+        result[f"curve_k4_busiest_io_thread_share_io{threads}"] = statistics.median(busiest)
+        if threads > 1:
+            ratios_k = [r["bytes_per_s"] / one["bytes_per_s"] for r, one in zip(runs, scaling[1], strict=True)]
+            result[f"curve_scaling_{threads}_io_threads"] = statistics.median(ratios_k)
+        print(
+            f"CURVE, 4 streams, {threads} I/O thread(s) per side: {rate / 1e9:.3f} GB/s, "
+            f"CPU {result[f'curve_k4_cpu_s_per_gb_io{threads}']:.2f} s/GB, the receiver's busiest I/O thread "
+            f"did {result[f'curve_k4_busiest_io_thread_share_io{threads}']:.0%} of its I/O threads' work",
+            flush=True,
+        )
     keys_dir.cleanup()
     for helper in _HELPERS.values():
         helper.close()

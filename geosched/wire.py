@@ -106,6 +106,25 @@ def decode_header(data: bytes | memoryview, *, max_bytes: int = MAX_HEADER_BYTES
     return header
 
 
+def join_maps(first: bytes, first_items: int, second: bytes, second_items: int) -> bytes:
+    """One packed msgpack map of the items of two packed maps (with ``*_items`` entries; keys must differ).
+
+    Lets a sender pack the fields shared by many headers once and only the few that change per header.
+    """
+    items = first_items + second_items
+    if items > MAX_HEADER_ITEMS:
+        raise ProtocolError(f"header of {items} fields, over the limit of {MAX_HEADER_ITEMS}")
+    head = bytes((0x80 | items,)) if items < 16 else b"\xde" + items.to_bytes(2, "big")
+    data = b"".join((head, first[_map_head_len(first_items) :], second[_map_head_len(second_items) :]))
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {len(data)} bytes, over the limit of {MAX_HEADER_BYTES}")
+    return data
+
+
+def _map_head_len(items: int) -> int:
+    return 1 if items < 16 else 3  # fixmap, or map16 (MAX_HEADER_ITEMS < 2**16)
+
+
 @overload
 def require(header: Mapping[str, Any], key: str, kind: type[T]) -> T: ...
 @overload

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import random
 import socket
 import threading
@@ -12,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from agents.wan.config import WanLinkConfig
+from agents.wan.config import LISTEN_IO_THREADS, WanLinkConfig
 from agents.wan.io import poll_timeout_ms
 from agents.wan.link import WanLink
 from geosched.chunking import auto_chunk_bytes
-from geosched.errors import InputError, LinkError, ProtocolError
+from geosched.errors import ConfigError, InputError, LinkError, ProtocolError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)
 
@@ -72,10 +73,19 @@ def random_tensor(rng: random.Random, max_elems: int) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("streams", [1, 3, 8])
-def test_random_tensors_arrive_bit_identical(make_pair, streams: int) -> None:
+@pytest.mark.parametrize(
+    ("streams", "overrides"),
+    [
+        (1, {}),
+        (3, {}),
+        (8, {}),
+        (3, {"checksum": "crc32c"}),  # loopback sends none by default: the checksummed path too
+        (4, {"io_threads": 2}),  # streams spread over two I/O threads per side
+    ],
+)
+def test_random_tensors_arrive_bit_identical(make_pair, streams: int, overrides: dict) -> None:
     rng = random.Random(1000 + streams)
-    server, client = make_pair(streams=streams, chunk_bytes=64 * 1024)
+    server, client = make_pair(streams=streams, chunk_bytes=64 * 1024, **overrides)
     for i in range(24):
         tensor = random_tensor(rng, max_elems=rng.choice([4, 300, 40_000, 1_500_000]))
         sender, receiver = (client, server) if i % 2 == 0 else (server, client)
@@ -118,6 +128,30 @@ def test_automatic_chunk_size() -> None:
     assert auto_chunk_bytes(64 << 20, 1, 16 << 20) == 4 << 20  # one stream, big tensor: the biggest
     assert auto_chunk_bytes(64 << 20, 8, 16 << 20) == 512 << 10  # 16 chunks per stream
     assert auto_chunk_bytes(1 << 30, 1, 1 << 20) == 1 << 20  # never over what the peer accepts
+
+
+def test_checksums_only_where_they_pay() -> None:
+    from agents.sockets import CurveClient
+
+    plain = WanLinkConfig()
+    assert not plain.checksums_on("tcp://127.0.0.1:5700") and not plain.checksums_on("tcp://[::1]:5700")
+    assert not plain.checksums_on("tcp://localhost:5700") and not plain.checksums_on("ipc:///tmp/x")
+    assert plain.checksums_on("tcp://10.0.0.7:5700") and plain.checksums_on("tcp://eu-agent0:5700")
+    assert plain.checksums_on("tcp://0.0.0.0:5700")  # a listener for other hosts
+    curve = WanLinkConfig(curve_client=CurveClient(b"a" * 40, b"b" * 40, b"c" * 40))
+    assert not curve.checksums_on("tcp://10.0.0.7:5700")  # CURVE authenticates every frame
+    assert WanLinkConfig(checksum="crc32c").checksums_on("tcp://127.0.0.1:1")
+    assert not WanLinkConfig(checksum="none").checksums_on("tcp://10.0.0.7:1")
+    with pytest.raises(ConfigError, match=r"wan\.checksum: must be one of auto, crc32c, none \(got 'md5'\)"):
+        WanLinkConfig(checksum="md5").check()
+
+
+def test_io_threads_follow_the_streams() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert WanLinkConfig(streams=8).threads_for(listening=False) == min(8, cpus)
+    assert WanLinkConfig(streams=1).threads_for(listening=False) == 1
+    assert WanLinkConfig(streams=8).threads_for(listening=True) == min(LISTEN_IO_THREADS, cpus)
+    assert WanLinkConfig(streams=8, io_threads=3).threads_for(listening=True) == 3
 
 
 def test_poll_timeouts_round_up_so_short_waits_do_not_spin() -> None:

@@ -18,6 +18,7 @@ from geosched.wire import (
     dtype_from_name,
     dtype_to_name,
     encode_header,
+    join_maps,
     require,
     require_int,
     require_shape,
@@ -100,6 +101,15 @@ def test_empty_and_scalar_tensors() -> None:
     assert tensor_from_buffer(tensor_bytes(scalar), torch.float64, []).item() == 3.5
     with pytest.raises(ProtocolError, match="payload is 7 bytes, expected 8"):
         tensor_from_buffer(b"\0" * 7, torch.float64, [])
+
+
+def test_join_maps_packs_shared_fields_once() -> None:
+    shared = {f"field{i}": i for i in range(14)}
+    for extra in ({"offset": 0}, {"offset": 1 << 40, "crc": -1, "tx": 7}):  # fixmap, then map16 when joined
+        joined = join_maps(encode_header(shared), len(shared), encode_header(extra), len(extra))
+        assert decode_header(joined) == {**shared, **extra}
+    with pytest.raises(ProtocolError, match="over the limit of 64"):
+        join_maps(b"\x80", 60, b"\x80", 5)
 
 
 def test_checksum_is_crc32c() -> None:

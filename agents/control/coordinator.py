@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterable
@@ -47,6 +46,7 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
 )
 from agents.control.messages import AGENT_STATES, CommandMessage, HeartbeatMessage, MetricsMessage, StatusMessage
 from agents.control.plane import AgentsNotReady, ControlPlane
+from agents.sockets import is_loopback
 from geosched.errors import GeoschedError, InputError, PlanError
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
         if len(hosts) < 2 or not status.host or not isinstance(endpoints, dict):
             continue
         peer_facing = {name: address for name, address in endpoints.items() if not str(name).startswith("metrics/")}
-        loopback = sorted(str(name) for name, address in peer_facing.items() if _is_loopback(str(address)))
+        loopback = sorted(str(name) for name, address in peer_facing.items() if is_loopback(str(address)))
         if loopback:
             others = ", ".join(sorted(hosts - {status.host}))
             out.append(
@@ -228,17 +228,6 @@ def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
                 "(or give the others --peer-override)"
             )
     return out
-
-
-def _is_loopback(address: str) -> bool:
-    """True for ``tcp://127.0.0.1:5555``, ``[::1]:80``, ``localhost:1``-style addresses."""
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _first_step(statuses: dict[int, StatusMessage]) -> int:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
-from agents.sockets import CurveClient, CurveServer
+from agents.sockets import CurveClient, CurveServer, is_loopback
 from geosched.errors import ConfigError
+
+CHECKSUMS = ("auto", "crc32c", "none")
+LISTEN_IO_THREADS = 4
+"""I/O threads of an automatic listening side, which learns its stream count only when the peer says hello."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,13 @@ class WanLinkConfig:
     peer has been silent this long and has not answered a probe for as long; until then it is refused."""
     peer_name: str = ""
     """Who the peer is, for errors and logs (e.g. 'stage 0 (rank 0 in us)'); empty: only its address."""
-    io_threads: int = 1
-    """ZeroMQ I/O threads of the link's context."""
+    io_threads: int = 0
+    """ZeroMQ I/O threads of the link's context (each does the TCP and CURVE work of its streams); 0: one per
+    stream, up to the CPUs this process may use (listening side: up to LISTEN_IO_THREADS)."""
+    checksum: str = "auto"
+    """What this side's chunks carry: 'crc32c', 'none', or 'auto': CRC32C except where it does not pay, on CURVE
+    links (Poly1305 already authenticates every frame) and on loopback endpoints (the bytes never leave the
+    host's memory). The receiver verifies every chunk that carries one."""
     keep_buffers: bool = True
     """Tune glibc (process-wide) to reuse libzmq's message buffers instead of re-faulting them (see sockets)."""
     curve_server: CurveServer | None = None
@@ -62,7 +72,7 @@ class WanLinkConfig:
             "max_tensor_bytes": (1, 1 << 40),
             "max_inflight_bytes": (1, 1 << 40),
             "max_staged_bytes": (0, 1 << 40),
-            "io_threads": (1, 16),
+            "io_threads": (0, 16),
         }
         for f in fields(self):
             value = getattr(self, f.name)
@@ -72,6 +82,8 @@ class WanLinkConfig:
                     raise ConfigError(f"wan.{f.name}: must be an integer in [{lo}, {hi}] (got {value!r})")
             elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"wan.{f.name}: must be a positive number of seconds (got {value!r})")
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"wan.checksum: must be one of {', '.join(CHECKSUMS)} (got {self.checksum!r})")
         if not isinstance(self.peer_name, str) or len(self.peer_name) > 200:
             raise ConfigError(f"wan.peer_name: must be a string of at most 200 characters (got {self.peer_name!r:.60})")
         if self.chunk_bytes > self.max_chunk_bytes:
@@ -84,3 +96,16 @@ class WanLinkConfig:
                 f"wan.max_inflight_bytes ({self.max_inflight_bytes}) must hold one chunk ({self.chunk_bytes})"
             )
         return self
+
+    def threads_for(self, *, listening: bool) -> int:
+        """ZeroMQ I/O threads of the link's context: ``io_threads``, or one per stream up to the usable CPUs."""
+        if self.io_threads:
+            return self.io_threads
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(LISTEN_IO_THREADS if listening else self.streams, cpus))
+
+    def checksums_on(self, endpoint: str) -> bool:
+        """Whether this side's chunks carry a CRC32C (see ``checksum``); ``endpoint`` is the bound or peer address."""
+        if self.checksum != "auto":
+            return self.checksum == "crc32c"
+        return self.curve_server is None and self.curve_client is None and not is_loopback(endpoint)

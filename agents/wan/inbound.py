@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 MAX_RESPONSES = 4096  # responses per resp frame
 RESP_WIDTH = 4  # (seq, offset, tx, status)
-ACK_BATCH, ACK_DELAY_S = 16, 0.002  # acknowledgements go out 16 at a time or 2 ms after the first
+# acknowledgements leave once the reads are drained and they answer a whole message, 16 chunks or 1 MiB;
+# in any case 2 ms after the first (see LinkIO._flush_responses)
+ACK_BATCH, ACK_BYTES, ACK_DELAY_S = 16, 1 << 20, 0.002
 ACK, BUSY = 0, 1
 READ_BUDGET = 8  # frames read from one socket before acknowledging them and sending again
 TIMER_S = 0.02  # granularity of deadlines and stall checks
@@ -61,6 +63,7 @@ HELLO_EVERY_S = 0.5
 # plain ints: combining zmq's enum flags costs microseconds per call on the hot path
 NOBLOCK, SNDMORE, RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 MORE_NOBLOCK = SNDMORE | NOBLOCK
+POLLIN = int(zmq.POLLIN)
 
 
 class InboundFrames:
@@ -80,6 +83,9 @@ class InboundFrames:
     _limiter: PeerLogLimiter
     _responses: dict[int, list[tuple[int, int, int, int]]]
     _responses_since: float
+    _ack_chunks: int
+    _ack_bytes: int
+    _ack_now: bool
     _router: zmq.Socket[bytes] | None
     _monitors: dict[zmq.Socket[bytes], int]
     _stream_of: dict[zmq.Socket[bytes], int]
@@ -99,14 +105,16 @@ class InboundFrames:
         def _header(self, kind: str, **fields: Any) -> bytes: ...
         def _send_control(self, stream: int, frames: list[bytes]) -> bool: ...
         def _describe_peer(self, address: str | None) -> str: ...
+        def _connect_next_stream(self) -> None: ...
 
-    def _read(self, sock: zmq.Socket[bytes], now: float) -> None:
+    def _read(self, sock: zmq.Socket[bytes], now: float) -> bool:
+        """Handle up to READ_BUDGET messages waiting on ``sock``; True if none is left waiting."""
         is_router = sock is self._router
         for _ in range(READ_BUDGET):
             try:
                 first = sock.recv(NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             ident = None
             if is_router:
                 ident = first.bytes
@@ -123,6 +131,7 @@ class InboundFrames:
                     sock.recv(copy=False)
                 if not dropped:
                     self._drop("bad_header", header, "unexpected extra frames")
+        return not int(sock.get(zmq.EVENTS)) & POLLIN
 
     def _on_frame(
         self, sock: zmq.Socket[bytes], stream: int | None, ident: bytes | None, frame: zmq.Frame, now: float
@@ -177,13 +186,15 @@ class InboundFrames:
                 return self._drop("bad_header", frame, "unexpected extra frames")
             if received != c.length:
                 return self._drop("oversize", frame, f"payload of {received} bytes, header says {c.length}")
-            if checksum(view) != c.crc:
+            if c.crc >= 0 and checksum(view) != c.crc:
                 return self._drop("bad_checksum", frame, f"crc32c mismatch in seq {c.seq} offset {c.offset}")
             self.recv.finish_chunk(msg, c.offset, c.length, now)
             counters = self.counters.streams[stream]
             counters.bytes_received += c.length
             counters.chunks_received += 1
             self._respond(stream, c, ACK, now)
+            self._ack_bytes += c.length
+            self._ack_now = self._ack_now or len(msg.received) == msg.nchunks  # its sender waits on this one
             return False
         sock.recv(copy=False)  # the payload is not needed
         if verdict == "dup":
@@ -200,6 +211,7 @@ class InboundFrames:
         if not self._responses:
             self._responses_since = now
         self._responses.setdefault(stream, []).append((c.seq, c.offset, c.tx, status))
+        self._ack_chunks += 1
 
     def _on_responses(
         self, sock: zmq.Socket[bytes], stream: int, h: dict[str, Any], frame: zmq.Frame, now: float
@@ -309,6 +321,7 @@ class InboundFrames:
         if not self._welcomed[stream]:
             self._welcomed[stream] = True
             self.send.slots[stream].up = True
+            self._connect_next_stream()
             if all(self._welcomed) and not self._started.done():
                 self._started.set_result(None)
         return False

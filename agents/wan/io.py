@@ -33,6 +33,7 @@ from agents.sockets import (
 )
 from agents.wan.inbound import (
     ACK_BATCH,
+    ACK_BYTES,
     ACK_DELAY_S,
     HELLO_EVERY_S,
     MAX_RESPONSES,
@@ -88,6 +89,8 @@ class LinkIO(InboundFrames):
         self._limiter = PeerLogLimiter()
         self._responses: dict[int, list[tuple[int, int, int, int]]] = {}  # stream -> queued acknowledgements
         self._responses_since = 0.0  # when the oldest queued acknowledgement was queued
+        self._ack_chunks = self._ack_bytes = 0  # chunks and bytes the queued acknowledgements answer
+        self._ack_now = False  # a queued acknowledgement finishes a message: send once the reads are drained
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._zap: ZapAuthenticator | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -101,6 +104,7 @@ class LinkIO(InboundFrames):
         self._last_heard = 0.0  # listening side: last valid frame from the current session
         self._probe_at = 0.0  # listening side: last time a competing hello made us ping the current session
         self._welcomed: list[bool] = []
+        self._unconnected: deque[int] = deque()  # connecting side: streams not connected yet
         self._connect_deadline = 0.0
         self._next_hello = 0.0
         self._thread = threading.Thread(target=self._run, name=f"wan-link-{config.link_id}-{role}", daemon=True)
@@ -114,6 +118,7 @@ class LinkIO(InboundFrames):
             max_inflight_bytes=cfg.max_inflight_bytes,
             stream_queue_s=cfg.stream_queue_s,
             ack_timeout_s=cfg.ack_timeout_s,
+            checksums=cfg.checksums_on(self.endpoint),
         )
 
     def _new_recv_state(self) -> RecvState:
@@ -202,7 +207,8 @@ class LinkIO(InboundFrames):
         cfg = self.config
         if cfg.keep_buffers:
             keep_message_buffers()
-        self._ctx = zmq.Context(cfg.io_threads)
+        threads = cfg.threads_for(listening=self.listening)
+        self._ctx = zmq.Context(threads)
         smallest_chunk = cfg.chunk_bytes or min(1 << AUTO_CHUNK_MIN_LOG2, cfg.max_chunk_bytes)
         hwm = cfg.max_inflight_bytes // smallest_chunk + 256  # the window, not the HWM, bounds the queues
         max_msg_bytes = max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8)
@@ -215,6 +221,7 @@ class LinkIO(InboundFrames):
                 zmq.ROUTER,
                 bind=self.endpoint,
                 curve_server=curve,
+                # no affinity: libzmq gives each accepted connection the least loaded I/O thread
                 options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
@@ -230,9 +237,10 @@ class LinkIO(InboundFrames):
             dealer = make_socket(
                 self._ctx,
                 zmq.DEALER,
-                connect=self.endpoint,
+                connect=self.endpoint if index == 0 else None,  # the others one by one: _connect_next_stream
                 curve_client=cfg.curve_client,
                 routing_id=f"{self.session}-{index}".encode(),
+                options={zmq.AFFINITY: 1 << (index % threads)},  # stream i on I/O thread i mod K: K cores for CURVE
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
                 rcvhwm=hwm,
@@ -242,7 +250,22 @@ class LinkIO(InboundFrames):
             self._monitors[monitor_events(dealer)] = index
             self._add_slot(probe_when_down=False)
         self._welcomed = [False] * cfg.streams
+        self._unconnected = deque(range(1, cfg.streams))
         self._connect_deadline = monotonic() + cfg.connect_timeout_s
+
+    def _connect_next_stream(self) -> None:
+        """Connect the next stream (once the previous one is welcomed) and say hello on it.
+
+        One at a time, so the listening side's libzmq has registered each connection with its I/O
+        thread before it accepts the next: its least-loaded choice then puts the streams on different
+        threads (accepted in a burst, they all land on one). Costs one round trip per stream at set-up.
+        """
+        if not self._unconnected:
+            return
+        index = self._unconnected.popleft()
+        self._dealers[index].connect(self.endpoint)
+        hello = self._header("hello", session=self.session, stream=index, streams=len(self._welcomed))
+        self._send_control(index, [hello])
 
     def _describe_peer(self, address: str | None) -> str:
         """How errors and logs name the peer: ``config.peer_name`` plus where it is (or is expected)."""
@@ -275,16 +298,17 @@ class LinkIO(InboundFrames):
             timeout_s = min(TIMER_S, max(0.0, wake_at - now)) if wake_at is not None else TIMER_S
             ready = poller.poll(0 if self._commands else poll_timeout_ms(timeout_s))
             now = monotonic()
+            drained = True  # every socket read this turn has nothing more waiting
             for sock, _event in ready:
                 if sock == wake_fd:
                     self._drain_wake()
                 elif sock in self._monitors:
                     self._on_monitor(sock, now)
                 else:
-                    self._read(sock, now)
+                    drained = self._read(sock, now) and drained
             self._run_commands()
             self.send.pump(now, self._transmit)
-            self._flush_responses(now)
+            self._flush_responses(now, drained)
             if now >= next_timer:
                 self._timers(now)
                 next_timer = now + TIMER_S
@@ -399,12 +423,17 @@ class LinkIO(InboundFrames):
             return False
         return True
 
-    def _flush_responses(self, now: float) -> None:
-        """Send the queued acknowledgements, batched: ACK_BATCH of them or ACK_DELAY_S after the first."""
+    def _flush_responses(self, now: float, drained: bool) -> None:
+        """Send the queued acknowledgements in one frame per stream.
+
+        They go out once nothing more is waiting to be read (``drained``) and they cover a finished
+        message, ACK_BATCH chunks or ACK_BYTES; and in any case ACK_DELAY_S after the first was queued.
+        Under load one frame answers many chunks; a message's last chunk is answered at once.
+        """
         if not self._responses:
             return
-        pending = sum(map(len, self._responses.values()))
-        if now - self._responses_since < ACK_DELAY_S and pending < ACK_BATCH:
+        due = self._ack_now or self._ack_chunks >= ACK_BATCH or self._ack_bytes >= ACK_BYTES
+        if not (drained and due) and now - self._responses_since < ACK_DELAY_S:
             return
         for stream, items in self._responses.items():
             for start in range(0, len(items), MAX_RESPONSES):
@@ -412,3 +441,4 @@ class LinkIO(InboundFrames):
                 payload = np.array(batch, dtype="<u8").tobytes()
                 self._send_control(stream, [self._header("resp", count=len(batch)), payload])
         self._responses.clear()
+        self._ack_now, self._ack_chunks, self._ack_bytes = False, 0, 0

@@ -59,7 +59,7 @@ class ChunkHeader(NamedTuple):
     chunk: int
     offset: int
     length: int
-    crc: int
+    crc: int  # CRC32C of the payload, or -1: the sender sent none (WanLinkConfig.checksum)
     tx: int
 
 
@@ -71,10 +71,10 @@ class RejectedChunk(ProtocolError):
         self.reason = reason
 
 
-# integer fields of a data header and their lowest allowed value (all are below 2**63)
+# integer fields of a data header and their lowest allowed value (all are below 2**63; crc -1: none sent)
 _INT_FIELDS = (
     ("seq", 0), ("step", 0), ("mb", 0), ("prev", -1), ("floor", 0), ("total", 0),
-    ("chunk", 1), ("offset", 0), ("length", 0), ("crc", 0), ("tx", 0),
+    ("chunk", 1), ("offset", 0), ("length", 0), ("crc", -1), ("tx", 0),
 )  # fmt: skip
 
 

@@ -31,13 +31,14 @@ from typing import Any
 from agents.wan.metrics import LinkCounters, RateMeter, StreamCounters
 from agents.wan.recv import Key, fail_future, resolve_future
 from geosched.errors import LinkError
-from geosched.wire import checksum, encode_header
+from geosched.wire import checksum, encode_header, join_maps
 
 log = logging.getLogger(__name__)
 
 SENT, AGAIN, UNREACHABLE = 0, 1, 2  # results of a transmit() call
 BACKOFF_START_S, BACKOFF_MAX_S = 0.02, 1.0
 RATE_HALF_LIFE_S = 10.0
+NO_CHECKSUM = -1  # the crc field of a chunk sent without one (WanLinkConfig.checksum)
 INITIAL_STREAM_BYTES = 4 << 20  # in flight per stream before its rate is known (then rate x stream_queue_s)
 Transmit = Callable[[int, bytes, memoryview], int]
 
@@ -65,10 +66,18 @@ class OutMessage:
     backoff_s: float = BACKOFF_START_S
     finished: bool = False
 
+    _head: bytes = b""  # the packed fields every chunk shares (filled by header())
+
     def __post_init__(self) -> None:
         self.nchunks = max(1, -(-self.total // self.chunk))
         self.acked = bytearray(self.nchunks)
         self.crcs = [None] * self.nchunks
+
+    def header(self, **chunk_fields: int) -> bytes:
+        """The msgpack header of one chunk: the shared fields packed once per message, then this chunk's."""
+        if not self._head:
+            self._head = encode_header(self.base)
+        return join_maps(self._head, len(self.base), encode_header(chunk_fields), len(chunk_fields))
 
 
 @dataclass(eq=False)
@@ -116,8 +125,10 @@ class SendState:
         max_inflight_bytes: int,
         stream_queue_s: float,
         ack_timeout_s: float,
+        checksums: bool = True,
     ) -> None:
         self.counters = counters
+        self.checksums = checksums  # chunks carry a CRC32C (else NO_CHECKSUM)
         self.peer = peer
         self.link_id = link_id
         self.max_inflight_bytes = max_inflight_bytes
@@ -184,10 +195,9 @@ class SendState:
             payload = msg.data[offset : offset + length]
             crc = msg.crcs[idx]
             if crc is None:
-                crc = msg.crcs[idx] = checksum(payload)
-            header = dict(msg.base)
-            header.update(offset=offset, length=length, crc=crc, floor=self.floor, tx=self.next_tx)
-            status = transmit(slot.index, encode_header(header), payload)
+                crc = msg.crcs[idx] = checksum(payload) if self.checksums else NO_CHECKSUM
+            header = msg.header(offset=offset, length=length, crc=crc, floor=self.floor, tx=self.next_tx)
+            status = transmit(slot.index, header, payload)
             if status != SENT:
                 self._untake(msg, idx, is_retry)
                 slot.retry_at = now + (0.002 if status == AGAIN else 0.1)
@@ -240,11 +250,14 @@ class SendState:
         return best
 
     def _next_chunk(self, now: float) -> tuple[OutMessage, int, bool] | None:
-        for msg in list(self.dispatching):
+        dispatching, i = self.dispatching, 0
+        while i < len(dispatching):  # hot path (once per chunk): no copy of the list
+            msg = dispatching[i]
             if msg.finished:
-                self.dispatching.remove(msg)
+                del dispatching[i]
                 continue
             if msg.paused_until > now:
+                i += 1
                 continue
             while msg.retry:
                 idx = msg.retry.popleft()
@@ -253,7 +266,7 @@ class SendState:
             if msg.next_index < msg.nchunks:
                 msg.next_index += 1
                 return msg, msg.next_index - 1, False
-            self.dispatching.remove(msg)
+            del dispatching[i]
         return None
 
     def _requeue(self, msg: OutMessage, idx: int) -> None:
