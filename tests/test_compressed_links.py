@@ -18,7 +18,7 @@ import yaml
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.codec_profile import measure_codec
-from agents.rehearsal.launch import striped_chunk_bytes
+from agents.rehearsal.processes import striped_chunk_bytes
 from agents.stage.report import global_loss
 from agents.stage.session import run_rank, train_one_process
 from agents.stage.transport import LinkTransport, StoreAddressBook, boundary_codecs

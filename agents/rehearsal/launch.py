@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
-from agents.rehearsal.processes import AgentProcesses, RelayRoutes
+from agents.rehearsal.processes import AgentProcesses, RelayRoutes, striped_chunk_bytes
 from agents.runfolder.predict import predict, sync_seconds
 from agents.tls.context import client_context, server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
@@ -89,29 +89,6 @@ def calibrate(layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = 
     if save_to is not None:
         write_calibration(data, save_to)
     return Calibration.from_dict(data)
-
-
-def striped_chunk_bytes(layout: JobLayout, floor: int = 2048) -> int:
-    """WAN chunk size that stripes one activation over all of its link's streams.
-
-    WanLink's own choice (>= 64 KiB) sends a small activation as one chunk on one
-    TCP stream, which a long link's per-connection window then throttles. The
-    size is the message's on the wire: its compressed payload where the plan
-    compresses the link (:mod:`geosched.compression`).
-    """
-    from geosched.compression import compressed_bytes
-    from geosched.costmodel import boundary_bytes
-
-    job, sizes = layout.job, []
-    for s, a, b in layout.wan_boundaries():
-        pair = (min(a, b), max(a, b))  # links are keyed by the sorted DC pair
-        wire = compressed_bytes(
-            boundary_bytes(job, layout.stage_layers[s - 1][1]),
-            job.bytes_per_element,
-            layout.compression.get(pair, "none"),
-        )
-        sizes.append(-(-wire // max(1, layout.streams.get(pair, 1))))
-    return max(floor, min(sizes)) if sizes else 0
 
 
 def launch(
