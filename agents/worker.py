@@ -321,6 +321,7 @@ class RankWorker:
                         connect_timeout_s=opts.connect_timeout_s,
                         recv_timeout_s=opts.recv_timeout_s,
                         wan_config={"chunk_bytes": opts.wan_chunk_bytes},
+                        wan_turns=opts.wan_turns,
                         bubble_filler=service,
                         link_security=self._link_security(),
                     )

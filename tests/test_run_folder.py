@@ -17,6 +17,7 @@ from agent_helpers import TINY_CONFIG
 
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
+from agents.runfolder.messages import message_lines, wan_message_times
 from agents.runfolder.predict import predict, sync_seconds
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
 from agents.runfolder.report import collective_sync_s, report_text
@@ -105,6 +106,23 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert {"link us -> eu", "link eu -> us"} <= names
     assert set(load_metrics_reports(run / "metrics.jsonl")) == {0, 1, 2, 3}
+    rows = report["wan_messages"]["by_link"]  # the coordinator has the events of replica 0's pipeline only
+    assert set(rows) == {"us->eu", "eu->us"} and all([row["replica"] for row in r] == [0] for r in rows.values())
+    assert "WAN us->eu messages (median): replica 0" in report_text(report)
+
+
+def test_each_wan_message_is_timed_against_the_simulator_per_replica(job) -> None:
+    layout, predicted, reports = job
+    schedule = job_schedule(layout.job, layout.num_stages, layout.replicas)
+    by_step = {step: [r[step] for r in reports.values()] for step in range(3)}
+    times = wan_message_times(layout, schedule, by_step, predicted)
+    m = schedule.num_microbatches
+    assert times["step"] == 2 and len(times["last_step"]) == 2 * 2 * m  # F and B of every microbatch, 2 replicas
+    for rows in times["by_link"].values():
+        assert [row["replica"] for row in rows] == [0, 1]
+        for row in rows:  # steps 1 and 2; cut from the prediction, so measured is what the simulator says
+            assert row["messages"] == 2 * m and row["measured_vs_predicted"] == pytest.approx(1.0)
+    assert message_lines({}) == [] and len(message_lines(times)) == 2
 
 
 def test_endpoints_json_carries_the_routes_the_hook_returns(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
                       bubble_fraction_predicted, wan_bytes (per link direction;
                       layout.wan_compression: the links that travel compressed),
                       memory (per rank: measured peak and predicted bytes),
-                      memory_measured_vs_predicted_max, per-step detail
+                      memory_measured_vs_predicted_max, per-step detail,
+                      wan_messages (each WAN message's time against the
+                      simulator's, per replica: agents.runfolder.messages)
     timeline.png      measured timeline of the last step (replica 0's pipeline), with link rows
     trace.json        the same as a Chrome trace (chrome://tracing, Perfetto)
     predicted.png     the simulator's timeline for the same layout
@@ -40,6 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agents.runfolder.messages import message_lines, wan_message_times
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from geosched.errors import GeoschedError
 
@@ -224,6 +227,13 @@ def write_run_folder(
         "loss": str(write_loss_png(report["steps"], report["losses"], run / "loss.png")),
     }
     if predicted_timeline is not None:
+        steps = set(report["steps"])
+        by_step: dict[int, list[StepReport]] = {}
+        for r in (r for rs in reports.values() for r in rs if r.step in steps):
+            by_step.setdefault(r.step, []).append(r)
+        times = wan_message_times(layout, _schedule(layout), dict(sorted(by_step.items())), predicted_timeline)
+        if times:
+            report["wan_messages"] = times
         predicted_title = f"predicted: {_figures(predicted_timeline)}"
         written["predicted"] = str(write_timeline_png(predicted_timeline, run / "predicted.png", title=predicted_title))
         written["timelines"] = str(
@@ -280,6 +290,7 @@ def report_text(report: Mapping[str, Any]) -> str:
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         codec = codecs.get("-".join(sorted(link.split("->"))))
         lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB" + (f" ({codec})" if codec else ""))
+    lines += message_lines(report.get("wan_messages", {}))
     rows = report.get("memory") or []
     if rows:
         peak = max(rows, key=lambda row: row["measured_peak_bytes"])

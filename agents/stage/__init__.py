@@ -4,7 +4,8 @@ Owns: ``runtime`` (``StageRuntime``, which executes a lowered schedule with
 its collaborators as Protocols), ``transport`` (sends and receives between
 stages over WAN links, compressed where the plan says; address books, relay
 routes), ``scatter`` (``ScatterGatherTransport``: a tp rank sends its 1/tp slice of each boundary
-tensor, the receiving tp ranks all-gather the slices), ``security``
+tensor, the receiving tp ranks all-gather the slices), ``turns`` (``LinkTurns``: a stage's
+replicas take turns on a shared WAN link, tickets in the group's store), ``security``
 (``LinkSecurity``: the rank's CURVE keys for its links), ``session``
 (``RankSession``/``run_rank``: model stage, optimizer, data, links and the DP
 group of one rank) and ``report`` (``StepReport``, measured timelines). May

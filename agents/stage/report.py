@@ -143,16 +143,24 @@ def measured_timeline(
         raise StageError(
             f"measured timeline mixes (step, replica) pairs {sorted(steps)}; pass one step of one pipeline"
         )
-    origin = min(r.started_at for r in by_stage.values())
-    events: list[Event] = []
-    gaps: list[IdleGap] = []
-    for r in by_stage.values():
-        shift = r.started_at - origin
-        events += [e._replace(start=e.start + shift, end=e.end + shift) for e in r.events]
-        gaps += [g._replace(start=g.start + shift, end=g.end + shift) for g in r.idle_gaps]
+    events, gaps = aligned(by_stage.values())
     events.sort(key=lambda e: (e.stage, e.start))
     links = [] if stage_dcs is None else wan_messages(events, schedule.num_stages, stage_dcs)
     return summarize(schedule, events, gaps, links)
+
+
+def aligned(reports: Iterable[StepReport]) -> tuple[list[Event], list[IdleGap]]:
+    """The reports' events and idle gaps on one clock, from the earliest ``started_at`` (each report's own are
+    relative to its start)."""
+    reports = list(reports)
+    origin = min(r.started_at for r in reports)
+    events: list[Event] = []
+    gaps: list[IdleGap] = []
+    for r in reports:
+        shift = r.started_at - origin
+        events += [e._replace(start=e.start + shift, end=e.end + shift) for e in r.events]
+        gaps += [g._replace(start=g.start + shift, end=g.end + shift) for g in r.idle_gaps]
+    return events, gaps
 
 
 _COMM_TAGS = frozenset({"SEND_F", "SEND_B", "RECV_F", "RECV_B"})

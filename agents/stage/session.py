@@ -71,6 +71,7 @@ from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.security import LinkSecurity
 from agents.stage.transport import AddressBook, LinkTransport, boundary_codecs, link_id
+from agents.stage.turns import shared_link_turns
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from agents.tp.shard import shard_stage
 from agents.wan.config import WanLinkConfig
@@ -130,8 +131,10 @@ class RankSession:
         backend: str | None = None,
         bubble_filler: Any = None,
         link_security: LinkSecurity | None = None,
+        wan_turns: bool = True,
     ) -> None:
         self.job, self.role = job, role
+        self.wan_turns = wan_turns  # the group's replicas take turns on their shared WAN links (agents.stage.turns)
         self.link_security = link_security  # CURVE on both pipeline links (None: plain TCP)
         self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
         self.data = data
@@ -370,6 +373,11 @@ class RankSession:
             host_store=False,
         )
         self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
+        if self.wan_turns and isinstance(self.transport, LinkTransport):
+            turns = shared_link_turns(role, host, int(port), timeout_s=self.recv_timeout_s)
+            self.transport.take_turns(turns)
+            for each in set(turns.values()):
+                self._stack.callback(each.close)
         return self._stack.enter_context(join_group(spec))
 
     def _leave_store(self, host: str, port: int) -> None:

@@ -30,6 +30,9 @@ decodes what it receives from it into the boundary tensor the runtime expects
 (:func:`boundary_codecs`: the stage boundary's dtype and shape, a tp rank's
 1/t slice of it), refusing in one line anything else. The codec runs on the
 calling (training) thread, where the cost model charges it.
+
+Where a WAN link is shared by the replicas of a stage (:meth:`LinkTransport.take_turns`), each send waits for
+the rank's turn on it (:mod:`agents.stage.turns`) on a thread of its own, not the caller's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from agents.layout import RankRole, pipe_name, sync_name
+from agents.stage.turns import LinkTurns
 from agents.wan.compress import TensorCodec
 from agents.wan.link import WanLink
 from geosched.config import JobSpec
@@ -121,6 +125,12 @@ class LinkTransport:
         self._sent = {peer: 0 for peer in self.links}
         self._pending_sends: list[tuple[str, concurrent.futures.Future[None]]] = []
         self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future[Tensor]] = {}
+        self.turns: dict[int, LinkTurns] = {}  # peers whose link this rank shares, taking turns (take_turns)
+
+    def take_turns(self, turns: Mapping[int, LinkTurns]) -> None:
+        """From now on, send to these peers only in this rank's turns on their shared link
+        (:mod:`agents.stage.turns`)."""
+        self.turns.update(turns)
 
     def _link(self, peer: int) -> WanLink:
         link = self.links.get(peer)
@@ -141,7 +151,15 @@ class LinkTransport:
                     f"stage {self.stage}: {KIND_NAMES[kind]} of step {step} microbatch {microbatch} for stage "
                     f"{peer_stage} cannot travel {codec.codec}: {exc}"
                 ) from None
-        future = link.start_send(tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
+        turns = self.turns.get(peer_stage)
+        if turns is None:
+            future = link.start_send(tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
+        else:
+            future = turns.submit(
+                lambda transmitted: link.start_send(
+                    tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind], transmitted=transmitted
+                )
+            )
         self._sent[peer_stage] += tensor.numel() * tensor.element_size()
         self._pending_sends.append((f"{kind} step {step} microbatch {microbatch} to stage {peer_stage}", future))
 
@@ -205,7 +223,10 @@ class LinkTransport:
         self._pending_sends = []
 
     def close(self) -> None:
-        """Close every link (pending operations fail with LinkError)."""
+        """Close every link and turn (pending operations fail with LinkError)."""
+        for turns in set(self.turns.values()):
+            turns.close()
+        self.turns.clear()
         for link in self.links.values():
             link.close()
         self.links.clear()

@@ -149,8 +149,14 @@ class WanLink:
         microbatch: int,
         kind: str = "activation",
         timeout_s: float | None = None,
+        transmitted: concurrent.futures.Future[None] | None = None,
     ) -> concurrent.futures.Future[None]:
-        """Queue a tensor; the future resolves once the peer holds every byte (do not modify it before)."""
+        """Queue a tensor; the future resolves once the peer holds every byte (do not modify it before).
+
+        ``transmitted``, if given, resolves earlier: once every chunk went out and what is still unanswered
+        is at most one chunk per stream or what the path holds (the streams' measured rate x the least round
+        trip), whichever is more, else when the message is answered or fails; a shared link's turn ends there
+        (:mod:`agents.stage.turns`)."""
         key = _check_key(step, microbatch, kind)
         if not isinstance(tensor, torch.Tensor):
             raise InputError(f"send() takes a torch.Tensor, got {type(tensor).__name__}")
@@ -175,6 +181,7 @@ class WanLink:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         # the byte view keeps the tensor's memory alive while chunks are in flight
         msg = OutMessage(key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout)
+        msg.transmitted = transmitted
         self._io.submit("send", msg)
         return future
 

@@ -17,6 +17,11 @@ has recently shown (at least two chunks; up to 4 MiB before anything is
 measured), so queues stay short, a burst after an idle gap starts
 at full speed, and chunks go to the streams that drain fastest. A "busy" response (receiver has no room) pauses
 that message with exponential backoff.
+
+A message may also say when it has all but left (``OutMessage.transmitted``, what a shared link's turn waits
+for, :mod:`agents.stage.turns`): every chunk went out and its unanswered chunks are at most one per stream or
+what the path holds, the streams' measured rates times the least round trip of the last :data:`RTT_WINDOW_S`
+seconds (a transmission to its response, as BBR's min RTT), whichever is more.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ SENT, AGAIN, UNREACHABLE = 0, 1, 2  # results of a transmit() call
 BACKOFF_START_S, BACKOFF_MAX_S = 0.02, 1.0
 RATE_HALF_LIFE_S = 10.0
 NO_CHECKSUM = -1  # the crc field of a chunk sent without one (WanLinkConfig.checksum)
+RTT_WINDOW_S = 10.0  # the least round trip is the least of this long (queues come and go)
 INITIAL_STREAM_BYTES = 4 << 20  # in flight per stream before its rate is known (then rate x stream_queue_s)
 Transmit = Callable[[int, bytes, memoryview], int]
 
@@ -65,6 +71,7 @@ class OutMessage:
     paused_until: float = 0.0
     backoff_s: float = BACKOFF_START_S
     finished: bool = False
+    transmitted: Future[None] | None = None  # resolved once its unanswered rest fits in the path (or it finished)
 
     _head: bytes = b""  # the packed fields every chunk shares (filled by header())
 
@@ -88,7 +95,8 @@ class StreamSlot:
     counters: StreamCounters
     probe_when_down: bool  # a ROUTER learns of a reconnect only by trying to send
     retry_at: float = 0.0  # when a blocked or down stream may be tried again
-    inflight: OrderedDict[int, tuple[OutMessage, int, int]] = field(default_factory=OrderedDict)  # tx -> (msg, idx, n)
+    inflight: OrderedDict[int, tuple[OutMessage, int, int, float]] = field(default_factory=OrderedDict)  # tx -> (msg,
+    # idx, n, when sent)
     inflight_bytes: int = 0
     last_progress: float = 0.0
     responded_bytes: int = 0
@@ -141,6 +149,8 @@ class SendState:
         self.next_seq = 0
         self.next_tx = 0
         self._floor = 0
+        self.min_rtt_s = 0.0  # least time from a transmission to its response lately (a windowed minimum)
+        self._rtt_since = 0.0
 
     # ------------------------------------------------------------ messages
 
@@ -166,6 +176,8 @@ class SendState:
 
     def _finish(self, msg: OutMessage, error: Exception | None) -> None:
         msg.finished = True
+        if msg.transmitted is not None:
+            resolve_future(msg.transmitted, None)  # a no-op once set: after its last chunk went out
         self.pending.pop(msg.seq, None)
         if self.last_by_key.get(msg.key) is msg:
             del self.last_by_key[msg.key]
@@ -206,7 +218,7 @@ class SendState:
                 continue
             if not slot.inflight:
                 slot.last_progress = now
-            slot.inflight[self.next_tx] = (msg, idx, length)
+            slot.inflight[self.next_tx] = (msg, idx, length, now)
             slot.last_chunk = msg.chunk
             self.next_tx += 1
             self._add_inflight(slot, length)
@@ -219,6 +231,25 @@ class SendState:
             if is_retry:
                 self.counters.resends += 1
                 slot.counters.resends += 1
+            elif idx == msg.nchunks - 1:  # first transmissions go in order: the last one is out
+                self._check_transmitted(msg)
+
+    def _sample_rtt(self, sample_s: float, now: float) -> None:
+        if not self.min_rtt_s or sample_s < self.min_rtt_s or now - self._rtt_since > RTT_WINDOW_S:
+            self.min_rtt_s, self._rtt_since = sample_s, now
+
+    def path_bytes(self) -> float:
+        """What the path holds in flight: the streams' measured rates x the least round trip (0 before either
+        is measured)."""
+        return sum(slot.rate_estimate for slot in self.slots) * self.min_rtt_s
+
+    def _check_transmitted(self, msg: OutMessage) -> None:
+        """Resolve ``msg.transmitted`` once every chunk went out and what is unanswered is at most one chunk per
+        stream (about 1/16 of a message, :func:`~geosched.chunking.auto_chunk_bytes`) or what the path holds."""
+        if msg.transmitted is None or msg.transmitted.done() or msg.next_index < msg.nchunks:
+            return
+        if (msg.nchunks - msg.acked_count) * msg.chunk <= max(self.path_bytes(), len(self.slots) * msg.chunk):
+            resolve_future(msg.transmitted, None)
 
     @staticmethod
     def _untake(msg: OutMessage, idx: int, is_retry: bool) -> None:
@@ -291,11 +322,12 @@ class SendState:
                 first_tx = next(iter(slot.inflight))
                 if first_tx > tx:
                     break
-                lost_msg, lost_idx, lost_n = slot.inflight.popitem(last=False)[1]
+                lost_msg, lost_idx, lost_n, _ = slot.inflight.popitem(last=False)[1]
                 self._add_inflight(slot, -lost_n)
                 self._requeue(lost_msg, lost_idx)
             self._add_inflight(slot, -entry[2])
             slot.responded_bytes += entry[2]
+            self._sample_rtt(now - entry[3], now)
         slot.last_progress = now
         msg = self.pending.get(seq)
         if msg is None or offset % msg.chunk or offset // msg.chunk >= msg.nchunks:
@@ -313,13 +345,15 @@ class SendState:
             msg.acked_count += 1
             if msg.acked_count == msg.nchunks:
                 self._finish(msg, None)
+            else:
+                self._check_transmitted(msg)
 
     def stream_lost(self, stream: int, now: float) -> None:
         """A stream's connection broke (or stalled): resend everything it carried unanswered."""
         slot = self.slots[stream]
         slot.up = False
         while slot.inflight:
-            msg, idx, n = slot.inflight.popitem(last=False)[1]
+            msg, idx, n, _ = slot.inflight.popitem(last=False)[1]
             self._add_inflight(slot, -n)
             self._requeue(msg, idx)
         slot.last_progress = now

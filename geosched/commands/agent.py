@@ -118,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes per WAN link chunk (0: the link picks; smaller stripes small messages over more TCP streams)",
     )
     parser.add_argument(
+        "--no-wan-turns",
+        dest="wan_turns",
+        action="store_false",
+        help="let a stage's replicas share their WAN links as TCP does, instead of taking turns in schedule order",
+    )
+    parser.add_argument(
         "--prefill-bind",
         metavar="ENDPOINT",
         help="serve inference prefill inside pipeline bubbles on this ZeroMQ endpoint, e.g. "
@@ -260,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         connect_timeout_s=args.connect_timeout,
         wan_chunk_bytes=args.wan_chunk_bytes,
+        wan_turns=args.wan_turns,
         prefill_bind=args.prefill_bind,
         prefill_weights=prefill_weights,
         prefill_follow=args.prefill_follow_checkpoints,
