@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     loss_steps = args.loss_steps or (20 if args.quick else 200)
     seeds = args.seeds or (2 if args.quick else 8)
+    if seeds < 1:
+        parser.error(f"--seeds must be >= 1 (got {seeds})")
     torch.set_num_threads(1)  # as every rank runs; the learning comparison too
     codec, other = args.codec, {"int8": "fp8", "fp8": "int8"}[args.codec]
     job = config_from_dict(with_compression(DEMO, codec)).job
