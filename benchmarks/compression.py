@@ -12,43 +12,64 @@
     own, plus the codec's cost, :mod:`agents.rehearsal.codec_profile`;
     ``--quick``: none, the config's FLOP rates).
     ``wan_bytes_ratio``: the bytes the relays carried, codec / none (goal <= 0.55;
-    fp32 activations: (128 + 4) / 512 = 0.26); ``iteration_ratio_wan_bound``:
+    fp32 activations: (64 + 4) / 256 = 0.27); ``iteration_ratio_wan_bound``:
     the measured iteration times, codec / none (goal <= 0.7); and each run's
     measured / predicted.
 (b) What is learned: the demo model cut as that plan (3 stages of 2 blocks)
-    trained ``--loss-steps`` steps (200) in one process on the same batches from
-    the same seed: as is, and with every tensor crossing a stage boundary, per
-    microbatch, encoded and decoded as the transports do
-    (:class:`agents.wan.compress.TensorCodec`: the activation forward, its
-    gradient back). ``loss_rel_diff_after_200_steps``: |L codec - L none| / L none
-    (goal <= 0.01), L the trained model's loss on 8 held-out batches (the same
-    for all; one training step's loss is one batch's, too noisy to compare).
-    Except with ``--quick`` also the other codec and the noise floor: a training
-    whose boundary tensors are perturbed by 1e-6 of themselves ("jitter"). The
-    last training step's loss and the mean of the last 20 are reported beside.
+    trained ``--loss-steps`` steps (200) in one process, as is and with every
+    tensor crossing a stage boundary, per microbatch, encoded and decoded as
+    the transports do (:class:`agents.wan.compress.TensorCodec`: the
+    activation forward, its gradient back); L is the trained model's loss on 8
+    held-out batches (one training step's loss is one batch's, too noisy).
+    **Over ``--seeds`` seeds** (8; the job's seed and the next ones, each the
+    model's initialisation and the data's order, trained as is and with each
+    codec on the same batches): ``loss_rel_diff_after_200_steps`` is
+    |mean L codec - mean L none| / mean L none (goal <= 0.01). Not one seed's
+    figure, because that is chaos: this model sits on a plateau (loss 3.19)
+    for a number of steps that any perturbation of the boundary tensors moves,
+    so the held-out loss at step 200 of one seed moves by a few % whatever
+    the perturbation, a 1e-6 jitter included (benchmarks/README.md has the
+    figures). ``loss_rel_diff_se`` is the standard error of that mean
+    difference (of the seeds' paired differences), the figure's resolution;
+    ``loss_noise_floor`` the same figure for a training whose boundary tensors
+    are perturbed by 1e-6 of themselves ("jitter", a codec that changes
+    nothing systematically); ``loss_rel_diff_by_seed`` each seed's signed
+    (L codec - L none) / L none and ``loss_seed_spread`` the spread of none's
+    held-out loss over the seeds (standard deviation / mean). Except with
+    ``--quick`` also the other codec and the noise floor. Chaos-free beside it, ``grad_rel_error``:
+    along the uncompressed training of the job's seed, at 5 steps, how far the
+    codec moves the weight gradient of the step's batch, ``|g codec - g| / |g|``
+    (the largest), against ``grad_batch_noise``, how far the next batch moves
+    it at the same weights (the smallest). The trainings run one process per
+    CPU, each one thread (the figures do not depend on it).
 (c) The planner: ``configs/gpt3-3dc.yaml`` with ``job.wan_compression`` the codec,
     ``planner.planning.make_plan``'s predicted iteration
     (``gpt3_3dc_iteration_s_with_compression``; the uncompressed plan's too,
     except with ``--quick``).
 
-    python benchmarks/compression.py --quick       # 3 steps a rehearsal, uncalibrated; 40 learning steps; no gpt3
-    python benchmarks/compression.py --json        # last line: one JSON object
+    python benchmarks/compression.py --quick   # 3 steps a rehearsal, uncalibrated; 2 seeds x 20 learning steps; no gpt3
+    python benchmarks/compression.py --json    # last line: one JSON object
 
 JSON keys: ``codec``, ``wan_bytes_ratio``, ``loss_rel_diff_after_200_steps`` (None unless the learning ran
-200 steps; ``loss_rel_diff`` and ``loss_steps`` are what ran), ``iteration_ratio_wan_bound``,
-``gpt3_3dc_iteration_s_with_compression`` (None with ``--quick``), ``gpt3_3dc_iteration_s_without_compression``,
-``loss_rel_diff_by_codec`` ({codec, other, jitter}), ``held_out_loss``, ``train_loss_last_step`` ({none, ...}),
-``train_loss_rel_diff_last_step``, ``train_loss_rel_diff_mean_last_20``, ``measured_vs_predicted``,
-``iteration_s``, ``wan_bytes`` ({none, codec}), ``codec_s_per_byte``, ``wan_scale``, ``steps``, ``rounds``.
+200 steps; ``loss_rel_diff``, ``loss_steps`` and ``loss_seeds`` are what ran), ``loss_rel_diff_se``,
+``loss_noise_floor``, ``iteration_ratio_wan_bound``, ``gpt3_3dc_iteration_s_with_compression`` (None with
+``--quick``), ``gpt3_3dc_iteration_s_without_compression``, ``loss_rel_diff_by_codec`` and
+``loss_rel_diff_se_by_codec`` ({codec, other, jitter}), ``loss_rel_diff_by_seed`` ({codec: [per seed]}),
+``loss_seed_spread``, ``held_out_loss`` ({none, ...}: means over the seeds), ``held_out_loss_by_seed``,
+``train_loss_last_step`` (means), ``train_loss_rel_diff_last_step``, ``train_loss_rel_diff_mean_last_20``,
+``grad_rel_error`` ({codec, other}), ``grad_batch_noise``, ``measured_vs_predicted``, ``iteration_s``,
+``wan_bytes`` ({none, codec}), ``codec_s_per_byte``, ``wan_scale``, ``steps``, ``rounds``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +84,7 @@ from agents.wan.compress import TensorCodec
 from geosched.config import Config, JobSpec, config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.model import PRECISION_DTYPES, build_stage
+from geosched.processes import allowed_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo-3dc.yaml"
@@ -165,37 +187,51 @@ class Jitter:
         return x
 
 
-def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> tuple[list[float], float]:
-    """The losses of ``steps`` steps of the model cut at :data:`CUTS`, microbatch by microbatch as the
-    runtime runs them ((loss / m).backward() each, then one AdamW step), each boundary tensor through
-    ``codec`` ("none": as is; "jitter": :class:`Jitter`); and the trained model's :func:`held_out_loss`."""
-    stages = [
+def boundary_link(job: JobSpec, codec: str) -> Any:
+    """What each boundary tensor goes through: None ("none": as is), :class:`Jitter` or the codec's
+    :class:`TensorCodec` for the stage boundary's tensor."""
+    if codec == "none":
+        return None
+    if codec == "jitter":
+        return Jitter()
+    shape = (job.batch, job.model.seq_len, job.model.hidden)
+    return TensorCodec(codec, PRECISION_DTYPES[job.precision], shape)  # type: ignore[arg-type]
+
+
+def cut_model(job: JobSpec) -> list[Any]:
+    """The demo model cut at :data:`CUTS`, initialised from ``job.seed``."""
+    return [
         build_stage(job.model, a, b, first=i == 0, last=i == len(CUTS) - 1, seed=job.seed)
         for i, (a, b) in enumerate(CUTS)
     ]
-    params = [p for stage in stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
-    m = job.global_batch // job.batch
-    shape = (job.batch, job.model.seq_len, job.model.hidden)
-    link: Any = None
-    if codec == "jitter":
-        link = Jitter()
-    elif codec != "none":
-        link = TensorCodec(codec, PRECISION_DTYPES[job.precision], shape)  # type: ignore[arg-type]
-    losses = []
+
+
+def accumulate(stages: list[Any], dataset: TextDataset, job: JobSpec, step: int, link: Any) -> float:
+    """One step's microbatches as the runtime runs them, (loss / m).backward() each, every boundary tensor
+    through ``link``; the step's loss (the gradients are left in the parameters)."""
+    m, total = job.global_batch // job.batch, 0.0
+    for inputs, targets in dataset.batch(step, 0, 1, job.batch, m):
+        h = inputs
+        for stage in stages[:-1]:
+            h = stage(h)  # (b, T, C)
+            h = Boundary.apply(h, link) if link is not None else h
+        loss = stages[-1].loss(stages[-1](h), targets)
+        (loss / m).backward()
+        total += float(loss.detach()) / m
+    return total
+
+
+def train_cut(job: JobSpec, dataset: TextDataset, steps: int, codec: str) -> tuple[list[float], float]:
+    """The losses of ``steps`` steps (:func:`accumulate`, then one AdamW step) of the model cut at
+    :data:`CUTS`, each boundary tensor through ``codec`` (:func:`boundary_link`); and the trained
+    model's :func:`held_out_loss`."""
+    stages = cut_model(job)
+    optimizer = torch.optim.AdamW([p for stage in stages for p in stage.parameters()], lr=job.learning_rate)
+    link, losses = boundary_link(job, codec), []
     for step in range(steps):
-        total = 0.0
-        for inputs, targets in dataset.batch(step, 0, 1, job.batch, m):
-            h = inputs
-            for stage in stages[:-1]:
-                h = stage(h)  # (b, T, C)
-                h = Boundary.apply(h, link) if link is not None else h
-            loss = stages[-1].loss(stages[-1](h), targets)
-            (loss / m).backward()
-            total += float(loss.detach()) / m
+        losses.append(accumulate(stages, dataset, job, step, link))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
     return losses, held_out_loss(stages, dataset, job)
 
 
@@ -215,36 +251,106 @@ def held_out_loss(stages: list[Any], dataset: TextDataset, job: JobSpec) -> floa
     return total / count
 
 
-def learning(job: JobSpec, steps: int, codecs: tuple[str, ...]) -> dict[str, Any]:
-    """(b): what each codec changes in what is learned: the held-out loss after ``steps`` steps against
-    none's (the first codec's is the key), and the last training step's loss and the mean of the last
-    :data:`LAST_STEPS`."""
-    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
-    held, last, tail = {}, {}, {}
-    for codec in ("none", *codecs):
-        started = time.monotonic()
-        losses, held[codec] = train_cut(job, dataset, steps, codec)
-        last[codec], tail[codec] = losses[-1], statistics.fmean(losses[-LAST_STEPS:])
+def seeded(job: JobSpec, seed: int) -> tuple[JobSpec, TextDataset]:
+    """The job with ``seed`` (the model's initialisation) and the corpus sampled from ``seed`` too."""
+    job = dataclasses.replace(job, seed=seed)
+    return job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=seed)
+
+
+def train_task(job: JobSpec, steps: int, codec: str) -> dict[str, float]:
+    """One training of :func:`learning` (a pool task): held-out loss, last step's, mean of the last 20."""
+    torch.set_num_threads(1)
+    job, dataset = seeded(job, job.seed)
+    losses, held = train_cut(job, dataset, steps, codec)
+    return {"held": held, "last": losses[-1], "tail": statistics.fmean(losses[-LAST_STEPS:])}
+
+
+def gradient_error(job: JobSpec, steps: int, codecs: tuple[str, ...]) -> dict[str, Any]:
+    """Chaos-free: along the uncompressed training, at 5 steps, the weight gradient of the step's batch
+    with each codec on every boundary against the exact one (``|g codec - g| / |g|``, the largest of the
+    5), beside how far the next step's batch moves it at the same weights (the smallest of the 5)."""
+    torch.set_num_threads(1)
+    job, dataset = seeded(job, job.seed)
+    stages = cut_model(job)
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
+
+    def grad(step: int, link: Any) -> torch.Tensor:
+        accumulate(stages, dataset, job, step, link)
+        out = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])  # (P,)
+        optimizer.zero_grad(set_to_none=True)
+        return out
+
+    checks = {0, steps // 4, steps // 2, 3 * steps // 4, steps - 1}
+    errors: dict[str, list[float]] = {c: [] for c in codecs}
+    noise = []
+    for step in range(steps):
+        if step in checks:
+            exact = grad(step, None)
+            noise.append(float((grad(step + 1, None) - exact).norm() / exact.norm()))
+            for codec in codecs:
+                errors[codec].append(float((grad(step, boundary_link(job, codec)) - exact).norm() / exact.norm()))
+        accumulate(stages, dataset, job, step, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"grad_rel_error": {c: max(e) for c, e in errors.items()}, "grad_batch_noise": min(noise)}
+
+
+def learning(job: JobSpec, steps: int, codecs: tuple[str, ...], seeds: int) -> dict[str, Any]:
+    """(b): what each codec changes in what is learned. Each of ``seeds`` seeds (the job's and the next
+    ones: initialisation and data) trains as is and with each codec; the key is the difference of the
+    mean held-out losses over the seeds, relative to none's (the first codec's; "jitter" gives the noise
+    floor), beside each seed's, the standard error of the mean difference, and :func:`gradient_error`.
+    The trainings run in parallel, one process per CPU (each one thread, as deterministic as alone)."""
+    variants = ("none", *codecs)
+    runs = [(codec, job.seed + i) for codec in variants for i in range(seeds)]
+    started = time.monotonic()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, min(len(allowed_cpus()), len(runs) + 1)), mp_context=context) as pool:
+        futures = [pool.submit(train_task, dataclasses.replace(job, seed=s), steps, c) for c, s in runs]
+        fidelity = pool.submit(gradient_error, job, steps, tuple(c for c in codecs if c != "jitter"))
+        got = {run: f.result() for run, f in zip(runs, futures)}
+        result: dict[str, Any] = fidelity.result()
+    by_seed = {c: [got[c, job.seed + i] for i in range(seeds)] for c in variants}
+    held = {c: [r["held"] for r in by_seed[c]] for c in variants}
+    mean = {c: statistics.fmean(held[c]) for c in variants}
+    for codec in variants:
         print(
-            f"learning {codec:<4}: training loss {losses[0]:.4f} -> {losses[-1]:.4f} in {steps} steps (mean of "
-            f"the last {LAST_STEPS} {tail[codec]:.4f}), held-out loss {held[codec]:.4f} "
-            f"({time.monotonic() - started:.1f} s)",
+            f"learning {codec:<6}: held-out loss after {steps} steps, mean of {seeds} seeds {mean[codec]:.4f} "
+            f"(each {' '.join(f'{h:.3f}' for h in held[codec])})",
             flush=True,
         )
+    print(f"learning: {len(runs)} trainings and the gradient check in {time.monotonic() - started:.1f} s", flush=True)
 
-    def rel(values: dict[str, float], codec: str) -> float:
+    def rel(key: str, codec: str) -> float:
+        values = {c: statistics.fmean(r[key] for r in by_seed[c]) for c in ("none", codec)}
         return abs(values[codec] - values["none"]) / values["none"]
 
-    return {
-        "loss_rel_diff_after_200_steps": rel(held, codecs[0]) if steps == 200 else None,
-        "loss_rel_diff": rel(held, codecs[0]),
-        "loss_steps": steps,
-        "loss_rel_diff_by_codec": {c: rel(held, c) for c in codecs},
-        "held_out_loss": held,
-        "train_loss_last_step": last,
-        "train_loss_rel_diff_last_step": {c: rel(last, c) for c in codecs},
-        f"train_loss_rel_diff_mean_last_{LAST_STEPS}": {c: rel(tail, c) for c in codecs},
-    }
+    def se(codec: str) -> float | None:
+        diffs = [c - n for c, n in zip(held[codec], held["none"])]
+        return statistics.stdev(diffs) / seeds**0.5 / mean["none"] if seeds > 1 else None
+
+    key = rel("held", codecs[0])
+    result.update(
+        {
+            "loss_rel_diff_after_200_steps": key if steps == 200 else None,
+            "loss_rel_diff": key,
+            "loss_rel_diff_se": se(codecs[0]),
+            "loss_noise_floor": rel("held", "jitter") if "jitter" in codecs else None,
+            "loss_steps": steps,
+            "loss_seeds": seeds,
+            "loss_rel_diff_by_codec": {c: rel("held", c) for c in codecs},
+            "loss_rel_diff_se_by_codec": {c: se(c) for c in codecs},
+            "loss_rel_diff_by_seed": {c: [(x - n) / n for x, n in zip(held[c], held["none"])] for c in codecs},
+            "loss_seed_spread": statistics.stdev(held["none"]) / mean["none"] if seeds > 1 else None,
+            "held_out_loss": mean,
+            "held_out_loss_by_seed": held,
+            "train_loss_last_step": {c: statistics.fmean(r["last"] for r in by_seed[c]) for c in variants},
+            "train_loss_rel_diff_last_step": {c: rel("last", c) for c in codecs},
+            f"train_loss_rel_diff_mean_last_{LAST_STEPS}": {c: rel("tail", c) for c in codecs},
+        }
+    )
+    return result
 
 
 # ---------------------------------------------------------------------------- (c) the planner
@@ -272,7 +378,9 @@ def gpt3(codecs: tuple[str, ...]) -> dict[str, Any]:  # the first compresses
 
 def main(argv: list[str] | None = None) -> int:
     """(a), (b), (c); print each line and, with --json, one object."""
-    parser = benchmark_parser(__doc__, "3 steps a rehearsal, uncalibrated; 40 learning steps; no gpt3 (under a minute)")
+    parser = benchmark_parser(
+        __doc__, "3 steps a rehearsal, uncalibrated; 2 seeds x 20 learning steps; no gpt3 (under a minute)"
+    )
     parser.add_argument("--steps", type=int, help="training steps per rehearsal (default 10; --quick 3)")
     parser.add_argument("--rounds", type=int, help="uncompressed+compressed rehearsal pairs (default 2; --quick 1)")
     parser.add_argument("--codec", choices=("int8", "fp8"), default="int8", help="the codec of the keys (int8)")
@@ -282,26 +390,36 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_WAN_SCALE,
         help=f"emulated WAN bandwidth x this ({DEFAULT_WAN_SCALE})",
     )
-    parser.add_argument("--loss-steps", type=int, help="steps of the learning comparison (default 200; --quick 40)")
+    parser.add_argument("--loss-steps", type=int, help="steps of the learning comparison (default 200; --quick 20)")
+    parser.add_argument("--seeds", type=int, help="training seeds of the learning comparison (default 8; --quick 2)")
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 2)
-    loss_steps = args.loss_steps or (40 if args.quick else 200)
+    loss_steps = args.loss_steps or (20 if args.quick else 200)
+    seeds = args.seeds or (2 if args.quick else 8)
+    if seeds < 1:
+        parser.error(f"--seeds must be >= 1 (got {seeds})")
     torch.set_num_threads(1)  # as every rank runs; the learning comparison too
     codec, other = args.codec, {"int8": "fp8", "fp8": "int8"}[args.codec]
     job = config_from_dict(with_compression(DEMO, codec)).job
     result: dict[str, Any] = {"codec": codec}
-    result.update(learning(job, loss_steps, (codec,) if args.quick else (codec, other, "jitter")))
+    result.update(learning(job, loss_steps, (codec,) if args.quick else (codec, other, "jitter"), seeds))
     with tempfile.TemporaryDirectory(prefix="geosched-compression-") as tmp:
         result.update(rehearse(Path(tmp), codec, steps, args.wan_scale, rounds, calibrated=not args.quick))
     result.update(gpt3(() if args.quick else (codec, "none")))
     result.setdefault("gpt3_3dc_iteration_s_with_compression", None)
     result.update({"wan_scale": args.wan_scale, "steps": steps, "rounds": rounds})
+    spread = f"mean of {seeds} seeds"
+    if result["loss_rel_diff_se"] is not None:
+        spread += f", standard error {result['loss_rel_diff_se']:.1e}"
+    if result["loss_noise_floor"] is not None:
+        spread += f", noise floor {result['loss_noise_floor']:.1e}"
     print(
         f"{codec}: WAN bytes / none {result['wan_bytes_ratio']:.3f} (goal <= 0.55), iteration / none "
         f"{result['iteration_ratio_wan_bound']:.3f} (goal <= 0.7), held-out loss rel diff after {loss_steps} steps "
-        f"{result['loss_rel_diff']:.2e} (goal <= 0.01), measured/predicted none "
-        f"{result['measured_vs_predicted']['none']:.2f}, {codec} {result['measured_vs_predicted'][codec]:.2f}"
+        f"{result['loss_rel_diff']:.2e} (goal <= 0.01; {spread}), "
+        f"measured/predicted none {result['measured_vs_predicted']['none']:.2f}, {codec} "
+        f"{result['measured_vs_predicted'][codec]:.2f}"
     )
     emit(result, args.json)
     return 0

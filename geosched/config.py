@@ -193,7 +193,7 @@ class JobSpec:
     )
     wan_compression: Literal["none", "int8", "fp8"] = spec(
         "lossy compression of activations and their gradients on WAN links, turned on per link where it "
-        "shortens the messages: 'int8' or 'fp8' (e4m3), one byte a value and one fp32 scale per 128; "
+        "shortens the messages: 'int8' or 'fp8' (e4m3), one byte a value and one fp32 scale per 64; "
         "'none': never (geosched.compression)",
         "none",
     )

@@ -66,7 +66,7 @@ def test_the_plans_codec_per_link_reaches_both_ends_of_it() -> None:
     plain = parse_layout(layout_plan_text(demo_config("none"), ["us", "eu", "ap"]))
     assert plain.compression == {} and all(boundary_codecs(plain.job, r) == {} for r in plain.roles)
     # a rehearsal stripes each message over the link's 4 streams: the payload where it is compressed
-    assert (striped_chunk_bytes(plain), striped_chunk_bytes(layout)) == (2 * 64 * 64 * 4 // 4, (8192 + 256) // 4)
+    assert (striped_chunk_bytes(plain), striped_chunk_bytes(layout)) == (2 * 64 * 64 * 4 // 4, (8192 + 512) // 4)
     # what the codec costs here, per byte of the boundary tensor (a calibration's codec_s_per_byte)
     assert 0 < measure_codec(JOB, repeats=2, warmup=1)["codec_s_per_byte"] < 1e-6
     assert measure_codec(plain.job) == {"codec_s_per_byte": None}
@@ -95,7 +95,7 @@ def test_compressed_two_stage_job_trains_within_tolerance_and_sends_the_payloads
     assert losses != pytest.approx(reference, rel=1e-7)  # it did travel lossy
     m = JOB.global_batch // JOB.batch
     payload = payload_bytes(JOB.batch * JOB.model.seq_len * JOB.model.hidden, torch.float32, "fp8")
-    assert payload == (2 * 64 * 64) + 4 * (2 * 64 * 64 // 128)  # 0.26 of the fp32 tensor's bytes
+    assert payload == (2 * 64 * 64) + 4 * (2 * 64 * 64 // 64)  # 0.27 of the fp32 tensor's bytes
     assert all(r.bytes_sent == {1: m * payload} for r in stage0)  # activations forward
     assert all(r.bytes_sent == {0: m * payload} for r in stage1)  # their gradients back
 

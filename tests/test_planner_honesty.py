@@ -108,17 +108,17 @@ def test_the_wan_floor_counts_only_when_no_dc_holds_the_job() -> None:
 
 
 def test_wan_compression_halves_the_wan_bytes_and_the_wan_floor_where_it_pays() -> None:
-    """fp8 on the 2 Gb/s link of a WAN-bound job: the plan's WAN bytes are 0.52 of bf16's (one byte a value,
-    a 4-byte scale per 128), its iteration shorter, the link marked in the plan; the WAN floor shrinks alike."""
+    """fp8 on the 2 Gb/s link of a WAN-bound job: the plan's WAN bytes are 0.53 of bf16's (one byte a value,
+    a 4-byte scale per 64), its iteration shorter, the link marked in the plan; the WAN floor shrinks alike."""
     plain, small = make_plan(wan_bound()), make_plan(compressed(wan_bound()))
     assert [link.compression for link in small.plan.links] == ["fp8"] * len(small.plan.links)
     assert all(link.compression == "none" for link in plain.plan.links)
     ratio = small.plan.prediction.wan_bytes_per_iteration / plain.plan.prediction.wan_bytes_per_iteration
     if small.best.candidate == plain.best.candidate:
-        assert ratio == pytest.approx((128 + 4) / 256)
+        assert ratio == pytest.approx((64 + 4) / 128)
     assert small.best.iteration_s < plain.best.iteration_s
     floors = job_floors(Problem(compressed(wan_bound(memory_gib=1.0))))
-    assert floors.wan_s == pytest.approx(job_floors(Problem(wan_bound(memory_gib=1.0))).wan_s * (128 + 4) / 256)
+    assert floors.wan_s == pytest.approx(job_floors(Problem(wan_bound(memory_gib=1.0))).wan_s * (64 + 4) / 128)
 
 
 def test_proven_optimal_only_at_a_floor() -> None:

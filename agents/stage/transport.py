@@ -25,7 +25,7 @@ lookup and may hand out a WAN relay's address instead.
 Where the plan compresses a WAN link (``plan.links[i].compression``, which
 reaches both ends as ``RankRole.compress_prev`` / ``compress_next``), the
 transport sends each tensor to that peer as its :mod:`agents.wan.compress`
-payload (a uint8 message: one fp32 scale per 128 values, one byte a value) and
+payload (a uint8 message: one fp32 scale per 64 values, one byte a value) and
 decodes what it receives from it into the boundary tensor the runtime expects
 (:func:`boundary_codecs`: the stage boundary's dtype and shape, a tp rank's
 1/t slice of it), refusing in one line anything else. The codec runs on the

@@ -1,8 +1,8 @@
-"""The torch codec of WAN compression: blocks of 128 values, one fp32 scale each, one byte a value.
+"""The torch codec of WAN compression: blocks of 64 values, one fp32 scale each, one byte a value.
 
 The formats and their cost are :mod:`geosched.compression`'s (torch-free, what
 the planner prices); this module runs them. A tensor of n values is flattened
-and cut into ``nb = ceil(n / 128)`` blocks of :data:`~geosched.compression.BLOCK`
+and cut into ``nb = ceil(n / 64)`` blocks of :data:`~geosched.compression.BLOCK`
 consecutive values (the last one may be short). Each block gets one scale
 ``max|x| / qmax`` and each value one byte ``x / scale`` in the codec's format:
 
@@ -36,7 +36,7 @@ agreement for one link (codec, dtype, shape), what
 
 **NaN and inf are refused on the sending side** (:func:`compress` raises
 ProtocolError naming how many blocks hold them): a block's scale cannot carry
-them (one NaN would wipe its 127 neighbours), and an activation or gradient
+them (one NaN would wipe its 63 neighbours), and an activation or gradient
 that is not finite means the training has diverged, which the error then says
 at the first boundary it reaches. The check is free: it reads the block maxima
 the scales are made of.
@@ -119,7 +119,7 @@ def encode(tensor: torch.Tensor, codec: Codec) -> torch.Tensor:
     x = flat.float()  # (n,) fp32 (the tensor itself if it is fp32)
     if n % BLOCK:
         x = torch.nn.functional.pad(x, (0, nb * BLOCK - n))  # zeros change no block's max
-    blocks = x.view(nb, BLOCK)  # (nb, 128)
+    blocks = x.view(nb, BLOCK)  # (nb, 64)
     amax = blocks.abs().amax(dim=1)  # (nb,) max |x| per block; NaN propagates, inf stays inf
     if nb and not math.isfinite(float(amax.max())):
         bad = int((~torch.isfinite(amax)).sum())
@@ -207,7 +207,7 @@ def _decompress(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, 
         values, scales = _e4m3_as_fp16(values), scales * E4M3_IN_FP16
     out = torch.empty(n, dtype=dtype, device=values.device)  # (n,)
     if full:  # int8 or fp16 values x fp32 scales: the product in fp32, rounded once into dtype
-        main = values[: full * BLOCK].view(full, BLOCK)  # (full, 128)
+        main = values[: full * BLOCK].view(full, BLOCK)  # (full, 64)
         torch.mul(main, scales[:full, None], out=out[: full * BLOCK].view(full, BLOCK))
     if n % BLOCK:  # the short last block
         torch.mul(values[full * BLOCK :], scales[full:], out=out[full * BLOCK :])  # (1,), not 0-d: fp32 math
