@@ -17,19 +17,22 @@ one link served first come, first served).
 draws the next ticket (``add`` on the key ``turn/<direction>/next``), waits for
 the key ``turn/<direction>/<ticket>`` in the group's TCPStore (hosted by group
 rank 0, in the same DC: a turn costs in-DC round trips, about 100 us on
-loopback, not a WAN one), deletes it, starts the send on its link, and as
+loopback, not a WAN one), starts the send on its link, and as
 soon as the message has all but left (``WanLink.start_send(transmitted=...)``:
 every chunk went out and what is unanswered is at most one chunk per stream,
 about 1/16 of the message, or what the path holds, its measured rate x least
 round trip, whichever is more) it sets the next ticket's key: the next
 holder's first bytes reach the bottleneck about when this message's last leave
-it, so the link hardly idles and is hardly shared between turns. Ticket 0
-needs no key. Tickets are drawn when a send is reached, not fixed in a round
-robin: a replica running late (a preempted core, a slower GPU) does not hold
-the link idle for the others (a fixed round robin, tried first, took 1.10x
-fair sharing's iteration in a quick ``benchmarks/turns.py --wan-scale 0.01``
-on a loaded host; this lock 1.03x in the next run). No torch collective
-fits: the holders are not in lockstep, and a token must pass between any two.
+it, so the link hardly idles and is hardly shared between turns (a message of
+at most one chunk per stream passes it on as soon as it is handed to the
+link). Then it deletes its own key. Ticket 0 needs no key.
+
+Tickets are drawn when a send is reached, not fixed in a round robin: a
+replica running late (a preempted core, a slower GPU) does not hold the link
+idle for the others (a fixed round robin, tried first, took 1.10x fair
+sharing's iteration in a quick ``benchmarks/turns.py --wan-scale 0.01`` on a
+loaded host). No torch collective fits: the holders are not in lockstep, and a
+token must pass between any two. Figures: benchmarks/README.md, "turns".
 
 The training thread never waits for a turn: :meth:`LinkTurns.submit` queues
 the send for the direction's own thread and returns a future of its
@@ -133,6 +136,8 @@ class LinkTurns:
                 concurrent.futures.wait([transmitted, sent], self.timeout_s, concurrent.futures.FIRST_COMPLETED)
                 store.set(self.key(ticket + 1), b"")  # the next holder's turn, also after a failed send
                 self.grants.append((ticket, granted, time.monotonic()))
+                if ticket > 0:
+                    store.delete_key(self.key(ticket))  # after passing the turn on: off the next holder's path
             except Exception as exc:  # noqa: BLE001 - the store or the peer holder is gone
                 if not done.done():
                     done.set_exception(LinkError(f"turns on {self.direction}, ticket {ticket}: {exc}"))
@@ -149,7 +154,6 @@ class LinkTurns:
                     f"the replica holding ticket {ticket - 1} did not pass the turn on within {self.timeout_s:g} s; "
                     "is every replica of this stage running?"
                 ) from None
-            store.delete_key(self.key(ticket))
         return time.monotonic()
 
     def _fail(self, error: LinkError) -> None:

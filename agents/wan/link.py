@@ -40,7 +40,7 @@ import torch
 
 from agents.wan.config import WanLinkConfig
 from agents.wan.io import LinkIO
-from agents.wan.recv import KINDS, PostedRecv, monotonic
+from agents.wan.recv import KINDS, PostedRecv, monotonic, resolve_future
 from agents.wan.send import OutMessage
 from geosched.chunking import auto_chunk_bytes
 from geosched.errors import InputError, LinkError
@@ -182,6 +182,8 @@ class WanLink:
         # the byte view keeps the tensor's memory alive while chunks are in flight
         msg = OutMessage(key, base, tensor_bytes(source), total, chunk, future, monotonic() + timeout, timeout)
         msg.transmitted = transmitted
+        if transmitted is not None and msg.nchunks <= self._io.streams:  # one chunk a stream: out at once
+            resolve_future(transmitted, None)
         self._io.submit("send", msg)
         return future
 
