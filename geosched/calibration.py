@@ -71,6 +71,9 @@ class Calibration:
     message_overhead_s_emulated: float | None = None
     codec_s_per_byte: float | None = None
     """Seconds to compress and decompress one byte of a boundary tensor for the WAN (geosched.compression)."""
+    backward_split: float | None = None
+    """(I + W) / B measured on a block: the zero-bubble schedule's two backward passes against one fused
+    backward (``geosched.profile.measure_backward_split``); None: priced as equal halves of B."""
     stage_times: tuple[StageTime, ...] = ()
     collectives: tuple[CollectiveFit, ...] | None = None
 

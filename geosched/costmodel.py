@@ -118,8 +118,8 @@ def total_params(job: JobSpec) -> int:
 class StageCompute:
     """Seconds of one stage: forward and backward of one microbatch, its optimizer step per iteration.
 
-    ``backward_input_s + backward_weight_s == backward_s``: the zero-bubble
-    schedule runs the two halves as separate actions (``I`` and ``W``).
+    ``backward_input_s`` and ``backward_weight_s``: the two passes the zero-bubble schedule runs as separate
+    actions (``I`` and ``W``); they add up to ``backward_s`` unless a calibration measured their overhead.
     """
 
     forward_s: float
@@ -200,8 +200,11 @@ def stage_compute(
 
     The backward splits into input-gradient and weight-gradient halves of
     equal FLOPs (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2:
-    ``T_B = T_W``); the recomputed forward and the tensor-parallel
-    all-reduces belong to the input half.
+    ``T_B = T_W``), each ``calibration.backward_split / 2`` of B when measured
+    (two autograd passes cost more than one fused backward); the recomputed
+    forward and the tensor-parallel all-reduces belong to the input half. The
+    first stage has no input gradient: its I is the whole backward and its W
+    nothing, as the stage runtime runs it.
 
     The optimizer step (once per iteration) is ``stage_params x
     calibration.optimizer_step_s_per_param`` (same scaling), else
@@ -247,12 +250,14 @@ def stage_compute(
     rerun = fwd * recompute
     comm_fwd = 2 * n * tp_allreduce
     comm_bwd = (2 + 2 * recompute) * n * tp_allreduce
+    split = calibration.backward_split if calibration is not None and calibration.backward_split else 1.0
+    half = bwd / 2 * split  # I and W each: equal FLOPs, each pass as measured against a fused B
     return StageCompute(
         fwd + comm_fwd,
         bwd + rerun + comm_bwd,
         step,
-        bwd / 2 + rerun + comm_bwd,
-        bwd / 2,
+        (bwd if first else half) + rerun + comm_bwd,  # the first stage has no input gradient: its I is all of B
+        0.0 if first else half,
     )
 
 

@@ -149,6 +149,41 @@ def measure_stage(
     )
 
 
+def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu") -> float:
+    """(I + W) / B on one block: the input-gradient and weight-gradient passes the zero-bubble schedule runs
+    (torch's ``stage_backward_input`` then ``stage_backward_weight``, as the stage runtime does) against one
+    fused backward, median over ``repeats`` alternated pairs. Equal FLOPs in theory (Qi et al. 2023); on a CPU
+    the weight pass walks the graph again (about 2.0 for the demo's blocks)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    dtype = PRECISION_DTYPES[job.precision]
+    stage = build_stage(job.model, 0, 1, first=False, last=False, seed=job.seed, dtype=dtype).to(device)
+    shape = ModelShape.of(job.model)
+    g = torch.Generator().manual_seed(job.seed)
+    x0 = torch.randn(job.batch, shape.seq_len, shape.hidden, generator=g).to(device, dtype)  # (b, T, C)
+    grad = torch.randn(x0.shape, generator=g).to(device, dtype)
+    ratios = []
+    for i in range(warmup + repeats):
+        x = x0.clone().requires_grad_(True)
+        out = stage(x)
+        _sync(device)
+        t0 = time.perf_counter()
+        out.backward(grad)
+        _sync(device)
+        fused = time.perf_counter() - t0
+        x = x0.clone().requires_grad_(True)
+        out = stage(x)
+        _sync(device)
+        t0 = time.perf_counter()
+        _, work = stage_backward_input([out], [grad], [x], stage.parameters())
+        stage_backward_weight(stage.parameters(), work)
+        _sync(device)
+        if i >= warmup:
+            ratios.append((time.perf_counter() - t0) / fused)
+        stage.zero_grad(set_to_none=True)
+    return statistics.median(ratios)
+
+
 def measure_optimizer_step(
     job: JobSpec,
     *,
@@ -312,6 +347,7 @@ def profile_job(
         timing = times[stage_label(key)]
         cal["stage_times"].append(stage_time_record(key, timing.forward_s / b, timing.backward_s / b))
     cal["tflops"] = gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12
+    cal["backward_split"] = measure_backward_split(job, repeats=repeats, warmup=warmup, device=device)
     cal["optimizer_step_s_per_param"] = step_per_param
     cal.update(measure_activation_bytes(job, device))
     cal["spread_s"] = {

@@ -161,6 +161,20 @@ def test_optimizer_step_is_measured_and_priced(tmp_path) -> None:
     assert step_s == pytest.approx(total_params(job) * cal["optimizer_step_s_per_param"])
 
 
+def test_the_zero_bubble_passes_are_priced_as_measured_against_a_fused_backward(tmp_path) -> None:
+    job = load_config(config_with(tmp_path, TINY)).job
+    cal = profile_job(job, repeats=2, warmup=1)
+    assert cal["backward_split"] > 1.0  # two autograd passes (torch's stage_backward_input, _weight) cost more
+    calibration = Calibration.from_dict({**cal, "backward_split": 2.0})
+    middle = stage_compute(job, calibration.tflops, (1, 2), False, True, calibration)
+    assert middle.backward_input_s == pytest.approx(middle.backward_s)  # I and W each as long as B
+    assert middle.backward_weight_s == pytest.approx(middle.backward_s)
+    first = stage_compute(job, calibration.tflops, (0, 1), True, False, calibration)
+    assert (first.backward_input_s, first.backward_weight_s) == (first.backward_s, 0.0)  # no input gradient
+    plain = stage_compute(job, 100.0, (1, 2), False, True)  # uncalibrated: equal halves of B
+    assert plain.backward_input_s == plain.backward_weight_s == pytest.approx(plain.backward_s / 2)
+
+
 def test_old_calibration_files_load_and_fall_back_to_the_traffic_model(tmp_path) -> None:
     job = load_config(config_with(tmp_path, TINY)).job
     old = {

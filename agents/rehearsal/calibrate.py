@@ -212,7 +212,7 @@ def median_calibration(cals: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One calibration dict from several measured at once: the median of each time field."""
     out_cal = dict(cals[0])
     for key, value in out_cal.items():
-        if key.endswith(("_s", "_s_per_param")) and isinstance(value, float):
+        if (key.endswith(("_s", "_s_per_param")) or key == "backward_split") and isinstance(value, float):
             out_cal[key] = statistics.median(c[key] for c in cals)
     out_cal["tflops"] = out_cal["tflops"] * cals[0]["block_forward_s"] / out_cal["block_forward_s"]
     out_cal["stage_times"] = [
