@@ -21,7 +21,7 @@ from agents.stage.turns import LinkTurns, shared_link_turns
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from agents.wanem.emulator import LinkShape, WanEmulator
-from geosched.errors import LinkError
+from geosched.errors import InputError, LinkError
 
 
 @pytest.fixture
@@ -119,6 +119,13 @@ def test_a_failed_send_passes_the_turn_on(store) -> None:
     with pytest.raises(LinkError, match="is closed"):
         bad.result(timeout=10)
     assert good.result(timeout=10) is None and [e[0] for e in log] == ["begin", "end"]
+
+    def refused(transmitted: concurrent.futures.Future[None]) -> concurrent.futures.Future[None]:
+        raise InputError("tensor of 9 bytes is over wan.max_tensor_bytes (8)")  # what start_send raises at once
+
+    with pytest.raises(InputError, match="max_tensor_bytes"):
+        first.submit(refused).result(timeout=10)
+    assert second.submit(fake_send(log, 1, 1)).result(timeout=10) is None  # the turn went on
     first.close()
     with pytest.raises(LinkError, match="closed"):
         first.submit(broken).result(timeout=1)

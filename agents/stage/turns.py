@@ -130,11 +130,10 @@ class LinkTurns:
             try:
                 ticket = int(store.add(self.key("next"), 1)) - 1
                 granted = self._take(store, ticket)
-                transmitted: concurrent.futures.Future[None] = concurrent.futures.Future()
-                sent = start(transmitted)
-                sent.add_done_callback(functools.partial(_copy_outcome, target=done))
-                concurrent.futures.wait([transmitted, sent], self.timeout_s, concurrent.futures.FIRST_COMPLETED)
-                store.set(self.key(ticket + 1), b"")  # the next holder's turn, also after a failed send
+                try:
+                    self._send(start, done)
+                finally:  # the next holder's turn, also after a failed send
+                    store.set(self.key(ticket + 1), b"")
                 self.grants.append((ticket, granted, time.monotonic()))
                 if ticket > 0:
                     store.delete_key(self.key(ticket))  # after passing the turn on: off the next holder's path
@@ -143,6 +142,18 @@ class LinkTurns:
                     done.set_exception(LinkError(f"turns on {self.direction}, ticket {ticket}: {exc}"))
                 self._fail(LinkError(f"turns on {self.direction} stopped at ticket {ticket}: {exc}"))
                 return
+
+    def _send(self, start: StartSend, done: concurrent.futures.Future[None]) -> None:
+        """Start the send (its outcome becomes ``done``'s) and wait until it has all but left, failed or timed
+        out; a send that cannot start fails ``done`` alone."""
+        transmitted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            sent = start(transmitted)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor over the link's bounds: this send's error only
+            done.set_exception(exc)
+            return
+        sent.add_done_callback(functools.partial(_copy_outcome, target=done))
+        concurrent.futures.wait([transmitted, sent], self.timeout_s, concurrent.futures.FIRST_COMPLETED)
 
     def _take(self, store: Any, ticket: int) -> float:
         """Wait until ``ticket`` is granted; the time it was."""
