@@ -63,6 +63,15 @@ def load_rank_reports(run_dir: str | os.PathLike[str]) -> dict[int, list[StepRep
     return out
 
 
+def reports_by_step(reports: Mapping[int, list[StepReport]]) -> dict[int, list[StepReport]]:
+    """Every rank's reports (rank -> its reports) regrouped by step: step -> the reports of that step."""
+    by_step: dict[int, list[StepReport]] = {}
+    for rank_reports in reports.values():
+        for step_report in rank_reports:
+            by_step.setdefault(step_report.step, []).append(step_report)
+    return by_step
+
+
 def steady(values: list[float]) -> float:
     """Median of the values after the first (all of them when there is only one)."""
     return statistics.median(values[1:] if len(values) > 1 else values)
@@ -91,10 +100,7 @@ def build_report(
     missing = [r.rank for r in layout.roles if not reports.get(r.rank)]
     if missing:
         raise GeoschedError(f"run report: no step reports from ranks {missing}; see their agent logs")
-    by_step: dict[int, list[StepReport]] = {}
-    for rank_reports in reports.values():
-        for step_report in rank_reports:
-            by_step.setdefault(step_report.step, []).append(step_report)
+    by_step = reports_by_step(reports)
     complete = sorted(s for s, rs in by_step.items() if len(rs) == len(layout.roles))
     schedule = _schedule(layout)
     per_step = []
@@ -227,11 +233,9 @@ def write_run_folder(
         "loss": str(write_loss_png(report["steps"], report["losses"], run / "loss.png")),
     }
     if predicted_timeline is not None:
-        steps = set(report["steps"])
-        by_step: dict[int, list[StepReport]] = {}
-        for r in (r for rs in reports.values() for r in rs if r.step in steps):
-            by_step.setdefault(r.step, []).append(r)
-        times = wan_message_times(layout, _schedule(layout), dict(sorted(by_step.items())), predicted_timeline)
+        by_step = reports_by_step(reports)
+        complete = {step: by_step[step] for step in report["steps"]}  # in step order
+        times = wan_message_times(layout, _schedule(layout), complete, predicted_timeline)
         if times:
             report["wan_messages"] = times
         predicted_title = f"predicted: {_figures(predicted_timeline)}"
