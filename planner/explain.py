@@ -224,6 +224,7 @@ def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
         "floors": {
             "compute_s": floors.compute_s,
             "wan_s": floors.wan_s,
+            "pipeline_s": floors.pipeline_s,
             "min_stages": floors.min_stages,
             "best_s": floors.best_s,
             "ratio_to_best_floor": floors.ratio(plan.prediction.iteration_s),
@@ -290,7 +291,8 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",
-        f"floors: compute {floors.compute_s:.4g} s, {wan}, memory allows no fewer than {floors.min_stages} "
+        f"floors: compute {floors.compute_s:.4g} s, {wan}, pipeline {floors.pipeline_s:.4g} s, "
+        f"memory allows no fewer than {floors.min_stages} "
         f"stage{'s' if floors.min_stages != 1 else ''}; plan / best floor = {floors.ratio(pr.iteration_s):.3g}x",
         f"objective {_objective(plan)}, {verdict.text}, {plan.solver.solve_s:.2f} s",
         "",

@@ -9,6 +9,12 @@
 * **WAN floor**: the time the fastest WAN link needs to carry, in one
   direction, the least bytes one pipeline boundary carries per iteration;
   0 when the job may fit one datacenter;
+* **pipeline floor**: the least time any pipeline shape could take (replicas
+  ``R``, at most ``N / R`` stages of the fastest GPUs, the smallest
+  microbatch), with every message free: a microbatch has to go forward
+  through every stage and its gradient back, and each stage runs all of its
+  ``m`` microbatches (:func:`pipeline_floor`). It is what small jobs on large
+  clusters meet: they cannot use every GPU at once;
 * **fewest stages**: the fewest pipeline stages the memory model allows on the
   roomiest GPU.
 
@@ -30,7 +36,10 @@ from geosched.costmodel import (
     head_cost,
     layer_costs,
     optimizer_step_estimate_s,
+    stage_compute,
+    stage_params,
     total_params,
+    tp_allreduce_s,
 )
 from geosched.memory import stage_memory_bytes
 from geosched.netcost import streams_to_fill, wan_effective_bps
@@ -47,16 +56,18 @@ class Floors:
     compute_s: float
     wan_s: float
     min_stages: int  # 0 when not even one block fits the roomiest GPU
+    pipeline_s: float = 0.0
 
     @property
     def best_s(self) -> float:
         """The largest (tightest) floor."""
-        return max(self.compute_s, self.wan_s)
+        return max(self.compute_s, self.wan_s, self.pipeline_s)
 
     @property
     def best_name(self) -> str:
-        """``compute`` or ``WAN``: which floor is the tightest."""
-        return "WAN" if self.wan_s > self.compute_s else "compute"
+        """``compute``, ``WAN`` or ``pipeline``: which floor is the tightest (ties: the first)."""
+        named = {"compute": self.compute_s, "WAN": self.wan_s, "pipeline": self.pipeline_s}
+        return max(named, key=named.__getitem__)
 
     def ratio(self, iteration_s: float) -> float:
         """``iteration_s / best_s`` (inf when every floor is 0)."""
@@ -98,6 +109,189 @@ def fewest_stages(problem: Problem, memory_bytes: float) -> int:
             return 0
         stages, start = stages + 1, end
     return stages
+
+
+Sync = tuple[tuple[float, float], ...]
+"""Lower bounds of a gradient sync of ``x`` bytes, each ``slope x x + fixed`` seconds: the sync takes the least."""
+
+
+class _Packer:
+    """One microbatch's seconds per piece on a group's fastest GPUs, as prefix sums, and how to pack them.
+
+    Only the group's DCs with devices (tensor-parallel groups of this variant) count. Per block: forward
+    ``f``, the whole backward ``b`` (the least of fused and split), the input-gradient pass ``i`` (the
+    least of any schedule's), the optimizer step ``s`` and the gradient bytes ``g``; the embeddings'
+    (first stage) and the head's (last stage) alike. ``reach[k]``: the furthest end a stage
+    starting at block ``k`` may have, by :func:`fewest_stages`'s memory relaxation.
+    """
+
+    def __init__(self, problem: Problem, group: list[str], reach: list[int]) -> None:
+        job, L = problem.job, problem.layers
+        kinds = (problem.cluster.dc(name) for name in group if problem.gpus[name])  # DCs with devices
+        specs = {(dc.gpu.tflops, tp_allreduce_s(job, dc)) for dc in kinds}
+
+        def cost(layers: tuple[int, int], first: bool, last: bool) -> tuple[float, ...]:
+            rows = []
+            for tflops, allreduce in sorted(specs):
+                c = stage_compute(job, tflops, layers, first, last, tp_allreduce=allreduce)
+                split = c.backward_input_s + c.backward_weight_s
+                rows.append((c.forward_s, min(c.backward_s, split), c.backward_input_s, c.step_s))
+            least = (min(column) for column in zip(*rows, strict=True))
+            return (*least, stage_params(job, layers, first, last) * job.bytes_per_element)
+
+        self.L, self.reach = L, reach
+        self.embed, self.head = cost((0, 0), True, False), cost((L, L), False, True)
+        self.sums = [[0.0] * (L + 1) for _ in range(5)]  # f, b, i, s, g: prefix sums over blocks
+        for k in range(L):
+            for column, value in zip(self.sums, cost((k, k + 1), False, False), strict=True):
+                column[k + 1] = column[k] + value
+
+    def bound(self, start: int, end: int, m: int, step_share: float, sync: Sync) -> float:
+        """The larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, end)``."""
+        sf, sb, si, ss, sg = self.sums
+        f, b, i = sf[end] - sf[start], sb[end] - sb[start], si[end] - si[start]
+        s, g = ss[end] - ss[start], sg[end] - sg[start]
+        if start == 0:
+            ef, eb, ei, es, eg = self.embed
+            f, b, i, s, g, ahead_f, ahead_i = f + ef, b + eb, i + ei, s + es, g + eg, 0.0, 0.0
+        else:
+            ahead_f, ahead_i = self.embed[0] + sf[start], self.embed[2] + si[start]
+        if end == self.L:
+            hf, hb, hi, hs, hg = self.head
+            f, b, i, s, g = f + hf, b + hb, i + hi, s + hs, g + hg
+        synced = min([slope * g + fixed for slope, fixed in sync]) if sync else 0.0
+        return max(ahead_f + m * (f + b) + synced + s * step_share, ahead_f + m * (f + i) + ahead_i)
+
+    def least(self, m: int, step_share: float, sync: Sync, stages: int, below: float) -> float:
+        """The least time within which at most ``stages`` stages pack (bisection to 1e-6, rounded down), or
+        inf when it is not below ``below``."""
+        high = below if below < math.inf else self.bound(0, self.L, m, step_share, sync) * (1 + 1e-9)
+        if not self.fits(m, step_share, sync, stages, high):
+            return math.inf
+        low = 0.0
+        while high - low > 1e-6 * high:
+            mid = (low + high) / 2
+            low, high = (low, mid) if self.fits(m, step_share, sync, stages, mid) else (mid, high)
+        return low
+
+    def fits(self, m: int, step_share: float, sync: Sync, stages: int, limit_s: float) -> bool:
+        """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s``.
+
+        Both bounds grow with a stage's end and shrink as its start moves on (``m >= 1``), so ending each
+        stage as late as the limit allows packs the fewest stages.
+        """
+        start = 0
+        for _ in range(stages):
+            low, high = start, self.reach[start]  # the largest end within the limit: bisection
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if self.bound(start, mid, m, step_share, sync) <= limit_s else (low, mid - 1)
+            if low == start:
+                return False
+            if low == self.L:
+                return True
+            start = low
+        return False
+
+
+def pipeline_floor(problem: Problem) -> float:
+    """The least time any pipeline shape of ``problem``'s variant could take on its fastest GPUs.
+
+    For a plan of ``R`` replicas (all pipelines together) of ``p`` stages, ``R x p`` devices of one linked
+    group, each replica runs ``m = sequences / R`` microbatches. For each stage ``s``, with ``A_s`` the
+    forward of microbatch 0 through the stages before it and ``D_s`` a gradient's input-gradient passes
+    back through them (:func:`planner.evaluate.pipeline_lower_bound` with every message and wait at 0,
+    which only add time):
+
+    * ``A_s + m (f_s + b_s) + sync_s + step_s``: the stage runs its forwards, backwards, gradient sync
+      (:func:`_sync_bounds`) and step one after the other;
+    * ``A_s + m (f_s + i_s) + D_s``: after its last input-gradient pass, that gradient still travels to
+      stage 0.
+
+    Costs are the least of the group's DCs, ``b`` the least of the fused and split backward, ``i`` the
+    zero-bubble input-gradient pass (no longer than any schedule's backward chain), the step the least
+    ZeRO allows (``1/R`` unless pinned to 0), a stage at most what memory's relaxation of
+    :func:`fewest_stages` holds. More stages never raise the bound, so each ``R`` takes its most stages:
+    those of its DC with the most devices, and, where the group has more, all of them with the WAN
+    crossed: either by a pipeline (then a link carries its ``m`` messages each way one after the other,
+    the WAN floor's argument for one pipeline) or, the pipelines lying in several DCs, by every stage's
+    gradient sync. The floor is the least over ``R`` and groups (bisection on the time to 1e-6, rounded
+    down).
+    """
+    job, L = problem.job, problem.layers
+    if job.global_batch % job.batch or L == 0:
+        return 0.0
+    sequences = job.global_batch // job.batch
+    roomy = dataclasses.replace(job, zero=2)
+    memory, most = max(problem.memory_bytes.values()), problem.most_replicas
+    reach, end = [0] * L, 0
+    for start in range(L):
+        end = max(end, start)
+        while end < L and stage_memory_bytes(roomy, (start, end + 1), False, False, 1, most) <= memory:
+            end += 1
+        reach[start] = end
+    best = math.inf
+    for group in problem.components():
+        devices = sum(problem.gpus[dc] for dc in group)
+        if not devices:
+            continue
+        packer = _Packer(problem, group, reach)
+        one_dc, message_s = max(problem.gpus[dc] for dc in group), _least_message_s(problem, group)
+        for replicas in (r for r in range(1, min(sequences, devices) + 1) if sequences % r == 0):
+            m = sequences // replicas
+            share = 1 / replicas if job.zero_stage >= 1 else 1.0
+            sync = _sync_bounds(problem, group, replicas)
+            local, spread = min(L, one_dc // replicas), min(L, devices // replicas)
+            if local:  # the shape may lie inside one DC
+                best = min(best, packer.least(m, share, sync, local, best))
+            if spread > local and message_s is not None:  # more devices than a DC has: the WAN is crossed
+                if m * message_s < best:  # by a pipeline, whose m messages each way queue on a link
+                    best = min(best, max(m * message_s, packer.least(m, share, sync, spread, best)))
+                if replicas > 1:  # or by every stage's gradient sync, the pipelines lying in several DCs
+                    wan_sync = _sync_bounds(problem, group, replicas, across=True)
+                    best = min(best, packer.least(m, share, wan_sync, spread, best))
+    return 0.0 if best == math.inf else best
+
+
+def _least_message_s(problem: Problem, group: list[str]) -> float | None:
+    """The least time one microbatch's message occupies the group's fastest WAN link (None: no link)."""
+    job = problem.job
+    if len(group) < 2 or problem.layers < 2:
+        return None
+    least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
+    return compressed_bytes(least, job.bytes_per_element, job.wan_compression) * 8 / _fastest_bps(problem, group)
+
+
+def _fastest_bps(problem: Problem, group: list[str]) -> float:
+    """Bits/s of the group's fastest WAN link filled with streams (a group of several DCs has links)."""
+    inside = set(group)
+    return max(wan_effective_bps(k, streams_to_fill(k)) for k in problem.cluster.links if set(k.between) <= inside)
+
+
+def _sync_bounds(problem: Problem, group: list[str], replicas: int, *, across: bool = False) -> Sync:
+    """How fast ``replicas`` replicas of a stage can sync their gradients in ``group`` at best.
+
+    All in one DC: that DC's ring all-reduce (:func:`~geosched.netcost.ring_allreduce_s`; ZeRO 2's
+    reduce-scatters and all-gather move as much, the former inside the backward). Over several DCs
+    (:func:`~geosched.netcost.hierarchical_allreduce_s`): at least the whole gradient once over the
+    fastest WAN link filled with streams. ``across``: every pipeline lies inside one DC, and they lie in
+    several: every stage then syncs across DCs, and the link carries every stage's gradients
+    (:func:`planner.replicas.sync_times`), so each stage's sync takes at least the whole model's.
+    """
+    if replicas < 2:
+        return ()
+    if across:
+        whole = stage_params(problem.job, (0, problem.layers), True, True) * problem.job.bytes_per_element
+        return ((0.0, whole * 8 / _fastest_bps(problem, group)),)
+    out = []
+    for dc in group:
+        spec = problem.cluster.dc(dc)
+        if problem.gpus[dc] >= replicas:
+            bps, latency = spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
+            out.append((2 * (replicas - 1) / replicas * 8 / bps, 2 * (replicas - 1) * latency))
+    if len(group) > 1:
+        out.append((8 / _fastest_bps(problem, group), 0.0))
+    return tuple(line for line in set(out) if not any(o != line and o[0] <= line[0] and o[1] <= line[1] for o in out))
 
 
 def job_floors(problem: Problem) -> Floors:
@@ -144,7 +338,7 @@ def job_floors(problem: Problem) -> Floors:
         least = compressed_bytes(least, job.bytes_per_element, job.wan_compression)  # the fewest bytes it may take
         fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
         wan_s = sequences * least * 8 / fastest
-    return Floors(compute_s, wan_s, min_stages)
+    return Floors(compute_s, wan_s, min_stages, pipeline_floor(problem))
 
 
 @dataclass(frozen=True)

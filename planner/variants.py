@@ -25,6 +25,7 @@ budgets are deterministic, so the same input gives the same plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -167,13 +168,22 @@ def variant_options(cfg: Config, pins: Pins) -> list[Variant]:
     ]
 
 
+@functools.lru_cache(maxsize=8)
 def space_floors(cfg: Config) -> Floors:
-    """Floors of every plan of ``cfg`` whatever its variant: the least compute and WAN floors and the fewest
-    stages over every tensor-parallel degree (tensor parallelism only adds communication, so the compute
-    floor is the tp=1 one up to the head, which it does not divide)."""
-    found = [job_floors(Problem(cfg, Variant(tp=t))) for t in tp_options(cfg, None)]
+    """Floors of every plan of ``cfg`` whatever its variant (a plan's config pins its own: they are ignored):
+    the least compute, WAN and pipeline floors and the fewest stages over every tensor-parallel degree
+    (tensor parallelism only adds communication, so the compute floor is the tp=1 one up to the head, which
+    it does not divide), at microbatch size 1 (the floors do not grow with it) and with ZeRO's sharded
+    optimizer step."""
+    variants = [Variant(tp=t, zero=1, microbatch_size=1) for t in tp_options(cfg, None)]
+    found = [job_floors(Problem(cfg, v)) for v in variants]
     stages = [f.min_stages for f in found if f.min_stages > 0]
-    return Floors(min(f.compute_s for f in found), min(f.wan_s for f in found), min(stages, default=0))
+    return Floors(
+        min(f.compute_s for f in found),
+        min(f.wan_s for f in found),
+        min(stages, default=0),
+        min(f.pipeline_s for f in found),
+    )
 
 
 def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:

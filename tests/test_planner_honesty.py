@@ -9,6 +9,7 @@ import pytest
 
 from geosched.cli import main
 from geosched.config import Config, config_from_dict, load_config
+from geosched.costmodel import stage_compute
 from geosched.errors import PlanInfeasible
 from planner.bruteforce import brute_force, enumerable
 from planner.evaluate import Evaluator
@@ -18,7 +19,7 @@ from planner.floors import ROUNDING, job_floors
 from planner.generate import random_config, two_datacenters
 from planner.planning import make_plan
 from planner.search import single_stage
-from planner.space import Candidate, Problem, even_split, from_split
+from planner.space import Candidate, Problem, Variant, even_split, from_split
 from planner.variants import space_floors
 
 
@@ -95,6 +96,7 @@ def test_floors_bound_every_candidate_the_brute_force_simulates(cfg: Config) -> 
         assert problem.violation(ev.candidate) is None
         assert ev.iteration_s >= floors.compute_s * (1 - 1e-9), ev.candidate.describe()
         assert ev.iteration_s >= floors.wan_s * (1 - 1e-9), ev.candidate.describe()
+        assert ev.iteration_s >= floors.pipeline_s * (1 - 1e-9), ev.candidate.describe()
         assert ev.candidate.num_stages >= floors.min_stages
     assert best.iteration_s >= floors.best_s * (1 - 1e-9)
 
@@ -119,6 +121,37 @@ def test_wan_compression_halves_the_wan_bytes_and_the_wan_floor_where_it_pays() 
     assert small.best.iteration_s < plain.best.iteration_s
     floors = job_floors(Problem(compressed(wan_bound(memory_gib=1.0))))
     assert floors.wan_s == pytest.approx(job_floors(Problem(wan_bound(memory_gib=1.0))).wan_s * (64 + 4) / 128)
+
+
+def small_job_on_many_gpus(sequences: int) -> Config:
+    """64 GPUs in one DC for a job of a few sequences: most GPUs can only wait."""
+    gpu = {"name": "H100", "tflops": 400, "memory_gib": 80}
+    return config_from_dict(
+        {
+            "cluster": {"name": "wide", "datacenters": [{"name": "a", "gpus": 64, "gpu": gpu}], "links": []},
+            "job": {
+                "model": {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000},
+                "global_batch": sequences,
+                "microbatch_size": 1,
+            },
+        },
+        source="small_job_on_many_gpus",
+    )
+
+
+@pytest.mark.parametrize("sequences", [1, 4])
+def test_the_pipeline_floor_knows_a_small_job_cannot_use_every_gpu(sequences: int) -> None:
+    """One sequence has to go forward through every block and back, whatever the plan: the compute floor
+    (every GPU busy) is far below that, the pipeline floor is not, and the planner's plan respects it."""
+    cfg = small_job_on_many_gpus(sequences)
+    floors = space_floors(cfg)
+    job = Problem(cfg, Variant(tp=8)).job  # the floors hold for every tensor-parallel degree: the widest
+    whole = stage_compute(job, 400, (0, job.model.layers), False, False)  # every block, no embeddings or head
+    assert floors.pipeline_s >= whole.forward_s + whole.backward_input_s
+    assert floors.pipeline_s > 4 * floors.compute_s and floors.best_name == "pipeline"
+    outcome = make_plan(cfg)
+    assert outcome.best.iteration_s >= floors.pipeline_s * (1 - 1e-9)
+    assert floors.ratio(outcome.best.iteration_s) < 1.5  # tight: the plan is within 50 % of it
 
 
 def test_proven_optimal_only_at_a_floor() -> None:
@@ -175,6 +208,6 @@ def test_explanations_never_read_plus_zero() -> None:
 def test_cli_json_carries_the_floors(capsys) -> None:
     assert main(["plan", "configs/demo-3dc.yaml", "--json", "--no-explain"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["floors"]) == {"compute_s", "wan_s", "min_stages", "best_s", "ratio_to_best_floor"}
+    assert set(data["floors"]) == {"compute_s", "wan_s", "pipeline_s", "min_stages", "best_s", "ratio_to_best_floor"}
     assert data["prediction"]["iteration_s"] >= data["floors"]["best_s"]
     assert data["optimality"]["text"].startswith(("proven optimal", "not proven optimal"))
