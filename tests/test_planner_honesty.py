@@ -123,6 +123,18 @@ def test_wan_compression_halves_the_wan_bytes_and_the_wan_floor_where_it_pays() 
     assert floors.wan_s == pytest.approx(job_floors(Problem(wan_bound(memory_gib=1.0))).wan_s * (64 + 4) / 128)
 
 
+def test_the_floors_bound_every_plan_the_planner_simulates_across_datacenters() -> None:
+    """The planner's own evaluations, pipelines on several DC paths among them (which the brute force does not
+    enumerate), never beat the floors of their variant."""
+    for cfg in (two_datacenters(100, 2, 25), random_config(2000)):
+        outcome = make_plan(cfg, explain=False)
+        floors = job_floors(Problem(outcome.problem.cfg, outcome.problem.variant))
+        evaluated = outcome.evaluator.evaluated
+        assert any(ev.candidate.extra_paths for ev in evaluated)
+        for ev in evaluated:
+            assert ev.iteration_s >= floors.best_s * (1 - 1e-9), ev.candidate.describe()
+
+
 def small_job_on_many_gpus(sequences: int) -> Config:
     """64 GPUs in one DC for a job of a few sequences: most GPUs can only wait."""
     gpu = {"name": "H100", "tflops": 400, "memory_gib": 80}
