@@ -90,25 +90,35 @@ def iteration_flop(problem: Problem) -> float:
 def fewest_stages(problem: Problem, memory_bytes: float) -> int:
     """Fewest contiguous stages whose GPUs of ``memory_bytes`` hold the blocks (0: one block does not fit).
 
-    A relaxation of the memory rule, so a lower bound for every plan: each
-    stage holds one microbatch of activations (every schedule holds at least
-    one), no embeddings or head (they only add memory), and its gradients and
-    optimizer state sharded by ZeRO 2 over every device of the cluster (no
-    plan shards them further). A stage's memory
-    grows with every block added, so packing greedily from the first block
-    gives the fewest contiguous stages.
+    A relaxation of the memory rule (:func:`memory_reach`), so a lower bound for every plan. A stage's
+    memory grows with every block added, so packing greedily from the first block gives the fewest
+    contiguous stages.
+    """
+    reach = memory_reach(problem, memory_bytes)
+    stages, start = 0, 0
+    while start < problem.layers:
+        if reach[start] == start:
+            return 0
+        stages, start = stages + 1, reach[start]
+    return stages
+
+
+def memory_reach(problem: Problem, memory_bytes: float) -> list[int]:
+    """For each block, the furthest end of a stage starting there that GPUs of ``memory_bytes`` may hold.
+
+    The relaxation: each stage holds one microbatch of activations (every schedule holds at least one), no
+    embeddings or head (they only add memory), and its gradients and optimizer state sharded by ZeRO 2 over
+    every device of the cluster (no plan shards them further). Ends never move back as starts move on.
     """
     job, L = dataclasses.replace(problem.job, zero=2), problem.layers
     most = problem.most_replicas  # ZeRO 2 over every device: the least state any plan keeps
-    stages, start = 0, 0
-    while start < L:
-        end = start
+    reach, end = [0] * L, 0
+    for start in range(L):
+        end = max(end, start)
         while end < L and stage_memory_bytes(job, (start, end + 1), False, False, 1, most) <= memory_bytes:
             end += 1
-        if end == start:
-            return 0
-        stages, start = stages + 1, end
-    return stages
+        reach[start] = end
+    return reach
 
 
 Sync = tuple[tuple[float, float], ...]
@@ -122,7 +132,7 @@ class _Packer:
     ``f``, the whole backward ``b`` (the least of fused and split), the input-gradient pass ``i`` (the
     least of any schedule's), the optimizer step ``s`` and the gradient bytes ``g``; the embeddings'
     (first stage) and the head's (last stage) alike. ``reach[k]``: the furthest end a stage
-    starting at block ``k`` may have, by :func:`fewest_stages`'s memory relaxation.
+    starting at block ``k`` may have (:func:`memory_reach`).
     """
 
     def __init__(self, problem: Problem, group: list[str], reach: list[int]) -> None:
@@ -210,8 +220,8 @@ def pipeline_floor(problem: Problem) -> float:
 
     Costs are the least of the group's DCs, ``b`` the least of the fused and split backward, ``i`` the
     zero-bubble input-gradient pass (no longer than any schedule's backward chain), the step the least
-    ZeRO allows (``1/R`` unless pinned to 0), a stage at most what memory's relaxation of
-    :func:`fewest_stages` holds. More stages never raise the bound, so each ``R`` takes its most stages:
+    ZeRO allows (``1/R`` unless pinned to 0), a stage at most what memory's relaxation
+    (:func:`memory_reach`) holds. More stages never raise the bound, so each ``R`` takes its most stages:
     those of its DC with the most devices, and, where the group has more, all of them with the WAN
     crossed: either by a pipeline (then a link carries its ``m`` messages each way one after the other,
     the WAN floor's argument for one pipeline) or, the pipelines lying in several DCs, by every stage's
@@ -222,14 +232,7 @@ def pipeline_floor(problem: Problem) -> float:
     if job.global_batch % job.batch or L == 0:
         return 0.0
     sequences = job.global_batch // job.batch
-    roomy = dataclasses.replace(job, zero=2)
-    memory, most = max(problem.memory_bytes.values()), problem.most_replicas
-    reach, end = [0] * L, 0
-    for start in range(L):
-        end = max(end, start)
-        while end < L and stage_memory_bytes(roomy, (start, end + 1), False, False, 1, most) <= memory:
-            end += 1
-        reach[start] = end
+    reach = memory_reach(problem, max(problem.memory_bytes.values()))
     best = math.inf
     for group in problem.components():
         devices = sum(problem.gpus[dc] for dc in group)
