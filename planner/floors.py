@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geosched.compression import compressed_bytes
+from geosched.config import WanLinkSpec
 from geosched.costmodel import (
     BACKWARD_TO_FORWARD,
     boundary_bytes,
@@ -239,11 +241,13 @@ def pipeline_floor(problem: Problem) -> float:
         if not devices:
             continue
         packer = _Packer(problem, group, reach)
-        one_dc, message_s = max(problem.gpus[dc] for dc in group), _least_message_s(problem, group)
+        links = _group_links(problem, group)
+        one_dc = max(problem.gpus[dc] for dc in group)
+        message_s = _least_message_s(problem, links) if links and L > 1 else None
         for replicas in (r for r in range(1, min(sequences, devices) + 1) if sequences % r == 0):
             m = sequences // replicas
             share = 1 / replicas if job.zero_stage >= 1 else 1.0
-            sync = _sync_bounds(problem, group, replicas)
+            sync = _sync_bounds(problem, group, links, replicas)
             local, spread = min(L, one_dc // replicas), min(L, devices // replicas)
             if local:  # the shape may lie inside one DC
                 best = min(best, packer.least(m, share, sync, local, best))
@@ -251,50 +255,56 @@ def pipeline_floor(problem: Problem) -> float:
                 if m * message_s < best:  # by a pipeline, whose m messages each way queue on a link
                     best = min(best, max(m * message_s, packer.least(m, share, sync, spread, best)))
                 if replicas > 1:  # or by every stage's gradient sync, the pipelines lying in several DCs
-                    wan_sync = _sync_bounds(problem, group, replicas, across=True)
+                    wan_sync = _sync_bounds(problem, group, links, replicas, across=True)
                     best = min(best, packer.least(m, share, wan_sync, spread, best))
     return 0.0 if best == math.inf else best
 
 
-def _least_message_s(problem: Problem, group: list[str]) -> float | None:
-    """The least time one microbatch's message occupies the group's fastest WAN link (None: no link)."""
+def _least_message_s(problem: Problem, links: Sequence[WanLinkSpec]) -> float:
+    """The least time one microbatch's message across a pipeline boundary occupies the fastest of ``links``:
+    the fewest bytes any boundary carries (compressed as the job allows) at that link's rate with streams."""
     job = problem.job
-    if len(group) < 2 or problem.layers < 2:
-        return None
     least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
-    return compressed_bytes(least, job.bytes_per_element, job.wan_compression) * 8 / _fastest_bps(problem, group)
+    return compressed_bytes(least, job.bytes_per_element, job.wan_compression) * 8 / _fastest_bps(links)
 
 
-def _fastest_bps(problem: Problem, group: list[str]) -> float:
-    """Bits/s of the group's fastest WAN link filled with streams (a group of several DCs has links)."""
+def _fastest_bps(links: Sequence[WanLinkSpec]) -> float:
+    """Bits/s of the fastest of ``links`` filled with streams (more streams never speed it up)."""
+    return max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
+
+
+def _group_links(problem: Problem, group: list[str]) -> list[WanLinkSpec]:
+    """The WAN links between the group's DCs (a group of several DCs has some)."""
     inside = set(group)
-    return max(wan_effective_bps(k, streams_to_fill(k)) for k in problem.cluster.links if set(k.between) <= inside)
+    return [link for link in problem.cluster.links if set(link.between) <= inside]
 
 
-def _sync_bounds(problem: Problem, group: list[str], replicas: int, *, across: bool = False) -> Sync:
+def _sync_bounds(
+    problem: Problem, group: list[str], links: Sequence[WanLinkSpec], replicas: int, *, across: bool = False
+) -> Sync:
     """How fast ``replicas`` replicas of a stage can sync their gradients in ``group`` at best.
 
     All in one DC: that DC's ring all-reduce (:func:`~geosched.netcost.ring_allreduce_s`; ZeRO 2's
     reduce-scatters and all-gather move as much, the former inside the backward). Over several DCs
     (:func:`~geosched.netcost.hierarchical_allreduce_s`): at least the whole gradient once over the
-    fastest WAN link filled with streams. ``across``: every pipeline lies inside one DC, and they lie in
-    several: every stage then syncs across DCs, and the link carries every stage's gradients
+    fastest of the group's ``links`` filled with streams. ``across``: every pipeline lies inside one DC,
+    and they lie in several: every stage then syncs across DCs, and the link carries every stage's gradients
     (:func:`planner.replicas.sync_times`), so each stage's sync takes at least the whole model's.
     """
     if replicas < 2:
         return ()
     if across:
         whole = stage_params(problem.job, (0, problem.layers), True, True) * problem.job.bytes_per_element
-        return ((0.0, whole * 8 / _fastest_bps(problem, group)),)
+        return ((0.0, whole * 8 / _fastest_bps(links)),)
     out = []
     for dc in group:
         spec = problem.cluster.dc(dc)
         if problem.gpus[dc] >= replicas:
             bps, latency = spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
             out.append((2 * (replicas - 1) / replicas * 8 / bps, 2 * (replicas - 1) * latency))
-    if len(group) > 1:
-        out.append((8 / _fastest_bps(problem, group), 0.0))
-    return tuple(line for line in set(out) if not any(o != line and o[0] <= line[0] and o[1] <= line[1] for o in out))
+    if links:
+        out.append((8 / _fastest_bps(links), 0.0))
+    return tuple(sorted(set(out)))  # DCs alike give one line
 
 
 def job_floors(problem: Problem) -> Floors:
@@ -336,11 +346,7 @@ def job_floors(problem: Problem) -> Floors:
     one_dc = any(0 < fewest_stages(problem, problem.memory_bytes[dc]) <= problem.gpus[dc] for dc in problem.dcs)
     links = problem.cluster.links
     if not one_dc and links and problem.layers > 1 and job.global_batch % job.batch == 0:
-        sequences = job.global_batch // job.batch
-        least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
-        least = compressed_bytes(least, job.bytes_per_element, job.wan_compression)  # the fewest bytes it may take
-        fastest = max(wan_effective_bps(link, streams_to_fill(link)) for link in links)
-        wan_s = sequences * least * 8 / fastest
+        wan_s = job.global_batch // job.batch * _least_message_s(problem, links)
     return Floors(compute_s, wan_s, min_stages, pipeline_floor(problem))
 
 
