@@ -115,6 +115,7 @@ def _routed_rank(layout: JobLayout, rank: int, store_port: int, keys: dict[int, 
             data=default_corpus_paths(),
             addresses=StoreAddressBook.connect("127.0.0.1", store_port, routed=True),
             link_security=security,
+            threads=1,
             connect_timeout_s=60,
             recv_timeout_s=60,
         )

@@ -73,6 +73,7 @@ def tp_config(tensor_parallel: int = 2, zero: int = 0) -> Config:
 def _rank_main(layout: JobLayout, rank: int, store_port: int, results: Any, steps: int, ckpt_dir: str | None) -> None:
     """One rank process: train ``steps`` steps of ``layout``; hand back its reports and how many parameters
     are shards. With ``ckpt_dir``: resume from its newest checkpoint, and write one at the end."""
+    torch.set_num_threads(1)  # as every agent runs: 4 ranks share the 2 CI cores
     try:
         role = layout.role(rank)
         checkpoints = RankCheckpoints(ckpt_dir, layout, role, every=0, resume=True) if ckpt_dir else None
@@ -226,6 +227,8 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
     run = tmp_path / "run"
     steps = 4
     args = ("launch", str(config), "--plan", "plan.yaml", "--steps", str(steps), "--run-dir", str(run), "--json")
+    if planned_by == "hand, us -> eu":  # calibrating a tp plan's ranks is tested once, with the planner's plan
+        args += ("--no-calibrate",)
     launched = _geosched(*args, cwd=tmp_path, timeout=300)
     assert launched.returncode == 0, launched.stderr[-3000:]
     report = json.loads(launched.stdout.splitlines()[-1])

@@ -50,8 +50,9 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer class a shard records: a sharded optimizer's whole-state class, else its own."""
-    return optimizer.whole_class_name if isinstance(optimizer, ShardedOptimizer) else type(optimizer).__name__
+    """The optimizer class a shard records: the class its whole state is saved as (a sharded optimizer's, or
+    AdamW for one stepping local shards), else its own."""
+    return str(getattr(optimizer, "whole_class_name", type(optimizer).__name__))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

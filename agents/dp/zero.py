@@ -2,8 +2,8 @@
 
 :func:`build_stage_optimizer` picks by ``job.zero`` (Rajbhandari et al. 2020, "ZeRO", arXiv 1910.02054):
 
-- 0: ``torch.optim.AdamW``; the group all-reduces (averages) the gradients (ALL_REDUCE), every
-  replica steps every parameter.
+- 0: ``torch.optim.AdamW`` (:class:`LocalShardAdamW` on a tensor-parallel stage's local shards); the
+  group all-reduces (averages) the gradients (ALL_REDUCE), every replica steps every parameter.
 - 1 (P_os): :class:`ShardedStateAdamW`, torch's ``ZeroRedundancyOptimizer`` over AdamW on the
   stage's DP group. Gradients are still all-reduced; each replica keeps the AdamW state of its
   share of the parameters (whole tensors, balanced by size), steps them and broadcasts them.
@@ -83,7 +83,13 @@ def build_stage_optimizer(
     size = 1 if group is None else group.size if replicas is None else dist.get_world_size(replicas)
     in_group = group if replicas is None else None
     if group is None or size == 1 or zero == 0:
-        return StageOptimizer(torch.optim.AdamW(module.parameters(), lr=lr), in_group)
+        tensor_parallel = any(isinstance(p, DTensor) for p in module.parameters())
+        adamw = (
+            LocalShardAdamW(module.parameters(), lr=lr)
+            if tensor_parallel
+            else torch.optim.AdamW(module.parameters(), lr=lr)
+        )
+        return StageOptimizer(adamw, in_group)
     if zero == 1:
         return StageOptimizer(ShardedStateAdamW(module.parameters(), group, lr=lr, replicas=replicas), in_group)
     sharded = ShardedGradAdamW(module.parameters(), group, lr=lr, replicas=replicas)
@@ -112,6 +118,60 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The single param group's hyperparameters (everything but ``params``)."""
     (group,) = optimizer.param_groups
     return {key: value for key, value in group.items() if key != "params"}
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """ZeRO-0: plain AdamW, stepping a DTensor parameter's local shard (an alias of its storage).
+
+    AdamW is elementwise, so stepping each tp rank's shard is stepping the DTensor. On DTensors, torch's
+    AdamW dispatches every elementwise op of every parameter through DTensor's sharding propagation, whose
+    cache misses every step (the bias-corrected step size is a new scalar): on CPU that was 65 % of a tp 2
+    stage's step. Its state is plain local shards, as ZeRO's is (``agents.tp.whole`` joins them).
+    """
+
+    whole_class_name = "AdamW"
+    """The class its state is saved as: any level loads it."""
+
+    def __init__(self, params: Iterable[nn.Parameter], *, lr: float) -> None:
+        module_params = [p for p in params if p.requires_grad]
+        local_params = [local_tensor(p) for p in module_params]
+        super().__init__(local_params, lr=lr)
+        self.sharded = [(p, t) for p, t in zip(module_params, local_params) if t is not p]  # DTensor, its shard
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step every parameter, a DTensor's shard with the local shard of the DTensor's gradient."""
+        for p, t in self.sharded:
+            t.grad = None if p.grad is None else local_tensor(p.grad)
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the local shards' gradients and the DTensor parameters' own (which backward accumulates into)."""
+        super().zero_grad(set_to_none)
+        _zero_dtensor_grads(self.sharded, set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state whose tensors may be DTensors (``agents.tp.whole``): this optimizer keeps their shards."""
+        super().load_state_dict(_local_state(state_dict))
+
+
+def _zero_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]], set_to_none: bool) -> None:
+    """Zero (or drop) the gradients of the DTensor parameters of (DTensor, its shard) pairs."""
+    for p, _ in sharded:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+
+def _local_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` with each DTensor value replaced by its local shard."""
+    state = {
+        index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+        for index, entry in state_dict["state"].items()
+    }
+    return {"state": state, "param_groups": state_dict["param_groups"]}
 
 
 class ShardedStateAdamW(ZeroRedundancyOptimizer):
@@ -148,12 +208,7 @@ class ShardedStateAdamW(ZeroRedundancyOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the local shards' gradients and the DTensor parameters' own (which backward accumulates into)."""
         super().zero_grad(set_to_none)
-        for p, _ in self.sharded:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        _zero_dtensor_grads(self.sharded, set_to_none)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every replica's state on replica ``to`` (every replica must call it)."""
@@ -174,13 +229,7 @@ class ShardedStateAdamW(ZeroRedundancyOptimizer):
         """Keep this replica's share of a whole-stage AdamW ``state_dict``."""
         # torch's load_state_dict takes the global indexing of the whole stage and drops other ranks' entries;
         # a tensor-parallel stage's state may come as DTensors (agents.tp.whole): this optimizer steps their shards
-        state = {
-            index: {
-                key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()
-            }
-            for index, entry in state_dict["state"].items()
-        }
-        self.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self.load_state_dict(_local_state(state_dict))
 
 
 class ShardedGradAdamW(torch.optim.Optimizer):

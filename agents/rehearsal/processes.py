@@ -56,7 +56,7 @@ class AgentProcesses:
                 "--threads",
                 "1",
                 "--run-dir",
-                str(self.run_dir),
+                str(self.run_dir.resolve()),  # the agents run in the repository root
                 *self.extra_args,
             ]
             with open(self.run_dir / f"agent{role.rank}.log", "ab") as logfile:
