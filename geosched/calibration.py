@@ -131,6 +131,11 @@ class StageTime:
     sync_s: float | None = None
     """The stage's ALL_REDUCE as its agent runs it over ``dp`` co-located replicas (its buckets, gloo's
     per-call cost on this host), seconds per iteration; None: not measured (or ``dp`` 1)."""
+    input_backward_s: float | None = None
+    """The zero-bubble schedule's I pass of this stage as its agent runs it, seconds per sequence (measured
+    when the plan runs ZB-H1 and the stage is not the first); None: priced from ``backward_s``."""
+    weight_backward_s: float | None = None
+    """Its W pass, likewise."""
 
 
 @dataclass(frozen=True)

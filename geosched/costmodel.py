@@ -202,7 +202,11 @@ def stage_compute(
     equal FLOPs (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2:
     ``T_B = T_W``), each ``calibration.backward_split / 2`` of B when measured
     (two autograd passes cost more than one fused backward); the recomputed
-    forward and the tensor-parallel all-reduces belong to the input half. The
+    forward and the tensor-parallel all-reduces belong to the input half. A
+    stage measured whole with its I and W (``StageTime.input_backward_s``) takes
+    those instead: a tensor-parallel stage's I holds its all-reduces and waits,
+    its W only local matrix products (on the demo's tp 2 stages W is a quarter of
+    I + W, not the half that equal FLOPs give). The
     first stage has no input gradient: its I is the whole backward and its W
     nothing, as the stage runtime runs it.
 
@@ -219,6 +223,7 @@ def stage_compute(
     params = stage_params(job, layers, first, last)
     step_params = params / dp if job.zero_stage >= 1 else params
     recompute = job.recompute == "full"
+    whole = None
     if calibration is not None:
         ratio = calibration.tflops / gpu_tflops
         scale = b * ratio
@@ -251,13 +256,15 @@ def stage_compute(
     comm_fwd = 2 * n * tp_allreduce
     comm_bwd = (2 + 2 * recompute) * n * tp_allreduce
     split = calibration.backward_split if calibration is not None and calibration.backward_split else 1.0
-    half = bwd / 2 * split  # I and W each: equal FLOPs, each pass as measured against a fused B
+    i_pass = w_pass = bwd / 2 * split  # I and W each: equal FLOPs, each pass as measured against a fused B
+    if whole is not None and whole.input_backward_s is not None:
+        i_pass, w_pass = whole.input_backward_s * scale, (whole.weight_backward_s or 0.0) * scale
     return StageCompute(
         fwd + comm_fwd,
         bwd + rerun + comm_bwd,
         step,
-        (bwd if first else half) + rerun + comm_bwd,  # the first stage has no input gradient: its I is all of B
-        0.0 if first else half,
+        (bwd if first else i_pass) + rerun + comm_bwd,  # the first stage has no input gradient: its I is all of B
+        0.0 if first else w_pass,
     )
 
 

@@ -117,3 +117,19 @@ def test_collectives_are_measured_between_real_ranks_and_priced_with(tmp_path) -
     nbytes = job.batch * job.model.seq_len * job.model.hidden * job.bytes_per_element
     assert tp_allreduce_s(tp2, dc, cal) == ring_allreduce_s(nbytes, 2, fit.bandwidth_bps, fit.latency_s)
     assert tp_allreduce_s(tp2, dc, cal) != tp_allreduce_s(tp2, dc)
+
+
+def test_a_zero_bubble_plan_measures_each_stage_s_input_and_weight_passes(tmp_path) -> None:
+    """A ZB-H1 plan's later stage, sharded over tp 2, times its I and W as its runtime runs them; they price it."""
+    job = dataclasses.replace(tiny_config(tmp_path).job, schedule="zb1p", tensor_parallel=2)
+    group = RankGroup((1, 2), False, True, tp=2)
+    cal = Calibration.from_dict(calibrate(job, repeats=2, warmup=1, link=False, ranks=[group]))
+    whole = cal.stage_time((1, 2), False, True, 2)
+    assert whole is not None and whole.input_backward_s is not None and whole.weight_backward_s is not None
+    assert whole.input_backward_s > 0 and whole.weight_backward_s > 0
+    priced = stage_compute(job, cal.tflops, (1, 2), False, True, cal)
+    b = job.microbatch_size
+    assert (priced.backward_input_s, priced.backward_weight_s) == (
+        whole.input_backward_s * b,
+        whole.weight_backward_s * b,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from agents.rehearsal.calibrate import block_unit, calibrate, plan_options, plan
 from agents.rehearsal.collective_profile import RankGroup
 from agents.rehearsal.link_profile import SIZE_FACTOR, measure_message_costs, solve_message_terms
 from agents.wanem.emulator import LinkShape
+from geosched.calibration import StageTime
 from geosched.chunking import chunks_per_message
 from geosched.cli import main
 from geosched.config import load_config
@@ -30,7 +32,7 @@ from geosched.costmodel import (
 from geosched.errors import InputError
 from geosched.pipeline_costs import PipelineCosts, message_overhead_s
 from geosched.processes import child_env
-from geosched.profile import check_prediction, measure_activation_bytes, profile_job
+from geosched.profile import check_prediction, measure_activation_bytes, measure_stage, profile_job
 from geosched.schedule import build_schedule, lower, simulate
 
 DEMO = "configs/demo-3dc.yaml"
@@ -173,6 +175,31 @@ def test_the_zero_bubble_passes_are_priced_as_measured_against_a_fused_backward(
     assert (first.backward_input_s, first.backward_weight_s) == (first.backward_s, 0.0)  # no input gradient
     plain = stage_compute(job, 100.0, (1, 2), False, True)  # uncalibrated: equal halves of B
     assert plain.backward_input_s == plain.backward_weight_s == pytest.approx(plain.backward_s / 2)
+
+
+def test_a_stage_measured_with_its_zero_bubble_passes_is_priced_by_them(tmp_path) -> None:
+    """measure_stage(split_backward=True) times I and W as the runtime runs them; a StageTime with them
+    prices the stage's I and W (the block ratio prices only what was not measured whole)."""
+    job = load_config(config_with(tmp_path, TINY)).job
+    timing = measure_stage(
+        job, (1, 2), first=False, last=True, repeats=2, warmup=1, microbatches=2, split_backward=True
+    )
+    assert timing.input_backward_mean_s is not None and timing.weight_backward_mean_s is not None
+    assert timing.input_backward_mean_s > 0 and timing.weight_backward_mean_s > 0 and timing.backward_s > 0
+    first = measure_stage(job, (0, 1), first=True, last=False, repeats=1, warmup=0, split_backward=True)
+    assert first.input_backward_mean_s is None  # token ids: nothing to split off, as the runtime runs it
+    b = job.microbatch_size
+    cal = Calibration.from_dict({**profile_job(job, repeats=1, warmup=0), "backward_split": 2.0})
+    record = {"start": 1, "end": 2, "first": False, "last": True, "forward_s": 1e-3, "backward_s": 2e-3}
+    measured = dataclasses.replace(
+        cal, stage_times=(StageTime(**record, input_backward_s=3e-3, weight_backward_s=5e-4),)
+    )
+    priced = stage_compute(job, cal.tflops, (1, 2), False, True, measured)
+    assert (priced.backward_input_s, priced.backward_weight_s) == pytest.approx((3e-3 * b, 5e-4 * b))
+    assert priced.backward_s == pytest.approx(2e-3 * b)
+    unsplit = dataclasses.replace(cal, stage_times=(StageTime(**record),))  # measured whole, without I and W
+    priced = stage_compute(job, cal.tflops, (1, 2), False, True, unsplit)
+    assert priced.backward_input_s == priced.backward_weight_s == pytest.approx(2e-3 * b)  # B x 2.0 / 2 each
 
 
 def test_old_calibration_files_load_and_fall_back_to_the_traffic_model(tmp_path) -> None:

@@ -168,7 +168,11 @@ def _stage_times(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         step = statistics.median(r["step_s"] for r in rs)
         sync = statistics.median(r["sync_s"] for r in rs) if dp > 1 else None
-        out.append({**record, "tp": tp, "dp": dp, "step_s": step, "sync_s": sync})
+        split = {
+            key: statistics.median(r[key] for r in rs) if all(r.get(key) is not None for r in rs) else None
+            for key in ("input_backward_s", "weight_backward_s")
+        }
+        out.append({**record, "tp": tp, "dp": dp, "step_s": step, "sync_s": sync, **split})
     return out
 
 
@@ -249,6 +253,7 @@ def _measure_rank(group: DataParallelGroup, request: dict[str, Any], barrier: An
         device=str(device),
         microbatches=profile_microbatches(job),
         module=module,
+        split_backward=job.pipeline_schedule == "zb1p",  # its I and W as this stage runs them
     )
     barrier.wait(TIMEOUT_S)
     marks.append(time.perf_counter())
@@ -276,6 +281,8 @@ def _measure_rank(group: DataParallelGroup, request: dict[str, Any], barrier: An
         **asdict(g),
         "forward_s": timing.forward_mean_s / b,
         "backward_s": timing.backward_mean_s / b,
+        "input_backward_s": None if timing.input_backward_mean_s is None else timing.input_backward_mean_s / b,
+        "weight_backward_s": None if timing.weight_backward_mean_s is None else timing.weight_backward_mean_s / b,
         "sync_s": statistics.fmean(syncs),
         "step_s": statistics.fmean(steps),
         "collectives": collectives,
@@ -287,13 +294,14 @@ def _step_parts(
     job: JobSpec, g: RankGroup, module: Any, group: DataParallelGroup, mesh: Any
 ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
     """The stage's optimizer and its ALL_REDUCE, as the stage runtime builds them (``agents.stage.session``)."""
-    if mesh is not None:  # tp: plain AdamW over the local shards, gradients averaged over "dp"
+    if mesh is not None:  # tp: AdamW over the local shards, gradients averaged over "dp"
+        from agents.dp.zero import LocalShardAdamW
         from agents.tp.mesh import average_gradients_over_dp
 
         def over_dp() -> None:
             average_gradients_over_dp(module, mesh)
 
-        return torch.optim.AdamW(module.parameters(), lr=job.learning_rate), over_dp
+        return LocalShardAdamW(module.parameters(), lr=job.learning_rate), over_dp
     if job.zero_stage == 0 or g.dp == 1:  # what build_stage_optimizer gives, without importing ZeRO's
         return torch.optim.AdamW(module.parameters(), lr=job.learning_rate), lambda: group.allreduce_gradients(module)
     from agents.dp.zero import build_stage_optimizer
