@@ -186,7 +186,7 @@ def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_l
 
 def test_checkpoint_of_a_tensor_parallel_stage_is_whole_and_resumes_at_any_tp(tmp_path: Path, reference_losses):
     """tp 2 writes checkpoint 3 (whole stages); tp 2 (re-sharded) and tp 1 resume it and train like one process
-    (3 steps each: tensor parallelism over gloo is slow on CPU; the 10-step equivalence is tested above)."""
+    (3 steps each, to keep CI short; the 10-step equivalence is tested above)."""
     half = 3
     tp2 = parse_layout(layout_plan_text(tp_config(), ["us", "eu"]))
     tp1 = parse_layout(layout_plan_text(tp_config(tensor_parallel=1), ["us", "eu"]))
