@@ -126,23 +126,21 @@ class LocalShardAdamW(torch.optim.AdamW):
     AdamW is elementwise, so stepping each tp rank's shard is stepping the DTensor. On DTensors, torch's
     AdamW dispatches every elementwise op of every parameter through DTensor's sharding propagation, whose
     cache misses every step (the bias-corrected step size is a new scalar): on CPU that was 65 % of a tp 2
-    stage's step. Its state is plain local shards, as ZeRO's is (``agents.tp.whole`` joins them).
+    rank's main-thread samples under py-spy. Its state is plain local shards, as ZeRO's is (``agents.tp.whole``
+    joins them).
     """
 
     whole_class_name = "AdamW"
     """The class its state is saved as: any level loads it."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, lr: float) -> None:
-        module_params = [p for p in params if p.requires_grad]
-        local_params = [local_tensor(p) for p in module_params]
+        local_params, self.sharded = _local_params(params)
         super().__init__(local_params, lr=lr)
-        self.sharded = [(p, t) for p, t in zip(module_params, local_params) if t is not p]  # DTensor, its shard
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step every parameter, a DTensor's shard with the local shard of the DTensor's gradient."""
-        for p, t in self.sharded:
-            t.grad = None if p.grad is None else local_tensor(p.grad)
+        _take_dtensor_grads(self.sharded)
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -153,6 +151,20 @@ class LocalShardAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state whose tensors may be DTensors (``agents.tp.whole``): this optimizer keeps their shards."""
         super().load_state_dict(_local_state(state_dict))
+
+
+def _local_params(params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]:
+    """The trainable parameters as plain tensors (a DTensor's local shard, an alias of its storage), and the
+    (DTensor, its shard) pairs among them."""
+    module_params = [p for p in params if p.requires_grad]
+    local_params = [local_tensor(p) for p in module_params]
+    return local_params, [(p, t) for p, t in zip(module_params, local_params) if t is not p]
+
+
+def _take_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Give each local shard its DTensor's gradient's local shard (the same storage), or None."""
+    for p, t in sharded:
+        t.grad = None if p.grad is None else local_tensor(p.grad)
 
 
 def _zero_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]], set_to_none: bool) -> None:
@@ -190,18 +202,15 @@ class ShardedStateAdamW(ZeroRedundancyOptimizer):
         lr: float,
         replicas: dist.ProcessGroup | None = None,
     ) -> None:
-        module_params = [p for p in params if p.requires_grad]
-        local_params = [local_tensor(p) for p in module_params]  # plain tensors: ZeRO broadcasts them in place
+        local_params, sharded = _local_params(params)  # plain tensors: ZeRO broadcasts them in place
         # the DP group joined the default process group (agents.dp.group), so WORLD is the stage's replicas
         process_group = replicas if replicas is not None else dist.group.WORLD
         super().__init__(local_params, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr)
-        self.group = group
-        self.sharded = [(p, t) for p, t in zip(module_params, local_params) if t is not p]  # DTensor, its shard
+        self.group, self.sharded = group, sharded
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step this replica's share of the parameters, then broadcast every share."""
-        for p, t in self.sharded:  # the local shard's gradient is the DTensor gradient's (same storage)
-            t.grad = None if p.grad is None else local_tensor(p.grad)
+        _take_dtensor_grads(self.sharded)
         with self.group.guard("ZeRO-1 step (parameter broadcast)"):
             return super().step(closure, **kwargs)
 
