@@ -93,6 +93,8 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert report["losses"][-1] < report["losses"][0]
     assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
     assert report["calibrated"] and report["calibration_s"] > 0 and (run / "calibration.json").is_file()
+    # calibrated, so the simulator also ran on this run's own compute times
+    assert report["replayed_iteration_s"] > 0 and report["measured_vs_replayed"] > 0
     assert report["load_average"]["calibration"] >= 0 and report["load_average"]["training"] >= 0  # the host's
     assert 0 < report["bubble_fraction_measured"] < 1
     # us -> eu -> ap: both links carried activations one way and gradients the other

@@ -9,6 +9,7 @@ exercised in test_agent_control.py and test_launch.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,12 +19,13 @@ from agent_helpers import TINY_CONFIG
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from agents.runfolder.messages import message_lines, wan_message_times
-from agents.runfolder.predict import predict, sync_seconds
+from agents.runfolder.predict import predict, replay, sync_seconds
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
 from agents.runfolder.report import collective_sync_s, report_text
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.session import job_schedule
 from agents.worker import metrics_record
+from geosched.calibration import Calibration, StageTime
 from geosched.config import config_from_dict
 from geosched.schedule import timelines_figure
 from geosched.schedule.plot import COLOURS
@@ -143,3 +145,50 @@ def test_the_collective_alone_leaves_out_the_wait_for_a_later_replica() -> None:
     # replica 0 of each stage reached the all-reduce first and waited for replica 1
     reports = [rank(0, 0, 0.200), rank(0, 1, 0.006), rank(1, 0, 0.150), rank(1, 1, 0.008)]
     assert collective_sync_s(reports) == pytest.approx(0.008)  # the slowest stage's last arrival
+
+
+def _reports_from(timeline, layout, forward_scale: float = 1.0) -> dict[int, list[StepReport]]:
+    """Three steps per rank whose events are ``timeline``'s, every F ``forward_scale`` times as long."""
+    out: dict[int, list[StepReport]] = {}
+    for role in layout.roles:
+        events = [
+            e._replace(end=e.start + (e.end - e.start) * (forward_scale if e.kind == "F" else 1.0))
+            for e in timeline.events
+            if e.stage == role.stage
+        ]
+        for step in range(3):
+            out.setdefault(role.rank, []).append(
+                StepReport.from_events(
+                    step=step,
+                    stage=role.stage,
+                    replica=role.replica,
+                    loss=None,
+                    iteration_s=1.0,
+                    started_at=10.0 * step,
+                    events=events,
+                    idle_gaps=[],
+                    bytes_sent={},
+                )
+            )
+    return out
+
+
+def test_replay_feeds_the_run_s_own_compute_times_to_the_simulator() -> None:
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
+    b = layout.job.batch
+    whole = [
+        StageTime(a, z, s == 0, s == layout.num_stages - 1, forward_s=0.01 * (s + 1), backward_s=0.02, step_s=0.003)
+        for s, (a, z) in enumerate(layout.stage_layers)
+    ]
+    cal = Calibration("cpu", 1e-4, 2e-4, 1e-5, 2e-5, 1e-5, 2e-5, tflops=1.0, stage_times=tuple(whole))
+    predicted = predict(layout, 1.0, cal)
+    assert [e.end - e.start for e in predicted.events if e.kind == "F" and e.stage == 1][0] == pytest.approx(0.02 * b)
+    assert replay(layout, 1.0, None, _reports_from(predicted, layout)) is None  # nothing to replay against
+    # the simulator's own compute times replayed: the same timeline
+    same = replay(layout, 1.0, cal, _reports_from(predicted, layout))
+    assert same.iteration_s == pytest.approx(predicted.iteration_s)
+    # every forward took twice as long as calibrated: the replay is the prediction with doubled forwards
+    slow = replay(layout, 1.0, cal, _reports_from(predicted, layout, forward_scale=2.0))
+    doubled = tuple(dataclasses.replace(t, forward_s=2 * t.forward_s) for t in whole)
+    expected = predict(layout, 1.0, dataclasses.replace(cal, stage_times=doubled))
+    assert slow.iteration_s == pytest.approx(expected.iteration_s) and slow.iteration_s > predicted.iteration_s

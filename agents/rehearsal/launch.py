@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes, striped_chunk_bytes
-from agents.runfolder.predict import predict, sync_seconds
+from agents.runfolder.predict import predict, replay, sync_seconds
 from agents.tls.context import client_context, server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -305,12 +305,14 @@ def launch(
         refusals = dict(broker.refusals) if broker is not None else None
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
+    replayed = replay(layout, wan_scale, calibration, reports)
     report = build_report(
         layout,
         reports,
         predicted_iteration_s=predicted.iteration_s,
         predicted_bubble_fraction=predicted.bubble_fraction,
         predicted_sync_s=sync_seconds(predicted),
+        replayed_iteration_s=None if replayed is None else replayed.iteration_s,
         wan_bytes=wan,
         extra={
             "wan_scale": wan_scale,

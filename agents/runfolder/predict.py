@@ -4,7 +4,11 @@
 (``wan_scale``, what a rehearsal's relays emulate) and compute from a
 calibration when given, else the config's GPU FLOP rates (the plan's own
 prediction: ``geosched job start``); :func:`sync_seconds` reads its gradient
-sync (the longest ALL_REDUCE of any stage) for the report. WAN compression is
+sync (the longest ALL_REDUCE of any stage) for the report; :func:`replay` simulates it
+again with each stage's compute as the run measured it, which splits a run's
+measured/predicted into what the calibration's compute got wrong and what the
+schedule, messages and links did (``report.json``'s ``measured_vs_replayed``).
+WAN compression is
 the plan's (``layout.compression``, what the agents run): a plan that
 compresses no link is predicted uncompressed whatever the job allows; where it
 does, the cost model decides again on the rehearsed links and a warning names
@@ -15,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
+    from agents.stage.report import StepReport
     from geosched.config import Config
 
 log = logging.getLogger(__name__)
@@ -73,3 +80,43 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
 def sync_seconds(timeline: Any) -> float:
     """The gradient sync of a Timeline (predicted or measured): its longest ALL_REDUCE over the stages."""
     return max((e.end - e.start for e in timeline.events if e.kind == "ALL_REDUCE"), default=0.0)
+
+
+def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mapping[int, list[StepReport]]) -> Any:
+    """:func:`predict` with every stage's F, B (I and W), and STEP as this run measured them: the mean of
+    each kind over the stage's ranks and steps after the first, in place of the calibration's whole-stage times
+    (messages, links and collectives stay the calibration's). None without a calibration, or when a stage
+    reported no forward."""
+    from geosched.calibration import StageTime
+
+    if calibration is None:
+        return None
+    kinds: dict[int, dict[str, list[float]]] = {}
+    for rank_reports in reports.values():
+        for r in rank_reports[1:]:  # the first step warms up caches and links
+            by_kind = kinds.setdefault(r.stage, {})
+            for e in r.events:
+                by_kind.setdefault(e.kind, []).append(e.end - e.start)
+    b, last = layout.job.batch, layout.num_stages - 1
+    times = {}
+    for s, layers in enumerate(layout.stage_layers):
+        k = kinds.get(s, {})
+        if not k.get("F"):
+            return None
+        i, w = (statistics.fmean(k[x]) if k.get(x) else None for x in ("I", "W"))
+        backward = statistics.fmean(k["B"]) if k.get("B") else (i or 0.0) + (w or 0.0)
+        key = (layers[0], layers[1], s == 0, s == last, layout.job.tp)
+        old = next((t for t in calibration.stage_times if (t.start, t.end, t.first, t.last, t.tp) == key), None)
+        times[key] = StageTime(
+            *key[:4],
+            forward_s=statistics.fmean(k["F"]) / b,
+            backward_s=backward / b,
+            tp=layout.job.tp,
+            dp=layout.dp,
+            step_s=statistics.fmean(k["STEP"]) if k.get("STEP") else None,
+            sync_s=None if old is None else old.sync_s,
+            input_backward_s=None if i is None else i / b,
+            weight_backward_s=None if i is None else (w or 0.0) / b,
+        )
+    kept = tuple(t for t in calibration.stage_times if (t.start, t.end, t.first, t.last, t.tp) not in times)
+    return predict(layout, wan_scale, dataclasses.replace(calibration, stage_times=kept + tuple(times.values())))

@@ -7,7 +7,9 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
 :func:`write_run_folder` writes it and the pictures::
 
     report.json       steps, losses (one per step), predicted_iteration_s,
-                      measured_iteration_s, predicted_sync_s, measured_sync_s
+                      measured_iteration_s, replayed_iteration_s and
+                      measured_vs_replayed (the simulator fed this run's
+                      own compute times), predicted_sync_s, measured_sync_s
                       (the gradient sync), bubble_fraction_measured,
                       bubble_fraction_predicted, wan_bytes (per link direction;
                       layout.wan_compression: the links that travel compressed),
@@ -93,6 +95,7 @@ def build_report(
     predicted_iteration_s: float | None,
     predicted_bubble_fraction: float | None = None,
     predicted_sync_s: float | None = None,
+    replayed_iteration_s: float | None = None,
     wan_bytes: Mapping[str, int] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -131,6 +134,10 @@ def build_report(
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
+        # the simulator again with this run's own compute times (agents.runfolder.predict.replay): what is left
+        # of measured/predicted once the calibration's compute is out of it
+        "replayed_iteration_s": replayed_iteration_s,
+        "measured_vs_replayed": measured / replayed_iteration_s if replayed_iteration_s else None,
         "predicted_sync_s": predicted_sync_s,
         "measured_sync_s": sync,
         "sync_measured_vs_predicted": sync / predicted_sync_s if predicted_sync_s else None,
@@ -265,6 +272,12 @@ def report_text(report: Mapping[str, Any]) -> str:
         + (
             f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
             if predicted
+            else ""
+        )
+        + (
+            f"; with this run's own compute times {report['replayed_iteration_s'] * 1e3:.1f} ms "
+            f"(measured/replayed {report['measured_vs_replayed']:.2f})"
+            if report.get("replayed_iteration_s")
             else ""
         ),
         f"bubbles: measured {100 * report['bubble_fraction_measured']:.1f}%"
