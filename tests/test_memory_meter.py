@@ -61,3 +61,23 @@ def test_saving_leaves_gradients_unchanged() -> None:
     for a, b in zip(module.parameters(), plain.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None
         assert torch.equal(a.grad, b.grad)
+
+
+def test_later_steps_reuse_the_first_step_s_activation_count_without_hooks() -> None:
+    """Counted once (the first step), the activations of a later step are not hooked, and its peak is its
+    state + what the first step held at most."""
+    module, meter = _last_stage()
+    x, targets = torch.randn(2, 32, 64), torch.randint(0, 128, (2, 32))
+    peaks, live_in_forward = [], []
+    for _ in range(3):
+        meter.start_step()
+        with meter.saving():
+            loss = module.loss(module(x), targets)
+        live_in_forward.append(meter.live)
+        loss.backward()
+        meter.optimizer.step()
+        meter.optimizer.zero_grad(set_to_none=False)
+        peaks.append(meter.report()["peak_bytes"])
+    assert live_in_forward[0] == meter.live_peak > 0 and live_in_forward[1:] == [0, 0]  # no hooks after step 1
+    state = meter.state_bytes()  # weights, gradients and Adam moments from the second step on
+    assert peaks[1] == peaks[2] == state + meter.live_peak > peaks[0]
