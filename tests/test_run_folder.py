@@ -38,10 +38,20 @@ def job():
     """The tiny job over us -> eu with dp 2 (4 ranks), its prediction, and three steps of step reports."""
     layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
     predicted = predict(layout)
+    return layout, predicted, _reports_from(predicted, layout)
+
+
+def _reports_from(timeline, layout, forward_scale: float = 1.0) -> dict[int, list[StepReport]]:
+    """Three steps per rank whose events and bubbles are ``timeline``'s, every F ``forward_scale`` times as
+    long."""
     reports: dict[int, list[StepReport]] = {}
     for role in layout.roles:
-        events = [e for e in predicted.events if e.stage == role.stage]
-        gaps = [g for g in predicted.idle_gaps if g.stage == role.stage]
+        events = [
+            e._replace(end=e.start + (e.end - e.start) * (forward_scale if e.kind == "F" else 1.0))
+            for e in timeline.events
+            if e.stage == role.stage
+        ]
+        gaps = [g for g in timeline.idle_gaps if g.stage == role.stage]
         for step in range(3):
             reports.setdefault(role.rank, []).append(
                 StepReport.from_events(
@@ -49,7 +59,7 @@ def job():
                     stage=role.stage,
                     replica=role.replica,
                     loss=5.0 - step if role.last else None,
-                    iteration_s=predicted.iteration_s,
+                    iteration_s=timeline.iteration_s,
                     started_at=1000.0 + 10 * step,
                     events=events,
                     idle_gaps=gaps,
@@ -57,7 +67,7 @@ def job():
                     memory={"peak_bytes": 2000, "state_bytes": 1000},
                 )
             )
-    return layout, predicted, reports
+    return reports
 
 
 def test_predicted_and_measured_share_one_figure_with_link_rows_in_both(job) -> None:
@@ -145,32 +155,6 @@ def test_the_collective_alone_leaves_out_the_wait_for_a_later_replica() -> None:
     # replica 0 of each stage reached the all-reduce first and waited for replica 1
     reports = [rank(0, 0, 0.200), rank(0, 1, 0.006), rank(1, 0, 0.150), rank(1, 1, 0.008)]
     assert collective_sync_s(reports) == pytest.approx(0.008)  # the slowest stage's last arrival
-
-
-def _reports_from(timeline, layout, forward_scale: float = 1.0) -> dict[int, list[StepReport]]:
-    """Three steps per rank whose events are ``timeline``'s, every F ``forward_scale`` times as long."""
-    out: dict[int, list[StepReport]] = {}
-    for role in layout.roles:
-        events = [
-            e._replace(end=e.start + (e.end - e.start) * (forward_scale if e.kind == "F" else 1.0))
-            for e in timeline.events
-            if e.stage == role.stage
-        ]
-        for step in range(3):
-            out.setdefault(role.rank, []).append(
-                StepReport.from_events(
-                    step=step,
-                    stage=role.stage,
-                    replica=role.replica,
-                    loss=None,
-                    iteration_s=1.0,
-                    started_at=10.0 * step,
-                    events=events,
-                    idle_gaps=[],
-                    bytes_sent={},
-                )
-            )
-    return out
 
 
 def test_replay_feeds_the_run_s_own_compute_times_to_the_simulator() -> None:
