@@ -106,7 +106,7 @@ def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mappi
         i, w = (statistics.fmean(k[x]) if k.get(x) else None for x in ("I", "W"))
         backward = statistics.fmean(k["B"]) if k.get("B") else (i or 0.0) + (w or 0.0)
         key = (layers[0], layers[1], s == 0, s == last, layout.job.tp)
-        old = next((t for t in calibration.stage_times if (t.start, t.end, t.first, t.last, t.tp) == key), None)
+        old = calibration.stage_time(layers, s == 0, s == last, layout.job.tp)
         times[key] = StageTime(
             *key[:4],
             forward_s=statistics.fmean(k["F"]) / b,

@@ -23,8 +23,8 @@ every later step runs the same schedule on tensors of the same shapes, so it
 holds the same activations, and its peak is its state + the largest count seen.
 Counting costs: on a tensor-parallel stage each saved DTensor's detach goes
 through DTensor's dispatch, and with the hooks on every step a demo tp 2 stage's
-forward took 16.5 ms of CPU instead of 11.5 (its iteration 0.96 s instead of
-0.74). On
+forward took 16.5 ms of CPU instead of 11.5 (its iteration, median of five
+launches, 0.85 s instead of 0.74). On
 CUDA the allocator's own ``max_memory_allocated`` is reported beside it.
 torch has no allocator statistics for CPU tensors, which is why the counting
 is done here.
