@@ -97,26 +97,30 @@ def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mappi
             by_kind = kinds.setdefault(r.stage, {})
             for e in r.events:
                 by_kind.setdefault(e.kind, []).append(e.end - e.start)
-    b, last = layout.job.batch, layout.num_stages - 1
-    times = {}
+    b, last, tp = layout.job.batch, layout.num_stages - 1, layout.job.tp
+    times = []  # one per stage of the layout: the only stages the simulation looks up
     for s, layers in enumerate(layout.stage_layers):
         k = kinds.get(s, {})
         if not k.get("F"):
             return None
         i, w = (statistics.fmean(k[x]) if k.get(x) else None for x in ("I", "W"))
         backward = statistics.fmean(k["B"]) if k.get("B") else (i or 0.0) + (w or 0.0)
-        key = (layers[0], layers[1], s == 0, s == last, layout.job.tp)
-        old = calibration.stage_time(layers, s == 0, s == last, layout.job.tp)
-        times[key] = StageTime(
-            *key[:4],
-            forward_s=statistics.fmean(k["F"]) / b,
-            backward_s=backward / b,
-            tp=layout.job.tp,
-            dp=layout.dp,
-            step_s=statistics.fmean(k["STEP"]) if k.get("STEP") else None,
-            sync_s=None if old is None else old.sync_s,
-            input_backward_s=None if i is None else i / b,
-            weight_backward_s=None if i is None else (w or 0.0) / b,
+        old = calibration.stage_time(layers, s == 0, s == last, tp)
+        times.append(
+            StageTime(
+                layers[0],
+                layers[1],
+                s == 0,
+                s == last,
+                forward_s=statistics.fmean(k["F"]) / b,
+                backward_s=backward / b,
+                tp=tp,
+                dp=layout.dp,  # the run's STEP was measured at its own dp
+                # the ALL_REDUCE priced as the prediction priced it: measured only if measured at this dp
+                sync_s=old.sync_s if old is not None and old.dp == layout.dp else None,
+                step_s=statistics.fmean(k["STEP"]) if k.get("STEP") else None,
+                input_backward_s=None if i is None else i / b,
+                weight_backward_s=None if i is None else (w or 0.0) / b,
+            )
         )
-    kept = tuple(t for t in calibration.stage_times if (t.start, t.end, t.first, t.last, t.tp) not in times)
-    return predict(layout, wan_scale, dataclasses.replace(calibration, stage_times=kept + tuple(times.values())))
+    return predict(layout, wan_scale, dataclasses.replace(calibration, stage_times=tuple(times)))
