@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from agents.rehearsal.calibrate import calibrate
@@ -133,3 +135,48 @@ def test_a_zero_bubble_plan_measures_each_stage_s_input_and_weight_passes(tmp_pa
         whole.input_backward_s * b,
         whole.weight_backward_s * b,
     )
+
+
+def _calibration_optimizers(group: Any, job: Any) -> dict[int, dict[str, Any]]:
+    """On one rank of a dp 2 x tp 2 group: the optimizer the calibration steps at each ZeRO stage, and whether
+    its ALL_REDUCE and STEP changed the weights."""
+    from agents.rehearsal.collective_profile import _step_parts
+    from agents.tp.mesh import stage_mesh
+    from agents.tp.shard import shard_stage
+    from geosched.model import build_stage
+
+    out = {}
+    g = RankGroup((0, 2), True, True, dp=2, tp=2)
+    for zero in (0, 1, 2):
+        module = build_stage(job.model, 0, 2, first=True, last=True, seed=job.seed)
+        mesh = stage_mesh(2, 2)
+        shard_stage(module, mesh["tp"])
+        optimizer, all_reduce = _step_parts(dataclasses.replace(job, zero=zero), g, module, group, mesh)
+        tokens = torch.randint(0, job.model.vocab, (job.batch, job.model.seq_len + 1), generator=torch.Generator())
+        module.loss(module(tokens[:, :-1]), tokens[:, 1:]).backward()
+        before = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in module.parameters()]
+        all_reduce()
+        optimizer.step()
+        after = [p.to_local() if hasattr(p, "to_local") else p.detach() for p in module.parameters()]
+        out[zero] = {
+            "optimizer": type(optimizer).__name__,
+            "changed": any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_the_calibration_steps_a_tensor_parallel_stage_with_the_job_s_zero_optimizer(tmp_path) -> None:
+    """With tp and replicas, the calibration's STEP is the optimizer the stage runtime builds at the job's ZeRO
+    stage (its state sharded over the mesh's dp group), not plain AdamW over the local shards."""
+    from agents.dp.local_group import run_local_group
+
+    job = tiny_config(tmp_path).job
+    outcomes = run_local_group(_calibration_optimizers, 4, job, timeout_s=60.0, deadline_s=240.0, name="cal-zero")
+    for outcome in outcomes:
+        assert outcome.error is None, f"rank {outcome.rank}: {outcome.error}"
+        assert outcome.value == {
+            0: {"optimizer": "LocalShardAdamW", "changed": True},
+            1: {"optimizer": "ShardedStateAdamW", "changed": True},
+            2: {"optimizer": "ShardedGradAdamW", "changed": True},
+        }

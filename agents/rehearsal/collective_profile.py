@@ -294,14 +294,17 @@ def _step_parts(
     job: JobSpec, g: RankGroup, module: Any, group: DataParallelGroup, mesh: Any
 ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
     """The stage's optimizer and its ALL_REDUCE, as the stage runtime builds them (``agents.stage.session``)."""
-    if mesh is not None:  # tp: AdamW over the local shards, gradients averaged over "dp"
-        from agents.dp.zero import LocalShardAdamW
+    if mesh is not None:  # tp: the state sharded over the mesh's "dp" group at the job's ZeRO stage
+        from agents.dp.zero import build_stage_optimizer
         from agents.tp.mesh import average_gradients_over_dp
 
-        def over_dp() -> None:
-            average_gradients_over_dp(module, mesh)
-
-        return LocalShardAdamW(module.parameters(), lr=job.learning_rate), over_dp
+        built = build_stage_optimizer(
+            module, lr=job.learning_rate, zero=job.zero_stage, group=group, replicas=mesh.get_group("dp")
+        )
+        tp_sync = built.grad_sync  # ZeRO 2: the optimizer reduce-scatters over "dp"
+        if tp_sync is not None:
+            return built.optimizer, lambda: tp_sync.allreduce_gradients(module)
+        return built.optimizer, (lambda: average_gradients_over_dp(module, mesh)) if g.dp > 1 else (lambda: None)
     if job.zero_stage == 0 or g.dp == 1:  # what build_stage_optimizer gives, without importing ZeRO's
         return torch.optim.AdamW(module.parameters(), lr=job.learning_rate), lambda: group.allreduce_gradients(module)
     from agents.dp.zero import build_stage_optimizer
