@@ -171,6 +171,7 @@ class AgentOptions:
     recv_timeout_s: float = 120.0
     wan_chunk_bytes: int = 0
     wan_turns: bool = True  # a stage's replicas take turns on their shared WAN links (agents.stage.turns)
+    time_stage: bool = False  # time the stage in place before step 0, into run_dir (agents.stage.in_place)
     prefill_bind: str | None = None  # serve prefill on this ZeroMQ endpoint (None: off)
     prefill_weights: str | None = None  # weights file or checkpoint folder of the served model (None: seeded)
     prefill_follow: bool = False  # serve each newer checkpoint that completes in the prefill_weights folder

@@ -334,12 +334,16 @@ class RankWorker:
             self._links = dict(session.transport.links) if session.transport is not None else {}
             if self.checkpoints is not None:
                 self.checkpoints.restore(session.module, session.optimizer)
+            timed = not (opts.time_stage and opts.run_dir is not None)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():
                 if steps == CHECKPOINT_NOW:
                     if self.checkpoints is not None:
                         self.checkpoints.save_now(session.start_step, session.module, session.optimizer)
                         self.post("checkpointed", session.start_step)
                     continue
+                if not timed:  # the first steps reach every rank together: so do a tp stage's timed forwards
+                    timed = True
+                    self._time_stage(session)
                 for report in session.train(steps):
                     if out is not None:
                         out.write(json.dumps({"rank": role.rank, **report.to_dict()}) + "\n")
@@ -453,6 +457,24 @@ class RankWorker:
             service.replace_model(frozen(model), f"checkpoint step {new_step} of {folder}")
 
         stack.callback(CheckpointFollower(folder, record, step, serve).start().close)
+
+    def _time_stage(self, session: Any) -> None:
+        """Time the stage where it runs, before its first step (``--time-stage``; agents.stage.in_place)."""
+        import torch
+
+        from agents.stage.in_place import time_stage, write_stage_time
+
+        assert self.opts.run_dir is not None
+        device = session.group.device if session.group is not None else torch.device("cpu")
+        record = time_stage(self.layout.job, self.role, session.mesh, device)
+        path = write_stage_time(self.opts.run_dir, self.role.rank, record)
+        log.info(
+            "rank %d: stage timed in place: F %.2f ms, B %.2f ms a sequence (%s)",
+            self.role.rank,
+            record["forward_s"] * 1e3,
+            record["backward_s"] * 1e3,
+            path,
+        )
 
     def _link_security(self) -> Any:
         """CURVE on the rank's pipeline links from the job's keys (None without ``--keys``)."""

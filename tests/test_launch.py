@@ -95,6 +95,13 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert report["calibrated"] and report["calibration_s"] > 0 and (run / "calibration.json").is_file()
     # calibrated, so the simulator also ran on this run's own compute times
     assert report["replayed_iteration_s"] > 0 and report["measured_vs_replayed"] > 0
+    # each agent timed its stage where it runs, before step 0; the prediction used those times, and the
+    # calibration's own stage times give the second figure
+    for rank in range(3):
+        timed = json.loads((run / f"stage-rank{rank}.json").read_text())
+        assert timed["stage"] == rank and timed["forward_s"] > 0 and timed["backward_s"] > 0, timed
+    assert report["predicted_iteration_s_calibration_only"] > 0
+    assert report["predicted_iteration_s"] != report["predicted_iteration_s_calibration_only"]
     assert report["load_average"]["calibration"] >= 0 and report["load_average"]["training"] >= 0  # the host's
     assert 0 < report["bubble_fraction_measured"] < 1
     # us -> eu -> ap: both links carried activations one way and gradients the other

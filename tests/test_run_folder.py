@@ -19,9 +19,10 @@ from agent_helpers import TINY_CONFIG
 from agents.control.messages import MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
 from agents.runfolder.messages import message_lines, wan_message_times
-from agents.runfolder.predict import predict, replay, sync_seconds
+from agents.runfolder.predict import in_place, predict, replay, sync_seconds
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
 from agents.runfolder.report import collective_sync_s, report_text
+from agents.stage.in_place import write_stage_time
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.session import job_schedule
 from agents.worker import metrics_record
@@ -176,3 +177,29 @@ def test_replay_feeds_the_run_s_own_compute_times_to_the_simulator() -> None:
     doubled = tuple(dataclasses.replace(t, forward_s=2 * t.forward_s) for t in whole)
     expected = predict(layout, 1.0, dataclasses.replace(cal, stage_times=doubled))
     assert slow.iteration_s == pytest.approx(expected.iteration_s) and slow.iteration_s > predicted.iteration_s
+
+
+def test_stage_times_the_agents_took_in_place_price_the_prediction(tmp_path: Path) -> None:
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
+    last = layout.num_stages - 1
+    whole = [
+        StageTime(a, z, s == 0, s == last, forward_s=0.01, backward_s=0.02, dp=2, step_s=0.003, sync_s=0.004)
+        for s, (a, z) in enumerate(layout.stage_layers)
+    ]
+    cal = Calibration("cpu", 1e-4, 2e-4, 1e-5, 2e-5, 1e-5, 2e-5, tflops=1.0, stage_times=tuple(whole))
+    assert in_place(layout, None, tmp_path) is None
+    assert in_place(layout, cal, tmp_path) is cal  # no agent timed its stage: the calibration as it was
+
+    def record(stage: int, layers: tuple[int, int], forward_s: float) -> dict:
+        split = {"input_backward_s": None, "weight_backward_s": None}
+        return {"stage": stage, "layers": list(layers), "first": stage == 0, "last": stage == last, "tp": 1,
+                "forward_s": forward_s, "backward_s": 0.02, **split}  # fmt: skip
+
+    a, z = layout.stage_layers[last]
+    records = [record(last, (a, z), 0.25), record(last, (a, z), 0.75), record(last, (a, z - 1), 9.0)]
+    for rank, rec in enumerate(records):  # two replicas timed the last stage; the third entry is another stage
+        write_stage_time(tmp_path, rank, rec)
+    timed = in_place(layout, cal, tmp_path)
+    expected = tuple(dataclasses.replace(t, forward_s=0.5) if t.last else t for t in whole)  # the median
+    assert timed.stage_times == expected  # the ALL_REDUCE and STEP stay the calibration's (measured at dp 2)
+    assert predict(layout, 1.0, timed).iteration_s > predict(layout, 1.0, cal).iteration_s

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes, striped_chunk_bytes
-from agents.runfolder.predict import predict, replay, sync_seconds
+from agents.runfolder.predict import in_place, predict, replay, sync_seconds
 from agents.tls.context import client_context, server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -175,7 +175,7 @@ def launch(
     steps = steps or layout.job.steps
     run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
     run.mkdir(parents=True, exist_ok=True)
-    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json")]:
+    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
         old.unlink()
     (run / "plan.yaml").write_text(text)
     calibration_s = None
@@ -184,7 +184,6 @@ def launch(
         calibration = calibrate(layout, wan_scale, run / "calibration.json")
         calibration_s = time.monotonic() - began
     load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
-    predicted = predict(layout, wan_scale, calibration)
     relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
         checkpoint_dir, checkpoint_every = run / "checkpoints", checkpoint_every or 1
@@ -202,7 +201,7 @@ def launch(
             broker.start()
             stack.callback(broker.stop)
             mqtt = broker.url
-        chunk_args: list[str] = []
+        chunk_args: list[str] = [] if calibration is None else ["--time-stage"]  # stage compute as the agents run
         if keys is not None:
             chunk_args += ["--keys", str(keys.directory.resolve())]  # the agents run in the repository root
         if checkpoint_dir is not None:
@@ -295,7 +294,6 @@ def launch(
         text, agents = recovering.train(text, steps)
         if recovering.recoveries:
             layout = parse_layout(text)
-            predicted = predict(layout, wan_scale, calibration)
         wall_s = time.monotonic() - started
         load_trained = _load_average()
         if load is not None:
@@ -305,6 +303,8 @@ def launch(
         refusals = dict(broker.refusals) if broker is not None else None
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
+    separate = predict(layout, wan_scale, calibration)  # the calibration's own stage times
+    predicted = predict(layout, wan_scale, in_place(layout, calibration, run))  # and as the agents timed them
     replayed = replay(layout, wan_scale, calibration, reports)
     report = build_report(
         layout,
@@ -313,6 +313,7 @@ def launch(
         predicted_bubble_fraction=predicted.bubble_fraction,
         predicted_sync_s=sync_seconds(predicted),
         replayed_iteration_s=None if replayed is None else replayed.iteration_s,
+        calibration_only_iteration_s=separate.iteration_s,
         wan_bytes=wan,
         extra={
             "wan_scale": wan_scale,

@@ -18,9 +18,12 @@ any link where it decides otherwise.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -87,8 +90,6 @@ def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mappi
     each kind over the stage's ranks and steps after the first, in place of the calibration's whole-stage times
     (messages, links and collectives stay the calibration's). None without a calibration, or when a stage
     reported no forward."""
-    from geosched.calibration import StageTime
-
     if calibration is None:
         return None
     kinds: dict[int, dict[str, list[float]]] = {}
@@ -97,30 +98,82 @@ def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mappi
             by_kind = kinds.setdefault(r.stage, {})
             for e in r.events:
                 by_kind.setdefault(e.kind, []).append(e.end - e.start)
-    b, last, tp = layout.job.batch, layout.num_stages - 1, layout.job.tp
-    times = []  # one per stage of the layout: the only stages the simulation looks up
-    for s, layers in enumerate(layout.stage_layers):
+    b = layout.job.batch
+    computes = []
+    for s in range(layout.num_stages):
         k = kinds.get(s, {})
         if not k.get("F"):
             return None
         i, w = (statistics.fmean(k[x]) if k.get(x) else None for x in ("I", "W"))
         backward = statistics.fmean(k["B"]) if k.get("B") else (i or 0.0) + (w or 0.0)
-        old = calibration.stage_time(layers, s == 0, s == last, tp)
-        times.append(
-            StageTime(
-                layers[0],
-                layers[1],
-                s == 0,
-                s == last,
-                forward_s=statistics.fmean(k["F"]) / b,
-                backward_s=backward / b,
-                tp=tp,
-                dp=layout.dp,  # the run's STEP was measured at its own dp
-                # the ALL_REDUCE priced as the prediction priced it: measured only if measured at this dp
-                sync_s=old.sync_s if old is not None and old.dp == layout.dp else None,
-                step_s=statistics.fmean(k["STEP"]) if k.get("STEP") else None,
-                input_backward_s=None if i is None else i / b,
-                weight_backward_s=None if i is None else (w or 0.0) / b,
-            )
+        computes.append(
+            {
+                "forward_s": statistics.fmean(k["F"]) / b,
+                "backward_s": backward / b,
+                "input_backward_s": None if i is None else i / b,
+                "weight_backward_s": None if i is None else (w or 0.0) / b,
+                "step_s": statistics.fmean(k["STEP"]) if k.get("STEP") else None,  # measured at the run's dp
+            }
         )
-    return predict(layout, wan_scale, dataclasses.replace(calibration, stage_times=tuple(times)))
+    return predict(layout, wan_scale, with_stage_compute(layout, calibration, computes))
+
+
+def in_place(layout: JobLayout, calibration: Any, run_dir: str | os.PathLike[str]) -> Any:
+    """``calibration`` with each stage's F, B (I and W) as its agents timed it where they run, before step 0
+    (``stage-rank<R>.json``: :mod:`agents.stage.in_place`), the median over the stage's ranks; the stages no
+    rank timed keep the calibration's. None stays None."""
+    if calibration is None:
+        return None
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(Path(run_dir).glob("stage-rank*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if tuple(record["layers"]) == layout.stage_layers[record["stage"]] and record["tp"] == layout.job.tp:
+            by_stage.setdefault(record["stage"], []).append(record)  # a recovered plan's stages may differ
+    computes: list[dict[str, Any] | None] = []
+    for s in range(layout.num_stages):
+        records = by_stage.get(s)
+        if not records:
+            computes.append(None)
+            continue
+        median = {k: statistics.median(r[k] for r in records) for k in ("forward_s", "backward_s")}
+        for k in ("input_backward_s", "weight_backward_s"):
+            values = [r[k] for r in records if r[k] is not None]
+            median[k] = statistics.median(values) if len(values) == len(records) else None
+        computes.append(median)
+    if not any(computes):
+        return calibration
+    return with_stage_compute(layout, calibration, computes)
+
+
+def with_stage_compute(layout: JobLayout, calibration: Any, computes: Sequence[Mapping[str, Any] | None]) -> Any:
+    """``calibration`` whose stage times for the layout's stages (the only ones the simulation looks up) have
+    the given compute (per stage: ``forward_s``, ``backward_s``, ``input_backward_s``, ``weight_backward_s`` per
+    sequence, optionally ``step_s``; None keeps the calibration's). The ALL_REDUCE, and a STEP not given, stay
+    the calibration's, as the prediction priced them: only when measured at the layout's dp."""
+    from geosched.calibration import StageTime
+
+    last, tp, dp = layout.num_stages - 1, layout.job.tp, layout.dp
+    times = []
+    for s, (layers, compute) in enumerate(zip(layout.stage_layers, computes, strict=True)):
+        old = calibration.stage_time(layers, s == 0, s == last, tp)
+        if compute is None:
+            times += [old] if old is not None else []
+            continue
+        same_dp = old is not None and old.dp == dp
+        step = compute.get("step_s")
+        new = StageTime(
+            layers[0],
+            layers[1],
+            s == 0,
+            s == last,
+            forward_s=compute["forward_s"],
+            backward_s=compute["backward_s"],
+            tp=tp,
+            dp=dp,
+            sync_s=old.sync_s if same_dp else None,
+            step_s=step if step is not None else old.step_s if same_dp else None,
+            input_backward_s=compute["input_backward_s"],
+            weight_backward_s=compute["weight_backward_s"],
+        )
+        times.append(new)
+    return dataclasses.replace(calibration, stage_times=tuple(times))

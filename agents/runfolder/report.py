@@ -9,7 +9,9 @@ layout and the prediction. :func:`build_report` makes the JSON-ready dict;
     report.json       steps, losses (one per step), predicted_iteration_s,
                       measured_iteration_s, replayed_iteration_s and
                       measured_vs_replayed (the simulator fed this run's
-                      own compute times), predicted_sync_s, measured_sync_s
+                      own compute times), predicted_iteration_s_calibration_only
+                      (with the calibration's stage times where the agents
+                      timed theirs in place), predicted_sync_s, measured_sync_s
                       (the gradient sync), bubble_fraction_measured,
                       bubble_fraction_predicted, wan_bytes (per link direction;
                       layout.wan_compression: the links that travel compressed),
@@ -96,6 +98,7 @@ def build_report(
     predicted_bubble_fraction: float | None = None,
     predicted_sync_s: float | None = None,
     replayed_iteration_s: float | None = None,
+    calibration_only_iteration_s: float | None = None,
     wan_bytes: Mapping[str, int] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -138,6 +141,12 @@ def build_report(
         # of measured/predicted once the calibration's compute is out of it
         "replayed_iteration_s": replayed_iteration_s,
         "measured_vs_replayed": measured / replayed_iteration_s if replayed_iteration_s else None,
+        # the prediction with the separate calibration's stage times, where the agents timed their own in place
+        # (agents.stage.in_place): the same as predicted when they did not
+        "predicted_iteration_s_calibration_only": calibration_only_iteration_s,
+        "measured_vs_predicted_calibration_only": (
+            measured / calibration_only_iteration_s if calibration_only_iteration_s else None
+        ),
         "predicted_sync_s": predicted_sync_s,
         "measured_sync_s": sync,
         "sync_measured_vs_predicted": sync / predicted_sync_s if predicted_sync_s else None,
@@ -272,6 +281,13 @@ def report_text(report: Mapping[str, Any]) -> str:
         + (
             f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
             if predicted
+            else ""
+        )
+        + (
+            f"; with the calibration's stage times {report['predicted_iteration_s_calibration_only'] * 1e3:.1f} ms"
+            f" (measured/that {report['measured_vs_predicted_calibration_only']:.2f})"
+            if report.get("predicted_iteration_s_calibration_only")
+            and report["predicted_iteration_s_calibration_only"] != predicted
             else ""
         )
         + (

@@ -118,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes per WAN link chunk (0: the link picks; smaller stripes small messages over more TCP streams)",
     )
     parser.add_argument(
+        "--time-stage",
+        action="store_true",
+        help="before the first step, time this rank's stage whole where it runs and write "
+        "RUN_DIR/stage-rank<R>.json (what geosched launch predicts the run with)",
+    )
+    parser.add_argument(
         "--no-wan-turns",
         dest="wan_turns",
         action="store_false",
@@ -267,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         wan_chunk_bytes=args.wan_chunk_bytes,
         wan_turns=args.wan_turns,
+        time_stage=args.time_stage,
         prefill_bind=args.prefill_bind,
         prefill_weights=prefill_weights,
         prefill_follow=args.prefill_follow_checkpoints,
