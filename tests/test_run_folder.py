@@ -199,7 +199,10 @@ def test_stage_times_the_agents_took_in_place_price_the_prediction(tmp_path: Pat
     records = [record(last, (a, z), 0.25), record(last, (a, z), 0.75), record(last, (a, z - 1), 9.0)]
     for rank, rec in enumerate(records):  # two replicas timed the last stage; the third entry is another stage
         write_stage_time(tmp_path, rank, rec)
-    timed = in_place(layout, cal, tmp_path)
+    bad = {"stage": 0, "layers": list(layout.stage_layers[0]), "tp": 1, "forward_s": "fast", "backward_s": 0.1}
+    (tmp_path / "stage-rank7.json").write_text(json.dumps(bad))
+    (tmp_path / "stage-rank8.json").write_text("{not json")
+    timed = in_place(layout, cal, tmp_path)  # the two files no agent wrote are left out, with a warning each
     expected = tuple(dataclasses.replace(t, forward_s=0.5) if t.last else t for t in whole)  # the median
     assert timed.stage_times == expected  # the ALL_REDUCE and STEP stay the calibration's (measured at dp 2)
     assert predict(layout, 1.0, timed).iteration_s > predict(layout, 1.0, cal).iteration_s

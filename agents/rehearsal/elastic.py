@@ -264,7 +264,8 @@ def set_aside(run_dir: Path) -> Path:
     n = 1 + sum(1 for _ in run_dir.glob("attempt-*"))
     folder = run_dir / f"attempt-{n}"
     folder.mkdir()
-    for path in [*run_dir.glob("rank*.jsonl"), *run_dir.glob("prefill-rank*.json"), run_dir / "plan.yaml"]:
+    attempt = [*run_dir.glob("rank*.jsonl"), *run_dir.glob("prefill-rank*.json"), *run_dir.glob("stage-rank*.json")]
+    for path in [*attempt, run_dir / "plan.yaml"]:
         if path.exists():
             path.rename(folder / path.name)
     return folder

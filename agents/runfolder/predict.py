@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -126,9 +127,13 @@ def in_place(layout: JobLayout, calibration: Any, run_dir: str | os.PathLike[str
         return None
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(Path(run_dir).glob("stage-rank*.json")):
-        record = json.loads(path.read_text(encoding="utf-8"))
-        if tuple(record["layers"]) == layout.stage_layers[record["stage"]] and record["tp"] == layout.job.tp:
-            by_stage.setdefault(record["stage"], []).append(record)  # a recovered plan's stages may differ
+        try:
+            found = _stage_record(json.loads(path.read_text(encoding="utf-8")), layout)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # not what an agent writes: priced without it
+            log.warning("%s: not a stage time (%s); that rank's stage keeps the calibration's", path, exc)
+            continue
+        if found is not None:
+            by_stage.setdefault(found[0], []).append(found[1])
     computes: list[dict[str, Any] | None] = []
     for s in range(layout.num_stages):
         records = by_stage.get(s)
@@ -143,6 +148,22 @@ def in_place(layout: JobLayout, calibration: Any, run_dir: str | os.PathLike[str
     if not any(computes):
         return calibration
     return with_stage_compute(layout, calibration, computes)
+
+
+def _stage_record(record: dict[str, Any], layout: JobLayout) -> tuple[int, dict[str, Any]] | None:
+    """(stage, its F, B, I, W seconds) of one ``stage-rank<R>.json``; None for a stage this layout does not have
+    (a recovered plan's may differ). ValueError (or KeyError, TypeError) for anything else than an agent writes."""
+    s = record["stage"]
+    if not (0 <= s < layout.num_stages and tuple(record["layers"]) == layout.stage_layers[s]):
+        return None
+    if record["tp"] != layout.job.tp:
+        return None
+    times: dict[str, float | None] = {k: float(record[k]) for k in ("forward_s", "backward_s")}
+    for k in ("input_backward_s", "weight_backward_s"):
+        times[k] = None if record.get(k) is None else float(record[k])
+    if not all(math.isfinite(v) and v >= 0 for v in times.values() if v is not None):
+        raise ValueError(f"times must be finite and >= 0 (got {times})")
+    return s, times
 
 
 def with_stage_compute(layout: JobLayout, calibration: Any, computes: Sequence[Mapping[str, Any] | None]) -> Any:
