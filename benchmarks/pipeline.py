@@ -30,8 +30,8 @@ rounds of that round's ratio; the per-round ratios are in the JSON.
 Iteration time = median over the measured steps (after warm-up) of each step's
 longest span over the ranks; the mean wall time per step is in the JSON too.
 
-(c) Every plan variant of the demo config launched (:mod:`variants`; not in ``--quick``):
-    ``equivalence_max_abs_loss_diff`` (to one process) and ``measured_vs_predicted_by_variant``.
+(c) Every plan variant of the demo config launched, three times each (:mod:`variants`; not in ``--quick``):
+    ``equivalence_max_abs_loss_diff`` (to one process) and ``measured_vs_predicted_by_variant`` (medians).
 
     python benchmarks/pipeline.py --quick          # under a minute
     python benchmarks/pipeline.py --json           # last line: one JSON object

@@ -11,14 +11,18 @@ agents timed it where they run, before step 0; also with the calibration's stage
 measured/replayed: the simulator fed the run's own compute times), gradient
 sync (its ALL_REDUCE: the WAN part with data parallelism across DCs; the
 slowest rank's, and the collective alone, without waiting for later replicas) and
-peak memory, and how long the launch's calibration took. :mod:`pipeline` adds the aggregates
-``equivalence_max_abs_loss_diff`` and ``measured_vs_predicted_by_variant``.
+peak memory, and how long the launch's calibration took. Each variant is launched ``--rounds`` times
+(default 3), the variants taking turns, and its ratios are the medians over its launches (each
+launch's are in ``rounds``): on the 2-core host one launch of a tp plan moves by about 15 % on its
+own. :mod:`pipeline` adds the aggregates ``equivalence_max_abs_loss_diff`` and
+``measured_vs_predicted_by_variant``.
 
-    python benchmarks/variants.py --quick    # one variant (zb1p), 3 steps
+    python benchmarks/variants.py --quick    # one variant (zb1p), one launch of 3 steps
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -79,24 +83,47 @@ def run_variant(name: str, steps: int, folder: Path) -> dict[str, Any]:
     }
 
 
-def run_variants(names: tuple[str, ...], steps: int) -> dict[str, dict[str, Any]]:
-    """:func:`run_variant` for each name, printing a line per variant."""
-    out = {}
+RATIOS = ("measured_vs_predicted", "measured_vs_predicted_calibration_only", "measured_vs_replayed")
+"""The per-launch ratios a variant reports as medians over its rounds (each round's in ``rounds``)."""
+
+
+def run_variants(names: tuple[str, ...], steps: int, rounds: int = 3) -> dict[str, dict[str, Any]]:
+    """:func:`run_variant` for each name, ``rounds`` times (the variants take turns, so the host's drift
+    spreads over all of them), printing a line per launch. Per variant: the first launch's detail, with
+    :data:`RATIOS` the medians over its launches, ``max_abs_loss_diff`` the largest, and ``rounds`` each
+    launch's figures."""
+    launches: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="geosched-variants-") as tmp:
-        for name in names:
-            one = out[name] = run_variant(name, steps, Path(tmp))
-            print(
-                f"variant {name:<12} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, measured/"
-                f"predicted {one['measured_vs_predicted']:.2f} (calibration only "
-                f"{_ratio(one['measured_vs_predicted_calibration_only'])}, "
-                f"replayed {_ratio(one['measured_vs_replayed'])}, "
-                f"sync {_ratio(one['sync_measured_vs_predicted'])}, "
-                f"collective {_ratio(one['sync_collective_measured_vs_predicted'])}), "
-                f"memory {one['memory_measured_vs_predicted_max']:.2f}, load average calibrating "
-                f"{_load(one['load_average']['calibration'])} training {_load(one['load_average']['training'])}",
-                flush=True,
-            )
+        for r in range(rounds):
+            for name in names:
+                folder = Path(tmp) / f"round{r}"
+                folder.mkdir(exist_ok=True)
+                one = run_variant(name, steps, folder)
+                launches[name].append(one)
+                _print_launch(name, r, one)
+    out = {}
+    for name, runs in launches.items():
+        out[name] = {
+            **runs[0],
+            **{key: statistics.median(run[key] for run in runs) for key in RATIOS},
+            "max_abs_loss_diff": max(run["max_abs_loss_diff"] for run in runs),
+            "rounds": [{key: run[key] for key in ("max_abs_loss_diff", *RATIOS)} for run in runs],
+        }
     return out
+
+
+def _print_launch(name: str, r: int, one: dict[str, Any]) -> None:
+    print(
+        f"variant {name:<12} round {r + 1} {one['plan'][:60]:<60} loss diff {one['max_abs_loss_diff']:.2e}, "
+        f"measured/predicted {one['measured_vs_predicted']:.2f} (calibration only "
+        f"{_ratio(one['measured_vs_predicted_calibration_only'])}, "
+        f"replayed {_ratio(one['measured_vs_replayed'])}, "
+        f"sync {_ratio(one['sync_measured_vs_predicted'])}, "
+        f"collective {_ratio(one['sync_collective_measured_vs_predicted'])}), "
+        f"memory {one['memory_measured_vs_predicted_max']:.2f}, load average calibrating "
+        f"{_load(one['load_average']['calibration'])} training {_load(one['load_average']['training'])}",
+        flush=True,
+    )
 
 
 def _ratio(value: float | None) -> str:
@@ -110,8 +137,12 @@ def _load(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "one variant (zb1p), 3 steps (under a minute)")
     parser.add_argument("--steps", type=int, help="steps per variant (default 8, quick 3)")
+    parser.add_argument("--rounds", type=int, help="launches per variant, figures the medians (default 3, quick 1)")
     args = parser.parse_args(argv)
-    results = run_variants(QUICK if args.quick else tuple(VARIANTS), args.steps or (3 if args.quick else 8))
+    rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1 (got {rounds})")
+    results = run_variants(QUICK if args.quick else tuple(VARIANTS), args.steps or (3 if args.quick else 8), rounds)
     emit({"variants": results, **aggregates(results)}, args.json)
     return 0
 
@@ -119,10 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 def aggregates(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``equivalence_max_abs_loss_diff`` over the variants, and per variant ``measured_vs_predicted``,
     ``measured_vs_predicted_calibration_only`` and ``measured_vs_replayed`` (``<key>_by_variant``)."""
-    keys = ("measured_vs_predicted", "measured_vs_predicted_calibration_only", "measured_vs_replayed")
     return {
         "equivalence_max_abs_loss_diff": max((r["max_abs_loss_diff"] for r in results.values()), default=None),
-        **{f"{key}_by_variant": {name: r[key] for name, r in results.items()} for key in keys},
+        **{f"{key}_by_variant": {name: r[key] for name, r in results.items()} for key in RATIOS},
     }
 
 
