@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes, striped_chunk_bytes
-from agents.runfolder.predict import in_place, predict, replay, sync_seconds
+from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.tls.context import client_context, server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -304,7 +304,9 @@ def launch(
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
     separate = predict(layout, wan_scale, calibration)  # the calibration's own stage times
-    predicted = predict(layout, wan_scale, in_place(layout, calibration, run))  # and as the agents timed them
+    predicted = predict(
+        layout, wan_scale, with_stages_timed_in_place(layout, calibration, run)
+    )  # and as the agents timed them
     replayed = replay(layout, wan_scale, calibration, reports)
     report = build_report(
         layout,

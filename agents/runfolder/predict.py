@@ -7,7 +7,9 @@ prediction: ``geosched job start``); :func:`sync_seconds` reads its gradient
 sync (the longest ALL_REDUCE of any stage) for the report; :func:`replay` simulates it
 again with each stage's compute as the run measured it, which splits a run's
 measured/predicted into what the calibration's compute got wrong and what the
-schedule, messages and links did (``report.json``'s ``measured_vs_replayed``).
+schedule, messages and links did (``report.json``'s ``measured_vs_replayed``);
+:func:`with_stages_timed_in_place` gives a calibration the stage times the agents took where they
+run, before step 0 (``stage-rank<R>.json``), which ``geosched launch`` predicts the run with.
 WAN compression is
 the plan's (``layout.compression``, what the agents run): a plan that
 compresses no link is predicted uncompressed whatever the job allows; where it
@@ -119,7 +121,7 @@ def replay(layout: JobLayout, wan_scale: float, calibration: Any, reports: Mappi
     return predict(layout, wan_scale, with_stage_compute(layout, calibration, computes))
 
 
-def in_place(layout: JobLayout, calibration: Any, run_dir: str | os.PathLike[str]) -> Any:
+def with_stages_timed_in_place(layout: JobLayout, calibration: Any, run_dir: str | os.PathLike[str]) -> Any:
     """``calibration`` with each stage's F, B (I and W) as its agents timed it where they run, before step 0
     (``stage-rank<R>.json``: :mod:`agents.stage.in_place`), the median over the stage's ranks; the stages no
     rank timed keep the calibration's. None stays None."""

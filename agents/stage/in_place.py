@@ -15,7 +15,7 @@ generator. Every tp rank of a stage must time it at the same moment (its
 forwards are collectives): the worker does it when the first steps are asked
 for, which reach every rank together.
 
-:func:`agents.runfolder.predict.in_place_stage_times` reads the files back for
+:func:`agents.runfolder.predict.with_stages_timed_in_place` reads the files back for
 the run's prediction.
 
     record = time_stage(job, role, session.mesh, device)   # {"forward_s": ..., "backward_s": ..., ...}
