@@ -168,7 +168,7 @@ class ElasticJob:
         original = text
         layout, config, first = parse_layout(text), self.config, 0
         agents = self.start_agents(layout, False)
-        while True:
+        while first < steps:  # once the newest complete checkpoint holds every step, nothing is left to run
             try:
                 if self.returning.after_s is None:
                     self.run(text, steps - first)
