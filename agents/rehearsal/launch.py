@@ -303,10 +303,9 @@ def launch(
         refusals = dict(broker.refusals) if broker is not None else None
         wan = relays.wan_bytes()
     reports = load_rank_reports(run)
-    separate = predict(layout, wan_scale, calibration)  # the calibration's own stage times
-    predicted = predict(
-        layout, wan_scale, with_stages_timed_in_place(layout, calibration, run)
-    )  # and as the agents timed them
+    timed = with_stages_timed_in_place(layout, calibration, run)  # the stages as the agents timed them
+    predicted = predict(layout, wan_scale, timed)
+    separate = predicted if timed is calibration else predict(layout, wan_scale, calibration)  # calibration's own
     replayed = replay(layout, wan_scale, calibration, reports)
     report = build_report(
         layout,
