@@ -7,9 +7,11 @@ bandwidths bits/s.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
+from geosched.chunking import chunks_per_message, wire_bytes
 from geosched.config import DatacenterSpec, WanLinkSpec
 from geosched.schedule import Transfer
 
@@ -26,20 +28,96 @@ def wan_effective_bps(link: WanLinkSpec, streams: int) -> float:
     return min(link.bandwidth_gbps, streams * link.per_connection_gbps) * 1e9
 
 
+def connection_window_bytes(bandwidth_bps: float, per_connection_bps: float, rtt_s: float) -> float | None:
+    """The window that gives one connection ``per_connection_bps`` on a link of ``bandwidth_bps``; None: no limit.
+
+    A connection keeps at most a window of W bytes unacknowledged, and a window's acknowledgement returns
+    ``rtt_s`` after its last byte left the link (``W / B`` after its first): one connection alone moves
+    ``W / (RTT + W / B)``, so ``W = c x RTT / (1 - c / B)``. One connection that reaches the link's rate
+    (c >= B), or no round trip (RTT 0), needs no window. The WAN emulator shapes its connections so
+    (:func:`agents.wanem.emulator.shape_for_link`) and :func:`window_tail_s` prices it.
+    """
+    if rtt_s <= 0 or per_connection_bps >= bandwidth_bps:
+        return None
+    return per_connection_bps / 8 * rtt_s / (1 - per_connection_bps / bandwidth_bps)
+
+
+STREAM_HEADROOM = 1.25
+"""Connections beyond those that just fill a link: with exactly ``B / c`` of them the windows in flight hold one
+round trip of the link and nothing more, so any acknowledgement that comes back late idles it (measured through
+the WAN emulator: a sync over a demo link's 4 streams ran at 0.87 of its rate, over 5 at 0.96)."""
+
+
 def streams_to_fill(link: WanLinkSpec) -> int:
-    """Fewest connections that fill the link: ``ceil(B / per-connection)``, capped at ``max_streams``."""
-    return max(1, min(link.max_streams, math.ceil(link.bandwidth_gbps / link.per_connection_gbps - 1e-9)))
+    """Connections that fill the link with room to spare: ``ceil(STREAM_HEADROOM x B / per-connection)``, capped at
+    ``max_streams``. More streams never slow a transfer (egress is priced per byte), and a message's stripes
+    are smaller: fewer window round trips (:func:`window_tail_s`)."""
+    need = STREAM_HEADROOM * link.bandwidth_gbps / link.per_connection_gbps
+    return max(1, min(link.max_streams, math.ceil(need - 1e-9)))
 
 
-def wan_transfer(link: WanLinkSpec, nbytes: int, streams: int, sharing: int) -> Transfer:
+def wan_transfer(
+    link: WanLinkSpec, nbytes: int, streams: int, sharing: int, slices: int = 1, *, exact: bool = True
+) -> Transfer:
     """A message of ``nbytes`` per pipeline crossing ``link``, shared by ``sharing`` pipelines.
 
     The data-parallel pipelines take turns on the link (Atlas, sec. 4.2) rather
     than each getting a slice at once, so one microbatch's boundary occupies the
-    link for ``sharing x bytes x 8 / effective_bps`` and arrives ``RTT/2`` later.
+    link for ``sharing x bytes x 8 / effective_bps`` and arrives ``RTT/2`` later,
+    plus the round trips a per-connection window adds to it (:func:`window_tail_s`;
+    each pipeline's message sent as ``slices`` parts, one per tensor-parallel rank);
+    the bytes are those on the wire, each chunk's header too
+    (:func:`geosched.chunking.wire_bytes`). A lower bound may price the payload
+    alone at the fluid rate (``exact=False``: neither is monotonic in the size).
     """
-    occupancy = sharing * nbytes * 8 / wan_effective_bps(link, streams)
-    return Transfer(link=None, occupancy_s=occupancy, latency_s=link.rtt_ms / 2000)
+    part = -(-nbytes // max(1, slices))  # each slice goes on its own rank's link
+    wire = wire_bytes(part, streams) if nbytes > 0 and exact else part
+    parts = sharing * max(1, slices)
+    occupancy = parts * wire * 8 / wan_effective_bps(link, streams)
+    tail = 0.0
+    if exact and nbytes > 0:
+        stripes = min(streams, chunks_per_message(part, streams))
+        tail = window_tail_s(link, occupancy, wire / stripes, parts * stripes)
+    return Transfer(link=None, occupancy_s=occupancy, latency_s=link.rtt_ms / 2000 + tail)
+
+
+def window_tail_s(link: WanLinkSpec, fluid_s: float, stripe_bytes: float, connections: int) -> float:
+    """What per-connection windows add to a message's fluid time ``fluid_s`` on an idle link (0 when nothing).
+
+    A TCP connection keeps at most a window W unacknowledged (what limits it to its per-connection
+    rate, Mathis et al. 1997: :func:`connection_window_bytes`), and an acknowledgement returns a
+    round trip after its bytes left the link's queue. A message whose stripe on a stream is more than
+    one window waits for those round trips: the ``connections`` stripes of ``stripe_bytes`` on the
+    wire (every pipeline's and tensor-parallel rank's part, cut over its streams as the link cuts it,
+    :func:`geosched.chunking.chunks_per_message`) all start at once, and the last window of each
+    stream leaves one RTT after its previous one left the queue. The symmetric case has a closed
+    form (:func:`_last_departure_s`, checked against a byte-level simulation in the tests; the WAN
+    emulator's relays, :mod:`agents.wanem.relay`, move bytes so). Messages queued behind it on the
+    link stream on; only this last round's wait is added to their latency.
+    """
+    rtt = link.rtt_ms / 1000
+    window = connection_window_bytes(link.bandwidth_gbps * 1e9, link.per_connection_gbps * 1e9, rtt)
+    if window is None or stripe_bytes <= 0:
+        return 0.0
+    return max(0.0, _last_departure_s(stripe_bytes, connections, window, rtt, link.bandwidth_gbps * 1e9 / 8) - fluid_s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _last_departure_s(stripe: float, connections: int, window: float, rtt: float, rate: float) -> float:
+    """When the last byte of ``connections`` stripes of ``stripe`` bytes, all queued at time 0 on connections
+    of ``window`` bytes, leaves a FIFO draining at ``rate`` bytes/s, acknowledgements returning ``rtt`` after."""
+    rounds = max(1, math.ceil(stripe / window - 1e-9))
+    if rounds == 1:
+        return connections * stripe / rate
+    w, rest = window / rate, (stripe - (rounds - 1) * window) / rate
+    if (connections - 1) * w >= rtt:  # the windows cover the round trip: the queue never idles in full rounds
+        previous = [(rounds - 2) * connections * w + i * w for i in range(1, connections + 1)]
+    else:  # each connection's full rounds RTT + w apart, the queue idle in between
+        previous = [i * w + (rounds - 2) * (rtt + w) for i in range(1, connections + 1)]
+    free = previous[-1]
+    for left in previous:  # the last round: each stream once its previous window is acknowledged
+        free = max(left + rtt, free) + rest
+    return free
 
 
 def intra_transfer(dc: DatacenterSpec, nbytes: int) -> Transfer:

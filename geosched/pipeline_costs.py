@@ -179,7 +179,7 @@ class PipelineCosts:
             if link is None:
                 tr = intra_transfer(cluster.dc(a), part)
             else:  # the replicas' t slices each take their turn: the whole tensor's bytes per replica
-                tr = wan_transfer(link, wire, streams, shared)._replace(link=(src, dst))
+                tr = wan_transfer(link, wire, streams, shared, job.tp)._replace(link=(src, dst))
             out.append(tr._replace(latency_s=tr.latency_s + gather + codec_time + latency))
         charged = cal is not None and self.charges_messages
         message_s = (

@@ -76,7 +76,8 @@ class _Stage:
                 link = self.problem.require_link(a, b)
                 job = self.problem.job  # compressed where the job allows it (a bound may leave the codec out)
                 least = compressed_bytes(nbytes, job.bytes_per_element, job.wan_compression)
-                tr, fifo = wan_transfer(link, least, self.problem.streams(a, b), self.dp), True
+                tr = wan_transfer(link, least, self.problem.streams(a, b), self.dp, exact=False)  # the payload, fluid
+                fifo = True
             self._hop[key] = (tr.occupancy_s, tr.latency_s, fifo)
         return self._hop[key]
 

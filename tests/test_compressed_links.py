@@ -18,11 +18,11 @@ import yaml
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.codec_profile import measure_codec
-from agents.rehearsal.processes import striped_chunk_bytes
 from agents.stage.report import global_loss
 from agents.stage.session import run_rank, train_one_process
 from agents.stage.transport import LinkTransport, StoreAddressBook, boundary_codecs
 from agents.wan.compress import TensorCodec, payload_bytes
+from geosched.chunking import auto_chunk_bytes
 from geosched.config import config_from_dict
 from geosched.data import TextDataset
 from geosched.errors import LinkError, StageError
@@ -65,8 +65,8 @@ def test_the_plans_codec_per_link_reaches_both_ends_of_it() -> None:
     assert [(r.compress_prev, r.compress_next) for r in inside.roles][:2] == [("none", "none"), ("none", "fp8")]
     plain = parse_layout(layout_plan_text(demo_config("none"), ["us", "eu", "ap"]))
     assert plain.compression == {} and all(boundary_codecs(plain.job, r) == {} for r in plain.roles)
-    # a rehearsal stripes each message over the link's 4 streams: the payload where it is compressed
-    assert (striped_chunk_bytes(plain), striped_chunk_bytes(layout)) == (2 * 64 * 64 * 4 // 4, (8192 + 512) // 4)
+    # a link stripes a small message over its 4 streams: the payload where it is compressed
+    assert [auto_chunk_bytes(n, 4) for n in (2 * 64 * 64 * 4, 8192 + 512)] == [8192, (8192 + 512) // 4]
     # what the codec costs here, per byte of the boundary tensor (a calibration's codec_s_per_byte)
     assert 0 < measure_codec(JOB, repeats=2, warmup=1)["codec_s_per_byte"] < 1e-6
     assert measure_codec(plain.job) == {"codec_s_per_byte": None}

@@ -29,7 +29,7 @@ def test_dc_behind_a_slow_link_is_left_idle_and_explained() -> None:
 def test_the_same_dc_is_used_once_its_link_is_fast() -> None:
     fast = make_plan(two_datacenters(bandwidth_gbps=100, rtt_ms=2, per_connection_gbps=25))
     assert all(d.used > 0 for d in fast.plan.datacenters)
-    assert fast.plan.links and fast.plan.links[0].streams == 4  # 100 Gb/s / 25 Gb/s per connection
+    assert fast.plan.links and fast.plan.links[0].streams == 5  # 100 Gb/s / 25 Gb/s per connection, x 1.25
     assert fast.plan.prediction.wan_usd_per_iteration > 0
     slow = make_plan(two_datacenters(bandwidth_gbps=2, rtt_ms=150, per_connection_gbps=0.5))
     assert fast.best.iteration_s < slow.best.iteration_s

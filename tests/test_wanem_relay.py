@@ -228,8 +228,10 @@ def test_shape_for_link_scales_bandwidth_and_keeps_delay() -> None:
     shape = shape_for_link(_Link(("us", "eu"), 100, 40, 12.5), scale=0.01)
     assert shape.rtt_ms == 40
     assert shape.link_bytes_per_s == pytest.approx(100e9 / 8 * 0.01)
-    assert shape.window_bytes == int(12.5e9 / 8 * 0.01 * 0.040)  # one connection: 125 Mb/s at 40 ms
+    # one connection: 125 Mb/s at 40 ms through a 1 Gb/s queue, whose window leaves W / B after its first byte
+    assert shape.window_bytes == int(12.5e9 / 8 * 0.01 * 0.040 / (1 - 12.5 / 100))
     assert shape_for_link(_Link(("a", "b"), 1, 0, 0.5)).window_bytes is None
+    assert shape_for_link(_Link(("a", "b"), 1, 10, 1)).window_bytes is None  # one connection fills the link
     with pytest.raises(InputError, match="scale"):
         shape_for_link(_Link(("a", "b"), 1, 10, 0.5), scale=0)
 

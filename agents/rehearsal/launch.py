@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
-from agents.rehearsal.processes import AgentProcesses, RelayRoutes, striped_chunk_bytes
+from agents.rehearsal.processes import AgentProcesses, RelayRoutes
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.tls.context import client_context, server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
@@ -244,7 +244,7 @@ def launch(
                 set_aside(run)
                 relays.adopt(plan)
                 (run / "plan.yaml").write_text(plan.text)
-            args = ["--wan-chunk-bytes", str(striped_chunk_bytes(plan)), *chunk_args, *(agent_args or [])]
+            args = [*chunk_args, *(agent_args or [])]
             if resume:  # the broker still retains the old plan: the new agents must not adopt it first
                 args += ["--resume", "--plan", str((run / "plan.yaml").resolve())]
             procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))

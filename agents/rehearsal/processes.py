@@ -1,5 +1,4 @@
-"""The rehearsal's local fleet: one ``geosched agent`` process per rank, and the WAN emulator's relays (and
-the WAN chunk size the agents are given, :func:`striped_chunk_bytes`).
+"""The rehearsal's local fleet: one ``geosched agent`` process per rank, and the WAN emulator's relays.
 
 :class:`AgentProcesses` starts every rank's agent in its own process group
 (one torch thread) and, whatever happens, stops them: SIGTERM to the group,
@@ -153,26 +152,3 @@ class RelayRoutes:
         """Close every relay."""
         if self.emulator is not None:
             self.emulator.close()
-
-
-def striped_chunk_bytes(layout: JobLayout, floor: int = 2048) -> int:
-    """WAN chunk size that stripes one activation over all of its link's streams.
-
-    WanLink's own choice (>= 64 KiB) sends a small activation as one chunk on one
-    TCP stream, which a long link's per-connection window then throttles. The
-    size is the message's on the wire: its compressed payload where the plan
-    compresses the link (:mod:`geosched.compression`).
-    """
-    from geosched.compression import compressed_bytes
-    from geosched.costmodel import boundary_bytes
-
-    job, sizes = layout.job, []
-    for s, a, b in layout.wan_boundaries():
-        pair = (min(a, b), max(a, b))  # links are keyed by the sorted DC pair
-        wire = compressed_bytes(
-            boundary_bytes(job, layout.stage_layers[s - 1][1]),
-            job.bytes_per_element,
-            layout.compression.get(pair, "none"),
-        )
-        sizes.append(-(-wire // max(1, layout.streams.get(pair, 1))))
-    return max(floor, min(sizes)) if sizes else 0

@@ -28,6 +28,7 @@ from typing import Any
 
 from agents.wanem.relay import Connection, LinkPacer, LinkShape, LoopThread, set_buffer_sizes
 from geosched.errors import InputError
+from geosched.netcost import connection_window_bytes
 
 __all__ = ["LinkShape", "WanRelay", "WanEmulator", "shape_for_link"]
 
@@ -239,15 +240,17 @@ def shape_for_link(link: Any, scale: float = 1.0) -> LinkShape:
 
     ``scale`` multiplies bandwidths (0.01 rehearses 100 Gb/s at 1 Gb/s); delays
     are kept. The window is what gives one connection ``per_connection_gbps``
-    (scaled) at this RTT; with RTT 0 no window can express it, so there is none.
+    (scaled) at this RTT through the link's queue (:func:`geosched.netcost.connection_window_bytes`, as
+    the cost model prices it); with RTT 0 no window can express it, so there is none.
     """
     if not scale > 0:
         raise InputError(f"scale: must be > 0 (got {scale}); e.g. 0.01 rehearses 100 Gb/s at 1 Gb/s")
     rtt_s = float(link.rtt_ms) / 1000.0
     per_connection = getattr(link, "per_connection_gbps", None)
     window = None
-    if per_connection is not None and rtt_s > 0:
-        window = max(1, int(per_connection * 1e9 / 8 * scale * rtt_s))
+    if per_connection is not None:
+        exact = connection_window_bytes(link.bandwidth_gbps * 1e9 * scale, per_connection * 1e9 * scale, rtt_s)
+        window = None if exact is None else max(1, int(exact))
     return LinkShape(
         rtt_ms=float(link.rtt_ms), link_bytes_per_s=link.bandwidth_gbps * 1e9 / 8 * scale, window_bytes=window
     )
