@@ -19,7 +19,7 @@ from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from agents.wanem.emulator import WanEmulator, shape_for_link
 from geosched.chunking import auto_chunk_bytes, chunks_per_message
-from geosched.config import load_config
+from geosched.config import WanLinkSpec, load_config
 from geosched.netcost import _last_departure_s, connection_window_bytes, wan_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,8 @@ def test_a_connection_s_window_gives_it_its_rate_through_the_queue() -> None:
     assert connection_window_bytes(1e9, 1e9, 0.02) is None and connection_window_bytes(1e9, 0.1e9, 0.0) is None
 
 
-def _demo_link(scale: float = 0.05):  # type: ignore[no-untyped-def]
+def _demo_link(scale: float = 0.05) -> WanLinkSpec:
+    """The demo's us-eu link as a rehearsal emulates it (bandwidths x ``scale``)."""
     link = load_config(ROOT / "configs" / "demo-3dc.yaml").cluster.link("us", "eu")
     assert link is not None
     return dataclasses.replace(
@@ -85,7 +86,7 @@ def test_a_small_message_is_cut_into_one_stripe_per_stream() -> None:
 
 
 def test_a_message_through_the_emulated_link_takes_at_least_its_window_round_trips() -> None:
-    link, streams, nbytes = _demo_link(), 4, 32 << 10
+    link, streams, nbytes = _demo_link(), 4, 40 << 10  # stripes of 10 KiB: well over one window (8,333 bytes)
     shape = shape_for_link(link)
     listeners = [WanLink.listen(config=WanLinkConfig(streams=streams)) for _ in range(2)]
     routes = {f"r{i}": (("127.0.0.1", lk.port), shape) for i, lk in enumerate(listeners)}
