@@ -188,9 +188,8 @@ def test_stage_times_the_agents_took_in_place_price_the_prediction(tmp_path: Pat
     ]
     cal = Calibration("cpu", 1e-4, 2e-4, 1e-5, 2e-5, 1e-5, 2e-5, tflops=1.0, stage_times=tuple(whole))
     assert with_stages_timed_in_place(layout, None, tmp_path) is None
-    assert (
-        with_stages_timed_in_place(layout, cal, tmp_path) is cal
-    )  # no agent timed its stage: the calibration as it was
+    # no agent timed its stage: the calibration as it was
+    assert with_stages_timed_in_place(layout, cal, tmp_path) is cal
 
     def record(stage: int, layers: tuple[int, int], forward_s: float) -> dict:
         split = {"input_backward_s": None, "weight_backward_s": None}
@@ -204,9 +203,7 @@ def test_stage_times_the_agents_took_in_place_price_the_prediction(tmp_path: Pat
     bad = {"stage": 0, "layers": list(layout.stage_layers[0]), "tp": 1, "forward_s": "fast", "backward_s": 0.1}
     (tmp_path / "stage-rank7.json").write_text(json.dumps(bad))
     (tmp_path / "stage-rank8.json").write_text("{not json")
-    timed = with_stages_timed_in_place(
-        layout, cal, tmp_path
-    )  # the two files no agent wrote are left out, with a warning each
+    timed = with_stages_timed_in_place(layout, cal, tmp_path)  # the two files no agent wrote: left out, warned
     expected = tuple(dataclasses.replace(t, forward_s=0.5) if t.last else t for t in whole)  # the median
     assert timed.stage_times == expected  # the ALL_REDUCE and STEP stay the calibration's (measured at dp 2)
     assert predict(layout, 1.0, timed).iteration_s > predict(layout, 1.0, cal).iteration_s
