@@ -66,6 +66,11 @@ from typing import NamedTuple
 
 from geosched.errors import PlanError
 
+PIECES_PER_LANE = 16
+"""Pieces the longest lane is cut into, so a chain of k DCs pipelines them (k-1 pieces to fill it)."""
+PIECE_BYTES_RANGE = (64 << 10, 4 << 20)
+"""Bounds of one piece (one WanLink message per half piece and hop)."""
+
 SEND, RECV_ADD, RECV, SCALE, DONE = "send", "recv_add", "recv", "scale", "done"
 """Operation kinds: send a region to a neighbour; receive a partial sum and add it to the region; receive the
 result into the region; divide the region by the stage's replicas; a bucket's lane is final."""
@@ -218,6 +223,19 @@ class Region(NamedTuple):
     lo: int
     hi: int
     direction: int
+
+
+def choose_piece_numel(lane_numels: Sequence[int], element_size: int) -> int:
+    """Elements per piece: the longest lane in :data:`PIECES_PER_LANE`, within :data:`PIECE_BYTES_RANGE`."""
+    lo, hi = (b // element_size for b in PIECE_BYTES_RANGE)
+    return max(lo, min(hi, -(-max(lane_numels) // PIECES_PER_LANE)))
+
+
+def hop_messages(lane_numels: Sequence[int], element_size: int) -> list[int]:
+    """Bytes of every message one direction of any hop of the chain carries in one step, for one lane pair:
+    one per region (a partial sum or a result), whatever the chain's length (see the module docstring)."""
+    regs = regions(lane_numels, choose_piece_numel(lane_numels, element_size))
+    return [(r.hi - r.lo) * element_size for r in regs]
 
 
 def regions(lane_numels: Sequence[int], piece_numel: int) -> list[Region]:
@@ -392,6 +410,8 @@ __all__ = [
     "DONE",
     "Lanes",
     "Member",
+    "PIECES_PER_LANE",
+    "PIECE_BYTES_RANGE",
     "ChainProgress",
     "Op",
     "RECV",
@@ -403,6 +423,8 @@ __all__ = [
     "SyncRole",
     "chain_ops",
     "check_ops",
+    "choose_piece_numel",
+    "hop_messages",
     "link_elements",
     "regions",
     "split",

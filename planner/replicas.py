@@ -18,6 +18,7 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
   ranks of each) sync at the end of the iteration on the same links, so each
   stage is charged the cross-DC time of every stage's whole gradients together
   (:func:`sync_times`): exact for one-stage pipelines, pessimistic for deeper ones;
+  the bytes are those the links move, the agents' messages with their chunk headers;
 * egress: each hop of that chain carries the gradients once in each direction
   (:func:`gradient_wan_bytes`; :mod:`geosched.hierarchical`).
 
@@ -28,9 +29,12 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from geosched.chunking import wire_bytes
 from geosched.costmodel import stage_params
+from geosched.hierarchical import hop_messages
 from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
 from planner.space import Candidate, Problem, even_split, from_split
 
@@ -62,15 +66,15 @@ def _hops(problem: Problem, cand: Candidate, stage: int) -> list[tuple[str, str]
 def sync_times(problem: Problem, cand: Candidate) -> list[float]:
     """Gradient sync seconds of every stage of ``cand`` (see the module docstring)."""
     p = cand.num_stages
-    # every tensor-parallel rank's shard crosses the same links: the whole stage's gradients
-    crossing = sum(_grad_bytes(problem, cand, s) for s in range(p) if _hops(problem, cand, s)) * problem.job.tp
+    counts = [_replicas_by_dc(cand, s) for s in range(p)]
+    # every tensor-parallel rank's shard crosses the same links: the whole stage's gradients, as the links move them
+    crossing = sum(
+        _crossing_wire_bytes(problem, cand, s, min(counts[s].values())) for s in range(p) if _hops(problem, cand, s)
+    )
     out = []
     for s in range(p):
-        counts: dict[str, int] = {}
-        for dcs in cand.pipelines:
-            counts[dcs[s]] = counts.get(dcs[s], 0) + cand.dp
         in_dc = []
-        for dc, n in counts.items():
+        for dc, n in counts[s].items():
             spec = problem.cluster.dc(dc)
             in_dc.append((n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6))
         ring = []
@@ -81,6 +85,24 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
         across = hierarchical_allreduce_s(crossing, [], ring) if ring else 0.0
         out.append(inside + across)
     return out
+
+
+def _replicas_by_dc(cand: Candidate, stage: int) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for dcs in cand.pipelines:
+        counts[dcs[stage]] = counts.get(dcs[stage], 0) + cand.dp
+    return counts
+
+
+def _crossing_wire_bytes(problem: Problem, cand: Candidate, stage: int, lanes: int) -> float:
+    """Bytes one direction of a hop of ``stage``'s chain carries per step, chunk headers included: every
+    tensor-parallel rank's ``lanes`` lane pairs each send their lane in the agents' messages
+    (:func:`~geosched.hierarchical.hop_messages`; the stage's gradients as one bucket: the agents' buckets
+    change the pieces only where they are a few MiB, and there the headers are well under 1 %)."""
+    element = problem.job.bytes_per_element
+    lane_numel = max(1, math.ceil(_grad_bytes(problem, cand, stage) / element / lanes))
+    streams = max(problem.streams(a, b) for a, b in _hops(problem, cand, stage))
+    return problem.job.tp * lanes * sum(wire_bytes(n, streams) for n in hop_messages([lane_numel], element))
 
 
 def cost_options(problem: Problem, cand: Candidate) -> dict[str, Any]:

@@ -43,6 +43,8 @@ from geosched.hierarchical import (
     SyncPeer,
     chain_ops,
     check_ops,
+    choose_piece_numel,
+    hop_messages,
     link_elements,
     regions,
     sync_roles,
@@ -65,6 +67,23 @@ def test_every_receive_has_an_earlier_send_and_each_hop_carries_each_lane_once(k
         assert link_elements(plan, -1) == (sum(LANES) if p > 0 else 0)
         tags = [(op.peer, op.tag) for op in plan if op.kind == SEND]
         assert len(tags) == len(set(tags))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("lanes", [[170_000], [2_000_000, 5], [3]])
+def test_hop_messages_are_the_sends_every_hop_carries_whatever_the_chain(k: int, lanes: list[int]) -> None:
+    """What the planner prices per hop (:func:`hop_messages`) is what the agents' plans send, each direction."""
+    plans = [chain_ops(p, k, lanes, choose_piece_numel(lanes, 4)) for p in range(k)]
+    expected = sorted(hop_messages(lanes, 4))
+    for p in range(k - 1):
+        for ops, peer in ((plans[p], +1), (plans[p + 1], -1)):
+            assert sorted(4 * (op.hi - op.lo) for op in ops if op.kind == SEND and op.peer == peer) == expected
+
+
+def test_pieces_cut_the_longest_lane_in_sixteen_within_their_byte_bounds() -> None:
+    assert choose_piece_numel([1_600_000, 10], 4) == 100_000
+    assert choose_piece_numel([1000], 4) == (64 << 10) // 4  # at least 64 KiB
+    assert choose_piece_numel([10**9], 2) == (4 << 20) // 2  # at most 4 MiB
 
 
 def test_check_ops_refuses_a_receive_without_an_earlier_send() -> None:

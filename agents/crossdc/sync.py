@@ -63,16 +63,13 @@ from geosched.hierarchical import (
     SyncRole,
     chain_ops,
     check_ops,
+    choose_piece_numel,
 )
 
 log = logging.getLogger(__name__)
 
 KIND = "allreduce"
 """The WanLink message kind of every piece (``step`` = the sync's round, ``microbatch`` = the op's tag)."""
-PIECES_PER_LANE = 16
-"""Pieces the longest lane is cut into, so a chain of k DCs pipelines them (k-1 pieces to fill it)."""
-PIECE_BYTES_RANGE = (64 << 10, 4 << 20)
-"""Bounds of one piece (one WanLink message per half piece and hop)."""
 
 
 class _Bucket:
@@ -234,7 +231,7 @@ class CrossDcSync:
         self._ops = []
         if sync.lane is not None:
             lanes = [b.layout.lane_numel for b in self._buckets]
-            piece = self._piece_numel(lanes)
+            piece = choose_piece_numel(lanes, self._buckets[0].flat.element_size())
             k = len(sync.chain)
             plans = [chain_ops(p, k, lanes, piece) for p in range(k)]
             check_ops(plans)  # the schedule cannot deadlock and every message has its receiver
@@ -242,12 +239,6 @@ class CrossDcSync:
         self._key = key
         log.debug("%s: %d gradient buckets, %d cross-DC operations per step", self.name, len(groups), len(self._ops))
         return self._buckets
-
-    def _piece_numel(self, lanes: list[int]) -> int:
-        """Elements per piece: the longest lane in :data:`PIECES_PER_LANE`, within :data:`PIECE_BYTES_RANGE`."""
-        element = self._buckets[0].flat.element_size()
-        lo, hi = (b // element for b in PIECE_BYTES_RANGE)
-        return max(lo, min(hi, -(-max(lanes) // PIECES_PER_LANE)))
 
     # ------------------------------------------------------------ waiting, with names
 

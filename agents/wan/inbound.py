@@ -177,6 +177,7 @@ class InboundFrames:
             )
         except RejectedChunk as exc:
             return self._drop(exc.reason, frame, str(exc))
+        self.send.heard(stream, now)  # our chunks on this stream are answered after this one: not lost
         verdict, msg, view = self.recv.begin_chunk(c, now)
         if verdict == "write":
             assert msg is not None and view is not None  # "write" always names the message and the slice

@@ -7,9 +7,16 @@ echoes in its response, so a response tells exactly which transmission
 arrived. Loss detection relies on each stream being one TCP connection (in
 order): when a response arrives for transmission t on stream s, every earlier
 transmission on s still unanswered was lost (a reconnect dropped it) and is
-resent. A stream with unanswered chunks and no response for
+resent. A stream with unanswered chunks on which nothing has come in for
 ``ack_timeout_s`` (or four chunks' time at its measured rate, if longer) is
-declared stalled and all its chunks are resent, on any stream. Duplicates this creates are discarded by the receiver.
+declared stalled and all its chunks are resent, on any stream; duplicates this
+creates are discarded by the receiver. "Nothing has come in" counts the peer's
+own data chunks on that stream as well as its responses (:meth:`SendState.heard`):
+a stream carries both directions on one TCP connection, so when both ends send
+at once the responses queue behind the peer's data, seconds behind on a slow
+link, while the connection is plainly alive (resending then only doubles the
+queue, and the next stall comes sooner: congestion collapse). Each stall in a
+row doubles the stream's patience, as TCP backs off its retransmission timer.
 
 Flow control: at most ``max_inflight_bytes`` unanswered per link, and per
 stream about ``stream_queue_s`` seconds of the best response rate the stream
@@ -42,6 +49,7 @@ log = logging.getLogger(__name__)
 
 SENT, AGAIN, UNREACHABLE = 0, 1, 2  # results of a transmit() call
 BACKOFF_START_S, BACKOFF_MAX_S = 0.02, 1.0
+MAX_BACKOFF_DOUBLINGS = 5  # a stream's stall patience grows to at most 32 x its base
 RATE_HALF_LIFE_S = 10.0
 NO_CHECKSUM = -1  # the crc field of a chunk sent without one (WanLinkConfig.checksum)
 RTT_WINDOW_S = 10.0  # the least round trip is the least of this long (queues come and go)
@@ -104,6 +112,7 @@ class StreamSlot:
     rate_estimate: float = 0.0  # bytes/s the stream has shown it can carry (peak, decaying; 0: unknown)
     rate_sampled_at: float = 0.0
     last_chunk: int = 0  # chunk size of the latest transmission (stall patience scales with it)
+    stalls: int = 0  # stalls in a row with nothing heard since (each doubles the patience)
 
     @property
     def up(self) -> bool:
@@ -328,7 +337,7 @@ class SendState:
             self._add_inflight(slot, -entry[2])
             slot.responded_bytes += entry[2]
             self._sample_rtt(now - entry[3], now)
-        slot.last_progress = now
+        slot.last_progress, slot.stalls = now, 0
         msg = self.pending.get(seq)
         if msg is None or offset % msg.chunk or offset // msg.chunk >= msg.nchunks:
             return
@@ -347,6 +356,13 @@ class SendState:
                 self._finish(msg, None)
             else:
                 self._check_transmitted(msg)
+
+    def heard(self, stream: int, now: float) -> None:
+        """A data chunk of the peer's came in on ``stream``: its connection is alive, so what this side has
+        unanswered on it is queued behind the peer's data (answered in order), not lost."""
+        if 0 <= stream < len(self.slots):
+            slot = self.slots[stream]
+            slot.last_progress, slot.stalls = now, 0
 
     def stream_lost(self, stream: int, now: float) -> None:
         """A stream's connection broke (or stalled): resend everything it carried unanswered."""
@@ -376,9 +392,11 @@ class SendState:
             patience = self.ack_timeout_s
             if slot.rate_estimate > 0:
                 patience = max(patience, 4 * slot.last_chunk / slot.rate_estimate)
+            patience *= 2 ** min(slot.stalls, MAX_BACKOFF_DOUBLINGS)
             if slot.inflight and now - slot.last_progress > patience:
+                slot.stalls += 1
                 log.info(
-                    "stream %d to %s stalled (no ack for %.1f s): resending %d chunks",
+                    "stream %d to %s stalled (nothing heard for %.1f s): resending %d chunks",
                     slot.index,
                     self.peer,
                     patience,
