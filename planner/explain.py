@@ -10,6 +10,7 @@ the ``--json`` form carry the same facts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,8 +53,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds:+.3g} s" if abs(seconds) >= 1 else f"{seconds * 1e3:+.3g} ms"
 
 
-def _versus(alt: Evaluation, best: Evaluation) -> str:
-    """How the counterfactual compares with the plan, never a bare ``+0 ms``."""
+def _versus(alt: Evaluation, best: Evaluation, not_the_plan: str | None = None) -> str:
+    """How the counterfactual compares with the plan, never a bare ``+0 ms``; ``not_the_plan``: why a
+    faster one is not the plan (the pins or the objective rule it out), else the search did not reach it."""
     delta = alt.iteration_s - best.iteration_s
     if abs(delta) < 5e-4 * best.iteration_s:  # shown as +0.0%: say what it means
         same = "the same time" if delta == 0 else f"{_duration(abs(delta))[1:]} {'slower' if delta > 0 else 'faster'}"
@@ -62,7 +64,8 @@ def _versus(alt: Evaluation, best: Evaluation) -> str:
             f"{best.iteration_s:.4g} s, so the plan leaves these GPUs idle"
         )
     if delta < 0:
-        return f"{_duration(delta)}, {delta / best.iteration_s:+.1%}: faster, a plan the search did not reach"
+        why = f"but {not_the_plan}" if not_the_plan else "a plan the search did not reach"
+        return f"{_duration(delta)}, {delta / best.iteration_s:+.1%}: faster, {why}"
     return f"{_duration(delta)}, {delta / best.iteration_s:+.1%}"
 
 
@@ -98,10 +101,16 @@ def unused_reasons(
 
 
 def explain_idle(
-    problem: Problem, evaluator: Evaluator, best: Evaluation, goal: Goal = Goal(), time_limit_s: float | None = None
+    problem: Problem,
+    evaluator: Evaluator,
+    best: Evaluation,
+    goal: Goal = Goal(),
+    time_limit_s: float | None = None,
+    not_adopted: Callable[[Evaluation], str | None] = lambda ev: None,
 ) -> tuple[list[UnusedReason], list[Evaluation]]:
     """:func:`unused_reasons`, and the counterfactual plans they found (:func:`planner.planning.make_plan`
-    adopts one that is faster than its plan: the summary never names a plan it could have had)."""
+    adopts one that is faster than its plan: the summary never names a plan it could have had, and
+    ``not_adopted(alt)`` says why one is not adopted: a pin it breaks, or an objective other than time)."""
     large = len(problem.dcs) > SHORTLIST
     cand, out, asked = best.candidate, [], []
     chosen = {dc for path in cand.pipelines for dc in path}
@@ -143,11 +152,18 @@ def explain_idle(
         return alt
 
     found = dict(zip(asked, in_parallel(counterfactual, asked)))
-    reasons = [_reason(problem, best, goal, r, found[r.dc]) if r.dc in found else r for r in out]
+    reasons = [_reason(problem, best, goal, r, found[r.dc], not_adopted) if r.dc in found else r for r in out]
     return reasons, [alt for alt in found.values() if alt is not None]
 
 
-def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, alt: Evaluation | None) -> UnusedReason:
+def _reason(
+    problem: Problem,
+    best: Evaluation,
+    goal: Goal,
+    head: UnusedReason,
+    alt: Evaluation | None,
+    not_adopted: Callable[[Evaluation], str | None],
+) -> UnusedReason:
     """The reason for ``head.dc`` from its counterfactual ``alt`` (None: nothing valid uses more of it)."""
     cand, tp = best.candidate, problem.job.tp
     dc, gpus, used = head.dc, head.gpus, head.used
@@ -165,7 +181,8 @@ def _reason(problem: Problem, best: Evaluation, goal: Goal, head: UnusedReason, 
         else f"using {alt.candidate.gpus_used(dc) * tp} of them"
     )
     text = (
-        f"{head.text}: {what}, the best plan found takes {alt.iteration_s:.4g} s per iteration ({_versus(alt, best)})"
+        f"{head.text}: {what}, the best plan found takes {alt.iteration_s:.4g} s per iteration "
+        f"({_versus(alt, best, not_adopted(alt))})"
     )
     alt_cand = alt.candidate
     detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None

@@ -167,11 +167,7 @@ def make_plan(
     problem, evaluator, best = chosen.problem, chosen.evaluator, chosen.best
     if not pins.cross_dc_dp:  # the baselines are points of the space: never return anything slower
         known = [b.evaluation for b in all_baselines(problem, evaluator) if b.evaluation is not None]
-        allowed = [
-            ev
-            for ev in known
-            if (pins.cross_dc_dp is None or not ev.candidate.extra_paths) and pins.dp in (None, ev.candidate.dp)
-        ]
+        allowed = [ev for ev in known if pins.breaks(ev.candidate) is None]
         best = min([best, *allowed], key=lambda ev: ev.iteration_s)
     if objective.name == "prefill":  # every simulated plan of every variant, by the prefill score
         w = objective.prefill_weight
@@ -179,7 +175,7 @@ def make_plan(
             (ev.prefill_score(w), ev.iteration_s, k, ev)
             for k, r in enumerate(results)
             for ev in r.evaluator.evaluated
-            if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths)) and pins.dp in (None, ev.candidate.dp)
+            if pins.breaks(ev.candidate) is None
         ]
         top, _, k, pick = min(options, key=lambda o: o[:3], default=(math.inf, 0.0, 0, best))
         if top < best.prefill_score(w):
@@ -207,16 +203,17 @@ def make_plan(
             best = points[0]
     reasons: list[UnusedReason] = []
     adopted = 0
+
+    def not_adopted(ev: Evaluation) -> str | None:
+        """Why a faster plan an explanation found does not become the plan (None: it does)."""
+        if objective.name != "time":
+            return f"the {objective.name} objective, not time alone, picks the plan"
+        return pins.breaks(ev.candidate)
+
     while explain:
-        reasons, found = explain_idle(problem, evaluator, best, Goal(weight=objective.weight), time_limit_s)
-        faster = [
-            ev
-            for ev in found
-            if objective.name == "time"
-            and ev.iteration_s < best.iteration_s * (1 - 1e-9)
-            and pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths))
-            and pins.dp in (None, ev.candidate.dp)
-        ]
+        goal = Goal(weight=objective.weight)
+        reasons, found = explain_idle(problem, evaluator, best, goal, time_limit_s, not_adopted)
+        faster = [ev for ev in found if ev.iteration_s < best.iteration_s * (1 - 1e-9) and not_adopted(ev) is None]
         if not faster or adopted == ADOPT_ROUNDS:
             break
         best = min(faster, key=lambda ev: ev.iteration_s)

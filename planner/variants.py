@@ -106,6 +106,21 @@ class Pins:
             self.cross_dc_dp,
         )
 
+    def breaks(self, cand: Candidate) -> str | None:
+        """The pin a plan found outside the pinned search breaks, as the summary words it; None: it keeps them.
+
+        Only the pins a search over one variant can miss: the variant fixes tp, ZeRO, schedule and
+        microbatch size."""
+        if self.dp is not None and cand.dp != self.dp:
+            return f"it runs {cand.dp} replicas, and --dp pins {self.dp}"
+        if self.cross_dc_dp is not None and bool(cand.extra_paths) != self.cross_dc_dp:
+            return (
+                "it runs one pipeline path, and --cross-dc-dp asks for several"
+                if self.cross_dc_dp
+                else "it runs pipelines on several DC paths, and the pins allow one"
+            )
+        return None
+
     def describe(self) -> str:
         """``tp=2 schedule=zb1p`` for the pinned values, or an empty string."""
         fields = ("tp", "zero", "schedule", "microbatch_size", "dp")
@@ -374,11 +389,7 @@ def local_best(problem: Problem, evaluator: Evaluator, pins: Pins, best: Evaluat
     """The pipelines kept inside DCs (:func:`planner.replicas.local_pipelines`) that may beat ``best``,
     simulated in the order of their lower bounds (at most :data:`LOCAL_SIMULATIONS`), and the best of them
     climbed (:data:`LOCAL_WORK`)."""
-    cands = [
-        c
-        for c in local_pipelines(problem)
-        if pins.dp in (None, c.dp) and pins.cross_dc_dp in (None, bool(c.extra_paths))
-    ]
+    cands = [c for c in local_pipelines(problem) if pins.breaks(c) is None]
     found: list[Evaluation] = []
     for cand in sorted(cands, key=lambda c: evaluator.lower_bound(c))[:LOCAL_SIMULATIONS]:
         if best is not None and evaluator.lower_bound(cand) >= best.iteration_s:

@@ -20,7 +20,7 @@ from planner.generate import random_config, two_datacenters
 from planner.planning import make_plan
 from planner.search import single_stage
 from planner.space import Candidate, Problem, Variant, even_split, from_split
-from planner.variants import space_floors
+from planner.variants import Pins, space_floors
 
 
 def wan_bound(memory_gib: float = 3.0) -> Config:
@@ -223,3 +223,29 @@ def test_cli_json_carries_the_floors(capsys) -> None:
     assert set(data["floors"]) == {"compute_s", "wan_s", "pipeline_s", "min_stages", "best_s", "ratio_to_best_floor"}
     assert data["prediction"]["iteration_s"] >= data["floors"]["best_s"]
     assert data["optimality"]["text"].startswith(("proven optimal", "not proven optimal"))
+
+
+def test_a_faster_idle_dc_plan_the_pins_rule_out_is_named_as_such() -> None:
+    """With --cross-dc-dp, adding ap with one pipeline path is faster: the text says which pin rules it out,
+    not that the search missed it."""
+    pins = Pins(cross_dc_dp=True)
+    outcome = make_plan(load_config("configs/demo-3dc.yaml"), pins=pins, explain=True)
+    assert outcome.best.candidate.extra_paths
+    faster = [
+        r for r in outcome.reasons if r.counterfactual_s is not None and r.counterfactual_s < outcome.best.iteration_s
+    ]
+    assert faster, "the demo's ap counterfactual is faster than the pinned plan"
+    for reason in faster:
+        assert "--cross-dc-dp asks for several" in reason.text and "did not reach" not in reason.text
+    free = make_plan(load_config("configs/demo-3dc.yaml"), explain=True)  # nothing pinned: none is faster
+    assert all(r.counterfactual_s is None or r.counterfactual_s >= free.best.iteration_s for r in free.reasons)
+
+
+def test_pins_name_what_a_plan_breaks() -> None:
+    cand = Candidate(2, 4, ("a", "b"), ((0, 4), (4, 8)))
+    across = dataclasses.replace(cand, extra_paths=(("b", "b"),))
+    assert Pins().breaks(cand) is None and Pins(dp=2, cross_dc_dp=False).breaks(cand) is None
+    assert Pins(dp=4).breaks(cand) == "it runs 2 replicas, and --dp pins 4"
+    assert "--cross-dc-dp" in (Pins(cross_dc_dp=True).breaks(cand) or "")
+    assert Pins(cross_dc_dp=True).breaks(across) is None
+    assert "several DC paths" in (Pins(cross_dc_dp=False).breaks(across) or "")
