@@ -9,7 +9,7 @@ children, which inherit sys.path).
     from common import benchmark_parser, emit
 
     parser = benchmark_parser(__doc__, "fewer steps (under a minute)")
-    parser.add_argument("--steps", type=int, help="...")
+    parser.add_argument("--steps", type=positive_int, help="...")
     args = parser.parse_args(argv)
     ...
     emit(result, args.json)  # with --json: one JSON object, the last line printed
@@ -36,6 +36,18 @@ def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParse
     out.add_argument("--quick", action="store_true", help=quick_help)
     out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return out
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts (``--steps``, ``--rounds``): an int >= 1, else the flag's one-line error.
+    (0 must be refused here: ``args.rounds or default`` would read it as "not given".)"""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

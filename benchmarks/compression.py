@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 import yaml
-from common import benchmark_parser, emit
+from common import benchmark_parser, emit, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.codec_profile import measure_codec
@@ -381,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(
         __doc__, "3 steps a rehearsal, uncalibrated; 2 seeds x 20 learning steps; no gpt3 (under a minute)"
     )
-    parser.add_argument("--steps", type=int, help="training steps per rehearsal (default 10; --quick 3)")
-    parser.add_argument("--rounds", type=int, help="uncompressed+compressed rehearsal pairs (default 2; --quick 1)")
+    parser.add_argument("--steps", type=positive_int, help="training steps per rehearsal (default 10; --quick 3)")
+    parser.add_argument(
+        "--rounds", type=positive_int, help="uncompressed+compressed rehearsal pairs (default 2; --quick 1)"
+    )
     parser.add_argument("--codec", choices=("int8", "fp8"), default="int8", help="the codec of the keys (int8)")
     parser.add_argument(
         "--wan-scale",

@@ -48,7 +48,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, free_port, join_or_kill, pin_one_thread
+from common import benchmark_parser, cpu_for, emit, free_port, join_or_kill, pin_one_thread, positive_int
 from variants import VARIANTS, aggregates, run_variants
 
 from geosched.config import JobSpec, ModelSpec, config_from_dict
@@ -425,8 +425,8 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
 def main(argv: list[str] | None = None) -> int:
     """Run the rounds; print a line per round and, with --json, one JSON object last."""
     parser = benchmark_parser(__doc__, "fewer steps, one round, one calibration per round (under a minute)")
-    parser.add_argument("--steps", type=int, help="measured steps per run (default 10, quick 5)")
-    parser.add_argument("--rounds", type=int, help="calibrate/measure rounds (default 5, quick 1)")
+    parser.add_argument("--steps", type=positive_int, help="measured steps per run (default 10, quick 5)")
+    parser.add_argument("--rounds", type=positive_int, help="calibrate/measure rounds (default 5, quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--variants", action=argparse.BooleanOptionalAction, help="(c); default: on, off in --quick")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit
+from common import benchmark_parser, emit, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo-3dc.yaml"
@@ -43,8 +43,8 @@ def launch(run_dir: Path, steps: int, secure: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Alternate secure and insecure rehearsals; print each and the ratio of medians."""
     parser = benchmark_parser(__doc__, "1 round of 4 steps (under a minute)")
-    parser.add_argument("--rounds", type=int, help="secure+insecure pairs (default 5; --quick 1)")
-    parser.add_argument("--steps", type=int, help="training steps per rehearsal (default 8; --quick 4)")
+    parser.add_argument("--rounds", type=positive_int, help="secure+insecure pairs (default 5; --quick 1)")
+    parser.add_argument("--steps", type=positive_int, help="training steps per rehearsal (default 8; --quick 4)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (4 if args.quick else 8)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit
+from common import benchmark_parser, emit, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.launch import DEFAULT_WAN_SCALE, calibrate, launch
@@ -70,8 +70,8 @@ def first_vs_last(report: dict[str, Any]) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Run both modes, print the figures, emit the JSON."""
     parser = benchmark_parser(__doc__, "4 steps a run, one round, uncalibrated (under a minute)")
-    parser.add_argument("--steps", type=int, help="training steps per run (default 10; --quick 4)")
-    parser.add_argument("--rounds", type=int, help="runs per mode (default 3; --quick 1)")
+    parser.add_argument("--steps", type=positive_int, help="training steps per run (default 10; --quick 4)")
+    parser.add_argument("--rounds", type=positive_int, help="runs per mode (default 3; --quick 1)")
     parser.add_argument("--wan-scale", type=float, default=DEFAULT_WAN_SCALE, help="emulated WAN bandwidth scale")
     args = parser.parse_args(argv)
     steps = args.steps or (4 if args.quick else 10)

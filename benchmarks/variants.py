@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit
+from common import benchmark_parser, emit, positive_int
 
 from agents.layout import parse_layout
 from agents.rehearsal.launch import launch
@@ -139,14 +139,12 @@ def _load(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "one variant (zb1p), 3 steps (under a minute)")
-    parser.add_argument("--steps", type=int, help="steps per variant (default 8, quick 3)")
+    parser.add_argument("--steps", type=positive_int, help="steps per variant (default 8, quick 3)")
     parser.add_argument(
-        "--rounds", type=int, help=f"launches per variant, figures the medians (default {ROUNDS}, quick 1)"
+        "--rounds", type=positive_int, help=f"launches per variant, figures the medians (default {ROUNDS}, quick 1)"
     )
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else ROUNDS)
-    if rounds < 1:
-        parser.error(f"--rounds must be >= 1 (got {rounds})")
     results = run_variants(QUICK if args.quick else tuple(VARIANTS), args.steps or (3 if args.quick else 8), rounds)
     emit({"variants": results, **aggregates(results)}, args.json)
     return 0
