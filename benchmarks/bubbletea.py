@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options = {
         "max_queue": 2 * args.outstanding,
         "default_deadline_s": 10.0,
-        "max_chunk_s": args.max_chunk_ms / 1e3,
+        "max_piece_s": args.max_piece_ms / 1e3,
         "switch_interval_s": args.switch_interval_ms / 1e3,
     }
     procs = [
@@ -329,7 +329,7 @@ def summarise(
             }
             for name, parts in split.items()
         },
-        "max_chunk_ms": args.max_chunk_ms,
+        "max_piece_ms": args.max_piece_ms,
         "switch_interval_ms": args.switch_interval_ms,
         "rtt_ms": args.rtt_ms,
         "link_mbit": args.link_mbit,
@@ -351,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase-steps", type=int, default=15, help="steps per phase (default 15)")
     parser.add_argument("--phases", type=int, default=3, help="pairs of (without, with) phases (default 3)")
     parser.add_argument("--outstanding", type=int, default=6, help="prompts in flight per stage under load")
-    parser.add_argument("--max-chunk-ms", type=float, default=2.0, help="longest prefill chunk (default 2 ms)")
+    parser.add_argument(
+        "--max-piece-ms",
+        type=float,
+        default=2.0,
+        help="longest piece (half a block) of a prefill chunk: the most training waits for its core (default 2 ms)",
+    )
     parser.add_argument(
         "--switch-interval-ms",
         type=float,

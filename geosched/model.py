@@ -35,6 +35,7 @@ import logging
 import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -212,10 +213,17 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, past: KV | None = None) -> tuple[Tensor, KV]:
         """(B, T, C) -> (B, T, C), and this layer's grown KV."""
+        x, kv = self.attend(x, past)
+        return self.feed_forward(x), kv
+
+    def attend(self, x: Tensor, past: KV | None = None) -> tuple[Tensor, KV]:
+        """The first half: x + attn(ln_1(x)) (B, T, C), and this layer's grown KV."""
         a, kv = self.attn(self.ln_1(x), past)
-        x = x + a  # (B, T, C)
-        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
-        return x, kv
+        return x + a, kv
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """The second half: x + mlp(ln_2(x)) (B, T, C)."""
+        return x + self.mlp(self.ln_2(x))
 
 
 class StageModule(nn.Module):
@@ -270,9 +278,10 @@ class StageModule(nn.Module):
     def forward_cached_steps(
         self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0
     ) -> Generator[int, None, tuple[Tensor, KVCache]]:
-        """:meth:`forward_cached` one block at a time: yields the index of each block it has run, returns
-        ``(output, grown cache)``. A caller may stop between blocks and resume later (a prefill chunk that
-        gives its core back to training mid-chunk); grad mode is the caller's at each ``next``."""
+        """:meth:`forward_cached` half a block at a time: yields a block's index after its attention and again
+        after its MLP, returns ``(output, grown cache)``. A caller may stop at any yield and resume later (a
+        prefill chunk that gives its core back to training mid-chunk); grad mode is the caller's at each
+        ``next``."""
         if self.first:
             assert x.dim() == 2 and x.dtype == torch.int64, f"first stage takes (B, T) tokens, got {x.dtype}"
         else:
@@ -292,8 +301,10 @@ class StageModule(nn.Module):
         else:
             h = x  # (B, T, C)
         new_cache: KVCache = []
-        for i, block in enumerate(self.blocks.values()):
-            h, kv = block(h, None if kv_cache is None else kv_cache[i])  # (B, T, C)
+        for i, block in enumerate(cast("list[Block]", list(self.blocks.values()))):
+            h, kv = block.attend(h, None if kv_cache is None else kv_cache[i])  # (B, T, C)
+            yield i
+            h = block.feed_forward(h)  # (B, T, C)
             new_cache.append(kv)
             yield i
         if self.last:

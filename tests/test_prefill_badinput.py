@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from agents.prefill.client import PrefillClient
+from agents.prefill.protocol import VERSION
 from agents.prefill.service import PrefillService
 from agents.sockets import CurveClient, CurveServer, load_keypair, load_public_key, write_keypair
 from geosched.errors import LinkError
@@ -39,7 +40,7 @@ def service(model):
 
 
 def header(**fields: object) -> bytes:
-    base = {"v": 1, "id": "r1", "prompt": "text", "token": "s3cret"}
+    base = {"v": VERSION, "id": "r1", "prompt": "text", "token": "s3cret"}
     base.update(fields)
     return encode_header({k: v for k, v in base.items() if v is not None})
 
@@ -52,7 +53,8 @@ BAD_REQUESTS = {
     "unknown field": ([header(colour="blue"), b"hi"], "unknown fields ['colour']"),
     "no id": ([header(id=None), b"hi"], "'id'"),
     "long id": ([header(id="x" * 65), b"hi"], "'id'"),
-    "bad version": ([header(v=9), b"hi"], "'v' must be 1"),
+    "bad version": ([header(v=9), b"hi"], f"'v' must be {VERSION}"),
+    "version 1": ([header(v=1), b"hi"], "a version 1 client expects one frame per KV tensor"),
     "bad prompt kind": ([header(prompt="image"), b"hi"], "'prompt' must be"),
     "priority type": ([header(priority="high"), b"hi"], "'priority' must be int"),
     "priority range": ([header(priority=12), b"hi"], "0-9"),
@@ -140,3 +142,23 @@ def test_curve_clients_without_an_allowed_key_are_refused_and_counted(model, tmp
         finally:
             stop.set()
             worker.join(10)
+
+
+def test_a_response_carries_the_whole_kv_cache_in_one_frame_and_a_client_refuses_malformed_ones(model):
+    from agents.prefill.client import prefill_locally
+    from agents.prefill.protocol import decode_response, encode_response
+    from geosched.errors import ProtocolError
+
+    local = prefill_locally(model, "one frame")
+    frames = [bytes(f) for f in encode_response(local)]
+    assert len(frames) == 2  # header and every layer's K and V, whatever the depth
+    back = decode_response(frames, max_kv_frame_bytes=1 << 20)
+    assert back.kv is not None and len(back.kv) == SHAPE.layers
+    for (k, v), (k2, v2) in zip(local.kv or [], back.kv, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(ProtocolError, match="carries 2 frames after the header"):
+        decode_response([*frames, frames[1]], max_kv_frame_bytes=1 << 20)
+    with pytest.raises(ProtocolError, match="payload is"):
+        decode_response([frames[0], frames[1][:-4]], max_kv_frame_bytes=1 << 20)
+    with pytest.raises(ProtocolError, match="over the limit"):
+        decode_response(frames, max_kv_frame_bytes=len(frames[1]) - 1)

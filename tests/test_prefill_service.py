@@ -43,7 +43,7 @@ def idle_worker(service: PrefillService) -> Iterator[None]:
 @pytest.fixture
 def served(model):
     """A service computing on an idle-worker thread, in small chunks (many chunks per prompt)."""
-    with PrefillService(model, min_chunk_s=1e-9, max_chunk_s=1e-4) as service:
+    with PrefillService(model, min_piece_s=1e-9, max_piece_s=1e-4) as service:
         with idle_worker(service):
             yield service
 
@@ -101,12 +101,12 @@ def ready_after(calls: int):
 
 def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(model):
     with (
-        PrefillService(model, min_chunk_s=1e-9, max_chunk_s=1e-9) as service,
+        PrefillService(model, min_piece_s=1e-9, max_piece_s=1e-9) as service,
         PrefillClient(service.endpoint) as client,
     ):
         rid = client.submit(list(range(10)))
         assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
-        per_chunk = 1 + SHAPE.layers  # ready() is asked before each chunk and after each of its blocks
+        per_chunk = 1 + 2 * SHAPE.layers  # ready() is asked before each chunk and after each half of its blocks
         spans = service.fill(ready_after(2 * per_chunk), budget_s=1.0)
         assert [s.tokens for s in spans] == [1, 1]  # two chunks, then straight back to training
         assert all(s.request_id == rid for s in spans)
@@ -118,17 +118,17 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
         assert result.first_token == int(prefill(model, torch.arange(10).view(1, -1))[0].argmax())
 
 
-def test_fill_gives_training_back_between_blocks_and_finishes_the_chunk_later(model):
+def test_fill_gives_training_back_inside_a_block_and_finishes_the_chunk_later(model):
     with (
-        PrefillService(model, min_chunk_s=10.0, max_chunk_s=10.0) as service,  # the whole prompt in one chunk
+        PrefillService(model, min_piece_s=10.0, max_piece_s=10.0) as service,  # the whole prompt in one chunk
         PrefillClient(service.endpoint) as client,
     ):
         client.submit(list(range(10)))
         assert wait_for(lambda: service.metrics()["queue_len"] == 1, timeout_s=10.0)
-        spans = service.fill(ready_after(2), budget_s=1.0)  # the message lands during the first block
-        assert [s.tokens for s in spans] == [0]  # stopped after that block: no token finished yet
+        spans = service.fill(ready_after(2), budget_s=1.0)  # the message lands during the first attention
+        assert [s.tokens for s in spans] == [0]  # stopped after it, before the MLP: no token finished yet
         rest = service.fill(lambda: False, budget_s=1.0)
-        assert [s.tokens for s in rest] == [10]  # the same chunk, from the second block on
+        assert [s.tokens for s in rest] == [10]  # the same chunk, from the first block's MLP on
         result = client.receive(10)
         assert result.status == "ok" and result.timings["chunks"] == 1
         expected = prefill(model, torch.arange(10).view(1, -1))[0]
@@ -138,7 +138,7 @@ def test_fill_gives_training_back_between_blocks_and_finishes_the_chunk_later(mo
 
 def test_chunk_size_follows_the_remaining_budget(model):
     with (
-        PrefillService(model, min_chunk_s=1e-9, max_chunk_s=10.0) as service,
+        PrefillService(model, min_piece_s=1e-9, max_piece_s=10.0) as service,
         PrefillClient(service.endpoint) as client,
     ):
         client.submit(list(range(30)))

@@ -32,12 +32,12 @@ def test_new_weights_wait_for_the_prompt_in_progress(one_torch_thread) -> None:
     expected_old, expected_new = (prefill_locally(m, PROMPT) for m in (old, new))
     assert expected_old.topk_logits != pytest.approx(expected_new.topk_logits)
     with (
-        SwappablePrefillService(old, served="seed 1", min_chunk_s=1e-9, max_chunk_s=1e-9) as service,
+        SwappablePrefillService(old, served="seed 1", min_piece_s=1e-9, max_piece_s=1e-9) as service,
         PrefillClient(service.endpoint) as client,
     ):
         client.submit(PROMPT, return_kv=False)
         _queued(service)
-        answers = iter([False] * (1 + SHAPE.layers) + [True])  # asked before the chunk and after each block
+        answers = iter([False] * (1 + 2 * SHAPE.layers) + [True])  # asked before the chunk, after each half block
         assert [span.tokens for span in service.fill(lambda: next(answers), None)] == [1]  # one token in
         service.replace_model(new, "seed 2")
         assert service.served == "seed 1"  # the prompt is part-way: the swap waits

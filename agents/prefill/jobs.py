@@ -1,9 +1,9 @@
 """A prefill request as the service computes it: its position, KV cache, and the chunk it is part-way through.
 
-A chunk runs a block at a time (:meth:`geosched.model.StageModule.forward_cached_steps`),
-so the training thread can have its core back between two blocks when its
-message arrives (``preempt``): training then waits for one block, not one
-chunk, and the chunk carries on from the next block in the next bubble.
+A chunk runs half a block at a time (:meth:`geosched.model.StageModule.forward_cached_steps`:
+attention, then MLP), so the training thread can have its core back at the next
+half when its message arrives (``preempt``): training then waits for half a
+block, not one chunk, and the chunk carries on from there in the next bubble.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class _Job:
         return self.req.tokens.numel() - self.pos
 
     def advance(self, model: StageModule, tokens: int, preempt: Callable[[], bool] | None = None) -> int:
-        """Run the chunk part-way through, else a new one of ``tokens``, block by block; stop after a block
-        once ``preempt()`` is true. Returns the tokens the chunk finished (0: stopped between blocks)."""
+        """Run the chunk part-way through, else a new one of ``tokens``, half a block at a time; stop after a
+        half once ``preempt()`` is true. Returns the tokens the chunk finished (0: stopped part-way)."""
         if self.steps is None:
             x = self.req.tokens[self.pos : self.pos + tokens].view(1, -1)  # (1, t) int64
             self.steps, self.chunk_tokens, self.chunk_s = model.forward_cached_steps(x, self.kv, self.pos), tokens, 0

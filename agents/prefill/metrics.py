@@ -49,6 +49,7 @@ class PrefillMetrics:
         self.ttft_s: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.on_ttft: Callable[[float], None] | None = None  # also told each TTFT (e.g. a Prometheus histogram)
         self._offered: deque[tuple[float, float]] = deque()  # (time, predicted bubble seconds offered)
+        self._offered_s = 0.0  # their sum, kept as they come and go (admission reads it for every request)
 
     def chunk(self, tokens: int, seconds: float, in_bubble: bool) -> None:
         """One chunk of ``tokens`` computed in ``seconds``."""
@@ -71,8 +72,9 @@ class PrefillMetrics:
         """A bubble predicted to last ``budget_s`` began (whether or not work was queued)."""
         now = time.monotonic()
         self._offered.append((now, budget_s))
+        self._offered_s += budget_s
         while self._offered and now - self._offered[0][0] > SHARE_WINDOW_S:
-            self._offered.popleft()
+            self._offered_s -= self._offered.popleft()[1]
 
     def measured_bubble_share(self) -> float | None:
         """Bubble seconds per wall second over the recent window; None until a second of samples."""
@@ -81,7 +83,7 @@ class PrefillMetrics:
         span = time.monotonic() - self._offered[0][0]
         if span < 1.0:
             return None
-        return min(1.0, sum(b for _, b in self._offered) / span)
+        return min(1.0, max(0.0, self._offered_s) / span)
 
     def step(self, compute_s: float, wall_s: float) -> None:
         """A training step took ``wall_s`` of which ``compute_s`` was training compute."""

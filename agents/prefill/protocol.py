@@ -1,14 +1,17 @@
 """The prefill protocol: requests and responses as a msgpack header frame plus raw frames (geosched.wire).
 
 A client (ZeroMQ DEALER) sends ``[header, prompt]`` to an agent's prefill
-endpoint (ROUTER); the agent answers ``[header, K0, V0, K1, V1, ...]``.
+endpoint (ROUTER); the agent answers ``[header, kv]``: one raw frame holds the
+K and V tensors of every layer back to back (K0, V0, K1, V1, ...), so a
+response is two frames whatever the depth (version 1 sent one frame per
+tensor: 2L sends and 2L views per answer, most of the service thread's time).
 Every request gets exactly one response. Nothing is unpickled; headers are
 decoded with wire's strict msgpack limits and unknown fields are refused.
 
 Request header:
 
 ===============  ========  ====================================================
-``v``            int       protocol version, 1
+``v``            int       protocol version, 2
 ``id``           str       caller's request id (1-64 characters), echoed back
 ``prompt``       str       ``"text"``: the prompt frame is UTF-8, one token per
                            byte (vocab 256); ``"tokens"``: little-endian int64 ids
@@ -22,8 +25,8 @@ Request header:
 Response header: ``v``, ``id`` (None if the request had none readable),
 ``status`` (``ok`` | ``rejected`` | ``expired`` | ``error``), ``reason`` (not
 ok), and when ok: ``prompt_tokens``, ``first_token``, ``topk_ids``,
-``topk_logits``, ``kv_layers`` (L; 0 without KV), ``kv_dtype``, ``kv_shape``
-(each of the 2L frames: (1, heads, prompt_tokens, hidden/heads)), and the
+``topk_logits``, ``kv_layers`` (L; 0 without KV, and then no kv frame), ``kv_dtype``,
+``kv_shape`` (each of the 2L tensors in the kv frame: (1, heads, prompt_tokens, hidden/heads)), and the
 timings ``queued_ms``, ``compute_ms``, ``ttft_ms``, ``chunks``,
 ``bubble_share`` (share of compute time spent inside training bubbles).
 """
@@ -42,7 +45,7 @@ from geosched import wire
 from geosched.errors import ProtocolError
 from geosched.model import KVCache
 
-VERSION = 1
+VERSION = 2
 STATUSES = ("ok", "rejected", "expired", "error")
 MAX_ID_CHARS = 64
 MAX_TOP_K = 16
@@ -150,7 +153,11 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
     if unknown:
         raise BadRequest(f"unknown fields {unknown[:4]}; known: {sorted(REQUEST_FIELDS)}", rid)
     if header.get("v") != VERSION:
-        raise BadRequest(f"field 'v' must be {VERSION} (got {header.get('v')!r})", rid)
+        raise BadRequest(
+            f"field 'v' must be {VERSION} (got {header.get('v')!r}); a version 1 client expects one frame per KV "
+            f"tensor: upgrade it",
+            rid,
+        )
     kind = header.get("prompt")
     if kind not in ("text", "tokens"):
         raise BadRequest(f"field 'prompt' must be 'text' or 'tokens' (got {kind!r})", rid)
@@ -184,7 +191,7 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
 
 
 def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
-    """Frames of a response: header, then K and V of every layer (raw, no copy) when the cache is sent."""
+    """Frames of a response: header, then one frame of K and V of every layer when the cache is sent."""
     if resp.status not in STATUSES:
         raise ValueError(f"status {resp.status!r} not in {STATUSES}")
     header: dict[str, Any] = {"v": VERSION, "id": resp.id, "status": resp.status}
@@ -200,13 +207,12 @@ def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
         kv_layers=len(kv),
     )
     header.update({k: float(resp.timings.get(k, 0.0)) for k in TIMING_FIELDS})
-    frames: list[bytes | memoryview] = []
-    if kv:
-        header["kv_dtype"] = wire.dtype_to_name(kv[0][0].dtype)
-        header["kv_shape"] = list(kv[0][0].shape)
-        for k, v in kv:
-            frames += [wire.tensor_bytes(wire.contiguous_cpu(k)), wire.tensor_bytes(wire.contiguous_cpu(v))]
-    return [wire.encode_header(header), *frames]
+    if not kv:
+        return [wire.encode_header(header)]
+    header["kv_dtype"] = wire.dtype_to_name(kv[0][0].dtype)
+    header["kv_shape"] = list(kv[0][0].shape)
+    stacked = torch.stack([t for pair in kv for t in pair]).cpu()  # (2L, 1, H, T, D): one copy, one send
+    return [wire.encode_header(header), wire.tensor_bytes(stacked)]
 
 
 def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes: int) -> PrefillResponse:
@@ -224,13 +230,16 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
         return PrefillResponse(rid, status, reason=str(header.get("reason", "")))
     layers = wire.require_int(header, "kv_layers", 0, 1 << 16)
     kv: KVCache | None = None
-    if len(frames) != 1 + 2 * layers:
-        raise ProtocolError(f"response announces {layers} KV layers but carries {len(frames) - 1} tensor frames")
+    if len(frames) != 1 + (layers > 0):
+        raise ProtocolError(
+            f"response announces {layers} KV layers but carries {len(frames) - 1} frames after the header "
+            f"(expected {int(layers > 0)})"
+        )
     if layers:
         dtype = wire.dtype_from_name(wire.require(header, "kv_dtype", str))
-        shape = wire.require_shape(header, "kv_shape")
+        shape = [2 * layers, *wire.require_shape(header, "kv_shape")]
         wire.check_tensor_spec(dtype, shape, max_bytes=max_kv_frame_bytes)
-        tensors = [wire.tensor_from_buffer(f, dtype, shape) for f in frames[1:]]
+        tensors = wire.tensor_from_buffer(frames[1], dtype, shape)  # (2L, 1, H, T, D)
         kv = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layers)]
     topk_ids = wire.require(header, "topk_ids", list)
     topk_logits = wire.require(header, "topk_logits", list)
