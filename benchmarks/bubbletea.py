@@ -36,7 +36,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread
+from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread, positive_float
 
 PROMPT_TOKENS = 48
 
@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options = {
         "max_queue": 2 * args.outstanding,
         "default_deadline_s": 10.0,
+        "min_piece_s": min(1.0, args.max_piece_ms) / 1e3,  # the service default, or less under a smaller max
         "max_piece_s": args.max_piece_ms / 1e3,
         "switch_interval_s": args.switch_interval_ms / 1e3,
     }
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outstanding", type=int, default=6, help="prompts in flight per stage under load")
     parser.add_argument(
         "--max-piece-ms",
-        type=float,
+        type=positive_float,
         default=2.0,
         help="longest piece (half a block) of a prefill chunk: the most training waits for its core (default 2 ms)",
     )

@@ -38,6 +38,17 @@ def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParse
     return out
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type`` for durations (``--max-piece-ms``): a finite number > 0, else the flag's one-line error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text!r})") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts (``--steps``, ``--rounds``): an int >= 1, else the flag's one-line error.
     (0 must be refused here: ``args.rounds or default`` would read it as "not given".)"""

@@ -194,3 +194,12 @@ def test_pending_requests_are_answered_when_the_service_closes(model):
         service.close()
         result = client.receive(10)
         assert (result.id, result.status) == (rid, "error") and "shutting down" in result.reason
+
+
+def test_pieces_must_be_positive_and_ordered(model):
+    from geosched.errors import InputError
+
+    with pytest.raises(InputError, match="0 < min_piece_s <= max_piece_s"):
+        PrefillService(model, min_piece_s=0.01, max_piece_s=0.001)
+    with pytest.raises(InputError, match="0 < min_piece_s"):
+        PrefillService(model, min_piece_s=0.0)

@@ -49,6 +49,7 @@ from agents.prefill.metrics import PrefillMetrics
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
 from agents.prefill.protocol import BadRequest, PrefillRequest, PrefillResponse, decode_request, encode_response
 from agents.sockets import CurveServer, ZapAuthenticator, bound_port, make_socket
+from geosched.errors import InputError
 from geosched.model import StageModule
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class PrefillService:
         sndhwm: int = 1000,
     ) -> None:
         assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
+        if not 0 < min_piece_s <= max_piece_s:
+            raise InputError(
+                f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s} and {max_piece_s} s)"
+            )
         self.model = model
         self.shape = model.shape
         self.max_queue = max_queue
