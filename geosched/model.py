@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -275,6 +275,12 @@ class StageModule(nn.Module):
                 result: tuple[Tensor, KVCache] = done.value
                 return result
 
+    @property
+    def cached_pieces(self) -> int:
+        """The stretches :meth:`forward_cached_steps` runs between two chances to stop: each half block, then
+        the head (which runs with the last ``next``)."""
+        return 2 * len(self.blocks) + 1
+
     def forward_cached_steps(
         self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0
     ) -> Generator[int, None, tuple[Tensor, KVCache]]:
@@ -301,7 +307,7 @@ class StageModule(nn.Module):
         else:
             h = x  # (B, T, C)
         new_cache: KVCache = []
-        for i, block in enumerate(cast("list[Block]", list(self.blocks.values()))):
+        for i, block in enumerate(cast("Iterable[Block]", self.blocks.values())):
             h, kv = block.attend(h, None if kv_cache is None else kv_cache[i])  # (B, T, C)
             yield i
             h = block.feed_forward(h)  # (B, T, C)

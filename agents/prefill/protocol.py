@@ -239,8 +239,8 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
         dtype = wire.dtype_from_name(wire.require(header, "kv_dtype", str))
         shape = [2 * layers, *wire.require_shape(header, "kv_shape")]
         wire.check_tensor_spec(dtype, shape, max_bytes=max_kv_frame_bytes)
-        tensors = wire.tensor_from_buffer(frames[1], dtype, shape)  # (2L, 1, H, T, D)
-        kv = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layers)]
+        stacked = wire.tensor_from_buffer(frames[1], dtype, shape)  # (2L, 1, H, T, D)
+        kv = [(stacked[2 * i], stacked[2 * i + 1]) for i in range(layers)]
     topk_ids = wire.require(header, "topk_ids", list)
     topk_logits = wire.require(header, "topk_logits", list)
     timings = {k: float(wire.require(header, k, (int, float))) for k in TIMING_FIELDS}

@@ -92,7 +92,6 @@ class PrefillService:
         self.default_deadline_s = default_deadline_s
         self.auth_token = auth_token
         self.min_piece_s, self.max_piece_s = min_piece_s, max_piece_s
-        self._pieces = 2 * len(model.blocks) + 1  # preemption points of a chunk: each half block, then the head
         self._kv_per_token = kv_bytes_per_token(model.shape, next(model.parameters()).dtype)
         self._lock = threading.Lock()
         self._compute = threading.Lock()  # one computing thread at a time (stages sharing a service)
@@ -213,7 +212,7 @@ class PrefillService:
             left = None if budget_s is None else budget_s - (time.perf_counter() - start)
             target = self.min_piece_s if left is None or left <= 0 else SAFETY * left
             target = min(self.max_piece_s, max(self.min_piece_s, target))
-            tokens = min(job.remaining, self.cost.tokens_for(target * self._pieces))
+            tokens = min(job.remaining, self.cost.tokens_for(target * self.model.cached_pieces))
             spans.append(self._run_chunk(job, tokens, in_bubble, ready if in_bubble else None))
         return spans
 
