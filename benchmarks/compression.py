@@ -78,8 +78,9 @@ import yaml
 from common import benchmark_parser, emit, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
+from agents.rehearsal.calibrate import calibrate_plan
 from agents.rehearsal.codec_profile import measure_codec
-from agents.rehearsal.launch import DEFAULT_WAN_SCALE, calibrate, launch
+from agents.rehearsal.launch import DEFAULT_WAN_SCALE, launch
 from agents.wan.compress import TensorCodec
 from geosched.config import Config, JobSpec, config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
@@ -123,7 +124,7 @@ def rehearse(folder: Path, codec: str, steps: int, wan_scale: float, rounds: int
     codec_cost = measure_codec(layout.job)["codec_s_per_byte"]
     cal = None
     if calibrated:
-        cal = dataclasses.replace(calibrate(layout, wan_scale), codec_s_per_byte=codec_cost)  # launch's, once
+        cal = dataclasses.replace(calibrate_plan(layout, wan_scale), codec_s_per_byte=codec_cost)  # launch's, once
     print(f"calibration: {time.monotonic() - started:.1f} s, codec {codec_cost:.3g} s/byte", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {"none": [], codec: []}
     for r in range(rounds):

@@ -304,7 +304,7 @@ def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
 
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
     """The simulator's timeline of the (a) layout with the measured calibration."""
-    from agents.stage.session import job_schedule
+    from agents.stage.schedule import job_schedule
     from geosched.costmodel import Calibration
     from geosched.pipeline_costs import PipelineCosts
     from geosched.schedule import simulate

@@ -36,7 +36,8 @@ from typing import Any
 from common import benchmark_parser, emit, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
-from agents.rehearsal.launch import DEFAULT_WAN_SCALE, calibrate, launch
+from agents.rehearsal.calibrate import calibrate_plan
+from agents.rehearsal.launch import DEFAULT_WAN_SCALE, launch
 from geosched.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         cal = None
         if not args.quick:
             started = time.monotonic()
-            cal = calibrate(parse_layout(plan.read_text()), args.wan_scale)
+            cal = calibrate_plan(parse_layout(plan.read_text()), args.wan_scale)
             print(f"calibration: {time.monotonic() - started:.1f} s", flush=True)
         for r in range(rounds):
             for mode in MODES if r % 2 == 0 else reversed(MODES):

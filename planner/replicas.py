@@ -29,6 +29,8 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from typing import Any
 
@@ -102,7 +104,15 @@ def _crossing_wire_bytes(problem: Problem, cand: Candidate, stage: int, lanes: i
     element = problem.job.bytes_per_element
     lane_numel = max(1, math.ceil(_grad_bytes(problem, cand, stage) / element / lanes))
     streams = max(problem.streams(a, b) for a, b in _hops(problem, cand, stage))
-    return problem.job.tp * lanes * sum(wire_bytes(n, streams) for n in hop_messages([lane_numel], element))
+    return problem.job.tp * lanes * _lane_wire_bytes(lane_numel, element, streams)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lane_wire_bytes(lane_numel: int, element_size: int, streams: int) -> int:
+    """Wire bytes of one lane's messages on one hop, per distinct message size (a lane's hundreds of pieces
+    come in at most four sizes; the search asks for the same lanes again and again)."""
+    sizes = collections.Counter(hop_messages([lane_numel], element_size))
+    return sum(count * wire_bytes(size, streams) for size, count in sizes.items())
 
 
 def cost_options(problem: Problem, cand: Candidate) -> dict[str, Any]:

@@ -59,3 +59,14 @@ def test_a_sync_moves_the_bytes_its_price_counts_and_resends_nothing() -> None:
         finally:
             client.close()
             listener.close()
+
+
+@pytest.mark.parametrize("streams", [1, 4, 50])
+def test_a_lanes_wire_bytes_priced_once_per_message_size_equal_every_message_priced(streams: int) -> None:
+    """The planner prices a lane by its distinct message sizes (cached); the sum must be every message's."""
+    from planner.replicas import _lane_wire_bytes
+
+    for numel in (1, 7, 1000, 65_537, 3_000_001, 87_654_321):
+        for element in (2, 4):
+            each = sum(wire_bytes(m, streams) for m in hop_messages([numel], element))
+            assert _lane_wire_bytes(numel, element, streams) == each, (numel, element)

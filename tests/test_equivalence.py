@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss, measured_timeline
-from agents.stage.session import job_schedule, run_rank, train_one_process
+from agents.stage.schedule import job_schedule
+from agents.stage.session import run_rank, train_one_process
 from agents.stage.transport import RelayRouter, StoreAddressBook, pipeline_routes
 from agents.wanem.emulator import LinkShape
 from geosched.config import JobSpec, ModelSpec

@@ -18,7 +18,8 @@ from agents.prefill.client import PrefillClient
 from agents.prefill.service import PrefillService
 from agents.stage.report import StepReport
 from agents.stage.runtime import StageRuntime
-from agents.stage.session import job_schedule, train_one_process
+from agents.stage.schedule import job_schedule
+from agents.stage.session import train_one_process
 from agents.stage.transport import LinkTransport, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink

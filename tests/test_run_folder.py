@@ -24,7 +24,7 @@ from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_re
 from agents.runfolder.report import collective_sync_s, report_text
 from agents.stage.in_place import write_stage_time
 from agents.stage.report import StepReport, measured_timeline
-from agents.stage.session import job_schedule
+from agents.stage.schedule import job_schedule
 from agents.worker import metrics_record
 from geosched.calibration import Calibration, StageTime
 from geosched.config import config_from_dict

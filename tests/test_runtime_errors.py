@@ -10,7 +10,7 @@ import torch
 
 from agents.layout import layout_roles
 from agents.stage.runtime import StageRuntime
-from agents.stage.session import job_schedule, num_microbatches
+from agents.stage.schedule import job_schedule, num_microbatches
 from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec

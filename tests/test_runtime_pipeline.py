@@ -11,7 +11,8 @@ import torch
 
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from agents.stage.runtime import StageRuntime
-from agents.stage.session import job_schedule, train_one_process
+from agents.stage.schedule import job_schedule
+from agents.stage.session import train_one_process
 from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec

@@ -40,7 +40,8 @@ from agents.checkpoint.export import export_weights
 from agents.layout import JobLayout, layout_plan_text, parse_layout, pipe_name
 from agents.runnable import plan_for_config, runtime_refusal
 from agents.stage.report import StepReport, global_loss
-from agents.stage.session import RankSession, num_microbatches, train_one_process
+from agents.stage.schedule import num_microbatches
+from agents.stage.session import RankSession, train_one_process
 from agents.stage.transport import StoreAddressBook
 from agents.worker import RankCheckpoints
 from geosched.cli import main

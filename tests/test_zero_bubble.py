@@ -18,7 +18,8 @@ import torch.distributed as dist
 from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss
 from agents.stage.runtime import StageRuntime
-from agents.stage.session import job_schedule, run_rank, train_one_process
+from agents.stage.schedule import job_schedule
+from agents.stage.session import run_rank, train_one_process
 from agents.stage.transport import StoreAddressBook
 from geosched.cli import main
 from geosched.config import JobSpec, ModelSpec

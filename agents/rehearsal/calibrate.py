@@ -1,7 +1,7 @@
 """Calibrate the cost model as the agents will run: compute, co-located ranks, and message costs.
 
-:func:`calibrate` is what ``geosched profile``, ``geosched launch`` and the
-benchmarks call. It combines
+:func:`calibrate` is what ``geosched profile`` and the benchmarks call, and
+:func:`calibrate_plan` (a plan's options, one thread per rank) what ``geosched launch`` calls. It combines
 
 - :func:`geosched.profile.profile_job`: per-layer forward/backward, the
   optimizer step and activation sizes of the job's model, and, given a
@@ -27,6 +27,7 @@ Example::
 
     cal = calibrate(job, repeats=7, co_located=2)       # JSON-ready dict
     cal = calibrate(job, co_located=2, stages=plan_stages([(0, 2), (2, 4)]))  # + whole stages
+    cal = calibrate_plan(layout, wan_scale=0.05)           # what geosched launch measures: a Calibration
     cal = calibrate(job, ranks=plan_groups(layout))      # a plan's ranks together: + its collectives
     Calibration.from_dict(cal)                           # what the cost model reads
 """
@@ -39,7 +40,8 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from geosched.config import JobSpec
 from geosched.costmodel import Calibration
@@ -48,6 +50,7 @@ from geosched.profile import Progress, StageKey, profile_job
 from geosched.schema import dump_dataclass, load_dataclass
 
 if TYPE_CHECKING:
+    from agents.layout import JobLayout
     from agents.rehearsal.collective_profile import RankGroup
 
 WORKER_TIMEOUT_S = 600.0
@@ -134,6 +137,50 @@ def calibrate(
             progress(1, 1, "message costs")
     Calibration.from_dict(cal)  # every field the loader needs is there
     return cal
+
+
+def calibrate_plan(
+    layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None, out: TextIO | None = None
+) -> Any:
+    """A quick calibration of the plan on one thread, as its agents run it together on this host.
+
+    The plan's stages whole, with tensor- or in-DC data-parallel groups its
+    ranks together and their collectives, its WAN streams and the emulator's
+    share (:func:`agents.rehearsal.calibrate.plan_options`); written to
+    ``save_to`` too when given (the run folder's ``calibration.json``). Each
+    part's start is a line on ``out``: it takes tens of seconds on 2 cores.
+    """
+    import torch
+
+    from geosched.profile import write_calibration
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every agent runs
+    try:
+        copies = max(1, min(len(layout.roles), os.cpu_count() or 1))
+        data = calibrate(
+            layout.job,
+            repeats=3,
+            warmup=1,
+            co_located=copies,
+            progress=None if out is None else _calibration_progress(out),
+            **plan_options(layout, wan_scale),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    if save_to is not None:
+        write_calibration(data, save_to)
+    return Calibration.from_dict(data)
+
+
+def _calibration_progress(out: TextIO) -> Callable[[int, int, str], None]:
+    """A ``calibrate`` progress callback: one line on ``out`` as each part starts."""
+
+    def progress(done: int, total: int, what: str) -> None:
+        if done < total:
+            print(f"launch: calibrating on this host: {what} ...", file=out, flush=True)
+
+    return progress
 
 
 def block_unit(job: JobSpec, device: str = "cpu") -> Callable[[], None]:

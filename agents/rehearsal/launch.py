@@ -64,33 +64,6 @@ DEFAULT_WAN_SCALE = 0.05
 """
 
 
-def calibrate(layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None) -> Any:
-    """A quick calibration of the plan on one thread, as its agents run it together on this host.
-
-    The plan's stages whole, with tensor- or in-DC data-parallel groups its
-    ranks together and their collectives, its WAN streams and the emulator's
-    share (:func:`agents.rehearsal.calibrate.plan_options`); written to
-    ``save_to`` too when given (the run folder's ``calibration.json``).
-    """
-    import torch
-
-    from agents.rehearsal.calibrate import calibrate as measure
-    from agents.rehearsal.calibrate import plan_options
-    from geosched.costmodel import Calibration
-    from geosched.profile import write_calibration
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every agent runs
-    try:
-        copies = max(1, min(len(layout.roles), os.cpu_count() or 1))
-        data = measure(layout.job, repeats=3, warmup=1, co_located=copies, **plan_options(layout, wan_scale))
-    finally:
-        torch.set_num_threads(threads)
-    if save_to is not None:
-        write_calibration(data, save_to)
-    return Calibration.from_dict(data)
-
-
 def launch(
     config_path: str,
     *,
@@ -180,9 +153,20 @@ def launch(
     (run / "plan.yaml").write_text(text)
     calibration_s = None
     if calibration == "measure":
+        if out is not None:
+            print(
+                f"launch: calibrating {describe(layout)} on this host first (--calibration FILE or "
+                "--no-calibrate skip it)",
+                file=out,
+                flush=True,
+            )
+        from agents.rehearsal.calibrate import calibrate_plan  # torch: not for `geosched plan`'s flags
+
         began = time.monotonic()
-        calibration = calibrate(layout, wan_scale, run / "calibration.json")
+        calibration = calibrate_plan(layout, wan_scale, run / "calibration.json", out)
         calibration_s = time.monotonic() - began
+        if out is not None:
+            print(f"launch: calibrated in {calibration_s:.1f} s: {run / 'calibration.json'}", file=out, flush=True)
     load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
     relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
     if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step

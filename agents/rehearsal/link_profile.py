@@ -24,8 +24,9 @@ the wire time the link model already prices (bytes / bandwidth + propagation):
   rehearsal: with a CPU to spare the relay would cost the stage nothing,
   without one it takes the stage's. Messages are spaced to keep the link at
   most 2/3 busy with enough in flight to cover its round trip, and the waits
-  for echoes are left out. The extra over the direct setting is charged on
-  inter-DC messages only.
+  for echoes are left out; as spacing makes each message cost tens of compute
+  units, this setting runs half the rounds and messages of the others. The
+  extra over the direct setting is charged on inter-DC messages only.
 
 The peer is a second process (``python -m agents.rehearsal.link_profile --echo-peer``,
 on another core when there is one) that echoes every message over
@@ -132,11 +133,12 @@ def measure_message_costs(
             ]
             extra = {}
             if emulated is not None:
+                spaced = _spacing(emulated, small, latency, work)
+                # a spaced round computes ``every`` units per message (41 on the demo's 10 Mb/s relay):
+                # half the rounds and messages keep the probe to seconds (its term is small beside the wire time)
                 cost = _busy_while(
                     cpu,
-                    lambda: _Probe(relayed, work).overhead(
-                        small, rounds, units, **_spacing(emulated, small, latency, work)
-                    ),
+                    lambda: _Probe(relayed, work).overhead(small, max(3, rounds // 2), max(2, units // 2), **spaced),
                 )
                 extra["message_overhead_s_emulated"] = max(0.0, cost - settings[0][2])
             link.start_send(torch.zeros(1), step=0, microbatch=0)  # "done": the peer says ok and closes

@@ -54,7 +54,7 @@ def rehearsal_cluster(config: Config, wan_scale: float, cpu_tflops: float | None
 
 def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) -> Any:
     """The simulator's Timeline for ``layout`` as rehearsed: WAN scaled, compute from ``calibration`` if given."""
-    from agents.stage.session import job_schedule
+    from agents.stage.schedule import job_schedule
     from geosched.pipeline_costs import PipelineCosts
     from geosched.schedule import simulate
 

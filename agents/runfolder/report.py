@@ -204,7 +204,7 @@ def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[di
 
 
 def _schedule(layout: Any) -> Any:
-    from agents.stage.session import job_schedule
+    from agents.stage.schedule import job_schedule
 
     return job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup)
 

@@ -69,6 +69,7 @@ from agents.runnable import sync_refusal, tp_refusal
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
+from agents.stage.schedule import job_schedule
 from agents.stage.security import LinkSecurity
 from agents.stage.transport import AddressBook, LinkTransport, boundary_codecs, link_id
 from agents.stage.turns import shared_link_turns
@@ -80,31 +81,11 @@ from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
-from geosched.schedule import Schedule, build_schedule, lower, validate
 
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 10.0
 """How long group rank 0 keeps its group's store up for the other ranks to leave."""
-
-
-def num_microbatches(job: JobSpec, dp: int) -> int:
-    """Microbatches per replica and step: global_batch / (dp * microbatch_size), which must be whole."""
-    per_step = dp * job.batch
-    if job.global_batch % per_step:
-        raise PlanError(
-            f"global_batch({job.global_batch}) is not a multiple of dp({dp}) x "
-            f"microbatch_size({job.batch}) = {per_step}; change one of them"
-        )
-    return job.global_batch // per_step
-
-
-def job_schedule(job: JobSpec, num_stages: int, dp: int, warmup: Sequence[int] | None = None) -> Schedule:
-    """The job's lowered, validated schedule for ``num_stages`` stages (``warmup``: the plan's forwards per
-    stage before the first backward; None: the schedule's own)."""
-    schedule = lower(build_schedule(job.pipeline_schedule, num_stages, num_microbatches(job, dp), warmup))
-    validate(schedule)
-    return schedule
 
 
 class RankSession:
