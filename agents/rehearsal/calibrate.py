@@ -141,7 +141,7 @@ def calibrate(
 
 def calibrate_plan(
     layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None, out: TextIO | None = None
-) -> Any:
+) -> Calibration:
     """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
     The plan's stages whole, with tensor- or in-DC data-parallel groups its

@@ -1,6 +1,6 @@
 """The job's lowered schedule for a plan: microbatches per replica, built, lowered and validated.
 
-Torch-free, apart from the rest of ``agents.stage``: the launcher and the run
+Torch-free, unlike the rest of ``agents.stage``: the launcher and the run
 folder simulate a plan's schedule after training without importing torch.
 """
 
