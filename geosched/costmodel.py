@@ -269,7 +269,12 @@ def stage_compute(
 
 
 def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
-    """Parameters held by a stage."""
+    """Parameters held by a stage (memoised: the planner asks for the same stages again and again)."""
+    return _stage_params(job, (layers[0], layers[1]), first, last)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
     costs = layer_costs(job)
     return (
         sum(c.params for c in costs[layers[0] : layers[1]])
@@ -278,8 +283,9 @@ def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool)
     )
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def boundary_bytes(job: JobSpec, after_layer: int) -> int:
-    """Bytes of one microbatch's activation (or its gradient) leaving layer ``after_layer - 1``."""
+    """Bytes of one microbatch's activation (or its gradient) leaving layer ``after_layer - 1`` (memoised)."""
     costs = layer_costs(job)
     per_sample = costs[after_layer - 1].activation_bytes if after_layer > 0 else costs[0].activation_bytes
     return job.batch * per_sample

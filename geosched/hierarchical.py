@@ -238,6 +238,20 @@ def hop_messages(lane_numels: Sequence[int], element_size: int) -> list[int]:
     return [(r.hi - r.lo) * element_size for r in regs]
 
 
+def hop_message_sizes(lane_numels: Sequence[int], element_size: int) -> dict[int, int]:
+    """How many of :func:`hop_messages` have each size in bytes, counted without building the regions
+    (a lane of a large stage has thousands; the planner prices lanes in its hot loop)."""
+    piece_numel = choose_piece_numel(lane_numels, element_size)
+    out: dict[int, int] = {}
+    for numel in lane_numels:
+        parts = max(1, math.ceil(numel / piece_numel))
+        base, extra = divmod(numel, parts)  # split(numel, parts): `extra` pieces of base + 1, the rest of base
+        for piece, count in ((base + 1, extra), (base, parts - extra)):
+            for half in (piece - piece // 2, piece // 2) if count else ():  # split(piece, 2)
+                out[half * element_size] = out.get(half * element_size, 0) + count
+    return out
+
+
 def regions(lane_numels: Sequence[int], piece_numel: int) -> list[Region]:
     """Every region of a step: each bucket's lane in pieces of at most ``piece_numel``, each piece in halves."""
     if piece_numel < 1:

@@ -56,10 +56,12 @@ def streams_to_fill(link: WanLinkSpec) -> int:
     return max(1, min(link.max_streams, math.ceil(need - 1e-9)))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def wan_transfer(
     link: WanLinkSpec, nbytes: int, streams: int, sharing: int, slices: int = 1, *, exact: bool = True
 ) -> Transfer:
-    """A message of ``nbytes`` per pipeline crossing ``link``, shared by ``sharing`` pipelines.
+    """A message of ``nbytes`` per pipeline crossing ``link``, shared by ``sharing`` pipelines (memoised: the
+    planner prices the same boundaries on the same links again and again).
 
     The data-parallel pipelines take turns on the link (Atlas, sec. 4.2) rather
     than each getting a slice at once, so one microbatch's boundary occupies the

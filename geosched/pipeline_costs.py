@@ -87,9 +87,18 @@ class PipelineCosts:
         known = {} if memo is None else memo  # stages (and boundaries) alike cost alike
 
         def compute(dc: str, lay: tuple[int, int], first: bool, last: bool) -> StageCompute:
-            key = ("compute", dc, lay, first, last, self.replicas)
+            spec = cluster.dc(dc)  # what of the DC the costs depend on: DCs of one GPU kind and node share them
+            key = (
+                "compute",
+                spec.gpu.tflops,
+                spec.node_bandwidth_gbps,
+                spec.node_latency_us,
+                lay,
+                first,
+                last,
+                self.replicas,
+            )
             if key not in known:
-                spec = cluster.dc(dc)
                 known[key] = stage_compute(
                     job,
                     spec.gpu.tflops,
@@ -112,10 +121,14 @@ class PipelineCosts:
             compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
         self.grad_bytes = [grad_bytes(lay, i == 0, i == p - 1) for i, lay in enumerate(self.stage_layers)]
-        self._measured_sync = [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
-            _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)
-            for i, lay in enumerate(self.stage_layers)
-        ]
+        self._measured_sync = (
+            [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
+                _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)
+                for i, lay in enumerate(self.stage_layers)
+            ]
+            if calibration is not None
+            else [None] * p
+        )
         if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
             self.compute = [
                 dataclasses.replace(

@@ -17,11 +17,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from geosched.config import ClusterSpec
 from geosched.costmodel import stage_compute, total_params
 from geosched.memory import stage_memory_bytes
-from geosched.netcost import ring_allreduce_s, wan_effective_bps
+from geosched.netcost import ring_allreduce_s, streams_to_fill, wan_effective_bps
 from geosched.schedule import Action, ActionKind, Transfer, add_gradient_sync, build_schedule, simulate
 from planner.evaluate import GB, Evaluation, Evaluator
 from planner.feasibility import size_text
@@ -47,26 +49,30 @@ class BaselineResult:
         return self.iteration_s is not None
 
 
-def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> list[tuple[str, ...]]:
+def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> tuple[tuple[str, ...], ...]:
     """An order of ``dcs`` along links (a Hamiltonian path, or cycle) whose slowest link is fastest.
 
     Tries link-speed thresholds from the fastest down; a depth-first search
     (at most :data:`MAX_ORDERS` steps per threshold) looks for an order using
-    only links at least that fast. Returns [] when none is found.
+    only links at least that fast. Returns () when none is found. A function of the cluster alone, so
+    every variant's baselines share it.
     """
-    speeds = {
-        frozenset(link.between): wan_effective_bps(link, problem.streams(*link.between))
-        for link in problem.cluster.links
-    }
+    return _linked_orders(problem.cluster, dcs, cycle)
+
+
+@functools.lru_cache(maxsize=64)
+def _linked_orders(cluster: ClusterSpec, dcs: tuple[str, ...], cycle: bool) -> tuple[tuple[str, ...], ...]:
+    """:func:`_orders` of ``dcs`` on ``cluster``'s links (each filled with streams)."""
+    speeds = {frozenset(link.between): wan_effective_bps(link, streams_to_fill(link)) for link in cluster.links}
+    inside = [dc.name for dc in cluster.datacenters if dc.name in set(dcs)]  # in config order
+    neighbours = {a: [b for b in inside if frozenset((a, b)) in speeds] for a in dcs}
 
     def speed(a: str, b: str) -> float:
         return speeds[frozenset((a, b))]
 
     if len(dcs) == 1:
-        return [dcs]
-    thresholds = sorted(
-        {speed(*link.between) for link in problem.cluster.links if set(link.between) <= set(dcs)}, reverse=True
-    )
+        return (dcs,)
+    thresholds = sorted({speed(*link.between) for link in cluster.links if set(link.between) <= set(dcs)}, reverse=True)
     for floor in thresholds:
         steps = 0  # per threshold, over all starts
 
@@ -79,8 +85,8 @@ def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> list[tuple[s
                 closing = frozenset((order[-1], order[0]))
                 closes = not cycle or len(order) == 2 or speeds.get(closing, 0.0) >= floor
                 return order if closes else None
-            for nxt in problem.neighbours[order[-1]]:
-                if nxt in dcs and nxt not in order and speed(order[-1], nxt) >= floor:
+            for nxt in neighbours[order[-1]]:
+                if nxt not in order and speed(order[-1], nxt) >= floor:
                     found = extend(order + [nxt])
                     if found:
                         return found
@@ -89,8 +95,8 @@ def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> list[tuple[s
         for start in dcs[:1] if cycle else dcs:
             found = extend([start])
             if found:
-                return [tuple(found)]
-    return []
+                return (tuple(found),)
+    return ()
 
 
 def _slowest(problem: Problem, order: tuple[str, ...], cycle: bool) -> tuple[float, float]:
@@ -150,7 +156,7 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     sequences = job.global_batch // job.batch
     gpus = min(sum(problem.gpus[dc] for dc in hosts), sequences)
     per_gpu = -(-sequences // gpus)  # microbatches on the busiest GPU
-    rings = _orders(problem, hosts, cycle=True) if len(hosts) > 1 else [hosts]
+    rings = _orders(problem, hosts, cycle=True) if len(hosts) > 1 else (hosts,)
     if not rings:
         return BaselineResult(name, None, detail=f"infeasible: no ring of WAN links passes through {', '.join(hosts)}")
     ring = rings[0]

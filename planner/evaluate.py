@@ -128,6 +128,7 @@ class Evaluator:
         self._warmups: dict[Candidate, tuple[int, ...] | None] = {}
         self._costs: dict[tuple[Candidate, int], PipelineCosts] = {}  # the bound, the warm-up, the simulation
         self._stage_costs: dict[Hashable, Any] = {}  # PipelineCosts' memo: stages and boundaries alike cost once
+        self._options: dict[Candidate, dict[str, Any]] = {}  # cost_options of the candidates in _costs
         self.bounds: dict[Candidate, float] = {}
         """Memo of :meth:`lower_bound` (climbs and explanations meet the same candidates again and again)."""
         self.baselines: list[Evaluation] | None = None
@@ -172,6 +173,9 @@ class Evaluator:
         if key not in self._costs:
             if len(self._costs) >= COSTS_MEMO:
                 self._costs.clear()
+                self._options.clear()
+            if cand not in self._options:  # the same for every pipeline of the candidate
+                self._options[cand] = cost_options(pr, cand)
             self._costs[key] = PipelineCosts(
                 pr.cluster,
                 pr.job,
@@ -180,7 +184,7 @@ class Evaluator:
                 cand.dp,
                 streams,
                 memo=self._stage_costs,
-                **cost_options(pr, cand),
+                **self._options[cand],
             )
         return self._costs[key]
 

@@ -25,10 +25,13 @@ summary's wording: "proven optimal" only when the plan's time equals a floor
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from geosched.compression import compressed_bytes
 from geosched.config import WanLinkSpec
@@ -123,6 +126,9 @@ def memory_reach(problem: Problem, memory_bytes: float) -> list[int]:
     return reach
 
 
+TABLE_CELLS = 1 << 18
+"""Stage bounds one packing computes in one go (every start's, when they are at most this many)."""
+
 Sync = tuple[tuple[float, float], ...]
 """Lower bounds of a gradient sync of ``x`` bytes, each ``slope x x + fixed`` seconds: the sync takes the least."""
 
@@ -152,58 +158,66 @@ class _Packer:
             return (*least, stage_params(job, layers, first, last) * job.bytes_per_element)
 
         self.L, self.reach = L, reach
-        self.embed, self.head = cost((0, 0), True, False), cost((L, L), False, True)
-        self.sums = [[0.0] * (L + 1) for _ in range(5)]  # f, b, i, s, g: prefix sums over blocks
-        for k in range(L):
-            for column, value in zip(self.sums, cost((k, k + 1), False, False), strict=True):
-                column[k + 1] = column[k] + value
+        self.embed, self.head = np.array(cost((0, 0), True, False)), np.array(cost((L, L), False, True))
+        self.sums = np.zeros((5, L + 1))  # f, b, i, s, g: prefix sums over blocks (added in order, as a loop would)
+        self.sums[:, 1:] = np.cumsum(np.array([cost((k, k + 1), False, False) for k in range(L)]).T, axis=1)
 
-    def bound(self, start: int, end: int, m: int, step_share: float, sync: Sync) -> float:
-        """The larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, end)``."""
-        sf, sb, si, ss, sg = self.sums
-        f, b, i = sf[end] - sf[start], sb[end] - sb[start], si[end] - si[start]
-        s, g = ss[end] - ss[start], sg[end] - sg[start]
-        if start == 0:
-            ef, eb, ei, es, eg = self.embed
-            f, b, i, s, g, ahead_f, ahead_i = f + ef, b + eb, i + ei, s + es, g + eg, 0.0, 0.0
-        else:
-            ahead_f, ahead_i = self.embed[0] + sf[start], self.embed[2] + si[start]
-        if end == self.L:
-            hf, hb, hi, hs, hg = self.head
-            f, b, i, s, g = f + hf, b + hb, i + hi, s + hs, g + hg
-        synced = min([slope * g + fixed for slope, fixed in sync]) if sync else 0.0
-        return max(ahead_f + m * (f + b) + synced + s * step_share, ahead_f + m * (f + i) + ahead_i)
+    def rows(
+        self, starts: Sequence[int], ends: Sequence[int], m: int, step_share: float, sync: Sync
+    ) -> list[list[float]]:
+        """Per start, the larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, e)``,
+        for every ``e`` from ``start + 1`` to its end (each list grows with ``e``); all in one go."""
+        first = np.array(starts)[:, None]
+        width = max([e - s for s, e in zip(starts, ends, strict=True)], default=0)
+        last = np.minimum(first + np.arange(1, width + 1)[None, :], np.array(ends)[:, None])  # past the end: dropped
+        pieces = self.sums[:, last] - self.sums[:, first]  # (5, starts, width)
+        pieces += self.embed[:, None, None] * (first == 0)  # the first stage holds the embeddings
+        pieces += self.head[:, None, None] * (last == self.L)  # the last one the head
+        f, b, i, s, g = pieces
+        ahead_f = np.where(first == 0, 0.0, self.embed[0] + self.sums[0, first])  # forward before the stage
+        ahead_i = np.where(first == 0, 0.0, self.embed[2] + self.sums[2, first])  # input gradients after it
+        synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
+        bound = np.maximum(ahead_f + m * (f + b) + synced + s * step_share, ahead_f + m * (f + i) + ahead_i)
+        return [row[: e - s] for row, s, e in zip(bound.tolist(), starts, ends, strict=True)]
 
     def least(self, m: int, step_share: float, sync: Sync, stages: int, below: float) -> float:
         """The least time within which at most ``stages`` stages pack (bisection to 1e-6, rounded down), or
-        inf when it is not below ``below``."""
-        high = below if below < math.inf else self.bound(0, self.L, m, step_share, sync) * (1 + 1e-9)
-        if not self.fits(m, step_share, sync, stages, high):
+        inf when it is not below ``below``. Every start's bounds are computed once: all together when there
+        are at most :data:`TABLE_CELLS`, else as the packing reaches each start, kept while that many."""
+        L, reach = self.L, self.reach
+        table: list[list[float] | None] = [None] * L
+        if L * max(e - s for s, e in enumerate(reach)) <= TABLE_CELLS:
+            table = list(self.rows(range(L), reach, m, step_share, sync))
+        kept = 0  # cells of the rows computed one by one and kept
+
+        def fits(limit_s: float) -> bool:
+            """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s``. Both
+            bounds grow with a stage's end and shrink as its start moves on (``m >= 1``), so ending each stage
+            as late as the limit allows packs the fewest stages."""
+            nonlocal kept
+            start = 0
+            for _ in range(stages):
+                row = table[start]
+                if row is None:
+                    row = self.rows([start], [reach[start]], m, step_share, sync)[0]
+                    if kept + len(row) <= TABLE_CELLS:  # memory stays bounded on the longest models
+                        table[start], kept = row, kept + len(row)
+                end = start + bisect.bisect_right(row, limit_s)  # the latest end within the limit
+                if end == start:
+                    return False
+                if end == L:
+                    return True
+                start = end
+            return False
+
+        high = below if below < math.inf else self.rows([0], [L], m, step_share, sync)[0][-1] * (1 + 1e-9)
+        if not fits(high):
             return math.inf
         low = 0.0
         while high - low > 1e-6 * high:
             mid = (low + high) / 2
-            low, high = (low, mid) if self.fits(m, step_share, sync, stages, mid) else (mid, high)
+            low, high = (low, mid) if fits(mid) else (mid, high)
         return low
-
-    def fits(self, m: int, step_share: float, sync: Sync, stages: int, limit_s: float) -> bool:
-        """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s``.
-
-        Both bounds grow with a stage's end and shrink as its start moves on (``m >= 1``), so ending each
-        stage as late as the limit allows packs the fewest stages.
-        """
-        start = 0
-        for _ in range(stages):
-            low, high = start, self.reach[start]  # the largest end within the limit: bisection
-            while low < high:
-                mid = (low + high + 1) // 2
-                low, high = (mid, high) if self.bound(start, mid, m, step_share, sync) <= limit_s else (low, mid - 1)
-            if low == start:
-                return False
-            if low == self.L:
-                return True
-            start = low
-        return False
 
 
 def pipeline_floor(problem: Problem) -> float:

@@ -29,14 +29,13 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from typing import Any
 
 from geosched.chunking import wire_bytes
 from geosched.costmodel import stage_params
-from geosched.hierarchical import hop_messages
+from geosched.hierarchical import hop_message_sizes
 from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
 from planner.space import Candidate, Problem, even_split, from_split
 
@@ -69,9 +68,10 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
     """Gradient sync seconds of every stage of ``cand`` (see the module docstring)."""
     p = cand.num_stages
     counts = [_replicas_by_dc(cand, s) for s in range(p)]
+    hops = [_hops(problem, cand, s) for s in range(p)]
     # every tensor-parallel rank's shard crosses the same links: the whole stage's gradients, as the links move them
     crossing = sum(
-        _crossing_wire_bytes(problem, cand, s, min(counts[s].values())) for s in range(p) if _hops(problem, cand, s)
+        _crossing_wire_bytes(problem, cand, s, min(counts[s].values()), hops[s]) for s in range(p) if hops[s]
     )
     out = []
     for s in range(p):
@@ -80,7 +80,7 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
             spec = problem.cluster.dc(dc)
             in_dc.append((n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6))
         ring = []
-        for a, b in _hops(problem, cand, s):
+        for a, b in hops[s]:
             link = problem.require_link(a, b)
             ring.append((wan_effective_bps(link, streams_to_fill(link)), link.rtt_ms / 2000))
         inside = hierarchical_allreduce_s(_grad_bytes(problem, cand, s), in_dc, [])
@@ -96,14 +96,16 @@ def _replicas_by_dc(cand: Candidate, stage: int) -> dict[str, int]:
     return counts
 
 
-def _crossing_wire_bytes(problem: Problem, cand: Candidate, stage: int, lanes: int) -> float:
-    """Bytes one direction of a hop of ``stage``'s chain carries per step, chunk headers included: every
-    tensor-parallel rank's ``lanes`` lane pairs each send their lane in the agents' messages
+def _crossing_wire_bytes(
+    problem: Problem, cand: Candidate, stage: int, lanes: int, hops: list[tuple[str, str]]
+) -> float:
+    """Bytes one direction of a hop of ``stage``'s chain (``hops``) carries per step, chunk headers included:
+    every tensor-parallel rank's ``lanes`` lane pairs each send their lane in the agents' messages
     (:func:`~geosched.hierarchical.hop_messages`; the stage's gradients as one bucket: the agents' buckets
     change the pieces only where they are a few MiB, and there the headers are well under 1 %)."""
     element = problem.job.bytes_per_element
     lane_numel = max(1, math.ceil(_grad_bytes(problem, cand, stage) / element / lanes))
-    streams = max(problem.streams(a, b) for a, b in _hops(problem, cand, stage))
+    streams = max(problem.streams(a, b) for a, b in hops)
     return problem.job.tp * lanes * _lane_wire_bytes(lane_numel, element, streams)
 
 
@@ -111,7 +113,7 @@ def _crossing_wire_bytes(problem: Problem, cand: Candidate, stage: int, lanes: i
 def _lane_wire_bytes(lane_numel: int, element_size: int, streams: int) -> int:
     """Wire bytes of one lane's messages on one hop, per distinct message size (a lane's hundreds of pieces
     come in at most four sizes; the search asks for the same lanes again and again)."""
-    sizes = collections.Counter(hop_messages([lane_numel], element_size))
+    sizes = hop_message_sizes([lane_numel], element_size)
     return sum(count * wire_bytes(size, streams) for size, count in sizes.items())
 
 

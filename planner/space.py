@@ -27,6 +27,9 @@ from geosched.costmodel import GIB, layer_costs
 from geosched.memory import peak_inflight, stage_memory_bytes
 from geosched.netcost import streams_to_fill
 
+VIOLATIONS_MEMO = 1 << 16
+"""Verdicts of :meth:`Problem.violation` one problem keeps (then it starts over)."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -172,6 +175,7 @@ class Problem:
         self.gpus = {dc.name: tp_slots(dc.gpus, dc.gpus_per_node, job.tp) for dc in cfg.cluster.datacenters}
         self.memory_bytes = {dc.name: dc.gpu.memory_gib * GIB for dc in cfg.cluster.datacenters}
         self._links = {frozenset(link.between): link for link in cfg.cluster.links}
+        self._streams = {pair: streams_to_fill(link) for pair, link in self._links.items()}
         self.neighbours: dict[str, tuple[str, ...]] = {
             name: tuple(other for other in self.dcs if other != name and self.link(name, other) is not None)
             for name in self.dcs
@@ -207,8 +211,10 @@ class Problem:
         return link
 
     def streams(self, a: str, b: str) -> int:
-        """TCP connections on the link ``a``-``b``: enough to fill it."""
-        return streams_to_fill(self.require_link(a, b))
+        """TCP connections on the link ``a``-``b``: enough to fill it (a dict lookup)."""
+        found = self._streams.get(frozenset((a, b)))
+        assert found is not None, f"no link {a}-{b}"
+        return found
 
     def components(self) -> list[list[str]]:
         """Groups of DCs joined (directly or not) by links, each in config order, most GPUs first.
@@ -325,7 +331,19 @@ class Problem:
     # ------------------------------------------------------------ validity ---
 
     def violation(self, cand: Candidate) -> str | None:
-        """Why ``cand`` is outside the decision space, or None when it is a valid plan."""
+        """Why ``cand`` is outside the decision space, or None when it is a valid plan (memoised, up to
+        :data:`VIOLATIONS_MEMO` candidates: the searches meet the same ones again and again)."""
+        known: dict[Candidate, tuple[str | None]] = self.memo.setdefault("violation", {})
+        hit = known.get(cand)  # (verdict,): a valid plan's verdict is None
+        if hit is not None:
+            return hit[0]
+        found = self._violation(cand)
+        if len(known) >= VIOLATIONS_MEMO:
+            known.clear()
+        known[cand] = (found,)
+        return found
+
+    def _violation(self, cand: Candidate) -> str | None:
         p = cand.num_stages
         if p < 1 or len(cand.stage_layers) != p:
             return "a plan needs at least one stage and one layer range per stage"
@@ -389,10 +407,16 @@ class Problem:
     def stage_ring(self, cand: Candidate, stage: int) -> tuple[str, ...] | None:
         """The distinct DCs holding replicas of ``stage``, in an order where consecutive ones are linked
         (the cross-DC all-reduce's ring, or its chain), or None when no such order exists."""
-        dcs = sorted({path[stage] for path in cand.pipelines}, key=self.dcs.index)
-        if len(dcs) == 1:
-            return tuple(dcs)
+        held = frozenset(path[stage] for path in cand.pipelines)
+        if len(held) == 1:
+            return tuple(held)
+        rings: dict[frozenset[str], tuple[str, ...] | None] = self.memo.setdefault("stage_ring", {})
+        if held not in rings:
+            rings[held] = self._ring(sorted(held, key=self.dcs.index))
+        return rings[held]
 
+    def _ring(self, dcs: list[str]) -> tuple[str, ...] | None:
+        """:meth:`stage_ring` of the DCs ``dcs`` (config order), searched."""
         budget = [10_000]  # extensions tried: a chain through many DCs is searched, not enumerated forever
 
         def extend(order: tuple[str, ...]) -> tuple[str, ...] | None:

@@ -44,6 +44,7 @@ from geosched.hierarchical import (
     chain_ops,
     check_ops,
     choose_piece_numel,
+    hop_message_sizes,
     hop_messages,
     link_elements,
     regions,
@@ -78,6 +79,19 @@ def test_hop_messages_are_the_sends_every_hop_carries_whatever_the_chain(k: int,
     for p in range(k - 1):
         for ops, peer in ((plans[p], +1), (plans[p + 1], -1)):
             assert sorted(4 * (op.hi - op.lo) for op in ops if op.kind == SEND and op.peer == peer) == expected
+
+
+@pytest.mark.parametrize("element", [1, 2, 4])
+def test_hop_message_sizes_count_what_hop_messages_lists(element: int) -> None:
+    """The planner's closed-form count of message sizes is the regions' own, for odd, tiny and huge lanes."""
+    rng = random.Random(element)
+    cases = [[0], [1], [2], [3], LANES, [87_654_321], [5, 2_000_000, 5]]
+    cases += [[rng.randrange(1, 10 ** rng.randrange(1, 9)) for _ in range(rng.randrange(1, 5))] for _ in range(40)]
+    for lanes in cases:
+        counted: dict[int, int] = {}
+        for size in hop_messages(lanes, element):
+            counted[size] = counted.get(size, 0) + 1
+        assert hop_message_sizes(lanes, element) == counted, lanes
 
 
 def test_pieces_cut_the_longest_lane_in_sixteen_within_their_byte_bounds() -> None:

@@ -101,6 +101,21 @@ def test_floors_bound_every_candidate_the_brute_force_simulates(cfg: Config) -> 
     assert best.iteration_s >= floors.best_s * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_pipeline_floor_is_the_same_from_one_table_or_row_by_row(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long models pack from bounds computed per stage start, a few rows kept (memory stays bounded):
+    the floor must not depend on which."""
+    import planner.floors as floors_module
+
+    problems = [Problem(random_config(seed)), Problem(small_job_on_many_gpus(4 + seed))]
+    whole = [floors_module.pipeline_floor(problem) for problem in problems]
+    monkeypatch.setattr(floors_module, "TABLE_CELLS", 8)  # fewer cells than any row set: rows come one by one
+    assert [floors_module.pipeline_floor(problem) for problem in problems] == whole
+    assert all(floor > 0 for floor in whole)
+
+
 def test_the_wan_floor_counts_only_when_no_dc_holds_the_job() -> None:
     bound = job_floors(Problem(wan_bound(memory_gib=1.0)))
     assert bound.min_stages == 3 and bound.wan_s > 0  # 3 stages > the 2 GPUs of either DC

@@ -149,6 +149,8 @@ class CompiledSchedule(NamedTuple):
     steps: tuple[tuple[_Step, ...], ...]
     messages: tuple[Message, ...]
     peaks: tuple[int, ...]
+    firsts: tuple[dict[str, int], ...]  # per stage, each kind's (tag's) first step: costs by kind are asked once
+    tags: tuple[tuple[str, ...], ...]  # per stage, its steps' tags
 
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
@@ -179,7 +181,9 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
             append(_Step(a, tag, number(needs), number(produces), is_comm, category))
         steps.append(tuple(compiled))
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
-    return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks)
+    tags = tuple(tuple(step.tag for step in row) for row in steps)
+    firsts = tuple({tag: row.index(tag) for tag in dict.fromkeys(row)} for row in tags)
+    return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks, firsts, tags)
 
 
 def simulate(
@@ -205,19 +209,17 @@ class _Run:
         self.schedule, self.p, self.lowered = code.schedule, code.schedule.num_stages, code.lowered
         charges = getattr(costs, "charges_messages", False)
         by_kind = getattr(costs, "durations_by_kind", False)
-        durations: dict[tuple[int, str], float] = {}
 
         def duration(step: _Step) -> float:
-            if step.is_comm and not charges:
-                return 0.0
-            if not by_kind:
-                return costs.compute_s(step.action)
-            key = (step.action.stage, step.tag)
-            if key not in durations:
-                durations[key] = costs.compute_s(step.action)
-            return durations[key]
+            return 0.0 if step.is_comm and not charges else costs.compute_s(step.action)
 
-        self.durations = [[duration(step) for step in row] for row in self.code.steps]
+        if by_kind:  # each stage's kinds costed once, then looked up per step
+            self.durations = []
+            for row, firsts, tags in zip(code.steps, code.firsts, code.tags, strict=True):
+                of_kind = {tag: duration(row[i]) for tag, i in firsts.items()}
+                self.durations.append([of_kind[tag] for tag in tags])
+        else:
+            self.durations = [[duration(step) for step in row] for row in code.steps]
         transfers: dict[tuple[int, int, str], Transfer] = {}
         link_ids: dict[tuple[Hashable, bool], int] = {}
         self.transfer: list[tuple[int, float, float]] = []  # per message: (link id or -1, occupancy, latency)
