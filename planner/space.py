@@ -380,7 +380,8 @@ class Problem:
                     f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} tensor-parallel "
                     f"groups of {t} GPUs > the {self.gpus[dc]} that fit the nodes of dc {dc!r}"
                 )
-        for s, (dc, layers) in ((s, (path[s], cand.stage_layers[s])) for path in cand.pipelines for s in range(p)):
+        for s, dc in dict.fromkeys((s, path[s]) for path in cand.pipelines for s in range(p)):  # pipelines alike
+            layers = cand.stage_layers[s]
             need = self.memory_need(cand, s, dc)
             if need > self.memory_bytes[dc]:
                 return (

@@ -34,6 +34,8 @@ def wan_warmup(problem: Problem, cand: Candidate, costs: Sequence[PipelineCosts]
         return None
     extra = [0] * (p - 1)  # microbatches boundary j (stage j to j + 1) needs in flight above it
     for pipeline in costs:
+        if len(set(pipeline.stage_dcs)) == 1:  # inside one DC: no WAN message to hide
+            continue
         period = max(
             max(c.forward_s + c.backward_s for c in pipeline.compute),
             max(pipeline.transfer(j, j + 1, "F", 0).occupancy_s for j in range(p - 1)),
@@ -60,6 +62,6 @@ def wan_warmup(problem: Problem, cand: Candidate, costs: Sequence[PipelineCosts]
 def _fits(problem: Problem, cand: Candidate, stage: int, warmup: int) -> bool:
     """True when ``stage`` fits its GPU in every pipeline after ``warmup`` forwards."""
     return all(
-        problem.memory_need(cand, stage, path[stage], warmup) <= problem.memory_bytes[path[stage]]
-        for path in cand.pipelines
+        problem.memory_need(cand, stage, dc, warmup) <= problem.memory_bytes[dc]
+        for dc in dict.fromkeys(path[stage] for path in cand.pipelines)
     )

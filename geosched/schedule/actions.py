@@ -13,6 +13,7 @@ validator's dry run and the simulator read the same ones.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -131,8 +132,10 @@ class Message(NamedTuple):
     microbatch: int
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def message_edges(action: Action, num_stages: int, lowered: bool) -> tuple[Message | None, Message | None]:
-    """Return ``(needs, produces)``: the message ``action`` waits for and the one it emits.
+    """Return ``(needs, produces)``: the message ``action`` waits for and the one it emits (memoised: the
+    planner compiles schedules of the same actions in many orders).
 
     In a lowered schedule only RECV waits and only SEND emits. In an unlowered
     one the dependencies are implicit: F on stage s needs F of s-1 and feeds
