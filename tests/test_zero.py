@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import queue
+import subprocess
+import sys
 import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,7 +33,8 @@ import torch.distributed as dist
 
 from agents.dp.group import DataParallelGroup, local_tensor
 from agents.dp.local_group import run_local_group
-from agents.dp.zero import ShardedGradAdamW, ShardedStateAdamW, build_stage_optimizer, optimizer_state_bytes
+from agents.dp.zero import ShardedGradAdamW, build_stage_optimizer, optimizer_state_bytes
+from agents.dp.zero1 import ShardedStateAdamW
 from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss
 from agents.stage.session import RankSession, train_one_process
@@ -170,6 +173,24 @@ def test_bad_zero_level_is_named():
 def test_zero_without_a_group_is_plain_adamw():
     built = build_stage_optimizer(_stage(), lr=1e-3, zero=2, group=None)
     assert type(built.optimizer) is torch.optim.AdamW and built.grad_sync is None
+
+
+def test_a_stage_at_zero_0_or_2_never_imports_torch_distributed_optim():
+    """A fresh process: the stage runtime and a ZeRO 0 or 2 optimizer leave torch.distributed.optim (half a
+    second of every such rank's start-up) unimported; ZeRO 1's module imports it."""
+    probe = (
+        "import sys\n"
+        "import torch\n"
+        "import agents.stage.session, agents.worker\n"
+        "from agents.dp.zero import build_stage_optimizer\n"
+        "for zero in (0, 2):\n"
+        "    build_stage_optimizer(torch.nn.Linear(4, 4), lr=1e-3, zero=zero, group=None)\n"
+        "print('torch.distributed.optim' in sys.modules)\n"
+        "import agents.dp.zero1\n"
+        "print('torch.distributed.optim' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["False", "True"]
 
 
 # ----------------------------------------------------------------------- whole jobs ---

@@ -4,7 +4,7 @@
 
 - 0: ``torch.optim.AdamW`` (:class:`LocalShardAdamW` on a tensor-parallel stage's local shards); the
   group all-reduces (averages) the gradients (ALL_REDUCE), every replica steps every parameter.
-- 1 (P_os): :class:`ShardedStateAdamW`, torch's ``ZeroRedundancyOptimizer`` over AdamW on the
+- 1 (P_os): :class:`~agents.dp.zero1.ShardedStateAdamW`, torch's ``ZeroRedundancyOptimizer`` over AdamW on the
   stage's DP group. Gradients are still all-reduced; each replica keeps the AdamW state of its
   share of the parameters (whole tensors, balanced by size), steps them and broadcasts them.
 - 2 (P_os+g): :class:`ShardedGradAdamW`. The gradients live in one flat buffer that is
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from agents.dp.group import DataParallelGroup, adopt_grads, local_tensor
+from agents.dp.shards import hyperparameters, local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
 from geosched.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2)
@@ -90,7 +90,9 @@ def build_stage_optimizer(
             else torch.optim.AdamW(module.parameters(), lr=lr)
         )
         return StageOptimizer(adamw, in_group)
-    if zero == 1:
+    if zero == 1:  # imported here: torch.distributed.optim takes a stage process half a second to import
+        from agents.dp.zero1 import ShardedStateAdamW
+
         return StageOptimizer(ShardedStateAdamW(module.parameters(), group, lr=lr, replicas=replicas), in_group)
     sharded = ShardedGradAdamW(module.parameters(), group, lr=lr, replicas=replicas)
     return StageOptimizer(sharded, sharded)
@@ -99,12 +101,8 @@ def build_stage_optimizer(
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its shard under ZeRO or tensor parallelism), counting
     shared storage once."""
-    if isinstance(optimizer, ShardedStateAdamW):
-        states: Iterable[dict[str, Any]] = optimizer.optim.state.values()
-    elif isinstance(optimizer, ShardedGradAdamW):
-        states = optimizer.inner.state.values()
-    else:
-        states = optimizer.state.values()
+    stepping = getattr(optimizer, "local_optimizer", optimizer)  # ZeRO 1 and 2 step an AdamW on their share
+    states: Iterable[dict[str, Any]] = stepping.state.values()
     storages: dict[int, int] = {}
     for entry in states:
         for value in (entry or {}).values():
@@ -112,12 +110,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 storage = local_tensor(value).untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The single param group's hyperparameters (everything but ``params``)."""
-    (group,) = optimizer.param_groups
-    return {key: value for key, value in group.items() if key != "params"}
 
 
 class LocalShardAdamW(torch.optim.AdamW):
@@ -134,111 +126,23 @@ class LocalShardAdamW(torch.optim.AdamW):
     """The class its state is saved as: any level loads it."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, lr: float) -> None:
-        local_params, self.sharded = _local_params(params)
+        local_params, self.sharded = plain_params(params)
         super().__init__(local_params, lr=lr)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step every parameter, a DTensor's shard with the local shard of the DTensor's gradient."""
-        _take_dtensor_grads(self.sharded)
+        take_dtensor_grads(self.sharded)
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the local shards' gradients and the DTensor parameters' own (which backward accumulates into)."""
         super().zero_grad(set_to_none)
-        _zero_dtensor_grads(self.sharded, set_to_none)
+        zero_dtensor_grads(self.sharded, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state whose tensors may be DTensors (``agents.tp.whole``): this optimizer keeps their shards."""
-        super().load_state_dict(_local_state(state_dict))
-
-
-def _local_params(params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]:
-    """The trainable parameters as plain tensors (a DTensor's local shard, an alias of its storage), and the
-    (DTensor, its shard) pairs among them."""
-    module_params = [p for p in params if p.requires_grad]
-    local_params = [local_tensor(p) for p in module_params]
-    return local_params, [(p, t) for p, t in zip(module_params, local_params) if t is not p]
-
-
-def _take_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """Give each local shard its DTensor's gradient's local shard (the same storage), or None."""
-    for p, t in sharded:
-        t.grad = None if p.grad is None else local_tensor(p.grad)
-
-
-def _zero_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]], set_to_none: bool) -> None:
-    """Zero (or drop) the gradients of the DTensor parameters of (DTensor, its shard) pairs."""
-    for p, _ in sharded:
-        if p.grad is not None:
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
-
-
-def _local_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer ``state_dict`` with each DTensor value replaced by its local shard."""
-    state = {
-        index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
-        for index, entry in state_dict["state"].items()
-    }
-    return {"state": state, "param_groups": state_dict["param_groups"]}
-
-
-class ShardedStateAdamW(ZeroRedundancyOptimizer):
-    """ZeRO-1: torch's ZeroRedundancyOptimizer over AdamW on the DP group (or ``replicas``), failures named
-    by the group. It steps plain tensors: a DTensor parameter's local shard (an alias of its storage), whose
-    gradient it takes from the DTensor's before each step."""
-
-    whole_class_name = "AdamW"
-    """The class a whole state is saved as: any level loads it."""
-
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        group: DataParallelGroup,
-        *,
-        lr: float,
-        replicas: dist.ProcessGroup | None = None,
-    ) -> None:
-        local_params, sharded = _local_params(params)  # plain tensors: ZeRO broadcasts them in place
-        # the DP group joined the default process group (agents.dp.group), so WORLD is the stage's replicas
-        process_group = replicas if replicas is not None else dist.group.WORLD
-        super().__init__(local_params, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr)
-        self.group, self.sharded = group, sharded
-
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Step this replica's share of the parameters, then broadcast every share."""
-        _take_dtensor_grads(self.sharded)
-        with self.group.guard("ZeRO-1 step (parameter broadcast)"):
-            return super().step(closure, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the local shards' gradients and the DTensor parameters' own (which backward accumulates into)."""
-        super().zero_grad(set_to_none)
-        _zero_dtensor_grads(self.sharded, set_to_none)
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every replica's state on replica ``to`` (every replica must call it)."""
-        with self.group.guard("ZeRO-1 state consolidation"):
-            super().consolidate_state_dict(to)
-
-    def whole_state_dict(self) -> dict[str, Any]:
-        """The whole stage's state as plain AdamW's ``state_dict`` (after :meth:`consolidate_state_dict`)."""
-        consolidated = self.state_dict()
-        # torch keeps the gathered copy until the next consolidation: a whole state held on replica 0 defeats ZeRO
-        self._all_state_dicts.clear()  # type: ignore[attr-defined]  # set in torch's __init__, not annotated
-        (group,) = self.param_groups
-        state = {index: entry for index, entry in consolidated["state"].items() if entry is not None}
-        params = list(range(len(group["params"])))
-        return {"state": state, "param_groups": [{**_hyperparameters(self.optim), "params": params}]}
-
-    def load_whole_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep this replica's share of a whole-stage AdamW ``state_dict``."""
-        # torch's load_state_dict takes the global indexing of the whole stage and drops other ranks' entries;
-        # a tensor-parallel stage's state may come as DTensors (agents.tp.whole): this optimizer steps their shards
-        self.load_state_dict(_local_state(state_dict))
+        super().load_state_dict(local_state(state_dict))
 
 
 class ShardedGradAdamW(torch.optim.Optimizer):
@@ -299,6 +203,11 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         self.inner = torch.optim.AdamW([self.shard], lr=lr)
         self._whole: dict[str, Any] | None = None
 
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW stepping this replica's slice (its state is what this replica holds)."""
+        return self.inner
+
     def allreduce_gradients(self, module: nn.Module) -> None:
         """The runtime's ALL_REDUCE: average the gradients, this replica receiving only its slice.
 
@@ -322,7 +231,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """AdamW on this replica's slice, then every slice all-gathered into the parameters."""
         loss = closure() if closure is not None else None
-        self.inner.param_groups[0].update(_hyperparameters(self))  # e.g. an LR schedule set on this optimizer
+        self.inner.param_groups[0].update(hyperparameters(self))  # e.g. an LR schedule set on this optimizer
         self.inner.step()
         with self.group.guard("ZeRO-2 parameter all-gather"):  # the input must not alias the output
             dist.all_gather_single(self.flat_params, self.shard.detach().clone(), group=self.replicas)
@@ -353,7 +262,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
                     else value
                     for key, value in shard_state.items()
                 }
-        group = {**_hyperparameters(self.inner), "params": list(range(len(self.params)))}
+        group = {**hyperparameters(self.inner), "params": list(range(len(self.params)))}
         self._whole = {"state": state, "param_groups": [group]}
 
     def whole_state_dict(self) -> dict[str, Any]:
