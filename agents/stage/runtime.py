@@ -54,6 +54,7 @@ from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from agents.stage.memory import MemoryMeter
 from agents.stage.report import StepReport
@@ -113,15 +114,6 @@ class BubbleFiller(Protocol):
         ...
 
 
-def split_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """torch.distributed.pipelining's ``stage_backward_input`` and ``stage_backward_weight``, imported only by
-    a stage whose schedule splits B into I and W: importing the package pulls in ``torch._dynamo``, 0.8 s
-    of every agent's start-up on a 2-core host."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    return stage_backward_input, stage_backward_weight
-
-
 class StageRuntime:
     """Executes one stage's actions of ``schedule`` for each training step."""
 
@@ -165,8 +157,6 @@ class StageRuntime:
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
         self._names = [str(action) for action in self.actions]  # the events' action strings, made once
-        split = any(a.kind in (K.BACKWARD_INPUT, K.BACKWARD_WEIGHT) for a in self.actions)
-        self._split_backward = split_backward() if split else None  # (input, weight): zero-bubble stages only
         self._receives = [
             (self.stage - 1 if a.kind is K.RECV_F else self.stage + 1, "F" if a.kind is K.RECV_F else "B", a.microbatch)
             for a in self.actions
@@ -309,8 +299,7 @@ class StageRuntime:
             roots, grads = [out / self.num_microbatches], None  # as B: the mean over the m microbatches
         else:
             roots, grads = [out], [state.output_grads.pop(mb)]
-        assert self._split_backward is not None  # the schedule has I actions
-        (dx,), state.weight_work[mb] = self._split_backward[0](roots, grads, [x], self._parameters())
+        (dx,), state.weight_work[mb] = stage_backward_input(roots, grads, [x], self._parameters())
         assert dx is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
         state.input_grads[mb] = dx  # (b, T, C)
 
@@ -318,8 +307,7 @@ class StageRuntime:
         """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
         if self.module.first:
             return
-        assert self._split_backward is not None  # the schedule has W actions
-        self._split_backward[1](self._parameters(), state.weight_work.pop(mb))
+        stage_backward_weight(self._parameters(), state.weight_work.pop(mb))
 
     def _parameters(self) -> Iterator[nn.Parameter]:
         # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
