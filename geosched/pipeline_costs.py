@@ -121,14 +121,10 @@ class PipelineCosts:
             compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
         ]
         self.grad_bytes = [grad_bytes(lay, i == 0, i == p - 1) for i, lay in enumerate(self.stage_layers)]
-        self._measured_sync = (
-            [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
-                _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)
-                for i, lay in enumerate(self.stage_layers)
-            ]
-            if calibration is not None
-            else [None] * p
-        )
+        self._measured_sync = [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
+            _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)
+            for i, lay in enumerate(self.stage_layers)
+        ]
         if job.zero_stage >= 2:  # each microbatch's gradients are reduce-scattered as its backward ends
             self.compute = [
                 dataclasses.replace(

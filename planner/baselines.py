@@ -64,7 +64,8 @@ def _orders(problem: Problem, dcs: tuple[str, ...], cycle: bool) -> tuple[tuple[
 def _linked_orders(cluster: ClusterSpec, dcs: tuple[str, ...], cycle: bool) -> tuple[tuple[str, ...], ...]:
     """:func:`_orders` of ``dcs`` on ``cluster``'s links (each filled with streams)."""
     speeds = {frozenset(link.between): wan_effective_bps(link, streams_to_fill(link)) for link in cluster.links}
-    inside = [dc.name for dc in cluster.datacenters if dc.name in set(dcs)]  # in config order
+    members = set(dcs)
+    inside = [dc.name for dc in cluster.datacenters if dc.name in members]  # in config order
     neighbours = {a: [b for b in inside if frozenset((a, b)) in speeds] for a in dcs}
 
     def speed(a: str, b: str) -> float:
@@ -72,7 +73,7 @@ def _linked_orders(cluster: ClusterSpec, dcs: tuple[str, ...], cycle: bool) -> t
 
     if len(dcs) == 1:
         return (dcs,)
-    thresholds = sorted({speed(*link.between) for link in cluster.links if set(link.between) <= set(dcs)}, reverse=True)
+    thresholds = sorted({speed(*link.between) for link in cluster.links if set(link.between) <= members}, reverse=True)
     for floor in thresholds:
         steps = 0  # per threshold, over all starts
 
