@@ -6,8 +6,9 @@ a last will marks it ``offline`` if it dies):
 1. ``starting``: connected; waits for the plan (``--plan`` file, or the retained
    ``geosched/<job>/plan`` topic the coordinator publishes).
 2. The plan is checked against the agent (its rank must exist, its ``--dc`` must
-   be the rank's DC); a bad plan from the broker gives status ``error`` and an
-   event naming the problem, and the agent waits for the next plan.
+   be the rank's DC, its ``--device`` must hold the rank's part); a bad plan from
+   the broker gives status ``error`` and an event naming the problem, and the
+   agent waits for the next plan.
 3. A worker thread opens the rank's :class:`~agents.stage.session.RankSession`: builds the
    stage, binds its link listener and (replica 0) its DP group store on port 0.
    Bound endpoints go into the agent's status (``endpoints``) and the state
@@ -21,7 +22,7 @@ a last will marks it ``offline`` if it dies):
 5. ``checkpoint`` (and every ``--checkpoint-every`` steps) writes the stage's
    shard; ``stop`` or SIGTERM/SIGINT: status ``stopped``, everything closed, exit 0.
 
-Address exchange (see :class:`MqttAddressBook`): endpoints ride in the
+Address exchange (see :class:`~agents.control.endpoints.MqttAddressBook`): endpoints ride in the
 retained statuses of ``ready``/``training`` agents of the same plan
 (``plan_id``), so peers on other hosts find them with no extra service.
 With ``control_keys`` the control plane drops every plan and command not
@@ -42,12 +43,11 @@ import logging
 import os
 import signal
 import ssl
-import threading
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agents.control.auth import ControlKeys
+from agents.control.endpoints import MqttAddressBook
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.keys import JobKeys
@@ -62,7 +62,7 @@ from agents.layout import (
 from agents.metrics.families import AgentMetrics, loop_answers
 from agents.metrics.server import MetricsServer
 from agents.runnable import check_agent_fits
-from geosched.errors import GeoschedError, InputError, LinkError
+from geosched.errors import GeoschedError, InputError
 
 if TYPE_CHECKING:
     from agents.prefill.connections import HttpLimits
@@ -73,80 +73,6 @@ ENDPOINT_STATES = ("ready", "training")
 """States whose ``endpoints`` are live: peers only connect to these."""
 STOP_GRACE_S = 5.0
 """How long a stopping agent waits for its rank thread to finish the step in progress."""
-
-
-class AgentStopping(LinkError):
-    """The agent is shutting down; lookups and training end."""
-
-
-class MqttAddressBook:
-    """An :class:`~agents.stage.transport.AddressBook` over the control plane, used from the worker thread.
-
-    ``publish`` puts an endpoint into this agent's retained status (through
-    ``announce``, a coroutine run on the agent's loop). ``lookup`` waits until
-    the coordinator has started the job (:meth:`open_gate`), then returns the
-    route for the name if one was given, else the endpoint some live peer
-    published; peers' endpoints arrive through :meth:`learn`.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        announce: Callable[[dict[str, str]], Any],
-        overrides: Mapping[str, str] | None = None,
-    ) -> None:
-        self._loop, self._announce = loop, announce
-        self._cond = threading.Condition()
-        self.own: dict[str, str] = {}
-        self._seen: dict[str, str] = {}
-        self._routes: dict[str, str] = dict(overrides or {})
-        self._gate = False
-        self._stopping: str | None = None
-
-    def publish(self, name: str, endpoint: str) -> None:
-        """Add ``endpoint`` to this agent's status (waits until it is handed to the client)."""
-        with self._cond:
-            self.own[name] = endpoint
-            self._seen[name] = endpoint  # a rank may look up what it hosts (replica 0's group store)
-            own = dict(self.own)
-            self._cond.notify_all()
-        future = asyncio.run_coroutine_threadsafe(self._announce(own), self._loop)
-        future.result(timeout=30)
-
-    def lookup(self, name: str, timeout_s: float) -> str:
-        """The address to reach ``name`` at, once the job started; LinkError after ``timeout_s``."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._gate or self._stopping is not None)
-            found = self._cond.wait_for(
-                lambda: self._stopping is not None or name in self._routes or name in self._seen, timeout=timeout_s
-            )
-            if self._stopping is not None:
-                raise AgentStopping(f"agent stopping ({self._stopping}) while looking up {name!r}")
-            if not found:
-                raise LinkError(
-                    f"no live agent published the endpoint {name!r} within {timeout_s:g} s "
-                    "after the job started; is that rank running?"
-                )
-            return self._routes.get(name) or self._seen[name]
-
-    def learn(self, endpoints: Mapping[str, str]) -> None:
-        """Loop side: endpoints from a live peer's status."""
-        with self._cond:
-            self._seen.update({str(k): str(v) for k, v in endpoints.items()})
-            self._cond.notify_all()
-
-    def open_gate(self, routes: Mapping[str, str]) -> None:
-        """Loop side: the job started; ``routes`` override endpoints (e.g. WAN relays)."""
-        with self._cond:
-            self._routes.update({str(k): str(v) for k, v in routes.items()})
-            self._gate = True
-            self._cond.notify_all()
-
-    def stop(self, reason: str) -> None:
-        """Make every waiting and future lookup raise :class:`AgentStopping`."""
-        with self._cond:
-            self._stopping = reason
-            self._cond.notify_all()
 
 
 @dataclass
@@ -183,6 +109,7 @@ class AgentOptions:
     prefill_token: str | None = None  # prefill clients must send this token (--prefill-token-file or --keys)
     metrics_bind: tuple[str, int] | None = None  # serve Prometheus /metrics and /health on (host, port) (None: off)
     metrics_tls: ssl.SSLContext | None = None  # its TLS (None: plain HTTP, --metrics-insecure)
+    device: str = "cpu"  # what the stage trains on: cpu or cuda:N (--device, resolved by agents.stage.device)
 
 
 class Agent:
@@ -206,7 +133,7 @@ class Agent:
         if options.plan_path is not None:  # bad input at start: exit 2 before connecting
             text = load_plan_file(options.plan_path)
             layout = parse_layout(text, options.plan_path)
-            check_agent_fits(layout, options.rank, options.dc)
+            self._check_fits(layout)
             if options.prefill_bind and options.prefill_weights:  # weights of another model: refused now, not later
                 from agents.checkpoint.export import check_served_source
                 from geosched.weights import ModelRecord
@@ -214,6 +141,15 @@ class Agent:
                 record = ModelRecord.of(layout.job.model, layout.job.seed, layout.job.precision)
                 check_served_source(options.prefill_weights, record, follow=options.prefill_follow)
             self.layout, self.plan_id = layout, plan_id(text)
+
+    def _check_fits(self, layout: JobLayout) -> None:
+        """PlanError (one line) if this agent cannot run its rank of ``layout`` (:func:`check_agent_fits`), or its
+        ``--device`` cannot hold the rank's part (:func:`agents.stage.device.check_device_fits`)."""
+        check_agent_fits(layout, self.opts.rank, self.opts.dc)
+        if self.opts.device != "cpu":  # torch only for a GPU
+            from agents.stage.device import check_device_fits
+
+            check_device_fits(layout.role(self.opts.rank), self.opts.device)
 
     # -- status ------------------------------------------------------------------
     async def _set_status(self, state: str, **fields: Any) -> None:
@@ -353,7 +289,7 @@ class Agent:
             return None
         try:
             layout = parse_layout(text, "plan from the broker")
-            check_agent_fits(layout, self.opts.rank, self.opts.dc)
+            self._check_fits(layout)
         except InputError as exc:
             log.error("rank %d: %s", self.opts.rank, exc)
             await self._set_status("error", message=str(exc), plan_id=new_id)

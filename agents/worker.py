@@ -324,6 +324,7 @@ class RankWorker:
                         wan_turns=opts.wan_turns,
                         bubble_filler=service,
                         link_security=self._link_security(),
+                        device=opts.device,
                     )
                 )
             finally:
@@ -460,13 +461,10 @@ class RankWorker:
 
     def _time_stage(self, session: Any) -> None:
         """Time the stage where it runs, before its first step (``--time-stage``; agents.stage.in_place)."""
-        import torch
-
         from agents.stage.in_place import time_stage, write_stage_time
 
         assert self.opts.run_dir is not None
-        device = session.group.device if session.group is not None else torch.device("cpu")
-        record = time_stage(self.layout.job, self.role, session.mesh, device)
+        record = time_stage(self.layout.job, self.role, session.mesh, session.device)
         path = write_stage_time(self.opts.run_dir, self.role.rank, record)
         log.info(
             "rank %d: stage timed in place: F %.2f ms, B %.2f ms a sequence (%s)",

@@ -163,14 +163,16 @@ async def read_retained_statuses(
     return seen
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
-    """Poll ``predicate`` until true; AssertionError naming ``what`` after ``timeout_s``."""
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1, detail=None) -> None:
+    """Poll ``predicate`` until true; AssertionError naming ``what`` after ``timeout_s`` (with ``detail()``, e.g.
+    the agents' log tails, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    more = f"\n{detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{more}")
 
 
 def log_tail(log_dir: Path, n: int = 30) -> str:

@@ -6,6 +6,7 @@ Among them the HTTP endpoints' TLS choice: a certificate and its key, or plain H
 from __future__ import annotations
 
 import pytest
+import torch
 
 from geosched.cli import main
 
@@ -26,6 +27,18 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         (["--prefill-http-insecure"], "--prefill-http-insecure goes with --prefill-http HOST:PORT"),
         (["--metrics-bind", "127.0.0.1:0"], "--metrics-bind: serve it over TLS (--metrics-tls-cert FILE"),
         (["--metrics-tls-key", "k"], "--metrics-tls-key goes with --metrics-bind HOST:PORT"),
+        (["--device", "gpu"], "--device 'gpu': expected cpu, cuda (GPU rank % GPUs) or cuda:N"),
+        (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: this torch",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU"),
+        ),
+        pytest.param(
+            ["--device", "cuda:999"],
+            "--device cuda:999: this host has",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"),
+        ),
     ],
 )
 def test_bad_agent_flags_are_one_line_before_any_connection(

@@ -490,7 +490,8 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
         refusals = [e for e in events if "refused a control message" in e.get("message", "")]
         assert {e.get("rank") for e in refusals} >= {0, 1}, events
         asyncio.run(stop_job(url, job, keys=coordinator))
-        wait_for(lambda: all(a.poll() is not None for a in agents), 30, "the agents to obey the signed stop")
+        stopped = lambda: all(a.poll() is not None for a in agents)  # noqa: E731
+        wait_for(stopped, 30, "the agents to obey the signed stop", detail=lambda: log_tail(tmp_path))
         assert [a.returncode for a in agents] == [0, 0], log_tail(tmp_path)
     finally:
         stop_processes(agents)

@@ -39,6 +39,7 @@ from agents import runnable
 from agents.checkpoint.export import export_weights
 from agents.layout import JobLayout, layout_plan_text, parse_layout, pipe_name
 from agents.runnable import plan_for_config, runtime_refusal
+from agents.stage.device import rank_device
 from agents.stage.report import StepReport, global_loss
 from agents.stage.schedule import num_microbatches
 from agents.stage.session import RankSession, train_one_process
@@ -71,9 +72,12 @@ def tp_config(tensor_parallel: int = 2, zero: int = 0) -> Config:
     return config_from_dict(tp_config_dict(tensor_parallel, zero))
 
 
-def _rank_main(layout: JobLayout, rank: int, store_port: int, results: Any, steps: int, ckpt_dir: str | None) -> None:
-    """One rank process: train ``steps`` steps of ``layout``; hand back its reports and how many parameters
-    are shards. With ``ckpt_dir``: resume from its newest checkpoint, and write one at the end."""
+def _rank_main(
+    layout: JobLayout, rank: int, store_port: int, results: Any, steps: int, ckpt_dir: str | None, device: str
+) -> None:
+    """One rank process: train ``steps`` steps of ``layout`` on ``device`` (as ``--device``); hand back its reports
+    and how many parameters are shards. With ``ckpt_dir``: resume from its newest checkpoint, and write one at
+    the end."""
     torch.set_num_threads(1)  # as every agent runs: 4 ranks share the 2 CI cores
     try:
         role = layout.role(rank)
@@ -86,6 +90,7 @@ def _rank_main(layout: JobLayout, rank: int, store_port: int, results: Any, step
             start_step=checkpoints.start_step if checkpoints else 0,
             connect_timeout_s=60,
             recv_timeout_s=60,
+            device=rank_device(device, rank),
         ) as session:
             if checkpoints is not None:
                 checkpoints.restore(session.module, session.optimizer)
@@ -100,10 +105,10 @@ def _rank_main(layout: JobLayout, rank: int, store_port: int, results: Any, step
 
 
 def run_layout(
-    layout: JobLayout, steps: int = STEPS, ckpt_dir: Path | None = None
+    layout: JobLayout, steps: int = STEPS, ckpt_dir: Path | None = None, device: str = "cpu"
 ) -> dict[int, tuple[list[StepReport], int]]:
-    """Every rank of ``layout`` in its own process (:func:`_rank_main`); {rank: (its step reports, its sharded
-    parameters)}."""
+    """Every rank of ``layout`` in its own process (:func:`_rank_main`) on ``device``; {rank: (its step reports,
+    its sharded parameters)}."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.wan.link", "agents.dp.group"])
@@ -111,7 +116,7 @@ def run_layout(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(layout, role.rank, store.port, results, steps, ckpt_dir and str(ckpt_dir)),
+            args=(layout, role.rank, store.port, results, steps, ckpt_dir and str(ckpt_dir), device),
             daemon=True,
         )
         for role in layout.roles

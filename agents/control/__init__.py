@@ -6,7 +6,8 @@ coordinator and trust a rank's status only from its agent (``auth``), the
 asyncio client with reconnects and subscriptions (``plane``,
 ``subscription``), the embedded MQTT broker (``broker``, with its packet
 codec in ``mqtt_codec`` and its logins, ACLs and bounds in
-``broker_policy``) and the coordinator that starts, watches and stops a job
+``broker_policy``), the endpoints agents exchange in their statuses
+(``endpoints``) and the coordinator that starts, watches and stops a job
 (``coordinator``). May import ``agents.layout`` and the core; nothing that
 trains (no torch).
 """

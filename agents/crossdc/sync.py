@@ -48,7 +48,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agents.dp.group import DEFAULT_BUCKET_CAP_MB, DataParallelGroup, adopt_grads, local_tensor
+from agents.dp.group import (
+    DEFAULT_BUCKET_CAP_MB,
+    DataParallelGroup,
+    adopt_grads,
+    all_gather_flat,
+    local_tensor,
+    reduce_scatter_flat,
+)
 from agents.wan.link import WanLink
 from geosched.errors import GeoschedError, LinkError, StageError
 from geosched.hierarchical import (
@@ -75,22 +82,36 @@ KIND = "allreduce"
 class _Bucket:
     """A flat gradient buffer of same-dtype parameters, padded for the in-DC reduce-scatter, and its lane.
 
-    It holds the local gradients: a DTensor parameter's (tensor parallelism) is its shard's."""
+    It holds the local gradients: a DTensor parameter's (tensor parallelism) is its shard's. On a GPU the
+    in-DC collectives run on the device buffers and the WAN operations on ``wan``, the lane's copy in pinned
+    host memory (the links move host memory): filled from the lane once the DC's reduce-scatter is in, copied
+    back when the lane is final, before its all-gather."""
 
     def __init__(self, params: list[nn.Parameter], layout: Lanes, exchanges: bool) -> None:
         dtype, device = params[0].dtype, params[0].device
-        if device.type != "cpu":
-            raise StageError(f"cross-DC gradient sync runs on CPU gradients, got {device} (the agents' stages are CPU)")
         self.params, self.layout = params, layout
-        self.flat = torch.zeros(layout.padded, dtype=dtype)  # (dc_replicas * lane,), zeros past the gradients
+        self.flat = torch.zeros(layout.padded, dtype=dtype, device=device)  # (dc_replicas * lane,), zero padding
         self.views, offset = [], 0
         for p in params:
             shape = local_tensor(p).shape
             self.views.append(self.flat[offset : offset + shape.numel()].view(shape))
             offset += shape.numel()
         one = layout.dc_replicas == 1
-        self.lane = self.flat if one else torch.zeros(layout.lane_numel, dtype=dtype)  # (lane,) this replica's piece
+        lane = self.flat if one else torch.zeros(layout.lane_numel, dtype=dtype, device=device)
+        self.lane = lane  # (lane,) this replica's piece
+        on_host = device.type == "cpu"
+        self.wan = lane if on_host or not exchanges else torch.empty(layout.lane_numel, dtype=dtype, pin_memory=True)
         self.scratch = torch.empty(layout.lane_numel, dtype=dtype) if exchanges else None  # partial sums received
+
+    def to_host(self) -> None:
+        """The DC's reduced lane into ``wan``, where the WAN operations run (a no-op on the CPU)."""
+        if self.wan is not self.lane:
+            self.wan.copy_(self.lane)
+
+    def from_host(self) -> None:
+        """The final lane back from ``wan`` onto the device, for the all-gather (a no-op on the CPU)."""
+        if self.wan is not self.lane:
+            self.lane.copy_(self.wan)
 
 
 class CrossDcSync:
@@ -139,7 +160,7 @@ class CrossDcSync:
         for bucket in buckets:
             adopt_grads(bucket.params, bucket.views)
         try:
-            works = [self._collective("reduce-scatter", dist.reduce_scatter_single, b.lane, b.flat) for b in buckets]
+            works = [self._collective("reduce-scatter", reduce_scatter_flat, b.lane, b.flat) for b in buckets]
             gathers = self._exchange(buckets, works)
             for work in gathers:
                 self._wait_work(work, "in-DC all-gather")
@@ -152,7 +173,7 @@ class CrossDcSync:
         for op in self._ops:  # every receive lands where it belongs: nothing is staged
             if op.kind in (RECV, RECV_ADD):
                 bucket = buckets[op.bucket]
-                into = bucket.scratch if op.kind == RECV_ADD else bucket.lane
+                into = bucket.scratch if op.kind == RECV_ADD else bucket.wan
                 assert into is not None
                 posted[op.tag] = self.links[op.peer].start_recv(
                     step=self.round, microbatch=op.tag, kind=KIND, out=into[op.lo : op.hi], timeout_s=self.timeout_s
@@ -174,21 +195,20 @@ class CrossDcSync:
             for op in ready:
                 while reduced <= op.bucket:
                     self._wait_work(works[reduced], "in-DC reduce-scatter")
+                    buckets[reduced].to_host()
                     reduced += 1
                 self._run(op, buckets[op.bucket], posted, sends, gathers)
                 progress.ran(op)
         for index in range(reduced, len(buckets)):  # a replica without a lane only relays its DC's reduction
             self._wait_work(works[index], "in-DC reduce-scatter")
-            gathers.append(
-                self._collective("all-gather", dist.all_gather_single, buckets[index].flat, buckets[index].lane)
-            )
+            gathers.append(self._collective("all-gather", all_gather_flat, buckets[index].flat, buckets[index].lane))
         for op, future in sends:
             self._wait(future, op)
         return gathers
 
     def _run(self, op: Op, bucket: _Bucket, posted: dict[int, Any], sends: list[Any], gathers: list[Any]) -> None:
         """One operation on ``bucket``'s lane (its receive, if any, has arrived)."""
-        region = bucket.lane[op.lo : op.hi]
+        region = bucket.wan[op.lo : op.hi]
         if op.kind == SEND:
             sends.append((op, self.links[op.peer].start_send(region, step=self.round, microbatch=op.tag, kind=KIND)))
             peer = self.sync.next if op.peer > 0 else self.sync.prev
@@ -202,7 +222,8 @@ class CrossDcSync:
         elif op.kind == SCALE:
             region.div_(self.sync.replicas)
         elif op.kind == DONE:
-            gathers.append(self._collective("all-gather", dist.all_gather_single, bucket.flat, bucket.lane))
+            bucket.from_host()
+            gathers.append(self._collective("all-gather", all_gather_flat, bucket.flat, bucket.lane))
 
     # ------------------------------------------------------------ buckets and their plan
 

@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,14 @@ from geosched.errors import CollectiveError, ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+# The flat collectives under the names of the torch at hand: torch 2.13 calls them reduce_scatter_single and
+# all_gather_single, earlier releases (GPU hosts bring their own CUDA build, torch >= 2.4) reduce_scatter_tensor
+# and all_gather_into_tensor.
+reduce_scatter_flat: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``(output, input, op=SUM, group=None, async_op=False)``: ``input`` (size x n,) reduced, slice ``rank`` out."""
+all_gather_flat: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``(output, input, group=None, async_op=False)``: every rank's ``input`` (n,) into ``output`` (size x n,)."""
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -161,7 +171,7 @@ class DataParallelGroup:
         """Every rank announces itself; after timeout_s the missing ones are named."""
         assert self._store is not None
         spec = self.spec
-        self._store.set(f"joined/{spec.rank}", "1")
+        self._store.set(f"joined/{spec.rank}", self._where())
         keys = [f"joined/{r}" for r in range(spec.size)]
         try:
             self._store.wait(keys, store_timeout(spec.timeout_s))
@@ -175,6 +185,27 @@ class DataParallelGroup:
                 f"{spec.timeout_s:g} s (rank {spec.rank} of {spec.size} waited at "
                 f"{spec.store_host}:{spec.store_port}); start them or lower the group size"
             ) from None
+        if self.backend == "nccl":
+            self._check_one_gpu_each(keys)
+
+    def _where(self) -> str:
+        """What this rank announces as it joins: its host and GPU under NCCL (two ranks must not share one)."""
+        return f"{socket.gethostname()} cuda:{self.spec.local_rank}" if self.backend == "nccl" else "1"
+
+    def _check_one_gpu_each(self, keys: list[str]) -> None:
+        """ConfigError (one line, exit 2) if two ranks of the group announced the same GPU of one host: NCCL
+        refuses a communicator with two ranks on one device, after a long wait and at length."""
+        assert self._store is not None
+        first: dict[str, int] = {}
+        for rank, key in enumerate(keys):
+            where = self._store.get(key).decode()
+            if where in first:
+                raise ConfigError(
+                    f"group {self.spec.name!r}: ranks {first[where]} and {rank} are both on GPU {where}, and NCCL "
+                    "needs one GPU per rank; give each rank of the group its own GPU (geosched agent --device "
+                    "cuda:N), re-plan with fewer ranks per stage (--tp 1 --dp 1), or train on the CPU (--device cpu)"
+                )
+            first[where] = rank
 
     def close(self) -> None:
         """Destroy the process group and stop the heartbeat; safe to call twice.

@@ -11,7 +11,8 @@
   reduce-scattered (averaged), so a replica receives only its 1/dp slice; it steps an AdamW on its
   slice of the flat parameters (the module's parameters are views of that buffer) and all-gathers
   the result. gloo has both collectives on flat tensors in torch 2.13 (``reduce_scatter_single``,
-  ``all_gather_single``, formerly ``reduce_scatter_tensor``/``all_gather_into_tensor``), so no
+  ``all_gather_single``, formerly ``reduce_scatter_tensor``/``all_gather_into_tensor``: ``agents.dp.group``
+  names whichever the torch at hand has), so no
   all-reduce fallback (a whole reduced gradient per replica) is needed.
 
 Stage 2 is written by hand: ``ZeroRedundancyOptimizer`` is ZeRO-1 only (it steps on whole,
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from agents.dp.group import DataParallelGroup, adopt_grads, local_tensor
+from agents.dp.group import DataParallelGroup, adopt_grads, all_gather_flat, local_tensor, reduce_scatter_flat
 from agents.dp.shards import hyperparameters, local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
 from geosched.errors import ConfigError
 
@@ -218,7 +219,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         assert self.shard.grad is not None
         native_avg = self.group.backend == "nccl"
         with self.group.guard("ZeRO-2 gradient reduce-scatter"):
-            dist.reduce_scatter_single(
+            reduce_scatter_flat(
                 self.shard.grad,
                 self.flat_grads,
                 op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
@@ -234,7 +235,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         self.inner.param_groups[0].update(hyperparameters(self))  # e.g. an LR schedule set on this optimizer
         self.inner.step()
         with self.group.guard("ZeRO-2 parameter all-gather"):  # the input must not alias the output
-            dist.all_gather_single(self.flat_params, self.shard.detach().clone(), group=self.replicas)
+            all_gather_flat(self.flat_params, self.shard.detach().clone(), group=self.replicas)
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -140,7 +140,12 @@ def calibrate(
 
 
 def calibrate_plan(
-    layout: JobLayout, wan_scale: float = 1.0, save_to: Path | None = None, out: TextIO | None = None
+    layout: JobLayout,
+    wan_scale: float = 1.0,
+    save_to: Path | None = None,
+    out: TextIO | None = None,
+    *,
+    device: str = "cpu",
 ) -> Calibration:
     """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
@@ -148,7 +153,8 @@ def calibrate_plan(
     ranks together and their collectives, its WAN streams and the emulator's
     share (:func:`agents.rehearsal.calibrate.plan_options`); written to
     ``save_to`` too when given (the run folder's ``calibration.json``). Each
-    part's start is a line on ``out``: it takes tens of seconds on 2 cores.
+    part's start is a line on ``out``: it takes tens of seconds on 2 cores. ``device``: as the agents'
+    ``--device`` (``cuda`` measures on the first GPU; the groups' collectives over NCCL).
     """
     import torch
 
@@ -164,6 +170,7 @@ def calibrate_plan(
             warmup=1,
             co_located=copies,
             progress=None if out is None else _calibration_progress(out),
+            device="cuda:0" if device == "cuda" else device,
             **plan_options(layout, wan_scale),
         )
     finally:

@@ -87,6 +87,7 @@ def launch(
     wan_reset_every_s: float | None = None,
     prefill_follow_checkpoints: bool = False,
     elastic_return_after_s: float | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -126,6 +127,10 @@ def launch(
 
     ``prefill_follow_checkpoints``: every agent serves prefill and swaps in each newer checkpoint of the
     checkpoint folder as it completes (``--prefill-follow-checkpoints``); needs ``checkpoint_dir`` or ``elastic``.
+
+    ``device``: what the agents train on (``--device``: ``cpu``, ``cuda`` for GPU rank % GPUs, ``cuda:N``),
+    and what the calibration measures on; a plan whose groups would put two ranks on one GPU is refused
+    (:func:`agents.stage.device.host_refusal`).
     """
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
@@ -143,6 +148,10 @@ def launch(
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
     refusal = runtime_refusal(layout)
+    if refusal is None and device != "cpu":
+        from agents.stage.device import host_refusal
+
+        refusal = host_refusal(layout.roles, device)
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or layout.job.steps
@@ -163,7 +172,7 @@ def launch(
         from agents.rehearsal.calibrate import calibrate_plan  # torch: not for `geosched plan`'s flags
 
         began = time.monotonic()
-        calibration = calibrate_plan(layout, wan_scale, run / "calibration.json", out)
+        calibration = calibrate_plan(layout, wan_scale, run / "calibration.json", out, device=device)
         calibration_s = time.monotonic() - began
         if out is not None:
             print(f"launch: calibrated in {calibration_s:.1f} s: {run / 'calibration.json'}", file=out, flush=True)
@@ -186,6 +195,7 @@ def launch(
             stack.callback(broker.stop)
             mqtt = broker.url
         chunk_args: list[str] = [] if calibration is None else ["--time-stage"]  # stage compute as the agents run
+        chunk_args += ["--device", device]
         if keys is not None:
             chunk_args += ["--keys", str(keys.directory.resolve())]  # the agents run in the repository root
         if checkpoint_dir is not None:

@@ -20,6 +20,9 @@ publishes it. Everything is closed on the way out, also on errors. With a
 the listener admits only the upstream rank's public key, the connector only
 talks to the downstream rank's.
 
+``device`` (``geosched agent --device``, :mod:`agents.stage.device`) is where the stage trains: the CPU,
+or a GPU, where its groups use NCCL and its links carry host copies of what it sends and receives.
+
 With pipelines in several DCs (``role.sync``) a stage's group is its replicas
 in this DC, and ALL_REDUCE is :class:`~agents.crossdc.sync.CrossDcSync`: the
 hierarchical all-reduce over that group and WanLinks to the lane partners in
@@ -66,6 +69,7 @@ from agents.dp.spec import GroupSpec
 from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name
 from agents.runnable import sync_refusal, tp_refusal
+from agents.stage.device import group_backend
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
@@ -113,8 +117,10 @@ class RankSession:
         bubble_filler: Any = None,
         link_security: LinkSecurity | None = None,
         wan_turns: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.job, self.role = job, role
+        self.device = torch.device(device)  # the stage's weights, optimizer state and activations (agents.stage.device)
         self.wan_turns = wan_turns  # the group's replicas take turns on their shared WAN links (agents.stage.turns)
         self.link_security = link_security  # CURVE on both pipeline links (None: plain TCP)
         self.bubble_filler = bubble_filler  # e.g. a PrefillService: runs inside the runtime's bubbles
@@ -166,7 +172,7 @@ class RankSession:
             last=role.last,
             seed=job.seed,
             dtype=PRECISION_DTYPES[job.precision],
-        )
+        ).to(self.device)  # initialised on the host from the seed, as every layout's copy of these layers is
         listener = self._listen_and_host()
         log.debug("rank %d: listening", role.rank)
         self.transport = self._connect(listener)
@@ -335,7 +341,9 @@ class RankSession:
             listener.wait_peer(self.connect_timeout_s)
         if self.sync_links is not None:
             self.sync_links.connect()
-        return LinkTransport(links, stage=role.stage, codecs=boundary_codecs(self.job, role)) if links else None
+        if not links:
+            return None
+        return LinkTransport(links, stage=role.stage, codecs=boundary_codecs(self.job, role), device=self.device)
 
     def _join_group(self) -> DataParallelGroup | None:
         role = self.role
@@ -349,9 +357,10 @@ class RankSession:
             role.group_size,
             host,
             int(port),
-            backend=self.backend,
+            backend=self.backend or group_backend(self.device),
             timeout_s=self.connect_timeout_s,
             host_store=False,
+            local_rank=self.device.index or 0,
         )
         self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
         if self.wan_turns and isinstance(self.transport, LinkTransport):
@@ -388,6 +397,8 @@ class RankSession:
         for _ in range(steps):
             step = self.next_step
             microbatches = self.prefetcher.get(step) if self.prefetcher is not None else None
+            if microbatches is not None and self.device.type != "cpu":
+                microbatches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
             sync = self.grad_sync if isinstance(self.grad_sync, CrossDcSync) else None
             before = dict(sync.bytes_sent) if sync is not None else {}
             report = self.runtime.run_step(step, microbatches)

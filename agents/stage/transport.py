@@ -31,6 +31,10 @@ decodes what it receives from it into the boundary tensor the runtime expects
 1/t slice of it), refusing in one line anything else. The codec runs on the
 calling (training) thread, where the cost model charges it.
 
+A stage on a GPU (``device``, :mod:`agents.stage.device`) hands the transport device tensors: each leaves
+for the host after its codec (so a compressed link copies only the payload) and what arrives goes to the
+device before its codec decodes it; the links themselves move host memory.
+
 Where a WAN link is shared by the replicas of a stage (:meth:`LinkTransport.take_turns`), each send waits for
 the rank's turn on it (:mod:`agents.stage.turns`) on a thread of its own, not the caller's.
 """
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from agents.layout import RankRole, pipe_name, sync_name
@@ -117,11 +122,17 @@ class LinkTransport:
     """
 
     def __init__(
-        self, links: Mapping[int, WanLink], *, stage: int, codecs: Mapping[int, TensorCodec] | None = None
+        self,
+        links: Mapping[int, WanLink],
+        *,
+        stage: int,
+        codecs: Mapping[int, TensorCodec] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.links = dict(links)
         self.stage = stage
         self.codecs = dict(codecs or {})
+        self.device = None if device is None or device.type == "cpu" else device  # None: tensors stay on the host
         self._sent = {peer: 0 for peer in self.links}
         self._pending_sends: list[tuple[str, concurrent.futures.Future[None]]] = []
         self._posted: dict[tuple[int, str, int, int], concurrent.futures.Future[Tensor]] = {}
@@ -151,6 +162,8 @@ class LinkTransport:
                     f"stage {self.stage}: {KIND_NAMES[kind]} of step {step} microbatch {microbatch} for stage "
                     f"{peer_stage} cannot travel {codec.codec}: {exc}"
                 ) from None
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")  # the links move host memory; waits for the kernels that made it
         turns = self.turns.get(peer_stage)
         if turns is None:
             future = link.start_send(tensor, step=step, microbatch=microbatch, kind=KIND_NAMES[kind])
@@ -185,6 +198,8 @@ class LinkTransport:
         try:
             tensor = future.result(timeout=timeout)
             del self._posted[(peer_stage, kind, step, microbatch)]
+            if self.device is not None:
+                tensor = tensor.to(self.device)
             return tensor if codec is None else codec.decode(tensor)
         except concurrent.futures.TimeoutError:
             raise LinkError(

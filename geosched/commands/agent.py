@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="text files or globs to train on (default: the Python standard library's sources)",
     )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (1 when ranks share a machine)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="what the stage trains on: cpu (default), cuda (GPU rank %% GPUs of this host) or cuda:N; "
+        "groups inside a DC then use NCCL, one GPU per rank",
+    )
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (on command and every N steps)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only on command)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
@@ -211,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "wan_chunk_bytes", 0, "0 lets the link pick")
     at_least(args, "checkpoint_every", 0)
     check_bind_host(args.bind_host)
+    device = agent_device(args.device, args.rank)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
@@ -285,8 +292,16 @@ def run(args: argparse.Namespace) -> int:
         control_keys=None if keys is None else ControlKeys(*keys.control_fields(f"agent-{args.rank}")),
         metrics_bind=None if args.metrics_bind is None else parse_address(args.metrics_bind, "--metrics-bind"),
         metrics_tls=metrics_tls,
+        device=device,
     )
     return run_agent(options)
+
+
+def agent_device(text: str, rank: int) -> str:
+    """``--device`` resolved for ``rank`` on this host (``cpu``, ``cuda:N``); InputError if it lacks it."""
+    from agents.stage.device import rank_device
+
+    return str(rank_device(text, rank))
 
 
 def served_weights_source(args: argparse.Namespace) -> str | None:

@@ -24,6 +24,7 @@ for the run (clients trust RUN_DIR/secrets/tls-ca.crt).
   geosched launch configs/demo-3dc.yaml --elastic --steps 40   # kill a DC's agents: it re-plans and finishes
   geosched launch configs/demo-3dc.yaml --elastic --elastic-return-after 10   # ... and moves back 10 s later
   geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
+  geosched launch configs/demo-3dc.yaml --device cuda       # the agents train on this host's GPUs (NCCL groups)
 
 Ctrl-C stops every child process; nothing is left running.
 """
@@ -122,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="fault injection: every WAN relay resets all of its connections every S seconds (the links reconnect)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="what the agents train on: cpu (default), cuda (GPU rank %% GPUs) or cuda:N; the calibration "
+        "measures there too",
+    )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -140,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
         raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
+    from agents.stage.device import check_device_text
+
+    check_device_text(args.device)
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"
@@ -170,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         wan_reset_every_s=args.wan_reset_every,
         prefill_follow_checkpoints=args.prefill_follow_checkpoints,
         elastic_return_after_s=args.elastic_return_after,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(report))
