@@ -405,6 +405,7 @@ class RankWorker:
         record = ModelRecord.of(job.model, job.seed, job.precision)
         whole, step = served_weights(source, record, follow=self.opts.prefill_follow)
         model = frozen(whole) if whole is not None else load_inference_model(job.model, None, seed=job.seed)
+        model = model.to(self.opts.device)  # prefill fills the bubbles of the device the stage trains on
         served = f"the seeded initial weights (seed {job.seed})" if whole is None else str(source)
         if whole is not None and step is not None:  # a checkpoint folder, or a file exported from one
             served = f"checkpoint step {step} of {source}" if os.path.isdir(str(source)) else f"{source} (step {step})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import subprocess
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,15 +25,20 @@ from test_tp_pipeline import STEPS, _global_losses, run_layout, tp_config
 from agents.dp.group import join_group
 from agents.dp.spec import GroupSpec
 from agents.layout import JobLayout, layout_plan_text, parse_layout
+from agents.prefill.client import PrefillClient
+from agents.prefill.model import frozen
+from agents.prefill.service import PrefillService
 from agents.stage.session import train_one_process
 from geosched.config import load_config
 from geosched.data import TextDataset, default_corpus_paths
+from geosched.model import ModelShape, build_model, prefill
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.variants import Pins
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml"
+SHAPE = ModelShape(layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(GPUS == 0, reason="no CUDA")]
 
 
@@ -119,6 +125,8 @@ def test_launch_on_the_gpu_trains_like_one_process(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     layout, steps = parse_layout(plan.read_text()), 6
     args = ("launch", str(DEMO), "--plan", str(plan), "--steps", str(steps), "--device", "cuda", "--json")
+    args += ("--prefill-rate", "20", "--prefill-follow-checkpoints", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    args += ("--checkpoint-every", "2")  # prefill on the GPU in its bubbles, swapping in each new checkpoint
     done = subprocess.run(
         cli(*args, "--run-dir", str(tmp_path / "run")),
         capture_output=True,
@@ -131,6 +139,33 @@ def test_launch_on_the_gpu_trains_like_one_process(tmp_path: Path) -> None:
     assert set(report["agent_exit_codes"].values()) == {0}
     assert report["losses"] == pytest.approx(_reference(layout, steps), rel=1e-4)
     assert report["predicted_iteration_s"] > 0
+    section = report["prefill"]
+    assert section["ok"] > 0 and section["lost"] == 0 and section["error"] == 0, section
+    assert any("checkpoint step" in str(agent["served"]) for agent in section["agents"].values()), section
+
+
+def test_prefill_on_the_gpu_equals_a_direct_forward_on_the_cpu() -> None:
+    model = build_model(SHAPE, seed=3)
+    served = frozen(build_model(SHAPE, seed=3)).to("cuda")
+    gen = torch.Generator().manual_seed(0)
+    with PrefillService(served, min_piece_s=1e-9, max_piece_s=1e-4) as service:
+        stop = threading.Event()
+        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
+        worker.start()
+        try:
+            with PrefillClient(service.endpoint, timeout_s=60) as client:
+                for length in (1, 17, 40):
+                    tokens = torch.randint(0, SHAPE.vocab, (length,), generator=gen)  # (T,)
+                    result = client.prefill(tokens, top_k=4)
+                    assert result.status == "ok", result.reason
+                    logits, kv = prefill(model, tokens.view(1, -1))  # (1, V), per layer (1, H, T, D)
+                    assert result.topk_ids == torch.topk(logits[0], 4).indices.tolist()
+                    for (k, v), (k_ref, v_ref) in zip(result.kv, kv):
+                        torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+                        torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+        finally:
+            stop.set()
+            worker.join(10)
 
 
 def test_launch_refuses_a_plan_that_puts_a_group_on_one_gpu(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ A chunk runs half a block at a time (:meth:`geosched.model.StageModule.forward_c
 attention, then MLP), so the training thread can have its core back at the next
 half when its message arrives (``preempt``): training then waits for half a
 block, not one chunk, and the chunk carries on from there in the next bubble.
+On a GPU each half is waited for (:func:`settle`) before ``preempt`` is asked.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from geosched.model import KVCache, StageModule
 
 Reply = bytes | Callable[[PrefillResponse], None]
 """Where a response goes: a ZeroMQ client's routing id, or a callback (a front end such as agents.prefill.http)."""
+
+
+def settle(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU): a piece of a chunk has run when it returns, so
+    its time is measured and training, whose kernels queue behind it, waits for one piece at most."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class ChunkSpan(NamedTuple):
@@ -59,14 +67,16 @@ class _Job:
     def advance(self, model: StageModule, tokens: int, preempt: Callable[[], bool] | None = None) -> int:
         """Run the chunk part-way through, else a new one of ``tokens``, half a block at a time; stop after a
         half once ``preempt()`` is true. Returns the tokens the chunk finished (0: stopped part-way)."""
+        device = next(model.parameters()).device
         if self.steps is None:
-            x = self.req.tokens[self.pos : self.pos + tokens].view(1, -1)  # (1, t) int64
+            x = self.req.tokens[self.pos : self.pos + tokens].view(1, -1).to(device)  # (1, t) int64
             self.steps, self.chunk_tokens, self.chunk_s = model.forward_cached_steps(x, self.kv, self.pos), tokens, 0
         started = time.perf_counter()
         try:
             with torch.no_grad():  # around each next(): grad mode must not leak out of the generator
                 while True:
                     next(self.steps)
+                    settle(device)
                     if preempt is not None and preempt():
                         return 0
         except StopIteration as done:

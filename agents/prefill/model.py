@@ -98,15 +98,19 @@ class ChunkCostModel:
         import time
 
         n = min(16, model.shape.seq_len)
+        device = next(model.parameters()).device
+        wait = torch.cuda.synchronize if device.type == "cuda" else lambda _device: None
 
         def timed(tokens: int) -> float:
-            x = torch.zeros(1, tokens, dtype=torch.int64)  # (1, t)
+            x = torch.zeros(1, tokens, dtype=torch.int64, device=device)  # (1, t)
             runs = []
             with torch.no_grad():
                 model.forward_cached(x)  # warm-up
+                wait(device)
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     model.forward_cached(x)
+                    wait(device)  # the kernels, not their launch
                     runs.append(time.perf_counter() - t0)
             return sorted(runs)[len(runs) // 2]
 

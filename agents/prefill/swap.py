@@ -36,6 +36,7 @@ class SwappablePrefillService(PrefillService):
         dtype, old_dtype = next(model.parameters()).dtype, next(self.model.parameters()).dtype
         if model.shape != self.shape or not (model.first and model.last) or dtype != old_dtype:
             raise ValueError(f"replacement model {model!r} ({dtype}) differs from the served {self.model!r}")
+        model = model.to(next(self.model.parameters()).device)  # where the service computes (a GPU: its stage's)
         with self._lock:
             self._pending = (model, served)
         if self._compute.acquire(blocking=False):  # nothing computing: swap now if no prompt is part-way
