@@ -149,7 +149,7 @@ class Agent:
         if self.opts.device != "cpu":  # torch only for a GPU
             from agents.stage.device import check_device_fits
 
-            check_device_fits(layout.role(self.opts.rank), self.opts.device)
+            check_device_fits(layout, layout.role(self.opts.rank), self.opts.device)
 
     # -- status ------------------------------------------------------------------
     async def _set_status(self, state: str, **fields: Any) -> None:

@@ -81,3 +81,21 @@ def test_later_steps_reuse_the_first_step_s_activation_count_without_hooks() -> 
     assert live_in_forward[0] == meter.live_peak > 0 and live_in_forward[1:] == [0, 0]  # no hooks after step 1
     state = meter.state_bytes()  # weights, gradients and Adam moments from the second step on
     assert peaks[1] == peaks[2] == state + meter.live_peak > peaks[0]
+
+
+def test_a_stage_its_gpu_cannot_hold_is_refused_in_one_line() -> None:
+    from pathlib import Path
+
+    from agents.layout import layout_plan_text, parse_layout
+    from agents.stage.device import memory_refusal
+    from agents.stage.schedule import predicted_stage_bytes
+    from geosched.config import load_config
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
+    layout = parse_layout(layout_plan_text(config, ["us", "eu"]))
+    for role in layout.roles:
+        need = predicted_stage_bytes(layout, role)  # what the run report sets the measured peak against
+        assert 0 < need and memory_refusal(layout, role, need, "cuda:0") is None
+        line = memory_refusal(layout, role, need - 1, "cuda:0")
+        assert line is not None and "\n" not in line
+        assert line.startswith("its stage needs") and "cuda:0 has" in line and "gpu.memory_gib" in line

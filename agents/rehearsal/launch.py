@@ -151,7 +151,7 @@ def launch(
     if refusal is None and device != "cpu":
         from agents.stage.device import host_refusal
 
-        refusal = host_refusal(layout.roles, device)
+        refusal = host_refusal(layout, device)
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or layout.job.steps

@@ -174,24 +174,18 @@ def build_report(
 
 def memory_rows(layout: Any, reports: Mapping[int, list[StepReport]]) -> list[dict[str, Any]]:
     """Per rank: the most memory any step held (:class:`~agents.stage.memory.MemoryMeter`) and the
-    planner's prediction for its stage (:func:`geosched.memory.stage_memory_bytes`)."""
-    from geosched.memory import peak_inflight, stage_memory_bytes
+    planner's prediction for its stage (:func:`agents.stage.schedule.predicted_stage_bytes`)."""
+    from agents.stage.schedule import predicted_stage_bytes
 
-    job, p = layout.job, layout.num_stages
-    microbatches = _schedule(layout).num_microbatches
     rows = []
     for role in layout.roles:
-        s = role.stage
         measured = [r.memory for r in reports.get(role.rank, []) if r.memory]
         if not measured:
             continue
-        warmup = layout.warmup[s] if layout.warmup else None
-        inflight = peak_inflight(job.pipeline_schedule, p, microbatches, s, warmup)
-        shard = sum(1 for r in layout.roles if r.stage == s and r.dc == role.dc and r.tp_rank == 0)  # in-DC ZeRO
-        predicted = stage_memory_bytes(job, layout.stage_layers[s], s == 0, s == p - 1, inflight, shard)
+        predicted = predicted_stage_bytes(layout, role)
         row = {
             "rank": role.rank,
-            "stage": s,
+            "stage": role.stage,
             "measured_peak_bytes": max(m["peak_bytes"] for m in measured),
             "measured_state_bytes": max(m["state_bytes"] for m in measured),
             "predicted_bytes": predicted,
