@@ -16,7 +16,7 @@ process group *is* that DP group. :func:`join_group` forms it from a
         group.allreduce_gradients(stage_module)
 
 Replica 0 hosts the TCPStore unless ``host_store=False``; the backend is gloo
-(the agents' stages live on the CPU) unless ``backend="nccl"`` asks for NCCL.
+unless ``backend="nccl"`` asks for NCCL (the agents do for stages on a GPU, :mod:`agents.stage.device`).
 Every rank beats a heartbeat counter in the store; when a collective fails or
 times out, :meth:`DataParallelGroup.guard` reads the heartbeats and raises a
 CollectiveError naming the rank(s) that stopped. A group of size 1 needs no

@@ -93,8 +93,9 @@ class GroupSpec:
 
 
 def choose_backend(requested: str | None = None) -> str:
-    """gloo unless ``requested`` says ``nccl``: the agents build their stages on the CPU, and NCCL reduces
-    CUDA tensors only (with one GPU per rank), so picking it because a GPU is visible would break them."""
+    """gloo unless ``requested`` says ``nccl``: NCCL reduces CUDA tensors only (with one GPU per rank), and a
+    rank's stage is where its ``--device`` puts it (the agents ask for NCCL then, agents.stage.device), so a
+    visible GPU alone must not switch the backend."""
     if requested is None:
         return "gloo"
     if requested == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
