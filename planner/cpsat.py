@@ -28,7 +28,9 @@ The simulator, not this surrogate, judges the plans it proposes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -440,10 +442,42 @@ def solve(
     worker and a fixed seed the same model then gives the same solutions however loaded the
     machine is. ``time_limit_s`` (wall seconds, only from ``--time-limit``) is a bound that the
     load can change.
+
+    Without ``time_limit_s`` the answer is a function of the arguments, so it is memoised on the problem
+    (``problem.memo``): a variant's full search re-solves the models its screening solved, with the same
+    budgets. A repeat costs no wall time (``wall_s`` 0) and the same deterministic time.
     """
     require = require or {}
     if allowed is not None and any(n and dc not in allowed for dc, n in require.items()):
         return SolveResult("infeasible")
+    args = (problem, dp, microbatches, goal, require, allowed, stages, chain, time_limit_s, effort, keep, workers)
+    if time_limit_s is not None:  # a wall-clock bound: the answer depends on the load, never reuse it
+        return _solve(*args)
+    fenced = None if allowed is None else frozenset(allowed)
+    key = (dp, microbatches, goal, tuple(sorted(require.items())), fenced, stages, chain, effort, keep, workers)
+    known: dict[Hashable, SolveResult] = problem.memo.setdefault("cpsat", {})
+    hit = known.get(key)
+    if hit is None:
+        known[key] = hit = _solve(*args)
+        return hit
+    return dataclasses.replace(hit, solutions=list(hit.solutions), wall_s=0.0)
+
+
+def _solve(
+    problem: Problem,
+    dp: int,
+    microbatches: int,
+    goal: Goal,
+    require: dict[str, int],
+    allowed: set[str] | None,
+    stages: int | None,
+    chain: tuple[str, ...] | None,
+    time_limit_s: float | None,
+    effort: float | None,
+    keep: int,
+    workers: int,
+) -> SolveResult:
+    """:func:`solve` without its memo."""
     model = _Model(problem, dp, microbatches, goal, require, allowed, stages, chain)
     if not model.feasible:
         return SolveResult("infeasible")
