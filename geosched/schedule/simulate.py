@@ -140,9 +140,15 @@ class _Step(NamedTuple):
     category: str
 
 
+COMPUTE, COLLECTIVE, MESSAGE = 0, 1, 2
+"""A step's role in the event loop: stage time counted as busy, stage time counted as communication (ALL_REDUCE),
+a SEND or RECV."""
+
+
 class CompiledSchedule(NamedTuple):
     """A schedule in the simulator's terms (steps per stage, messages by index, activations held):
-    compile once with :func:`compile_schedule`, simulate against many cost models."""
+    compile once with :func:`compile_schedule`, simulate against many cost models. The per-stage columns
+    (``needs``, ``produces``, ``roles``) are the steps' fields the event loop reads, as plain ints."""
 
     schedule: Schedule
     lowered: bool
@@ -151,6 +157,11 @@ class CompiledSchedule(NamedTuple):
     peaks: tuple[int, ...]
     firsts: tuple[dict[str, int], ...]  # per stage, each kind's (tag's) first step: costs by kind are asked once
     tags: tuple[tuple[str, ...], ...]  # per stage, its steps' tags
+    needs: tuple[tuple[int, ...], ...]  # per stage, each step's _Step.needs
+    produces: tuple[tuple[int, ...], ...]  # per stage, each step's _Step.produces
+    roles: tuple[tuple[int, ...], ...]  # per stage, each step's COMPUTE, COLLECTIVE or MESSAGE
+    routes: tuple[int, ...]  # the first message of each distinct (src, dst, kind), in order
+    route_of: tuple[int, ...]  # per message, the index of its (src, dst, kind) in routes
 
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
@@ -183,7 +194,36 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
     tags = tuple(tuple(step.tag for step in row) for row in steps)
     firsts = tuple({tag: row.index(tag) for tag in dict.fromkeys(row)} for row in tags)
-    return CompiledSchedule(snapshot, lowered, tuple(steps), tuple(index), peaks, firsts, tags)
+    waits = tuple(tuple(step.needs for step in row) for row in steps)
+    emits = tuple(tuple(step.produces for step in row) for row in steps)
+    roles = tuple(tuple(_role(step) for step in row) for row in steps)
+    messages = tuple(index)
+    routes, route_of = _routes(messages)
+    return CompiledSchedule(
+        snapshot, lowered, tuple(steps), messages, peaks, firsts, tags, waits, emits, roles, routes, route_of
+    )
+
+
+def _routes(messages: tuple[Message, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The first message of each distinct (source, destination, kind), in order, and each message's route:
+    a cost model with ``durations_by_kind`` is asked once per route."""
+    number: dict[tuple[int, int, str], int] = {}
+    firsts: list[int] = []
+    route_of: list[int] = []
+    for k, m in enumerate(messages):
+        key = (m.src, m.dst, m.kind)
+        if key not in number:
+            number[key] = len(firsts)
+            firsts.append(k)
+        route_of.append(number[key])
+    return tuple(firsts), tuple(route_of)
+
+
+def _role(step: _Step) -> int:
+    """The step's :data:`COMPUTE`, :data:`COLLECTIVE` or :data:`MESSAGE`."""
+    if step.is_comm:
+        return MESSAGE
+    return COMPUTE if step.category == "compute" else COLLECTIVE
 
 
 def simulate(
@@ -220,16 +260,22 @@ class _Run:
                 self.durations.append([of_kind[tag] for tag in tags])
         else:
             self.durations = [[duration(step) for step in row] for row in code.steps]
-        transfers: dict[tuple[int, int, str], Transfer] = {}
         link_ids: dict[tuple[Hashable, bool], int] = {}
-        self.transfer: list[tuple[int, float, float]] = []  # per message: (link id or -1, occupancy, latency)
-        for msg in self.code.messages:
-            key = (msg.src, msg.dst, msg.kind)
-            tr = transfers.get(key) if by_kind else None
-            if tr is None:
-                tr = transfers[key] = costs.transfer(msg.src, msg.dst, msg.kind, msg.microbatch)
-            link = -1 if tr.link is None else link_ids.setdefault((tr.link, msg.dst > msg.src), len(link_ids))
-            self.transfer.append((link, tr.occupancy_s, tr.latency_s))
+
+        def route(src: int, dst: int, tr: Transfer) -> tuple[int, float, float]:
+            link = -1 if tr.link is None else link_ids.setdefault((tr.link, dst > src), len(link_ids))
+            return link, tr.occupancy_s, tr.latency_s
+
+        # per message: (link id or -1, occupancy, latency); links numbered in order of first use either way
+        self.transfer: list[tuple[int, float, float]]
+        if by_kind:  # one question per (source, destination, kind), in order of first use
+            heads = [code.messages[k] for k in code.routes]
+            routes = [route(m.src, m.dst, costs.transfer(m.src, m.dst, m.kind, m.microbatch)) for m in heads]
+            self.transfer = [routes[k] for k in code.route_of]
+        else:
+            self.transfer = [
+                route(m.src, m.dst, costs.transfer(m.src, m.dst, m.kind, m.microbatch)) for m in code.messages
+            ]
         self.link_keys = list(link_ids)
         self.events: list[Event] = []
         self.gaps: list[IdleGap] = []
@@ -243,6 +289,7 @@ class _Run:
         message is posted on its link when the action producing it ends.
         """
         p, steps, durations, transfer, record = self.p, self.code.steps, self.durations, self.transfer, self.record
+        needs, produces, roles = self.code.needs, self.code.produces, self.code.roles
         position, free_at = [0] * p, [0.0] * p
         busy, comm = [0.0] * p, [0.0] * p
         outbox = [-1] * p  # message produced at the end of a running action
@@ -273,49 +320,53 @@ class _Run:
             if outbox[s] >= 0:
                 post(outbox[s], now)
                 outbox[s] = -1
-            row, times, i = steps[s], durations[s], position[s]
-            while i < len(row):
-                step = row[i]
+            times, wants, makes, role_of, i = durations[s], needs[s], produces[s], roles[s], position[s]
+            last = len(times)
+            while i < last:
                 start = waited_from = free_at[s]
-                if step.needs >= 0:
-                    arrive = arrival[step.needs]
+                need = wants[i]
+                if need >= 0:
+                    arrive = arrival[need]
                     if arrive is None:
-                        waiting[step.needs] = s
+                        waiting[need] = s
                         break
                     if arrive > now:
                         seq += 1
                         push(heap, (arrive, seq, s))
                         break
                     if arrive > start:
-                        if record and not (self.lowered and step.is_comm):
-                            self._record_wait(s, step, start, arrive)
+                        if record and not (self.lowered and role_of[i] == MESSAGE):
+                            self._record_wait(s, steps[s][i], start, arrive)
                         start = arrive
                 end = start + times[i]
-                if step.is_comm:  # a receive that waited is idle, its handling included (as the runtime measures it)
-                    if start > waited_from:
-                        if record:
-                            self.gaps.append(IdleGap(s, waited_from, end, str(step.action)))
-                            self.events.append(Event(s, str(step.action), waited_from, end, "idle", step.tag))
-                    else:
-                        comm[s] += end - start
-                        if record:
-                            self.events.append(Event(s, str(step.action), waited_from, end, "comm", step.tag))
-                else:
-                    if step.category == "compute":
-                        busy[s] += end - start
-                    else:
-                        comm[s] += end - start
+                role = role_of[i]
+                if role == COMPUTE:
+                    busy[s] += end - start
                     if record:
-                        self.events.append(Event(s, str(step.action), start, end, step.category, step.tag))
+                        self._record_event(s, steps[s][i], start, end)
+                elif role == COLLECTIVE:
+                    comm[s] += end - start
+                    if record:
+                        self._record_event(s, steps[s][i], start, end)
+                elif start > waited_from:  # a receive that waited: idle, its handling included (as measured)
+                    if record:
+                        step = steps[s][i]
+                        self.gaps.append(IdleGap(s, waited_from, end, str(step.action)))
+                        self.events.append(Event(s, str(step.action), waited_from, end, "idle", step.tag))
+                else:
+                    comm[s] += end - start
+                    if record:
+                        step = steps[s][i]
+                        self.events.append(Event(s, str(step.action), waited_from, end, "comm", step.tag))
                 i += 1
                 free_at[s] = end
                 if end > now:
-                    outbox[s] = step.produces
+                    outbox[s] = makes[i - 1]
                     seq += 1
                     push(heap, (end, seq, s))
                     break
-                if step.produces >= 0:
-                    post(step.produces, now)
+                if makes[i - 1] >= 0:
+                    post(makes[i - 1], now)
             position[s] = i
         stuck = {s: steps[s][i].action for s, i in enumerate(position) if i < len(steps[s])}
         if stuck:
@@ -338,6 +389,10 @@ class _Run:
         link = self.transfer[msg][0]
         key = None if link < 0 else self.link_keys[link][0]
         self.links.append(LinkUse(key, m.src, m.dst, m.kind, m.microbatch, now, begin, begin + occupancy, arrive))
+
+    def _record_event(self, s: int, step: _Step, start: float, end: float) -> None:
+        """Note a compute or collective step's run."""
+        self.events.append(Event(s, str(step.action), start, end, step.category, step.tag))
 
     def _record_wait(self, s: int, step: _Step, start: float, arrive: float) -> None:
         """Note an idle gap before a compute step; unlowered schedules also get an event for their implicit receive."""
