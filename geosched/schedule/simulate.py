@@ -122,13 +122,6 @@ class UniformCosts:
         return Transfer((min(src_stage, dst_stage), max(src_stage, dst_stage)), self.transfer_s, 0.0)
 
 
-_KIND_INFO = {
-    kind: (KIND_TAG[kind], kind in COMM_KINDS, "comm" if kind in COMM_KINDS or kind is K.ALL_REDUCE else "compute")
-    for kind in K
-}
-"""Per kind: its tag, whether it moves a message, its timeline category."""
-
-
 class _Step(NamedTuple):
     """An action with everything the hot loop needs precomputed."""
 
@@ -143,12 +136,22 @@ class _Step(NamedTuple):
 COMPUTE, COLLECTIVE, MESSAGE = 0, 1, 2
 """A step's role in the event loop: stage time counted as busy, stage time counted as communication (ALL_REDUCE),
 a SEND or RECV."""
+_KIND_INFO = {
+    kind: (
+        KIND_TAG[kind],
+        kind in COMM_KINDS,
+        "comm" if kind in COMM_KINDS or kind is K.ALL_REDUCE else "compute",
+        MESSAGE if kind in COMM_KINDS else COLLECTIVE if kind is K.ALL_REDUCE else COMPUTE,
+    )
+    for kind in K
+}
+"""Per kind: its tag, whether it moves a message, its timeline category, its role."""
 
 
 class CompiledSchedule(NamedTuple):
     """A schedule in the simulator's terms (steps per stage, messages by index, activations held):
     compile once with :func:`compile_schedule`, simulate against many cost models. The per-stage columns
-    (``needs``, ``produces``, ``roles``) are the steps' fields the event loop reads, as plain ints."""
+    (``needs``, ``produces``, ``roles``) are what the event loop reads of the steps, as plain ints."""
 
     schedule: Schedule
     lowered: bool
@@ -179,29 +182,32 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
     snapshot = Schedule({s: list(row) for s, row in enumerate(actions)}, p, microbatches, name)
     lowered = snapshot.has_communication
 
-    def number(msg: Message | None) -> int:
-        return -1 if msg is None else index.setdefault(msg, len(index))
-
-    steps = []
+    steps, waits, emits, roles = [], [], [], []
     for row in actions:
         compiled: list[_Step] = []
-        append = compiled.append
+        wait_row: list[int] = []
+        emit_row: list[int] = []
+        role_row: list[int] = []
         for a in row:
-            tag, is_comm, category = _KIND_INFO[a.kind]
+            tag, is_comm, category, role = _KIND_INFO[a.kind]
             needs, produces = message_edges(a, p, lowered)
-            append(_Step(a, tag, number(needs), number(produces), is_comm, category))
+            wait = -1 if needs is None else index.setdefault(needs, len(index))  # messages numbered as met
+            emit = -1 if produces is None else index.setdefault(produces, len(index))
+            compiled.append(_Step(a, tag, wait, emit, is_comm, category))
+            wait_row.append(wait)
+            emit_row.append(emit)
+            role_row.append(role)
         steps.append(tuple(compiled))
+        waits.append(tuple(wait_row))
+        emits.append(tuple(emit_row))
+        roles.append(tuple(role_row))
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
     tags = tuple(tuple(step.tag for step in row) for row in steps)
     firsts = tuple({tag: row.index(tag) for tag in dict.fromkeys(row)} for row in tags)
-    waits = tuple(tuple(step.needs for step in row) for row in steps)
-    emits = tuple(tuple(step.produces for step in row) for row in steps)
-    roles = tuple(tuple(_role(step) for step in row) for row in steps)
     messages = tuple(index)
     routes, route_of = _routes(messages)
-    return CompiledSchedule(
-        snapshot, lowered, tuple(steps), messages, peaks, firsts, tags, waits, emits, roles, routes, route_of
-    )
+    columns = tuple(waits), tuple(emits), tuple(roles)
+    return CompiledSchedule(snapshot, lowered, tuple(steps), messages, peaks, firsts, tags, *columns, routes, route_of)
 
 
 def _routes(messages: tuple[Message, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -217,13 +223,6 @@ def _routes(messages: tuple[Message, ...]) -> tuple[tuple[int, ...], tuple[int, 
             firsts.append(k)
         route_of.append(number[key])
     return tuple(firsts), tuple(route_of)
-
-
-def _role(step: _Step) -> int:
-    """The step's :data:`COMPUTE`, :data:`COLLECTIVE` or :data:`MESSAGE`."""
-    if step.is_comm:
-        return MESSAGE
-    return COMPUTE if step.category == "compute" else COLLECTIVE
 
 
 def simulate(
