@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -214,11 +215,21 @@ def _bound(limit: float) -> str:
 
 def dump_dataclass(obj: Any) -> Any:
     """Turn a dataclass tree into plain dicts/lists that :func:`load_dataclass` reads back."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: dump_dataclass(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    names = _init_fields(obj.__class__)
+    if names is not None:
+        return {name: dump_dataclass(getattr(obj, name)) for name in names}
     if isinstance(obj, (tuple, list)):
         return [dump_dataclass(v) for v in obj]
     return obj
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...] | None:
+    """The fields a dataclass type is built from (None: not a dataclass), looked up once per type (a plan's
+    thousands of ranks are dumped field by field)."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
 
 def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
