@@ -132,15 +132,20 @@ class Message(NamedTuple):
     microbatch: int
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def message_edges(action: Action, num_stages: int, lowered: bool) -> tuple[Message | None, Message | None]:
-    """Return ``(needs, produces)``: the message ``action`` waits for and the one it emits (memoised: the
-    planner compiles schedules of the same actions in many orders).
+    """Return ``(needs, produces)``: the message ``action`` waits for and the one it emits.
 
     In a lowered schedule only RECV waits and only SEND emits. In an unlowered
     one the dependencies are implicit: F on stage s needs F of s-1 and feeds
     s+1; B on stage s needs B of s+1 and feeds s-1.
     """
+    return _edges(action, action.stage >= num_stages - 1, lowered)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _edges(action: Action, last: bool, lowered: bool) -> tuple[Message | None, Message | None]:
+    """:func:`message_edges`, memoised on what the answer depends on (``last``: no stage after this one), so
+    pipelines of any depth share it: the planner compiles the same actions in many shapes and orders."""
     s, kind = action.stage, action.kind
     if kind in STAGE_WIDE_KINDS:
         return None, None
@@ -157,9 +162,9 @@ def message_edges(action: Action, num_stages: int, lowered: bool) -> tuple[Messa
         return None, None
     if kind is ActionKind.FORWARD:
         needs = Message("F", s - 1, s, mb) if s > 0 else None
-        return needs, (Message("F", s, s + 1, mb) if s < num_stages - 1 else None)
+        return needs, (Message("F", s, s + 1, mb) if not last else None)
     if kind in GRADIENT_KINDS:
-        needs = Message("B", s + 1, s, mb) if s < num_stages - 1 else None
+        needs = Message("B", s + 1, s, mb) if not last else None
         return needs, (Message("B", s, s - 1, mb) if s > 0 else None)
     return None, None
 
