@@ -7,6 +7,8 @@ sizes come from :mod:`geosched.costmodel`.
 
 from __future__ import annotations
 
+import functools
+
 from geosched.config import JobSpec
 from geosched.costmodel import head_cost, layer_costs, stage_params
 from geosched.errors import ConfigError
@@ -28,6 +30,18 @@ def stage_memory_bytes(
     input per microbatch, and one block's full stash is live at a time during
     its backward.
     """
+    state, kept, working = _stage_parts(job, layers, first, last, dp)
+    b = job.batch
+    if job.recompute == "full":
+        return int(state + b * (inflight * kept + working))
+    return int(state + inflight * b * kept)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool, dp: int) -> tuple[float, int, int]:
+    """What :func:`stage_memory_bytes` adds up besides the microbatches in flight: the state bytes, the
+    activation bytes one microbatch keeps, the working bytes of a recomputed block's backward (memoised:
+    the planner asks for the same stage at many warm-up depths)."""
     params = stage_params(job, layers, first, last)
     zero = job.zero_stage
     grads = job.bytes_per_element / (dp if zero >= 2 else 1)
@@ -35,13 +49,10 @@ def stage_memory_bytes(
     state = params * (job.bytes_per_element + grads + optimizer)
     blocks = layer_costs(job)[layers[0] : layers[1]]
     head = head_cost(job).stash_bytes if last else 0
-    b = job.batch
     if job.recompute == "full":
         kept = sum(c.activation_bytes for c in blocks) + head
-        working = max((c.stash_bytes for c in blocks), default=0)
-        return int(state + b * (inflight * kept + working))
-    stash = sum(c.stash_bytes for c in blocks) + head
-    return int(state + inflight * b * stash)
+        return state, kept, max((c.stash_bytes for c in blocks), default=0)
+    return state, sum(c.stash_bytes for c in blocks) + head, 0
 
 
 def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int, warmup: int | None = None) -> int:
