@@ -4,7 +4,7 @@ A chunk runs half a block at a time (:meth:`geosched.model.StageModule.forward_c
 attention, then MLP), so the training thread can have its core back at the next
 half when its message arrives (``preempt``): training then waits for half a
 block, not one chunk, and the chunk carries on from there in the next bubble.
-On a GPU each half is waited for (:func:`settle`) before ``preempt`` is asked.
+On a GPU each half is waited for (:func:`~agents.prefill.model.settle`) before ``preempt`` is asked.
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ from typing import NamedTuple
 
 import torch
 
+from agents.prefill.model import settle
 from agents.prefill.protocol import PrefillRequest, PrefillResponse
 from geosched.model import KVCache, StageModule
 
 Reply = bytes | Callable[[PrefillResponse], None]
 """Where a response goes: a ZeroMQ client's routing id, or a callback (a front end such as agents.prefill.http)."""
-
-
-def settle(device: torch.device) -> None:
-    """Wait for ``device``'s queued kernels (a no-op on the CPU): a piece of a chunk has run when it returns, so
-    its time is measured and training, whose kernels queue behind it, waits for one piece at most."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class ChunkSpan(NamedTuple):

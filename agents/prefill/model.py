@@ -55,6 +55,13 @@ def frozen(model: StageModule, dtype: torch.dtype = torch.float32) -> StageModul
     return model
 
 
+def settle(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU): a piece of a chunk has run when it returns, so
+    its time is measured and training, whose kernels queue behind it, waits for one piece at most."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def kv_bytes_per_token(shape: ShapeLike, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of K and V for one token over every layer: 2 x layers x hidden x itemsize."""
     s = ModelShape.of(shape)
@@ -99,18 +106,17 @@ class ChunkCostModel:
 
         n = min(16, model.shape.seq_len)
         device = next(model.parameters()).device
-        wait = torch.cuda.synchronize if device.type == "cuda" else lambda _device: None
 
         def timed(tokens: int) -> float:
             x = torch.zeros(1, tokens, dtype=torch.int64, device=device)  # (1, t)
             runs = []
             with torch.no_grad():
                 model.forward_cached(x)  # warm-up
-                wait(device)
+                settle(device)
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     model.forward_cached(x)
-                    wait(device)  # the kernels, not their launch
+                    settle(device)  # the kernels, not their launch
                     runs.append(time.perf_counter() - t0)
             return sorted(runs)[len(runs) // 2]
 

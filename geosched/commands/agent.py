@@ -217,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "wan_chunk_bytes", 0, "0 lets the link pick")
     at_least(args, "checkpoint_every", 0)
     check_bind_host(args.bind_host)
-    device = agent_device(args.device, args.rank)
+    from agents.stage.device import rank_device
+
+    device = str(rank_device(args.device, args.rank))  # cpu or cuda:N; one line if this host lacks it
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
@@ -295,13 +297,6 @@ def run(args: argparse.Namespace) -> int:
         device=device,
     )
     return run_agent(options)
-
-
-def agent_device(text: str, rank: int) -> str:
-    """``--device`` resolved for ``rank`` on this host (``cpu``, ``cuda:N``); InputError if it lacks it."""
-    from agents.stage.device import rank_device
-
-    return str(rank_device(text, rank))
 
 
 def served_weights_source(args: argparse.Namespace) -> str | None:
