@@ -198,7 +198,7 @@ class DataParallelGroup:
         assert self._store is not None
         first: dict[str, int] = {}
         for rank, key in enumerate(keys):
-            where = self._store.get(key).decode()
+            where = self._store.get(key).decode(errors="replace")[:200]  # a name in one line, whatever was written
             if where in first:
                 raise ConfigError(
                     f"group {self.spec.name!r}: ranks {first[where]} and {rank} are both on GPU {where}, and NCCL "
