@@ -201,7 +201,8 @@ def stage_compute(
     The backward splits into input-gradient and weight-gradient halves of
     equal FLOPs (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2:
     ``T_B = T_W``), each ``calibration.backward_split / 2`` of B when measured
-    (two autograd passes cost more than one fused backward); the recomputed
+    (the split costs a little more than one fused backward:
+    :func:`geosched.profile.measure_backward_split`); the recomputed
     forward and the tensor-parallel all-reduces belong to the input half. A
     stage measured whole with its I and W (``StageTime.input_backward_s``) takes
     those instead: a tensor-parallel stage's I holds its all-reduces and waits,

@@ -51,6 +51,7 @@ from geosched.config import JobSpec
 from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
+from geosched.wgrad import SplitBackward
 
 MAX_PROFILE_MICROBATCHES = 8
 """Microbatches a measured step keeps in flight at most (1F1B holds at most p per stage)."""
@@ -97,11 +98,9 @@ def measure_stage(
     and the weights no longer fit the caches, which a one-microbatch loop hides.
     ``module``: the stage to time (e.g. one sharded over tensor-parallel ranks) instead of a fresh one.
     ``split_backward`` (a stage that is not the first): every other backward runs as the zero-bubble
-    schedule's I then W passes (torch's ``stage_backward_input``, ``stage_backward_weight``, as the stage
-    runtime runs them), each timed; the fused backwards are the others.
+    schedule's I then W passes (:class:`geosched.wgrad.SplitBackward`, as the stage runtime runs them),
+    each timed; the fused backwards are the others.
     """
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     stage: Any = module
@@ -121,12 +120,15 @@ def measure_stage(
     inputs = [make_input() for _ in range(max(1, microbatches))]  # distinct, as microbatches are
     targets = torch.randint(0, shape.vocab, (b, T), generator=g).to(device)  # (b, T)
     out_grad = None
+    split = SplitBackward(stage) if split_backward and not first else None
     forward, backward, input_backward, weight_backward = [], [], [], []
     for i in range(warmup + repeats):
         outs = []
-        for xi in inputs:
+        for k, xi in enumerate(inputs):
             if not first:
                 xi.grad = None
+            if split is not None:
+                split.defer((i * len(inputs) + k) % 2 == 1)
             _sync(device)
             t0 = time.perf_counter()
             out = stage(xi)  # (b, T, C) or logits (b, T, V)
@@ -141,12 +143,12 @@ def measure_stage(
                 out_grad = torch.randn(out.shape, generator=g).to(device, out.dtype)  # like the next stage's
             _sync(device)
             t1 = time.perf_counter()
-            if split_backward and not first and (i * len(inputs) + k) % 2 == 1:
+            if split is not None and (i * len(inputs) + k) % 2 == 1:
                 grads = None if out_grad is None else [out_grad]  # None: the loss, a scalar
-                _, work = stage_backward_input([out], grads, [xi], stage.parameters())
+                _, work = split.input([out], grads, xi)
                 _sync(device)
                 t2 = time.perf_counter()
-                stage_backward_weight(stage.parameters(), work)
+                split.weight(work)
                 _sync(device)
                 if i >= warmup:
                     input_backward.append(t2 - t1)
@@ -176,19 +178,19 @@ SPLIT_PAIRS = 15
 
 def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu") -> float:
     """(I + W) / B on one block: the input-gradient and weight-gradient passes the zero-bubble schedule runs
-    (torch's ``stage_backward_input`` then ``stage_backward_weight``, as the stage runtime does) against one
-    fused backward. Equal FLOPs in theory (Qi et al. 2023); on a CPU the weight pass walks the graph again
-    (about 2.0 for the demo's blocks).
+    (:class:`geosched.wgrad.SplitBackward`, as the stage runtime does) against one fused backward. The same
+    FLOPs (Qi et al. 2023); what is left is the deferred layers' bookkeeping, about 1.1 on the demo's blocks
+    on a CPU (torch's ``stage_backward_input`` and ``stage_backward_weight``, which walk the graph twice,
+    cost about 2.0).
 
     The fastest of at least :data:`SPLIT_PAIRS` alternated samples of each, divided: the ratio is the compute's,
     and a block's passes are short enough (well under a millisecond on the demo) that a host shared with
     other ranks preempts some of either kind. On a 2-core host shared by three processes, the median of
     per-pair ratios read 2.0 to 6.5 (it was 2.1 alone); this reads 1.7 to 2.9, most of it 1.9 to 2.4.
     """
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     dtype = PRECISION_DTYPES[job.precision]
     stage = build_stage(job.model, 0, 1, first=False, last=False, seed=job.seed, dtype=dtype).to(device)
+    split = SplitBackward(stage)
     shape = ModelShape.of(job.model)
     g = torch.Generator().manual_seed(job.seed)
     x0 = torch.randn(job.batch, shape.seq_len, shape.hidden, generator=g).to(device, dtype)  # (b, T, C)
@@ -196,6 +198,7 @@ def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
     fused_s, split_s = [], []
     for i in range(warmup + max(repeats, SPLIT_PAIRS)):
         x = x0.clone().requires_grad_(True)
+        split.defer(False)
         out = stage(x)
         _sync(device)
         t0 = time.perf_counter()
@@ -203,11 +206,12 @@ def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
         _sync(device)
         fused = time.perf_counter() - t0
         x = x0.clone().requires_grad_(True)
+        split.defer(True)
         out = stage(x)
         _sync(device)
         t0 = time.perf_counter()
-        _, work = stage_backward_input([out], [grad], [x], stage.parameters())
-        stage_backward_weight(stage.parameters(), work)
+        _, work = split.input([out], [grad], x)
+        split.weight(work)
         _sync(device)
         if i >= warmup:
             fused_s.append(fused)

@@ -12,13 +12,15 @@
 ``RECV_B k``          gradient of the output from stage s+1
 ``B k``               ``torch.autograd.backward(output, grad)``; on the last
                       stage ``(loss / m).backward()``; keeps the input grad
-``I k``               zero bubble: only the gradient of the stage input, like
-                      torch's ``stage_backward_input``; keeps the graph and the
-                      gradients W needs; same loss scaling as B on the last stage
+``I k``               zero bubble: the gradient of the stage input; the linear
+                      layers keep their inputs and output gradients for W instead
+                      of computing their weight gradients (:mod:`geosched.wgrad`;
+                      torch's ``stage_backward_input`` on tensor-parallel stages);
+                      same loss scaling as B on the last stage
 ``W k``               zero bubble: the weight gradients of microbatch k from what
-                      I kept (torch's ``stage_backward_weight``), accumulated into
-                      ``.grad``. On the first stage the input is token ids, with
-                      no gradient to send: I runs the whole backward, W is a no-op
+                      I kept, accumulated into ``.grad``. On the first stage the
+                      input is token ids, with no gradient to send: I runs the
+                      whole backward, W is a no-op
 ``SEND_B k``          send the input grad to stage s-1 (after B or I)
 ``ALL_REDUCE``        average gradients over the stage's data-parallel group
 ``STEP``              optimizer step, then zero the gradients
@@ -49,18 +51,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from agents.stage.memory import MemoryMeter
 from agents.stage.report import StepReport
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError
 from geosched.schedule import Action, ActionKind, Event, IdleGap, Schedule, lower, render_grid, validate
+from geosched.wgrad import SplitBackward
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ class StageRuntime:
         for action in self.actions:
             self._post_before.append(min(len(self._receives), seen + RECV_AHEAD))
             seen += action.kind in (K.RECV_F, K.RECV_B)
+        split = any(action.kind is K.BACKWARD_INPUT for action in self.actions)
+        # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
+        self._split = SplitBackward(cast("nn.Module", module)) if split and not module.first else None
         optimizer.zero_grad(set_to_none=True)
         self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
         self.step_in_progress: int | None = None
@@ -290,7 +295,7 @@ class StageRuntime:
 
     def _backward_input(self, mb: int, state: _StepState) -> None:
         """I: the input gradient only; what W needs stays in ``state.weight_work``. The whole B on the first stage."""
-        if self.module.first:  # token ids: no input gradient, nothing to split off
+        if self._split is None:  # the first stage: token ids, no input gradient, nothing to split off
             self._backward(mb, state)
             return
         out = state.outputs.pop(mb)
@@ -299,19 +304,12 @@ class StageRuntime:
             roots, grads = [out / self.num_microbatches], None  # as B: the mean over the m microbatches
         else:
             roots, grads = [out], [state.output_grads.pop(mb)]
-        (dx,), state.weight_work[mb] = stage_backward_input(roots, grads, [x], self._parameters())
-        assert dx is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
-        state.input_grads[mb] = dx  # (b, T, C)
+        state.input_grads[mb], state.weight_work[mb] = self._split.input(roots, grads, x)  # dx: (b, T, C)
 
     def _backward_weight(self, mb: int, state: _StepState) -> None:
         """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
-        if self.module.first:
-            return
-        stage_backward_weight(self._parameters(), state.weight_work.pop(mb))
-
-    def _parameters(self) -> Iterator[nn.Parameter]:
-        # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
-        return cast("Iterator[nn.Parameter]", self.module.parameters())
+        if self._split is not None:
+            self._split.weight(state.weight_work.pop(mb))
 
     def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
         assert self.transport is not None
@@ -413,7 +411,7 @@ class _StepState:
         self.outputs: dict[int, Tensor] = {}  # stage outputs; the loss on the last stage
         self.output_grads: dict[int, Tensor] = {}  # received gradients of the outputs
         self.input_grads: dict[int, Tensor] = {}  # gradients to send upstream
-        self.weight_work: dict[int, list[dict[str, Any]]] = {}  # what W needs, kept by I (torch's param groups)
+        self.weight_work: dict[int, Any] = {}  # what W needs, kept by I (SplitBackward.input)
         self.losses: list[float] = []
         self.events: list[Event] = []
         self.gaps: list[IdleGap] = []

@@ -1,0 +1,167 @@
+"""Deferred weight gradients: a zero-bubble schedule's I and W passes for the price of one backward.
+
+A zero-bubble schedule (ZB-H1, Qi et al. 2023) splits a stage's backward in two: ``I``, the gradient of
+the stage's input, which the stage upstream is waiting for, and ``W``, the weight gradients, which nobody
+waits for and which the schedule runs later, in what would otherwise be a bubble. torch's
+``stage_backward_input`` and ``stage_backward_weight`` split any module by running autograd over the
+graph twice (kept alive in between); for the GPT blocks on a CPU the two passes cost about twice one
+fused backward (:func:`geosched.profile.measure_backward_split`), which hands the bubble back as compute.
+
+Here the linear layers, which hold nearly all of a block's weights and FLOPs, defer their own weight
+gradients instead, as the zero-bubble authors' Megatron implementation does (``WeightGradStore`` in
+sail-sg/zero-bubble-pipeline-parallelism): in the one autograd pass of ``I`` a linear layer computes only
+``dx = dy W`` and keeps ``(x, dy)``; ``W`` then computes ``dW += dy^T x`` (and ``db += sum(dy)``) for each
+pair it kept. Every other parameter (LayerNorms, embeddings) gets its gradient in ``I``, as in a fused
+backward, and the gradients are the same ones a fused backward makes (the same two matmuls per layer).
+
+Written by hand because torch has no such switch (its pipelining splits by walking the graph twice), and a
+stage built with :func:`geosched.model.build_stage` needs no other change: :func:`defer_weight_gradients`
+reroutes its ``nn.Linear`` layers' forwards through :class:`_DeferredLinear`. Layers whose weights are
+DTensors (tensor parallelism) are left alone: the caller splits those stages with torch's functions.
+
+Example::
+
+    split = SplitBackward(stage)                   # once, before training
+    out = stage(x)                                 # x: (b, T, C), requires_grad
+    dx, work = split.input([out], [grad], x)       # I: the linear layers' dW are not computed yet
+    ...                                            # send dx upstream, run other microbatches
+    split.weight(work)                             # W: accumulate dW, db into .grad
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WeightWork = list[tuple[nn.Linear, Tensor, Tensor]]
+"""What W needs of one backward: per linear layer, its input x (..., in) and output gradient dy (..., out)."""
+
+
+class WeightGradStore:
+    """The weight-gradient work the deferred linear layers left behind since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._pending: WeightWork = []
+        self.active = False  # forwards record for a deferred W (else the layers run as plain nn.Linear)
+
+    def keep(self, layer: nn.Linear, x: Tensor, dy: Tensor) -> None:
+        """Called by a deferred layer's backward (on autograd's thread): remember one layer's W work."""
+        self._pending.append((layer, x, dy))
+
+    def take(self) -> WeightWork:
+        """The work kept since the last call (one backward's, when called after each)."""
+        work, self._pending = self._pending, []
+        return work
+
+    @staticmethod
+    def run(work: WeightWork) -> None:
+        """W: accumulate each kept layer's weight (and bias) gradient into its ``.grad``, as autograd would."""
+        with torch.no_grad():
+            for layer, x, dy in work:
+                dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+                _accumulate(layer.weight, dy2.t() @ x.reshape(-1, x.shape[-1]))  # (out, in)
+                if layer.bias is not None:
+                    _accumulate(layer.bias, dy2.sum(0))  # (out,)
+
+
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` whose backward returns the input gradient only and leaves the weight gradient to W."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layer: nn.Linear, store: WeightGradStore
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.store = layer, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        ctx.store.keep(ctx.layer, x.detach(), dy)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
+        return dx, None, None, None, None
+
+
+def defer_weight_gradients(module: nn.Module) -> WeightGradStore | None:
+    """Route ``module``'s ``nn.Linear`` layers through a new store, which defers their weight gradients while
+    :attr:`WeightGradStore.active` (decided at forward time: a backward defers what its forward recorded).
+
+    None, and nothing changed, where a linear layer's weight is a DTensor (tensor parallelism).
+    """
+    layers = [layer for layer in module.modules() if isinstance(layer, nn.Linear)]
+    if any(type(layer.weight.data) is not torch.Tensor for layer in layers):
+        return None
+    store = WeightGradStore()
+    for layer in layers:
+        layer.forward = _Forward(layer, store)  # type: ignore[method-assign,assignment]
+    return store
+
+
+def deferred_layers(module: nn.Module) -> int:
+    """How many of ``module``'s linear layers can defer their weight gradients."""
+    return sum(isinstance(layer.__dict__.get("forward"), _Forward) for layer in module.modules())
+
+
+class _Forward:
+    """A linear layer's forward while its store may defer: the deferring Function when active, else F.linear."""
+
+    def __init__(self, layer: nn.Linear, store: WeightGradStore) -> None:
+        self.layer, self.store = layer, store
+
+    def __call__(self, x: Tensor) -> Tensor:
+        layer = self.layer
+        if not (self.store.active and torch.is_grad_enabled()):  # a fused backward, or inference
+            return F.linear(x, layer.weight, layer.bias)
+        out: Tensor = _DeferredLinear.apply(x, layer.weight, layer.bias, layer, self.store)
+        return out
+
+
+class SplitBackward:
+    """A stage's zero-bubble I and W passes: deferred linear layers where it can, torch's two passes where not.
+
+    While deferring (the default), every forward of the stage records for W, so a stage whose backwards do
+    not all split switches it per forward with :meth:`defer` (the profiler times both kinds on one stage).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.store = defer_weight_gradients(module)
+        self.defer(True)
+
+    def defer(self, on: bool) -> None:
+        """Whether the forwards from now on split their backward (``input`` then ``weight``) or fuse it."""
+        if self.store is not None:
+            self.store.active = on
+
+    def input(self, roots: list[Tensor], grads: list[Tensor] | None, x: Tensor) -> tuple[Tensor, Any]:
+        """I: the gradient of the stage input ``x`` (a leaf that requires grad), and what W will need."""
+        if self.store is None:
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            work: Any
+            (dx,), work = stage_backward_input(roots, grads, [x], self.module.parameters())
+        else:
+            torch.autograd.backward(roots, grads)
+            dx, work = x.grad, self.store.take()
+        assert dx is not None, "no gradient reached the stage input"
+        return dx, work
+
+    def weight(self, work: Any) -> None:
+        """W: accumulate the weight gradients ``input`` left for later."""
+        if self.store is None:
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
+            stage_backward_weight(self.module.parameters(), work)
+        else:
+            self.store.run(work)
