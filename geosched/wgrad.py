@@ -157,6 +157,13 @@ class SplitBackward:
         assert dx is not None, "no gradient reached the stage input"
         return dx, work
 
+    def held_bytes(self, work: Any) -> int:
+        """What ``work`` keeps alive outside autograd until W: the deferred layers' inputs and output gradients
+        (0 for torch's split, whose retained graph autograd itself holds)."""
+        if self.store is None:
+            return 0
+        return sum(x.nbytes + dy.nbytes for _, x, dy in work)
+
     def weight(self, work: Any) -> None:
         """W: accumulate the weight gradients ``input`` left for later."""
         if self.store is None:

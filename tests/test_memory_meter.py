@@ -7,6 +7,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from agents.stage.memory import MemoryMeter
 from geosched.model import ModelShape, StageModule
+from geosched.wgrad import SplitBackward
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq_len=32, vocab=128, ffn_mult=4)
 
@@ -46,6 +47,26 @@ def test_activations_are_released_after_the_weight_pass_of_a_split_backward() ->
         assert meter.live == 0 and dx is not None
     assert held[0] == held[1] == held[2] > x.numel() * 4  # the same each time, more than the input alone
     assert meter.peak >= meter.state + held[0]
+
+
+def test_the_deferred_split_counts_what_i_keeps_for_w_until_w() -> None:
+    """geosched.wgrad's I frees the graph but keeps the linear layers' inputs and output gradients: counted."""
+    module, meter = _last_stage()
+    split = SplitBackward(module)
+    targets = torch.randint(0, 128, (2, 32))
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with meter.saving():
+        loss = module.loss(module(x), targets)
+    after_forward = meter.live
+    dx, work = split.input([loss], None, x)
+    del loss
+    kept = split.held_bytes(work)
+    meter.hold(kept)
+    assert 0 < kept < after_forward and meter.live == kept  # the graph is gone; W's work is what is left
+    split.weight(work)
+    meter.let_go(kept)
+    assert meter.live == 0 and dx is not None
+    assert meter.peak >= meter.state + after_forward
 
 
 def test_saving_leaves_gradients_unchanged() -> None:

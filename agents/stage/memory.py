@@ -10,8 +10,10 @@ microbatches keep for backward (:func:`geosched.memory.stage_memory_bytes`).
 * activations: every tensor autograd saves for backward during a forward
   (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage
   while the graph holds it (the saved handle uncounts it when autograd frees
-  it, in ``__del__``: after B, or after W on a zero-bubble schedule; a
-  ``weakref.finalize`` per saved tensor cost the stage about 4 % of its step). The
+  it, in ``__del__``: after B or I; a ``weakref.finalize`` per saved tensor
+  cost the stage about 4 % of its step), and what a zero-bubble I keeps
+  outside the graph for its W (the linear layers' inputs and output
+  gradients, :mod:`geosched.wgrad`: :meth:`MemoryMeter.hold`). The
   handle holds a detached view: an op that saves its own output (softmax)
   would otherwise tie the graph to itself through the handle, a cycle
   Python's collector cannot see into, and the graph would never be freed.
@@ -62,7 +64,7 @@ class MemoryMeter:
         self.module, self.optimizer, self.counted_steps = module, optimizer, counted_steps
         self._params = {local_tensor(p).untyped_storage().data_ptr() for p in module.parameters()}
         self._held: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved handles alive]
-        self.live = 0  # activation bytes autograd holds now
+        self.live = 0  # activation bytes held now (by autograd, or kept for a zero-bubble W)
         self.live_peak = 0  # the most activation bytes autograd held at once in a counted step
         self.steps = 0  # steps started
         self.state = self.state_bytes()
@@ -124,6 +126,18 @@ class MemoryMeter:
         if held[1] <= 0:
             self.live -= held[0]
             del self._held[key]
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` of activations kept outside autograd (a zero-bubble I's work for its W) until
+        :meth:`let_go`."""
+        self.live += nbytes
+        if self.counting:
+            self.live_peak = max(self.live_peak, self.live)
+        self.peak = max(self.peak, self.state + self.live)
+
+    def let_go(self, nbytes: int) -> None:
+        """What :meth:`hold` counted is freed."""
+        self.live -= nbytes
 
     def report(self) -> dict[str, int]:
         """This step's figures: ``peak_bytes`` (state + activations), ``state_bytes``; on CUDA also

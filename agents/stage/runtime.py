@@ -304,12 +304,17 @@ class StageRuntime:
             roots, grads = [out / self.num_microbatches], None  # as B: the mean over the m microbatches
         else:
             roots, grads = [out], [state.output_grads.pop(mb)]
-        state.input_grads[mb], state.weight_work[mb] = self._split.input(roots, grads, x)  # dx: (b, T, C)
+        state.input_grads[mb], work = self._split.input(roots, grads, x)  # dx: (b, T, C)
+        state.weight_work[mb] = work
+        self.memory.hold(self._split.held_bytes(work))
 
     def _backward_weight(self, mb: int, state: _StepState) -> None:
         """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
         if self._split is not None:
-            self._split.weight(state.weight_work.pop(mb))
+            work = state.weight_work.pop(mb)
+            held = self._split.held_bytes(work)
+            self._split.weight(work)
+            self.memory.let_go(held)
 
     def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
         assert self.transport is not None
