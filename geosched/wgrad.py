@@ -61,17 +61,17 @@ class WeightGradStore:
         """W: accumulate each kept layer's weight (and bias) gradient into its ``.grad``, as autograd would."""
         with torch.no_grad():
             for layer, x, dy in work:
-                dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
-                _accumulate(layer.weight, dy2.t() @ x.reshape(-1, x.shape[-1]))  # (out, in)
-                if layer.bias is not None:
-                    _accumulate(layer.bias, dy2.sum(0))  # (out,)
-
-
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+                dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
+                weight, bias = layer.weight, layer.bias
+                if weight.grad is None:
+                    weight.grad = dy2.t() @ x2  # (out, in)
+                else:
+                    weight.grad.addmm_(dy2.t(), x2)  # accumulated in place: no (out, in) temporary
+                if bias is not None:
+                    if bias.grad is None:
+                        bias.grad = dy2.sum(0)  # (out,)
+                    else:
+                        bias.grad.add_(dy2.sum(0))
 
 
 class _DeferredLinear(torch.autograd.Function):
