@@ -17,7 +17,9 @@ backward, and the gradients are the same ones a fused backward makes (the same t
 Written by hand because torch has no such switch (its pipelining splits by walking the graph twice), and a
 stage built with :func:`geosched.model.build_stage` needs no other change: :func:`defer_weight_gradients`
 reroutes its ``nn.Linear`` layers' forwards through :class:`_DeferredLinear`. Layers whose weights are
-DTensors (tensor parallelism) are left alone: the caller splits those stages with torch's functions.
+DTensors (tensor parallelism) are left alone and those stages split with torch's functions: deferred, a
+tp 2 stage of the demo got the same gradients but took 28.0-28.6 ms for F + I + W against 27.1-27.5 ms
+(DTensor dispatch of W's reshapes and products costs what the second graph walk saves).
 
 Example::
 
