@@ -124,11 +124,13 @@ def measure_stage(
     forward, backward, input_backward, weight_backward = [], [], [], []
     for i in range(warmup + repeats):
         outs = []
+        # which microbatches split their backward this repeat: every other one, alternating across repeats
+        splits = [split is not None and (i * len(inputs) + k) % 2 == 1 for k in range(len(inputs))]
         for k, xi in enumerate(inputs):
             if not first:
                 xi.grad = None
             if split is not None:
-                split.defer((i * len(inputs) + k) % 2 == 1)
+                split.defer(splits[k])
             _sync(device)
             t0 = time.perf_counter()
             out = stage(xi)  # (b, T, C) or logits (b, T, V)
@@ -143,7 +145,7 @@ def measure_stage(
                 out_grad = torch.randn(out.shape, generator=g).to(device, out.dtype)  # like the next stage's
             _sync(device)
             t1 = time.perf_counter()
-            if split is not None and (i * len(inputs) + k) % 2 == 1:
+            if split is not None and splits[k]:
                 grads = None if out_grad is None else [out_grad]  # None: the loss, a scalar
                 _, work = split.input([out], grads, xi)
                 _sync(device)
@@ -186,7 +188,8 @@ def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, d
     The fastest of at least :data:`SPLIT_PAIRS` alternated samples of each, divided: the ratio is the compute's,
     and a block's passes are short enough (well under a millisecond on the demo) that a host shared with
     other ranks preempts some of either kind. On a 2-core host shared by three processes, the median of
-    per-pair ratios read 2.0 to 6.5 (it was 2.1 alone); this reads 1.7 to 2.9, most of it 1.9 to 2.4.
+    per-pair ratios read 2.0 to 6.5 (it was 2.1 alone); this reads 1.7 to 2.9, most of it 1.9 to 2.4 (both
+    with torch's two-pass split, before the deferred layers).
     """
     dtype = PRECISION_DTYPES[job.precision]
     stage = build_stage(job.model, 0, 1, first=False, last=False, seed=job.seed, dtype=dtype).to(device)

@@ -305,14 +305,14 @@ class StageRuntime:
         else:
             roots, grads = [out], [state.output_grads.pop(mb)]
         state.input_grads[mb], work = self._split.input(roots, grads, x)  # dx: (b, T, C)
-        state.weight_work[mb] = work
-        self.memory.hold(self._split.held_bytes(work))
+        held = self._split.held_bytes(work)
+        state.weight_work[mb] = work, held
+        self.memory.hold(held)
 
     def _backward_weight(self, mb: int, state: _StepState) -> None:
         """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
         if self._split is not None:
-            work = state.weight_work.pop(mb)
-            held = self._split.held_bytes(work)
+            work, held = state.weight_work.pop(mb)
             self._split.weight(work)
             self.memory.let_go(held)
 
@@ -416,7 +416,7 @@ class _StepState:
         self.outputs: dict[int, Tensor] = {}  # stage outputs; the loss on the last stage
         self.output_grads: dict[int, Tensor] = {}  # received gradients of the outputs
         self.input_grads: dict[int, Tensor] = {}  # gradients to send upstream
-        self.weight_work: dict[int, Any] = {}  # what W needs, kept by I (SplitBackward.input)
+        self.weight_work: dict[int, tuple[Any, int]] = {}  # what W needs, kept by I, and the bytes it holds
         self.losses: list[float] = []
         self.events: list[Event] = []
         self.gaps: list[IdleGap] = []
