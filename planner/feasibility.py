@@ -91,10 +91,19 @@ def _check_feasible(problem: Problem) -> None:
     job, L = problem.job, problem.layers
     shard = problem.most_replicas
     if not problem.dp_options():
-        if problem.pinned_dp is not None:
+        dp = problem.pinned_dp
+        if dp is not None and job.global_batch % job.batch == 0:
+            sequences = job.global_batch // job.batch
+            if sequences % dp:
+                raise PlanInfeasible(
+                    f"--dp {dp}: global_batch({job.global_batch}) / microbatch_size({job.batch}) = {sequences} "
+                    f"microbatches is not a multiple of it; pick a --dp that divides {sequences}"
+                )
+            most = max(problem.gpus.values())
             raise PlanInfeasible(
-                f"--dp {problem.pinned_dp}: global_batch({job.global_batch}) / microbatch_size({job.batch}) is not "
-                f"a multiple of it, or no datacenter has {problem.pinned_dp} devices; pick another --dp"
+                f"--dp {dp}: every stage needs {dp} devices in one datacenter, and the largest has {most} "
+                f"(a device is {job.tp} GPU{'s' if job.tp > 1 else ''} of one node at tensor-parallel degree "
+                f"{job.tp}); pick a --dp of at most {most}"
             )
         raise PlanInfeasible(
             f"job.global_batch({job.global_batch}) is not a multiple of job.microbatch_size({job.batch}); make it one"
@@ -118,6 +127,13 @@ def _check_feasible(problem: Problem) -> None:
     )
     group = problem.components()[0]
     have = sum(problem.gpus[dc] for dc in group)
+    dp = problem.pinned_dp
+    if dp is not None and 0 < need <= have < need * dp:
+        raise PlanInfeasible(
+            f"--dp {dp}: the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its {L} "
+            f"blocks with ZeRO over {dp} replicas), {need} x {dp} = {need * dp} {_devices(job.tp)}, but the largest "
+            f"group of linked datacenters ({', '.join(group)}) has {have}; pick a smaller --dp"
+        )
     if need > have:
         others = [g for g in problem.components()[1:]]
         hint = (
@@ -128,9 +144,14 @@ def _check_feasible(problem: Problem) -> None:
         raise PlanInfeasible(
             f"the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its "
             f"{L} blocks) but the largest group of linked datacenters ({', '.join(group)}) has only "
-            f"{have} GPU{'s' if have != 1 else ''}{hint}"
+            f"{have} {_devices(job.tp)}{hint}"
         )
     check_inflight(problem)
+
+
+def _devices(tp: int) -> str:
+    """What the planner counts: GPUs, or tensor-parallel groups of ``tp`` GPUs of one node."""
+    return "GPUs" if tp == 1 else f"devices of {tp} GPUs of one node"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -160,22 +181,23 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     A relaxation (so "fewer than the model's blocks" proves no plan fits):
     every GPU has the roomiest GPU's memory, ZeRO shards each stage over the
     most replicas ``p`` stages leave room for (``most_stages // p``, every
-    pipeline together), and ``m`` is the fewest
-    microbatches of a data-parallel degree ``d`` with ``p x d`` at most
+    pipeline together, at most a pinned ``--dp``), and ``m`` is the fewest
+    microbatches of a data-parallel degree ``d`` (the pinned one, if any) with ``p x d`` at most
     ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
     ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe); none without ``activations``
     (the weights, gradients and optimizer state alone).
     """
     L, mem = problem.layers, max(problem.memory_bytes.values())
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
-    options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0]
-    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), max(1, most_stages))
+    pinned = problem.pinned_dp
+    options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0 and pinned in (None, d)]
+    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), max(1, min(most_stages, pinned or most_stages)))
     best = (L if whole <= mem else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
         if not m:
             break
-        cap = _capacity(job, L, mem, max(1, most_stages // p))
+        cap = _capacity(job, L, mem, max(1, min(most_stages // p, pinned or most_stages)))
         held = [(min(p - s, m) if job.schedule == "1f1b" else m) * activations for s in range(p)]
         caps = [cap(True, False, held[0])] + [cap(False, False, i) for i in held[1:-1]] + [cap(False, True, held[-1])]
         total = sum(caps) if min(caps) >= 1 else 0
@@ -213,8 +235,9 @@ def check_inflight(problem: Problem) -> None:
             f"at {2 * job.bytes_per_element + job.optimizer_bytes_per_param:g} bytes each (ZeRO {job.zero_stage} "
             f"shards a stage's over at most {most} / p replicas), and with {mem / GIB:g} GiB per GPU the best depth "
             f"({state_depth} stage{'s' if state_depth != 1 else ''} over the {most} {devices} of "
-            f"{', '.join(group)}) holds {state_held} of the {L} blocks; add GPUs (or link more datacenters to "
-            "them), use GPUs with more memory, or pick a smaller model"
+            f"{', '.join(group)}) holds {state_held} of the {L} blocks; "
+            + ("pick a smaller --dp, " if problem.pinned_dp is not None else "")
+            + "add GPUs (or link more datacenters to them), use GPUs with more memory, or pick a smaller model"
         )
     block = layer_costs(job)[0]
     state = stage_memory_bytes(job, (0, 1), False, False, 0, problem.most_replicas)  # at the most ZeRO sharding

@@ -353,7 +353,8 @@ def job_floors(problem: Problem) -> Floors:
     for group in problem.components():
         rates = [problem.cluster.dc(dc).gpu.tflops * 1e12 for dc in group]
         total = sum(problem.gpus[dc] * rate for dc, rate in zip(group, rates))
-        compute_s = min(compute_s, (flop + min(rates) * step_s) / total)
+        if total > 0:  # a DC whose nodes are narrower than the tensor-parallel degree has no devices
+            compute_s = min(compute_s, (flop + min(rates) * step_s) / total)
     roomiest = max(problem.memory_bytes.values())
     min_stages = fewest_stages(problem, roomiest)
     wan_s = 0.0

@@ -261,8 +261,9 @@ class Problem:
 
     @property
     def most_replicas(self) -> int:
-        """The most data-parallel replicas any plan may have (every device): what ZeRO shards over at best."""
-        return max(1, sum(self.gpus.values()))
+        """The most data-parallel replicas any plan may have (every device, or the pinned degree): what ZeRO
+        shards over at best."""
+        return max(1, min(sum(self.gpus.values()), self.pinned_dp or sum(self.gpus.values())))
 
     def replicas(self, microbatches: int) -> int:
         """The data-parallel degree (all pipelines together) that ``microbatches`` per pipeline imply."""

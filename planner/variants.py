@@ -206,7 +206,13 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     (most tensor parallelism, ZeRO 2 unless pinned, the smallest microbatch) is checked, since it fits
     whenever any does (:func:`planner.feasibility.check_feasible`)."""
     pins = pins.over(cfg)
-    roomiest = max(variant_options(cfg, pins), key=lambda v: (v.tp, -v.microbatch_size))
+    options = variant_options(cfg, pins)
+    if pins.dp is not None:  # a pinned degree needs a DC with that many devices: fewer at a wider tp
+        fitting = [v for v in options if Problem(cfg, v, dp=pins.dp).dp_options()]
+        if not fitting:  # named at the narrowest tp, where DCs have the most devices
+            check_feasible(Problem(cfg, min(options, key=lambda v: v.tp), dp=pins.dp))
+        options = fitting
+    roomiest = max(options, key=lambda v: (v.tp, -v.microbatch_size))
     zero = pins.zero if pins.zero is not None else 2
     check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule="1f1b"), dp=pins.dp))
 

@@ -90,6 +90,42 @@ def test_a_job_whose_state_alone_does_not_fit_names_it(tmp_path, capsys) -> None
             assert word in err, err
 
 
+@pytest.mark.parametrize(
+    "flag, change, words",
+    [
+        ("3", lambda d: None, ["--dp 3", "8 microbatches is not a multiple", "divides 8"]),
+        ("4", lambda d: None, ["--dp 4", "the largest has 2", "at most 2"]),
+        (  # each DC alone, 0.005 GiB: 2 stages x 2 replicas need 4 GPUs, a DC has 2
+            "2",
+            lambda d: (
+                d["cluster"].update(links=[]),
+                [dc["gpu"].update(memory_gib=0.005) for dc in d["cluster"]["datacenters"]],
+            ),
+            ["--dp 2", "at least 2 pipeline stages", "2 x 2 = 4 GPUs", "has 2", "smaller --dp"],
+        ),
+    ],
+)
+def test_a_pinned_dp_no_plan_can_have_names_why(tmp_path, capsys, flag, change, words) -> None:
+    assert main(["plan", write(tmp_path, edited(change)), "--dp", flag, "--no-explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err, err
+
+
+def test_floors_skip_a_lone_dc_whose_nodes_are_narrower_than_the_tensor_parallel_degree(tmp_path, capsys) -> None:
+    """No links, and "us" has nodes of one GPU: at tp 2 it has no devices at all, and the compute floor of
+    that variant must skip it rather than divide by its zero FLOP/s (it used to crash the summary)."""
+
+    def change(d):
+        d["cluster"].update(links=[])
+        d["cluster"]["datacenters"][0].update(gpus_per_node=1)
+
+    assert main(["plan", write(tmp_path, edited(change)), "--no-explain", "--json"]) == 0
+    floors = json.loads(capsys.readouterr().out)["floors"]
+    assert 0 < floors["compute_s"] <= floors["best_s"] and floors["ratio_to_best_floor"] >= 1
+
+
 def test_bad_flags_and_bad_plan_files_exit_2(tmp_path, capsys) -> None:
     assert main(["plan", "configs/demo-3dc.yaml", "--wan-cost-weight", "-2"]) == 2
     assert "wan-cost-weight" in capsys.readouterr().err
