@@ -168,8 +168,11 @@ def _reason(
     cand, tp = best.candidate, problem.job.tp
     dc, gpus, used = head.dc, head.gpus, head.used
     if alt is None:
+        linked = next(g for g in problem.components() if cand.stage_dcs[0] in g)
         why = (
-            "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
+            f"no WAN link joins it, directly or through other DCs, to {', '.join(cand.path)}: add one to use it"
+            if dc not in linked
+            else "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
             if used == 0
             else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
             f"or breaks memory or links"

@@ -99,11 +99,11 @@ def _check_feasible(problem: Problem) -> None:
                     f"--dp {dp}: global_batch({job.global_batch}) / microbatch_size({job.batch}) = {sequences} "
                     f"microbatches is not a multiple of it; pick a --dp that divides {sequences}"
                 )
-            most = max(problem.gpus.values())
+            widest = max(problem.gpus.values())
             raise PlanInfeasible(
-                f"--dp {dp}: every stage needs {dp} devices in one datacenter, and the largest has {most} "
+                f"--dp {dp}: every stage needs {dp} devices in one datacenter, and the largest has {widest} "
                 f"(a device is {job.tp} GPU{'s' if job.tp > 1 else ''} of one node at tensor-parallel degree "
-                f"{job.tp}); pick a --dp of at most {most}"
+                f"{job.tp}); pick a --dp of at most {widest}"
             )
         raise PlanInfeasible(
             f"job.global_batch({job.global_batch}) is not a multiple of job.microbatch_size({job.batch}); make it one"
@@ -191,7 +191,8 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     pinned = problem.pinned_dp
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0 and pinned in (None, d)]
-    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), max(1, min(most_stages, pinned or most_stages)))
+    shard = max(1, min(most_stages, pinned or most_stages))
+    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), shard)
     best = (L if whole <= mem else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)

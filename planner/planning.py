@@ -188,6 +188,11 @@ def make_plan(
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
+        if pins.cross_dc_dp:
+            raise PlanInfeasible(
+                "--cross-dc-dp: no plan with a stage's replicas in two datacenters fits (GPU memory, GPU counts "
+                "or links); drop --cross-dc-dp, or add GPUs or links"
+            )
         raise PlanInfeasible(
             "no plan fits: every placement breaks GPU memory, GPU counts or links "
             "(see 'geosched validate-config'); add GPUs, memory or links"

@@ -156,16 +156,24 @@ def _with_paths(problem: Problem, cand: Candidate, extra: tuple[tuple[str, ...],
 
 def widen(problem: Problem, cand: Candidate) -> list[Candidate]:
     """``cand`` with more pipelines where GPUs are left: each new one a copy of the first pipeline's DCs or
-    all stages in one DC with room (most free devices first), one candidate per count that splits the batch.
+    all stages in one DC with room, one candidate per count that splits the batch. Two orders: most free
+    devices first, and DCs no pipeline uses yet first (the first order may fill the first pipeline's DCs
+    to a count that does not split the batch before it reaches another DC).
 
     Only valid candidates are returned (memory, links, the batch split); ZeRO 2 is not used across DCs
     (it would reduce-scatter every microbatch over the WAN).
     """
     if problem.job.zero_stage >= 2:
         return []
+    return list(dict.fromkeys(_widened(problem, cand, False) + _widened(problem, cand, True)))
+
+
+def _widened(problem: Problem, cand: Candidate, new_dcs_first: bool) -> list[Candidate]:
+    """:func:`widen` in one order."""
     out, extra = [], list(cand.extra_paths)
     p = cand.num_stages
-    options = [cand.stage_dcs] + [(dc,) * p for dc in problem.dcs]
+    group = next(g for g in problem.components() if cand.stage_dcs[0] in g)  # gradients must reach every pipeline
+    options = [cand.stage_dcs] + [(dc,) * p for dc in group]
     while len(extra) + 1 < MAX_PIPELINES:
         trial = Candidate(cand.dp, cand.microbatches, cand.stage_dcs, cand.stage_layers, tuple(extra))
         free = _free(problem, trial)
@@ -176,7 +184,17 @@ def widen(problem: Problem, cand: Candidate) -> list[Candidate]:
         ]
         if not fitting:
             break
-        extra.append(max(fitting, key=lambda path: (min(free[dc] for dc in path), -options.index(path))))
+        used = {dc for path in trial.pipelines for dc in path}
+        extra.append(
+            max(
+                fitting,
+                key=lambda path: (
+                    new_dcs_first and not used.issuperset(path),
+                    min(free[dc] for dc in path),
+                    -options.index(path),
+                ),
+            )
+        )
         widened = _with_paths(problem, cand, tuple(extra))
         if widened is not None and problem.violation(widened) is None:
             out.append(widened)

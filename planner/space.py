@@ -76,6 +76,12 @@ class Candidate:
         return tuple(out)
 
     @property
+    def across_dcs(self) -> bool:
+        """Some stage has replicas in two DCs: its gradients are all-reduced across DCs (pipelines that all lie
+        on one DC path only sync inside DCs)."""
+        return any(path != self.stage_dcs for path in self.extra_paths)
+
+    @property
     def split(self) -> tuple[int, ...]:
         """Blocks per stage."""
         return tuple(end - start for start, end in self.stage_layers)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from geosched.config import SCHEDULES, Config
-from geosched.errors import InputError
+from geosched.errors import InputError, PlanInfeasible
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
@@ -113,9 +113,9 @@ class Pins:
         microbatch size."""
         if self.dp is not None and cand.dp != self.dp:
             return f"it runs {cand.dp} replicas, and --dp pins {self.dp}"
-        if self.cross_dc_dp is not None and bool(cand.extra_paths) != self.cross_dc_dp:
+        if self.cross_dc_dp is not None and cand.across_dcs != self.cross_dc_dp:
             return (
-                "it runs one pipeline path, and --cross-dc-dp asks for several"
+                "its pipelines lie on one DC path, and --cross-dc-dp asks for several"
                 if self.cross_dc_dp
                 else "it runs pipelines on several DC paths, and the pins allow one"
             )
@@ -206,6 +206,11 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     (most tensor parallelism, ZeRO 2 unless pinned, the smallest microbatch) is checked, since it fits
     whenever any does (:func:`planner.feasibility.check_feasible`)."""
     pins = pins.over(cfg)
+    if pins.cross_dc_dp and not any(len(group) > 1 for group in Problem(cfg).components()):
+        raise PlanInfeasible(
+            "--cross-dc-dp: no two datacenters are joined by a WAN link, so no stage can have replicas in two; "
+            "add a link (cluster.links) or drop --cross-dc-dp"
+        )
     options = variant_options(cfg, pins)
     if pins.dp is not None:  # a pinned degree needs a DC with that many devices: fewer at a wider tp
         fitting = [v for v in options if Problem(cfg, v, dp=pins.dp).dp_options()]
@@ -244,7 +249,7 @@ def under_schedule(result: VariantResult, schedule: str, pins: Pins, cfg: Config
     ranked = sorted(result.evaluator.evaluated, key=lambda ev: ev.iteration_s)
     shapes: dict[tuple[int, tuple[str, ...], int], Evaluation] = {}  # the best of each shape: diverse finalists
     for ev in ranked:
-        if pins.cross_dc_dp in (None, bool(ev.candidate.extra_paths)):
+        if pins.cross_dc_dp in (None, ev.candidate.across_dcs):
             shapes.setdefault((ev.candidate.dp, ev.candidate.path, len(ev.candidate.extra_paths)), ev)
     top = list(shapes.values())[:FINALISTS]
     problem = Problem(cfg, dataclasses.replace(result.problem.variant, schedule=schedule), dp=pins.dp)
@@ -331,7 +336,7 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
         across_dcs(result, pins)
     if pins.cross_dc_dp:
         for result in screened:
-            if result.best is not None and not result.best.candidate.extra_paths:
+            if result.best is not None and not result.best.candidate.across_dcs:
                 result.best = None
     screened.sort(key=key)
     extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg)]
@@ -383,8 +388,7 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
         bases += [Candidate(d, m, best.stage_dcs, best.stage_layers) for d, m in problem.dp_options() if d < best.dp]
     widened = [c for base in bases if problem.violation(base) is None for c in widen(problem, base)]
     cands = everywhere(problem) + widened
-    if pins.dp is not None:
-        cands = [c for c in cands if c.dp == pins.dp]
+    cands = [c for c in cands if pins.breaks(c) is None]
     kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []
     found = [ev for ev in [evaluator.fastest(cands)] if ev is not None]
     found += local_best(problem, evaluator, pins, min(found + kept, key=lambda ev: ev.iteration_s, default=None))

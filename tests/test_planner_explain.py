@@ -81,3 +81,15 @@ def test_summary_prints_the_rank_layout_in_runs_not_one_line_per_rank() -> None:
             {"ranks": [256, 511], "dc": "eu", "stage": 1, "replicas": [0, 255], "layers": [1, 2]},
         ]
     )
+
+
+def test_a_dc_no_link_reaches_is_named_as_such(tmp_path, capsys) -> None:
+    """The demo with only the us-eu link: "ap" cannot join any plan, and the summary says it is the missing
+    link, not memory."""
+    data = yaml.safe_load(open("configs/demo-3dc.yaml"))
+    data["cluster"]["links"] = [link for link in data["cluster"]["links"] if "ap" not in link["between"]]
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(config), "--json"]) == 0
+    unused = {r["dc"]: r["text"] for r in json.loads(capsys.readouterr().out)["unused"]}
+    assert "no WAN link joins it" in unused["ap"] and "us" in unused["ap"]

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import yaml
 
 from geosched.cli import main
 from geosched.config import Config, config_from_dict, load_config
@@ -23,24 +24,31 @@ from planner.space import Candidate, Problem, Variant, even_split, from_split
 from planner.variants import Pins, space_floors
 
 
-def wan_bound(memory_gib: float = 3.0) -> Config:
-    """Two DCs of 2 small GPUs: no DC holds the model alone, so every plan crosses the 2 Gb/s link."""
-    gpu = {"name": "small", "tflops": 100, "memory_gib": memory_gib}
+def two_dcs(name: str, gpus: tuple[int, int], gpu: dict, link: dict, model: dict, **job: object) -> Config:
+    """DCs "a" and "b" of ``gpus`` GPUs of one kind, joined by ``link``, training ``model``."""
     return config_from_dict(
         {
             "cluster": {
-                "name": "wan-bound",
-                "datacenters": [{"name": "a", "gpus": 2, "gpu": gpu}, {"name": "b", "gpus": 2, "gpu": gpu}],
-                "links": [{"between": ["a", "b"], "bandwidth_gbps": 2, "rtt_ms": 20, "per_connection_gbps": 1}],
+                "name": name,
+                "datacenters": [{"name": "a", "gpus": gpus[0], "gpu": gpu}, {"name": "b", "gpus": gpus[1], "gpu": gpu}],
+                "links": [{"between": ["a", "b"], **link}],
             },
-            "job": {
-                "model": {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000},
-                "global_batch": 16,
-                "microbatch_size": 1,
-                "recompute": "full",
-            },
+            "job": {"model": model, "microbatch_size": 1, **job},
         },
-        source="wan_bound",
+        source=name,
+    )
+
+
+def wan_bound(memory_gib: float = 3.0) -> Config:
+    """Two DCs of 2 small GPUs: no DC holds the model alone, so every plan crosses the 2 Gb/s link."""
+    return two_dcs(
+        "wan-bound",
+        (2, 2),
+        {"name": "small", "tflops": 100, "memory_gib": memory_gib},
+        {"bandwidth_gbps": 2, "rtt_ms": 20, "per_connection_gbps": 1},
+        {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000},
+        global_batch=16,
+        recompute="full",
     )
 
 
@@ -245,7 +253,7 @@ def test_a_faster_idle_dc_plan_the_pins_rule_out_is_named_as_such() -> None:
     not that the search missed it."""
     pins = Pins(cross_dc_dp=True)
     outcome = make_plan(load_config("configs/demo-3dc.yaml"), pins=pins, explain=True)
-    assert outcome.best.candidate.extra_paths
+    assert outcome.best.candidate.across_dcs
     faster = [
         r for r in outcome.reasons if r.counterfactual_s is not None and r.counterfactual_s < outcome.best.iteration_s
     ]
@@ -264,3 +272,28 @@ def test_pins_name_what_a_plan_breaks() -> None:
     assert "--cross-dc-dp" in (Pins(cross_dc_dp=True).breaks(cand) or "")
     assert Pins(cross_dc_dp=True).breaks(across) is None
     assert "several DC paths" in (Pins(cross_dc_dp=False).breaks(across) or "")
+    same_path = dataclasses.replace(cand, extra_paths=(("a", "b"),))  # two pipelines, no stage in two DCs
+    assert not same_path.across_dcs and "--cross-dc-dp" in (Pins(cross_dc_dp=True).breaks(same_path) or "")
+    assert Pins(cross_dc_dp=False).breaks(same_path) is None
+
+
+def test_cross_dc_dp_means_a_stage_with_replicas_in_two_dcs(tmp_path) -> None:
+    """--cross-dc-dp on one DC is refused with the reason; on two DCs whose first fills to a pipeline count
+    that does not split the batch before the other is reached, the plan still puts a stage in both."""
+    one = tmp_path / "one.yaml"
+    data = yaml.safe_load(open("configs/demo-3dc.yaml"))
+    data["cluster"]["links"] = []
+    one.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanInfeasible, match="no two datacenters are joined by a WAN link"):
+        make_plan(load_config(str(one)), pins=Pins(cross_dc_dp=True), explain=False)
+    uneven = two_dcs(
+        "uneven",
+        (48, 16),
+        {"name": "A100", "tflops": 150, "memory_gib": 80},
+        {"bandwidth_gbps": 100, "rtt_ms": 20, "per_connection_gbps": 10},
+        {"layers": 12, "hidden": 768, "heads": 12, "seq_len": 1024, "vocab": 50257},
+        global_batch=256,
+        tensor_parallel=1,
+    )
+    best = make_plan(uneven, pins=Pins(cross_dc_dp=True), explain=False).best.candidate
+    assert best.across_dcs and {p[0] for p in best.pipelines} == {"a", "b"}
