@@ -18,6 +18,7 @@ from geosched.costmodel import boundary_bytes
 from geosched.netcost import wan_transfer
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
+from planner.feasibility import counted
 from planner.floors import Floors, Optimality, optimality
 from planner.plan import Plan
 from planner.search import SHORTLIST, search
@@ -41,11 +42,6 @@ class UnusedReason:
     text: str  # the one-line explanation
     counterfactual_s: float | None = None  # best simulated plan that uses (more of) it
     counterfactual_plan: str | None = None
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 stage``, ``3 stages``."""
-    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _duration(seconds: float) -> str:
@@ -193,7 +189,7 @@ def _reason(
         text += f": {detail}"
     elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
         text += (
-            f": it runs {_count(alt_cand.num_stages, 'stage')} x {_count(alt_cand.dp, 'replica')} "
+            f": it runs {counted(alt_cand.num_stages, 'stage')} x {counted(alt_cand.dp, 'replica')} "
             f"(bubble {alt.bubble_fraction:.0%} vs {best.bubble_fraction:.0%})"
         )
     if goal.weight > 0 or goal.max_time_s is not None:
@@ -303,8 +299,8 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     floors, verdict = plan_floors(plan)
     wan = f"WAN {floors.wan_s:.4g} s" if floors.wan_s else "WAN 0 (the job may fit one datacenter)"
     lines = [
-        f"plan for {plan.config.cluster.name}: {plan.schedule}, {_count(plan.num_stages, 'stage')} x "
-        f"{_count(plan.dp, 'replica')}"
+        f"plan for {plan.config.cluster.name}: {plan.schedule}, {counted(plan.num_stages, 'stage')} x "
+        f"{counted(plan.dp, 'replica')}"
         + (f" x {1 + len(plan.extra_pipelines)} pipelines" if plan.extra_pipelines else "")
         + (f" x tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
         + f" = {plan.world_size} GPUs, ZeRO {plan.zero}, {plan.microbatches} microbatches of {job.microbatch_size}",

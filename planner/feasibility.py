@@ -18,7 +18,7 @@ from geosched.costmodel import GIB, layer_costs, total_params
 from geosched.errors import InputError, PlanInfeasible
 from geosched.memory import stage_memory_bytes
 from planner.floors import fewest_stages
-from planner.space import Problem
+from planner.space import Candidate, Problem, even_split, from_split
 
 MAX_PLAN_GPUS = 8192
 """The most GPUs (over all datacenters) the planner plans (configs/scale-16dc.yaml has as many).
@@ -149,6 +149,11 @@ def _check_feasible(problem: Problem) -> None:
     check_inflight(problem)
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 stage``, ``3 stages``."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def _devices(tp: int) -> str:
     """What the planner counts: GPUs, or tensor-parallel groups of ``tp`` GPUs of one node."""
     return "GPUs" if tp == 1 else f"devices of {tp} GPUs of one node"
@@ -192,7 +197,9 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     pinned = problem.pinned_dp
     options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0 and pinned in (None, d)]
     shard = max(1, min(most_stages, pinned or most_stages))
-    whole = stage_memory_bytes(job, (0, L), True, True, int(activations), shard)
+    fewest = min((m for d, m in options if d <= most_stages), default=0)  # one stage: GPipe still keeps all m
+    alone = (fewest if job.schedule == "gpipe" else 1) * activations
+    whole = stage_memory_bytes(job, (0, L), True, True, alone, shard)
     best = (L if whole <= mem else 0, 1)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
@@ -266,6 +273,64 @@ def check_inflight(problem: Problem) -> None:
     raise PlanInfeasible(
         f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "
         f"{state / 1e9:.3g} GB of weights, gradients and optimizer state per block; with "
-        f"{mem / GIB:g} GiB per GPU the best depth ({depth} stages, of at most {most} GPUs in "
+        f"{mem / GIB:g} GiB per GPU the best depth ({depth} stage{'s' if depth != 1 else ''}, of at most {most} "
+        f"{_devices(job.tp)} in "
         f"{', '.join(group)}) holds {held} of the {L} blocks; {fix}"
+    )
+
+
+def closest_miss(problem: Problem) -> tuple[float, Candidate] | None:
+    """The plan of equal stages inside one DC whose fullest GPU overshoots its memory the least, with that
+    overshoot (need / memory; <= 1: it fits), over every DC kind, data-parallel degree and depth the devices
+    allow; None when no DC has the devices for any. What a refusal names when the relaxations above let a
+    job through that no placement holds (DCs of many small GPUs, few large ones)."""
+    best: tuple[float, Candidate] | None = None
+    kinds: dict[tuple[int, float], str] = {}  # DCs alike (devices, memory) give the same answers
+    for dc in problem.dcs:
+        kinds.setdefault((problem.gpus[dc], problem.memory_bytes[dc]), dc)
+    for dc in kinds.values():
+        for d, m in problem.dp_options():
+            for p in range(1, min(problem.layers, problem.gpus[dc] // d) + 1):
+                cand = from_split(d, m, (dc,) * p, even_split(problem.layers, p))
+                worst = {0, p // 2, p - 1}  # the first (embeddings, most in flight), a middle, the last (head)
+                over = max(problem.memory_need(cand, s, dc) for s in worst) / problem.memory_bytes[dc]
+                if best is None or over < best[0]:
+                    best = (over, cand)
+    return best
+
+
+def explain_miss(problem: Problem) -> tuple[float, str] | None:
+    """The :func:`closest_miss` overshoot and one line naming what breaks that plan and the job changes that
+    make one fit, or None when some such plan fits (the search failed for another reason: links, the batch
+    split)."""
+    found = closest_miss(problem)
+    if found is None or found[0] <= 1:
+        return None
+    cand, job = found[1], problem.job
+    dc = cand.stage_dcs[0]
+    changes = {
+        "job.recompute: full": {"recompute": "full"},
+        "job.schedule: 1f1b": {"schedule": "1f1b"},
+        "job.microbatch_size: 1": {"microbatch_size": 1},
+        "job.zero: 2": {"zero": 2},
+    }
+    fixes = []
+    for name, change in changes.items():
+        other = dataclasses.replace(job, **change)  # type: ignore[arg-type]
+        if other == job:
+            continue
+        trial = Problem(dataclasses.replace(problem.cfg, job=other), dp=problem.pinned_dp)
+        fit = closest_miss(trial)
+        if fit is not None and fit[0] <= 1:
+            fixes.append(name)
+    fix = (
+        f"use {' or '.join(fixes)}, with which such a plan fits"
+        if fixes
+        else "use GPUs with more memory, more GPUs per datacenter, or a smaller model"
+    )
+    shape = f"{counted(cand.num_stages, 'stage')} x {counted(cand.dp, 'replica')} in dc {dc!r}"
+    return found[0], (
+        f"no plan fits GPU memory; the closest plan of equal stages in one DC, {shape} ({cand.microbatches} "
+        f"microbatches of {job.batch}, {job.pipeline_schedule}, recompute {job.recompute}, ZeRO {job.zero_stage}, "
+        f"tensor-parallel {job.tp}): {problem.violation(cand)}; {fix}"
     )

@@ -33,7 +33,7 @@ from planner.baselines import all_baselines
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.explain import UnusedReason, explain_idle
-from planner.feasibility import check_feasible, check_size
+from planner.feasibility import check_feasible, check_size, explain_miss
 from planner.plan import Plan, SolverInfo, build_plan
 from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, search
 from planner.space import Problem
@@ -188,6 +188,10 @@ def make_plan(
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
+        misses = [explain_miss(r.problem) for r in results]
+        nearest = [miss for miss in misses if miss is not None]
+        if nearest and len(nearest) == len(misses):  # memory rules out every variant: the nearest miss names it
+            raise PlanInfeasible(min(nearest)[1])
         if pins.cross_dc_dp:
             raise PlanInfeasible(
                 "--cross-dc-dp: no plan with a stage's replicas in two datacenters fits (GPU memory, GPU counts "

@@ -219,7 +219,8 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
         options = fitting
     roomiest = max(options, key=lambda v: (v.tp, -v.microbatch_size))
     zero = pins.zero if pins.zero is not None else 2
-    check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule="1f1b"), dp=pins.dp))
+    schedule = pins.schedule or "1f1b"  # 1F1B keeps the fewest microbatches in flight
+    check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=pins.dp))
 
 
 def schedule_options(pins: Pins) -> tuple[str, ...]:

@@ -126,6 +126,60 @@ def test_floors_skip_a_lone_dc_whose_nodes_are_narrower_than_the_tensor_parallel
     assert 0 < floors["compute_s"] <= floors["best_s"] and floors["ratio_to_best_floor"] >= 1
 
 
+A100 = {"name": "A100", "tflops": 150, "memory_gib": 80}
+L40S = {"name": "L40S", "tflops": 90, "memory_gib": 48}
+
+
+@pytest.mark.parametrize(
+    "cluster, job, words",
+    [
+        (  # one stage is no escape from GPipe's in-flight microbatches (the relaxation used to count one)
+            {"datacenters": [{"name": "a", "gpus": 32, "gpus_per_node": 4, "gpu": A100}]},
+            {
+                "model": {"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 4096, "vocab": 32000},
+                "global_batch": 1536,
+                "schedule": "gpipe",
+                "recompute": "none",
+            },
+            ["GPipe keeps all m microbatches", "1 stage,", "devices of 4 GPUs", "job.schedule: 1f1b"],
+        ),
+        (  # the relaxation gives every GPU the roomiest memory; only 8 devices have it: the closest plan speaks
+            {
+                "datacenters": [
+                    {"name": "a", "gpus": 512, "gpus_per_node": 8, "gpu": L40S},
+                    {"name": "b", "gpus": 128, "gpus_per_node": 8, "gpu": {**A100, "memory_gib": 40}},
+                    {"name": "c", "gpus": 32, "gpus_per_node": 8, "gpu": A100},
+                    {"name": "d", "gpus": 256, "gpus_per_node": 8, "gpu": L40S},
+                ],
+                "links": [
+                    {"between": ["a", "b"], "bandwidth_gbps": 400, "rtt_ms": 0.2, "per_connection_gbps": 10},
+                    {"between": ["a", "c"], "bandwidth_gbps": 0.5, "rtt_ms": 80, "per_connection_gbps": 0.5},
+                    {"between": ["b", "d"], "bandwidth_gbps": 0.5, "rtt_ms": 20, "per_connection_gbps": 0.5},
+                    {"between": ["c", "d"], "bandwidth_gbps": 10, "rtt_ms": 20, "per_connection_gbps": 0.5},
+                ],
+            },
+            {
+                "model": {"layers": 60, "hidden": 6656, "heads": 52, "seq_len": 2048, "vocab": 32000},
+                "global_batch": 1024,
+                "microbatch_size": 4,
+                "schedule": "gpipe",
+                "recompute": "none",
+                "tensor_parallel": 4,
+                "zero": 2,
+            },
+            ["no plan fits GPU memory", "the closest", "stage 0 (blocks", "GiB per GPU > 48 GiB", "recompute: full"],
+        ),
+    ],
+)
+def test_a_job_no_placement_holds_names_the_memory_it_lacks(tmp_path, capsys, cluster, job, words) -> None:
+    path = write(tmp_path, {"cluster": {"name": "tight", **cluster}, "job": job})
+    assert main(["plan", path, "--no-explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "see 'geosched validate-config'" not in err
+    for word in words:
+        assert word in err, err
+
+
 def test_bad_flags_and_bad_plan_files_exit_2(tmp_path, capsys) -> None:
     assert main(["plan", "configs/demo-3dc.yaml", "--wan-cost-weight", "-2"]) == 2
     assert "wan-cost-weight" in capsys.readouterr().err
