@@ -131,8 +131,8 @@ def _check_feasible(problem: Problem) -> None:
     if dp is not None and 0 < need <= have < need * dp:
         raise PlanInfeasible(
             f"--dp {dp}: the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its {L} "
-            f"blocks with ZeRO over {dp} replicas), {need} x {dp} = {need * dp} {_devices(job.tp)}, but the largest "
-            f"group of linked datacenters ({', '.join(group)}) has {have}; pick a smaller --dp"
+            f"blocks with ZeRO over {dp} replicas), {need} x {dp} = {need * dp} {_devices(job.tp, need * dp)}, "
+            f"but the largest group of linked datacenters ({', '.join(group)}) has {have}; pick a smaller --dp"
         )
     if need > have:
         others = [g for g in problem.components()[1:]]
@@ -144,7 +144,7 @@ def _check_feasible(problem: Problem) -> None:
         raise PlanInfeasible(
             f"the model needs at least {need} pipeline stages (a GPU holds at most {per_gpu} of its "
             f"{L} blocks) but the largest group of linked datacenters ({', '.join(group)}) has only "
-            f"{have} {_devices(job.tp)}{hint}"
+            f"{have} {_devices(job.tp, have)}{hint}"
         )
     check_inflight(problem)
 
@@ -154,9 +154,9 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
-def _devices(tp: int) -> str:
-    """What the planner counts: GPUs, or tensor-parallel groups of ``tp`` GPUs of one node."""
-    return "GPUs" if tp == 1 else f"devices of {tp} GPUs of one node"
+def _devices(tp: int, n: int) -> str:
+    """What the planner counts, ``n`` of them: GPUs, or tensor-parallel groups of ``tp`` GPUs of one node."""
+    return ("GPU" if tp == 1 else "device") + ("s" if n != 1 else "") + (f" of {tp} GPUs of one node" if tp > 1 else "")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -274,7 +274,7 @@ def check_inflight(problem: Problem) -> None:
         f"no pipeline depth fits the in-flight activations: {rule}, {kept}, beside "
         f"{state / 1e9:.3g} GB of weights, gradients and optimizer state per block; with "
         f"{mem / GIB:g} GiB per GPU the best depth ({depth} stage{'s' if depth != 1 else ''}, of at most {most} "
-        f"{_devices(job.tp)} in "
+        f"{_devices(job.tp, most)} in "
         f"{', '.join(group)}) holds {held} of the {L} blocks; {fix}"
     )
 

@@ -127,6 +127,10 @@ class PlanOutcome:
     """Why each idle GPU stays idle (with ``explain=True``)."""
 
 
+MISFITS_SHOWN = 3
+"""Variants with no plan the summary names one by one (the rest are counted)."""
+
+
 @cycle_collector_paused
 def make_plan(
     cfg: Config,
@@ -184,7 +188,7 @@ def make_plan(
         stats_of[id(evaluator)] = stats
         return best
 
-    results = search_variants(cfg, pins, searcher)
+    results = search_variants(cfg, pins, searcher, deadline=deadline)
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
@@ -218,7 +222,13 @@ def make_plan(
         if top < best.prefill_score(w):
             best, problem, evaluator = pick, results[k].problem, results[k].evaluator
     stats = stats_of.get(id(evaluator), SearchStats())
-    stats.notes.extend(f"{r.problem.variant.describe()}: no plan fits" for r in results if r.best is None)
+    skipped = sum(r.skipped for r in results)
+    if skipped:
+        stats.notes.append(f"time limit: {skipped} of {len(results)} variants not screened")
+    misfits = [r.problem.variant.describe() for r in results if r.best is None and not r.skipped]
+    if misfits:  # one note, not one per variant (a large job may rule out dozens)
+        shown = ", ".join(misfits[:MISFITS_SHOWN]) + (", ..." if len(misfits) > MISFITS_SHOWN else "")
+        stats.notes.append(f"{len(misfits)} of {len(results)} variants fit no plan ({shown})")
     points = None
     if objective.name != "time" or with_frontier:
         points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress, fastest=best)

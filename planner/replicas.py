@@ -37,6 +37,7 @@ from geosched.chunking import wire_bytes
 from geosched.costmodel import stage_params
 from geosched.hierarchical import hop_message_sizes
 from geosched.netcost import hierarchical_allreduce_s, streams_to_fill, wan_effective_bps
+from planner.floors import fewest_stages
 from planner.space import Candidate, Problem, even_split, from_split
 
 MAX_PIPELINES = 16
@@ -222,9 +223,12 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     out: list[Candidate] = []
     for group, roomiest in _groups(problem):
         for dc in group:
-            for d, m in problem.dp_options():
+            least = _fewest_stages(problem, problem.memory_bytes[dc])  # no fewer fit (0: not even one block)
+            for d, m in problem.dp_options() if least else ():
                 most = min(problem.layers, problem.gpus[dc] // d)
-                fitting = (p for p in range(1, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
+                fitting = (
+                    p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None
+                )
                 fewest = next(fitting, None)
                 depths = {fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()
                 for p in sorted(depths):
@@ -233,6 +237,14 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
                         if dc == roomiest and len(group) >= 2:
                             out += _copies(problem, group, dc, d, m, p)
     return list(dict.fromkeys(out))
+
+
+def _fewest_stages(problem: Problem, memory_bytes: float) -> int:
+    """:func:`planner.floors.fewest_stages`, once per problem and memory size."""
+    known: dict[float, int] = problem.memo.setdefault("fewest_stages", {})
+    if memory_bytes not in known:
+        known[memory_bytes] = fewest_stages(problem, memory_bytes)
+    return known[memory_bytes]
 
 
 def _groups(problem: Problem) -> list[tuple[list[str], str]]:

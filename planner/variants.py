@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -235,6 +236,8 @@ class VariantResult:
     problem: Problem
     evaluator: Evaluator
     best: Evaluation | None
+    skipped: bool = False
+    """Not screened: the deadline had passed and another variant had a plan."""
 
 
 Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
@@ -267,30 +270,46 @@ def with_schedules(result: VariantResult, pins: Pins, cfg: Config) -> list[Varia
     return [r for r in (under_schedule(result, s, pins, cfg) for s in others) if r is not None]
 
 
-def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal()) -> list[VariantResult]:
+def search_variants(
+    cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal(), deadline: float | None = None
+) -> list[VariantResult]:
     """Screen every variant, search the best :data:`FULL_SEARCHES` in full, add the other schedules.
 
-    Returns every result, best first (results with no plan last).
+    Returns every result, best first (results with no plan last). Past ``deadline`` (``time.monotonic()``,
+    ``--time-limit``) only what gives each variant a first plan still runs: the climbs, the pipelines inside
+    DCs and the widening across DCs are skipped where a plan is already known.
     """
 
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
     def with_local(result: VariantResult) -> VariantResult:
-        if pins.cross_dc_dp is not False:  # pipelines inside DCs: cheap, and often the best on slow WANs
+        if pins.cross_dc_dp is not False and (
+            result.best is None or not late()
+        ):  # pipelines inside DCs: cheap, and often the best on slow WANs
             best = result.best
             found = local_best(result.problem, result.evaluator, pins, best) + ([best] if best is not None else [])
             result.best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
         return result
 
+    planned: list[bool] = []  # some variant has a plan (appended from the screening threads)
+
     def screen(variant: Variant) -> VariantResult:
         problem = Problem(cfg, variant, dp=pins.dp)
         evaluator = Evaluator(problem)
-        return with_local(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
+        if late() and planned:
+            return VariantResult(problem, evaluator, None, skipped=True)
+        result = with_local(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
+        if result.best is not None:
+            planned.append(True)
+        return result
 
     def derive(variant: Variant) -> VariantResult:  # a zero-bubble variant from its 1F1B twin's placements
         twin = screened_by[dataclasses.replace(variant, schedule="1f1b")]
-        derived = under_schedule(twin, variant.schedule, pins, cfg)
+        derived = under_schedule(twin, variant.schedule, pins, cfg) if not (late() and planned) else None
         if derived is None:
             problem = Problem(cfg, variant, dp=pins.dp)
-            derived = VariantResult(problem, Evaluator(problem), None)
+            derived = VariantResult(problem, Evaluator(problem), None, skipped=late() and bool(planned))
         return with_local(derived)
 
     def screen_all(options: list[Variant]) -> list[VariantResult]:
@@ -320,7 +339,7 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
     chosen = list(per_tp.values())[:FULL_SEARCHES]
     placements = [r.best.candidate for r in screened if r.best is not None]
     for result in chosen:  # every variant's best placement, re-sized for this one, is climbed from
-        for cand in translated(result.problem, placements)[:SEED_CLIMBS]:
+        for cand in translated(result.problem, placements)[:SEED_CLIMBS] if not late() else ():
             start = result.evaluator.evaluate(cand)
             climbed = polish(result.problem, result.evaluator, start, goal, math.inf, work=SEED_WORK)
             if result.best is None or climbed.score(goal.weight) < result.best.score(goal.weight):
@@ -334,7 +353,8 @@ def search_variants(cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal
         if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
             result.best = full
     for result in screened[:ACROSS_TOP] if not pins.cross_dc_dp else screened:
-        across_dcs(result, pins)
+        if pins.cross_dc_dp or not late():
+            across_dcs(result, pins)
     if pins.cross_dc_dp:
         for result in screened:
             if result.best is not None and not result.best.candidate.across_dcs:

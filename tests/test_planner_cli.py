@@ -194,6 +194,7 @@ def test_time_limit_returns_a_plan_and_says_it_is_not_proven(capsys) -> None:
     assert main(["plan", "configs/unequal-5dc.yaml", "--time-limit", "0.001", "--no-explain"]) == 0
     out = capsys.readouterr().out
     assert "not proven optimal" in out and "time limit" in out
+    assert "variants not screened" in out  # past the limit, variants after the first with a plan are skipped
 
 
 @pytest.mark.slow

@@ -246,6 +246,8 @@ def test_cli_json_carries_the_floors(capsys) -> None:
     assert set(data["floors"]) == {"compute_s", "wan_s", "pipeline_s", "min_stages", "best_s", "ratio_to_best_floor"}
     assert data["prediction"]["iteration_s"] >= data["floors"]["best_s"]
     assert data["optimality"]["text"].startswith(("proven optimal", "not proven optimal"))
+    misfits = [note for note in data["solver"]["notes"] if "fit no plan" in note]  # the demo's gpipe at tp 2
+    assert len(misfits) == 1 and misfits[0].split(" of ")[0].isdigit(), data["solver"]["notes"]
 
 
 def test_a_faster_idle_dc_plan_the_pins_rule_out_is_named_as_such() -> None:
