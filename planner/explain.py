@@ -20,7 +20,7 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import counted
 from planner.floors import Floors, Optimality, optimality
-from planner.plan import Plan
+from planner.plan import ZERO_UNUSED, Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
 from planner.variants import in_parallel, space_floors
@@ -213,7 +213,8 @@ def plan_floors(plan: Plan) -> tuple[Floors, Optimality]:
     """The job's floors and what the summary may claim about the plan's simulated time."""
     floors = space_floors(plan.config)
     solver = plan.solver
-    return floors, optimality(plan.prediction.iteration_s, floors, solver.proven_optimal, solver.notes)
+    notes = tuple(n for n in solver.notes if not n.startswith(ZERO_UNUSED))  # about the plan, not the search
+    return floors, optimality(plan.prediction.iteration_s, floors, solver.proven_optimal, notes)
 
 
 def summary_dict(plan: Plan, reasons: list[UnusedReason]) -> dict[str, Any]:
@@ -303,7 +304,9 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         f"{counted(plan.dp, 'replica')}"
         + (f" x {1 + len(plan.extra_pipelines)} pipelines" if plan.extra_pipelines else "")
         + (f" x tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
-        + f" = {plan.world_size} GPUs, ZeRO {plan.zero}, {plan.microbatches} microbatches of {job.microbatch_size}",
+        + f" = {plan.world_size} GPUs, ZeRO {plan.zero}"
+        + "".join(f" ({n})" for n in plan.solver.notes if n.startswith(ZERO_UNUSED))
+        + f", {plan.microbatches} microbatches of {job.microbatch_size}",
         f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",

@@ -232,11 +232,16 @@ def rank_layout(cand: Candidate, tp: int = 1) -> tuple[RankSpec, ...]:
     return tuple(ranks)
 
 
+ZERO_UNUSED = "nothing to shard"
+"""The solver note (and the summary's words) of a plan that runs ZeRO 0 where ZeRO was pinned: one replica per
+stage (:func:`build_plan`)."""
+
+
 def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
     """The plan file for a simulated candidate."""
     cand, cluster, job = ev.candidate, problem.cluster, problem.job
     tp = job.tp
-    if cand.replicas == 1 and job.zero_stage:  # nothing to shard over: say so
+    if cand.replicas == 1 and job.zero_stage:  # nothing to shard over
         job = dataclasses.replace(job, zero=0)
     wan = dict(ev.wan_bytes)
     links = []

@@ -34,7 +34,7 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.explain import UnusedReason, explain_idle
 from planner.feasibility import check_feasible, check_size, explain_miss
-from planner.plan import Plan, SolverInfo, build_plan
+from planner.plan import ZERO_UNUSED, Plan, SolverInfo, build_plan
 from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, search
 from planner.space import Problem
 from planner.variants import (
@@ -266,6 +266,8 @@ def make_plan(
         best = min(faster, key=lambda ev: ev.iteration_s)
         stats.notes.append(f"an idle-DC explanation found a faster plan ({best.iteration_s:.4g} s): adopted")
         adopted += 1
+    if pins.zero and best.candidate.replicas == 1:  # the plan runs ZeRO 0 (build_plan): say why
+        stats.notes.append(f"{ZERO_UNUSED}: ZeRO {pins.zero} asked, 1 replica per stage")
     info = SolverInfo(
         objective.name,
         stats.proven,

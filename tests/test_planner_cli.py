@@ -230,3 +230,11 @@ def test_the_planner_plans_no_tensor_parallelism_the_agents_cannot_run(tmp_path,
     assert max(tp_options(load_config(path), None)) == RUNTIME_TP
     assert main(["plan", path, "--tp", "16", "--no-explain"]) == 2
     assert f"at most {RUNTIME_TP} GPUs of one node" in capsys.readouterr().err
+
+
+def test_a_zero_pin_a_plan_cannot_use_is_said(capsys) -> None:
+    """The demo at tp 2 runs one replica per stage: ZeRO 2 has nothing to shard, and the summary says why the
+    plan reads ZeRO 0 rather than silently dropping the pin."""
+    assert main(["plan", "configs/demo-3dc.yaml", "--tp", "2", "--zero", "2", "--no-explain"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "1 replica" in first and "ZeRO 0 (nothing to shard: ZeRO 2 asked" in first, first
