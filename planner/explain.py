@@ -184,9 +184,12 @@ def _reason(
         f"({_versus(alt, best, not_adopted(alt))})"
     )
     alt_cand = alt.candidate
-    detail = _link_detail(problem, alt_cand.path, dc, alt_cand.dp) if len(alt_cand.path) > 1 else None
+    into = [tuple(dict.fromkeys(path)) for path in alt_cand.pipelines if dc in path]  # a pipeline through dc
+    detail = _link_detail(problem, into[0], dc, alt_cand.dp) if into and len(into[0]) > 1 else None
     if detail and used == 0:
         text += f": {detail}"
+    elif alt_cand.across_dcs and not cand.across_dcs:
+        text += f": it runs {counted(len(alt_cand.pipelines), 'pipeline')}, their gradients all-reduced across DCs"
     elif alt_cand.num_stages != cand.num_stages or alt_cand.dp != cand.dp:
         text += (
             f": it runs {counted(alt_cand.num_stages, 'stage')} x {counted(alt_cand.dp, 'replica')} "

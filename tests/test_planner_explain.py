@@ -7,9 +7,13 @@ import json
 import yaml
 
 from geosched.cli import main
-from planner.explain import summary_dict, summary_text, unused_reasons
+from geosched.config import load_config
+from planner.cpsat import Goal
+from planner.evaluate import Evaluator
+from planner.explain import UnusedReason, _reason, summary_dict, summary_text, unused_reasons
 from planner.generate import two_datacenters
 from planner.planning import make_plan
+from planner.space import Candidate, Problem, Variant
 
 
 def test_dc_behind_a_slow_link_is_left_idle_and_explained() -> None:
@@ -93,3 +97,15 @@ def test_a_dc_no_link_reaches_is_named_as_such(tmp_path, capsys) -> None:
     assert main(["plan", str(config), "--json"]) == 0
     unused = {r["dc"]: r["text"] for r in json.loads(capsys.readouterr().out)["unused"]}
     assert "no WAN link joins it" in unused["ap"] and "us" in unused["ap"]
+
+
+def test_a_counterfactual_that_adds_the_dc_as_another_pipeline_is_explained() -> None:
+    """The idle DC hosts a second pipeline of the counterfactual, not a stage of the first: the text says so
+    (it used to look the DC up in the first pipeline's path and crash)."""
+    problem = Problem(load_config("configs/demo-3dc.yaml"), Variant(1, 0, "1f1b", 2))
+    evaluator = Evaluator(problem)
+    best = evaluator.evaluate(Candidate(1, 8, ("us", "eu"), ((0, 3), (3, 6))))
+    alt = evaluator.evaluate(Candidate(1, 4, ("us", "eu"), ((0, 3), (3, 6)), (("ap", "ap"),)))
+    reason = _reason(problem, best, Goal(), UnusedReason("ap", 2, 0, "dc ap: 0/2 GPUs"), alt, lambda ev: None)
+    assert reason.counterfactual_s == alt.iteration_s
+    assert "2 pipelines" in reason.text and "across DCs" in reason.text, reason.text
