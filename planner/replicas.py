@@ -33,6 +33,7 @@ import functools
 import math
 from typing import Any
 
+from geosched.calibration import Calibration, ring_rate
 from geosched.chunking import wire_bytes
 from geosched.costmodel import stage_params
 from geosched.hierarchical import hop_message_sizes
@@ -65,8 +66,9 @@ def _hops(problem: Problem, cand: Candidate, stage: int) -> list[tuple[str, str]
     return list(zip(ring, ring[1:]))
 
 
-def sync_times(problem: Problem, cand: Candidate) -> list[float]:
-    """Gradient sync seconds of every stage of ``cand`` (see the module docstring)."""
+def sync_times(problem: Problem, cand: Candidate, calibration: Calibration | None = None) -> list[float]:
+    """Gradient sync seconds of every stage of ``cand`` (see the module docstring); the rings inside DCs at a
+    ``calibration``'s measured rate where it has one for their size (:func:`~geosched.calibration.ring_rate`)."""
     p = cand.num_stages
     counts = [_replicas_by_dc(cand, s) for s in range(p)]
     hops = [_hops(problem, cand, s) for s in range(p)]
@@ -79,7 +81,14 @@ def sync_times(problem: Problem, cand: Candidate) -> list[float]:
         in_dc = []
         for dc, n in counts[s].items():
             spec = problem.cluster.dc(dc)
-            in_dc.append((n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6))
+            in_dc.append(
+                (
+                    n,
+                    *ring_rate(
+                        calibration, "all_reduce", n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
+                    ),
+                )
+            )
         ring = []
         for a, b in hops[s]:
             link = problem.require_link(a, b)
@@ -118,12 +127,14 @@ def _lane_wire_bytes(lane_numel: int, element_size: int, streams: int) -> int:
     return sum(count * wire_bytes(size, streams) for size, count in sizes.items())
 
 
-def cost_options(problem: Problem, cand: Candidate) -> dict[str, Any]:
+def cost_options(problem: Problem, cand: Candidate, calibration: Calibration | None = None) -> dict[str, Any]:
     """The keyword arguments of :class:`~geosched.pipeline_costs.PipelineCosts` for one pipeline of ``cand``: none
-    with one pipeline; else the links' sharing, every replica (ZeRO shards over them) and the gradient sync."""
+    with one pipeline; else the links' sharing, every replica (ZeRO shards over them) and the gradient sync
+    (its rings inside DCs at the ``calibration``'s rates, when given)."""
     if not cand.extra_paths:
         return {}
-    return {"sharing": link_sharing(cand), "replicas": cand.replicas, "sync_s": sync_times(problem, cand)}
+    sync = sync_times(problem, cand, calibration)
+    return {"sharing": link_sharing(cand), "replicas": cand.replicas, "sync_s": sync}
 
 
 def gradient_wan_bytes(problem: Problem, cand: Candidate) -> dict[tuple[str, str], int]:
@@ -147,11 +158,15 @@ def _free(problem: Problem, cand: Candidate) -> dict[str, int]:
 
 
 def _with_paths(problem: Problem, cand: Candidate, extra: tuple[tuple[str, ...], ...]) -> Candidate | None:
-    """``cand`` with pipelines ``extra``, its microbatches re-derived, or None when the batch does not split."""
+    """``cand`` with pipelines ``extra``, its microbatches re-derived, or None when the batch does not split.
+    Pipelines that all lie on ``cand``'s path are its replicas: the candidate with ``dp`` that many times larger
+    (the same plan, which the agents sync and the calibration measures as one data-parallel group)."""
     sequences = problem.job.global_batch // problem.job.batch
     replicas = cand.dp * (1 + len(extra))
     if sequences % replicas:
         return None
+    if all(path == cand.stage_dcs for path in extra):  # every pipeline on one path: plain data parallelism
+        return Candidate(replicas, sequences // replicas, cand.stage_dcs, cand.stage_layers)
     return Candidate(cand.dp, sequences // replicas, cand.stage_dcs, cand.stage_layers, extra)
 
 

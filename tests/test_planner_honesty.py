@@ -299,3 +299,32 @@ def test_cross_dc_dp_means_a_stage_with_replicas_in_two_dcs(tmp_path) -> None:
     )
     best = make_plan(uneven, pins=Pins(cross_dc_dp=True), explain=False).best.candidate
     assert best.across_dcs and {p[0] for p in best.pipelines} == {"a", "b"}
+
+
+@pytest.mark.parametrize("seed", [2000, 2014])
+def test_pipelines_on_one_path_are_plain_data_parallelism(seed: int) -> None:
+    """These clusters' best plans used to be several pipelines on the same DCs (d=1 and 8 copies of one path):
+    the same plan as one pipeline of 8x the replicas, which is how the agents sync it and the calibration
+    measures it; a plan keeps extra pipelines only where a stage has replicas in two DCs."""
+    best = make_plan(random_config(seed), explain=False).best.candidate
+    assert not best.extra_paths or best.across_dcs, best.describe()
+    assert best.replicas == best.dp > 1, best.describe()
+
+
+def test_the_cross_dc_sync_inside_dcs_runs_at_a_calibrations_measured_ring() -> None:
+    """Two pipelines of 2 replicas, a-b and a-a: stage 0 has 4 replicas in "a", stage 1 two in each DC. With a
+    calibration that measured a 4-rank all-reduce ten times slower than the config's intra link, stage 0's sync
+    grows and stage 1's (rings of 2) does not; without a fit for its size nothing changes."""
+    from geosched.calibration import Calibration, CollectiveFit
+    from planner.replicas import sync_times
+
+    cfg = wan_bound(memory_gib=80)
+    problem = Problem(cfg, Variant(1, 1, "1f1b", 1))
+    cand = Candidate(2, 4, ("a", "b"), ((0, 4), (4, 8)), (("a", "a"),))
+    spec = cfg.cluster.dc("a")
+    slow = CollectiveFit("all_reduce", 4, spec.intra_latency_us * 1e-6, spec.intra_bandwidth_gbps * 1e9 / 10)
+    base = dataclasses.replace(Calibration("x", 1e-3, 2e-3, 1e-3, 2e-3, 1e-4, 1e-4, 100.0), collectives=(slow,))
+    plain, calibrated = sync_times(problem, cand), sync_times(problem, cand, base)
+    assert calibrated[0] > plain[0] and calibrated[1] == plain[1]
+    other = dataclasses.replace(base, collectives=(dataclasses.replace(slow, group=8),))
+    assert sync_times(problem, cand, other) == plain

@@ -67,7 +67,7 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
 
         m = layout.job.global_batch // (layout.replicas * layout.job.batch)
         cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
-        across = cost_options(Problem(dataclasses.replace(config, job=job)), cand)
+        across = cost_options(Problem(dataclasses.replace(config, job=job)), cand, calibration)
     costs = PipelineCosts(
         config.cluster,
         job,
