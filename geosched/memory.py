@@ -21,8 +21,13 @@ def stage_memory_bytes(
 
     ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
     for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
-    al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state,
-    stage 2 also ``1/dp`` of the gradients (sec. 5.1-5.2). Parameters are per
+    al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state
+    (sec. 5.1). Stage 2 as the agents run it (:mod:`agents.dp.zero`) keeps the
+    stage's whole gradient buffer (microbatches accumulate into it until the
+    step's reduce-scatter) and the ``1/dp`` slice of the averaged gradient the
+    optimizer reads: ``1 + 1/dp`` gradients, more than stage 1, not the paper's
+    ``1/dp`` (sec. 5.2), which needs the reduce-scatter to run in buckets during
+    the backward and free them. Parameters are per
     GPU (blocks divided by the tensor-parallel degree, :func:`gpt_block_cost`).
     Plus ``inflight`` microbatches of stashed activations (1F1B holds at most
     ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream;
@@ -44,7 +49,7 @@ def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool,
     the planner asks for the same stage at many warm-up depths)."""
     params = stage_params(job, layers, first, last)
     zero = job.zero_stage
-    grads = job.bytes_per_element / (dp if zero >= 2 else 1)
+    grads = job.bytes_per_element * (1 + 1 / dp if zero >= 2 and dp > 1 else 1)  # ZeRO 2: the buffer + a slice
     optimizer = job.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
     state = params * (job.bytes_per_element + grads + optimizer)
     blocks = layer_costs(job)[layers[0] : layers[1]]

@@ -112,11 +112,12 @@ def memory_reach(problem: Problem, memory_bytes: float) -> list[int]:
     """For each block, the furthest end of a stage starting there that GPUs of ``memory_bytes`` may hold.
 
     The relaxation: each stage holds one microbatch of activations (every schedule holds at least one), no
-    embeddings or head (they only add memory), and its gradients and optimizer state sharded by ZeRO 2 over
-    every device of the cluster (no plan shards them further). Ends never move back as starts move on.
+    embeddings or head (they only add memory), and its optimizer state sharded by ZeRO 1 over every device of
+    the cluster (no plan shards it further; ZeRO 2 as the agents run it keeps more, :func:`stage_memory_bytes`).
+    Ends never move back as starts move on.
     """
-    job, L = dataclasses.replace(problem.job, zero=2), problem.layers
-    most = problem.most_replicas  # ZeRO 2 over every device: the least state any plan keeps
+    job, L = dataclasses.replace(problem.job, zero=1), problem.layers
+    most = problem.most_replicas  # ZeRO 1 over every device: the least state any plan keeps
     reach, end = [0] * L, 0
     for start in range(L):
         end = max(end, start)

@@ -204,7 +204,7 @@ def space_floors(cfg: Config) -> Floors:
 
 def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     """PlanInfeasible naming the tightest constraint when no variant can hold the job: the roomiest variant
-    (most tensor parallelism, ZeRO 2 unless pinned, the smallest microbatch) is checked, since it fits
+    (most tensor parallelism, ZeRO 1 unless pinned, the smallest microbatch) is checked, since it fits
     whenever any does (:func:`planner.feasibility.check_feasible`)."""
     pins = pins.over(cfg)
     if pins.cross_dc_dp and not any(len(group) > 1 for group in Problem(cfg).components()):
@@ -219,7 +219,7 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
             check_feasible(Problem(cfg, min(options, key=lambda v: v.tp), dp=pins.dp))
         options = fitting
     roomiest = max(options, key=lambda v: (v.tp, -v.microbatch_size))
-    zero = pins.zero if pins.zero is not None else 2
+    zero = pins.zero if pins.zero is not None else 1  # the least state (ZeRO 2 keeps a whole gradient buffer too)
     schedule = pins.schedule or "1f1b"  # 1F1B keeps the fewest microbatches in flight
     check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=pins.dp))
 
@@ -324,8 +324,6 @@ def search_variants(
     screened_by: dict[Variant, VariantResult] = {}
     options = variant_options(cfg, pins)
     screened = screen_all(options)
-    if pins.zero is None and all(r.best is None for r in screened):  # memory binds: shard the gradients too
-        screened += screen_all([dataclasses.replace(variant, zero=2) for variant in options])
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)

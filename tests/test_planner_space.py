@@ -173,3 +173,20 @@ def test_plan_warmup_is_written_run_and_checked(tmp_path) -> None:
     tight["config"]["cluster"]["datacenters"][0]["gpu"]["memory_gib"] = need / 1024**3
     with pytest.raises(PlanError, match=r"plan\.warmup\[0\]: 4 forwards in flight need .* GiB per GPU"):
         plan_from_dict(tight)
+
+
+def test_zero_2_memory_is_what_the_agents_keep() -> None:
+    """ZeRO 2 as agents.dp.zero runs it: the whole gradient buffer plus the 1/dp slice the optimizer reads, so
+    more than ZeRO 1 at dp > 1 (the paper's 1/dp gradients need bucketed reduce-scatters the agents lack)."""
+    import dataclasses
+
+    from geosched.config import load_config
+    from geosched.costmodel import stage_params
+    from geosched.memory import stage_memory_bytes
+
+    job = load_config("configs/demo-3dc.yaml").job
+    one, two = (dataclasses.replace(job, zero=z) for z in (1, 2))
+    params, e, o = stage_params(job, (1, 3), False, False), job.bytes_per_element, job.optimizer_bytes_per_param
+    assert stage_memory_bytes(two, (1, 3), False, False, 0, 4) == int(params * (e + e * (1 + 1 / 4) + o / 4))
+    assert stage_memory_bytes(two, (1, 3), False, False, 0, 4) > stage_memory_bytes(one, (1, 3), False, False, 0, 4)
+    assert stage_memory_bytes(two, (1, 3), False, False, 0, 1) == stage_memory_bytes(one, (1, 3), False, False, 0, 1)
