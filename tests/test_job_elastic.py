@@ -21,7 +21,9 @@ from geosched.config import config_from_dict
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 24
+"""Enough that the job cannot finish between checkpoint 2 and the SIGKILL (at 6 it sometimes did: the recovery
+then resumed from step 6 with nothing left to run, downtime -1)."""
 JOB = "elastic-hosts"
 
 
