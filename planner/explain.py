@@ -164,10 +164,9 @@ def _reason(
     cand, tp = best.candidate, problem.job.tp
     dc, gpus, used = head.dc, head.gpus, head.used
     if alt is None:
-        linked = next(g for g in problem.components() if cand.stage_dcs[0] in g)
         why = (
             f"no WAN link joins it, directly or through other DCs, to {', '.join(cand.path)}: add one to use it"
-            if dc not in linked
+            if dc not in problem.group_of(cand.stage_dcs[0])
             else "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
             if used == 0
             else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "

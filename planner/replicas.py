@@ -81,14 +81,10 @@ def sync_times(problem: Problem, cand: Candidate, calibration: Calibration | Non
         in_dc = []
         for dc, n in counts[s].items():
             spec = problem.cluster.dc(dc)
-            in_dc.append(
-                (
-                    n,
-                    *ring_rate(
-                        calibration, "all_reduce", n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
-                    ),
-                )
+            bps, latency = ring_rate(
+                calibration, "all_reduce", n, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
             )
+            in_dc.append((n, bps, latency))
         ring = []
         for a, b in hops[s]:
             link = problem.require_link(a, b)
@@ -188,7 +184,7 @@ def _widened(problem: Problem, cand: Candidate, new_dcs_first: bool) -> list[Can
     """:func:`widen` in one order."""
     out, extra = [], list(cand.extra_paths)
     p = cand.num_stages
-    group = next(g for g in problem.components() if cand.stage_dcs[0] in g)  # gradients must reach every pipeline
+    group = problem.group_of(cand.stage_dcs[0])  # gradients must reach every pipeline
     options = [cand.stage_dcs] + [(dc,) * p for dc in group]
     while len(extra) + 1 < MAX_PIPELINES:
         trial = Candidate(cand.dp, cand.microbatches, cand.stage_dcs, cand.stage_layers, tuple(extra))

@@ -244,6 +244,13 @@ class Problem:
             groups.append(sorted(group, key=self.dcs.index))
         return sorted(groups, key=lambda g: -sum(self.gpus[dc] for dc in g))
 
+    def group_of(self, dc: str) -> list[str]:
+        """The group of :meth:`components` that ``dc`` lies in (memoised: the widening asks per candidate)."""
+        groups: dict[str, list[str]] | None = self.memo.get("group_of")
+        if groups is None:
+            groups = self.memo["group_of"] = {d: g for g in self.components() for d in g}
+        return groups[dc]
+
     def simple_paths(self, max_len: int | None = None) -> Iterator[tuple[str, ...]]:
         """Every simple path of DCs along links (each direction separately), shortest first per start."""
         limit = max_len or len(self.dcs)

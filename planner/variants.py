@@ -284,9 +284,8 @@ def search_variants(
         return deadline is not None and time.monotonic() > deadline
 
     def with_local(result: VariantResult) -> VariantResult:
-        if pins.cross_dc_dp is not False and (
-            result.best is None or not late()
-        ):  # pipelines inside DCs: cheap, and often the best on slow WANs
+        # pipelines inside DCs: cheap, and often the best on slow WANs (past the deadline only for a first plan)
+        if pins.cross_dc_dp is not False and (result.best is None or not late()):
             best = result.best
             found = local_best(result.problem, result.evaluator, pins, best) + ([best] if best is not None else [])
             result.best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
@@ -306,10 +305,11 @@ def search_variants(
 
     def derive(variant: Variant) -> VariantResult:  # a zero-bubble variant from its 1F1B twin's placements
         twin = screened_by[dataclasses.replace(variant, schedule="1f1b")]
-        derived = under_schedule(twin, variant.schedule, pins, cfg) if not (late() and planned) else None
+        skip = late() and bool(planned)  # judged once: the clock may pass the deadline in between
+        derived = None if skip else under_schedule(twin, variant.schedule, pins, cfg)
         if derived is None:
             problem = Problem(cfg, variant, dp=pins.dp)
-            derived = VariantResult(problem, Evaluator(problem), None, skipped=late() and bool(planned))
+            derived = VariantResult(problem, Evaluator(problem), None, skipped=skip)
         return with_local(derived)
 
     def screen_all(options: list[Variant]) -> list[VariantResult]:
