@@ -130,7 +130,8 @@ class StageTime:
     collectives included), seconds per iteration; None: not measured."""
     sync_s: float | None = None
     """The stage's ALL_REDUCE as its agent runs it over ``dp`` co-located replicas (its buckets, gloo's
-    per-call cost on this host), seconds per iteration; None: not measured (or ``dp`` 1)."""
+    per-call cost on this host), seconds per iteration; at ZeRO 2, one microbatch's gradients staged and
+    reduce-scattered, which its agent runs after every backward; None: not measured (or ``dp`` 1)."""
     input_backward_s: float | None = None
     """The zero-bubble schedule's I pass of this stage as its agent runs it, seconds per sequence (measured
     when the plan runs ZB-H1 and the stage is not the first); None: priced from ``backward_s``."""

@@ -13,6 +13,9 @@ from geosched.config import JobSpec
 from geosched.costmodel import head_cost, layer_costs, stage_params
 from geosched.errors import ConfigError
 
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+"""Gradients reduced together (DDP's default bucket, 25 MiB): ZeRO 2's unit of staging (:mod:`agents.dp.zero2`)."""
+
 
 def stage_memory_bytes(
     job: JobSpec, layers: tuple[int, int], first: bool, last: bool, inflight: int, dp: int = 1
@@ -22,12 +25,8 @@ def stage_memory_bytes(
     ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
     for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
     al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state
-    (sec. 5.1). Stage 2 as the agents run it (:mod:`agents.dp.zero`) keeps the
-    stage's whole gradient buffer (microbatches accumulate into it until the
-    step's reduce-scatter) and the ``1/dp`` slice of the averaged gradient the
-    optimizer reads: ``1 + 1/dp`` gradients, more than stage 1, not the paper's
-    ``1/dp`` (sec. 5.2), which needs the reduce-scatter to run in buckets during
-    the backward and free them. Parameters are per
+    (sec. 5.1), stage 2 also ``1/dp`` of the gradients (sec. 5.2) plus what its
+    buckets stage during a backward (:func:`zero2_staging_params`). Parameters are per
     GPU (blocks divided by the tensor-parallel degree, :func:`gpt_block_cost`).
     Plus ``inflight`` microbatches of stashed activations (1F1B holds at most
     ``p - stage`` of them, GPipe all ``m``; Narayanan et al. 2019, PipeDream;
@@ -49,15 +48,34 @@ def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool,
     the planner asks for the same stage at many warm-up depths)."""
     params = stage_params(job, layers, first, last)
     zero = job.zero_stage
-    grads = job.bytes_per_element * (1 + 1 / dp if zero >= 2 and dp > 1 else 1)  # ZeRO 2: the buffer + a slice
     optimizer = job.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
-    state = params * (job.bytes_per_element + grads + optimizer)
+    if zero >= 2 and dp > 1:  # a 1/dp slice kept, buckets staged while a backward runs
+        grads = params / dp + zero2_staging_params(job, params, first, last)
+    else:
+        grads = params
+    state = params * (job.bytes_per_element + optimizer) + grads * job.bytes_per_element
     blocks = layer_costs(job)[layers[0] : layers[1]]
     head = head_cost(job).stash_bytes if last else 0
     if job.recompute == "full":
         kept = sum(c.activation_bytes for c in blocks) + head
         return state, kept, max((c.stash_bytes for c in blocks), default=0)
     return state, sum(c.stash_bytes for c in blocks) + head, 0
+
+
+def zero2_staging_params(job: JobSpec, params: int, first: bool, last: bool) -> int:
+    """Gradient elements a ZeRO 2 stage stages at most during a backward (:mod:`agents.dp.zero2`): the bucket
+    being reduce-scattered, the one filling (each :data:`GRADIENT_BUCKET_BYTES`, or one parameter larger than
+    that: the token embedding or LM head, ``Vh``, on the first and last stage) and one parameter's gradient
+    before it is staged; never more than the stage's gradient."""
+    m = job.model
+    if first or last:
+        largest = m.vocab * m.hidden
+    elif m.custom_layers:
+        largest = max(c.params for c in layer_costs(job))
+    else:
+        largest = 4 * m.hidden * m.hidden // job.tp  # an MLP matrix
+    bucket = max(GRADIENT_BUCKET_BYTES // job.bytes_per_element, largest)
+    return min(params, 2 * bucket + largest)
 
 
 def peak_inflight(schedule: str, num_stages: int, num_microbatches: int, stage: int, warmup: int | None = None) -> int:

@@ -233,13 +233,17 @@ class PipelineCosts:
         if self._sync_s is not None:
             return self._sync_s[stage]
         measured = self._measured_sync[stage]
-        if measured is not None:
-            return measured
+        if measured is not None:  # ZeRO 2's is a microbatch's reduce-scatter; its all-gather is in the measured STEP
+            return 0.0 if self.job.zero_stage >= 2 else measured
         whole = ring_allreduce_s(self.grad_bytes[stage], self.dp, *self._dp_rate(stage))
         return whole / 2 if self.job.zero_stage >= 2 else whole
 
     def reduce_scatter_s(self, stage: int) -> float:
-        """One reduce-scatter of ``stage``'s gradients among its ``dp`` replicas: half a ring all-reduce."""
+        """One reduce-scatter of ``stage``'s gradients among its ``dp`` replicas: half a ring all-reduce, or as
+        the calibration measured one microbatch's (ZeRO 2's ``sync_s``: staged, reduce-scattered, finished)."""
+        measured = self._measured_sync[stage]
+        if measured is not None and self.job.zero_stage >= 2:
+            return measured
         return ring_allreduce_s(self.grad_bytes[stage], self.dp, *self._dp_rate(stage)) / 2
 
     def _dp_rate(self, stage: int) -> tuple[float, float]:

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._pending: WeightWork = []
         self.active = False  # forwards record for a deferred W (else the layers run as plain nn.Linear)
+        self.after_grad: Callable[[Tensor], None] | None = None
+        """Called with each parameter W gave a gradient, as autograd's post-accumulate hooks would be (W sets
+        ``.grad`` by hand, which fires none): ZeRO 2 stages it there (:mod:`agents.dp.zero2`)."""
 
     def keep(self, layer: nn.Linear, x: Tensor, dy: Tensor) -> None:
         """Called by a deferred layer's backward (on autograd's thread): remember one layer's W work."""
@@ -58,8 +62,7 @@ class WeightGradStore:
         work, self._pending = self._pending, []
         return work
 
-    @staticmethod
-    def run(work: WeightWork) -> None:
+    def run(self, work: WeightWork) -> None:
         """W: accumulate each kept layer's weight (and bias) gradient into its ``.grad``, as autograd would."""
         with torch.no_grad():
             for layer, x, dy in work:
@@ -74,6 +77,10 @@ class WeightGradStore:
                         bias.grad = dy2.sum(0)  # (out,)
                     else:
                         bias.grad.add_(dy2.sum(0))
+                if self.after_grad is not None:
+                    self.after_grad(weight)
+                    if bias is not None:
+                        self.after_grad(bias)
 
 
 class _DeferredLinear(torch.autograd.Function):

@@ -311,7 +311,7 @@ def explain_miss(problem: Problem) -> tuple[float, str] | None:
         "job.recompute: full": {"recompute": "full"},
         "job.schedule: 1f1b": {"schedule": "1f1b"},
         "job.microbatch_size: 1": {"microbatch_size": 1},
-        "job.zero: 1": {"zero": 1},
+        "job.zero: 2": {"zero": 2},
     }
     fixes = []
     for name, change in changes.items():

@@ -92,14 +92,14 @@ def iteration_flop(problem: Problem) -> float:
     return job.global_batch * forward * (1 + BACKWARD_TO_FORWARD + (job.recompute == "full"))
 
 
-def fewest_stages(problem: Problem, memory_bytes: float) -> int:
+def fewest_stages(problem: Problem, memory_bytes: float, zeros: tuple[int, ...] = (1, 2)) -> int:
     """Fewest contiguous stages whose GPUs of ``memory_bytes`` hold the blocks (0: one block does not fit).
 
-    A relaxation of the memory rule (:func:`memory_reach`), so a lower bound for every plan. A stage's
-    memory grows with every block added, so packing greedily from the first block gives the fewest
-    contiguous stages.
+    A relaxation of the memory rule (:func:`memory_reach`; at any of the ZeRO levels ``zeros``), so a lower
+    bound for every plan. A stage's memory grows with every block added, so packing greedily from the first
+    block gives the fewest contiguous stages.
     """
-    reach = memory_reach(problem, memory_bytes)
+    reach = memory_reach(problem, memory_bytes, zeros)
     stages, start = 0, 0
     while start < problem.layers:
         if reach[start] == start:
@@ -108,20 +108,25 @@ def fewest_stages(problem: Problem, memory_bytes: float) -> int:
     return stages
 
 
-def memory_reach(problem: Problem, memory_bytes: float) -> list[int]:
+def memory_reach(problem: Problem, memory_bytes: float, zeros: tuple[int, ...] = (1, 2)) -> list[int]:
     """For each block, the furthest end of a stage starting there that GPUs of ``memory_bytes`` may hold.
 
     The relaxation: each stage holds one microbatch of activations (every schedule holds at least one), no
-    embeddings or head (they only add memory), and its optimizer state sharded by ZeRO 1 over every device of
-    the cluster (no plan shards it further; ZeRO 2 as the agents run it keeps more, :func:`stage_memory_bytes`).
-    Ends never move back as starts move on.
+    embeddings or head (they only add memory), and its gradients and optimizer state sharded by ZeRO 1 or 2
+    (whichever keeps less: ZeRO 2's staged buckets can outweigh the gradient it saves on a small stage; one
+    of ``zeros``) over every device of the cluster (no plan shards them further). Ends never move back as
+    starts move on.
     """
-    job, L = dataclasses.replace(problem.job, zero=1), problem.layers
-    most = problem.most_replicas  # ZeRO 1 over every device: the least state any plan keeps
+    jobs, L = [dataclasses.replace(problem.job, zero=z) for z in zeros], problem.layers
+    most = problem.most_replicas  # over every device: the least state any plan keeps
+
+    def fits(start: int, end: int) -> bool:
+        return any(stage_memory_bytes(job, (start, end), False, False, 1, most) <= memory_bytes for job in jobs)
+
     reach, end = [0] * L, 0
     for start in range(L):
         end = max(end, start)
-        while end < L and stage_memory_bytes(job, (start, end + 1), False, False, 1, most) <= memory_bytes:
+        while end < L and fits(start, end + 1):
             end += 1
         reach[start] = end
     return reach

@@ -250,6 +250,19 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     return list(dict.fromkeys(out))
 
 
+def fewest_stacked(problem: Problem) -> int | None:
+    """The fewest equal stages that fit stacked in one DC (the most GPUs of a linked group) at some
+    data-parallel degree, under the real memory rule (None: no such pipeline fits)."""
+    best: int | None = None
+    for _, dc in _groups(problem):
+        least = _fewest_stages(problem, problem.memory_bytes[dc])
+        for d, m in problem.dp_options() if least else ():
+            most = min(problem.layers, problem.gpus[dc] // d, (best or problem.layers + 1) - 1)
+            fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
+            best = next(fits, best)
+    return best
+
+
 def _fewest_stages(problem: Problem, memory_bytes: float) -> int:
     """:func:`planner.floors.fewest_stages`, once per problem and memory size."""
     known: dict[float, int] = problem.memo.setdefault("fewest_stages", {})

@@ -40,7 +40,7 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
-from planner.replicas import everywhere, local_pipelines, widen
+from planner.replicas import everywhere, fewest_stacked, local_pipelines, widen
 from planner.search import polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
@@ -202,9 +202,20 @@ def space_floors(cfg: Config) -> Floors:
     )
 
 
+def shallower_at_zero_2(cfg: Config, variant: Variant) -> bool:
+    """Whether sharding the gradients (ZeRO 2) lets ``variant`` hold the model in fewer stages stacked in one
+    DC than its own ZeRO level does (:func:`planner.replicas.fewest_stacked`): a shallower pipeline, with
+    fewer bubbles, may outweigh ZeRO 2's reduce-scatter after every microbatch, which the search then judges."""
+    sharded = fewest_stacked(Problem(cfg, dataclasses.replace(variant, zero=2)))
+    if sharded is None:
+        return False
+    own = fewest_stacked(Problem(cfg, variant))
+    return own is None or sharded < own
+
+
 def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     """PlanInfeasible naming the tightest constraint when no variant can hold the job: the roomiest variant
-    (most tensor parallelism, ZeRO 1 unless pinned, the smallest microbatch) is checked, since it fits
+    (most tensor parallelism, ZeRO 2 or 1 unless pinned, the smallest microbatch) is checked, since it fits
     whenever any does (:func:`planner.feasibility.check_feasible`)."""
     pins = pins.over(cfg)
     if pins.cross_dc_dp and not any(len(group) > 1 for group in Problem(cfg).components()):
@@ -219,9 +230,17 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
             check_feasible(Problem(cfg, min(options, key=lambda v: v.tp), dp=pins.dp))
         options = fitting
     roomiest = max(options, key=lambda v: (v.tp, -v.microbatch_size))
-    zero = pins.zero if pins.zero is not None else 1  # the least state (ZeRO 2 keeps a whole gradient buffer too)
     schedule = pins.schedule or "1f1b"  # 1F1B keeps the fewest microbatches in flight
-    check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=pins.dp))
+    zeros = (pins.zero,) if pins.zero is not None else (2, 1)  # 2 keeps less, but for its buckets on a small stage
+    refusal: PlanInfeasible | None = None
+    for zero in zeros:
+        try:
+            check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=pins.dp))
+            return
+        except PlanInfeasible as exc:
+            refusal = refusal or exc  # the roomier level's reason
+    assert refusal is not None
+    raise refusal
 
 
 def schedule_options(pins: Pins) -> tuple[str, ...]:
@@ -324,6 +343,11 @@ def search_variants(
     screened_by: dict[Variant, VariantResult] = {}
     options = variant_options(cfg, pins)
     screened = screen_all(options)
+    if pins.zero is None:  # shard the gradients too where memory binds
+        nothing = all(r.best is None for r in screened)
+        screened += screen_all(
+            [dataclasses.replace(v, zero=2) for v in options if nothing or shallower_at_zero_2(cfg, v)]
+        )
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)

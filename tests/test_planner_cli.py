@@ -238,3 +238,36 @@ def test_a_zero_pin_a_plan_cannot_use_is_said(capsys) -> None:
     assert main(["plan", "configs/demo-3dc.yaml", "--tp", "2", "--zero", "2", "--no-explain"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "1 replica" in first and "ZeRO 0 (nothing to shard: ZeRO 2 asked" in first, first
+
+
+def test_zero_2_is_searched_where_it_allows_a_shallower_pipeline(tmp_path, capsys) -> None:
+    """One DC of 8 GPUs of 6.5 GiB, a 1.2B model: ZeRO 1 needs 2 stages, ZeRO 2 (gradients sharded) holds it in
+    one. The planner searches both and keeps the faster: never slower than either pinned."""
+    from planner.space import Variant
+    from planner.variants import shallower_at_zero_2
+
+    config = {
+        "cluster": {
+            "name": "tight",
+            "datacenters": [{"name": "a", "gpus": 8, "gpus_per_node": 8, "gpu": {**A100, "memory_gib": 6.5}}],
+            "links": [],
+        },
+        "job": {
+            "model": {"layers": 4, "hidden": 4096, "heads": 32, "seq_len": 2048, "vocab": 50257},
+            "global_batch": 64,
+            "microbatch_size": 1,
+            "recompute": "full",
+            "tensor_parallel": 1,
+        },
+    }
+    path = write(tmp_path, config)
+    from geosched.config import load_config
+
+    assert shallower_at_zero_2(load_config(path), Variant(tp=1, zero=1, microbatch_size=1, schedule="1f1b"))
+    plans = {}
+    for flags in ([], ["--zero", "1"], ["--zero", "2"]):
+        assert main(["plan", path, "--no-explain", "--json", *flags]) == 0
+        plans[" ".join(flags)] = json.loads(capsys.readouterr().out)
+    assert (plans["--zero 1"]["stages"], plans["--zero 2"]["stages"]) == (2, 1)
+    chosen = plans[""]["prediction"]["iteration_s"]
+    assert chosen <= min(plans[f"--zero {z}"]["prediction"]["iteration_s"] for z in (1, 2)) * (1 + 1e-9)

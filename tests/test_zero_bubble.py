@@ -3,6 +3,7 @@ the simulator's verdict against 1F1B, the views, and real pipelines in processes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import queue
@@ -191,18 +192,19 @@ def test_one_stage_zb1p_runtime_trains_like_one_process() -> None:
     assert {e.category for e in reports[-1].events if e.kind in ("I", "W")} == {"compute"}
 
 
-LAYOUTS = {  # name: (DC per stage, layer range per stage, data-parallel degree)
-    "2 stages x dp 2": (["us", "eu"], [(0, 2), (2, 4)], 2),
-    "3 stages": (["us", "eu", "ap"], [(0, 1), (1, 3), (3, 4)], 1),
+LAYOUTS = {  # name: (DC per stage, layer range per stage, data-parallel degree, ZeRO stage)
+    "2 stages x dp 2": (["us", "eu"], [(0, 2), (2, 4)], 2, 0),
+    "2 stages x dp 2 zero 2": (["us", "eu"], [(0, 2), (2, 4)], 2, 2),  # W hands its gradients to the buckets
+    "3 stages": (["us", "eu", "ap"], [(0, 1), (1, 3), (3, 4)], 1, 0),
 }
 
 
-def _rank_main(role: RankRole, store_port: int, prefix: str, results: Any) -> None:
+def _rank_main(role: RankRole, store_port: int, prefix: str, results: Any, job: JobSpec) -> None:
     """One rank process: train ``STEPS`` zb1p steps over real links and a gloo group; report to the test."""
     try:
         book = StoreAddressBook.connect("127.0.0.1", store_port, prefix=prefix)
         reports = run_rank(
-            JOB,
+            job,
             role,
             steps=STEPS,
             data=default_corpus_paths(),
@@ -216,13 +218,13 @@ def _rank_main(role: RankRole, store_port: int, prefix: str, results: Any) -> No
         results.put((role.rank, traceback.format_exc()))
 
 
-def run_pipeline(roles: list[RankRole], prefix: str) -> dict[int, list[StepReport]]:
+def run_pipeline(roles: list[RankRole], prefix: str, job: JobSpec = JOB) -> dict[int, list[StepReport]]:
     """Every rank of ``roles`` in its own process; return their reports by rank."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "agents.stage.session", "agents.wan.link", "agents.dp.group"])
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, store.port, prefix, results), daemon=True) for r in roles]
+    procs = [ctx.Process(target=_rank_main, args=(r, store.port, prefix, results, job), daemon=True) for r in roles]
     finished = False
     try:
         for proc in procs:
@@ -250,9 +252,9 @@ def run_pipeline(roles: list[RankRole], prefix: str) -> dict[int, list[StepRepor
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zb1p_pipeline_in_processes_trains_like_one_process(layout: str) -> None:
-    stage_dcs, stage_layers, dp = LAYOUTS[layout]
+    stage_dcs, stage_layers, dp, zero = LAYOUTS[layout]
     roles = layout_roles(stage_dcs, stage_layers, dp)
-    runs = run_pipeline(roles, prefix=layout.replace(" ", "-"))
+    runs = run_pipeline(roles, prefix=layout.replace(" ", "-"), job=dataclasses.replace(JOB, zero=zero))
     dataset = TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
     reference = train_one_process(JOB, dataset, STEPS)
     last_stage = [role for role in roles if role.last]

@@ -7,20 +7,13 @@
 - 1 (P_os): :class:`~agents.dp.zero1.ShardedStateAdamW`, torch's ``ZeroRedundancyOptimizer`` over AdamW on the
   stage's DP group. Gradients are still all-reduced; each replica keeps the AdamW state of its
   share of the parameters (whole tensors, balanced by size), steps them and broadcasts them.
-- 2 (P_os+g): :class:`ShardedGradAdamW`. The gradients live in one flat buffer that is
-  reduce-scattered (averaged), so a replica receives only its 1/dp slice; it steps an AdamW on its
-  slice of the flat parameters (the module's parameters are views of that buffer) and all-gathers
-  the result. gloo has both collectives on flat tensors in torch 2.13 (``reduce_scatter_single``,
-  ``all_gather_single``, formerly ``reduce_scatter_tensor``/``all_gather_into_tensor``: ``agents.dp.group``
-  names whichever the torch at hand has), so no
-  all-reduce fallback (a whole reduced gradient per replica) is needed.
-
-Stage 2 is written by hand: ``ZeroRedundancyOptimizer`` is ZeRO-1 only (it steps on whole,
-all-reduced gradients), and FSDP shards the parameters too and runs its collectives from its own
-forward/backward hooks, which does not fit a stage runtime that drives backward itself, microbatch by
-microbatch, and syncs once per step (the schedule's ALL_REDUCE action). Here the whole stage's
-gradient buffer stays allocated (microbatches accumulate into it until ALL_REDUCE); what is sharded
-is the AdamW state (2 x params) and the averaged gradient the optimizer reads.
+- 2 (P_os+g): :class:`~agents.dp.zero2.ShardedGradAdamW`. Each microbatch's gradients are
+  reduce-scattered in buckets as its backward makes them, so a replica keeps only its 1/dp slice of the
+  gradients between microbatches; it steps an AdamW on its slices of the flat parameters (the module's
+  parameters are views of that buffer) and all-gathers them. gloo has both collectives on flat tensors
+  in torch 2.13 (``reduce_scatter_single``, ``all_gather_single``, formerly
+  ``reduce_scatter_tensor``/``all_gather_into_tensor``: ``agents.dp.group`` names whichever the torch at
+  hand has), so no all-reduce fallback (a whole reduced gradient per replica) is needed.
 
 With tensor parallelism (``agents.tp``) the module's parameters are DTensors: each tp rank owns its local
 shards of the sharded parameters and whole copies of the replicated ones. Levels 1 and 2 then shard over
@@ -50,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from agents.dp.group import DataParallelGroup, adopt_grads, all_gather_flat, local_tensor, reduce_scatter_flat
-from agents.dp.shards import hyperparameters, local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
+from agents.dp.group import DataParallelGroup, local_tensor
+from agents.dp.shards import local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
+from agents.dp.zero2 import ShardedGradAdamW, linear_parameters
 from geosched.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2)
@@ -95,7 +89,8 @@ def build_stage_optimizer(
         from agents.dp.zero1 import ShardedStateAdamW
 
         return StageOptimizer(ShardedStateAdamW(module.parameters(), group, lr=lr, replicas=replicas), in_group)
-    sharded = ShardedGradAdamW(module.parameters(), group, lr=lr, replicas=replicas)
+    params = [p for p in module.parameters() if p.requires_grad]
+    sharded = ShardedGradAdamW(params, group, lr=lr, replicas=replicas, linear=linear_parameters(module, params))
     return StageOptimizer(sharded, sharded)
 
 
@@ -144,169 +139,3 @@ class LocalShardAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state whose tensors may be DTensors (``agents.tp.whole``): this optimizer keeps their shards."""
         super().load_state_dict(local_state(state_dict))
-
-
-class ShardedGradAdamW(torch.optim.Optimizer):
-    """ZeRO-2: reduce-scatter the flat gradient, step AdamW on this replica's slice, all-gather the parameters.
-
-    It is both the runtime's optimizer (:meth:`step`) and its gradient sync
-    (:meth:`allreduce_gradients`, which here reduce-scatters). All parameters
-    share one dtype and device (a stage's do). The flat buffers hold the local
-    tensors (a DTensor's shard), over ``replicas`` (None: the whole DP group).
-    """
-
-    whole_class_name = "AdamW"
-    """The class a whole state is saved as: any level loads it."""
-
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        group: DataParallelGroup,
-        *,
-        lr: float,
-        replicas: dist.ProcessGroup | None = None,
-    ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        super().__init__(self.params, {"lr": lr})
-        local = [local_tensor(p) for p in self.params]
-        kinds = {(t.dtype, t.device) for t in local}
-        if len(kinds) != 1:
-            raise ConfigError(
-                f"ZeRO-2 needs parameters of one dtype and device; this stage has {sorted(map(str, kinds))}"
-            )
-        ((dtype, device),) = kinds
-        self.group, self.replicas = group, replicas
-        self.rank, self.size = (
-            (group.rank, group.size) if replicas is None else (dist.get_rank(replicas), dist.get_world_size(replicas))
-        )
-        self.shapes = [t.shape for t in local]  # local shapes: what the flat buffers hold
-        self.numel = sum(t.numel() for t in local)
-        self.shard_numel = -(-self.numel // self.size)  # ceil: the flat buffers are padded to dp x shard
-        self.shard_start = self.rank * self.shard_numel
-        padded = self.shard_numel * self.size
-        self.flat_params = torch.zeros(padded, dtype=dtype, device=device)  # (dp * S,)
-        self.flat_grads = torch.zeros(padded, dtype=dtype, device=device)  # (dp * S,)
-        self.offsets: list[int] = []
-        self.grad_views: list[torch.Tensor] = []
-        offset = 0
-        with torch.no_grad():
-            for p, t in zip(self.params, local):
-                n = t.numel()
-                view = self.flat_params[offset : offset + n].view(t.shape)
-                view.copy_(t)
-                _rehome(p, view)  # the module's parameter (its local shard) is now a view of the flat buffer
-                self.grad_views.append(self.flat_grads[offset : offset + n].view(t.shape))
-                self.offsets.append(offset)
-                offset += n
-        # a view too: stepping the shard updates the module's parameters in place
-        self.shard = nn.Parameter(self.flat_params[self.shard_start : self.shard_start + self.shard_numel])
-        self.shard.grad = torch.zeros_like(self.shard)  # (S,) the averaged gradient of this slice
-        self.inner = torch.optim.AdamW([self.shard], lr=lr)
-        self._whole: dict[str, Any] | None = None
-
-    @property
-    def local_optimizer(self) -> torch.optim.Optimizer:
-        """The AdamW stepping this replica's slice (its state is what this replica holds)."""
-        return self.inner
-
-    def allreduce_gradients(self, module: nn.Module) -> None:
-        """The runtime's ALL_REDUCE: average the gradients, this replica receiving only its slice.
-
-        Gradients become views into the flat buffer (a parameter without one
-        counts as zeros); ``module`` is the one whose parameters this optimizer holds.
-        """
-        adopt_grads(self.params, self.grad_views)
-        assert self.shard.grad is not None
-        native_avg = self.group.backend == "nccl"
-        with self.group.guard("ZeRO-2 gradient reduce-scatter"):
-            reduce_scatter_flat(
-                self.shard.grad,
-                self.flat_grads,
-                op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
-                group=self.replicas,
-            )
-        if not native_avg:
-            self.shard.grad.div_(self.size)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """AdamW on this replica's slice, then every slice all-gathered into the parameters."""
-        loss = closure() if closure is not None else None
-        self.inner.param_groups[0].update(hyperparameters(self))  # e.g. an LR schedule set on this optimizer
-        self.inner.step()
-        with self.group.guard("ZeRO-2 parameter all-gather"):  # the input must not alias the output
-            all_gather_flat(self.flat_params, self.shard.detach().clone(), group=self.replicas)
-        return loss
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every replica's slice of the AdamW state on replica ``to`` (every replica must call it)."""
-        self._whole = None
-        shard_state = self.inner.state.get(self.shard, {})  # empty on every replica before the first step
-        gathered: dict[str, torch.Tensor] = {}
-        for key, value in shard_state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                parts = [torch.empty_like(value) for _ in range(self.size)] if self.rank == to else None
-                with self.group.guard("ZeRO-2 state gather"):
-                    dist.gather(value, parts, group=self.replicas, group_dst=to)
-                if parts is not None:
-                    gathered[key] = torch.cat(parts)[: self.numel]  # (N,) without the padding
-        if self.rank != to:
-            return
-        state: dict[int, dict[str, Any]] = {}
-        if shard_state:
-            for index, (shape, offset) in enumerate(zip(self.shapes, self.offsets)):
-                state[index] = {  # own tensors per parameter, as plain AdamW has (a checkpoint refuses shared ones)
-                    key: gathered[key][offset : offset + shape.numel()].view(shape).clone()
-                    if key in gathered
-                    else value.clone()
-                    if isinstance(value, torch.Tensor)
-                    else value
-                    for key, value in shard_state.items()
-                }
-        group = {**hyperparameters(self.inner), "params": list(range(len(self.params)))}
-        self._whole = {"state": state, "param_groups": [group]}
-
-    def whole_state_dict(self) -> dict[str, Any]:
-        """The whole stage's state as plain AdamW's ``state_dict`` (after :meth:`consolidate_state_dict`)."""
-        if self._whole is None:
-            raise RuntimeError(f"rank {self.rank}: call consolidate_state_dict(to={self.rank}) first")
-        whole, self._whole = self._whole, None
-        return whole
-
-    def load_whole_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep this replica's slice of a whole-stage AdamW ``state_dict`` (checked before anything changes;
-        DTensor values, a tensor-parallel stage's, give their local shards)."""
-        entries: dict[int, dict[str, Any]] = state_dict["state"]
-        if entries and sorted(entries) != list(range(len(self.params))):
-            raise ValueError(f"the optimizer state covers {len(entries)} of {len(self.params)} parameters, not all")
-        lo, hi = self.shard_start, self.shard_start + self.shard_numel
-        shard_state: dict[str, Any] = {}
-        for key, first in (entries[0] if entries else {}).items():
-            if not (isinstance(first, torch.Tensor) and first.dim() > 0):
-                shard_state[key] = first.clone() if isinstance(first, torch.Tensor) else first  # AdamW's step
-                continue
-            buffer = torch.zeros(self.shard_numel, dtype=first.dtype, device=self.shard.device)  # (S,)
-            for index, (shape, offset) in enumerate(zip(self.shapes, self.offsets)):
-                start, end = max(offset, lo), min(offset + shape.numel(), hi)
-                if start < end:  # this parameter overlaps this replica's slice
-                    value = local_tensor(entries[index][key]).reshape(-1)
-                    buffer[start - lo : end - lo] = value[start - offset : end - offset]
-            shard_state[key] = buffer
-        (group,) = state_dict["param_groups"]
-        hyper = {key: value for key, value in group.items() if key != "params"}
-        self.inner.load_state_dict(
-            {"state": {0: shard_state} if entries else {}, "param_groups": [{**hyper, "params": [0]}]}
-        )
-        self.param_groups[0]["lr"] = hyper["lr"]
-
-
-def _rehome(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` (the parameter's local shape, holding its values) the storage of ``param``, in place:
-    ``param.data`` for a plain parameter; a DTensor's local shard can only be swapped, so the DTensor is
-    (``torch.utils.swap_tensors``: the same Python object, which the optimizer and the module keep)."""
-    if not isinstance(param, DTensor):
-        param.data = view
-        return
-    rehomed = nn.Parameter(DTensor.from_local(view, param.device_mesh, param.placements, run_check=False))
-    torch.utils.swap_tensors(param, rehomed)
-    assert local_tensor(param).data_ptr() == view.data_ptr()

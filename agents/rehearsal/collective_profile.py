@@ -14,7 +14,9 @@ that a barrier across all of them keeps in step,
 1. times its stage whole as a training step runs it (``measure_stage``),
    sharded over its tp ranks as :func:`agents.tp.shard.shard_stage` does;
 2. times its ALL_REDUCE and STEP as the stage runtime runs them (the
-   optimizer at the job's ZeRO stage, :func:`agents.dp.zero.build_stage_optimizer`);
+   optimizer at the job's ZeRO stage, :func:`agents.dp.zero.build_stage_optimizer`, built after step 1:
+   ZeRO 2 reduces each backward's gradients from its hooks, which the stage's time leaves out; its
+   ALL_REDUCE is then one microbatch's gradients staged and reduce-scattered);
 3. times all-reduces and all-gathers over its tp group and its dp group at
    three sizes (a boundary activation up to the stage's gradients), each
    after a no-grad forward of one block, so the peers are computing as they
@@ -240,7 +242,6 @@ def _measure_rank(group: DataParallelGroup, request: dict[str, Any], barrier: An
 
         mesh = stage_mesh(g.dp, g.tp)
         shard_stage(module, mesh["tp"])
-    optimizer, all_reduce = _step_parts(job, g, module, group, mesh)
     barrier.wait(TIMEOUT_S)
     marks.append(time.perf_counter())
     timing = measure_stage(
@@ -257,8 +258,12 @@ def _measure_rank(group: DataParallelGroup, request: dict[str, Any], barrier: An
     )
     barrier.wait(TIMEOUT_S)
     marks.append(time.perf_counter())
+    optimizer, all_reduce = _step_parts(job, g, module, group, mesh)  # after the timing: ZeRO 2's hooks reduce
     syncs, steps = [], []
     for i in range(request["warmup"] + request["repeats"]):
+        for p in module.parameters():  # what a backward leaves (ZeRO 0 and 1 keep theirs; ZeRO 2 reduces them)
+            if p.grad is None:
+                p.grad = torch.ones_like(p)
         t0 = time.perf_counter()
         all_reduce()
         t1 = time.perf_counter()

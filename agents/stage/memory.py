@@ -6,7 +6,9 @@ microbatches keep for backward (:func:`geosched.memory.stage_memory_bytes`).
 :class:`MemoryMeter` measures the same two terms, on CPU and GPU alike:
 
 * model state: the bytes of the stage's parameters, their gradients and every
-  tensor in the optimizer's state, read from the tensors after a step;
+  tensor in the optimizer's state, read from the tensors after a step (ZeRO 2:
+  its slice of the gradients; the buckets it stages during a backward count
+  as activations do, while they live);
 * activations: every tensor autograd saves for backward during a forward
   (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage
   while the graph holds it (the saved handle uncounts it when autograd frees
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 
 from agents.dp.group import local_tensor
 from agents.dp.zero import optimizer_state_bytes
+from agents.dp.zero2 import ShardedGradAdamW
 
 
 class _Saved:
@@ -69,6 +72,8 @@ class MemoryMeter:
         self.steps = 0  # steps started
         self.state = self.state_bytes()
         self.peak = self.state
+        if isinstance(optimizer, ShardedGradAdamW):  # its buckets' staging lives while backwards run
+            optimizer.on_staging = self._staging
 
     @property
     def counting(self) -> bool:
@@ -78,6 +83,8 @@ class MemoryMeter:
     def state_bytes(self) -> int:
         """Parameters, their gradients and the optimizer's state (this rank's shards), in bytes."""
         total = optimizer_state_bytes(self.optimizer)
+        if isinstance(self.optimizer, ShardedGradAdamW):
+            total += self.optimizer.gradient_bytes()  # its slice of the gradients (the parameters' are transient)
         for p in self.module.parameters():
             total += _nbytes(p)
             if p.grad is not None:
@@ -138,6 +145,14 @@ class MemoryMeter:
     def let_go(self, nbytes: int) -> None:
         """What :meth:`hold` counted is freed."""
         self.live -= nbytes
+
+    def _staging(self, nbytes: int) -> None:
+        """ZeRO 2's staged gradient bytes changed by ``nbytes``: counted with the activations, as they too
+        live only while backwards run."""
+        if nbytes >= 0:
+            self.hold(nbytes)
+        else:
+            self.let_go(-nbytes)
 
     def report(self) -> dict[str, int]:
         """This step's figures: ``peak_bytes`` (state + activations), ``state_bytes``; on CUDA also

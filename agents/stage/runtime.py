@@ -22,7 +22,8 @@
                       input is token ids, with no gradient to send: I runs the
                       whole backward, W is a no-op
 ``SEND_B k``          send the input grad to stage s-1 (after B or I)
-``ALL_REDUCE``        average gradients over the stage's data-parallel group
+``ALL_REDUCE``        average gradients over the stage's data-parallel group (ZeRO 2 reduce-scatters
+                      each microbatch's as its B or W ends, and finishes here)
 ``STEP``              optimizer step, then zero the gradients
 ====================  ==========================================================
 
@@ -52,7 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -93,6 +94,17 @@ class GradientSync(Protocol):
     def allreduce_gradients(self, module: nn.Module) -> None:
         """Replace every ``.grad`` of ``module`` by its average over the group."""
         ...
+
+
+@runtime_checkable
+class MicrobatchReduce(Protocol):
+    """A gradient sync that reduces each microbatch's gradients as its backward ends (ZeRO 2,
+    ``agents.dp.zero2.ShardedGradAdamW``): the runtime tells it when a backward is done, and which
+    parameters a zero-bubble W gave a gradient by hand."""
+
+    def grad_ready(self, param: Tensor) -> None: ...
+
+    def backward_done(self) -> None: ...
 
 
 class StageModel(Protocol):
@@ -172,6 +184,9 @@ class StageRuntime:
         split = any(action.kind is K.BACKWARD_INPUT for action in self.actions)
         # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
         self._split = SplitBackward(cast("nn.Module", module)) if split and not module.first else None
+        self._reduce = grad_sync if isinstance(grad_sync, MicrobatchReduce) else None
+        if self._reduce is not None and self._split is not None and self._split.store is not None:
+            self._split.store.after_grad = self._reduce.grad_ready
         optimizer.zero_grad(set_to_none=True)
         self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
         self.step_in_progress: int | None = None
@@ -254,10 +269,14 @@ class StageRuntime:
                 self._forward(mb, state)
             elif kind is K.BACKWARD:
                 self._backward(mb, state)
+                if self._reduce is not None:
+                    self._reduce.backward_done()
             elif kind is K.BACKWARD_INPUT:
                 self._backward_input(mb, state)
             elif kind is K.BACKWARD_WEIGHT:
                 self._backward_weight(mb, state)
+                if self._reduce is not None:
+                    self._reduce.backward_done()
             elif kind is K.RECV_F:
                 return self._receive(self.stage - 1, "F", mb, state)
             elif kind is K.RECV_B:
