@@ -188,7 +188,7 @@ def make_plan(
         stats_of[id(evaluator)] = stats
         return best
 
-    results = search_variants(cfg, pins, searcher, deadline=deadline)
+    results = search_variants(cfg, pins, searcher, deadline=deadline, bound=objective.name != "prefill")
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
@@ -225,7 +225,10 @@ def make_plan(
     skipped = sum(r.skipped for r in results)
     if skipped:
         stats.notes.append(f"time limit: {skipped} of {len(results)} variants not screened")
-    misfits = [r.problem.variant.describe() for r in results if r.best is None and not r.skipped]
+    beyond = sum(r.bounded for r in results)
+    if beyond:
+        stats.notes.append(f"{beyond} of {len(results)} variants not screened: their floors are no faster")
+    misfits = [r.problem.variant.describe() for r in results if r.best is None and not (r.skipped or r.bounded)]
     if misfits:  # one note, not one per variant (a large job may rule out dozens)
         shown = ", ".join(misfits[:MISFITS_SHOWN]) + (", ..." if len(misfits) > MISFITS_SHOWN else "")
         stats.notes.append(f"{len(misfits)} of {len(results)} variants fit no plan ({shown})")

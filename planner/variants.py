@@ -76,6 +76,11 @@ ACROSS_TOP = 2
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
 THREADS = min(4, os.cpu_count() or 1)
+ZERO_2_TWINS = 4
+"""Of the screened variants, the best this many are screened again at ZeRO 2 where it allows fewer stages."""
+SCREEN_BATCH = 4
+"""Variants screened together, in the order of their floors; a later one whose floor is no faster than the
+best plan of those before is not screened (a fixed count, not THREADS: the same plans on any machine)."""
 """Variants searched at once (:func:`in_parallel`); the plan does not depend on it."""
 LOCAL_SIMULATIONS = 32
 """Most pipelines kept inside DCs (:func:`local_best`) one variant simulates."""
@@ -257,6 +262,8 @@ class VariantResult:
     best: Evaluation | None
     skipped: bool = False
     """Not screened: the deadline had passed and another variant had a plan."""
+    bounded: bool = False
+    """Not screened: its floors (:func:`planner.floors.job_floors`) were no faster than a plan already found."""
 
 
 Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
@@ -290,14 +297,33 @@ def with_schedules(result: VariantResult, pins: Pins, cfg: Config) -> list[Varia
 
 
 def search_variants(
-    cfg: Config, pins: Pins, search: Searcher, goal: Goal = Goal(), deadline: float | None = None
+    cfg: Config,
+    pins: Pins,
+    search: Searcher,
+    goal: Goal = Goal(),
+    deadline: float | None = None,
+    bound: bool = True,
 ) -> list[VariantResult]:
     """Screen every variant, search the best :data:`FULL_SEARCHES` in full, add the other schedules.
 
     Returns every result, best first (results with no plan last). Past ``deadline`` (``time.monotonic()``,
     ``--time-limit``) only what gives each variant a first plan still runs: the climbs, the pipelines inside
-    DCs and the widening across DCs are skipped where a plan is already known.
+    DCs and the widening across DCs are skipped where a plan is already known. With ``bound`` (an objective
+    no plan scores below its iteration time on), variants are screened in the order of their floors,
+    :data:`SCREEN_BATCH` at a time, and those whose floor is no faster than a plan found are not screened:
+    none of their plans could win.
     """
+    bound = bound and not pins.cross_dc_dp  # --cross-dc-dp drops plans after screening: keep every variant
+    floors: dict[Variant, float] = {}
+
+    def floor_of(variant: Variant) -> float:  # the schedule changes no floor
+        key = dataclasses.replace(variant, schedule="1f1b")
+        if key not in floors:
+            floors[key] = job_floors(Problem(cfg, variant, dp=pins.dp)).best_s
+        return floors[key]
+
+    def key(r: VariantResult) -> float:
+        return math.inf if r.best is None else r.best.score(goal.weight)
 
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
@@ -331,26 +357,35 @@ def search_variants(
             derived = VariantResult(problem, Evaluator(problem), None, skipped=skip)
         return with_local(derived)
 
-    def screen_all(options: list[Variant]) -> list[VariantResult]:
-        """Every variant screened: GPipe and 1F1B ones by a search each; a ZB-H1 one (whose placements are
-        1F1B's: same dependencies, its memory checked) from its 1F1B twin when that is screened too."""
+    def screen_all(options: list[Variant], best_s: float = math.inf) -> list[VariantResult]:
+        """Every variant screened: GPipe and 1F1B ones by a search each (or bounded out); a ZB-H1 one (whose
+        placements are 1F1B's: same dependencies, its memory checked) from its 1F1B twin when that is
+        screened too."""
         derived = [v for v in options if v.schedule == "zb1p" and dataclasses.replace(v, schedule="1f1b") in options]
         searched = [v for v in options if v not in derived]
-        screened_by.update(zip(searched, in_parallel(screen, searched)))
+        if bound:
+            searched.sort(key=floor_of)  # stable: ties keep the options' order
+        for start in range(0, len(searched), SCREEN_BATCH if bound else len(searched) or 1):
+            batch = [v for v in searched[start : start + SCREEN_BATCH if bound else None] if floor_of(v) < best_s]
+            screened_by.update(zip(batch, in_parallel(screen, batch)))
+            best_s = min([best_s, *(key(screened_by[v]) for v in batch)]) if bound else best_s
+        for variant in searched:
+            if variant not in screened_by:
+                problem = Problem(cfg, variant, dp=pins.dp)
+                screened_by[variant] = VariantResult(problem, Evaluator(problem), None, bounded=True)
         screened_by.update(zip(derived, in_parallel(derive, derived)))
         return [screened_by[v] for v in options]
 
     screened_by: dict[Variant, VariantResult] = {}
     options = variant_options(cfg, pins)
     screened = screen_all(options)
-    if pins.zero is None:  # shard the gradients too where memory binds
+    if pins.zero is None:  # shard the gradients too where memory binds: everywhere if nothing fits, else the
+        # twins of the best few variants that ZeRO 2 lets hold the model in fewer stages
         nothing = all(r.best is None for r in screened)
-        screened += screen_all(
-            [dataclasses.replace(v, zero=2) for v in options if nothing or shallower_at_zero_2(cfg, v)]
-        )
-
-    def key(r: VariantResult) -> float:
-        return math.inf if r.best is None else r.best.score(goal.weight)
+        best_s = min(map(key, screened))
+        ranked = [r.problem.variant for r in sorted(screened, key=key) if r.best is not None]
+        twins = options if nothing else [v for v in ranked[:ZERO_2_TWINS] if shallower_at_zero_2(cfg, v)]
+        screened += screen_all([dataclasses.replace(v, zero=2) for v in twins], best_s)
 
     screened.sort(key=key)
     cutoff = key(screened[0]) * (1 + FULL_WITHIN)

@@ -328,3 +328,80 @@ def test_the_cross_dc_sync_inside_dcs_runs_at_a_calibrations_measured_ring() -> 
     assert calibrated[0] > plain[0] and calibrated[1] == plain[1]
     other = dataclasses.replace(base, collectives=(dataclasses.replace(slow, group=8),))
     assert sync_times(problem, cand, other) == plain
+
+
+GPU_KINDS = {
+    "A100-40G": {"name": "A100-40G", "tflops": 150, "memory_gib": 40},
+    "A100": {"name": "A100", "tflops": 150, "memory_gib": 80},
+    "L40S": {"name": "L40S", "tflops": 90, "memory_gib": 48},
+}
+SEVEN_DCS = [  # name, GPUs, kind, intra-DC Gb/s
+    ("dc0", 256, "A100-40G", 200),
+    ("dc1", 64, "A100", 400),
+    ("dc2", 1024, "L40S", 200),
+    ("dc3", 1024, "A100-40G", 200),
+    ("dc4", 128, "L40S", 400),
+    ("dc5", 128, "L40S", 200),
+    ("dc6", 64, "A100", 200),
+]
+SEVEN_LINKS = [  # the two DCs, Gb/s, RTT ms, Gb/s per connection
+    ("dc0", "dc1", 25, 5, 5),
+    ("dc0", "dc3", 10, 40, 1),
+    ("dc0", "dc4", 200, 5, 2.5),
+    ("dc0", "dc5", 200, 40, 2.5),
+    ("dc0", "dc6", 25, 5, 2.5),
+    ("dc1", "dc2", 10, 80, 2.5),
+    ("dc1", "dc5", 10, 5, 1),
+    ("dc1", "dc6", 25, 20, 2.5),
+    ("dc2", "dc3", 10, 5, 1),
+    ("dc2", "dc4", 10, 5, 5),
+    ("dc2", "dc5", 25, 80, 1),
+    ("dc3", "dc4", 10, 20, 1),
+    ("dc3", "dc5", 10, 5, 2.5),
+    ("dc3", "dc6", 25, 40, 5),
+    ("dc4", "dc5", 10, 5, 5),
+    ("dc4", "dc6", 25, 20, 5),
+    ("dc5", "dc6", 10, 40, 5),
+]
+SEVEN_DC_175B = {  # a random cluster of the planner fuzz (benchmarks/README.md) on which some variants bound out
+    "cluster": {
+        "name": "f9",
+        "datacenters": [
+            {"name": n, "gpus": g, "gpu": GPU_KINDS[k], "intra_bandwidth_gbps": bw, "intra_latency_us": 5}
+            for n, g, k, bw in SEVEN_DCS
+        ],
+        "links": [
+            {
+                "between": [a, b],
+                "bandwidth_gbps": bw,
+                "rtt_ms": rtt,
+                "per_connection_gbps": c,
+                "egress_usd_per_gb": 0.02,
+            }
+            for a, b, bw, rtt, c in SEVEN_LINKS
+        ],
+    },
+    "job": {
+        "model": {"layers": 96, "hidden": 12288, "heads": 96, "seq_len": 2048, "vocab": 50257},
+        "global_batch": 4096,
+        "precision": "bf16",
+        "optimizer_bytes_per_param": 12,
+        "recompute": "none",
+    },
+}
+
+
+@pytest.mark.slow
+def test_variants_bounded_out_by_their_floors_lose_nothing(monkeypatch) -> None:
+    """A 175B job over 7 DCs: variants whose floors are no faster than a plan already found are not screened,
+    and the plan is the one screening every variant finds (one batch: nothing is known before it)."""
+    import planner.variants
+
+    cfg = config_from_dict(SEVEN_DC_175B)
+    bounded = make_plan(cfg)
+    assert any("variants not screened: their floors are no faster" in note for note in bounded.stats.notes)
+    monkeypatch.setattr(planner.variants, "SCREEN_BATCH", 10**6)
+    every = make_plan(cfg)
+    assert not any("floors are no faster" in note for note in every.stats.notes)
+    assert bounded.best.iteration_s == every.best.iteration_s
+    assert bounded.best.candidate == every.best.candidate
