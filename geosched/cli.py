@@ -90,10 +90,13 @@ def named_verb(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``geosched`` console script."""
+    """Entry point of the ``geosched`` console script (``argv`` None: this process's own arguments, and it
+    ends with the command; a verb may then skip cleanup nobody would see, ``args.process_ends``)."""
+    process_ends = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(named_verb(argv))
     args = parser.parse_args(argv)
+    args.process_ends = process_ends
     if args.verb is None:
         parser.print_help()
         return 2

@@ -184,6 +184,7 @@ def make_plan(
                 restage=False,
                 polish_work=SCREEN_WORK,
                 max_models=SCREEN_MODELS,
+                from_baselines=False,
             )
         stats_of[id(evaluator)] = stats
         return best

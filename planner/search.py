@@ -224,6 +224,7 @@ def search(
     polish_budget: int = POLISH_SIMULATIONS,
     polish_work: float = POLISH_WORK,
     max_models: int | None = None,
+    from_baselines: bool = True,
 ) -> tuple[Evaluation | None, SearchStats]:
     """Best simulated plan for ``goal`` (None when no plan meets ``require``/``allowed``), and stats.
 
@@ -232,6 +233,8 @@ def search(
     ``polish_budget``: simulations per hill climb; ``polish_work``: stage-microbatches simulated by all
     climbs together (what sizes the climbs by the problem: a 51-stage pipeline gets fewer simulations);
     ``max_models``: at most this many CP-SAT models (a screening search, :mod:`planner.variants`).
+    ``from_baselines``: start from the pipeline baselines too (equal stages, Atlas greedy: up to a second of
+    simulations on a 175B job, which a screening search of dozens of variants skips).
     """
     began = time.monotonic()
     large = len(problem.dcs) > SHORTLIST and allowed is None
@@ -239,7 +242,8 @@ def search(
         effort = LARGE_EFFORT if large else SMALL_EFFORT
     deadline = began + time_limit_s if time_limit_s is not None else math.inf
     stats = SearchStats()
-    seeds = list(single_stage(problem)) + [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)]
+    seeds = list(single_stage(problem))
+    seeds += [ev.candidate for ev in baselines.pipeline_baselines(problem, evaluator)] if from_baselines else []
     seeds += [ev.candidate for ev in evaluator.evaluated]  # what earlier searches simulated (explanations share it)
     seeds += proposals(problem, evaluator)
     spent = 0.0  # CP-SAT deterministic seconds so far

@@ -328,11 +328,15 @@ def search_variants(
     def late() -> bool:
         return deadline is not None and time.monotonic() > deadline
 
+    known = [math.inf]  # with bound: the best score of the variants screened in earlier batches
+
     def with_local(result: VariantResult) -> VariantResult:
         # pipelines inside DCs: cheap, and often the best on slow WANs (past the deadline only for a first plan)
         if pins.cross_dc_dp is not False and (result.best is None or not late()):
             best = result.best
-            found = local_best(result.problem, result.evaluator, pins, best) + ([best] if best is not None else [])
+            cutoff = known[0] if bound else math.inf
+            found = local_best(result.problem, result.evaluator, pins, best, cutoff)
+            found += [best] if best is not None else []
             result.best = min(found, key=lambda ev: ev.score(goal.weight), default=None)
         return result
 
@@ -350,6 +354,9 @@ def search_variants(
 
     def derive(variant: Variant) -> VariantResult:  # a zero-bubble variant from its 1F1B twin's placements
         twin = screened_by[dataclasses.replace(variant, schedule="1f1b")]
+        if twin.bounded:  # the schedule changes no floor
+            problem = Problem(cfg, variant, dp=pins.dp)
+            return VariantResult(problem, Evaluator(problem), None, bounded=True)
         skip = late() and bool(planned)  # judged once: the clock may pass the deadline in between
         derived = None if skip else under_schedule(twin, variant.schedule, pins, cfg)
         if derived is None:
@@ -367,8 +374,10 @@ def search_variants(
             searched.sort(key=floor_of)  # stable: ties keep the options' order
         for start in range(0, len(searched), SCREEN_BATCH if bound else len(searched) or 1):
             batch = [v for v in searched[start : start + SCREEN_BATCH if bound else None] if floor_of(v) < best_s]
+            known[0] = best_s
             screened_by.update(zip(batch, in_parallel(screen, batch)))
             best_s = min([best_s, *(key(screened_by[v]) for v in batch)]) if bound else best_s
+        known[0] = best_s
         for variant in searched:
             if variant not in screened_by:
                 problem = Problem(cfg, variant, dp=pins.dp)
@@ -473,14 +482,16 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
     result.best = min(found + kept, key=lambda ev: ev.iteration_s, default=None)
 
 
-def local_best(problem: Problem, evaluator: Evaluator, pins: Pins, best: Evaluation | None) -> list[Evaluation]:
-    """The pipelines kept inside DCs (:func:`planner.replicas.local_pipelines`) that may beat ``best``,
-    simulated in the order of their lower bounds (at most :data:`LOCAL_SIMULATIONS`), and the best of them
-    climbed (:data:`LOCAL_WORK`)."""
+def local_best(
+    problem: Problem, evaluator: Evaluator, pins: Pins, best: Evaluation | None, cutoff: float = math.inf
+) -> list[Evaluation]:
+    """The pipelines kept inside DCs (:func:`planner.replicas.local_pipelines`) that may beat ``best`` and
+    ``cutoff`` (seconds: a plan already found elsewhere), simulated in the order of their lower bounds (at
+    most :data:`LOCAL_SIMULATIONS`), and the best of them climbed (:data:`LOCAL_WORK`)."""
     cands = [c for c in local_pipelines(problem) if pins.breaks(c) is None]
     found: list[Evaluation] = []
     for cand in sorted(cands, key=lambda c: evaluator.lower_bound(c))[:LOCAL_SIMULATIONS]:
-        if best is not None and evaluator.lower_bound(cand) >= best.iteration_s:
+        if evaluator.lower_bound(cand) >= min(cutoff, best.iteration_s if best is not None else math.inf):
             break
         found.append(evaluator.evaluate(cand))
         best = min(filter(None, (best, found[-1])), key=lambda ev: ev.iteration_s)
