@@ -212,10 +212,8 @@ def shallower_at_zero_2(cfg: Config, variant: Variant) -> bool:
     DC than its own ZeRO level does (:func:`planner.replicas.fewest_stacked`): a shallower pipeline, with
     fewer bubbles, may outweigh ZeRO 2's reduce-scatter after every microbatch, which the search then judges."""
     sharded = fewest_stacked(Problem(cfg, dataclasses.replace(variant, zero=2)))
-    if sharded is None:
-        return False
-    own = fewest_stacked(Problem(cfg, variant))
-    return own is None or sharded < own
+    own = fewest_stacked(Problem(cfg, variant)) if sharded is not None else None
+    return sharded is not None and (own is None or sharded < own)
 
 
 def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
