@@ -234,13 +234,9 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     out: list[Candidate] = []
     for group, roomiest in _groups(problem):
         for dc in group:
-            least = _fewest_stages(problem, problem.memory_bytes[dc])  # no fewer fit (0: not even one block)
-            for d, m in problem.dp_options() if least else ():
+            for d, m in problem.dp_options():
                 most = min(problem.layers, problem.gpus[dc] // d)
-                fitting = (
-                    p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None
-                )
-                fewest = next(fitting, None)
+                fewest = _fewest_fitting(problem, dc, d, m, most)
                 depths = {fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()
                 for p in sorted(depths):
                     if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
@@ -255,12 +251,18 @@ def fewest_stacked(problem: Problem) -> int | None:
     data-parallel degree, under the real memory rule (None: no such pipeline fits)."""
     best: int | None = None
     for _, dc in _groups(problem):
-        least = _fewest_stages(problem, problem.memory_bytes[dc])
-        for d, m in problem.dp_options() if least else ():
+        for d, m in problem.dp_options():
             most = min(problem.layers, problem.gpus[dc] // d, (best or problem.layers + 1) - 1)
-            fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
-            best = next(fits, best)
+            best = _fewest_fitting(problem, dc, d, m, most) or best
     return best
+
+
+def _fewest_fitting(problem: Problem, dc: str, d: int, m: int, most: int) -> int | None:
+    """The fewest equal stages, at most ``most``, that fit stacked in ``dc`` at ``d`` replicas of ``m``
+    microbatches (None: none does), scanned from the fewest memory allows (:func:`_fewest_stages`)."""
+    least = _fewest_stages(problem, problem.memory_bytes[dc])  # no fewer fit (0: not even one block)
+    fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
+    return next(fits, None) if least else None
 
 
 def _fewest_stages(problem: Problem, memory_bytes: float) -> int:

@@ -76,12 +76,12 @@ ACROSS_TOP = 2
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
 THREADS = min(4, os.cpu_count() or 1)
+"""Variants searched at once (:func:`in_parallel`); the plan does not depend on it."""
 ZERO_2_TWINS = 4
 """Of the screened variants, the best this many are screened again at ZeRO 2 where it allows fewer stages."""
 SCREEN_BATCH = 4
 """Variants screened together, in the order of their floors; a later one whose floor is no faster than the
 best plan of those before is not screened (a fixed count, not THREADS: the same plans on any machine)."""
-"""Variants searched at once (:func:`in_parallel`); the plan does not depend on it."""
 LOCAL_SIMULATIONS = 32
 """Most pipelines kept inside DCs (:func:`local_best`) one variant simulates."""
 LOCAL_WORK = 4_000
@@ -350,17 +350,17 @@ def search_variants(
             planned.append(True)
         return result
 
+    def unscreened(variant: Variant, *, skipped: bool = False, bounded: bool = False) -> VariantResult:
+        problem = Problem(cfg, variant, dp=pins.dp)
+        return VariantResult(problem, Evaluator(problem), None, skipped=skipped, bounded=bounded)
+
     def derive(variant: Variant) -> VariantResult:  # a zero-bubble variant from its 1F1B twin's placements
         twin = screened_by[dataclasses.replace(variant, schedule="1f1b")]
         if twin.bounded:  # the schedule changes no floor
-            problem = Problem(cfg, variant, dp=pins.dp)
-            return VariantResult(problem, Evaluator(problem), None, bounded=True)
+            return unscreened(variant, bounded=True)
         skip = late() and bool(planned)  # judged once: the clock may pass the deadline in between
         derived = None if skip else under_schedule(twin, variant.schedule, pins, cfg)
-        if derived is None:
-            problem = Problem(cfg, variant, dp=pins.dp)
-            derived = VariantResult(problem, Evaluator(problem), None, skipped=skip)
-        return with_local(derived)
+        return with_local(derived if derived is not None else unscreened(variant, skipped=skip))
 
     def screen_all(options: list[Variant], best_s: float = math.inf) -> list[VariantResult]:
         """Every variant screened: GPipe and 1F1B ones by a search each (or bounded out); a ZB-H1 one (whose
@@ -370,16 +370,16 @@ def search_variants(
         searched = [v for v in options if v not in derived]
         if bound:
             searched.sort(key=floor_of)  # stable: ties keep the options' order
-        for start in range(0, len(searched), SCREEN_BATCH if bound else len(searched) or 1):
-            batch = [v for v in searched[start : start + SCREEN_BATCH if bound else None] if floor_of(v) < best_s]
-            known[0] = best_s
-            screened_by.update(zip(batch, in_parallel(screen, batch)))
-            best_s = min([best_s, *(key(screened_by[v]) for v in batch)]) if bound else best_s
+        else:
+            screened_by.update(zip(searched, in_parallel(screen, searched)))
         known[0] = best_s
+        for start in range(0, len(searched), SCREEN_BATCH) if bound else ():
+            batch = [v for v in searched[start : start + SCREEN_BATCH] if floor_of(v) < best_s]
+            screened_by.update(zip(batch, in_parallel(screen, batch)))
+            best_s = known[0] = min([best_s, *(key(screened_by[v]) for v in batch)])
         for variant in searched:
             if variant not in screened_by:
-                problem = Problem(cfg, variant, dp=pins.dp)
-                screened_by[variant] = VariantResult(problem, Evaluator(problem), None, bounded=True)
+                screened_by[variant] = unscreened(variant, bounded=True)
         screened_by.update(zip(derived, in_parallel(derive, derived)))
         return [screened_by[v] for v in options]
 

@@ -42,10 +42,11 @@ from agents.dp import ring
 from agents.dp.health import HeartbeatMonitor, store_timeout, wait_for_listener
 from agents.dp.spec import GroupSpec, choose_backend
 from geosched.errors import CollectiveError, ConfigError
+from geosched.memory import GRADIENT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_BUCKET_CAP_MB = GRADIENT_BUCKET_BYTES / 2**20  # DDP's 25 MiB, ZeRO 2's bucket too
 
 # The flat collectives under the names of the torch at hand: torch 2.13 calls them reduce_scatter_single and
 # all_gather_single, earlier releases (GPU hosts bring their own CUDA build, torch >= 2.4) reduce_scatter_tensor

@@ -56,7 +56,6 @@ class _Bucket:
 
     params: list[int]  # indices into ShardedGradAdamW.params, in the order they sit in the bucket
     start: int  # where the bucket begins in the flat parameter buffer
-    numel: int  # its elements without the padding
     shard_numel: int  # S: each replica's slice; the bucket spans size x S elements
     staging: torch.Tensor | None = None  # (size x S,) gradients given since the last reduce-scatter
     given: set[int] = field(default_factory=set)  # parameters in staging since then
@@ -99,7 +98,6 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         )
         self.native_avg = group.backend == "nccl"
         self.shapes = [t.shape for t in local]  # local shapes: what the flat buffers hold
-        self.numel = sum(t.numel() for t in local)
         self.buckets = _plan_buckets(local, linear or set(), bucket_bytes // local[0].element_size(), self.size)
         self.where: list[tuple[int, int]] = [(0, 0)] * len(self.params)  # param -> (bucket, offset in the buffer)
         for b, bucket in enumerate(self.buckets):
@@ -321,7 +319,7 @@ def _plan_buckets(local: list[torch.Tensor], linear: set[int], cap_numel: int, s
         nonlocal start
         numel = sum(local[i].numel() for i in indices)
         shard = -(-numel // size)
-        buckets.append(_Bucket(indices, start, numel, shard))
+        buckets.append(_Bucket(indices, start, shard))
         start += shard * size
 
     for kind in (True, False):
