@@ -76,11 +76,12 @@ def run_case(name: str, cfg, time_limit_s: float | None, exact_check: bool = Tru
     """Plan one case as ``geosched plan`` does by default (with baselines and explanations); plan it again
     to check the plan is the same; simulate the baselines; brute-force it when small."""
     started = time.perf_counter()
-    outcome = make_plan(cfg, time_limit_s=time_limit_s, explain=True)
+    outcome = make_plan(cfg, time_limit_s=time_limit_s, explain=True, fork=True)  # as `geosched plan` searches
     solve_s = time.perf_counter() - started
     all_baselines(outcome.problem, outcome.evaluator)
     wall_s = time.perf_counter() - started
-    same = plan_text(make_plan(cfg, time_limit_s=time_limit_s, explain=True)) == plan_text(outcome)
+    again = make_plan(cfg, time_limit_s=time_limit_s, explain=True)  # in threads: the same plan
+    same = plan_text(again) == plan_text(outcome)
     best = outcome.best
     row = {
         "case": name,

@@ -41,6 +41,38 @@ def message_overhead_s(calibration: Calibration, nbytes: int, streams: int, wan:
     )
 
 
+def stage_computes(
+    cluster: ClusterSpec,
+    job: JobSpec,
+    stage_dcs: Sequence[str],
+    stage_layers: Sequence[tuple[int, int]],
+    replicas: int,
+    calibration: Calibration | None = None,
+    memo: dict[Hashable, Any] | None = None,
+) -> list[StageCompute]:
+    """Every stage's :func:`~geosched.costmodel.stage_compute` (ZeRO sharding over ``replicas``), memoised in
+    ``memo`` by what they depend on: DCs of one GPU kind and node share them."""
+    known = {} if memo is None else memo
+    out = []
+    for i, (dc, lay) in enumerate(zip(stage_dcs, stage_layers)):
+        spec = cluster.dc(dc)
+        first, last = i == 0, i == len(stage_dcs) - 1
+        key = ("compute", spec.gpu.tflops, spec.node_bandwidth_gbps, spec.node_latency_us, lay, first, last, replicas)
+        if key not in known:
+            known[key] = stage_compute(
+                job,
+                spec.gpu.tflops,
+                lay,
+                first,
+                last,
+                calibration,
+                tp_allreduce=tp_allreduce_s(job, spec, calibration),
+                dp=replicas,
+            )
+        out.append(known[key])
+    return out
+
+
 _MESSAGE_PEER = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}
 """Which neighbour a SEND/RECV action talks to: stage + this."""
 
@@ -86,40 +118,15 @@ class PipelineCosts:
         p = len(self.stage_dcs)
         known = {} if memo is None else memo  # stages (and boundaries) alike cost alike
 
-        def compute(dc: str, lay: tuple[int, int], first: bool, last: bool) -> StageCompute:
-            spec = cluster.dc(dc)  # what of the DC the costs depend on: DCs of one GPU kind and node share them
-            key = (
-                "compute",
-                spec.gpu.tflops,
-                spec.node_bandwidth_gbps,
-                spec.node_latency_us,
-                lay,
-                first,
-                last,
-                self.replicas,
-            )
-            if key not in known:
-                known[key] = stage_compute(
-                    job,
-                    spec.gpu.tflops,
-                    lay,
-                    first,
-                    last,
-                    calibration,
-                    tp_allreduce=tp_allreduce_s(job, spec, calibration),
-                    dp=self.replicas,
-                )
-            return known[key]  # type: ignore[no-any-return]
-
         def grad_bytes(lay: tuple[int, int], first: bool, last: bool) -> int:
             key = ("params", lay, first, last)
             if key not in known:
                 known[key] = stage_params(job, lay, first, last) * job.bytes_per_element
             return known[key]  # type: ignore[no-any-return]
 
-        self.compute = [
-            compute(dc, lay, i == 0, i == p - 1) for i, (dc, lay) in enumerate(zip(self.stage_dcs, self.stage_layers))
-        ]
+        self.compute = stage_computes(
+            cluster, job, self.stage_dcs, self.stage_layers, self.replicas, calibration, known
+        )
         self.grad_bytes = [grad_bytes(lay, i == 0, i == p - 1) for i, lay in enumerate(self.stage_layers)]
         self._measured_sync = [  # a stage's ALL_REDUCE measured as its agent runs it, at this dp
             _measured_sync_s(calibration, lay, i == 0, i == p - 1, job.tp, dp)

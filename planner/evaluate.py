@@ -11,11 +11,12 @@ without simulating them, and checked against the simulator in the tests).
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+import heapq
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from geosched.pipeline_costs import PipelineCosts
+from geosched.pipeline_costs import PipelineCosts, stage_computes
 from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
 from planner.replicas import cost_options, gradient_wan_bytes
 from planner.space import Candidate, Problem
@@ -219,6 +220,10 @@ class Evaluator:
         self._cache[cand] = result
         return result
 
+    def remember(self, ev: Evaluation) -> None:
+        """Take a verdict simulated elsewhere (by a forked search, :mod:`planner.results`) as this one's."""
+        self._cache.setdefault(ev.candidate, ev)
+
     def _egress_usd(self, wan: dict[tuple[str, str], int]) -> float:
         """Dollars of egress for ``wan`` bytes per link direction."""
         return sum(nbytes / GB * self.problem.require_link(a, b).egress_usd_per_gb for (a, b), nbytes in wan.items())
@@ -239,6 +244,29 @@ class Evaluator:
             return known
         self.bounds[cand] = bound = self._lower_bound(cand)
         return bound
+
+    def compute_bound(self, cand: Candidate) -> float:
+        """``m x max_s (f_s + b_s)``: the busiest stage's compute, a term of :func:`pipeline_lower_bound` and so
+        at most :meth:`lower_bound`, for a fraction of its price (no links, no warm-up)."""
+        pr = self.problem
+        replicas = cand.replicas if cand.extra_paths else cand.dp
+        compute = stage_computes(
+            pr.cluster, pr.job, cand.stage_dcs, cand.stage_layers, replicas, memo=self._stage_costs
+        )
+        return cand.microbatches * max(c.forward_s + c.backward_s for c in compute)
+
+    def by_bound(self, cands: Iterable[Candidate]) -> Iterator[Candidate]:
+        """``cands`` in the order of ``sorted(cands, key=self.lower_bound)`` (ties keep their order), lazily:
+        a candidate's :meth:`lower_bound` is computed only once its :meth:`compute_bound` (never larger) comes
+        up, so a consumer that stops after the first few prices few of them."""
+        heap = [(self.compute_bound(c), k, False, c) for k, c in enumerate(cands)]
+        heapq.heapify(heap)
+        while heap:
+            bound, k, exact, cand = heapq.heappop(heap)
+            if exact:
+                yield cand
+            else:
+                heapq.heappush(heap, (self.lower_bound(cand), k, True, cand))
 
     def _lower_bound(self, cand: Candidate) -> float:
         costs = self.costs(cand)
@@ -261,7 +289,7 @@ class Evaluator:
         """The fastest of ``cands`` when simulated (ties: the first); each whose proven lower bound cannot beat
         the fastest so far is skipped unsimulated, so the answer is the same as simulating them all."""
         best: Evaluation | None = None
-        for cand in sorted(cands, key=self.lower_bound):
+        for cand in self.by_bound(cands):
             if best is not None and self.lower_bound(cand) >= best.iteration_s:
                 break
             ev = self.evaluate(cand)

@@ -20,10 +20,11 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import counted
 from planner.floors import Floors, Optimality, optimality
+from planner.parallel import in_parallel
 from planner.plan import ZERO_UNUSED, Plan
 from planner.search import SHORTLIST, search
 from planner.space import Problem
-from planner.variants import in_parallel, space_floors
+from planner.variants import space_floors
 
 MB = 1e6
 # Budgets of all the counterfactual searches together, shared equally (deterministic: the same text under any load)

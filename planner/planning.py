@@ -141,11 +141,14 @@ def make_plan(
     with_frontier: bool = False,
     pins: Pins = Pins(),
     explain: bool = False,
+    fork: bool = False,
 ) -> PlanOutcome:
     """Plan ``cfg`` for ``objective`` within ``pins`` (and what the config pins); PlanInfeasible (exit 2)
     names the tightest constraint of the roomiest variant when no variant fits. ``explain``: also say why
     each idle GPU stays idle (:func:`planner.explain.unused_reasons`); those searches may find a faster plan
-    than the search did (they start from other constraints), which is then the plan (time objective)."""
+    than the search did (they start from other constraints), which is then the plan (time objective).
+    ``fork``: search variants side by side in forked processes where this process may fork (the same plan,
+    sooner: :mod:`planner.parallel`)."""
     if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
         raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
     started = time.monotonic()
@@ -153,14 +156,13 @@ def make_plan(
     variants = variant_options(cfg, pins)
     check_size(Problem(cfg, variants[0], dp=pins.dp))  # the largest problem the planner accepts, before any search
     deadline = None if time_limit_s is None else started + time_limit_s
-    stats_of: dict[int, SearchStats] = {}
 
-    def searcher(problem: Problem, evaluator: Evaluator, share: float) -> Evaluation | None:
+    def searcher(problem: Problem, evaluator: Evaluator, share: float) -> tuple[Evaluation | None, SearchStats]:
         left = None if deadline is None else max(0.05, deadline - time.monotonic())
         try:
             check_feasible(problem)
         except PlanInfeasible:
-            return None
+            return None, SearchStats()
         if share:
             best, stats = search(
                 problem,
@@ -186,10 +188,9 @@ def make_plan(
                 max_models=SCREEN_MODELS,
                 from_baselines=False,
             )
-        stats_of[id(evaluator)] = stats
-        return best
+        return best, stats
 
-    results = search_variants(cfg, pins, searcher, deadline=deadline, bound=objective.name != "prefill")
+    results = search_variants(cfg, pins, searcher, deadline=deadline, bound=objective.name != "prefill", fork=fork)
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
@@ -206,7 +207,7 @@ def make_plan(
             "no plan fits: every placement breaks GPU memory, GPU counts or links "
             "(see 'geosched validate-config'); add GPUs, memory or links"
         )
-    problem, evaluator, best = chosen.problem, chosen.evaluator, chosen.best
+    problem, evaluator, best, stats = chosen.problem, chosen.evaluator, chosen.best, chosen.stats
     if not pins.cross_dc_dp:  # the baselines are points of the space: never return anything slower
         known = [b.evaluation for b in all_baselines(problem, evaluator) if b.evaluation is not None]
         allowed = [ev for ev in known if pins.breaks(ev.candidate) is None]
@@ -221,8 +222,8 @@ def make_plan(
         ]
         top, _, k, pick = min(options, key=lambda o: o[:3], default=(math.inf, 0.0, 0, best))
         if top < best.prefill_score(w):
-            best, problem, evaluator = pick, results[k].problem, results[k].evaluator
-    stats = stats_of.get(id(evaluator), SearchStats())
+            best, problem, evaluator, stats = pick, results[k].problem, results[k].evaluator, results[k].stats
+    stats = stats or SearchStats()
     skipped = sum(r.skipped for r in results)
     if skipped:
         stats.notes.append(f"time limit: {skipped} of {len(results)} variants not screened")

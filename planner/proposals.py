@@ -19,6 +19,8 @@ The simulator judges them like any other candidate.
 
 from __future__ import annotations
 
+import heapq
+
 from geosched.costmodel import boundary_bytes
 from geosched.netcost import wan_transfer
 from planner.space import Candidate, Problem, from_split
@@ -79,12 +81,22 @@ def speed_split(layers: int, speeds: list[float]) -> tuple[int, ...]:
     total = sum(speeds)
     raw = [layers * v / total for v in speeds]
     split = [max(1, int(r)) for r in raw]
-    while sum(split) > layers:  # the floors of 1 overshot: take from the stage furthest above its share
-        k = max((i for i in range(len(split)) if split[i] > 1), key=lambda i: (split[i] - raw[i], -i))
+    over = sum(split) - layers
+    # the floors of 1 overshot: take one at a time from the stage furthest above its share (ties: the first)
+    heap = [(raw[i] - split[i], i) for i in range(len(split)) if split[i] > 1] if over > 0 else []
+    heapq.heapify(heap)
+    for _ in range(max(0, over)):
+        _, k = heapq.heappop(heap)
         split[k] -= 1
-    while sum(split) < layers:
-        k = max(range(len(split)), key=lambda i: (raw[i] - split[i], -i))
+        if split[k] > 1:
+            heapq.heappush(heap, (raw[k] - split[k], k))
+    # then give one at a time to the stage furthest below its share (ties: the first)
+    heap = [(split[i] - raw[i], i) for i in range(len(split))] if over < 0 else []
+    heapq.heapify(heap)
+    for _ in range(max(0, -over)):
+        _, k = heapq.heappop(heap)
         split[k] += 1
+        heapq.heappush(heap, (split[k] - raw[k], k))
     return tuple(split)
 
 

@@ -260,9 +260,13 @@ def fewest_stacked(problem: Problem) -> int | None:
 def _fewest_fitting(problem: Problem, dc: str, d: int, m: int, most: int) -> int | None:
     """The fewest equal stages, at most ``most``, that fit stacked in ``dc`` at ``d`` replicas of ``m``
     microbatches (None: none does), scanned from the fewest memory allows (:func:`_fewest_stages`)."""
-    least = _fewest_stages(problem, problem.memory_bytes[dc])  # no fewer fit (0: not even one block)
-    fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
-    return next(fits, None) if least else None
+    memory = problem.memory_bytes[dc]  # with p x d <= its devices, all a stacked pipeline's verdict depends on
+    known: dict[tuple[float, int, int, int], int | None] = problem.memo.setdefault("fewest_fitting", {})
+    if (memory, d, m, most) not in known:
+        least = _fewest_stages(problem, memory)  # no fewer fit (0: not even one block)
+        fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
+        known[memory, d, m, most] = next(fits, None) if least else None
+    return known[memory, d, m, most]
 
 
 def _fewest_stages(problem: Problem, memory_bytes: float) -> int:

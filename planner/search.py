@@ -96,7 +96,7 @@ def proposals(problem: Problem, evaluator: Evaluator) -> list[Candidate]:
     if evaluator.proposals is None:
         chosen: list[Candidate] = []
         work = 0
-        for cand in sorted(chain_pipelines(problem), key=evaluator.lower_bound):
+        for cand in evaluator.by_bound(chain_pipelines(problem)):
             size = cand.num_stages * cand.microbatches
             if len(chosen) == PROPOSALS or work + size > PROPOSAL_WORK:
                 break

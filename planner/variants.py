@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-import os
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from geosched.config import SCHEDULES, Config
 from geosched.errors import InputError, PlanInfeasible
@@ -40,12 +37,19 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
+from planner.parallel import Codec, in_parallel
 from planner.replicas import everywhere, fewest_stacked, local_pipelines, widen
+from planner.results import (
+    Searcher,
+    VariantResult,
+    evaluation_from_json,
+    evaluation_json,
+    result_from_json,
+    result_json,
+)
 from planner.search import polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
-T = TypeVar("T")
-R = TypeVar("R")
 MAX_TENSOR_PARALLEL = 8
 """The largest tensor-parallel degree planned: what the agents shard a stage over (one node's GPUs,
 ``agents.runnable.RUNTIME_TP``; a test keeps the two equal)."""
@@ -61,7 +65,9 @@ MIN_SHARE = 0.5
 SCREEN_EFFORT = 0.1
 """CP-SAT deterministic seconds for one variant's screening search."""
 SCREEN_MODELS = 3
-"""CP-SAT models one screening search may solve (each costs a fifth of a second or more)."""
+"""CP-SAT models one screening search may solve (about 60 ms each on a 175B job). Two would save a 175B fuzz
+cluster about 1 s, but two of the 60 plans of benchmarks/planner.py got 4-6 % slower (random-2009 then
+misses the brute force's optimum by 5.7 %)."""
 SCREEN_WORK = 2_000
 """Stage-microbatches one screening hill climb may simulate."""
 FINALISTS = 6
@@ -75,13 +81,11 @@ ACROSS_TOP = 2
 """Best variants (after their full searches) whose plans are given more pipelines in other DCs."""
 WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
-THREADS = min(4, os.cpu_count() or 1)
-"""Variants searched at once (:func:`in_parallel`); the plan does not depend on it."""
 ZERO_2_TWINS = 4
 """Of the screened variants, the best this many are screened again at ZeRO 2 where it allows fewer stages."""
 SCREEN_BATCH = 4
 """Variants screened together, in the order of their floors; a later one whose floor is no faster than the
-best plan of those before is not screened (a fixed count, not THREADS: the same plans on any machine)."""
+best plan of those before is not screened (a fixed count, not the CPUs: the same plans on any machine)."""
 LOCAL_SIMULATIONS = 32
 """Most pipelines kept inside DCs (:func:`local_best`) one variant simulates."""
 LOCAL_WORK = 4_000
@@ -251,24 +255,6 @@ def schedule_options(pins: Pins) -> tuple[str, ...]:
     return (pins.schedule,) if pins.schedule is not None else SCHEDULES
 
 
-@dataclass
-class VariantResult:
-    """One variant's problem, evaluator and best simulated plan (None: nothing fits)."""
-
-    problem: Problem
-    evaluator: Evaluator
-    best: Evaluation | None
-    skipped: bool = False
-    """Not screened: the deadline had passed and another variant had a plan."""
-    bounded: bool = False
-    """Not screened: its floors (:func:`planner.floors.job_floors`) were no faster than a plan already found."""
-
-
-Searcher = Callable[[Problem, Evaluator, float], "Evaluation | None"]
-"""Runs one variant's search: (problem, evaluator, share) -> best plan or None. ``share`` 0 is a
-screening search; otherwise the share of a full search's budgets this search may spend."""
-
-
 def under_schedule(result: VariantResult, schedule: str, pins: Pins, cfg: Config) -> VariantResult | None:
     """The variant's :data:`FINALISTS` best candidates simulated under ``schedule`` (same placements, those
     that fit its memory), as that schedule's variant; None when none fits."""
@@ -288,10 +274,15 @@ def under_schedule(result: VariantResult, schedule: str, pins: Pins, cfg: Config
     return VariantResult(problem, evaluator, min(fits, key=lambda ev: ev.iteration_s))
 
 
-def with_schedules(result: VariantResult, pins: Pins, cfg: Config) -> list[VariantResult]:
+def with_schedules(result: VariantResult, pins: Pins, cfg: Config, fork: bool = False) -> list[VariantResult]:
     """The variant's best candidates simulated under every other allowed schedule (same placement)."""
     others = [s for s in schedule_options(pins) if s != result.problem.variant.schedule]
-    return [r for r in (under_schedule(result, s, pins, cfg) for s in others) if r is not None]
+    maybe = Codec(
+        lambda r: None if r is None else result_json(r),
+        lambda data: None if data is None else result_from_json(data, cfg, pins.dp),
+    )
+    found = in_parallel(lambda schedule: under_schedule(result, schedule, pins, cfg), others, maybe, fork)
+    return [r for r in found if r is not None]
 
 
 def search_variants(
@@ -301,6 +292,7 @@ def search_variants(
     goal: Goal = Goal(),
     deadline: float | None = None,
     bound: bool = True,
+    fork: bool = False,
 ) -> list[VariantResult]:
     """Screen every variant, search the best :data:`FULL_SEARCHES` in full, add the other schedules.
 
@@ -309,7 +301,8 @@ def search_variants(
     DCs and the widening across DCs are skipped where a plan is already known. With ``bound`` (an objective
     no plan scores below its iteration time on), variants are screened in the order of their floors,
     :data:`SCREEN_BATCH` at a time, and those whose floor is no faster than a plan found are not screened:
-    none of their plans could win.
+    none of their plans could win. ``fork``: run the variants' searches side by side in forked processes where
+    this process may fork (:func:`planner.parallel.in_parallel`; the same results, in less time).
     """
     bound = bound and not pins.cross_dc_dp  # --cross-dc-dp drops plans after screening: keep every variant
     floors: dict[Variant, float] = {}
@@ -345,7 +338,8 @@ def search_variants(
         evaluator = Evaluator(problem)
         if late() and planned:
             return VariantResult(problem, evaluator, None, skipped=True)
-        result = with_local(VariantResult(problem, evaluator, search(problem, evaluator, 0.0)))
+        best, stats = search(problem, evaluator, 0.0)
+        result = with_local(VariantResult(problem, evaluator, best, stats=stats))
         if result.best is not None:
             planned.append(True)
         return result
@@ -371,19 +365,21 @@ def search_variants(
         if bound:
             searched.sort(key=floor_of)  # stable: ties keep the options' order
         else:
-            screened_by.update(zip(searched, in_parallel(screen, searched)))
+            screened_by.update(zip(searched, in_parallel(screen, searched, results, fork)))
         known[0] = best_s
         for start in range(0, len(searched), SCREEN_BATCH) if bound else ():
             batch = [v for v in searched[start : start + SCREEN_BATCH] if floor_of(v) < best_s]
-            screened_by.update(zip(batch, in_parallel(screen, batch)))
+            screened_by.update(zip(batch, in_parallel(screen, batch, results, fork)))
+            planned.extend(True for v in batch if screened_by[v].best is not None)  # forked screens' too
             best_s = known[0] = min([best_s, *(key(screened_by[v]) for v in batch)])
         for variant in searched:
             if variant not in screened_by:
                 screened_by[variant] = unscreened(variant, bounded=True)
-        screened_by.update(zip(derived, in_parallel(derive, derived)))
+        screened_by.update(zip(derived, in_parallel(derive, derived, results, fork)))
         return [screened_by[v] for v in options]
 
     screened_by: dict[Variant, VariantResult] = {}
+    results = Codec(result_json, lambda data: result_from_json(data, cfg, pins.dp))
     options = variant_options(cfg, pins)
     screened = screen_all(options)
     if pins.zero is None:  # shard the gradients too where memory binds: everywhere if nothing fits, else the
@@ -402,40 +398,40 @@ def search_variants(
             per_tp.setdefault(r.problem.variant.tp, r)
     chosen = list(per_tp.values())[:FULL_SEARCHES]
     placements = [r.best.candidate for r in screened if r.best is not None]
-    for result in chosen:  # every variant's best placement, re-sized for this one, is climbed from
+
+    def full_search(result: VariantResult) -> tuple[VariantResult, Evaluation | None]:
         for cand in translated(result.problem, placements)[:SEED_CLIMBS] if not late() else ():
-            start = result.evaluator.evaluate(cand)
+            start = result.evaluator.evaluate(cand)  # every variant's best placement, re-sized for this one
             climbed = polish(result.problem, result.evaluator, start, goal, math.inf, work=SEED_WORK)
             if result.best is None or climbed.score(goal.weight) < result.best.score(goal.weight):
                 result.best = climbed
+        full, result.stats = search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
+        return result, full  # together they spend one or two full budgets
 
-    def full_search(result: VariantResult) -> Evaluation | None:  # together they spend one or two full budgets
-        return search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
-
-    searched = [r for r in chosen if r.best is not None]
-    for result, full in zip(searched, in_parallel(full_search, searched)):
+    fulls = Codec(
+        lambda pair: [result_json(pair[0]), None if pair[1] is None else evaluation_json(pair[1])],
+        lambda data: (results.decode(data[0]), None if data[1] is None else evaluation_from_json(data[1])),
+    )
+    for result, (done, full) in zip(chosen, in_parallel(full_search, chosen, fulls, fork)):
+        result.adopt(done)
         if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
             result.best = full
-    for result in screened[:ACROSS_TOP] if not pins.cross_dc_dp else screened:
+
+    def widened(result: VariantResult) -> VariantResult:
         if pins.cross_dc_dp or not late():
             across_dcs(result, pins)
+        return result
+
+    wide = screened[:ACROSS_TOP] if not pins.cross_dc_dp else screened
+    for result, done in zip(wide, in_parallel(widened, wide, results, fork)):
+        result.adopt(done)
     if pins.cross_dc_dp:
         for result in screened:
             if result.best is not None and not result.best.candidate.across_dcs:
                 result.best = None
     screened.sort(key=key)
-    extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg)]
+    extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg, fork)]
     return sorted(screened + extra, key=key)
-
-
-def in_parallel(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    """``[work(item) for item in items]`` on up to :data:`THREADS` threads. Each item must own its state (one
-    variant: its problem and evaluator), so the results are the same as in order; CP-SAT releases the GIL
-    while it solves, which is where a variant's search spends most of its time."""
-    if len(items) < 2 or THREADS < 2:
-        return [work(item) for item in items]
-    with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="planner") as pool:
-        return list(pool.map(work, items))
 
 
 def translated(problem: Problem, placements: list[Candidate]) -> list[Candidate]:
@@ -488,7 +484,7 @@ def local_best(
     most :data:`LOCAL_SIMULATIONS`), and the best of them climbed (:data:`LOCAL_WORK`)."""
     cands = [c for c in local_pipelines(problem) if pins.breaks(c) is None]
     found: list[Evaluation] = []
-    for cand in sorted(cands, key=lambda c: evaluator.lower_bound(c))[:LOCAL_SIMULATIONS]:
+    for cand in itertools.islice(evaluator.by_bound(cands), LOCAL_SIMULATIONS):
         if evaluator.lower_bound(cand) >= min(cutoff, best.iteration_s if best is not None else math.inf):
             break
         found.append(evaluator.evaluate(cand))

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         pins=pinned,
         progress=_progress if sys.stderr.isatty() and not args.json else None,
         explain=not args.no_explain,
+        fork=getattr(args, "process_ends", False),  # a command's own process: its variants searched in children
     )
     if getattr(args, "process_ends", False):
         # the process ends after printing: the cycle collector, paused while planning, would otherwise scan
