@@ -46,10 +46,13 @@ def chains(
     total delay. The pipeline is then a contiguous run of one chain.
     """
     nbytes = boundary_bytes(problem.job, max(1, problem.layers - 1))
+    delays: dict[tuple[str, str, int], float] = problem.memo.setdefault("chain_delays", {})
 
-    def delay(a: str, b: str) -> float:
-        tr = wan_transfer(problem.require_link(a, b), nbytes, problem.streams(a, b), dp)
-        return tr.occupancy_s + tr.latency_s
+    def delay(a: str, b: str) -> float:  # memoised: every chain of every degree asks for the same links
+        if (a, b, dp) not in delays:
+            tr = wan_transfer(problem.require_link(a, b), nbytes, problem.streams(a, b), dp)
+            delays[a, b, dp] = tr.occupancy_s + tr.latency_s
+        return delays[a, b, dp]
 
     found = []
     for start in sorted(must) if must else problem.dcs:

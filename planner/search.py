@@ -62,9 +62,10 @@ class SearchStats:
     notes: list[str] = field(default_factory=list)
 
 
-def score_bound(evaluator: Evaluator, cand: Candidate, goal: Goal) -> float:
-    """A score ``cand`` cannot beat: its proven time bound, its exact WAN cost."""
-    time_bound = evaluator.lower_bound(cand)
+def score_bound(evaluator: Evaluator, cand: Candidate, goal: Goal, *, cheap: bool = False) -> float:
+    """A score ``cand`` cannot beat: its proven time bound, its exact WAN cost. ``cheap``: with the busiest
+    stage's compute for the time bound (:meth:`~planner.evaluate.Evaluator.compute_bound`, never above it)."""
+    time_bound = evaluator.compute_bound(cand) if cheap else evaluator.lower_bound(cand)
     if goal.max_time_s is not None:
         return math.inf if time_bound > goal.max_time_s else evaluator.wan_cost_usd(cand)
     return time_bound + (goal.weight * evaluator.wan_cost_usd(cand) if goal.weight else 0.0)
@@ -189,7 +190,8 @@ def polish(
         for cand in (c for family in moves for c in family):
             if problem.violation(cand) is not None or not _meets(cand, require):
                 continue
-            if score_bound(evaluator, cand, goal) >= score(best, goal):
+            target = score(best, goal)  # the cheap bound settles most neighbours without pricing their links
+            if score_bound(evaluator, cand, goal, cheap=True) >= target or score_bound(evaluator, cand, goal) >= target:
                 continue
             ev = evaluator.evaluate(cand)
             spent += 1
