@@ -20,8 +20,9 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import counted
 from planner.floors import Floors, Optimality, optimality
-from planner.parallel import in_parallel
+from planner.parallel import Codec, in_parallel
 from planner.plan import ZERO_UNUSED, Plan
+from planner.results import evaluation_from_json, evaluation_json
 from planner.search import SHORTLIST, search
 from planner.space import Problem
 from planner.variants import space_floors
@@ -104,10 +105,12 @@ def explain_idle(
     goal: Goal = Goal(),
     time_limit_s: float | None = None,
     not_adopted: Callable[[Evaluation], str | None] = lambda ev: None,
+    fork: bool = False,
 ) -> tuple[list[UnusedReason], list[Evaluation]]:
     """:func:`unused_reasons`, and the counterfactual plans they found (:func:`planner.planning.make_plan`
     adopts one that is faster than its plan: the summary never names a plan it could have had, and
-    ``not_adopted(alt)`` says why one is not adopted: a pin it breaks, or an objective other than time)."""
+    ``not_adopted(alt)`` says why one is not adopted: a pin it breaks, or an objective other than time).
+    ``fork``: the searches run in forked children where this process may fork (:mod:`planner.parallel`)."""
     large = len(problem.dcs) > SHORTLIST
     cand, out, asked = best.candidate, [], []
     chosen = {dc for path in cand.pipelines for dc in path}
@@ -148,7 +151,11 @@ def explain_idle(
         )
         return alt
 
-    found = dict(zip(asked, in_parallel(counterfactual, asked)))
+    maybe = Codec(
+        lambda ev: None if ev is None else evaluation_json(ev),
+        lambda data: None if data is None else evaluation_from_json(data),
+    )
+    found = dict(zip(asked, in_parallel(counterfactual, asked, maybe, fork)))
     reasons = [_reason(problem, best, goal, r, found[r.dc], not_adopted) if r.dc in found else r for r in out]
     return reasons, [alt for alt in found.values() if alt is not None]
 

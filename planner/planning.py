@@ -264,7 +264,7 @@ def make_plan(
 
     while explain:
         goal = Goal(weight=objective.weight)
-        reasons, found = explain_idle(problem, evaluator, best, goal, time_limit_s, not_adopted)
+        reasons, found = explain_idle(problem, evaluator, best, goal, time_limit_s, not_adopted, fork)
         faster = [ev for ev in found if ev.iteration_s < best.iteration_s * (1 - 1e-9) and not_adopted(ev) is None]
         if not faster or adopted == ADOPT_ROUNDS:
             break

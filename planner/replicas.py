@@ -24,7 +24,8 @@ Prices (all in :mod:`geosched.costmodel`'s terms):
 
 :func:`widen` adds pipelines to a candidate where GPUs are left;
 :func:`everywhere` builds data parallelism over every DC of a linked group,
-:func:`local_pipelines` the same with multi-stage pipelines that each stay in one DC.
+:func:`local_pipelines` the same with multi-stage pipelines that each stay in one DC, and
+:func:`translated` re-sizes another variant's placements to this problem's degrees.
 """
 
 from __future__ import annotations
@@ -297,3 +298,22 @@ def _copies(problem: Problem, group: list[str], roomiest: str, d: int, m: int, p
     if sequences % d or problem.violation(start) is not None:
         return []
     return [c for c in widen(problem, start) if len(set(c.pipelines)) > 1]
+
+
+def translated(problem: Problem, placements: list[Candidate]) -> list[Candidate]:
+    """``placements`` (DCs and blocks of every stage, one pipeline) with the most replicas ``problem`` allows,
+    and with half, a quarter ... of them (fewer replicas leave GPUs to split stages on)."""
+    out: list[Candidate] = []
+    options = dict(problem.dp_options())
+    for cand in placements:
+        fitting = [
+            d
+            for d in sorted(options, reverse=True)
+            if problem.violation(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers)) is None
+        ]
+        d = fitting[0] if fitting else 0
+        while d >= 1:
+            if d in fitting:
+                out.append(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers))
+            d //= 2
+    return list(dict.fromkeys(out))

@@ -38,7 +38,7 @@ from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
 from planner.parallel import Codec, in_parallel
-from planner.replicas import everywhere, fewest_stacked, local_pipelines, widen
+from planner.replicas import everywhere, fewest_stacked, local_pipelines, translated, widen
 from planner.results import (
     Searcher,
     VariantResult,
@@ -307,10 +307,13 @@ def search_variants(
     bound = bound and not pins.cross_dc_dp  # --cross-dc-dp drops plans after screening: keep every variant
     floors: dict[Variant, float] = {}
 
+    def floor(variant: Variant) -> float:
+        return job_floors(Problem(cfg, variant, dp=pins.dp)).best_s
+
     def floor_of(variant: Variant) -> float:  # the schedule changes no floor
         key = dataclasses.replace(variant, schedule="1f1b")
         if key not in floors:
-            floors[key] = job_floors(Problem(cfg, variant, dp=pins.dp)).best_s
+            floors[key] = floor(variant)
         return floors[key]
 
     def key(r: VariantResult) -> float:
@@ -363,6 +366,13 @@ def search_variants(
         derived = [v for v in options if v.schedule == "zb1p" and dataclasses.replace(v, schedule="1f1b") in options]
         searched = [v for v in options if v not in derived]
         if bound:
+            firsts: dict[Variant, Variant] = {}  # the floors side by side first, each of its key's first variant
+            for v in searched:
+                firsts.setdefault(dataclasses.replace(v, schedule="1f1b"), v)
+            todo = [(k, v) for k, v in firsts.items() if k not in floors]
+            floors.update(
+                zip([k for k, _ in todo], in_parallel(floor, [v for _, v in todo], Codec(float, float), fork))
+            )
             searched.sort(key=floor_of)  # stable: ties keep the options' order
         else:
             screened_by.update(zip(searched, in_parallel(screen, searched, results, fork)))
@@ -432,25 +442,6 @@ def search_variants(
     screened.sort(key=key)
     extra = [more for result in screened[:1] for more in with_schedules(result, pins, cfg, fork)]
     return sorted(screened + extra, key=key)
-
-
-def translated(problem: Problem, placements: list[Candidate]) -> list[Candidate]:
-    """``placements`` (DCs and blocks of every stage, one pipeline) with the most replicas ``problem`` allows,
-    and with half, a quarter ... of them (fewer replicas leave GPUs to split stages on)."""
-    out: list[Candidate] = []
-    options = dict(problem.dp_options())
-    for cand in placements:
-        fitting = [
-            d
-            for d in sorted(options, reverse=True)
-            if problem.violation(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers)) is None
-        ]
-        d = fitting[0] if fitting else 0
-        while d >= 1:
-            if d in fitting:
-                out.append(Candidate(d, options[d], cand.stage_dcs, cand.stage_layers))
-            d //= 2
-    return list(dict.fromkeys(out))
 
 
 def across_dcs(result: VariantResult, pins: Pins) -> None:
