@@ -248,10 +248,9 @@ class Evaluator:
     def compute_bound(self, cand: Candidate) -> float:
         """``m x max_s (f_s + b_s)``: the busiest stage's compute, a term of :func:`pipeline_lower_bound` and so
         at most :meth:`lower_bound`, for a fraction of its price (no links, no warm-up)."""
-        pr = self.problem
-        replicas = cand.replicas if cand.extra_paths else cand.dp
+        pr = self.problem  # ZeRO shards over every replica, as costs() has it (replicas is dp with one pipeline)
         compute = stage_computes(
-            pr.cluster, pr.job, cand.stage_dcs, cand.stage_layers, replicas, memo=self._stage_costs
+            pr.cluster, pr.job, cand.stage_dcs, cand.stage_layers, cand.replicas, memo=self._stage_costs
         )
         return cand.microbatches * max(c.forward_s + c.backward_s for c in compute)
 

@@ -20,9 +20,9 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import counted
 from planner.floors import Floors, Optimality, optimality
-from planner.parallel import Codec, in_parallel
+from planner.parallel import in_parallel, optional
 from planner.plan import ZERO_UNUSED, Plan
-from planner.results import evaluation_from_json, evaluation_json
+from planner.results import EVALUATION
 from planner.search import SHORTLIST, search
 from planner.space import Problem
 from planner.variants import space_floors
@@ -151,11 +151,7 @@ def explain_idle(
         )
         return alt
 
-    maybe = Codec(
-        lambda ev: None if ev is None else evaluation_json(ev),
-        lambda data: None if data is None else evaluation_from_json(data),
-    )
-    found = dict(zip(asked, in_parallel(counterfactual, asked, maybe, fork)))
+    found = dict(zip(asked, in_parallel(counterfactual, asked, optional(EVALUATION), fork)))
     reasons = [_reason(problem, best, goal, r, found[r.dc], not_adopted) if r.dc in found else r for r in out]
     return reasons, [alt for alt in found.values() if alt is not None]
 

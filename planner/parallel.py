@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+S = TypeVar("S")
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 """The CPUs this process may use: with one, nothing runs side by side."""
@@ -49,6 +50,22 @@ class Codec(Generic[R]):
 
     encode: Callable[[R], Any]
     decode: Callable[[Any], R]
+
+
+def optional(codec: Codec[R]) -> Codec[R | None]:
+    """``codec`` for a result that may be None."""
+    return Codec(
+        lambda r: None if r is None else codec.encode(r),
+        lambda data: None if data is None else codec.decode(data),
+    )
+
+
+def pair(first: Codec[R], second: Codec[S]) -> Codec[tuple[R, S]]:
+    """A codec for a result made of two parts, each with its own codec."""
+    return Codec(
+        lambda r: [first.encode(r[0]), second.encode(r[1])],
+        lambda data: (first.decode(data[0]), second.decode(data[1])),
+    )
 
 
 def can_fork() -> bool:

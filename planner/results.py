@@ -16,6 +16,7 @@ from typing import Any
 
 from geosched.config import Config
 from planner.evaluate import Evaluation, Evaluator
+from planner.parallel import Codec
 from planner.search import SearchStats
 from planner.space import Candidate, Problem, Variant
 
@@ -78,6 +79,15 @@ def evaluation_from_json(data: list[Any]) -> Evaluation:
         None if warmup is None else tuple(warmup),
         tuple(((a, b), name) for (a, b), name in codecs),
     )
+
+
+EVALUATION: Codec[Evaluation] = Codec(evaluation_json, evaluation_from_json)
+"""An :class:`~planner.evaluate.Evaluation` as JSON values and back."""
+
+
+def result_codec(cfg: Config, dp: int | None) -> Codec[VariantResult]:
+    """A :class:`VariantResult` of ``cfg`` (``dp``: the pinned degree) as JSON values and back."""
+    return Codec(result_json, lambda data: result_from_json(data, cfg, dp))
 
 
 def result_json(result: VariantResult) -> dict[str, Any]:

@@ -37,16 +37,9 @@ from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
 from planner.floors import Floors, job_floors
-from planner.parallel import Codec, in_parallel
+from planner.parallel import Codec, in_parallel, optional, pair
 from planner.replicas import everywhere, fewest_stacked, local_pipelines, translated, widen
-from planner.results import (
-    Searcher,
-    VariantResult,
-    evaluation_from_json,
-    evaluation_json,
-    result_from_json,
-    result_json,
-)
+from planner.results import EVALUATION, Searcher, VariantResult, result_codec
 from planner.search import polish
 from planner.space import Candidate, Problem, Variant, tp_slots
 
@@ -277,10 +270,7 @@ def under_schedule(result: VariantResult, schedule: str, pins: Pins, cfg: Config
 def with_schedules(result: VariantResult, pins: Pins, cfg: Config, fork: bool = False) -> list[VariantResult]:
     """The variant's best candidates simulated under every other allowed schedule (same placement)."""
     others = [s for s in schedule_options(pins) if s != result.problem.variant.schedule]
-    maybe = Codec(
-        lambda r: None if r is None else result_json(r),
-        lambda data: None if data is None else result_from_json(data, cfg, pins.dp),
-    )
+    maybe = optional(result_codec(cfg, pins.dp))
     found = in_parallel(lambda schedule: under_schedule(result, schedule, pins, cfg), others, maybe, fork)
     return [r for r in found if r is not None]
 
@@ -347,6 +337,10 @@ def search_variants(
             planned.append(True)
         return result
 
+    def screen_each(variants: list[Variant]) -> None:
+        screened_by.update(zip(variants, in_parallel(screen, variants, results, fork)))
+        planned.extend(True for v in variants if screened_by[v].best is not None)  # forked screens' too
+
     def unscreened(variant: Variant, *, skipped: bool = False, bounded: bool = False) -> VariantResult:
         problem = Problem(cfg, variant, dp=pins.dp)
         return VariantResult(problem, Evaluator(problem), None, skipped=skipped, bounded=bounded)
@@ -375,12 +369,11 @@ def search_variants(
             )
             searched.sort(key=floor_of)  # stable: ties keep the options' order
         else:
-            screened_by.update(zip(searched, in_parallel(screen, searched, results, fork)))
+            screen_each(searched)
         known[0] = best_s
         for start in range(0, len(searched), SCREEN_BATCH) if bound else ():
             batch = [v for v in searched[start : start + SCREEN_BATCH] if floor_of(v) < best_s]
-            screened_by.update(zip(batch, in_parallel(screen, batch, results, fork)))
-            planned.extend(True for v in batch if screened_by[v].best is not None)  # forked screens' too
+            screen_each(batch)
             best_s = known[0] = min([best_s, *(key(screened_by[v]) for v in batch)])
         for variant in searched:
             if variant not in screened_by:
@@ -389,7 +382,7 @@ def search_variants(
         return [screened_by[v] for v in options]
 
     screened_by: dict[Variant, VariantResult] = {}
-    results = Codec(result_json, lambda data: result_from_json(data, cfg, pins.dp))
+    results = result_codec(cfg, pins.dp)
     options = variant_options(cfg, pins)
     screened = screen_all(options)
     if pins.zero is None:  # shard the gradients too where memory binds: everywhere if nothing fits, else the
@@ -418,10 +411,7 @@ def search_variants(
         full, result.stats = search(result.problem, result.evaluator, max(MIN_SHARE, 1 / len(chosen)))
         return result, full  # together they spend one or two full budgets
 
-    fulls = Codec(
-        lambda pair: [result_json(pair[0]), None if pair[1] is None else evaluation_json(pair[1])],
-        lambda data: (results.decode(data[0]), None if data[1] is None else evaluation_from_json(data[1])),
-    )
+    fulls = pair(results, optional(EVALUATION))
     for result, (done, full) in zip(chosen, in_parallel(full_search, chosen, fulls, fork)):
         result.adopt(done)
         if full is not None and key(VariantResult(result.problem, result.evaluator, full)) < key(result):
