@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 from geosched import model_counts
@@ -276,11 +277,46 @@ def stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool)
 
 @functools.lru_cache(maxsize=1 << 16)
 def _stage_params(job: JobSpec, layers: tuple[int, int], first: bool, last: bool) -> int:
-    costs = layer_costs(job)
     return (
-        sum(c.params for c in costs[layers[0] : layers[1]])
+        block_sums(job).params(*layers)
         + (embedding_params(job) if first else 0)
         + (head_cost(job).params if last else 0)
+    )
+
+
+@dataclass(frozen=True)
+class BlockSums:
+    """Prefix sums of the blocks' integer sizes (:func:`layer_costs`): a stage's total in O(1), exactly."""
+
+    param_sums: tuple[int, ...]
+    activation_sums: tuple[int, ...]
+    stash_sums: tuple[int, ...]
+
+    def params(self, start: int, end: int) -> int:
+        """Parameters of blocks ``[start, end)``."""
+        return self.param_sums[end] - self.param_sums[start]
+
+    def activation_bytes(self, start: int, end: int) -> int:
+        """Output bytes per sequence of blocks ``[start, end)``, added up."""
+        return self.activation_sums[end] - self.activation_sums[start]
+
+    def stash_bytes(self, start: int, end: int) -> int:
+        """Stashed bytes per sequence of blocks ``[start, end)``, added up."""
+        return self.stash_sums[end] - self.stash_sums[start]
+
+
+@functools.lru_cache(maxsize=64)
+def block_sums(job: JobSpec) -> BlockSums:
+    """The job's :class:`BlockSums` (memoised per job)."""
+    costs = layer_costs(job)
+
+    def prefix(values: list[int]) -> tuple[int, ...]:
+        return (0, *itertools.accumulate(values))
+
+    return BlockSums(
+        prefix([c.params for c in costs]),
+        prefix([c.activation_bytes for c in costs]),
+        prefix([c.stash_bytes for c in costs]),
     )
 
 

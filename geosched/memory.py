@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from geosched.config import JobSpec
-from geosched.costmodel import head_cost, layer_costs, stage_params
+from geosched.costmodel import block_sums, head_cost, layer_costs, stage_params
 from geosched.errors import ConfigError
 
 GRADIENT_BUCKET_BYTES = 25 * 2**20
@@ -41,7 +41,7 @@ def stage_memory_bytes(
     return int(state + inflight * b * kept)
 
 
-@functools.lru_cache(maxsize=1 << 14)
+@functools.lru_cache(maxsize=1 << 16)
 def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool, dp: int) -> tuple[float, int, int]:
     """What :func:`stage_memory_bytes` adds up besides the microbatches in flight: the state bytes, the
     activation bytes one microbatch keeps, the working bytes of a recomputed block's backward (memoised:
@@ -54,12 +54,15 @@ def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool,
     else:
         grads = params
     state = params * (job.bytes_per_element + optimizer) + grads * job.bytes_per_element
-    blocks = layer_costs(job)[layers[0] : layers[1]]
-    head = head_cost(job).stash_bytes if last else 0
+    sums, head = block_sums(job), head_cost(job).stash_bytes if last else 0
     if job.recompute == "full":
-        kept = sum(c.activation_bytes for c in blocks) + head
-        return state, kept, max((c.stash_bytes for c in blocks), default=0)
-    return state, sum(c.stash_bytes for c in blocks) + head, 0
+        blocks, (start, end) = layer_costs(job), layers
+        if job.model.custom_layers:
+            working = max((c.stash_bytes for c in blocks[start:end]), default=0)
+        else:  # identical blocks
+            working = blocks[0].stash_bytes if end > start else 0
+        return state, sums.activation_bytes(*layers) + head, working
+    return state, sums.stash_bytes(*layers) + head, 0
 
 
 def zero2_staging_params(job: JobSpec, params: int, first: bool, last: bool) -> int:

@@ -114,13 +114,14 @@ def _last_departure_s(stripe: float, connections: int, window: float, rtt: float
         return connections * stripe / rate
     w, rest = window / rate, (stripe - (rounds - 1) * window) / rate
     if (connections - 1) * w >= rtt:  # the windows cover the round trip: the queue never idles in full rounds
-        previous = [(rounds - 2) * connections * w + i * w for i in range(1, connections + 1)]
+        base = (rounds - 2) * connections * w
     else:  # each connection's full rounds RTT + w apart, the queue idle in between
-        previous = [i * w + (rounds - 2) * (rtt + w) for i in range(1, connections + 1)]
-    free = previous[-1]
-    for left in previous:  # the last round: each stream once its previous window is acknowledged
-        free = max(left + rtt, free) + rest
-    return free
+        base = (rounds - 2) * (rtt + w)
+    # stream i's previous window leaves at base + i w (i = 1..C); its last part after that window's ack and
+    # the parts before it: free_i = max(base + i w + rtt, free_{i-1}) + rest from free_0 = base + C w, whose
+    # unrolled maximum is linear in i, so it is at i = 1 or i = C
+    c = connections
+    return max(base + c * w + c * rest, base + w + rtt + c * rest, base + c * w + rtt + rest)
 
 
 def intra_transfer(dc: DatacenterSpec, nbytes: int) -> Transfer:

@@ -54,16 +54,19 @@ def chains(
             delays[a, b, dp] = tr.occupancy_s + tr.latency_s
         return delays[a, b, dp]
 
+    nearest: dict[tuple[str, int], list[tuple[float, str]]] = problem.memo.setdefault("chain_nearest", {})
+
+    def closest(end: str, chain: list[str]) -> tuple[float, str] | None:
+        """The neighbour of ``end`` off ``chain`` with the least delay (ties: the first name)."""
+        if (end, dp) not in nearest:
+            nearest[end, dp] = sorted((delay(end, nxt), nxt) for nxt in problem.neighbours[end])
+        return next((option for option in nearest[end, dp] if option[1] not in chain), None)
+
     found = []
     for start in sorted(must) if must else problem.dcs:
         chain = [start]
         while len(chain) < width:
-            options = [
-                (delay(end, nxt), k, nxt)
-                for k, end in ((0, chain[0]), (1, chain[-1]))
-                for nxt in problem.neighbours[end]
-                if nxt not in chain
-            ]
+            options = [(o[0], k, o[1]) for k, end in ((0, chain[0]), (1, chain[-1])) if (o := closest(end, chain))]
             if not options:
                 break
             _, k, nxt = min(options)

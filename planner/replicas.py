@@ -260,14 +260,30 @@ def fewest_stacked(problem: Problem) -> int | None:
 
 def _fewest_fitting(problem: Problem, dc: str, d: int, m: int, most: int) -> int | None:
     """The fewest equal stages, at most ``most``, that fit stacked in ``dc`` at ``d`` replicas of ``m``
-    microbatches (None: none does), scanned from the fewest memory allows (:func:`_fewest_stages`)."""
-    memory = problem.memory_bytes[dc]  # with p x d <= its devices, all a stacked pipeline's verdict depends on
-    known: dict[tuple[float, int, int, int], int | None] = problem.memo.setdefault("fewest_fitting", {})
-    if (memory, d, m, most) not in known:
-        least = _fewest_stages(problem, memory)  # no fewer fit (0: not even one block)
-        fits = (p for p in range(least, most + 1) if problem.violation(_stacked(problem, dc, d, m, p)) is None)
-        known[memory, d, m, most] = next(fits, None) if least else None
-    return known[memory, d, m, most]
+    microbatches (None: none does), scanned from the fewest memory allows (:func:`_fewest_stages`).
+
+    With ``p x d`` at most the DC's devices, a stacked pipeline's verdict depends on the DC's memory alone, so
+    one scan per memory size serves every DC: it goes on from where an earlier, shorter scan stopped."""
+    memory = problem.memory_bytes[dc]
+    least = _fewest_stages(problem, memory)  # no fewer fit (0: not even one block)
+    if not least:
+        return None
+    known: dict[tuple[float, int, int], tuple[int, int | None]] = problem.memo.setdefault("fewest_fitting", {})
+    scanned, found = known.get((memory, d, m), (least - 1, None))  # every p up to scanned checked
+    if found is None and scanned < most:
+        fits = (p for p in range(scanned + 1, most + 1) if _stacked_fits(problem, dc, d, m, p))
+        found = next(fits, None)
+        known[memory, d, m] = (most if found is None else found, found)
+    return found if found is not None and found <= most else None
+
+
+def _stacked_fits(problem: Problem, dc: str, d: int, m: int, p: int) -> bool:
+    """Whether :func:`_stacked` is a valid plan; its first stage (the most microbatches in flight, the most
+    blocks) settles most verdicts before a candidate is built."""
+    first = -(-problem.layers // p)  # even_split's first stage
+    if problem.stage_memory((0, first), 0, p, m) > problem.memory_bytes[dc]:
+        return False
+    return problem.violation(_stacked(problem, dc, d, m, p)) is None
 
 
 def _fewest_stages(problem: Problem, memory_bytes: float) -> int:

@@ -16,6 +16,7 @@ once: the (d, m) choices, the link graph and the memory rule.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Iterator
@@ -382,8 +383,9 @@ class Problem:
             return "ZeRO 2 across datacenters would reduce-scatter every microbatch over the WAN; use ZeRO 1"
         if cand.extra_paths and not self._all_reduce_ring(cand):
             return "the DCs of a stage's replicas must be joined by links (the cross-DC all-reduce follows them)"
-        for dc in sorted({d for path in cand.pipelines for d in path}, key=self.dcs.index):
-            if cand.gpus_used(dc) > self.gpus[dc]:
+        stages_in = collections.Counter(d for path in cand.pipelines for d in path)  # cand.stages_in, at once
+        for dc in sorted(stages_in, key=self.dcs.index):
+            if stages_in[dc] * cand.dp > self.gpus[dc]:
                 t = job.tp
                 if t == 1:
                     return (

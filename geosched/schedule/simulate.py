@@ -35,8 +35,8 @@ from geosched.schedule.actions import (
     ActionKind,
     Message,
     Schedule,
-    message_edges,
     receive_for,
+    row_edges,
 )
 from geosched.schedule.timeline import Event, IdleGap, LinkUse, Timeline, peak_inflight, stage_stats, summarize
 from geosched.schedule.validate import describe_deadlock, validate
@@ -122,17 +122,6 @@ class UniformCosts:
         return Transfer((min(src_stage, dst_stage), max(src_stage, dst_stage)), self.transfer_s, 0.0)
 
 
-class _Step(NamedTuple):
-    """An action with everything the hot loop needs precomputed."""
-
-    action: Action
-    tag: str  # ActionKind value
-    needs: int  # index of the message it waits for in CompiledSchedule.messages, or -1
-    produces: int  # index of the message it emits, or -1
-    is_comm: bool  # SEND/RECV: no stage time unless the costs charge messages
-    category: str
-
-
 COMPUTE, COLLECTIVE, MESSAGE = 0, 1, 2
 """A step's role in the event loop: stage time counted as busy, stage time counted as communication (ALL_REDUCE),
 a SEND or RECV."""
@@ -146,6 +135,7 @@ _KIND_INFO = {
     for kind in K
 }
 """Per kind: its tag, whether it moves a message, its timeline category, its role."""
+_ROLE = {kind: info[3] for kind, info in _KIND_INFO.items()}
 
 
 class CompiledSchedule(NamedTuple):
@@ -155,13 +145,13 @@ class CompiledSchedule(NamedTuple):
 
     schedule: Schedule
     lowered: bool
-    steps: tuple[tuple[_Step, ...], ...]
+    steps: tuple[tuple[Action, ...], ...]  # per stage, its actions
     messages: tuple[Message, ...]
     peaks: tuple[int, ...]
     firsts: tuple[dict[str, int], ...]  # per stage, each kind's (tag's) first step: costs by kind are asked once
     tags: tuple[tuple[str, ...], ...]  # per stage, its steps' tags
-    needs: tuple[tuple[int, ...], ...]  # per stage, each step's _Step.needs
-    produces: tuple[tuple[int, ...], ...]  # per stage, each step's _Step.produces
+    needs: tuple[tuple[int, ...], ...]  # per stage, each step's message waited for (index), or -1
+    produces: tuple[tuple[int, ...], ...]  # per stage, each step's message emitted (index), or -1
     roles: tuple[tuple[int, ...], ...]  # per stage, each step's COMPUTE, COLLECTIVE or MESSAGE
     routes: tuple[int, ...]  # the first message of each distinct (src, dst, kind), in order
     route_of: tuple[int, ...]  # per message, the index of its (src, dst, kind) in routes
@@ -182,32 +172,24 @@ def _compile(actions: tuple[tuple[Action, ...], ...], name: str, microbatches: i
     snapshot = Schedule({s: list(row) for s, row in enumerate(actions)}, p, microbatches, name)
     lowered = snapshot.has_communication
 
-    steps, waits, emits, roles = [], [], [], []
+    waits, emits, roles = [], [], []
+    number, role_of = index.setdefault, _ROLE  # messages numbered as met
     for row in actions:
-        compiled: list[_Step] = []
         wait_row: list[int] = []
         emit_row: list[int] = []
-        role_row: list[int] = []
-        for a in row:
-            tag, is_comm, category, role = _KIND_INFO[a.kind]
-            needs, produces = message_edges(a, p, lowered)
-            wait = -1 if needs is None else index.setdefault(needs, len(index))  # messages numbered as met
-            emit = -1 if produces is None else index.setdefault(produces, len(index))
-            compiled.append(_Step(a, tag, wait, emit, is_comm, category))
-            wait_row.append(wait)
-            emit_row.append(emit)
-            role_row.append(role)
-        steps.append(tuple(compiled))
+        for needs, produces in row_edges(row, p, lowered):
+            wait_row.append(-1 if needs is None else number(needs, len(index)))
+            emit_row.append(-1 if produces is None else number(produces, len(index)))
         waits.append(tuple(wait_row))
         emits.append(tuple(emit_row))
-        roles.append(tuple(role_row))
+        roles.append(tuple([role_of[a.kind] for a in row]))
     peaks = tuple(peak_inflight(snapshot, s) for s in range(p))
-    tags = tuple(tuple(step.tag for step in row) for row in steps)
+    tags = tuple(tuple([KIND_TAG[a.kind] for a in row]) for row in actions)
     firsts = tuple({tag: row.index(tag) for tag in dict.fromkeys(row)} for row in tags)
     messages = tuple(index)
     routes, route_of = _routes(messages)
     columns = tuple(waits), tuple(emits), tuple(roles)
-    return CompiledSchedule(snapshot, lowered, tuple(steps), messages, peaks, firsts, tags, *columns, routes, route_of)
+    return CompiledSchedule(snapshot, lowered, actions, messages, peaks, firsts, tags, *columns, routes, route_of)
 
 
 def _routes(messages: tuple[Message, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -249,8 +231,8 @@ class _Run:
         charges = getattr(costs, "charges_messages", False)
         by_kind = getattr(costs, "durations_by_kind", False)
 
-        def duration(step: _Step) -> float:
-            return 0.0 if step.is_comm and not charges else costs.compute_s(step.action)
+        def duration(action: Action) -> float:
+            return 0.0 if action.kind in COMM_KINDS and not charges else costs.compute_s(action)
 
         if by_kind:  # each stage's kinds costed once, then looked up per step
             self.durations = []
@@ -258,7 +240,7 @@ class _Run:
                 of_kind = {tag: duration(row[i]) for tag, i in firsts.items()}
                 self.durations.append([of_kind[tag] for tag in tags])
         else:
-            self.durations = [[duration(step) for step in row] for row in code.steps]
+            self.durations = [[duration(action) for action in row] for row in code.steps]
         link_ids: dict[tuple[Hashable, bool], int] = {}
 
         def route(src: int, dst: int, tr: Transfer) -> tuple[int, float, float]:
@@ -335,7 +317,7 @@ class _Run:
                         break
                     if arrive > start:
                         if record and not (self.lowered and role_of[i] == MESSAGE):
-                            self._record_wait(s, steps[s][i], start, arrive)
+                            self._record_wait(s, steps[s][i], need, start, arrive)
                         start = arrive
                 end = start + times[i]
                 role = role_of[i]
@@ -349,14 +331,14 @@ class _Run:
                         self._record_event(s, steps[s][i], start, end)
                 elif start > waited_from:  # a receive that waited: idle, its handling included (as measured)
                     if record:
-                        step = steps[s][i]
-                        self.gaps.append(IdleGap(s, waited_from, end, str(step.action)))
-                        self.events.append(Event(s, str(step.action), waited_from, end, "idle", step.tag))
+                        action = steps[s][i]
+                        self.gaps.append(IdleGap(s, waited_from, end, str(action)))
+                        self.events.append(Event(s, str(action), waited_from, end, "idle", KIND_TAG[action.kind]))
                 else:
                     comm[s] += end - start
                     if record:
-                        step = steps[s][i]
-                        self.events.append(Event(s, str(step.action), waited_from, end, "comm", step.tag))
+                        action = steps[s][i]
+                        self.events.append(Event(s, str(action), waited_from, end, "comm", KIND_TAG[action.kind]))
                 i += 1
                 free_at[s] = end
                 if end > now:
@@ -367,7 +349,7 @@ class _Run:
                 if makes[i - 1] >= 0:
                     post(makes[i - 1], now)
             position[s] = i
-        stuck = {s: steps[s][i].action for s, i in enumerate(position) if i < len(steps[s])}
+        stuck = {s: steps[s][i] for s, i in enumerate(position) if i < len(steps[s])}
         if stuck:
             raise ScheduleError(describe_deadlock(stuck))
         if record:
@@ -389,15 +371,16 @@ class _Run:
         key = None if link < 0 else self.link_keys[link][0]
         self.links.append(LinkUse(key, m.src, m.dst, m.kind, m.microbatch, now, begin, begin + occupancy, arrive))
 
-    def _record_event(self, s: int, step: _Step, start: float, end: float) -> None:
+    def _record_event(self, s: int, action: Action, start: float, end: float) -> None:
         """Note a compute or collective step's run."""
-        self.events.append(Event(s, str(step.action), start, end, step.category, step.tag))
+        tag, _, category, _ = _KIND_INFO[action.kind]
+        self.events.append(Event(s, str(action), start, end, category, tag))
 
-    def _record_wait(self, s: int, step: _Step, start: float, arrive: float) -> None:
+    def _record_wait(self, s: int, action: Action, need: int, start: float, arrive: float) -> None:
         """Note an idle gap before a compute step; unlowered schedules also get an event for their implicit receive."""
         if self.lowered:
-            self.gaps.append(IdleGap(s, start, arrive, str(step.action)))
+            self.gaps.append(IdleGap(s, start, arrive, str(action)))
             return
-        recv = receive_for(self.code.messages[step.needs])
+        recv = receive_for(self.code.messages[need])
         self.gaps.append(IdleGap(s, start, arrive, str(recv)))
         self.events.append(Event(s, str(recv), start, arrive, "idle", KIND_TAG[recv.kind]))
