@@ -42,6 +42,7 @@ from planner.variants import (
     SCREEN_MODELS,
     SCREEN_WORK,
     Pins,
+    check_cross_dc_pins,
     check_plannable,
     search_variants,
     variant_options,
@@ -153,6 +154,7 @@ def make_plan(
         raise InputError(f"--time-limit must be a number of seconds > 0 (got {time_limit_s})")
     started = time.monotonic()
     pins = pins.over(cfg)
+    check_cross_dc_pins(cfg, pins)  # before any search: a conflict in the pins is known at once
     variants = variant_options(cfg, pins)
     check_size(Problem(cfg, variants[0], dp=pins.dp))  # the largest problem the planner accepts, before any search
     deadline = None if time_limit_s is None else started + time_limit_s

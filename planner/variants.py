@@ -213,16 +213,30 @@ def shallower_at_zero_2(cfg: Config, variant: Variant) -> bool:
     return sharded is not None and (own is None or sharded < own)
 
 
+def check_cross_dc_pins(cfg: Config, pins: Pins) -> None:
+    """PlanInfeasible when ``--cross-dc-dp`` cannot hold with the other pins (``pins`` completed by the config):
+    no two DCs linked, or ZeRO 2, whose per-microbatch reduce-scatters the planner keeps inside DCs."""
+    if not pins.cross_dc_dp:
+        return
+    if not any(len(group) > 1 for group in Problem(cfg).components()):
+        raise PlanInfeasible(
+            "--cross-dc-dp: no two datacenters are joined by a WAN link, so no stage can have replicas in two; "
+            "add a link (cluster.links) or drop --cross-dc-dp"
+        )
+    if pins.zero == 2:
+        raise PlanInfeasible(
+            "--cross-dc-dp with ZeRO 2: a stage's replicas in two datacenters would reduce-scatter every "
+            "microbatch's gradients over the WAN, which the planner does not plan; use --zero 1 (or 0), or drop "
+            "--cross-dc-dp"
+        )
+
+
 def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     """PlanInfeasible naming the tightest constraint when no variant can hold the job: the roomiest variant
     (most tensor parallelism, ZeRO 2 or 1 unless pinned, the smallest microbatch) is checked, since it fits
     whenever any does (:func:`planner.feasibility.check_feasible`)."""
     pins = pins.over(cfg)
-    if pins.cross_dc_dp and not any(len(group) > 1 for group in Problem(cfg).components()):
-        raise PlanInfeasible(
-            "--cross-dc-dp: no two datacenters are joined by a WAN link, so no stage can have replicas in two; "
-            "add a link (cluster.links) or drop --cross-dc-dp"
-        )
+    check_cross_dc_pins(cfg, pins)
     options = variant_options(cfg, pins)
     if pins.dp is not None:  # a pinned degree needs a DC with that many devices: fewer at a wider tp
         fitting = [v for v in options if Problem(cfg, v, dp=pins.dp).dp_options()]

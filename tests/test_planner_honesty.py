@@ -288,6 +288,8 @@ def test_cross_dc_dp_means_a_stage_with_replicas_in_two_dcs(tmp_path) -> None:
     one.write_text(yaml.safe_dump(data))
     with pytest.raises(PlanInfeasible, match="no two datacenters are joined by a WAN link"):
         make_plan(load_config(str(one)), pins=Pins(cross_dc_dp=True), explain=False)
+    with pytest.raises(PlanInfeasible, match=r"with ZeRO 2: .* over the WAN.* use --zero 1"):  # before any search
+        make_plan(load_config("configs/demo-3dc.yaml"), pins=Pins(cross_dc_dp=True, zero=2), explain=False)
     uneven = two_dcs(
         "uneven",
         (48, 16),
