@@ -126,6 +126,8 @@ class Evaluator:
         self.problem = problem
         self._cache: dict[Candidate, Evaluation] = {}
         self.simulations = 0
+        self.work = 0
+        """Stage-microbatches simulated (what the searches' work budgets count)."""
         self._warmups: dict[Candidate, tuple[int, ...] | None] = {}
         self._costs: dict[tuple[Candidate, int], PipelineCosts] = {}  # the bound, the warm-up, the simulation
         self._stage_costs: dict[Hashable, Any] = {}  # PipelineCosts' memo: stages and boundaries alike cost once
@@ -204,6 +206,7 @@ class Evaluator:
             costs = self.costs(cand, cand.pipelines.index(dcs))
             timelines.append(simulate(schedule, costs, check=False, record=False))
             self.simulations += 1
+            self.work += cand.num_stages * cand.microbatches
             codecs.update(costs.codecs)
             copies = cand.pipelines.count(dcs)
             for key, nbytes in costs.wan_bytes_per_iteration(cand.microbatches).items():

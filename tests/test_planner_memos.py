@@ -14,10 +14,11 @@ from geosched.costmodel import boundary_bytes, embedding_params, head_cost, laye
 from geosched.memory import stage_memory_bytes
 from geosched.netcost import wan_transfer
 from planner.cpsat import Goal, solve
+from planner.evaluate import Evaluator
 from planner.planning import cycle_collector_paused
 from planner.proposals import chains
 from planner.replicas import _fewest_fitting, _stacked
-from planner.space import Problem, Variant
+from planner.space import Candidate, Problem, Variant
 
 
 def test_a_repeated_cpsat_solve_is_the_first_answer():
@@ -145,3 +146,18 @@ def test_fewest_fitting_stacked_stages_match_a_plain_scan():
             assert _fewest_fitting(problem, dc, d, m, most) == plain, (dc, d, m)
             answers.add(plain)
     assert None in answers and len(answers) >= 4  # the case binds: depths differ, some degrees fit nowhere
+
+
+def test_the_evaluator_counts_the_work_it_simulates():
+    """``Evaluator.work`` (what the climbs' budgets count) grows by stages x microbatches per pipeline simulated,
+    and not at all for a verdict it already has."""
+    problem = Problem(load_config("configs/demo-3dc.yaml"))
+    evaluator = Evaluator(problem)
+    d, m = problem.dp_options()[0]
+    cand = next(
+        c for c in (Candidate(d, m, (dc, dc), ((0, 3), (3, 6))) for dc in problem.dcs) if not problem.violation(c)
+    )
+    evaluator.evaluate(cand)
+    assert evaluator.work == 2 * m and evaluator.simulations == 1
+    evaluator.evaluate(cand)
+    assert evaluator.work == 2 * m and evaluator.simulations == 1
