@@ -8,7 +8,7 @@ The issue's bound is 10 s on 2 cores for any cluster of at most 16 DCs; ``benchm
 shipped configs and small random ones, this one the large jobs those miss.
 
     python benchmarks/planner_fuzz.py --quick    # seeds 8, 9 and 12 (about 15 s)
-    python benchmarks/planner_fuzz.py --json     # seeds 0-39 (about 5 min); keys max_plan_wall_s, median_plan_wall_s, over_10_s
+    python benchmarks/planner_fuzz.py --json     # seeds 0-39 (~5 min): max_plan_wall_s, median_plan_wall_s, over_10_s
 """
 
 from __future__ import annotations
