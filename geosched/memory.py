@@ -54,15 +54,15 @@ def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool,
     else:
         grads = params
     state = params * (job.bytes_per_element + optimizer) + grads * job.bytes_per_element
-    sums, head = block_sums(job), head_cost(job).stash_bytes if last else 0
+    sums, head, (start, end) = block_sums(job), head_cost(job).stash_bytes if last else 0, layers
     if job.recompute == "full":
-        blocks, (start, end) = layer_costs(job), layers
+        blocks = layer_costs(job)
         if job.model.custom_layers:
             working = max((c.stash_bytes for c in blocks[start:end]), default=0)
         else:  # identical blocks
             working = blocks[0].stash_bytes if end > start else 0
-        return state, sums.activation_bytes(*layers) + head, working
-    return state, sums.stash_bytes(*layers) + head, 0
+        return state, sums.activation_bytes(start, end) + head, working
+    return state, sums.stash_bytes(start, end) + head, 0
 
 
 def zero2_staging_params(job: JobSpec, params: int, first: bool, last: bool) -> int:

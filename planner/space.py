@@ -385,15 +385,16 @@ class Problem:
             return "the DCs of a stage's replicas must be joined by links (the cross-DC all-reduce follows them)"
         stages_in = collections.Counter(d for path in cand.pipelines for d in path)  # cand.stages_in, at once
         for dc in sorted(stages_in, key=self.dcs.index):
-            if stages_in[dc] * cand.dp > self.gpus[dc]:
+            used = stages_in[dc] * cand.dp  # cand.gpus_used(dc)
+            if used > self.gpus[dc]:
                 t = job.tp
                 if t == 1:
                     return (
-                        f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} GPUs > "
+                        f"stages({stages_in[dc]}) x replicas({cand.dp}) = {used} GPUs > "
                         f"{self.gpus[dc]} available in dc {dc!r}"
                     )
                 return (
-                    f"stages({cand.stages_in(dc)}) x replicas({cand.dp}) = {cand.gpus_used(dc)} tensor-parallel "
+                    f"stages({stages_in[dc]}) x replicas({cand.dp}) = {used} tensor-parallel "
                     f"groups of {t} GPUs > the {self.gpus[dc]} that fit the nodes of dc {dc!r}"
                 )
         for s, dc in dict.fromkeys((s, path[s]) for path in cand.pipelines for s in range(p)):  # pipelines alike

@@ -128,14 +128,13 @@ a SEND or RECV."""
 _KIND_INFO = {
     kind: (
         KIND_TAG[kind],
-        kind in COMM_KINDS,
         "comm" if kind in COMM_KINDS or kind is K.ALL_REDUCE else "compute",
         MESSAGE if kind in COMM_KINDS else COLLECTIVE if kind is K.ALL_REDUCE else COMPUTE,
     )
     for kind in K
 }
-"""Per kind: its tag, whether it moves a message, its timeline category, its role."""
-_ROLE = {kind: info[3] for kind, info in _KIND_INFO.items()}
+"""Per kind: its tag, its timeline category, its role."""
+_ROLE = {kind: info[2] for kind, info in _KIND_INFO.items()}
 
 
 class CompiledSchedule(NamedTuple):
@@ -373,7 +372,7 @@ class _Run:
 
     def _record_event(self, s: int, action: Action, start: float, end: float) -> None:
         """Note a compute or collective step's run."""
-        tag, _, category, _ = _KIND_INFO[action.kind]
+        tag, category, _ = _KIND_INFO[action.kind]
         self.events.append(Event(s, str(action), start, end, category, tag))
 
     def _record_wait(self, s: int, action: Action, need: int, start: float, arrive: float) -> None:
