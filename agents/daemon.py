@@ -50,6 +50,7 @@ from agents.control.auth import ControlKeys
 from agents.control.endpoints import MqttAddressBook
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
+from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
 from agents.layout import (
     JobLayout,
@@ -190,11 +191,7 @@ class Agent:
                         if code is None:
                             code = await self._serve()
                     finally:
-                        for task in tasks:
-                            task.cancel()
-                        for task in tasks:
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await task
+                        await cancel_and_wait(tasks)
                         await self._shutdown_worker()
                 await self._set_status("stopped" if code == 0 else "error", endpoints=None)
                 return code

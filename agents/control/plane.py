@@ -55,6 +55,7 @@ from agents.control.messages import (
     validate_fields,
 )
 from agents.control.subscription import Subscription
+from agents.control.tasks import cancel_and_wait
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
 __all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "ControlStats"]
@@ -181,9 +182,7 @@ class ControlPlane:
     async def _stop_runner(self) -> None:
         runner, self._runner = self._runner, None
         if runner is not None:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
+            await cancel_and_wait([runner])
 
     def _make_client(self) -> aiomqtt.Client:
         will = None
