@@ -176,9 +176,37 @@ class _Model:
             and self.max_stages >= 2
             and (stages is None or 2 <= stages <= self.max_stages)
             and all(dc in dcs for dc, need in require.items() if need)
+            and self._room(stages) >= L
         )
         if self.feasible:
             self._build(goal, require, stages)
+
+    def _room(self, stages: int | None) -> int:
+        """The most blocks ``stages`` (default: up to :attr:`max_stages`) stages could hold: the last stage
+        what its DC allows a last stage, every other the most its DC allows anywhere else (:meth:`_caps`), the
+        first and the last at least one block each, in DCs one pipeline may use together (with a ``chain``, a
+        run of its DCs that have ``d`` GPUs: a pipeline steps between chain neighbours only). Below the
+        model's blocks the model is infeasible, known without solving it (on large clusters, most of the
+        models that are)."""
+        caps = {dc: self._caps(dc) for dc in self.dcs}
+        other = {dc: max(*mid, *first) for dc, (mid, first, _) in caps.items()}
+        runs: list[list[str]] = [[]]
+        for dc in self.chain if self.chain is not None else self.dcs:
+            if dc in caps:
+                runs[-1].append(dc)
+            elif runs[-1]:
+                runs.append([])
+        best = 0
+        for run in runs:
+            for end in (dc for dc in run if caps[dc][2] >= 1):  # the DC of the last stage, if it holds one block
+                if not any(max(caps[dc][1]) >= 1 and self.problem.gpus[dc] // self.dp > (dc == end) for dc in run):
+                    continue  # no first stage holds a block
+                room, slots = caps[end][2], (self.max_stages if stages is None else stages) - 1
+                for dc in sorted(run, key=other.__getitem__, reverse=True):
+                    take = min(self.problem.gpus[dc] // self.dp - (dc == end), slots)
+                    room, slots = room + other[dc] * take, slots - take
+                best = max(best, room)
+        return best
 
     def _caps(self, dc: str) -> tuple[list[int], list[int], int]:
         """Block caps on ``dc``: by in-flight count r (index r), as first stage of p stages (index p), as last stage."""

@@ -397,7 +397,9 @@ class Problem:
                     f"stages({stages_in[dc]}) x replicas({cand.dp}) = {used} tensor-parallel "
                     f"groups of {t} GPUs > the {self.gpus[dc]} that fit the nodes of dc {dc!r}"
                 )
-        for s, dc in dict.fromkeys((s, path[s]) for path in cand.pipelines for s in range(p)):  # pipelines alike
+        paths = dict.fromkeys(cand.pipelines)  # usually one: the pipelines alike
+        pairs = ((s, path[s]) for path in paths for s in range(p))
+        for s, dc in dict.fromkeys(pairs) if len(paths) > 1 else pairs:
             layers = cand.stage_layers[s]
             need = self.memory_need(cand, s, dc)
             if need > self.memory_bytes[dc]:

@@ -161,3 +161,38 @@ def test_the_evaluator_counts_the_work_it_simulates():
     assert evaluator.work == 2 * m and evaluator.simulations == 1
     evaluator.evaluate(cand)
     assert evaluator.work == 2 * m and evaluator.simulations == 1
+
+
+def test_a_model_refused_for_room_is_one_cpsat_proves_infeasible():
+    """Models whose stages could not hold every block (:meth:`planner.cpsat._Model._room`) are answered
+    "infeasible" without solving: built in full and solved, each is infeasible (gpt3-3dc: every DC; scale-16dc:
+    along chains)."""
+    from ortools.sat.python import cp_model
+
+    from planner.cpsat import _Model
+    from planner.variants import Pins, variant_options
+
+    class Unchecked(_Model):
+        def _room(self, stages: int | None) -> int:
+            return self.problem.layers
+
+    refused = 0
+    for path, large in (("configs/gpt3-3dc.yaml", False), ("configs/scale-16dc.yaml", True)):
+        cfg = load_config(path)
+        for variant in variant_options(cfg, Pins()):
+            if variant.schedule == "zb1p" or variant.microbatch_size > 2:
+                continue
+            problem = Problem(cfg, variant)
+            for d, m in problem.dp_options()[:6]:
+                for chain in chains(problem, d) if large else [None]:
+                    if _Model(problem, d, m, Goal(), {}, None, None, chain).feasible:
+                        continue
+                    full = Unchecked(problem, d, m, Goal(), {}, None, None, chain)
+                    if not full.feasible:
+                        continue  # refused by the older checks (too few GPUs or stages)
+                    refused += 1
+                    solver = cp_model.CpSolver()
+                    solver.parameters.num_workers = 1
+                    solver.parameters.max_deterministic_time = 5.0
+                    assert solver.solve(full.model) == cp_model.INFEASIBLE, (path, variant, d, m, chain)
+    assert refused >= 10, refused
