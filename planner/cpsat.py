@@ -37,9 +37,10 @@ from fractions import Fraction
 from ortools.sat.python import cp_model
 
 from geosched.compression import compressed_bytes
-from geosched.costmodel import boundary_bytes, stage_compute, stage_params
-from geosched.netcost import intra_transfer, ring_allreduce_s, wan_transfer
+from geosched.costmodel import boundary_bytes, stage_compute
+from geosched.netcost import wan_transfer
 from planner.space import Candidate, Problem, even_split, from_split
+from planner.ticks import dc_numbers, tick_for
 
 USD_UNIT = 1e-6  # costs in micro-dollars
 SEED = 14  # CP-SAT's random seed: fixed, so a solve is reproducible
@@ -73,49 +74,6 @@ class SolveResult:
     solutions: list[Solution] = field(default_factory=list)  # best last
     wall_s: float = 0.0
     deterministic_s: float = 0.0  # CP-SAT's deterministic time: the same for the same model on any machine
-
-
-def tick_for(problem: Problem) -> float:
-    """The time unit: a power of ten, <= 1 us, with one block on the fastest GPU >= 10,000 ticks."""
-    fastest = max(dc.gpu.tflops for dc in problem.cluster.datacenters)
-    block = stage_compute(problem.job, fastest, (0, 1), False, False)
-    return min(1e-6, 10.0 ** math.floor(math.log10((block.forward_s + block.backward_s) / 1e4)))
-
-
-@dataclass(frozen=True)
-class _DcNumbers:
-    """Integer costs of one DC for one ``d`` (ticks): mean block, head, all-reduce parts, one hop."""
-
-    block: int
-    head: int
-    ar_block: int
-    ar_fixed: int
-    ar_embedding: int
-    ar_head: int
-    hop: int
-
-
-def _dc_numbers(problem: Problem, name: str, dp: int, tick: float, nbytes: int) -> _DcNumbers:
-    job, L = problem.job, problem.layers
-    dc = problem.cluster.dc(name)
-    whole = stage_compute(job, dc.gpu.tflops, (0, L), False, False)
-    head = stage_compute(job, dc.gpu.tflops, (0, 0), False, True)
-    bw, lat = dc.intra_bandwidth_gbps * 1e9, dc.intra_latency_us * 1e-6
-    fixed = ring_allreduce_s(0, dp, bw, lat)
-    hop = intra_transfer(dc, nbytes)
-
-    def ar(params: float) -> int:
-        return round((ring_allreduce_s(params * job.bytes_per_element, dp, bw, lat) - fixed) / tick)
-
-    return _DcNumbers(
-        block=round((whole.forward_s + whole.backward_s) / L / tick),
-        head=round((head.forward_s + head.backward_s) / tick),
-        ar_block=ar(stage_params(job, (0, L), False, False) / L),
-        ar_fixed=round(fixed / tick),
-        ar_embedding=ar(stage_params(job, (0, 0), True, False)),
-        ar_head=ar(stage_params(job, (0, 0), False, True)),
-        hop=round((hop.occupancy_s + hop.latency_s) / tick),
-    )
 
 
 def _weighted(
@@ -168,7 +126,7 @@ class _Model:
         if chain is not None:
             allowed = set(chain) if allowed is None else allowed & set(chain)
         dcs = [dc for dc in problem.dcs if (allowed is None or dc in allowed) and problem.gpus[dc] >= dp]
-        self.nums = {dc: _dc_numbers(problem, dc, dp, self.tick, self.nbytes) for dc in dcs}
+        self.nums = {dc: dc_numbers(problem, dc, dp, self.tick, self.nbytes) for dc in dcs}
         self.max_stages = min(L, sum(problem.gpus[dc] // dp for dc in dcs))
         self.dcs = dcs
         self.feasible = (
