@@ -6,9 +6,10 @@
 * **compute floor**: the FLOP of one iteration (and the optimizer steps) over
   the summed FLOP rate of the GPUs one plan may use (a group of linked
   datacenters);
-* **WAN floor**: the time the fastest WAN link needs to carry, in one
-  direction, the least bytes one pipeline boundary carries per iteration;
-  0 when the job may fit one datacenter;
+* **WAN floor**: the time the WAN links of a group, all at once, need to
+  carry the least bytes the pipelines' boundaries carry per iteration in
+  one direction, plus one message and a round trip; 0 when the job may fit
+  one datacenter;
 * **pipeline floor**: the least time any pipeline shape could take (replicas
   ``R``, at most ``N / R`` stages of the fastest GPUs, the smallest
   microbatch), with every message free: a microbatch has to go forward
@@ -25,13 +26,11 @@ summary's wording: "proven optimal" only when the plan's time equals a floor
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from geosched.compression import compressed_bytes
 from geosched.config import WanLinkSpec
@@ -41,13 +40,12 @@ from geosched.costmodel import (
     head_cost,
     layer_costs,
     optimizer_step_estimate_s,
-    stage_compute,
     stage_params,
     total_params,
-    tp_allreduce_s,
 )
 from geosched.memory import stage_memory_bytes
 from geosched.netcost import streams_to_fill, wan_effective_bps
+from planner.packing import Packer, SlowerKinds, Sync, dc_kinds, ring_bound
 from planner.space import Problem
 
 ROUNDING = 1e-6
@@ -132,102 +130,8 @@ def memory_reach(problem: Problem, memory_bytes: float, zeros: tuple[int, ...] =
     return reach
 
 
-TABLE_CELLS = 1 << 18
-"""Stage bounds one packing computes in one go (every start's, when they are at most this many)."""
-
-Sync = tuple[tuple[float, float], ...]
-"""Lower bounds of a gradient sync of ``x`` bytes, each ``slope x x + fixed`` seconds: the sync takes the least."""
-
-
-class _Packer:
-    """One microbatch's seconds per piece on a group's fastest GPUs, as prefix sums, and how to pack them.
-
-    Only the group's DCs with devices (tensor-parallel groups of this variant) count. Per block: forward
-    ``f``, the whole backward ``b`` (the least of fused and split), the input-gradient pass ``i`` (the
-    least of any schedule's), the optimizer step ``s`` and the gradient bytes ``g``; the embeddings'
-    (first stage) and the head's (last stage) alike. ``reach[k]``: the furthest end a stage
-    starting at block ``k`` may have (:func:`memory_reach`).
-    """
-
-    def __init__(self, problem: Problem, group: list[str], reach: list[int]) -> None:
-        job, L = problem.job, problem.layers
-        kinds = (problem.cluster.dc(name) for name in group if problem.gpus[name])  # DCs with devices
-        specs = {(dc.gpu.tflops, tp_allreduce_s(job, dc)) for dc in kinds}
-
-        def cost(layers: tuple[int, int], first: bool, last: bool) -> tuple[float, ...]:
-            rows = []
-            for tflops, allreduce in sorted(specs):
-                c = stage_compute(job, tflops, layers, first, last, tp_allreduce=allreduce)
-                split = c.backward_input_s + c.backward_weight_s
-                rows.append((c.forward_s, min(c.backward_s, split), c.backward_input_s, c.step_s))
-            least = (min(column) for column in zip(*rows, strict=True))
-            return (*least, stage_params(job, layers, first, last) * job.bytes_per_element)
-
-        self.L, self.reach = L, reach
-        self.embed, self.head = np.array(cost((0, 0), True, False)), np.array(cost((L, L), False, True))
-        self.sums = np.zeros((5, L + 1))  # f, b, i, s, g: prefix sums over blocks (added in order, as a loop would)
-        self.sums[:, 1:] = np.cumsum(np.array([cost((k, k + 1), False, False) for k in range(L)]).T, axis=1)
-
-    def rows(
-        self, starts: Sequence[int], ends: Sequence[int], m: int, step_share: float, sync: Sync
-    ) -> list[list[float]]:
-        """Per start, the larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, e)``,
-        for every ``e`` from ``start + 1`` to its end (each list grows with ``e``); all in one go."""
-        first = np.array(starts)[:, None]
-        width = max([e - s for s, e in zip(starts, ends, strict=True)], default=0)
-        last = np.minimum(first + np.arange(1, width + 1)[None, :], np.array(ends)[:, None])  # past the end: dropped
-        pieces = self.sums[:, last] - self.sums[:, first]  # (5, starts, width)
-        pieces += self.embed[:, None, None] * (first == 0)  # the first stage holds the embeddings
-        pieces += self.head[:, None, None] * (last == self.L)  # the last one the head
-        f, b, i, s, g = pieces
-        ahead_f = np.where(first == 0, 0.0, self.embed[0] + self.sums[0, first])  # forward before the stage
-        ahead_i = np.where(first == 0, 0.0, self.embed[2] + self.sums[2, first])  # input gradients after it
-        synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
-        bound = np.maximum(ahead_f + m * (f + b) + synced + s * step_share, ahead_f + m * (f + i) + ahead_i)
-        return [row[: e - s] for row, s, e in zip(bound.tolist(), starts, ends, strict=True)]
-
-    def least(self, m: int, step_share: float, sync: Sync, stages: int, below: float) -> float:
-        """The least time within which at most ``stages`` stages pack (bisection to 1e-6, rounded down), or
-        inf when it is not below ``below``. Every start's bounds are computed once: all together when there
-        are at most :data:`TABLE_CELLS`, else as the packing reaches each start, kept while that many."""
-        L, reach = self.L, self.reach
-        table: list[list[float] | None] = [None] * L
-        if L * max(e - s for s, e in enumerate(reach)) <= TABLE_CELLS:
-            table = list(self.rows(range(L), reach, m, step_share, sync))
-        kept = 0  # cells of the rows computed one by one and kept
-
-        def fits(limit_s: float) -> bool:
-            """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s``. Both
-            bounds grow with a stage's end and shrink as its start moves on (``m >= 1``), so ending each stage
-            as late as the limit allows packs the fewest stages."""
-            nonlocal kept
-            start = 0
-            for _ in range(stages):
-                row = table[start]
-                if row is None:
-                    row = self.rows([start], [reach[start]], m, step_share, sync)[0]
-                    if kept + len(row) <= TABLE_CELLS:  # memory stays bounded on the longest models
-                        table[start], kept = row, kept + len(row)
-                end = start + bisect.bisect_right(row, limit_s)  # the latest end within the limit
-                if end == start:
-                    return False
-                if end == L:
-                    return True
-                start = end
-            return False
-
-        high = below if below < math.inf else self.rows([0], [L], m, step_share, sync)[0][-1] * (1 + 1e-9)
-        if not fits(high):
-            return math.inf
-        low = 0.0
-        while high - low > 1e-6 * high:
-            mid = (low + high) / 2
-            low, high = (low, mid) if fits(mid) else (mid, high)
-        return low
-
-
 def pipeline_floor(problem: Problem) -> float:
-    """The least time any pipeline shape of ``problem``'s variant could take on its fastest GPUs.
+    """The least time any pipeline shape of ``problem``'s variant could take.
 
     For a plan of ``R`` replicas (all pipelines together) of ``p`` stages, ``R x p`` devices of one linked
     group, each replica runs ``m = sequences / R`` microbatches. For each stage ``s``, with ``A_s`` the
@@ -240,52 +144,80 @@ def pipeline_floor(problem: Problem) -> float:
     * ``A_s + m (f_s + i_s) + D_s``: after its last input-gradient pass, that gradient still travels to
       stage 0.
 
-    Costs are the least of the group's DCs, ``b`` the least of the fused and split backward, ``i`` the
-    zero-bubble input-gradient pass (no longer than any schedule's backward chain), the step the least
-    ZeRO allows (``1/R`` unless pinned to 0), a stage at most what memory's relaxation
-    (:func:`memory_reach`) holds. More stages never raise the bound, so each ``R`` takes its most stages:
-    those of its DC with the most devices, and, where the group has more, all of them with the WAN
-    crossed: either by a pipeline (then a link carries its ``m`` messages each way one after the other,
-    the WAN floor's argument for one pipeline) or, the pipelines lying in several DCs, by every stage's
-    gradient sync. The floor is the least over ``R`` and groups (bisection on the time to 1e-6, rounded
-    down).
+    ``b`` is the least of the fused and split backward, ``i`` the zero-bubble input-gradient pass (no
+    longer than any schedule's backward chain), the step the least ZeRO allows (``1/R`` unless pinned to
+    0), a stage at most what memory's relaxation (:func:`memory_reach`) holds. More stages never raise the
+    bound, so each shape takes its most stages. A plan's shape is one of three:
+
+    * inside one DC: that DC's GPUs, memory and ring, at most its devices over ``R`` stages;
+    * a pipeline crosses the WAN: the group's fastest GPUs and roomiest memory, at most the group's
+      devices over ``R`` stages; and its ``m`` messages each way queue on one link, so the last forward
+      one arrives no sooner than ``m`` messages and half a round trip, and its gradient needs one more
+      message and half a round trip back (the WAN floor's argument for one pipeline, on the fastest link
+      with the shortest round trip);
+    * every pipeline inside one DC, in several DCs: every stage's gradient sync crosses the WAN.
+
+    The floor is the least over ``R``, shapes and groups (bisection on the time to 1e-6, rounded down).
     """
     job, L = problem.job, problem.layers
     if job.global_batch % job.batch or L == 0:
         return 0.0
     sequences = job.global_batch // job.batch
-    reach = memory_reach(problem, max(problem.memory_bytes.values()))
+    reaches: dict[float, list[int]] = {}
+
+    def reach(memory_bytes: float) -> list[int]:
+        if memory_bytes not in reaches:
+            reaches[memory_bytes] = memory_reach(problem, memory_bytes)
+        return reaches[memory_bytes]
+
     best = math.inf
     for group in problem.components():
-        devices = sum(problem.gpus[dc] for dc in group)
-        if not devices:
+        dcs = [problem.cluster.dc(name) for name in group if problem.gpus[name]]  # DCs with devices
+        if not dcs:
             continue
-        packer = _Packer(problem, group, reach)
-        links = _group_links(problem, group)
-        one_dc = max(problem.gpus[dc] for dc in group)
+        kinds = dc_kinds(problem, dcs, reach)
+        links = _group_links(problem, group) if len(dcs) > 1 else []
+        roomiest = reach(max(problem.memory_bytes[dc.name] for dc in dcs))
+        slower = SlowerKinds(problem, Packer(problem, dcs, roomiest), kinds, reach) if links else None
         message_s = _least_message_s(problem, links) if links and L > 1 else None
+        rtt_s = min((link.rtt_ms for link in links), default=0.0) / 1000
+        devices = sum(problem.gpus[dc.name] for dc in dcs)
         for replicas in (r for r in range(1, min(sequences, devices) + 1) if sequences % r == 0):
             m = sequences // replicas
             share = 1 / replicas if job.zero_stage >= 1 else 1.0
-            sync = _sync_bounds(problem, group, links, replicas)
-            local, spread = min(L, one_dc // replicas), min(L, devices // replicas)
-            if local:  # the shape may lie inside one DC
-                best = min(best, packer.least(m, share, sync, local, best))
-            if spread > local and message_s is not None:  # more devices than a DC has: the WAN is crossed
-                if m * message_s < best:  # by a pipeline, whose m messages each way queue on a link
-                    best = min(best, max(m * message_s, packer.least(m, share, sync, spread, best)))
-                if replicas > 1:  # or by every stage's gradient sync, the pipelines lying in several DCs
-                    wan_sync = _sync_bounds(problem, group, links, replicas, across=True)
-                    best = min(best, packer.least(m, share, wan_sync, spread, best))
+            for kind in kinds:  # the shape lies inside one DC
+                if kind.most >= replicas:
+                    stages = min(L, kind.most // replicas)
+                    best = min(best, kind.packer.least(m, share, kind.ring(replicas), stages, best))
+            if slower is None:
+                continue
+            crossing = slower.fastest  # the group's least costs
+            spread = min(L, devices // replicas)
+            busy = sequences * crossing.work / slower.fastest_speed(replicas * spread)
+            mixed = functools.partial(slower.least, replicas, spread, m, share)
+            if message_s is not None and max(busy, (m + 1) * message_s + rtt_s) < best:  # a pipeline crosses a link
+                sync = _sync_bounds(problem, group, links, replicas)
+                bound = max(busy, (m + 1) * message_s + rtt_s, crossing.least(m, share, sync, spread, best))
+                best = min(best, mixed(sync, bound, best) if bound < best else bound)
+            if replicas > 1 and max(busy, rtt_s) < best:  # or every stage's sync, the pipelines lying in several DCs
+                wan_sync = _sync_bounds(problem, group, links, replicas, across=True)
+                bound = max(busy, crossing.least(m, share, wan_sync, spread, best))
+                best = min(best, mixed(wan_sync, bound, best) if bound < best else bound)
     return 0.0 if best == math.inf else best
 
 
-def _least_message_s(problem: Problem, links: Sequence[WanLinkSpec]) -> float:
-    """The least time one microbatch's message across a pipeline boundary occupies the fastest of ``links``:
-    the fewest bytes any boundary carries (compressed as the job allows) at that link's rate with streams."""
+def _least_bytes(problem: Problem) -> float:
+    """The fewest bytes one microbatch's message across any pipeline boundary carries (compressed as the job
+    allows)."""
     job = problem.job
     least = min(boundary_bytes(job, k) for k in range(1, problem.layers))
-    return compressed_bytes(least, job.bytes_per_element, job.wan_compression) * 8 / _fastest_bps(links)
+    return compressed_bytes(least, job.bytes_per_element, job.wan_compression)
+
+
+def _least_message_s(problem: Problem, links: Sequence[WanLinkSpec]) -> float:
+    """The least time one microbatch's message across a pipeline boundary occupies the fastest of ``links``
+    (:func:`_least_bytes` at that link's rate with streams)."""
+    return _least_bytes(problem) * 8 / _fastest_bps(links)
 
 
 def _fastest_bps(links: Sequence[WanLinkSpec]) -> float:
@@ -315,13 +247,12 @@ def _sync_bounds(
         return ()
     if across:
         whole = stage_params(problem.job, (0, problem.layers), True, True) * problem.job.bytes_per_element
-        return ((0.0, whole * 8 / _fastest_bps(links)),)
+        return ((0.0, whole * 8 / _fastest_bps(links) + min(link.rtt_ms for link in links) / 1000),)
     out = []
     for dc in group:
         spec = problem.cluster.dc(dc)
         if problem.gpus[dc] >= replicas:
-            bps, latency = spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6
-            out.append((2 * (replicas - 1) / replicas * 8 / bps, 2 * (replicas - 1) * latency))
+            out.append(ring_bound(spec, replicas))
     if links:
         out.append((8 / _fastest_bps(links), 0.0))
     return tuple(sorted(set(out)))  # DCs alike give one line
@@ -344,14 +275,19 @@ def job_floors(problem: Problem) -> Floors:
       All-reduce, messages and waiting only add time.
     * WAN: if no single datacenter has as many GPUs as the fewest stages its
       GPU memory allows (:func:`fewest_stages`, itself a lower bound), every
-      plan crosses at least one WAN link. A crossing after block ``k``
-      carries ``m`` messages in each direction, each occupying the link
-      (a FIFO in the simulator) for ``d x boundary_bytes(k) x 8 / bps``
-      (:func:`~geosched.costmodel.wan_transfer`); ``d x m = global_batch /
-      microbatch_size`` for every plan, so the link is busy at least
-      ``sequences x min_k boundary_bytes(k) x 8 / bps`` with ``bps`` the
-      fastest link's rate when filled with streams (more streams never
-      speed it up). Otherwise some plan may avoid the WAN: the floor is 0.
+      pipeline crosses at least one WAN link of its group. A pipeline's
+      crossing carries its ``m`` microbatches' messages in each direction,
+      each occupying the link (a FIFO in the simulator) for at least
+      ``boundary_bytes x 8 / bps`` (:func:`~geosched.costmodel.wan_transfer`;
+      pipelines sharing a link take turns), and the pipelines together carry
+      ``sequences = global_batch / microbatch_size`` of them, on one link or
+      spread over several. So some link ``l`` is busy at least ``sequences x
+      bytes x 8 / sum(bps)`` one way (``bytes`` the least any boundary
+      carries, ``bps`` each link's rate filled with streams: more streams
+      never speed it up); the last message it carries that way arrives half
+      a round trip after, and that microbatch's gradient needs one more
+      message and half a round trip to come back. The floor is the least of
+      that over the groups. Otherwise some plan may avoid the WAN: it is 0.
     """
     job = problem.job
     flop, step_s = iteration_flop(problem), optimizer_step_estimate_s(job, total_params(job))
@@ -365,9 +301,19 @@ def job_floors(problem: Problem) -> Floors:
     min_stages = fewest_stages(problem, roomiest)
     wan_s = 0.0
     one_dc = any(0 < fewest_stages(problem, problem.memory_bytes[dc]) <= problem.gpus[dc] for dc in problem.dcs)
-    links = problem.cluster.links
-    if not one_dc and links and problem.layers > 1 and job.global_batch % job.batch == 0:
-        wan_s = job.global_batch // job.batch * _least_message_s(problem, links)
+    if not one_dc and problem.layers > 1 and job.global_batch % job.batch == 0:
+        sequences, least = job.global_batch // job.batch, _least_bytes(problem)
+        crossings = [_group_links(problem, group) for group in problem.components()]
+        wan_s = min(
+            (
+                sequences * least * 8 / sum(_fastest_bps([link]) for link in links)
+                + least * 8 / _fastest_bps(links)
+                + min(link.rtt_ms for link in links) / 1000
+                for links in crossings
+                if links
+            ),
+            default=0.0,
+        )
     return Floors(compute_s, wan_s, min_stages, pipeline_floor(problem))
 
 
