@@ -27,7 +27,6 @@ summary's wording: "proven optimal" only when the plan's time equals a floor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from geosched.costmodel import (
 )
 from geosched.memory import stage_memory_bytes
 from geosched.netcost import streams_to_fill, wan_effective_bps
-from planner.packing import Packer, SlowerKinds, Sync, dc_kinds, ring_bound
+from planner.packing import Packer, SlowerKinds, Sync, Terms, dc_kinds, ring_bound
 from planner.space import Problem
 
 ROUNDING = 1e-6
@@ -188,21 +187,20 @@ def pipeline_floor(problem: Problem) -> float:
             for kind in kinds:  # the shape lies inside one DC
                 if kind.most >= replicas:
                     stages = min(L, kind.most // replicas)
-                    best = min(best, kind.packer.least(m, share, kind.ring(replicas), stages, best))
+                    best = min(best, kind.packer.least(Terms(m, share, kind.ring(replicas)), stages, best))
             if slower is None:
                 continue
             crossing = slower.fastest  # the group's least costs
             spread = min(L, devices // replicas)
             busy = sequences * crossing.work / slower.fastest_speed(replicas * spread)
-            mixed = functools.partial(slower.least, replicas, spread, m, share)
             if message_s is not None and max(busy, (m + 1) * message_s + rtt_s) < best:  # a pipeline crosses a link
-                sync = _sync_bounds(problem, group, links, replicas)
-                bound = max(busy, (m + 1) * message_s + rtt_s, crossing.least(m, share, sync, spread, best))
-                best = min(best, mixed(sync, bound, best) if bound < best else bound)
+                terms = Terms(m, share, _sync_bounds(problem, group, links, replicas), message_s + rtt_s / 2)
+                bound = max(busy, (m + 1) * message_s + rtt_s, crossing.least(terms, spread, best))
+                best = min(best, slower.least(replicas, spread, terms, bound, best) if bound < best else bound)
             if replicas > 1 and max(busy, rtt_s) < best:  # or every stage's sync, the pipelines lying in several DCs
-                wan_sync = _sync_bounds(problem, group, links, replicas, across=True)
-                bound = max(busy, crossing.least(m, share, wan_sync, spread, best))
-                best = min(best, mixed(wan_sync, bound, best) if bound < best else bound)
+                terms = Terms(m, share, _sync_bounds(problem, group, links, replicas, across=True))
+                bound = max(busy, crossing.least(terms, spread, best))
+                best = min(best, slower.least(replicas, spread, terms, bound, best) if bound < best else bound)
     return 0.0 if best == math.inf else best
 
 

@@ -4,8 +4,9 @@
 its stages could hold every block, each stage's bound computed from the cost model's per-block seconds
 (:func:`piece_costs`) on GPUs no slower than the stage's. A :class:`Packer` prices the stages of one set of
 GPUs and finds that least time by bisection (ends only move on as starts do, so ending each stage as late as
-the limit allows packs the fewest stages); :class:`SlowerKinds` bounds pipelines that cannot all have the
-fastest GPUs. Written here because no library packs contiguous stages under these two per-stage bounds.
+the limit allows packs the fewest stages; the last stage, which may wait for a link, is tried from each
+start); :class:`SlowerKinds` bounds pipelines that cannot all have the fastest GPUs. Written here because no
+library packs contiguous stages under these per-stage bounds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ than 512 blocks, it bounds nothing: the floor is then looser, never wrong)."""
 
 Sync = tuple[tuple[float, float], ...]
 """Lower bounds of a gradient sync of ``x`` bytes, each ``slope x x + fixed`` seconds: the sync takes the least."""
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What a pipeline shape adds to its stages' bounds: ``m`` microbatches a stage, the share of the optimizer
+    step a stage runs, the bounds of its gradient sync, and ``last_s``: what the last stage waits beyond the
+    others (when the pipeline crosses a link, microbatch 0's forward reaches the last stage across it, a
+    message and half a round trip later, and the last stage's gradients go back across it)."""
+
+    m: int
+    step_share: float
+    sync: Sync = ()
+    last_s: float = 0.0
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,18 +95,16 @@ class Packer:
         busy = slower.pieces > 0
         return float(np.max(self.pieces[busy] / slower.pieces[busy])) if busy.any() else 1.0
 
-    def rows(
-        self, starts: Sequence[int], ends: Sequence[int], m: int, step_share: float, sync: Sync
-    ) -> list[list[float]]:
+    def rows(self, starts: Sequence[int], ends: Sequence[int], terms: Terms) -> list[list[float]]:
         """Per start, the larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, e)``,
         for every ``e`` from ``start + 1`` to its end (each list grows with ``e``); all in one go."""
-        bound = self._bounds(starts, ends, m, step_share, sync, self)
+        bound = self._bounds(starts, ends, terms, self)
         return [row[: e - s] for row, s, e in zip(bound.tolist(), starts, ends, strict=True)]
 
-    def grid(self, m: int, step_share: float, sync: Sync, ahead: Packer) -> np.ndarray:
+    def grid(self, terms: Terms, ahead: Packer) -> np.ndarray:
         """:meth:`rows` of every start as one array, ``inf`` past a start's reach, with the passes before and
         after a stage priced by ``ahead`` (the GPUs the other stages may have)."""
-        bound = self._bounds(range(self.L), self.reach, m, step_share, sync, ahead)
+        bound = self._bounds(range(self.L), self.reach, terms, ahead)
         return np.where(self._parts(range(self.L), self.reach, ahead)[-1], bound, math.inf)
 
     def _parts(self, starts: Sequence[int], ends: Sequence[int], ahead: Packer) -> tuple[np.ndarray, ...]:
@@ -116,47 +128,64 @@ class Packer:
             self._every[id(ahead)] = parts
         return parts
 
-    def _bounds(
-        self, starts: Sequence[int], ends: Sequence[int], m: int, step_share: float, sync: Sync, ahead: Packer
-    ) -> np.ndarray:
+    def _bounds(self, starts: Sequence[int], ends: Sequence[int], terms: Terms, ahead: Packer) -> np.ndarray:
         fb, fi, s, g, ahead_f, ahead_i, _ = self._parts(starts, ends, ahead)
+        m, sync = terms.m, terms.sync
         synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
-        bound: np.ndarray = np.maximum(ahead_f + m * fb + synced + s * step_share, ahead_f + m * fi + ahead_i)
+        bound: np.ndarray = np.maximum(ahead_f + m * fb + synced + s * terms.step_share, ahead_f + m * fi + ahead_i)
         return bound
 
-    def least(self, m: int, step_share: float, sync: Sync, stages: int, below: float) -> float:
+    def last_stage(self, terms: Terms, ahead: Packer, *, reach: bool = True) -> np.ndarray:
+        """Per start, the bound of the last stage ``[start, L)`` (inf past the start's reach, unless not
+        ``reach``): its forward-side bound waits ``last_s`` more, its gradient-side one twice that (the
+        gradients go back across too). From start 0 it is no less than any stage's bound."""
+        L, m, sync = self.L, terms.m, terms.sync
+        first = np.arange(L)
+        f, b, i, s, g = self.sums[:, L : L + 1] - self.sums[:, first] + self.head[:, None]
+        f, b, i, s, g = (column + self.embed[k] * (first == 0) for k, column in enumerate((f, b, i, s, g)))
+        ahead_f = np.where(first == 0, 0.0, ahead.embed[0] + ahead.sums[0, first])
+        ahead_i = np.where(first == 0, 0.0, ahead.embed[2] + ahead.sums[2, first])
+        synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
+        forward_side = ahead_f + m * (f + b) + synced + s * terms.step_share + terms.last_s
+        gradient_side = ahead_f + m * (f + i) + ahead_i + 2 * terms.last_s
+        bound: np.ndarray = np.maximum(forward_side, gradient_side)
+        return np.where(np.array(self.reach) == L, bound, math.inf) if reach else bound
+
+    def least(self, terms: Terms, stages: int, below: float) -> float:
         """The least time within which at most ``stages`` stages pack (bisection to 1e-6, rounded down), or
         inf when it is not below ``below``. Every start's bounds are computed once: all together when there
         are at most :data:`TABLE_CELLS`, else as the packing reaches each start, kept while that many."""
         L, reach = self.L, self.reach
-        if m * self.work / stages >= below:  # the stages' forwards and backwards alone, evenly spread
+        if terms.m * self.work / stages >= below:  # the stages' forwards and backwards alone, evenly spread
             return math.inf
         table: list[list[float] | None] = [None] * L
         if L * max(e - s for s, e in enumerate(reach)) <= TABLE_CELLS:
-            table = list(self.rows(range(L), reach, m, step_share, sync))
+            table = list(self.rows(range(L), reach, terms))
         kept = 0  # cells of the rows computed one by one and kept
+        last = self.last_stage(terms, self)
 
         def fits(limit_s: float) -> bool:
-            """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s``. Both
-            bounds grow with a stage's end and shrink as its start moves on (``m >= 1``), so ending each stage
-            as late as the limit allows packs the fewest stages."""
+            """Whether at most ``stages`` contiguous stages keep every stage's bound within ``limit_s`` (the
+            last one's :meth:`last_stage`). Both bounds grow with a stage's end and shrink as its start moves
+            on (``m >= 1``), so ending each stage as late as the limit allows, and trying the last one from
+            each start, packs the fewest stages."""
             nonlocal kept
             start = 0
             for _ in range(stages):
                 row = table[start]
                 if row is None:
-                    row = self.rows([start], [reach[start]], m, step_share, sync)[0]
+                    row = self.rows([start], [reach[start]], terms)[0]
                     if kept + len(row) <= TABLE_CELLS:  # memory stays bounded on the longest models
                         table[start], kept = row, kept + len(row)
-                end = start + bisect.bisect_right(row, limit_s)  # the latest end within the limit
-                if end == start:
-                    return False
-                if end == L:
+                if last[start] <= limit_s:  # the last stage from here
                     return True
+                end = min(start + bisect.bisect_right(row, limit_s), L - 1)  # the latest end within the limit
+                if end <= start:
+                    return False
                 start = end
             return False
 
-        high = below if below < math.inf else self.rows([0], [L], m, step_share, sync)[0][-1] * (1 + 1e-9)
+        high = below if below < math.inf else float(self.last_stage(terms, self, reach=False)[0]) * (1 + 1e-9)
         if not fits(high):
             return math.inf
         low = 0.0
@@ -237,44 +266,52 @@ class SlowerKinds:
             self.packers[i] = Packer(self.problem, rest, self.reach(memory))
         return self.packers[i]
 
-    def least(
-        self, replicas: int, stages: int, m: int, step_share: float, sync: Sync, low: float, below: float
-    ) -> float:
+    def least(self, replicas: int, stages: int, terms: Terms, low: float, below: float) -> float:
         """The largest over ``i`` of :func:`mixed_least` (the fastest kinds' stages at ``fastest``'s costs), or
         ``low`` when that is larger (every pipeline may have only the fastest GPUs, or none of the kinds'
         bounds is above it)."""
-        out, fast, grid, fastest = low, 0, None, self.fastest
+        out, fast, fastest = low, 0, self.fastest
+        grid: tuple[np.ndarray, np.ndarray] | None = None
         for i in range(1, len(self.speeds)):
             fast += self.speeds[i - 1][1]
             if fast // replicas < stages and fastest.L * fastest.L <= GRID_CELLS:
-                grid = fastest.grid(m, step_share, sync, fastest) if grid is None else grid
-                slow = self.packer(i).grid(m, step_share, sync, fastest)  # the passes ahead: the fastest GPUs
+                if grid is None:
+                    grid = (fastest.grid(terms, fastest), fastest.last_stage(terms, fastest))
+                slower = self.packer(i)  # the passes ahead: the fastest GPUs
+                slow = (slower.grid(terms, fastest), slower.last_stage(terms, fastest))
                 out = max(out, mixed_least(grid, slow, fast // replicas, stages, out, below))
             if out >= below:
                 break
         return out
 
 
-def mixed_least(fast: np.ndarray, slow: np.ndarray, fast_stages: int, stages: int, low: float, below: float) -> float:
+def mixed_least(
+    fast: tuple[np.ndarray, np.ndarray],
+    slow: tuple[np.ndarray, np.ndarray],
+    fast_stages: int,
+    stages: int,
+    low: float,
+    below: float,
+) -> float:
     """The least time within which a pipeline of at most ``stages`` stages, at most ``fast_stages`` of them
-    bounded by ``fast`` (:meth:`Packer.grid`) and the others by ``slow``, packs (bisection to 1e-6, rounded
-    down); inf when not below ``below``, 0 when not above ``low`` (a bound already known). The furthest block
-    reachable with at most ``j`` fast stages after each stage is a dynamic program: ends only move on as
-    starts do."""
-    L = fast.shape[0]
-
-    starts = np.arange(L + 1)
-    fast_end, slow_end = np.full(L + 1, L), np.full(L + 1, L)  # from block L: done
+    bounded by ``fast`` and the others by ``slow`` (each a :meth:`Packer.grid` and its
+    :meth:`Packer.last_stage`), packs (bisection to 1e-6, rounded down); inf when not below ``below``, 0 when
+    not above ``low`` (a bound already known). The furthest block reachable with at most ``j`` fast stages
+    after each stage is a dynamic program: ends only move on as starts do."""
+    (fast_grid, fast_last), (slow_grid, slow_last) = fast, slow
+    L = fast_grid.shape[0]
+    starts = np.arange(L)
 
     def fits(limit_s: float) -> bool:
-        np.add(starts[:L], (fast <= limit_s).sum(axis=1), out=fast_end[:L])
-        np.add(starts[:L], (slow <= limit_s).sum(axis=1), out=slow_end[:L])
+        fast_end = np.minimum(starts + (fast_grid <= limit_s).sum(axis=1), L - 1)  # the last stage: tried apart
+        slow_end = np.minimum(starts + (slow_grid <= limit_s).sum(axis=1), L - 1)
+        fast_done, slow_done = fast_last <= limit_s, slow_last <= limit_s
         at = np.zeros(fast_stages + 1, dtype=np.int64)  # the furthest block with at most j fast stages
         for _ in range(stages):
+            if slow_done[at].any() or fast_done[at[:-1]].any():  # the last stage from here
+                return True
             ahead = slow_end[at]
             np.maximum(ahead[1:], fast_end[at[:-1]], out=ahead[1:])
-            if ahead[-1] >= L:
-                return True
             if ahead[0] == at[0] and ahead[-1] == at[-1] and ahead.sum() == at.sum():  # no stage moves on
                 return False
             at = ahead
@@ -282,7 +319,7 @@ def mixed_least(fast: np.ndarray, slow: np.ndarray, fast_stages: int, stages: in
 
     if fits(low):
         return 0.0
-    finite = [grid[np.isfinite(grid)] for grid in (fast, slow)]
+    finite = [values[np.isfinite(values)] for values in (fast_grid, slow_grid, fast_last, slow_last)]
     high = min(below, max(float(values.max()) for values in finite if values.size))
     if not fits(high):
         return math.inf
