@@ -11,11 +11,12 @@
   one direction, plus one message and a round trip; 0 when the job may fit
   one datacenter;
 * **pipeline floor**: the least time any pipeline shape could take (replicas
-  ``R``, at most ``N / R`` stages of the fastest GPUs, the smallest
-  microbatch), with every message free: a microbatch has to go forward
-  through every stage and its gradient back, and each stage runs all of its
-  ``m`` microbatches (:func:`pipeline_floor`). It is what small jobs on large
-  clusters meet: they cannot use every GPU at once;
+  ``R``, at most ``N / R`` stages, the smallest microbatch), inside one DC
+  on its GPUs, or across DCs on GPUs no slower than the ones it could have:
+  a microbatch has to go forward through every stage and its gradient back,
+  and each stage runs all of its ``m`` microbatches (:func:`pipeline_floor`).
+  It is what small jobs on large clusters meet (they cannot use every GPU at
+  once), and clusters whose fast GPUs are few;
 * **fewest stages**: the fewest pipeline stages the memory model allows on the
   roomiest GPU.
 
@@ -149,12 +150,18 @@ def pipeline_floor(problem: Problem) -> float:
     bound, so each shape takes its most stages. A plan's shape is one of three:
 
     * inside one DC: that DC's GPUs, memory and ring, at most its devices over ``R`` stages;
-    * a pipeline crosses the WAN: the group's fastest GPUs and roomiest memory, at most the group's
-      devices over ``R`` stages; and its ``m`` messages each way queue on one link, so the last forward
-      one arrives no sooner than ``m`` messages and half a round trip, and its gradient needs one more
-      message and half a round trip back (the WAN floor's argument for one pipeline, on the fastest link
-      with the shortest round trip);
+    * a pipeline crosses the WAN: the group's least costs and roomiest memory, at most the group's
+      devices over ``R`` stages; its ``m`` messages each way queue on one link, so the last forward one
+      arrives no sooner than ``m`` messages and half a round trip, and its gradient needs one more message
+      and half a round trip back (the WAN floor's argument for one pipeline, on the fastest link with the
+      shortest round trip); its last stage waits a message and half a round trip for microbatch 0's
+      forward, and its gradients as long to go back (:meth:`~planner.packing.Packer.last_stage`); one of
+      the ``R`` pipelines has at most its share of the fastest kinds' devices
+      (:class:`~planner.packing.SlowerKinds`);
     * every pipeline inside one DC, in several DCs: every stage's gradient sync crosses the WAN.
+
+    And no shape across DCs is faster than the sequences' forwards and backwards over the summed speed
+    of the ``R x p`` fastest devices: the slowest pipeline has at most the average one's speed.
 
     The floor is the least over ``R``, shapes and groups (bisection on the time to 1e-6, rounded down).
     """
