@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geosched.compression import compressed_bytes
-from geosched.config import WanLinkSpec
+from geosched.config import Config, WanLinkSpec
 from geosched.costmodel import (
     BACKWARD_TO_FORWARD,
     boundary_bytes,
@@ -46,7 +46,7 @@ from geosched.costmodel import (
 from geosched.memory import stage_memory_bytes
 from geosched.netcost import streams_to_fill, wan_effective_bps
 from planner.packing import Packer, SlowerKinds, Sync, Terms, dc_kinds, ring_bound
-from planner.space import Problem
+from planner.space import Problem, Variant
 
 ROUNDING = 1e-6
 """Relative slack under which a plan's time "equals" a floor (float rounding of the simulator's sums)."""
@@ -261,6 +261,34 @@ def _sync_bounds(
     if links:
         out.append((8 / _fastest_bps(links), 0.0))
     return tuple(sorted(set(out)))  # DCs alike give one line
+
+
+_KNOWN: dict[tuple[Config, Variant, int | None], Floors] = {}
+"""Floors of the configs being planned, per variant (with the schedule set to 1F1B: it changes no floor)."""
+
+
+def variant_floors(cfg: Config, variant: Variant, dp: int | None = None) -> Floors:
+    """:func:`job_floors` of ``cfg`` under ``variant`` (and a pinned data-parallel degree), computed once: the
+    variants' screening computes them side by side (:func:`remember` keeps what forked children found),
+    the summary's floors read them back."""
+    found = _KNOWN.get(_key(cfg, variant, dp))
+    if found is None:
+        found = job_floors(Problem(cfg, variant, dp=dp))
+        remember(cfg, variant, dp, found)
+    return found
+
+
+def remember(cfg: Config, variant: Variant, dp: int | None, floors: Floors) -> None:
+    """Keep ``floors`` as :func:`variant_floors` of ``cfg``, ``variant`` and ``dp`` (a bounded memo)."""
+    if len(_KNOWN) >= 1024:
+        _KNOWN.clear()
+    _KNOWN[_key(cfg, variant, dp)] = floors
+
+
+def _key(cfg: Config, variant: Variant, dp: int | None) -> tuple[Config, Variant, int | None]:
+    """The memo's key: the variant's fields override the job's (a plan's config pins its own variant)."""
+    job = dataclasses.replace(cfg.job, tensor_parallel=None, zero=None, schedule="1f1b", microbatch_size=1)
+    return dataclasses.replace(cfg, job=job), dataclasses.replace(variant, schedule="1f1b"), dp
 
 
 def job_floors(problem: Problem) -> Floors:

@@ -274,6 +274,8 @@ class SlowerKinds:
         grid: tuple[np.ndarray, np.ndarray] | None = None
         for i in range(1, len(self.speeds)):
             fast += self.speeds[i - 1][1]
+            if self.speeds[i][0] == self.speeds[i - 1][0]:  # kinds as fast (memory, network apart): counted together
+                continue
             if fast // replicas < stages and fastest.L * fastest.L <= GRID_CELLS:
                 if grid is None:
                     grid = (fastest.grid(terms, fastest), fastest.last_stage(terms, fastest))
@@ -307,8 +309,8 @@ def mixed_least(
         slow_end = np.minimum(starts + (slow_grid <= limit_s).sum(axis=1), L - 1)
         fast_done, slow_done = fast_last <= limit_s, slow_last <= limit_s
         at = np.zeros(fast_stages + 1, dtype=np.int64)  # the furthest block with at most j fast stages
-        for _ in range(stages):
-            if slow_done[at].any() or fast_done[at[:-1]].any():  # the last stage from here
+        for _ in range(stages):  # at[j] grows with j, and a last stage that fits from a start fits from later
+            if slow_done[at[-1]] or (fast_stages and fast_done[at[-2]]):  # the last stage from here
                 return True
             ahead = slow_end[at]
             np.maximum(ahead[1:], fast_end[at[:-1]], out=ahead[1:])

@@ -36,7 +36,7 @@ from geosched.errors import InputError, PlanInfeasible
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
 from planner.feasibility import check_feasible
-from planner.floors import Floors, job_floors
+from planner.floors import Floors, remember, variant_floors
 from planner.parallel import Codec, in_parallel, optional, pair
 from planner.replicas import everywhere, fewest_stacked, local_pipelines, translated, widen
 from planner.results import EVALUATION, Searcher, VariantResult, result_codec
@@ -79,6 +79,8 @@ WIDEN_STARTS = 6
 """Plans (the best of each data-parallel degree) given more pipelines in other DCs."""
 ZERO_2_TWINS = 4
 """Of the screened variants, the best this many are screened again at ZeRO 2 where it allows fewer stages."""
+FLOORS: Codec[Floors] = Codec(dataclasses.astuple, lambda data: Floors(*data))
+"""A variant's floors, as they come back from a forked child."""
 SCREEN_BATCH = 4
 """Variants screened together, in the order of their floors; a later one whose floor is no faster than the
 best plan of those before is not screened (a fixed count, not the CPUs: the same plans on any machine)."""
@@ -196,8 +198,7 @@ def space_floors(cfg: Config) -> Floors:
     (tensor parallelism only adds communication, so the compute floor is the tp=1 one up to the head, which
     it does not divide), at microbatch size 1 (the floors do not grow with it) and with ZeRO's sharded
     optimizer step."""
-    variants = [Variant(tp=t, zero=1, microbatch_size=1) for t in tp_options(cfg, None)]
-    found = [job_floors(Problem(cfg, v)) for v in variants]
+    found = [variant_floors(cfg, Variant(tp=t, zero=1, microbatch_size=1)) for t in tp_options(cfg, None)]
     stages = [f.min_stages for f in found if f.min_stages > 0]
     return Floors(
         min(f.compute_s for f in found),
@@ -312,16 +313,12 @@ def search_variants(
     this process may fork (:func:`planner.parallel.in_parallel`; the same results, in less time).
     """
     bound = bound and not pins.cross_dc_dp  # --cross-dc-dp drops plans after screening: keep every variant
-    floors: dict[Variant, float] = {}
 
-    def floor(variant: Variant) -> float:
-        return job_floors(Problem(cfg, variant, dp=pins.dp)).best_s
+    def floors(variant: Variant) -> Floors:
+        return variant_floors(cfg, variant, pins.dp)
 
-    def floor_of(variant: Variant) -> float:  # the schedule changes no floor
-        key = dataclasses.replace(variant, schedule="1f1b")
-        if key not in floors:
-            floors[key] = floor(variant)
-        return floors[key]
+    def floor_of(variant: Variant) -> float:
+        return floors(variant).best_s
 
     def key(r: VariantResult) -> float:
         return math.inf if r.best is None else r.best.score(goal.weight)
@@ -380,10 +377,9 @@ def search_variants(
             firsts: dict[Variant, Variant] = {}  # the floors side by side first, each of its key's first variant
             for v in searched:
                 firsts.setdefault(dataclasses.replace(v, schedule="1f1b"), v)
-            todo = [(k, v) for k, v in firsts.items() if k not in floors]
-            floors.update(
-                zip([k for k, _ in todo], in_parallel(floor, [v for _, v in todo], Codec(float, float), fork))
-            )
+            todo = list(firsts.values())  # a child finds those already known at once
+            for variant, found in zip(todo, in_parallel(floors, todo, FLOORS, fork)):
+                remember(cfg, variant, pins.dp, found)
             searched.sort(key=floor_of)  # stable: ties keep the options' order
         else:
             screen_each(searched)
