@@ -95,6 +95,15 @@ class Packer:
         busy = slower.pieces > 0
         return float(np.max(self.pieces[busy] / slower.pieces[busy])) if busy.any() else 1.0
 
+    def around(self, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """At these costs, per stage start in ``first``: microbatch 0's forward through the blocks before it,
+        and a gradient's input-gradient passes back through them (0 from block 0)."""
+        before = first == 0
+        return (
+            np.where(before, 0.0, self.embed[0] + self.sums[0, first]),
+            np.where(before, 0.0, self.embed[2] + self.sums[2, first]),
+        )
+
     def rows(self, starts: Sequence[int], ends: Sequence[int], terms: Terms) -> list[list[float]]:
         """Per start, the larger of a stage's two bounds (:func:`pipeline_floor`) for blocks ``[start, e)``,
         for every ``e`` from ``start + 1`` to its end (each list grows with ``e``); all in one go."""
@@ -120,8 +129,7 @@ class Packer:
         pieces += self.embed[:, None, None] * (first == 0)  # the first stage holds the embeddings
         pieces += self.head[:, None, None] * (last == self.L)  # the last one the head
         f, b, i, s, g = pieces
-        ahead_f = np.where(first == 0, 0.0, ahead.embed[0] + ahead.sums[0, first])  # forward before the stage
-        ahead_i = np.where(first == 0, 0.0, ahead.embed[2] + ahead.sums[2, first])  # input gradients after it
+        ahead_f, ahead_i = ahead.around(first)
         within = np.arange(1, width + 1)[None, :] <= (np.array(ends) - first[:, 0])[:, None]
         parts = (f + b, f + i, s, g, ahead_f, ahead_i, within)
         if every:
@@ -130,8 +138,7 @@ class Packer:
 
     def _bounds(self, starts: Sequence[int], ends: Sequence[int], terms: Terms, ahead: Packer) -> np.ndarray:
         fb, fi, s, g, ahead_f, ahead_i, _ = self._parts(starts, ends, ahead)
-        m, sync = terms.m, terms.sync
-        synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
+        m, synced = terms.m, _synced(terms.sync, g)
         bound: np.ndarray = np.maximum(ahead_f + m * fb + synced + s * terms.step_share, ahead_f + m * fi + ahead_i)
         return bound
 
@@ -139,13 +146,12 @@ class Packer:
         """Per start, the bound of the last stage ``[start, L)`` (inf past the start's reach, unless not
         ``reach``): its forward-side bound waits ``last_s`` more, its gradient-side one twice that (the
         gradients go back across too). From start 0 it is no less than any stage's bound."""
-        L, m, sync = self.L, terms.m, terms.sync
+        L, m = self.L, terms.m
         first = np.arange(L)
         f, b, i, s, g = self.sums[:, L : L + 1] - self.sums[:, first] + self.head[:, None]
         f, b, i, s, g = (column + self.embed[k] * (first == 0) for k, column in enumerate((f, b, i, s, g)))
-        ahead_f = np.where(first == 0, 0.0, ahead.embed[0] + ahead.sums[0, first])
-        ahead_i = np.where(first == 0, 0.0, ahead.embed[2] + ahead.sums[2, first])
-        synced = np.min([slope * g + fixed for slope, fixed in sync], axis=0) if sync else 0.0
+        ahead_f, ahead_i = ahead.around(first)
+        synced = _synced(terms.sync, g)
         forward_side = ahead_f + m * (f + b) + synced + s * terms.step_share + terms.last_s
         gradient_side = ahead_f + m * (f + i) + ahead_i + 2 * terms.last_s
         bound: np.ndarray = np.maximum(forward_side, gradient_side)
@@ -186,13 +192,21 @@ class Packer:
             return False
 
         high = below if below < math.inf else float(self.last_stage(terms, self, reach=False)[0]) * (1 + 1e-9)
-        if not fits(high):
-            return math.inf
-        low = 0.0
-        while high - low > 1e-6 * high:
-            mid = (low + high) / 2
-            low, high = (low, mid) if fits(mid) else (mid, high)
-        return low
+        return least_within(fits, 0.0, high) if fits(high) else math.inf
+
+
+def least_within(fits: Callable[[float], bool], low: float, high: float) -> float:
+    """The least time ``fits`` accepts, by bisection to 1e-6 of it, rounded down (``fits`` holds from some
+    time on; ``low`` is below it and ``high`` not)."""
+    while high - low > 1e-6 * high:
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return low
+
+
+def _synced(sync: Sync, grads: np.ndarray) -> np.ndarray | float:
+    """The least of ``sync``'s bounds for gradients of ``grads`` bytes (0 without a sync)."""
+    return np.min([slope * grads + fixed for slope, fixed in sync], axis=0) if sync else 0.0
 
 
 @dataclass(frozen=True)
@@ -323,9 +337,4 @@ def mixed_least(
         return 0.0
     finite = [values[np.isfinite(values)] for values in (fast_grid, slow_grid, fast_last, slow_last)]
     high = min(below, max(float(values.max()) for values in finite if values.size))
-    if not fits(high):
-        return math.inf
-    while high - low > 1e-6 * high:
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return low
+    return least_within(fits, low, high) if fits(high) else math.inf
