@@ -64,3 +64,18 @@ def test_launch_follows_checkpoints_only_with_a_folder(capsys: pytest.CaptureFix
     config = str(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
     assert main(["launch", config, "--prefill-follow-checkpoints"]) == 2
     assert "--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic)" in capsys.readouterr().err
+
+
+def test_launch_resumes_only_from_a_folder_of_checkpoints(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
+    (tmp_path / "empty").mkdir()
+    for extra, needle in (
+        ([], "--resume needs --checkpoint-dir DIR"),
+        (["--checkpoint-dir", str(tmp_path / "none")], "is not a checkpoint folder (no such directory)"),
+        (["--checkpoint-dir", str(tmp_path / "empty")], "holds no checkpoint (no step-NNNNNN folder)"),
+    ):
+        assert main(["launch", config, "--resume", *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err

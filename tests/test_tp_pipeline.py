@@ -234,7 +234,7 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
     steps = 4
     args = ("launch", str(config), "--plan", "plan.yaml", "--steps", str(steps), "--run-dir", str(run), "--json")
     if planned_by == "hand, us -> eu":  # calibrating a tp plan's ranks is tested once, with the planner's plan
-        args += ("--no-calibrate",)
+        args += ("--no-calibrate", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2")
     launched = _geosched(*args, cwd=tmp_path, timeout=300)
     assert launched.returncode == 0, launched.stderr[-3000:]
     report = json.loads(launched.stdout.splitlines()[-1])
@@ -246,6 +246,35 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
         tensors = steps * num_microbatches(layout.job, layout.dp) * _boundary_bytes(layout.job)
         for direction in ("us->eu", "eu->us"):
             assert tensors <= report["wan_bytes"][direction] < 1.25 * tensors, (direction, report["wan_bytes"])
+        # launch --resume into another layout: one stage x dp 2 under ZeRO 1, no tp; it trains on like one process
+        (tmp_path / "dp2.yaml").write_text(layout_plan_text(tp_config(tensor_parallel=1, zero=1), ["eu"], dp=2))
+        resumed = _geosched(
+            *("launch", str(config), "--plan", "dp2.yaml", "--steps", str(steps + 2), "--run-dir", str(run / "on")),
+            *("--checkpoint-dir", "ckpt", "--resume", "--no-calibrate", "--json"),
+            cwd=tmp_path,
+            timeout=300,
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resuming from checkpoint step {steps} in ckpt" in resumed.stderr
+        report = json.loads(resumed.stdout.splitlines()[-1])
+        assert report["losses"] == pytest.approx(reference_losses[steps : steps + 2], rel=1e-4)
+        # what cannot be resumed is refused in one line before anything starts: steps the checkpoint already
+        # holds, another model's seed
+        other = tp_config_dict(tensor_parallel=1, zero=1)
+        other["job"]["seed"] = 7
+        (tmp_path / "seed7.yaml").write_text(layout_plan_text(config_from_dict(other), ["eu"], dp=2))
+        for plan, last, needle in (
+            ("dp2.yaml", steps, f"after step {steps}, which already covers --steps {steps}"),
+            ("seed7.yaml", steps + 4, "seed 0 in fp32, this one has seed 7 in fp32"),
+        ):
+            refused = _geosched(
+                *("launch", str(config), "--plan", plan, "--steps", str(last), "--checkpoint-dir", "ckpt"),
+                "--resume",
+                cwd=tmp_path,
+                timeout=60,
+            )
+            assert refused.returncode == 2 and needle in refused.stderr, refused.stderr
+            assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
 
 
 def test_pipe_names_carry_the_tp_rank_and_stay_unchanged_without_it():

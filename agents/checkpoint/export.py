@@ -174,6 +174,26 @@ def check_served_source(source: str, job: ModelRecord, *, follow: bool = False) 
             check_fits(record, job.shape, source)
 
 
+def resume_step(ckpt_dir: str | os.PathLike[str], job: Any, steps: int) -> int:
+    """The step a job resuming from ``ckpt_dir`` trains next: its newest complete checkpoint, once that is of
+    ``job``'s model (a plan's or config's job: shape, seed, precision) and short of ``steps``, the last step
+    to train to; no tensor is loaded. InputError (or CheckpointError) naming what does not fit."""
+    want = ModelRecord.of(job.model, job.seed, job.precision)
+    step = resolve_step(ckpt_dir)
+    record = checkpoint_record(ckpt_dir, step, want)
+    if (record.seed, record.precision) != (want.seed, want.precision):
+        raise CheckpointError(
+            f"{os.fspath(ckpt_dir)!r} step {step} was written by a job of seed {record.seed} in {record.precision}, "
+            f"this one has seed {want.seed} in {want.precision}; resume with the config that wrote it"
+        )
+    if step >= steps:
+        raise InputError(
+            f"--resume: the newest checkpoint in {os.fspath(ckpt_dir)!r} is after step {step}, which already "
+            f"covers --steps {steps}; ask for more steps (--steps {step + 1} or more: the last step to train to)"
+        )
+    return step
+
+
 def weights_step(path: str) -> int | None:
     """The checkpoint step a weights file records (``geosched export``), else None."""
     from geosched.weights import read_weights_metadata

@@ -160,13 +160,13 @@ class ElasticJob:
         self.returning = ReturnPolicy(return_after_s)
         self._lost_at: float | None = None  # Unix time of the last loss, until the next attempt's first step
 
-    def train(self, text: str, steps: int) -> tuple[str, Any]:
-        """Run ``steps`` steps of plan ``text``, recovering up to ``most`` times; the plan that finished and
-        its agents."""
+    def train(self, text: str, steps: int, first: int = 0) -> tuple[str, Any]:
+        """Run plan ``text`` from step ``first`` (its agents resume from that checkpoint when > 0) to ``steps``,
+        recovering up to ``most`` times; the plan that finished and its agents."""
         from agents.control.coordinator import AgentLost, JobInterrupted
 
         original = text
-        layout, config, first = parse_layout(text), self.config, 0
+        layout, config = parse_layout(text), self.config
         agents = self.start_agents(layout, False)
         while first < steps:  # once the newest complete checkpoint holds every step, nothing is left to run
             try:

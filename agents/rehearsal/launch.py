@@ -10,7 +10,9 @@ through them (``routes`` in the ``start`` command); train; stop the agents;
 write the run folder (:mod:`agents.runfolder`): ``endpoints.json`` as soon as
 every agent is ready, the report and the pictures at the end. With
 ``checkpoint_dir`` every agent checkpoints there (``--checkpoint-dir``,
-``--checkpoint-every``).
+``--checkpoint-every``); with ``resume`` too, the agents first load its newest
+complete checkpoint, resharded into this plan's layout whatever layout wrote
+it, and the job trains from that step to ``steps``.
 
 Secure by default: a fresh key folder (:mod:`agents.keys`) goes into
 ``RUN_DIR/secrets/`` (prefill token in ``RUN_DIR/secrets/prefill.token``);
@@ -88,6 +90,7 @@ def launch(
     prefill_follow_checkpoints: bool = False,
     elastic_return_after_s: float | None = None,
     device: str = "cpu",
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
 
@@ -108,7 +111,10 @@ def launch(
     ready and recorded as the report's ``prefill_http`` (rank -> URL).
 
     ``checkpoint_dir``: every agent writes its checkpoints there (every
-    ``checkpoint_every`` steps if > 0, and on ``geosched job checkpoint``).
+    ``checkpoint_every`` steps if > 0, and on ``geosched job checkpoint``). ``resume``: the job starts
+    from the newest complete checkpoint there (written by any layout of the same model; the agents
+    reshard it) and trains to step ``steps``; InputError when there is none, it holds another model, or
+    it already covers ``steps``.
 
     ``metrics``: every agent (``--metrics-bind 127.0.0.1:0``) and the
     coordinator serve Prometheus ``/metrics`` and ``/health``
@@ -132,6 +138,7 @@ def launch(
     and what the calibration measures on; a plan whose groups would put two ranks on one GPU is refused
     (:func:`agents.stage.device.host_refusal`).
     """
+    from agents.checkpoint.export import resume_step
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import stop_job
     from agents.control.coordinator import start_job
@@ -144,6 +151,8 @@ def launch(
 
     if prefill_follow_checkpoints and checkpoint_dir is None and not elastic:
         raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
+    if resume and checkpoint_dir is None:
+        raise InputError("--resume needs --checkpoint-dir DIR: the checkpoints to resume from")
     config = load_config(config_path)
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
@@ -155,6 +164,9 @@ def launch(
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or layout.job.steps
+    first = resume_step(checkpoint_dir, layout.job, steps) if resume and checkpoint_dir is not None else 0
+    if resume and out is not None:
+        print(f"launch: resuming from checkpoint step {first} in {checkpoint_dir}, to step {steps}", file=out)
     run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
     run.mkdir(parents=True, exist_ok=True)
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
@@ -201,6 +213,8 @@ def launch(
         if checkpoint_dir is not None:
             chunk_args += ["--checkpoint-dir", str(Path(checkpoint_dir).resolve())]
             chunk_args += ["--checkpoint-every", str(checkpoint_every)]
+        if resume:  # every attempt's agents start from the newest complete checkpoint
+            chunk_args += ["--resume"]
         load = None
         if prefill_rate > 0 or prefill_http or prefill_follow_checkpoints:
             chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
@@ -233,14 +247,14 @@ def launch(
 
         attempt: list[AgentProcesses] = []  # every attempt's agents, the running ones last
 
-        def start_agents(plan: JobLayout, resume: bool) -> AgentProcesses:
-            if resume:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
+        def start_agents(plan: JobLayout, recovery: bool) -> AgentProcesses:
+            if recovery:  # a recovery: the failed attempt's rank files go aside, the new plan's links get relays
                 set_aside(run)
                 relays.adopt(plan)
                 (run / "plan.yaml").write_text(plan.text)
             args = [*chunk_args, *(agent_args or [])]
-            if resume:  # the broker still retains the old plan: the new agents must not adopt it first
-                args += ["--resume", "--plan", str((run / "plan.yaml").resolve())]
+            if recovery:  # the broker still retains the old plan: the new agents must not adopt it first
+                args += [*([] if resume else ["--resume"]), "--plan", str((run / "plan.yaml").resolve())]
             procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))
             attempt.append(procs)
             if out is not None:
@@ -285,7 +299,7 @@ def launch(
             MAX_RECOVERIES if elastic else 0,
             return_after_s=elastic_return_after_s,
         )
-        text, agents = recovering.train(text, steps)
+        text, agents = recovering.train(text, steps, first)
         if recovering.recoveries:
             layout = parse_layout(text)
         wall_s = time.monotonic() - started

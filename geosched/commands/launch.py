@@ -18,6 +18,7 @@ for the run (clients trust RUN_DIR/secrets/tls-ca.crt).
   geosched launch configs/demo-3dc.yaml --prefill-rate 20   # + prefill requests served in the bubbles
   geosched launch configs/demo-3dc.yaml --prefill-http      # + an OpenAI-style HTTP endpoint per agent (URLs printed)
   geosched launch configs/demo-3dc.yaml --checkpoint-dir ckpt --checkpoint-every 10   # every agent checkpoints
+  geosched launch configs/demo-3dc.yaml --plan tp2.yaml --checkpoint-dir ckpt --resume --steps 20   # on, any layout
   geosched launch configs/demo-3dc.yaml --checkpoint-dir ckpt --checkpoint-every 5 --prefill-follow-checkpoints \
       --prefill-http                                        # the agents serve each newer checkpoint as it completes
   geosched launch configs/demo-3dc.yaml --metrics           # + Prometheus /metrics and /health (URLs printed)
@@ -88,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no key folder, broker logins, signatures, CURVE or prefill token (default: all on)",
     )
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="every agent writes its checkpoints here")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest complete checkpoint of --checkpoint-dir (any plan's: the agents reshard it "
+        "into this one) and train to --steps, the last step",
+    )
     parser.add_argument(
         "--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only on command)"
     )
@@ -181,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_follow_checkpoints=args.prefill_follow_checkpoints,
         elastic_return_after_s=args.elastic_return_after,
         device=args.device,
+        resume=args.resume,
     )
     if args.json:
         print(json.dumps(report))
