@@ -178,10 +178,10 @@ class RankCheckpoints:
     def _whole_stage(self, sharded: Any = None, sharded_optimizer: Any = None) -> tuple[Any, Any]:
         """An unsharded copy of this stage and a plain AdamW over it, what a checkpoint holds; with a sharded
         stage given, holding its whole state (a collective: every tp rank of the replica calls it)."""
-        import torch
 
         from agents.tp.whole import whole_training_state
         from geosched.model import PRECISION_DTYPES, build_stage
+        from geosched.optim import MasterAdamW
 
         job, role = self.job, self.role
         whole = build_stage(
@@ -192,7 +192,7 @@ class RankCheckpoints:
             seed=job.seed,
             dtype=PRECISION_DTYPES[job.precision],
         )
-        optimizer = torch.optim.AdamW(whole.parameters(), lr=job.learning_rate)
+        optimizer = MasterAdamW(whole.parameters(), lr=job.learning_rate)
         if sharded is not None:
             from agents.checkpoint.state import ShardedOptimizer
 

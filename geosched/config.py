@@ -163,7 +163,7 @@ class JobSpec:
     model: ModelSpec = spec("the model")
     global_batch: int = spec("sequences per iteration, over all replicas", ge=1, le=1 << 24)
     microbatch_size: int | None = spec("sequences per microbatch; null: the planner chooses", None, ge=1, le=1 << 24)
-    precision: Precision = spec("training precision", "bf16")
+    precision: Precision = spec("training precision (bf16, fp16: AdamW steps fp32 master weights)", "bf16")
     optimizer_bytes_per_param: float = spec(
         "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0, le=1024
     )

@@ -51,6 +51,7 @@ from geosched.config import JobSpec
 from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
+from geosched.optim import MasterAdamW
 from geosched.wgrad import SplitBackward
 
 MAX_PROFILE_MICROBATCHES = 8
@@ -256,7 +257,7 @@ def measure_optimizer_step(
     g = torch.Generator().manual_seed(job.seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
-    optimizer = torch.optim.AdamW(params, lr=job.learning_rate)
+    optimizer = MasterAdamW(params, lr=job.learning_rate)
     tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.batch, job.model.seq_len), generator=g).to(
         device
     )  # (b, T)

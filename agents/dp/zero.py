@@ -47,6 +47,7 @@ from agents.dp.group import DataParallelGroup, local_tensor
 from agents.dp.shards import local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
 from agents.dp.zero2 import ShardedGradAdamW, linear_parameters
 from geosched.errors import ConfigError
+from geosched.optim import MasterAdamW
 
 ZERO_STAGES = (0, 1, 2)
 
@@ -80,9 +81,7 @@ def build_stage_optimizer(
     if group is None or size == 1 or zero == 0:
         tensor_parallel = any(isinstance(p, DTensor) for p in module.parameters())
         adamw = (
-            LocalShardAdamW(module.parameters(), lr=lr)
-            if tensor_parallel
-            else torch.optim.AdamW(module.parameters(), lr=lr)
+            LocalShardAdamW(module.parameters(), lr=lr) if tensor_parallel else MasterAdamW(module.parameters(), lr=lr)
         )
         return StageOptimizer(adamw, in_group)
     if zero == 1:  # imported here: torch.distributed.optim takes a stage process half a second to import
@@ -108,8 +107,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-class LocalShardAdamW(torch.optim.AdamW):
-    """ZeRO-0: plain AdamW, stepping a DTensor parameter's local shard (an alias of its storage).
+class LocalShardAdamW(MasterAdamW):
+    """ZeRO-0: plain AdamW (:class:`~geosched.optim.MasterAdamW`: fp32 masters for bf16 weights), stepping a
+    DTensor parameter's local shard (an alias of its storage).
 
     AdamW is elementwise, so stepping each tp rank's shard is stepping the DTensor. On DTensors, torch's
     AdamW dispatches every elementwise op of every parameter through DTensor's sharding propagation, whose

@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from agents.dp.group import DataParallelGroup
 from agents.dp.shards import hyperparameters, local_state, plain_params, take_dtensor_grads, zero_dtensor_grads
+from geosched.optim import MasterAdamW
 
 
 class ShardedStateAdamW(ZeroRedundancyOptimizer):
@@ -39,7 +40,7 @@ class ShardedStateAdamW(ZeroRedundancyOptimizer):
         local_params, sharded = plain_params(params)  # plain tensors: ZeRO broadcasts them in place
         # the DP group joined the default process group (agents.dp.group), so WORLD is the stage's replicas
         process_group = replicas if replicas is not None else dist.group.WORLD
-        super().__init__(local_params, optimizer_class=torch.optim.AdamW, process_group=process_group, lr=lr)
+        super().__init__(local_params, optimizer_class=MasterAdamW, process_group=process_group, lr=lr)
         self.group, self.sharded = group, sharded
 
     @property

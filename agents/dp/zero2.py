@@ -45,6 +45,7 @@ from agents.dp.group import DataParallelGroup, all_gather_flat, local_tensor, re
 from agents.dp.shards import hyperparameters
 from geosched.errors import ConfigError
 from geosched.memory import GRADIENT_BUCKET_BYTES
+from geosched.optim import MasterAdamW
 
 IN_FLIGHT = 1
 """Reduce-scatters left running while the next bucket fills: the staging held is this many buckets + one."""
@@ -117,7 +118,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         ]
         for shard in self.shards:
             shard.grad = torch.zeros_like(shard)  # (S,) this slice's gradient, summed over the replicas
-        self.inner = torch.optim.AdamW(self.shards, lr=lr)
+        self.inner = MasterAdamW(self.shards, lr=lr)  # bf16 slices: fp32 masters of this replica's slices
         self.on_staging: Callable[[int], None] | None = None
         self._in_flight: list[tuple[Any, int, torch.Tensor, torch.Tensor]] = []  # (work, bucket, out, staging)
         self._index = {id(p): i for i, p in enumerate(self.params)}

@@ -56,6 +56,7 @@ from agents.dp.group import DataParallelGroup
 from agents.dp.local_group import run_local_group
 from geosched.config import JobSpec
 from geosched.errors import CollectiveError
+from geosched.optim import MasterAdamW
 from geosched.profile import measure_stage, profile_job, profile_microbatches, stage_time_record
 from geosched.schema import dump_dataclass, load_dataclass
 
@@ -311,7 +312,7 @@ def _step_parts(
             return built.optimizer, lambda: tp_sync.allreduce_gradients(module)
         return built.optimizer, (lambda: average_gradients_over_dp(module, mesh)) if g.dp > 1 else (lambda: None)
     if job.zero_stage == 0 or g.dp == 1:  # what build_stage_optimizer gives, without importing ZeRO's
-        return torch.optim.AdamW(module.parameters(), lr=job.learning_rate), lambda: group.allreduce_gradients(module)
+        return MasterAdamW(module.parameters(), lr=job.learning_rate), lambda: group.allreduce_gradients(module)
     from agents.dp.zero import build_stage_optimizer
 
     built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=group)

@@ -85,6 +85,7 @@ from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
+from geosched.optim import MasterAdamW
 
 log = logging.getLogger(__name__)
 
@@ -476,7 +477,7 @@ def run_rank(
 def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step: int = 0) -> list[float]:
     """The reference: the whole model in one process on the same global batches; loss per step."""
     model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.learning_rate)
+    optimizer = MasterAdamW(model.parameters(), lr=job.learning_rate)
     losses = []
     for step in range(start_step, start_step + steps):
         inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
