@@ -13,8 +13,9 @@ fp32 too), and runs torch's own AdamW update on it (the parameter's storage is s
 the step, its gradient upcast), so the arithmetic is torch's. fp32 parameters are stepped exactly as plain
 AdamW steps them. Because the master lives in the state, everything that moves optimizer state moves it too:
 checkpoints (a per-parameter tensor under global names), ZeRO's sharding and consolidation, resharding into
-another layout. Written by hand because torch has no master-weight AdamW (``fused=True`` keeps bf16 state on
-GPUs only, and apex's ``FusedAdam`` is CUDA-only).
+another layout. Written by hand because torch's AdamW has no master weights (its state takes the
+parameter's dtype), apex's ``FusedAdam(master_weights=True)`` is CUDA-only, and torchao's bf16 AdamW rounds
+stochastically instead of keeping a master.
 
 Example::
 
