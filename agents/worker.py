@@ -176,9 +176,9 @@ class RankCheckpoints:
         return True
 
     def _whole_stage(self, sharded: Any = None, sharded_optimizer: Any = None) -> tuple[Any, Any]:
-        """An unsharded copy of this stage and a plain AdamW over it, what a checkpoint holds; with a sharded
-        stage given, holding its whole state (a collective: every tp rank of the replica calls it)."""
-
+        """An unsharded copy of this stage and an AdamW over it (MasterAdamW: fp32 masters for bf16), what a
+        checkpoint holds; with a sharded stage given, holding its whole state (a collective: every tp rank of the
+        replica calls it)."""
         from agents.tp.whole import whole_training_state
         from geosched.model import PRECISION_DTYPES, build_stage
         from geosched.optim import MasterAdamW

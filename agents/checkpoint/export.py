@@ -10,7 +10,8 @@ it. Which model to build comes from the shards' ``model_record`` (written since
 ``geosched export`` exists), or from a config for older checkpoints.
 :func:`export_weights` writes the result as one weights file
 (:mod:`geosched.weights`) for ``geosched export``; :func:`served_weights` is
-what an agent's prefill service starts from. Example::
+what an agent's prefill service starts from, and :func:`resume_step` the step
+``geosched launch --resume`` starts from (the same checks, no tensor loaded). Example::
 
     step = resolve_step("ckpt")                          # newest complete (or checks the one given)
     model, record = load_whole_model("ckpt", step)      # in the checkpoint's precision

@@ -213,8 +213,6 @@ def launch(
         if checkpoint_dir is not None:
             chunk_args += ["--checkpoint-dir", str(Path(checkpoint_dir).resolve())]
             chunk_args += ["--checkpoint-every", str(checkpoint_every)]
-        if resume:  # every attempt's agents start from the newest complete checkpoint
-            chunk_args += ["--resume"]
         load = None
         if prefill_rate > 0 or prefill_http or prefill_follow_checkpoints:
             chunk_args += ["--prefill-bind", "tcp://127.0.0.1:0"]
@@ -253,8 +251,10 @@ def launch(
                 relays.adopt(plan)
                 (run / "plan.yaml").write_text(plan.text)
             args = [*chunk_args, *(agent_args or [])]
+            if recovery or resume:  # from the newest complete checkpoint (a recovery's, or the one asked for)
+                args += ["--resume"]
             if recovery:  # the broker still retains the old plan: the new agents must not adopt it first
-                args += [*([] if resume else ["--resume"]), "--plan", str((run / "plan.yaml").resolve())]
+                args += ["--plan", str((run / "plan.yaml").resolve())]
             procs = stack.enter_context(AgentProcesses(plan, mqtt, job, run, args))
             attempt.append(procs)
             if out is not None:
