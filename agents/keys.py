@@ -254,7 +254,7 @@ def load_job_keys(directory: str | os.PathLike[str]) -> JobKeys:
         ranks = int(manifest["ranks"])
         if manifest.get("format") != FORMAT_VERSION or not 1 <= ranks <= MAX_RANKS:
             raise ValueError
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: nesting too deep
         raise ConfigError(f"{folder / MANIFEST} is not a geosched key manifest: rewrite the folder") from None
     identities = [COORDINATOR, *(agent_identity(r) for r in range(ranks))]
     signing: dict[str, nacl.signing.SigningKey] = {}

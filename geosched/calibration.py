@@ -107,7 +107,7 @@ class Calibration:
             with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
             return cls.from_dict(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
 
 

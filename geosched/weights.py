@@ -143,7 +143,7 @@ def weights_record(metadata: Mapping[str, str], source: str) -> ModelRecord | No
         return None
     try:
         data = json.loads(metadata["model"])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep
         raise InputError(f"{source!r}: the 'model' metadata is not valid JSON; export the weights again") from None
     return ModelRecord.from_dict(data, source)
 

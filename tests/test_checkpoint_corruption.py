@@ -100,6 +100,10 @@ def garbage_json(ckpt) -> None:
     open(shard_paths(ckpt, 2, 0)[1], "w").write('{"format": "geosched-checkpoint/1", "step": ')
 
 
+def deeply_nested_json(ckpt) -> None:
+    open(shard_paths(ckpt, 2, 0)[1], "w").write("[" * 100_000)  # json's decoder recurses per bracket
+
+
 def not_safetensors(ckpt) -> None:
     path = shard_paths(ckpt, 2, 0)[0]
     resign_bytes = b"\xff" * 64
@@ -118,6 +122,7 @@ def not_safetensors(ckpt) -> None:
         (truncate, r"stage-00\.safetensors: \d+ bytes on disk but \d+ recorded", True),
         (flip_a_byte, r"stage-00\.safetensors: sha256 does not match", True),
         (garbage_json, r"stage-00\.json: not valid JSON", True),
+        (deeply_nested_json, r"stage-00\.json: not valid JSON \(maximum recursion depth", True),
         (drop_a_tensor, r"missing tensor optim/blocks\.1\.mlp\.fc\.weight/exp_avg_sq", False),
         (reshape_a_tensor, r"tensor model/head\.weight is \(256, 8\).*expects \(256, 16\)", False),
         (not_safetensors, r"stage-00\.safetensors: not a readable safetensors file", False),

@@ -147,6 +147,11 @@ def _break_manifest(folder: Path) -> str:
     return "is not a geosched key manifest"
 
 
+def _break_manifest_nesting(folder: Path) -> str:
+    (folder / "job-keys.json").write_text("[" * 100_000)  # json's decoder recurses per bracket
+    return "is not a geosched key manifest"
+
+
 def _break_malformed_key(folder: Path) -> str:
     (folder / "coordinator.sign.pub").write_text("not base64 at all\n")
     return "coordinator.sign.pub holds a malformed key"
@@ -162,6 +167,7 @@ def _break_malformed_key(folder: Path) -> str:
         _break_readable_password,
         _break_mismatched_key,
         _break_manifest,
+        _break_manifest_nesting,
         _break_malformed_key,
     ],
 )

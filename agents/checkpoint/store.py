@@ -288,7 +288,7 @@ def read_json(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes; not a shard's metadata")
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
