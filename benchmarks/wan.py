@@ -9,9 +9,12 @@ processes, so no two hot loops share one Python interpreter:
 2. on plain loopback: WanLink goodput against raw pyzmq PUSH/PULL zero-copy
    moving the same bytes in the same chunks (WanLink as configured by default,
    which sends no checksum on loopback, and with CRC32C forced on);
-3. on loopback: WanLink goodput with CURVE against without (one stream), and
-   the aggregate CURVE rate of 4 streams with 1, 2 and 4 ZeroMQ I/O threads
-   per side (and how the receiver's CPU spreads over its I/O threads).
+3. on loopback, one stream: WanLink goodput with CURVE keys against without,
+   both as the agents encrypt (the keys authenticate a handshake, AES-256-GCM
+   seals the frames: ``curve_slowdown``) and with libzmq's CURVE on every
+   stream (``zmq_curve_slowdown``); and the aggregate encrypted rate of 4
+   streams with 1, 2 and 4 ZeroMQ I/O threads per side
+   (``curve_scaling_*_io_threads``; how the receiver's CPU spreads over them).
 
 Examples::
 
@@ -186,6 +189,7 @@ def wanlink_goodput(
     curve_dir: str | None = None,
     io_threads: int = 0,
     checksum: str = "auto",
+    encryption: str = "aes-gcm",
 ) -> dict[str, Any]:
     """Bytes/s of ``count`` tensors of ``nbytes`` sent by a child process to this one."""
     import torch
@@ -201,6 +205,7 @@ def wanlink_goodput(
         "max_chunk_bytes": max(chunk, 16 * MIB),
         "io_threads": io_threads,
         "checksum": checksum,
+        "encryption": encryption,
     }
     curve = CurveServer.from_files(f"{curve_dir}/server.key", f"{curve_dir}/clients") if curve_dir else None
     server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(**config, curve_server=curve))
@@ -270,9 +275,10 @@ def raw_goodput(nbytes: int, count: int, chunk: int) -> dict[str, float]:
     return {"bytes_per_s": total / elapsed, "cpu_s_per_gb": (receiver_cpu + report["cpu_s"]) / (total / 1e9)}
 
 
-def _busiest_share(cpu_s: list[float]) -> float:
-    """The busiest thread's share of the CPU of all of them (nan if nothing was measured)."""
-    return max(cpu_s) / sum(cpu_s) if cpu_s and sum(cpu_s) > 0 else float("nan")
+def _busiest_share(runs: list[dict[str, Any]]) -> float | None:
+    """Median over runs of the busiest receiver I/O thread's share of all of them (None if none was measured)."""
+    shares = [max(c) / sum(c) for c in (r["receiver_io_thread_cpu_s"] for r in runs) if c and sum(c) > 0]
+    return statistics.median(shares) if shares else None
 
 
 def _make_curve_dir(folder: Path) -> str:
@@ -373,21 +379,33 @@ def main(argv: list[str] | None = None) -> int:
 
     keys_dir = tempfile.TemporaryDirectory(prefix="wan-bench-keys-")
     keys = _make_curve_dir(Path(keys_dir.name))
-    curve_mib = loop_mib // 4  # CURVE is much slower
+    curve_mib = loop_mib // 4  # libzmq's CURVE is much slower
     scaling_mib = loop_mib // 2  # 4 streams: long enough to be measured on each of 4 I/O threads
-    slowdowns, curves = [], []
-    for _ in range(min(repeats, 3)):  # pairs again: with CURVE, then without
-        curves.append(wanlink_goodput(curve_mib * MIB, loop_count, streams=1, chunk=chunk, curve_dir=keys))
+    # triples: a link with CURVE keys as the agents make it (the keys authenticate, AES-256-GCM seals), the same
+    # keys with libzmq's CURVE on every stream (encryption="curve"), and no encryption
+    slowdowns: dict[str, list[float]] = {"aes-gcm": [], "curve": []}
+    runs_by: dict[str, list[dict[str, Any]]] = {"aes-gcm": [], "curve": []}
+    for _ in range(min(repeats, 3)):
+        for encryption, runs in runs_by.items():
+            runs.append(
+                wanlink_goodput(
+                    curve_mib * MIB, loop_count, streams=1, chunk=chunk, curve_dir=keys, encryption=encryption
+                )
+            )
         without = wanlink_goodput(curve_mib * MIB, loop_count, streams=1, chunk=chunk)
-        slowdowns.append(without["bytes_per_s"] / curves[-1]["bytes_per_s"])
-    curve = statistics.median(c["bytes_per_s"] for c in curves)
-    curve_cpu = statistics.median(c["cpu_s_per_gb"] for c in curves)
-    result.update(curve_bytes_per_s=curve, curve_slowdown=statistics.median(slowdowns), curve_cpu_s_per_gb=curve_cpu)
-    print(
-        f"loopback with CURVE: {curve / 1e9:.3f} GB/s, {result['curve_slowdown']:.1f}x slower than without "
-        f"(CPU {curve_cpu:.2f} s/GB)",
-        flush=True,
-    )
+        for encryption, runs in runs_by.items():
+            slowdowns[encryption].append(without["bytes_per_s"] / runs[-1]["bytes_per_s"])
+    for encryption, prefix in (("aes-gcm", "curve"), ("curve", "zmq_curve")):
+        rate = statistics.median(c["bytes_per_s"] for c in runs_by[encryption])
+        result[f"{prefix}_bytes_per_s"] = rate
+        result[f"{prefix}_slowdown"] = statistics.median(slowdowns[encryption])
+        result[f"{prefix}_cpu_s_per_gb"] = statistics.median(c["cpu_s_per_gb"] for c in runs_by[encryption])
+        what = "CURVE keys + AES-256-GCM (the default)" if encryption == "aes-gcm" else "libzmq CURVE on every stream"
+        print(
+            f"loopback, {what}: {rate / 1e9:.3f} GB/s, {result[f'{prefix}_slowdown']:.2f}x slower than without "
+            f"(CPU {result[f'{prefix}_cpu_s_per_gb']:.2f} s/GB)",
+            flush=True,
+        )
     scaling: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 4: []}
     for _ in range(min(repeats, 5)):  # rounds of 1, 2, 4 I/O threads back to back
         for threads, runs in scaling.items():
@@ -400,15 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         rate = statistics.median(r["bytes_per_s"] for r in runs)
         result[f"curve_k4_bytes_per_s_io{threads}"] = rate
         result[f"curve_k4_cpu_s_per_gb_io{threads}"] = statistics.median(r["cpu_s_per_gb"] for r in runs)
-        busiest = [_busiest_share(r["receiver_io_thread_cpu_s"]) for r in runs]
-        result[f"curve_k4_busiest_io_thread_share_io{threads}"] = statistics.median(busiest)
+        busiest = _busiest_share(runs)
+        result[f"curve_k4_busiest_io_thread_share_io{threads}"] = busiest
         if threads > 1:
             ratios_k = [r["bytes_per_s"] / one["bytes_per_s"] for r, one in zip(runs, scaling[1], strict=True)]
             result[f"curve_scaling_{threads}_io_threads"] = statistics.median(ratios_k)
+        share = "unmeasured" if busiest is None else f"{busiest:.0%}"
         print(
-            f"CURVE, 4 streams, {threads} I/O thread(s) per side: {rate / 1e9:.3f} GB/s, "
+            f"encrypted (CURVE keys + AES-GCM), 4 streams, {threads} I/O thread(s) per side: {rate / 1e9:.3f} GB/s, "
             f"CPU {result[f'curve_k4_cpu_s_per_gb_io{threads}']:.2f} s/GB, the receiver's busiest I/O thread "
-            f"did {result[f'curve_k4_busiest_io_thread_share_io{threads}']:.0%} of its I/O threads' work",
+            f"did {share} of its I/O threads' work",
             flush=True,
         )
     keys_dir.cleanup()

@@ -18,6 +18,9 @@ from typing import Any
 
 from geosched.errors import ConfigError
 
+MAX_CALIBRATION_BYTES = 16 << 20
+"""A calibration file larger than this is refused unread (one from ``geosched profile`` is a few KiB)."""
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -102,11 +105,13 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
-        """Read a calibration JSON file."""
+        """Read a calibration JSON file (at most MAX_CALIBRATION_BYTES)."""
         try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            return cls.from_dict(data)
+            with open(path, "rb") as fh:
+                raw = fh.read(MAX_CALIBRATION_BYTES + 1)
+            if len(raw) > MAX_CALIBRATION_BYTES:
+                raise ValueError(f"larger than {MAX_CALIBRATION_BYTES} bytes")
+            return cls.from_dict(json.loads(raw))
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +30,15 @@ from typing import Literal
 from geosched.errors import ConfigError
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log a config warning once per process (configs are validated again wherever they are loaded)."""
+    log.warning("%s", message)
+
 
 MAX_NAME_LEN = 64
 """The longest datacenter, GPU or cluster name."""
@@ -295,6 +305,13 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(
             f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
             f"layers = {model.layers}; give one entry per layer"
+        )
+    masters = 12.0  # MasterAdamW: an fp32 master and two fp32 moments per bf16/fp16 weight
+    if job.precision in ("bf16", "fp16") and job.optimizer_bytes_per_param < masters:
+        _warn_once(
+            f"job.optimizer_bytes_per_param: {job.optimizer_bytes_per_param:g} is below the {masters:g} bytes the "
+            f"agents keep per {job.precision} parameter (an fp32 master and two fp32 moments); the planner will "
+            f"under-predict memory: set {masters:g}"
         )
     if job.microbatch_size is not None and job.global_batch % job.microbatch_size:
         raise ConfigError(

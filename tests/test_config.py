@@ -159,3 +159,29 @@ def test_shipped_config_within_the_limits(path):
 
     assert os.path.getsize(path) <= CONFIG_LIMITS.max_bytes
     check_size(Problem(load_config(path)))
+
+
+def test_bf16_with_fp32_optimizer_bytes_warns_once(tmp_path):
+    data = _demo()
+    data["job"]["precision"] = "bf16"  # the demo's optimizer_bytes_per_param (8) is fp32's
+    path = tmp_path / "bf16.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "plan", str(path), "--no-explain", "-o", str(tmp_path / "p.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "optimizer_bytes_per_param" in line]
+    assert len(warnings) == 1 and "set 12" in warnings[0], proc.stderr
+    data["job"]["optimizer_bytes_per_param"] = 12
+    path.write_text(yaml.safe_dump(data))
+    quiet = subprocess.run(
+        [sys.executable, "-m", "geosched.cli", "validate-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert quiet.returncode == 0 and "optimizer_bytes_per_param" not in quiet.stderr

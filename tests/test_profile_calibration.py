@@ -148,6 +148,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> No
     assert err.strip().splitlines()[-1].startswith("geosched profile: error:")
 
 
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(b"[" * 100_000, "recursion"), (b" " * (17 << 20) + b"{}", "larger than"), (b'{"version": 1}', "")],
+    ids=["nested past the recursion limit", "17 MiB, refused unread", "fields missing"],
+)
+def test_a_hostile_calibration_file_is_one_line_and_exit_2(tmp_path, capsys, content: bytes, why: str) -> None:
+    bad = tmp_path / "cal.json"
+    bad.write_bytes(content)
+    assert main(["launch", DEMO, "--calibration", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "not a calibration file" in err and why in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
 def test_a_missing_config_is_exit_2(capsys) -> None:
     assert main(["profile", "/nonexistent/job.yaml"]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -8,7 +8,9 @@ import time
 
 import pytest
 import torch
+import zmq
 
+from agents.sockets import CurveClient, CurveServer
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from agents.wanem.emulator import LinkShape, WanRelay
@@ -17,13 +19,21 @@ from geosched.errors import LinkError
 pytestmark = pytest.mark.slow
 
 
-def test_transfers_survive_connection_resets() -> None:
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "aes-gcm"])
+def test_transfers_survive_connection_resets(sealed: bool) -> None:
     rng = random.Random(7)
     config = dict(link_id=21, chunk_bytes=128 * 1024, ack_timeout_s=0.5, send_timeout_s=60.0, recv_timeout_s=60.0)
-    server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(**config))
+    keys: tuple[dict[str, CurveServer], dict[str, CurveClient]] = ({}, {})
+    if sealed:  # each reconnected stream must say a fresh hello before it carries sealed frames again
+        (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+        keys = (
+            {"curve_server": CurveServer(server_public, server_secret, frozenset({client_public}))},
+            {"curve_client": CurveClient(client_public, client_secret, server_public)},
+        )
+    server = WanLink.listen("tcp://127.0.0.1:0", WanLinkConfig(**config, **keys[0]))
     shape = LinkShape(rtt_ms=4.0, link_bytes_per_s=30e6)  # slow enough that resets hit transfers mid-flight
     relay = WanRelay(("127.0.0.1", server.port), shape).start()
-    client = WanLink.connect(f"tcp://127.0.0.1:{relay.port}", WanLinkConfig(streams=3, **config))
+    client = WanLink.connect(f"tcp://127.0.0.1:{relay.port}", WanLinkConfig(streams=3, **config, **keys[1]))
     resets = 6
 
     def resetter() -> None:
@@ -56,6 +66,8 @@ def test_transfers_survive_connection_resets() -> None:
         assert sent["disconnects"] >= resets - 1  # every reset broke the client's streams
         assert sent["resends"] + received["resends"] > 0  # and some chunks in flight were lost and resent
         assert sent["messages_sent"] == received["messages_received"] == 3 * rounds
+        for refusal in ("auth_failed", "replayed_hello", "replayed_frame"):  # a genuine peer is never refused
+            assert sent["drops"][refusal] == received["drops"][refusal] == 0, refusal
         # exactly once: nothing more is delivered
         with pytest.raises(LinkError, match="timed out"):
             server.recv_sync(step=rounds - 1, microbatch=0, timeout_s=0.2)

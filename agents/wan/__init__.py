@@ -3,8 +3,9 @@
 Owns: the link's settings (``config``), its API (``link``: ``WanLink``), the
 I/O thread (``io``, with inbound frame handling in ``inbound``), the protocol
 bookkeeping with no sockets (``send``, ``recv``), the link's counters
-(``metrics``) and the codec of compressed links (``compress``: blockwise int8
-or fp8 payloads). May import ``agents.sockets`` and the core
+(``metrics``), encrypted links (``handshake``: the session key agreement on
+the CURVE keys; ``seal``: AES-256-GCM on every frame) and the codec of
+compressed links (``compress``: blockwise int8 or fp8 payloads). May import ``agents.sockets`` and the core
 (``geosched.wire``, ``geosched.chunking``, ``geosched.compression``); nothing
 else in agents/.
 """

@@ -9,6 +9,7 @@ from agents.sockets import CurveClient, CurveServer, is_loopback
 from geosched.errors import ConfigError
 
 CHECKSUMS = ("auto", "crc32c", "none")
+ENCRYPTIONS = ("aes-gcm", "curve")
 LISTEN_IO_THREADS = 4
 """I/O threads of an automatic listening side, which learns its stream count only when the peer says hello."""
 
@@ -61,6 +62,9 @@ class WanLinkConfig:
     """Listening side: CURVE keys and allowed clients (None: plain TCP)."""
     curve_client: CurveClient | None = None
     """Connecting side: CURVE keys and the server's public key (None: plain TCP)."""
+    encryption: str = "aes-gcm"
+    """With CURVE keys: 'aes-gcm' (the keys authenticate a handshake per session, AES-256-GCM seals every frame:
+    see agents.wan.handshake) or 'curve' (libzmq's CURVE on every stream, 3x slower). Both sides must agree."""
 
     def check(self) -> WanLinkConfig:
         """Raise ConfigError naming the first field out of range; return self."""
@@ -82,6 +86,8 @@ class WanLinkConfig:
                     raise ConfigError(f"wan.{f.name}: must be an integer in [{lo}, {hi}] (got {value!r})")
             elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"wan.{f.name}: must be a positive number of seconds (got {value!r})")
+        if self.encryption not in ENCRYPTIONS:
+            raise ConfigError(f"wan.encryption: must be one of {', '.join(ENCRYPTIONS)} (got {self.encryption!r})")
         if self.checksum not in CHECKSUMS:
             raise ConfigError(f"wan.checksum: must be one of {', '.join(CHECKSUMS)} (got {self.checksum!r})")
         if not isinstance(self.peer_name, str) or len(self.peer_name) > 200:
@@ -96,6 +102,16 @@ class WanLinkConfig:
                 f"wan.max_inflight_bytes ({self.max_inflight_bytes}) must hold one chunk ({self.chunk_bytes})"
             )
         return self
+
+    @property
+    def sealed(self) -> bool:
+        """Whether this side seals frames with AES-GCM (CURVE keys given and ``encryption`` 'aes-gcm')."""
+        return self.encryption == "aes-gcm" and (self.curve_server is not None or self.curve_client is not None)
+
+    @property
+    def zmq_curve(self) -> bool:
+        """Whether libzmq's CURVE runs on the link's sockets."""
+        return self.encryption == "curve" and (self.curve_server is not None or self.curve_client is not None)
 
     def threads_for(self, *, listening: bool) -> int:
         """ZeroMQ I/O threads of the link's context: ``io_threads``, or one per stream up to the usable CPUs."""

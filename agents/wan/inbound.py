@@ -12,6 +12,11 @@ state this code reads). Frames (every header is a msgpack map with ``v``
 * ``ping``: an empty probe the listening side sends (after a disconnect, or
   when a second peer says hello); the connecting side answers ``pong``.
 
+On an encrypted link (``config.sealed``) ``hello`` and ``welcome`` cross in
+clear, each followed by a proof frame (:mod:`agents.wan.handshake`), and
+every other message is sealed (:mod:`agents.wan.seal`): its header is opened
+before it is read, a clear one is refused (``auth_failed``).
+
 One session at a time: the listening side serves the first session that
 says hello. A hello with another session id (a restarted peer, or a
 stranger) replaces it only once the current peer has been silent for
@@ -37,13 +42,16 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
+from agents.wan.seal import HEAD_BYTES, TAG_BYTES, FrameSeal, SealError, is_sealed
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header
 
 if TYPE_CHECKING:
     from agents.sockets import PeerLogLimiter
     from agents.wan.config import WanLinkConfig
+    from agents.wan.handshake import ClientHandshake, ServerHandshake, ServerSession
     from agents.wan.metrics import LinkCounters
     from agents.wan.recv import RecvState
     from agents.wan.send import SendState, StreamSlot
@@ -96,6 +104,13 @@ class InboundFrames:
     _last_heard: float
     _probe_at: float
     _welcomed: list[bool]
+    _sealing: bool
+    _seal: FrameSeal | None
+    _server_hs: ServerHandshake | None
+    _server_session: ServerSession | None
+    _client_hs: ClientHandshake | None
+    _hello_since: list[int]
+    _frame_n = 0  # the counter of the sealed message being read
 
     if TYPE_CHECKING:  # LinkIO's methods these handlers call
 
@@ -103,9 +118,10 @@ class InboundFrames:
         def _new_recv_state(self) -> RecvState: ...
         def _add_slot(self, *, probe_when_down: bool) -> StreamSlot: ...
         def _header(self, kind: str, **fields: Any) -> bytes: ...
-        def _send_control(self, stream: int, frames: list[bytes]) -> bool: ...
+        def _send_control(self, stream: int, frames: list[bytes], *, clear: bool = False) -> bool: ...
         def _describe_peer(self, address: str | None) -> str: ...
         def _connect_next_stream(self) -> None: ...
+        def _send_hello(self, index: int) -> None: ...
 
     def _read(self, sock: zmq.Socket[bytes], now: float) -> bool:
         """Handle up to READ_BUDGET messages waiting on ``sock``; True if none is left waiting."""
@@ -137,10 +153,19 @@ class InboundFrames:
         self, sock: zmq.Socket[bytes], stream: int | None, ident: bytes | None, frame: zmq.Frame, now: float
     ) -> bool:
         """Handle one message; True if it was dropped (and counted)."""
-        if len(frame) > MAX_HEADER_BYTES:
+        if len(frame) > MAX_HEADER_BYTES + HEAD_BYTES + TAG_BYTES:
             return self._drop("bad_header", frame, f"header frame of {len(frame)} bytes")
+        data: bytes | memoryview = frame.buffer
+        sealed = self._sealing and is_sealed(data)
+        if sealed:
+            if stream is None or self._seal is None:
+                return self._drop("unknown_peer", frame, "sealed frame before hello")
+            try:
+                self._frame_n, data = self._seal.open_header(stream, data)
+            except SealError as exc:
+                return self._drop(exc.reason, frame, str(exc))
         try:
-            h = decode_header(frame.buffer)
+            h = decode_header(data)
         except ProtocolError as exc:
             return self._drop("bad_header", frame, str(exc))
         if h.get("v") != PROTOCOL_VERSION:
@@ -148,8 +173,10 @@ class InboundFrames:
         if h.get("link") != self.config.link_id:
             return self._drop("unknown_link", frame, f"link id {str(h.get('link'))[:20]}")
         kind = h.get("type")
+        if self._sealing and sealed == (kind in ("hello", "welcome")):
+            return self._drop("auth_failed", frame, f"{str(kind)[:20]} frame {'' if sealed else 'not '}sealed")
         if kind == "hello" and self.listening:
-            return self._on_hello(ident, h, frame, now)
+            return self._on_hello(sock, ident, h, frame, now)
         if stream is None:
             return self._drop("unknown_peer", frame, f"{str(kind)[:20]} frame before hello")
         if ident is not None:
@@ -160,7 +187,7 @@ class InboundFrames:
         if kind == "resp":
             return self._on_responses(sock, stream, h, frame, now)
         if kind == "welcome" and not self.listening:
-            return self._on_welcome(stream)
+            return self._on_welcome(sock, stream, h, frame)
         if kind == "ping" and not self.listening:
             self._send_control(stream, [self._header("pong")])
             return False
@@ -181,12 +208,23 @@ class InboundFrames:
         verdict, msg, view = self.recv.begin_chunk(c, now)
         if verdict == "write":
             assert msg is not None and view is not None  # "write" always names the message and the slice
-            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12: an ndarray is a buffer here too
-            received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))  # type: ignore[arg-type]
-            if sock.get(RCVMORE):
-                return self._drop("bad_header", frame, "unexpected extra frames")
-            if received != c.length:
-                return self._drop("oversize", frame, f"payload of {received} bytes, header says {c.length}")
+            if self._seal is not None:
+                payload = sock.recv(copy=False)
+                if sock.get(RCVMORE):
+                    return self._drop("bad_header", frame, "unexpected extra frames")
+                if len(payload) != c.length + TAG_BYTES:
+                    return self._drop("oversize", frame, f"sealed payload of {len(payload)} bytes for {c.length}")
+                try:
+                    self._seal.open_payload_into(stream, self._frame_n, payload.buffer, view.data)
+                except SealError as exc:
+                    return self._drop(exc.reason, frame, str(exc))
+            else:
+                # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12: an ndarray is a buffer here too
+                received = sock.recv_into(view, nbytes=c.length) if c.length else len(sock.recv(copy=False))  # type: ignore[arg-type]
+                if sock.get(RCVMORE):
+                    return self._drop("bad_header", frame, "unexpected extra frames")
+                if received != c.length:
+                    return self._drop("oversize", frame, f"payload of {received} bytes, header says {c.length}")
             if c.crc >= 0 and checksum(view) != c.crc:
                 return self._drop("bad_checksum", frame, f"crc32c mismatch in seq {c.seq} offset {c.offset}")
             self.recv.finish_chunk(msg, c.offset, c.length, now)
@@ -220,15 +258,22 @@ class InboundFrames:
         count = h.get("count")
         if not isinstance(count, int) or not 0 <= count <= MAX_RESPONSES or not sock.get(RCVMORE):
             return self._drop("bad_header", frame, "malformed resp header")
-        payload = sock.recv(copy=False)
+        payload: bytes | memoryview = sock.recv(copy=False).buffer
+        if self._seal is not None:
+            try:
+                payload = self._seal.open_payload(stream, self._frame_n, payload)
+            except SealError as exc:
+                return self._drop(exc.reason, frame, str(exc))
         if len(payload) != count * RESP_WIDTH * 8:
             return self._drop("bad_header", frame, f"resp payload of {len(payload)} bytes for {count} entries")
-        rows = np.frombuffer(payload.buffer, dtype="<u8").reshape(count, RESP_WIDTH).tolist()
+        rows = np.frombuffer(payload, dtype="<u8").reshape(count, RESP_WIDTH).tolist()
         for seq, offset, tx, status in rows:
             self.send.on_response(stream, seq, offset, tx, status == BUSY, now)
         return False
 
-    def _on_hello(self, ident: bytes | None, h: dict[str, Any], frame: zmq.Frame, now: float) -> bool:
+    def _on_hello(
+        self, sock: zmq.Socket[bytes], ident: bytes | None, h: dict[str, Any], frame: zmq.Frame, now: float
+    ) -> bool:
         session, index, streams = h.get("session"), h.get("stream"), h.get("streams")
         if (
             ident is None
@@ -240,6 +285,25 @@ class InboundFrames:
             or not 0 <= index < streams
         ):
             return self._drop("bad_header", frame, "malformed hello")
+        hello = None
+        if self._server_hs is not None:
+            if not sock.get(RCVMORE):
+                return self._drop("auth_failed", frame, "hello without its proof")
+            try:
+                hello = self._server_hs.check_hello(frame.buffer, h, sock.recv(copy=False).buffer, stream=index)
+            except HandshakeError as exc:
+                return self._drop(exc.reason, frame, str(exc))
+            current = self._server_session
+            if (
+                session == self.session
+                and current is not None
+                and (current.hello.key, current.hello.eph)
+                != (
+                    hello.key,
+                    hello.eph,
+                )
+            ):
+                return self._drop("auth_failed", frame, "hello names a session opened with other keys")
         if session != self.session:
             if self.session is not None and not self._may_take_over(now):
                 return self._drop(
@@ -248,16 +312,26 @@ class InboundFrames:
                     f"hello of another session refused: {self.peer} is connected and answering",
                 )
             self._start_session(session, streams, frame)
+            if self._server_hs is not None and hello is not None:
+                self._server_session = self._server_hs.accept(hello, session)
+                self._seal = FrameSeal(self._server_session.secret, listening=True)
         elif streams != len(self.send.slots):
             return self._drop(
                 "bad_header", frame, f"hello says {streams} streams, the session has {len(self.send.slots)}"
             )
         self._last_heard = now
+        old = self._stream_ident.get(index)
+        if old is not None and old != ident:
+            self._ident_stream.pop(old, None)  # the stream reconnected: its old connection is gone
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
         self._fd_stream[frame.get(zmq.SRCFD)] = index
         self.send.slots[index].up = True
-        self._send_control(index, [self._header("welcome", stream=index)])
+        if self._server_session is not None and hello is not None:
+            welcome = self._header("welcome", stream=index, eph=self._server_session.eph_public, ts=hello.ts)
+            self._send_control(index, [welcome, self._server_session.welcome_proof(welcome)], clear=True)
+        else:
+            self._send_control(index, [self._header("welcome", stream=index)])
         if len(self._stream_ident) == len(self.send.slots):
             self._peer_ready.set()
         return False
@@ -318,13 +392,24 @@ class InboundFrames:
         for _ in range(streams):
             self._add_slot(probe_when_down=True)
 
-    def _on_welcome(self, stream: int) -> bool:
-        if not self._welcomed[stream]:
-            self._welcomed[stream] = True
-            self.send.slots[stream].up = True
-            self._connect_next_stream()
-            if all(self._welcomed) and not self._started.done():
-                self._started.set_result(None)
+    def _on_welcome(self, sock: zmq.Socket[bytes], stream: int, h: dict[str, Any], frame: zmq.Frame) -> bool:
+        proof = sock.recv(copy=False).buffer if self._client_hs is not None and sock.get(RCVMORE) else None
+        if self._welcomed[stream]:
+            return False  # an answer to a hello resent before the first welcome came
+        if self._client_hs is not None:
+            if proof is None:
+                return self._drop("auth_failed", frame, "welcome without its proof")
+            try:
+                secret = self._client_hs.on_welcome(frame.buffer, h, proof, since_ts=self._hello_since[stream])
+            except HandshakeError as exc:
+                return self._drop(exc.reason, frame, str(exc))
+            if self._seal is None:
+                self._seal = FrameSeal(secret, listening=False)
+        self._welcomed[stream] = True
+        self.send.slots[stream].up = True
+        self._connect_next_stream()
+        if all(self._welcomed) and not self._started.done():
+            self._started.set_result(None)
         return False
 
     def _on_monitor(self, monitor: zmq.Socket[bytes], now: float) -> None:
@@ -342,7 +427,12 @@ class InboundFrames:
                 self._failed_handshake = True
                 self._drop("handshake_failed", None, "ZMTP handshake failed (not a geosched peer, or CURVE mismatch)")
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and stream >= 0 and self._welcomed[stream]:
-                self.send.slots[stream].up = True
+                if self._client_hs is None:
+                    self.send.slots[stream].up = True
+                else:  # sealed: the new connection has a new name on the ROUTER; say hello again to claim the stream
+                    self._welcomed[stream] = False
+                    self._hello_since[stream] = 0
+                    self._send_hello(stream)
             elif event == zmq.EVENT_ACCEPTED:
                 self._fd_stream.pop(value, None)  # a new connection reuses this descriptor
             elif event == zmq.EVENT_DISCONNECTED:
@@ -362,12 +452,14 @@ class InboundFrames:
 
     def _probe_streams(self, now: float) -> None:
         """After a disconnect on the ROUTER, find which streams are gone (it cannot route to them)."""
-        ping = self._header("ping")
         router = self._router
         assert router is not None  # only the listening side (which has the ROUTER) has unidentified peers
         for index, ident in self._stream_ident.items():
+            ping = [self._header("ping")]
+            if self._seal is not None:
+                ping = self._seal.seal(index, ping[0])
             try:
-                router.send_multipart([ident, ping], zmq.NOBLOCK)
+                router.send_multipart([ident, *ping], zmq.NOBLOCK)
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:

@@ -31,6 +31,7 @@ from agents.sockets import (
     make_socket,
     monitor_events,
 )
+from agents.wan.handshake import ClientHandshake, ServerHandshake, ServerSession
 from agents.wan.inbound import (
     ACK_BATCH,
     ACK_BYTES,
@@ -46,6 +47,7 @@ from agents.wan.inbound import (
 )
 from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
+from agents.wan.seal import FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
@@ -77,6 +79,20 @@ class LinkIO(InboundFrames):
         self.send = self._new_send_state()
         self.recv = self._new_recv_state()
         self.session: str | None = None if listening else secrets.token_hex(8)
+        # an encrypted link (config.sealed): the handshake's half of this side, the session's frame seal, and on
+        # the connecting side the ts of each stream's first hello since it last (re)connected
+        self._sealing = config.sealed
+        self._seal: FrameSeal | None = None
+        self._server_hs: ServerHandshake | None = None
+        self._server_session: ServerSession | None = None
+        self._client_hs: ClientHandshake | None = None
+        self._hello_since: list[int] = []
+        if self._sealing and listening:
+            assert config.curve_server is not None  # config.sealed: keys given
+            self._server_hs = ServerHandshake(config.curve_server, config.link_id)
+        elif self._sealing:
+            assert config.curve_client is not None and self.session is not None
+            self._client_hs = ClientHandshake(config.curve_client, config.link_id, self.session)
         self._commands: deque[tuple[str, Any]] = deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -213,7 +229,7 @@ class LinkIO(InboundFrames):
         hwm = cfg.max_inflight_bytes // smallest_chunk + 256  # the window, not the HWM, bounds the queues
         max_msg_bytes = max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8)
         if self.listening:
-            curve = cfg.curve_server
+            curve = cfg.curve_server if cfg.zmq_curve else None
             if curve is not None and curve.allowed_clients is not None:
                 self._zap = ZapAuthenticator(self._ctx, curve.allowed_clients).start()
             self._router = make_socket(
@@ -238,8 +254,10 @@ class LinkIO(InboundFrames):
                 self._ctx,
                 zmq.DEALER,
                 connect=self.endpoint if index == 0 else None,  # the others one by one: _connect_next_stream
-                curve_client=cfg.curve_client,
-                routing_id=f"{self.session}-{index}".encode(),
+                curve_client=cfg.curve_client if cfg.zmq_curve else None,
+                # sealed: the ROUTER names each connection itself, so no one can claim a stream's name (a
+                # stream is found by its verified hello; libzmq's handover would hand it to any claimant)
+                routing_id=None if self._sealing else f"{self.session}-{index}".encode(),
                 options={zmq.AFFINITY: 1 << (index % threads)},  # stream i on I/O thread i mod K: K cores for CURVE
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
@@ -250,6 +268,7 @@ class LinkIO(InboundFrames):
             self._monitors[monitor_events(dealer)] = index
             self._add_slot(probe_when_down=False)
         self._welcomed = [False] * cfg.streams
+        self._hello_since = [0] * cfg.streams
         self._unconnected = deque(range(1, cfg.streams))
         self._connect_deadline = monotonic() + cfg.connect_timeout_s
 
@@ -264,8 +283,18 @@ class LinkIO(InboundFrames):
             return
         index = self._unconnected.popleft()
         self._dealers[index].connect(self.endpoint)
-        hello = self._header("hello", session=self.session, stream=index, streams=len(self._welcomed))
-        self._send_control(index, [hello])
+        self._send_hello(index)
+
+    def _send_hello(self, index: int) -> None:
+        """Say hello on one stream (sealed: with the handshake's fields and proof)."""
+        fields: dict[str, Any] = {"session": self.session, "stream": index, "streams": len(self._welcomed)}
+        if self._client_hs is None:
+            self._send_control(index, [self._header("hello", **fields)])
+            return
+        fields.update(self._client_hs.hello_fields())
+        hello = self._header("hello", **fields)
+        self._hello_since[index] = self._hello_since[index] or self._client_hs.last_ts
+        self._send_control(index, [hello, self._client_hs.prove(hello)], clear=True)
 
     def _describe_peer(self, address: str | None) -> str:
         """How errors and logs name the peer: ``config.peer_name`` plus where it is (or is expected)."""
@@ -329,8 +358,8 @@ class LinkIO(InboundFrames):
                 self.recv.post(item)
 
     def _timers(self, now: float) -> None:
-        if not self.listening and not self._started.done():
-            if now >= self._connect_deadline:
+        if not self.listening and (not self._started.done() or not all(self._welcomed)):
+            if not self._started.done() and now >= self._connect_deadline:
                 answered = sum(self._welcomed)
                 self._started.set_exception(
                     LinkError(
@@ -344,11 +373,8 @@ class LinkIO(InboundFrames):
             if now >= self._next_hello:
                 self._next_hello = now + HELLO_EVERY_S
                 for index, welcomed in enumerate(self._welcomed):
-                    if not welcomed:
-                        self._send_control(
-                            index,
-                            [self._header("hello", session=self.session, stream=index, streams=len(self._welcomed))],
-                        )
+                    if not welcomed and index not in self._unconnected:
+                        self._send_hello(index)
         self.send.expire(now)
         self.recv.expire(now)
         self.counters.tick(now)
@@ -384,6 +410,9 @@ class LinkIO(InboundFrames):
         return encode_header({"v": PROTOCOL_VERSION, "type": kind, "link": self.config.link_id, **fields})
 
     def _transmit(self, stream: int, header: bytes, payload: memoryview) -> int:
+        if self._seal is not None:
+            header, sealed = self._seal.seal(stream, header, payload)
+            payload = memoryview(sealed)
         if self.listening:
             ident = self._stream_ident.get(stream)
             if ident is None:
@@ -408,8 +437,13 @@ class LinkIO(InboundFrames):
         sock.send(payload, copy=False)
         return SENT
 
-    def _send_control(self, stream: int, frames: list[bytes]) -> bool:
-        """Best-effort small frames on one stream; False if it could not be queued."""
+    def _send_control(self, stream: int, frames: list[bytes], *, clear: bool = False) -> bool:
+        """Best-effort small frames (a header, maybe a payload) on one stream; False if they could not be queued.
+
+        Sealed when the session has a seal, unless ``clear`` (a handshake's hello or welcome).
+        """
+        if self._seal is not None and not clear:
+            frames = self._seal.seal(stream, frames[0], frames[1] if len(frames) > 1 else None)
         try:
             if self.listening:
                 ident = self._stream_ident.get(stream)

@@ -23,7 +23,9 @@ DROP_REASONS = (
     "bad_checksum",  # crc32c of the payload differs from the header
     "duplicate",  # chunk already received (a resend crossed its ack)
     "no_buffer",  # no recv posted and the staging budget is spent (the sender retries)
-    "auth_failed",  # CURVE client refused by the ZAP handler
+    "auth_failed",  # a client key not allowed, a handshake proof or sealed frame that does not verify
+    "replayed_hello",  # a hello (or its welcome) older than one already taken: a replay
+    "replayed_frame",  # a sealed frame whose counter is not above the last one opened on its stream
     "handshake_failed",  # ZMTP handshake failed (garbage bytes, wrong mechanism)
     "stale",  # incomplete message abandoned after no progress for stale_message_s
 )

@@ -1,0 +1,231 @@
+"""Encrypted WanLinks (CURVE keys + AES-256-GCM), tried as an attacker would: on the wire, with real sockets.
+
+A raw DEALER speaks the link's handshake with the client's real keys (what a
+recorded session gives an eavesdropper: the frames, not the secret key) and
+replays, forges and alters frames; the listening link must deliver exactly
+the genuine data and count every refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from polling import wait_for
+
+from agents.sockets import CurveClient, CurveServer
+from agents.wan.config import WanLinkConfig
+from agents.wan.handshake import ClientHandshake, HandshakeError, ServerHandshake
+from agents.wan.link import WanLink
+from agents.wan.seal import FrameSeal
+from geosched.errors import LinkError
+from geosched.wire import decode_header, encode_header
+
+LINK = 17
+SESSION = "feedfacecafebeef"
+
+
+def keypairs() -> tuple[CurveServer, CurveClient]:
+    (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+    return (
+        CurveServer(server_public, server_secret, frozenset({client_public})),
+        CurveClient(client_public, client_secret, server_public),
+    )
+
+
+def data_header(payload: bytes, seq: int) -> bytes:
+    """The header of a one-chunk uint8 message on key (step 0, microbatch seq, activation)."""
+    return encode_header(
+        {
+            "v": 1,
+            "type": "data",
+            "link": LINK,
+            "step": 0,
+            "mb": seq,
+            "kind": "activation",
+            "dtype": "uint8",
+            "shape": [len(payload)],
+            "total": len(payload),
+            "chunk": 1 << 16,
+            "seq": seq,
+            "prev": -1,
+            "offset": 0,
+            "length": len(payload),
+            "crc": -1,  # no checksum: the seal authenticates
+            "floor": 0,
+            "tx": seq,
+        }
+    )
+
+
+class RawClient:
+    """A DEALER that says a genuine hello with ``ClientHandshake`` and seals frames by hand."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, curve: CurveClient) -> None:
+        self.hs = ClientHandshake(curve, LINK, SESSION)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.seal: FrameSeal | None = None
+
+    def hello_frames(self) -> list[bytes]:
+        header = encode_header(
+            {"v": 1, "type": "hello", "link": LINK, "session": SESSION, "stream": 0, "streams": 1}
+            | self.hs.hello_fields()
+        )
+        return [header, self.hs.prove(header)]
+
+    def handshake(self) -> list[bytes]:
+        """Say hello, take the welcome, make the frame seal; returns the hello's frames (for replays)."""
+        since = self.hs.last_ts + 1
+        hello = self.hello_frames()
+        self.sock.send_multipart(hello)
+        assert self.sock.poll(5000), "no welcome"
+        header, proof = self.sock.recv_multipart()
+        self.seal = FrameSeal(self.hs.on_welcome(header, decode_header(header), proof, since_ts=since), listening=False)
+        return hello
+
+
+@pytest.fixture
+def sealed_server() -> Iterator[tuple[WanLink, CurveClient]]:
+    server_keys, client_keys = keypairs()
+    link = WanLink.listen(
+        "tcp://127.0.0.1:0", WanLinkConfig(link_id=LINK, curve_server=server_keys, recv_timeout_s=10.0)
+    )
+    yield link, client_keys
+    link.close()
+
+
+def test_replayed_forged_and_altered_frames_are_refused(sealed_server: tuple[WanLink, CurveClient]) -> None:
+    server, client_keys = sealed_server
+    drops = lambda: server.metrics()["drops"]  # noqa: E731
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        genuine = RawClient(ctx, endpoint, client_keys)
+        hello = genuine.handshake()
+        assert genuine.seal is not None
+        first = genuine.seal.seal(0, data_header(b"a" * 1000, 0), b"a" * 1000)
+        genuine.sock.send_multipart(first)
+        got = server.recv_sync(step=0, microbatch=0)
+        assert bytes(got.numpy()) == b"a" * 1000
+
+        genuine.sock.send_multipart(first)  # the same sealed frames again
+        assert wait_for(lambda: drops()["replayed_frame"] == 1)
+
+        eavesdropper = ctx.socket(zmq.DEALER)
+        eavesdropper.setsockopt(zmq.LINGER, 0)
+        eavesdropper.connect(endpoint)
+        eavesdropper.send_multipart(hello)  # a recorded hello: it must not claim the stream
+        assert wait_for(lambda: drops()["replayed_hello"] == 1)
+        assert not eavesdropper.poll(300), "the replayed hello was welcomed"
+        eavesdropper.send_multipart(first)  # sealed frames from a connection that never said a good hello
+        assert wait_for(lambda: drops()["unknown_peer"] >= 1)
+
+        altered = genuine.seal.seal(0, data_header(b"b" * 1000, 1), b"b" * 1000)
+        payload = bytearray(altered[1])
+        payload[500] ^= 1
+        genuine.sock.send_multipart([altered[0], bytes(payload)])
+        assert wait_for(lambda: drops()["auth_failed"] == 1)
+        header = bytearray(genuine.seal.seal(0, data_header(b"c" * 1000, 2), b"c" * 1000)[0])
+        header[-1] ^= 1
+        genuine.sock.send_multipart([bytes(header), b"c" * 1016])
+        assert wait_for(lambda: drops()["auth_failed"] == 2)
+        clear = data_header(b"d" * 1000, 3)  # a clear data frame on an encrypted link
+        genuine.sock.send_multipart([clear, b"d" * 1000])
+        assert wait_for(lambda: drops()["auth_failed"] == 3)
+
+        # the stream still belongs to the genuine connection, and the altered chunk is taken when resent intact
+        genuine.sock.send_multipart(genuine.seal.seal(0, data_header(b"b" * 1000, 1), b"b" * 1000))
+        assert bytes(server.recv_sync(step=0, microbatch=1).numpy()) == b"b" * 1000
+        for mb in (2, 3):
+            with pytest.raises(LinkError, match="timed out"):
+                server.recv_sync(step=0, microbatch=mb, timeout_s=0.2)
+        assert server.metrics()["messages_received"] == 2
+        answers = []
+        while genuine.sock.poll(200):  # acknowledgements: sealed, and they open
+            header, payload = genuine.sock.recv_multipart()
+            n, opened = genuine.seal.open_header(0, header)
+            rows = np.frombuffer(genuine.seal.open_payload(0, n, payload), dtype="<u8").reshape(-1, 4)
+            assert decode_header(opened)["type"] == "resp"
+            answers += rows[:, 0].tolist()
+        assert sorted(set(answers)) == [0, 1]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_client_with_the_wrong_server_key_or_an_unlisted_key_gets_nothing() -> None:
+    server_keys, client_keys = keypairs()
+    impostor_keys, _ = keypairs()
+    config = WanLinkConfig(link_id=LINK, connect_timeout_s=1.0, streams=2)
+    # an impostor that admits any client key cannot prove it holds the server key the client expects
+    with WanLink.listen(
+        "tcp://127.0.0.1:0", replace(config, curve_server=replace(impostor_keys, allowed_clients=None))
+    ) as impostor:
+        with pytest.raises(LinkError, match="unreachable"):
+            WanLink.connect(f"tcp://127.0.0.1:{impostor.port}", replace(config, curve_client=client_keys))
+        assert impostor.metrics()["messages_received"] == 0
+    with WanLink.listen("tcp://127.0.0.1:0", replace(config, curve_server=server_keys)) as server:
+        stranger = CurveClient(*zmq.curve_keypair(), server_keys.public_key)  # knows the server, not allowed
+        with pytest.raises(LinkError, match="unreachable"):
+            WanLink.connect(f"tcp://127.0.0.1:{server.port}", replace(config, curve_client=stranger))
+        assert server.metrics()["drops"]["auth_failed"] >= 1
+        with WanLink.connect(f"tcp://127.0.0.1:{server.port}", replace(config, curve_client=client_keys)) as client:
+            x = torch.randn(300_000)
+            client.send_sync(x, step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+
+
+def test_a_restarted_client_takes_over_a_sealed_session_once_the_first_is_silent() -> None:
+    server_keys, client_keys = keypairs()
+    config = WanLinkConfig(link_id=LINK, session_takeover_s=0.5, recv_timeout_s=30.0)
+    with WanLink.listen("tcp://127.0.0.1:0", replace(config, curve_server=server_keys)) as server:
+        endpoint = f"tcp://127.0.0.1:{server.port}"
+        with WanLink.connect(endpoint, replace(config, streams=2, curve_client=client_keys)) as first:
+            first.send_sync(torch.ones(100), step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), torch.ones(100))
+        # the same key, a new session: fresh keys on both sides, and the server's seal is replaced
+        with WanLink.connect(endpoint, replace(config, streams=3, curve_client=client_keys)) as restarted:
+            x = torch.randn(100_000)
+            restarted.send_sync(x, step=1, microbatch=0)
+            assert torch.equal(server.recv_sync(step=1, microbatch=0), x)
+            back = torch.arange(5000)
+            server.send_sync(back, step=1, microbatch=0, kind="gradient")
+            assert torch.equal(restarted.recv_sync(step=1, microbatch=0, kind="gradient"), back)
+        assert server.metrics()["drops"]["replayed_hello"] == 0
+
+
+def test_the_handshake_refuses_low_order_keys_and_foreign_proofs() -> None:
+    server_keys, client_keys = keypairs()
+    server = ServerHandshake(server_keys, LINK)
+    client = ClientHandshake(client_keys, LINK, SESSION)
+    fields = {"v": 1, "type": "hello", "link": LINK, "session": SESSION, "stream": 0, "streams": 1}
+    good = fields | client.hello_fields()
+    header = encode_header(good)
+    hello = server.check_hello(header, good, client.prove(header), stream=0)
+    with pytest.raises(HandshakeError) as replay:
+        server.check_hello(header, good, client.prove(header), stream=0)
+    assert replay.value.reason == "replayed_hello"
+    zero = fields | client.hello_fields() | {"eph": bytes(32)}  # a low-order point: X25519 gives all zeros
+    with pytest.raises(HandshakeError) as low:
+        server.check_hello(encode_header(zero), zero, client.prove(encode_header(zero)), stream=0)
+    assert low.value.reason == "auth_failed"
+    other = ClientHandshake(client_keys, LINK + 1, SESSION)  # a proof made for another link
+    moved = fields | other.hello_fields()
+    with pytest.raises(HandshakeError) as foreign:
+        server.check_hello(encode_header(moved), moved, other.prove(encode_header(moved)), stream=1)
+    assert foreign.value.reason == "auth_failed"
+    session = server.accept(hello, SESSION)
+    welcome = encode_header(
+        {"v": 1, "type": "welcome", "link": LINK, "stream": 0, "eph": session.eph_public, "ts": hello.ts}
+    )
+    h = decode_header(welcome)
+    secret = client.on_welcome(welcome, h, session.welcome_proof(welcome), since_ts=hello.ts)
+    assert secret == session.secret
+    with pytest.raises(HandshakeError) as stale:  # a welcome answering a hello older than the stream's last connect
+        client.on_welcome(welcome, h, session.welcome_proof(welcome), since_ts=hello.ts + 1)
+    assert stale.value.reason == "replayed_hello"
