@@ -8,6 +8,8 @@ the genuine data and count every refusal.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -229,3 +231,65 @@ def test_the_handshake_refuses_low_order_keys_and_foreign_proofs() -> None:
     with pytest.raises(HandshakeError) as stale:  # a welcome answering a hello older than the stream's last connect
         client.on_welcome(welcome, h, session.welcome_proof(welcome), since_ts=hello.ts + 1)
     assert stale.value.reason == "replayed_hello"
+
+
+class FlippingRelay:
+    """A TCP relay that flips one bit of the client's bytes once, ``flip_at`` bytes in (over all connections)."""
+
+    def __init__(self, target_port: int, flip_at: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target, self.flip_at, self.passed, self.flipped = target_port, flip_at, 0, False
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, tamper: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if tamper:
+                    with self.lock:
+                        start, self.passed = self.passed, self.passed + len(data)
+                        if not self.flipped and self.passed > self.flip_at:
+                            altered = bytearray(data)
+                            altered[self.flip_at - start] ^= 0x10
+                            data, self.flipped = bytes(altered), True
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_bit_flipped_in_flight_is_caught_and_the_chunk_resent() -> None:
+    server_keys, client_keys = keypairs()
+    config = WanLinkConfig(link_id=LINK, chunk_bytes=1 << 16, ack_timeout_s=0.5, recv_timeout_s=30.0)
+    with WanLink.listen("tcp://127.0.0.1:0", replace(config, curve_server=server_keys)) as server:
+        relay = FlippingRelay(server.port, flip_at=300_000)  # well inside the tensor's bytes
+        try:
+            with WanLink.connect(
+                f"tcp://127.0.0.1:{relay.port}", replace(config, streams=1, curve_client=client_keys)
+            ) as client:
+                x = torch.randn(400_000)  # 1.6 MB: 25 chunks
+                client.send_sync(x, step=0, microbatch=0)
+                assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+                assert relay.flipped
+                metrics = server.metrics()
+                # the flip failed a tag (or, in ZeroMQ's framing, broke the connection): never delivered as data
+                assert metrics["drops"]["auth_failed"] + metrics["disconnects"] >= 1
+                assert client.metrics()["resends"] >= 1
+        finally:
+            relay.close()
