@@ -24,7 +24,7 @@ from agents.wan.config import WanLinkConfig
 from agents.wan.handshake import ClientHandshake, HandshakeError, ServerHandshake
 from agents.wan.link import WanLink
 from agents.wan.seal import FrameSeal
-from geosched.errors import LinkError
+from geosched.errors import ConfigError, LinkError
 from geosched.wire import decode_header, encode_header
 
 LINK = 17
@@ -231,6 +231,11 @@ def test_the_handshake_refuses_low_order_keys_and_foreign_proofs() -> None:
     with pytest.raises(HandshakeError) as stale:  # a welcome answering a hello older than the stream's last connect
         client.on_welcome(welcome, h, session.welcome_proof(welcome), since_ts=hello.ts + 1)
     assert stale.value.reason == "replayed_hello"
+    low_order_server = replace(client_keys, server_key=zmq.utils.z85.encode(bytes(32)))
+    with pytest.raises(ConfigError, match="not a usable Curve25519 key"):  # one line at start, not a traceback
+        ClientHandshake(low_order_server, LINK, SESSION)
+    with pytest.raises(ConfigError, match="not a 40-character Z85"):
+        ClientHandshake(replace(client_keys, server_key=b"short"), LINK, SESSION)
 
 
 class FlippingRelay:

@@ -49,6 +49,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from zmq.utils import z85
 
+from geosched.errors import ConfigError
+
 if TYPE_CHECKING:
     from agents.sockets import CurveClient, CurveServer
 
@@ -82,8 +84,15 @@ def _proof(key: bytes, header: bytes | memoryview) -> bytes:
     return hmac.digest(key, header, hashlib.sha256)
 
 
-def _raw(z85_key: bytes) -> bytes:
-    return bytes(z85.decode(z85_key))
+def _raw(z85_key: bytes, what: str) -> bytes:
+    """A Z85 key as 32 raw bytes; ConfigError naming ``what`` if it is not one."""
+    try:
+        raw = bytes(z85.decode(z85_key))
+    except (ValueError, TypeError, KeyError, IndexError):
+        raw = b""
+    if len(raw) != KEY_BYTES:
+        raise ConfigError(f"{what} is not a 40-character Z85 CURVE key (make keys with 'geosched keys')")
+    return raw
 
 
 def _session_keys(
@@ -111,11 +120,14 @@ class ClientHandshake:
 
     def __init__(self, curve: CurveClient, link_id: int, session: str) -> None:
         self._link, self._session = link_id, session
-        self._static, self.public = _raw(curve.secret_key), _raw(curve.public_key)
-        self._server = _raw(curve.server_key)
+        self._static, self.public = _raw(curve.secret_key, "the secret key"), _raw(curve.public_key, "the public key")
+        self._server = _raw(curve.server_key, "the server's public key")
         self.eph_public, self._eph = nacl.bindings.crypto_box_keypair()
         self._next_ts = time.time_ns()
-        dhs = _dh(self._eph, self._server) + _dh(self._static, self._server)
+        try:
+            dhs = _dh(self._eph, self._server) + _dh(self._static, self._server)
+        except HandshakeError:
+            raise ConfigError("the server's public key is not a usable Curve25519 key") from None
         self._hello_key = _hello_key(link_id, dhs, self.public, self.eph_public, self._server)
         self._server_eph = b""
         self.secret = b""
@@ -184,8 +196,9 @@ class ServerHandshake:
 
     def __init__(self, curve: CurveServer, link_id: int) -> None:
         self._link = link_id
-        self._static, self._public = _raw(curve.secret_key), _raw(curve.public_key)
-        self._allowed = None if curve.allowed_clients is None else {_raw(k) for k in curve.allowed_clients}
+        self._static, self._public = _raw(curve.secret_key, "the secret key"), _raw(curve.public_key, "the public key")
+        allowed = curve.allowed_clients
+        self._allowed = None if allowed is None else {_raw(k, "an allowed client key") for k in allowed}
         self._last_ts: OrderedDict[tuple[bytes, int], int] = OrderedDict()  # (key, stream) -> newest hello's ts
 
     def check_hello(
