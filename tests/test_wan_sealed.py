@@ -298,3 +298,29 @@ def test_a_bit_flipped_in_flight_is_caught_and_the_chunk_resent() -> None:
                 assert client.metrics()["resends"] >= 1
         finally:
             relay.close()
+
+
+def test_a_flood_of_forged_hellos_is_dropped_unverified_and_the_session_keeps_working(
+    sealed_server: tuple[WanLink, CurveClient],
+) -> None:
+    server, client_keys = sealed_server
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    forger = replace(client_keys, secret_key=zmq.curve_keypair()[1])  # names the allowed key, cannot prove it
+    with WanLink.connect(endpoint, WanLinkConfig(link_id=LINK, streams=2, curve_client=client_keys)) as client:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            flood = RawClient(ctx, endpoint, forger)
+            for _ in range(3000):  # far more than the listener verifies a second
+                flood.sock.send_multipart(flood.hello_frames())
+            x = torch.randn(500_000)
+            client.send_sync(x, step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+            drops = lambda: server.metrics()["drops"]  # noqa: E731
+            assert wait_for(lambda: drops()["hello_flood"] + drops()["auth_failed"] == 3000, timeout_s=30)
+            assert drops()["hello_flood"] > 0 and drops()["auth_failed"] > 0
+            assert not flood.sock.poll(100), "a forged hello was welcomed"
+        finally:
+            ctx.destroy(linger=0)
+        back = torch.arange(10_000)
+        server.send_sync(back, step=0, microbatch=0, kind="gradient")
+        assert torch.equal(client.recv_sync(step=0, microbatch=0, kind="gradient"), back)

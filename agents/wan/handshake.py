@@ -57,6 +57,11 @@ if TYPE_CHECKING:
 KEY_BYTES = 32
 PROOF_BYTES = 32
 MAX_REMEMBERED_HELLOS = 1 << 16  # (client key, stream) hello timestamps kept (bounded when any key is admitted)
+HELLO_CHECKS_PER_S = 200.0
+"""Hello proofs a listener verifies per second (each costs an X25519, about 35 us); a burst of
+HELLO_CHECK_BURST is allowed (64 streams saying hello a few times). Beyond, hellos are dropped unverified
+(``hello_flood``): a flood of forged hellos delays a reconnect instead of starving the link's thread."""
+HELLO_CHECK_BURST = 400.0
 _HELLO_INFO = b"geosched-wan-1 hello"
 _SESSION_INFO = b"geosched-wan-1 session"
 
@@ -200,6 +205,8 @@ class ServerHandshake:
         allowed = curve.allowed_clients
         self._allowed = None if allowed is None else {_raw(k, "an allowed client key") for k in allowed}
         self._last_ts: OrderedDict[tuple[bytes, int], int] = OrderedDict()  # (key, stream) -> newest hello's ts
+        self._static_dh: OrderedDict[bytes, bytes] = OrderedDict()  # client key -> DH(s, C), which never changes
+        self._tokens, self._refilled = HELLO_CHECK_BURST, time.monotonic()
 
     def check_hello(
         self, header: bytes | memoryview, h: dict[str, Any], proof: bytes | memoryview, *, stream: int
@@ -207,29 +214,50 @@ class ServerHandshake:
         """The sender and keys of a hello on ``stream``, if its proof verifies and it is newer than every hello
         taken from its key on that stream.
 
-        HandshakeError otherwise (``auth_failed``, ``replayed_hello``, ``bad_header``).
+        HandshakeError otherwise (``auth_failed``, ``replayed_hello``, ``bad_header``, ``hello_flood``). The
+        cheap refusals (a key not allowed, a replayed ``ts``) come before any Diffie-Hellman.
         """
         key, eph, ts = _key_field(h, "key"), _key_field(h, "eph"), h.get("ts")
         if type(ts) is not int or ts < 0:
             raise HandshakeError("bad_header", "hello field 'ts' must be a non-negative int")
         if self._allowed is not None and key not in self._allowed:
             raise HandshakeError("auth_failed", "client key not in the allowed directory")
-        dhs = _dh(self._static, eph) + _dh(self._static, key)
-        expected = _proof(_hello_key(self._link, dhs, key, eph, self._public), header)
-        if len(proof) != PROOF_BYTES or not hmac.compare_digest(expected, bytes(proof)):
-            raise HandshakeError("auth_failed", "hello proof does not verify (not the key it names)")
         last = self._last_ts.get((key, stream))
         if last is not None and ts <= last:
             raise HandshakeError("replayed_hello", "hello not newer than the last one taken for its stream (a replay?)")
+        if not self._take_token():
+            raise HandshakeError("hello_flood", f"over {HELLO_CHECKS_PER_S:g} hellos a second; dropped unverified")
+        dhs = _dh(self._static, eph) + self._dh_with(key)
+        expected = _proof(_hello_key(self._link, dhs, key, eph, self._public), header)
+        if len(proof) != PROOF_BYTES or not hmac.compare_digest(expected, bytes(proof)):
+            raise HandshakeError("auth_failed", "hello proof does not verify (not the key it names)")
         self._last_ts[(key, stream)] = ts
         self._last_ts.move_to_end((key, stream))
         while len(self._last_ts) > MAX_REMEMBERED_HELLOS:
             self._last_ts.popitem(last=False)
         return ClientHello(key, eph, ts)
 
+    def _take_token(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(HELLO_CHECK_BURST, self._tokens + (now - self._refilled) * HELLO_CHECKS_PER_S)
+        self._refilled = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def _dh_with(self, key: bytes) -> bytes:
+        """DH(s, C) for a client key, computed once per key (at most MAX_REMEMBERED_HELLOS kept)."""
+        shared = self._static_dh.get(key)
+        if shared is None:
+            shared = self._static_dh[key] = _dh(self._static, key)
+            while len(self._static_dh) > MAX_REMEMBERED_HELLOS:
+                self._static_dh.popitem(last=False)
+        return shared
+
     def accept(self, hello: ClientHello, session: str) -> ServerSession:
         """Fresh keys for a new session opened by ``hello``."""
         eph_public, eph = nacl.bindings.crypto_box_keypair()
-        dhs = _dh(eph, hello.eph) + _dh(self._static, hello.eph) + _dh(self._static, hello.key)
+        dhs = _dh(eph, hello.eph) + _dh(self._static, hello.eph) + self._dh_with(hello.key)
         secret, confirm = _session_keys(self._link, session, dhs, hello.key, hello.eph, self._public, eph_public)
         return ServerSession(hello, eph_public, secret, confirm)

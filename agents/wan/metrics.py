@@ -26,6 +26,7 @@ DROP_REASONS = (
     "auth_failed",  # a client key not allowed, a handshake proof or sealed frame that does not verify
     "replayed_hello",  # a hello (or its welcome) older than one already taken: a replay
     "replayed_frame",  # a sealed frame whose counter is not above the last one opened on its stream
+    "hello_flood",  # a hello dropped unverified: more than the listener verifies a second
     "handshake_failed",  # ZMTP handshake failed (garbage bytes, wrong mechanism)
     "stale",  # incomplete message abandoned after no progress for stale_message_s
 )
