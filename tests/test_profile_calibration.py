@@ -242,10 +242,11 @@ def test_old_calibration_files_load_and_fall_back_to_the_traffic_model(tmp_path)
     assert stage_compute(job, 0.5, (0, 1), True, False).step_s == pytest.approx(step_s)
 
 
-def test_message_costs_are_measured_against_real_compute_and_a_real_peer(tmp_path) -> None:
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "sealed as a secure launch's links"])
+def test_message_costs_are_measured_against_real_compute_and_a_real_peer(tmp_path, encrypted: bool) -> None:
     job = load_config(config_with(tmp_path, TINY)).job
     nbytes = job.microbatch_size * TINY["seq_len"] * TINY["hidden"] * 4
-    costs = measure_message_costs(nbytes, block_unit(job), rounds=2, units=2)
+    costs = measure_message_costs(nbytes, block_unit(job), rounds=2, units=2, encrypted=encrypted)
     assert costs["message_bytes_measured"] == [nbytes, SIZE_FACTOR * nbytes]
     assert 0 < costs["message_latency_s"] < 1.0  # one-way over loopback through a second process
     assert all(costs[f"message_overhead_s{term}"] >= 0 for term in ("", "_per_chunk", "_per_byte"))

@@ -70,6 +70,7 @@ def calibrate(
     stages: Sequence[StageKey] = (),
     streams: int = 1,
     emulated: Any = None,
+    encrypted_links: bool = False,
     ranks: Sequence[RankGroup] = (),
 ) -> dict[str, Any]:
     """The job's calibration dict: compute (median over ``co_located`` concurrent copies) and message costs.
@@ -123,6 +124,7 @@ def calibrate(
             block_unit(job, device),
             streams=streams,
             emulated=emulated,
+            encrypted=encrypted_links,
         )
         if device != "cpu":
             for key in (
@@ -146,6 +148,7 @@ def calibrate_plan(
     out: TextIO | None = None,
     *,
     device: str = "cpu",
+    encrypted_links: bool = False,
 ) -> Calibration:
     """A quick calibration of the plan on one thread, as its agents run it together on this host.
 
@@ -154,7 +157,8 @@ def calibrate_plan(
     share (:func:`agents.rehearsal.calibrate.plan_options`); written to
     ``save_to`` too when given (the run folder's ``calibration.json``). Each
     part's start is a line on ``out``: it takes tens of seconds on 2 cores. ``device``: as the agents'
-    ``--device`` (``cuda`` measures on the first GPU; the groups' collectives over NCCL).
+    ``--device`` (``cuda`` measures on the first GPU; the groups' collectives over NCCL). ``encrypted_links``:
+    message costs over sealed links, as a secure rehearsal's agents run them.
     """
     import torch
 
@@ -171,6 +175,7 @@ def calibrate_plan(
             co_located=copies,
             progress=None if out is None else _calibration_progress(out),
             device="cuda:0" if device == "cuda" else device,
+            encrypted_links=encrypted_links,
             **plan_options(layout, wan_scale),
         )
     finally:

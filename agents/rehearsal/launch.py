@@ -184,7 +184,9 @@ def launch(
         from agents.rehearsal.calibrate import calibrate_plan  # torch: not for `geosched plan`'s flags
 
         began = time.monotonic()
-        calibration = calibrate_plan(layout, wan_scale, run / "calibration.json", out, device=device)
+        calibration = calibrate_plan(
+            layout, wan_scale, run / "calibration.json", out, device=device, encrypted_links=not insecure
+        )
         calibration_s = time.monotonic() - began
         if out is not None:
             print(f"launch: calibrated in {calibration_s:.1f} s: {run / 'calibration.json'}", file=out, flush=True)

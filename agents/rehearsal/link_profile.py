@@ -60,7 +60,9 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+import zmq
 
+from agents.sockets import CurveClient, CurveServer
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from agents.wanem.emulator import LinkShape, WanRelay
@@ -72,6 +74,8 @@ SIZE_FACTOR = 8
 """The second message size is this many times the activation (for the per-byte slope)."""
 LINK_ID = 0x70F1
 PEER_TIMEOUT_S = 60.0
+KEYS_ENV = "GEOSCHED_PROBE_LINK_KEYS"
+"""The echo peer's CURVE keys (its public and secret key, the probe's public key) when the probe is encrypted."""
 PINGS = 40
 """Ping-pongs per size for the latency (after PINGS // 4 untimed)."""
 
@@ -84,6 +88,7 @@ def measure_message_costs(
     units: int = 6,
     streams: int = 1,
     emulated: LinkShape | None = None,
+    encrypted: bool = False,
 ) -> dict[str, Any]:
     """Stage time per message (fixed + per chunk + per byte) and one-way latency, as calibration fields.
 
@@ -94,20 +99,33 @@ def measure_message_costs(
     two chunks: striped over ``streams`` streams (the plan's WAN links) as
     the link stripes it when that makes two chunks or more, else cut in two
     on one stream. With ``emulated``, also ``message_overhead_s_emulated``: the
-    activation through a WAN emulator relay of that shape, less the direct cost.
+    activation through a WAN emulator relay of that shape, less the direct cost. ``encrypted``: every link
+    sealed as a secure rehearsal's are (throwaway CURVE keys; :mod:`agents.wan.seal`), which costs each message
+    tens of microseconds more than a plain link on this host.
     """
     small = max(8, activation_bytes)
     striped = chunks_per_message(small, streams) >= 2
     split_streams = streams if striped else 1
     split = auto_chunk_bytes(small, streams) if striped else -(-small // 2)  # the second link's chunk size
     cpu = _other_cpu()
-    peer = _helper("--echo-peer", str(-1 if cpu is None else cpu), str(split), str(2 if emulated is None else 3))
+    client: CurveClient | None = None
+    env = {}
+    if encrypted:  # the peer's listening keys travel in its environment, never on a command line
+        (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+        client = CurveClient(client_public, client_secret, server_public)
+        env[KEYS_ENV] = b" ".join((server_public, server_secret, client_public)).decode()
+    count = str(2 if emulated is None else 3)
+    peer = _helper("--echo-peer", str(-1 if cpu is None else cpu), str(split), count, env=env)
     relay = None
     try:
         ports = _peer_line(peer).split()
-        whole = WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S)
+        whole = WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S, curve_client=client)
         halves = WanLinkConfig(
-            link_id=LINK_ID + 1, streams=split_streams, chunk_bytes=split, connect_timeout_s=PEER_TIMEOUT_S
+            link_id=LINK_ID + 1,
+            streams=split_streams,
+            chunk_bytes=split,
+            connect_timeout_s=PEER_TIMEOUT_S,
+            curve_client=client,
         )
         with ExitStack() as stack:
             link = stack.enter_context(WanLink.connect(f"tcp://127.0.0.1:{ports[0]}", whole))
@@ -117,7 +135,9 @@ def measure_message_costs(
                 relayed = stack.enter_context(
                     WanLink.connect(
                         f"tcp://127.0.0.1:{_peer_line(relay, 'WAN emulator relay')}",
-                        WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
+                        WanLinkConfig(
+                            link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S, curve_client=client
+                        ),
                     )
                 )
             probe = _Probe(link, work)
@@ -187,7 +207,7 @@ def _busy_while(cpu: int | None, measure: Callable[[], float]) -> float:
             busy.communicate()
 
 
-def _helper(*args: str) -> subprocess.Popen[str]:
+def _helper(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``python -m agents.rehearsal.link_profile ARGS``: one of the probe's helper processes (see USAGE)."""
     return subprocess.Popen(
         [sys.executable, "-m", "agents.rehearsal.link_profile", *args],
@@ -195,7 +215,7 @@ def _helper(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
     )
 
 
@@ -288,10 +308,20 @@ def _echo_peer(cpu: int | None, split_chunk: int, count: int) -> None:
     """
     pin_to_cpu(cpu)
     torch.set_num_threads(1)
+    server: CurveServer | None = None
+    if os.environ.get(KEYS_ENV):  # sealed links, as measure_message_costs(encrypted=True) asked
+        server_public, server_secret, client_public = (k.encode() for k in os.environ[KEYS_ENV].split())
+        server = CurveServer(server_public, server_secret, frozenset({client_public}))
     configs = [
-        WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
-        WanLinkConfig(link_id=LINK_ID + 1, streams=1, chunk_bytes=split_chunk, connect_timeout_s=PEER_TIMEOUT_S),
-        WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S),
+        WanLinkConfig(link_id=LINK_ID, streams=1, connect_timeout_s=PEER_TIMEOUT_S, curve_server=server),
+        WanLinkConfig(
+            link_id=LINK_ID + 1,
+            streams=1,
+            chunk_bytes=split_chunk,
+            connect_timeout_s=PEER_TIMEOUT_S,
+            curve_server=server,
+        ),
+        WanLinkConfig(link_id=LINK_ID + 2, streams=1, connect_timeout_s=PEER_TIMEOUT_S, curve_server=server),
     ][:count]
     with ExitStack() as stack:
         links = [stack.enter_context(WanLink.listen("tcp://127.0.0.1:0", config)) for config in configs]
