@@ -324,3 +324,17 @@ def test_a_flood_of_forged_hellos_is_dropped_unverified_and_the_session_keeps_wo
         back = torch.arange(10_000)
         server.send_sync(back, step=0, microbatch=0, kind="gradient")
         assert torch.equal(client.recv_sync(step=0, microbatch=0, kind="gradient"), back)
+
+
+@pytest.mark.parametrize(
+    ("listener", "connector"), [("aes-gcm", "curve"), ("curve", "aes-gcm")], ids=["listener sealed", "listener curve"]
+)
+def test_sides_that_disagree_on_the_encryption_do_not_connect(listener: str, connector: str) -> None:
+    server_keys, client_keys = keypairs()
+    config = WanLinkConfig(link_id=LINK, connect_timeout_s=0.5, streams=1)
+    with WanLink.listen("tcp://127.0.0.1:0", replace(config, curve_server=server_keys, encryption=listener)) as server:
+        with pytest.raises(LinkError, match="matching CURVE keys and encryption setting"):
+            WanLink.connect(
+                f"tcp://127.0.0.1:{server.port}", replace(config, curve_client=client_keys, encryption=connector)
+            )
+        assert server.metrics()["messages_received"] == 0

@@ -365,7 +365,7 @@ class LinkIO(InboundFrames):
                     LinkError(
                         f"peer {self.endpoint} unreachable: {answered}/{len(self._welcomed)} streams answered within "
                         f"{self.config.connect_timeout_s:g} s (is it listening, with link_id {self.config.link_id} "
-                        "and matching CURVE keys?)"
+                        "and matching CURVE keys and encryption setting?)"
                     )
                 )
                 self._closing = True
