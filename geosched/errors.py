@@ -53,3 +53,7 @@ class CheckpointError(InputError):
 
 class StageError(GeoschedError):
     """A pipeline stage failed while running an action; the message shows the schedule grid with it marked."""
+
+
+class TrainingDiverged(StageError):
+    """The loss is not finite (NaN or inf): training diverged, and the step's update would spread it."""

@@ -192,3 +192,28 @@ def test_ctrl_c_stops_every_child(tmp_path: Path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_a_diverged_loss_stops_the_job_in_one_line(tmp_path: Path):
+    """fp16 at a learning rate of 10 gives a NaN loss at step 1: the last stage refuses it before its backward
+    (no weight takes the update), the job stops naming the rank, the step and what to change, and exits 1."""
+    config = (ROOT / "configs/demo-3dc.yaml").read_text()
+    for old, new in (("learning_rate: 0.003", "learning_rate: 10"), ("precision: fp32", "precision: fp16")):
+        assert old in config
+        config = config.replace(old, new)
+    (tmp_path / "hot.yaml").write_text(config.replace("optimizer_bytes_per_param: 8", "optimizer_bytes_per_param: 12"))
+    done = subprocess.run(
+        cli("launch", "hot.yaml", "--steps", "6", "--run-dir", "run", "--no-calibrate"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=agent_subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr[-3000:] + done.stdout[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("geosched launch: error:") and "training diverged" in last, done.stderr[-3000:]
+    assert "is nan" in last and "lower job.learning_rate" in last
+    step = int(last.split("went error during step ")[1].split(":")[0])
+    assert f"step {step}: action" in last  # the coordinator and the stage name the same step
+    assert "Traceback" not in done.stderr

@@ -390,7 +390,7 @@ async def _follow(
                 on_metrics(message)
             pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
-            current = message.step
+            current = min(message.step + 1, end - 1)  # step N's metrics: the job is at N + 1 (errors name it)
             progress_at = loop.time()
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message

@@ -51,6 +51,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
@@ -61,7 +62,7 @@ from torch import Tensor, nn
 from agents.stage.memory import MemoryMeter
 from agents.stage.report import StepReport
 from agents.stage.transport import StageTransport
-from geosched.errors import GeoschedError, StageError
+from geosched.errors import GeoschedError, StageError, TrainingDiverged
 from geosched.schedule import Action, ActionKind, Event, IdleGap, Schedule, lower, render_grid, validate
 from geosched.wgrad import SplitBackward
 
@@ -297,7 +298,13 @@ class StageRuntime:
             if self.module.last:
                 out = self.module.loss(out, state.microbatch(mb)[1])  # scalar
         if self.module.last:
-            state.losses.append(float(out.detach()))
+            loss = float(out.detach())
+            if not math.isfinite(loss):  # before its backward: no weight takes an update from it
+                raise TrainingDiverged(
+                    f"the loss of microbatch {mb} is {loss}: training diverged (lower job.learning_rate; fp16 "
+                    "has no loss scaling, bf16 does not need it); resume from a checkpoint before this step"
+                )
+            state.losses.append(loss)
         state.outputs[mb] = out
 
     def _backward(self, mb: int, state: _StepState) -> None:

@@ -389,8 +389,15 @@ class Connection:
                 raise
             await loop.create_connection(lambda: self.target, sock=sock)
         except OSError as exc:
-            self.relay.counters["connect_failures"] += 1
-            log.warning("wanem: cannot reach target %s (%s); resetting the client", address, exc)
+            failures = self.relay.counters["connect_failures"] = self.relay.counters["connect_failures"] + 1
+            if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a dead target does not flood the log
+                log.warning(
+                    "wanem: cannot reach target %s (%s); resetting the client (failure %d of this relay; later ones "
+                    "are logged at powers of two)",
+                    address,
+                    exc,
+                    failures,
+                )
             self.abort(rst=True)
 
     def maybe_finish(self) -> None:
