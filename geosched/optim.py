@@ -17,6 +17,10 @@ another layout. Written by hand because torch's AdamW has no master weights (its
 parameter's dtype), apex's ``FusedAdam(master_weights=True)`` is CUDA-only, and torchao's bf16 AdamW rounds
 stochastically instead of keeping a master.
 
+fp16 has no loss scaling here, so its gradients can overflow: an fp16 parameter's step first checks every
+gradient it is given and raises :class:`~geosched.errors.TrainingDiverged` before touching a weight when one
+is not finite (what a loss scaler's skipped step would catch; the job stops instead of spreading NaN).
+
 Example::
 
     optimizer = MasterAdamW(model.parameters(), lr=3e-4)   # model in bf16: masters and moments in fp32
@@ -29,6 +33,11 @@ from typing import Any
 
 import torch
 
+from geosched.errors import TrainingDiverged
+
+TIMING_LR = 1e-6
+"""The learning rate calibrations step with: AdamW does the same arithmetic at any rate, and a step timed
+over and over must not diverge (at the job's rate it may, and fp16's check would stop the calibration)."""
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 """Parameter dtypes stepped through an fp32 master."""
 
@@ -47,6 +56,7 @@ class MasterAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _check_fp16_gradients(self.param_groups)
         swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, its storage, its gradient)
         for group in self.param_groups:
             for p in group["params"]:
@@ -83,3 +93,17 @@ class MasterAdamW(torch.optim.AdamW):
             for key, value in entry.items():
                 if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
+
+
+def _check_fp16_gradients(groups: list[dict[str, Any]]) -> None:
+    """Raise TrainingDiverged if a gradient of an fp16 parameter is not finite (one host sync for all of them)."""
+    grads = [p.grad for g in groups for p in g["params"] if p.dtype == torch.float16 and p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a tensor-parallel DTensor's shard
+    if not bool(torch.stack([torch.isfinite(g).all() for g in local]).all()):
+        bad = sum(int(not bool(torch.isfinite(g).all())) for g in local)
+        raise TrainingDiverged(
+            f"{bad} of {len(local)} fp16 gradients are not finite: training diverged (fp16 has no loss scaling: "
+            "lower job.learning_rate or use bf16); no weight was updated in this step"
+        )

@@ -51,7 +51,7 @@ from geosched.config import JobSpec
 from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
-from geosched.optim import MasterAdamW
+from geosched.optim import TIMING_LR, MasterAdamW
 from geosched.wgrad import SplitBackward
 
 MAX_PROFILE_MICROBATCHES = 8
@@ -257,7 +257,7 @@ def measure_optimizer_step(
     g = torch.Generator().manual_seed(job.seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
-    optimizer = MasterAdamW(params, lr=job.learning_rate)
+    optimizer = MasterAdamW(params, lr=TIMING_LR)
     tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.batch, job.model.seq_len), generator=g).to(
         device
     )  # (b, T)

@@ -195,8 +195,9 @@ def test_ctrl_c_stops_every_child(tmp_path: Path):
 
 
 def test_a_diverged_loss_stops_the_job_in_one_line(tmp_path: Path):
-    """fp16 at a learning rate of 10 gives a NaN loss at step 1: the last stage refuses it before its backward
-    (no weight takes the update), the job stops naming the rank, the step and what to change, and exits 1."""
+    """fp16 at a learning rate of 10 overflows: a stage's optimizer finds a gradient that is not finite before
+    it updates a weight (or the last stage a NaN loss before its backward); the job stops naming the rank, the
+    step and what to change, and exits 1."""
     config = (ROOT / "configs/demo-3dc.yaml").read_text()
     for old, new in (("learning_rate: 0.003", "learning_rate: 10"), ("precision: fp32", "precision: fp16")):
         assert old in config
@@ -213,7 +214,7 @@ def test_a_diverged_loss_stops_the_job_in_one_line(tmp_path: Path):
     assert done.returncode == 1, done.stderr[-3000:] + done.stdout[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("geosched launch: error:") and "training diverged" in last, done.stderr[-3000:]
-    assert "is nan" in last and "lower job.learning_rate" in last
+    assert "lower job.learning_rate" in last
     step = int(last.split("went error during step ")[1].split(":")[0])
     assert f"step {step}: action" in last  # the coordinator and the stage name the same step
     assert "Traceback" not in done.stderr

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import yaml
 from agent_helpers import cli
@@ -19,6 +20,7 @@ from agents.dp.zero import build_stage_optimizer, optimizer_state_bytes
 from agents.layout import layout_plan_text
 from agents.stage.memory import MemoryMeter
 from geosched.config import JobSpec, ModelSpec, config_from_dict
+from geosched.errors import TrainingDiverged
 from geosched.memory import stage_memory_bytes
 from geosched.model import build_stage
 from geosched.optim import MasterAdamW
@@ -186,3 +188,25 @@ def test_a_bf16_rehearsal_measures_the_memory_it_predicts(tmp_path: Path) -> Non
     assert set(report["agent_exit_codes"].values()) == {0}
     assert 0.9 <= report["memory_measured_vs_predicted_max"] <= 1.05, report["memory"]
     assert report["losses"][-1] < report["losses"][0]
+
+
+def test_an_fp16_gradient_that_overflowed_stops_the_step_before_any_weight_moves() -> None:
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(64).half()), torch.nn.Parameter(torch.randn(8, 8).half())]
+    optimizer = MasterAdamW(weights, lr=1e-2)
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer.step()  # finite: steps as usual
+    before = [w.detach().clone() for w in weights]
+    masters = [optimizer.state[w]["master"].clone() for w in weights]
+    weights[1].grad = torch.randn_like(weights[1])
+    weights[1].grad[3, 4] = float("inf")  # what fp16 without loss scaling gives on overflow
+    weights[0].grad = torch.randn_like(weights[0])
+    with pytest.raises(TrainingDiverged, match="1 of 2 fp16 gradients are not finite.*no weight was updated"):
+        optimizer.step()
+    for w, b, m in zip(weights, before, masters, strict=True):
+        assert torch.equal(w.detach(), b) and torch.equal(optimizer.state[w]["master"], m)
+        assert w.dtype == torch.float16 and w.grad is not None and w.grad.dtype == torch.float16
+    bf16 = torch.nn.Parameter(torch.randn(16).bfloat16())
+    bf16.grad = torch.full_like(bf16, float("nan"))
+    MasterAdamW([bf16], lr=1e-2).step()  # bf16 (fp32's range) and fp32 are not checked: AdamW's own behaviour

@@ -56,7 +56,7 @@ from agents.dp.group import DataParallelGroup
 from agents.dp.local_group import run_local_group
 from geosched.config import JobSpec
 from geosched.errors import CollectiveError
-from geosched.optim import MasterAdamW
+from geosched.optim import TIMING_LR, MasterAdamW
 from geosched.profile import measure_stage, profile_job, profile_microbatches, stage_time_record
 from geosched.schema import dump_dataclass, load_dataclass
 
@@ -305,17 +305,17 @@ def _step_parts(
         from agents.tp.mesh import average_gradients_over_dp
 
         built = build_stage_optimizer(
-            module, lr=job.learning_rate, zero=job.zero_stage, group=group, replicas=mesh.get_group("dp")
+            module, lr=TIMING_LR, zero=job.zero_stage, group=group, replicas=mesh.get_group("dp")
         )
         tp_sync = built.grad_sync  # ZeRO 2: the optimizer reduce-scatters over "dp"
         if tp_sync is not None:
             return built.optimizer, lambda: tp_sync.allreduce_gradients(module)
         return built.optimizer, (lambda: average_gradients_over_dp(module, mesh)) if g.dp > 1 else (lambda: None)
     if job.zero_stage == 0 or g.dp == 1:  # what build_stage_optimizer gives, without importing ZeRO's
-        return MasterAdamW(module.parameters(), lr=job.learning_rate), lambda: group.allreduce_gradients(module)
+        return MasterAdamW(module.parameters(), lr=TIMING_LR), lambda: group.allreduce_gradients(module)
     from agents.dp.zero import build_stage_optimizer
 
-    built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=group)
+    built = build_stage_optimizer(module, lr=TIMING_LR, zero=job.zero_stage, group=group)
     sync = built.grad_sync
     assert sync is not None, "ZeRO over a group of replicas syncs"
     return built.optimizer, lambda: sync.allreduce_gradients(module)
