@@ -104,14 +104,19 @@ class WanLinkConfig:
         return self
 
     @property
+    def encrypted(self) -> bool:
+        """Whether this side has CURVE keys (its link is encrypted, as ``encryption`` says)."""
+        return self.curve_server is not None or self.curve_client is not None
+
+    @property
     def sealed(self) -> bool:
         """Whether this side seals frames with AES-GCM (CURVE keys given and ``encryption`` 'aes-gcm')."""
-        return self.encryption == "aes-gcm" and (self.curve_server is not None or self.curve_client is not None)
+        return self.encrypted and self.encryption == "aes-gcm"
 
     @property
     def zmq_curve(self) -> bool:
         """Whether libzmq's CURVE runs on the link's sockets."""
-        return self.encryption == "curve" and (self.curve_server is not None or self.curve_client is not None)
+        return self.encrypted and self.encryption == "curve"
 
     def threads_for(self, *, listening: bool) -> int:
         """ZeroMQ I/O threads of the link's context: ``io_threads``, or one per stream up to the usable CPUs."""
@@ -124,4 +129,4 @@ class WanLinkConfig:
         """Whether this side's chunks carry a CRC32C (see ``checksum``); ``endpoint`` is the bound or peer address."""
         if self.checksum != "auto":
             return self.checksum == "crc32c"
-        return self.curve_server is None and self.curve_client is None and not is_loopback(endpoint)
+        return not self.encrypted and not is_loopback(endpoint)

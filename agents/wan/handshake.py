@@ -42,13 +42,14 @@ import hmac
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nacl.bindings
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from zmq.utils import z85
 
+from agents.wan.metrics import Dropped
 from geosched.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -62,16 +63,14 @@ HELLO_CHECKS_PER_S = 200.0
 HELLO_CHECK_BURST is allowed (64 streams saying hello a few times). Beyond, hellos are dropped unverified
 (``hello_flood``): a flood of forged hellos delays a reconnect instead of starving the link's thread."""
 HELLO_CHECK_BURST = 400.0
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 _HELLO_INFO = b"geosched-wan-1 hello"
 _SESSION_INFO = b"geosched-wan-1 session"
 
 
-class HandshakeError(Exception):
+class HandshakeError(Dropped):
     """A hello or welcome that must be dropped: ``reason`` is its metrics label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def _dh(secret: bytes, public: bytes) -> bytes:
@@ -113,6 +112,15 @@ def _hello_key(link_id: int, dhs: bytes, c: bytes, e: bytes, s: bytes) -> bytes:
     return _kdf(dhs, _HELLO_INFO + link_id.to_bytes(4, "little") + c + e + s, KEY_BYTES)
 
 
+def _remember(table: OrderedDict[_K, _V], key: _K, value: _V) -> _V:
+    """Put ``value`` in a table kept to MAX_REMEMBERED_HELLOS entries, the least recently put dropped first."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_REMEMBERED_HELLOS:
+        table.popitem(last=False)
+    return value
+
+
 def _key_field(h: dict[str, Any], name: str) -> bytes:
     value = h.get(name)
     if not isinstance(value, bytes) or len(value) != KEY_BYTES:
@@ -134,8 +142,7 @@ class ClientHandshake:
         except HandshakeError:
             raise ConfigError("the server's public key is not a usable Curve25519 key") from None
         self._hello_key = _hello_key(link_id, dhs, self.public, self.eph_public, self._server)
-        self._server_eph = b""
-        self.secret = b""
+        self._server_eph = b""  # the listener's ephemeral key, from the first welcome that verified
 
     def hello_fields(self) -> dict[str, Any]:
         """The handshake fields of the next hello (``ts`` grows by one a hello)."""
@@ -161,7 +168,7 @@ class ClientHandshake:
         server_eph, ts = _key_field(h, "eph"), h.get("ts")
         if type(ts) is not int or not since_ts <= ts <= self._next_ts:
             raise HandshakeError("replayed_hello", "welcome answers no hello sent since the stream connected")
-        if self.secret and server_eph != self._server_eph:
+        if self._server_eph and server_eph != self._server_eph:
             raise HandshakeError("bad_header", "welcome of another server session")
         dhs = _dh(self._eph, server_eph) + _dh(self._eph, self._server) + _dh(self._static, self._server)
         secret, confirm = _session_keys(
@@ -169,7 +176,7 @@ class ClientHandshake:
         )
         if len(proof) != PROOF_BYTES or not hmac.compare_digest(_proof(confirm, header), bytes(proof)):
             raise HandshakeError("auth_failed", "welcome proof does not verify (not the expected server key)")
-        self._server_eph, self.secret = server_eph, secret
+        self._server_eph = server_eph
         return secret
 
 
@@ -190,6 +197,10 @@ class ServerSession:
     eph_public: bytes
     secret: bytes
     confirm: bytes
+
+    def opened_by(self, hello: ClientHello) -> bool:
+        """Whether ``hello`` carries this session's client keys (a hello naming its id with others is forged)."""
+        return (hello.key, hello.eph) == (self.hello.key, self.hello.eph)
 
     def welcome_proof(self, header: bytes) -> bytes:
         """The proof frame that follows a welcome header."""
@@ -231,10 +242,7 @@ class ServerHandshake:
         expected = _proof(_hello_key(self._link, dhs, key, eph, self._public), header)
         if len(proof) != PROOF_BYTES or not hmac.compare_digest(expected, bytes(proof)):
             raise HandshakeError("auth_failed", "hello proof does not verify (not the key it names)")
-        self._last_ts[(key, stream)] = ts
-        self._last_ts.move_to_end((key, stream))
-        while len(self._last_ts) > MAX_REMEMBERED_HELLOS:
-            self._last_ts.popitem(last=False)
+        _remember(self._last_ts, (key, stream), ts)
         return ClientHello(key, eph, ts)
 
     def _take_token(self) -> bool:
@@ -250,9 +258,7 @@ class ServerHandshake:
         """DH(s, C) for a client key, computed once per key (at most MAX_REMEMBERED_HELLOS kept)."""
         shared = self._static_dh.get(key)
         if shared is None:
-            shared = self._static_dh[key] = _dh(self._static, key)
-            while len(self._static_dh) > MAX_REMEMBERED_HELLOS:
-                self._static_dh.popitem(last=False)
+            shared = _remember(self._static_dh, key, _dh(self._static, key))
         return shared
 
     def accept(self, hello: ClientHello, session: str) -> ServerSession:

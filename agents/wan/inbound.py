@@ -44,7 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
-from agents.wan.seal import HEAD_BYTES, TAG_BYTES, FrameSeal, SealError, is_sealed
+from agents.wan.seal import HEAD_BYTES, TAG_BYTES, Bytes, FrameSeal, SealError, is_sealed
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header
 
@@ -118,7 +118,10 @@ class InboundFrames:
         def _new_recv_state(self) -> RecvState: ...
         def _add_slot(self, *, probe_when_down: bool) -> StreamSlot: ...
         def _header(self, kind: str, **fields: Any) -> bytes: ...
-        def _send_control(self, stream: int, frames: list[bytes], *, clear: bool = False) -> bool: ...
+        def _send_control(
+            self, stream: int, header: bytes, payload: bytes | None = None, *, clear: bool = False
+        ) -> bool: ...
+        def _frames(self, stream: int, header: bytes, payload: bytes | memoryview | None = None) -> list[Bytes]: ...
         def _describe_peer(self, address: str | None) -> str: ...
         def _connect_next_stream(self) -> None: ...
         def _send_hello(self, index: int) -> None: ...
@@ -189,7 +192,7 @@ class InboundFrames:
         if kind == "welcome" and not self.listening:
             return self._on_welcome(sock, stream, h, frame)
         if kind == "ping" and not self.listening:
-            self._send_control(stream, [self._header("pong")])
+            self._send_control(stream, self._header("pong"))
             return False
         if kind == "pong" and self.listening:
             return False
@@ -294,15 +297,7 @@ class InboundFrames:
             except HandshakeError as exc:
                 return self._drop(exc.reason, frame, str(exc))
             current = self._server_session
-            if (
-                session == self.session
-                and current is not None
-                and (current.hello.key, current.hello.eph)
-                != (
-                    hello.key,
-                    hello.eph,
-                )
-            ):
+            if session == self.session and current is not None and not current.opened_by(hello):
                 return self._drop("auth_failed", frame, "hello names a session opened with other keys")
         if session != self.session:
             if self.session is not None and not self._may_take_over(now):
@@ -329,9 +324,9 @@ class InboundFrames:
         self.send.slots[index].up = True
         if self._server_session is not None and hello is not None:
             welcome = self._header("welcome", stream=index, eph=self._server_session.eph_public, ts=hello.ts)
-            self._send_control(index, [welcome, self._server_session.welcome_proof(welcome)], clear=True)
+            self._send_control(index, welcome, self._server_session.welcome_proof(welcome), clear=True)
         else:
-            self._send_control(index, [self._header("welcome", stream=index)])
+            self._send_control(index, self._header("welcome", stream=index))
         if len(self._stream_ident) == len(self.send.slots):
             self._peer_ready.set()
         return False
@@ -354,7 +349,7 @@ class InboundFrames:
             return True
         ping = self._header("ping")
         for index in list(self._stream_ident):
-            self._send_control(index, [ping])
+            self._send_control(index, ping)
         return False
 
     def _start_session(self, session: str, streams: int, frame: zmq.Frame) -> None:
@@ -455,9 +450,7 @@ class InboundFrames:
         router = self._router
         assert router is not None  # only the listening side (which has the ROUTER) has unidentified peers
         for index, ident in self._stream_ident.items():
-            ping = [self._header("ping")]
-            if self._seal is not None:
-                ping = self._seal.seal(index, ping[0])
+            ping = self._frames(index, self._header("ping"))
             try:
                 router.send_multipart([ident, *ping], zmq.NOBLOCK)
             except zmq.Again:

@@ -47,7 +47,7 @@ from agents.wan.inbound import (
 )
 from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
-from agents.wan.seal import FrameSeal
+from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
@@ -289,12 +289,12 @@ class LinkIO(InboundFrames):
         """Say hello on one stream (sealed: with the handshake's fields and proof)."""
         fields: dict[str, Any] = {"session": self.session, "stream": index, "streams": len(self._welcomed)}
         if self._client_hs is None:
-            self._send_control(index, [self._header("hello", **fields)])
+            self._send_control(index, self._header("hello", **fields))
             return
         fields.update(self._client_hs.hello_fields())
         hello = self._header("hello", **fields)
         self._hello_since[index] = self._hello_since[index] or self._client_hs.last_ts
-        self._send_control(index, [hello, self._client_hs.prove(hello)], clear=True)
+        self._send_control(index, hello, self._client_hs.prove(hello), clear=True)
 
     def _describe_peer(self, address: str | None) -> str:
         """How errors and logs name the peer: ``config.peer_name`` plus where it is (or is expected)."""
@@ -409,10 +409,15 @@ class LinkIO(InboundFrames):
     def _header(self, kind: str, **fields: Any) -> bytes:
         return encode_header({"v": PROTOCOL_VERSION, "type": kind, "link": self.config.link_id, **fields})
 
-    def _transmit(self, stream: int, header: bytes, payload: memoryview) -> int:
+    def _frames(self, stream: int, header: bytes, payload: bytes | memoryview | None = None) -> list[Bytes]:
+        """One message's frames on ``stream`` (a header, and its payload if it has one); sealed when the
+        session has a seal."""
         if self._seal is not None:
-            header, sealed = self._seal.seal(stream, header, payload)
-            payload = memoryview(sealed)
+            return list(self._seal.seal(stream, header, payload))
+        return [header] if payload is None else [header, payload]
+
+    def _transmit(self, stream: int, header: bytes, payload: memoryview) -> int:
+        first_frame, payload_frame = self._frames(stream, header, payload)
         if self.listening:
             ident = self._stream_ident.get(stream)
             if ident is None:
@@ -427,23 +432,24 @@ class LinkIO(InboundFrames):
                 if exc.errno == zmq.EHOSTUNREACH:
                     return UNREACHABLE
                 raise
-            sock.send(header, SNDMORE)
+            sock.send(first_frame, SNDMORE)
         else:
             sock = self._dealers[stream]
             try:
-                sock.send(header, MORE_NOBLOCK)
+                sock.send(first_frame, MORE_NOBLOCK)
             except zmq.Again:
                 return AGAIN
-        sock.send(payload, copy=False)
+        sock.send(payload_frame, copy=False)
         return SENT
 
-    def _send_control(self, stream: int, frames: list[bytes], *, clear: bool = False) -> bool:
-        """Best-effort small frames (a header, maybe a payload) on one stream; False if they could not be queued.
+    def _send_control(self, stream: int, header: bytes, payload: bytes | None = None, *, clear: bool = False) -> bool:
+        """Best-effort small message (a header, maybe a payload) on one stream; False if it could not be queued.
 
-        Sealed when the session has a seal, unless ``clear`` (a handshake's hello or welcome).
+        Sealed when the session has a seal, unless ``clear`` (a handshake's hello or welcome and its proof).
         """
-        if self._seal is not None and not clear:
-            frames = self._seal.seal(stream, frames[0], frames[1] if len(frames) > 1 else None)
+        frames: list[Bytes] = [header] if payload is None else [header, payload]
+        if not clear:
+            frames = self._frames(stream, header, payload)
         try:
             if self.listening:
                 ident = self._stream_ident.get(stream)
@@ -473,6 +479,6 @@ class LinkIO(InboundFrames):
             for start in range(0, len(items), MAX_RESPONSES):
                 batch = items[start : start + MAX_RESPONSES]
                 payload = np.array(batch, dtype="<u8").tobytes()
-                self._send_control(stream, [self._header("resp", count=len(batch)), payload])
+                self._send_control(stream, self._header("resp", count=len(batch)), payload)
         self._responses.clear()
         self._ack_now, self._ack_chunks, self._ack_bytes = False, 0, 0

@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from geosched.errors import ProtocolError
+
 DROP_REASONS = (
     "bad_header",  # not msgpack, wrong fields or frame count
     "bad_version",  # protocol version we do not speak
@@ -30,6 +32,14 @@ DROP_REASONS = (
     "handshake_failed",  # ZMTP handshake failed (garbage bytes, wrong mechanism)
     "stale",  # incomplete message abandoned after no progress for stale_message_s
 )
+
+
+class Dropped(ProtocolError):
+    """A frame the link refuses; ``reason`` (one of DROP_REASONS) is the drop counter it bumps."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RateMeter:

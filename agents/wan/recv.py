@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from agents.wan.metrics import LinkCounters
+from agents.wan.metrics import Dropped, LinkCounters
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import (
     byte_array,
@@ -63,12 +63,8 @@ class ChunkHeader(NamedTuple):
     tx: int
 
 
-class RejectedChunk(ProtocolError):
+class RejectedChunk(Dropped):
     """A chunk header that fails validation; ``reason`` is the drop counter it bumps."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 # integer fields of a data header and their lowest allowed value (all are below 2**63; crc -1: none sent)

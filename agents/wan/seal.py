@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
+from agents.wan.metrics import Dropped
+
 Bytes = bytes | bytearray | memoryview
 MARK = b"S"
 TAG_BYTES = 16
@@ -33,12 +35,8 @@ HEADER, PAYLOAD = 0, 1
 _INFO = b"geosched-wan-1 frames"
 
 
-class SealError(Exception):
+class SealError(Dropped):
     """A sealed frame that must be dropped: ``reason`` is its metrics label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def is_sealed(frame: Bytes) -> bool:
