@@ -32,6 +32,9 @@ from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
 
 log = logging.getLogger(__name__)
+MIXED_PRECISION_STATE_BYTES = 12.0
+"""AdamW state per bf16/fp16 parameter as the agents keep it (geosched.optim.MasterAdamW): an fp32 master and
+two fp32 moments; the default of ``job.optimizer_bytes_per_param``."""
 
 
 @functools.cache
@@ -175,7 +178,7 @@ class JobSpec:
     microbatch_size: int | None = spec("sequences per microbatch; null: the planner chooses", None, ge=1, le=1 << 24)
     precision: Precision = spec("training precision (bf16, fp16: AdamW steps fp32 master weights)", "bf16")
     optimizer_bytes_per_param: float = spec(
-        "optimizer state bytes per parameter (Adam, mixed precision: 12)", 12.0, ge=0, le=1024
+        "optimizer state bytes per parameter (Adam, mixed precision: 12)", MIXED_PRECISION_STATE_BYTES, ge=0, le=1024
     )
     schedule: ScheduleName | None = spec(
         "pipeline schedule (gpipe, 1f1b, zb1p = zero-bubble ZB-H1); null: the planner chooses", None
@@ -306,7 +309,7 @@ def _cross_checks(cfg: Config) -> None:
             f"job.model.custom_layers: has {len(model.custom_layers)} entries but "
             f"layers = {model.layers}; give one entry per layer"
         )
-    masters = 12.0  # MasterAdamW: an fp32 master and two fp32 moments per bf16/fp16 weight
+    masters = MIXED_PRECISION_STATE_BYTES
     if job.precision in ("bf16", "fp16") and job.optimizer_bytes_per_param < masters:
         _warn_once(
             f"job.optimizer_bytes_per_param: {job.optimizer_bytes_per_param:g} is below the {masters:g} bytes the "

@@ -101,8 +101,9 @@ def _check_fp16_gradients(groups: list[dict[str, Any]]) -> None:
     if not grads:
         return
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a tensor-parallel DTensor's shard
-    if not bool(torch.stack([torch.isfinite(g).all() for g in local]).all()):
-        bad = sum(int(not bool(torch.isfinite(g).all())) for g in local)
+    finite = torch.stack([torch.isfinite(g).all() for g in local])  # one flag a gradient, read back once
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
         raise TrainingDiverged(
             f"{bad} of {len(local)} fp16 gradients are not finite: training diverged (fp16 has no loss scaling: "
             "lower job.learning_rate or use bf16); no weight was updated in this step"
