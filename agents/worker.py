@@ -1,34 +1,29 @@
 """The agent's training thread: one rank's session, its steps, its checkpoints.
 
-:class:`RankWorker` runs on a daemon thread beside the agent's event loop
-(:mod:`agents.daemon`). It opens the rank's
-:class:`~agents.stage.session.RankSession` (binding at once; connecting to peers once
-the job starts, through the agent's address book), then trains each number
-of steps the agent requests and reports through ``post``:
+:class:`RankWorker` runs on a daemon thread beside the agent's event loop (:mod:`agents.daemon`). It opens
+the rank's :class:`~agents.stage.session.RankSession` (binding at once; connecting to peers once the job
+starts, through the agent's address book), then trains each number of steps the agent requests and
+reports through ``post``:
 
 - ``post("step", record)``: one metrics record per step (:func:`metrics_record`);
 - ``post("finished", next_step)``: a requested run of steps is done;
 - ``post("failed", exc)``: the session failed (the agent reports it and exits).
 
-With ``prefill_bind`` set, the worker also opens a
-:class:`~agents.prefill.swap.SwappablePrefillService` (the job's model shape,
-seeded or ``prefill_weights``: a file from ``geosched export`` or a
-checkpoint folder's newest complete step; with ``prefill_follow`` each newer
-step is swapped in between requests as it completes), publishes its endpoint as ``prefill/r<R>``
-(and with ``prefill_http`` its HTTP front end's URL as ``prefill-http/r<R>``),
-lets the runtime fill bubbles with it, serves it outright while there are
-no steps to run (between and after training requests), adds its metrics to every step record
-(``prefill``) and writes them to ``run_dir/prefill-rank<R>.json``.
+With ``prefill_bind`` set, the worker also opens a :class:`~agents.prefill.swap.SwappablePrefillService`
+(the job's model shape, seeded or ``prefill_weights``: a file from ``geosched export`` or a checkpoint
+folder's newest complete step; with ``prefill_follow`` each newer step is swapped in between requests as it
+completes), publishes its endpoint as ``prefill/r<R>`` (and with ``prefill_http`` its HTTP front end's URL
+as ``prefill-http/r<R>``), lets the runtime fill bubbles with it, serves it outright while there are no
+steps to run (between and after training requests), adds its metrics to every step record (``prefill``)
+and writes them to ``run_dir/prefill-rank<R>.json``.
 
-:class:`RankCheckpoints` is the rank's checkpoint policy on top of
-:mod:`agents.checkpoint.store`: replica 0 of each stage writes a shard every
-``every`` steps and after the steps the coordinator names; ``--resume``
-restores the newest complete checkpoint (every stage's shard present and
-verified); a corrupt one raises CheckpointError and loads nothing. A
-tensor-parallel stage is saved whole (its tp ranks gather it, tp rank 0
-writes, :mod:`agents.tp.whole`) and re-sharded on load, so a checkpoint does
-not depend on the tp degree that wrote it.
-Checkpoint ``n`` holds the state after ``n`` steps; a resume trains step ``n`` next.
+:class:`RankCheckpoints` is the rank's checkpoint policy on top of :mod:`agents.checkpoint.store`: replica 0
+of each stage writes a shard every ``every`` steps and after the steps the coordinator names; ``--resume``
+restores the newest complete checkpoint (every stage's shard present and verified); a corrupt one raises
+CheckpointError and loads nothing. A tensor-parallel stage is saved whole (its tp ranks gather it, tp rank
+0 writes, :mod:`agents.tp.whole`) and re-sharded on load, so a checkpoint does not depend on the tp degree
+that wrote it. fp16's loss scale is saved and restored with it. Checkpoint ``n`` holds the state after
+``n`` steps; a resume trains step ``n`` next.
 """
 
 from __future__ import annotations
@@ -99,6 +94,7 @@ class RankCheckpoints:
         )
         self.model_fingerprint = model_fingerprint(job.model, seed=job.seed, precision=job.precision)
         self._writer: Any = None
+        self.loss_scale: Any = None  # fp16: the session's DynamicLossScale, saved and restored with the stage
         self.start_step = self._resume_step() if resume else 0
 
     def _resume_step(self) -> int:
@@ -117,29 +113,31 @@ class RankCheckpoints:
 
     def restore(self, module: Any, optimizer: Any) -> None:
         """Load this stage's state of the resume step (nothing when starting from 0): its own shard when the
-        checkpoint has this layout, else resharded from every shard of the step (another stage split)."""
+        checkpoint has this layout, else resharded from every shard of the step (another stage split); and
+        ``loss_scale`` (fp16), where the checkpoint has one."""
         if self.start_step > 0:
             if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
                 from agents.checkpoint.state import load_optimizer_state
                 from agents.tp.whole import load_whole_training_state
 
                 whole, whole_optimizer = self._whole_stage()
-                self._load(whole, whole_optimizer)
+                extra = self._load(whole, whole_optimizer)
                 shards = load_whole_training_state(module, whole.state_dict(), whole_optimizer.state_dict())
                 load_optimizer_state(optimizer, shards)  # ZeRO keeps its replica's share of them
             else:
-                self._load(module, optimizer)
+                extra = self._load(module, optimizer)
+            if self.loss_scale is not None and "loss_scale" in extra:
+                self.loss_scale.load_state_dict(extra["loss_scale"])  # CheckpointError if malformed
             log.info("rank %d: resumed from checkpoint %d in %s", self.role.rank, self.start_step, self.ckpt_dir)
 
-    def _load(self, module: Any, optimizer: Any) -> None:
+    def _load(self, module: Any, optimizer: Any) -> dict[str, Any]:
         from agents.checkpoint.load import load_resharded, load_shard, written_by
 
         step, stage = self.start_step, self.role.stage
         if written_by(self.ckpt_dir, step, stage, self.num_stages, self.fingerprint):
-            load_shard(self.ckpt_dir, step, stage, module, optimizer, job_fingerprint=self.fingerprint)
-        else:
-            log.info("rank %d: checkpoint %d has another stage split; resharding", self.role.rank, step)
-            load_resharded(self.ckpt_dir, step, stage, module, optimizer, model_fingerprint=self.model_fingerprint)
+            return load_shard(self.ckpt_dir, step, stage, module, optimizer, job_fingerprint=self.fingerprint)
+        log.info("rank %d: checkpoint %d has another stage split; resharding", self.role.rank, step)
+        return load_resharded(self.ckpt_dir, step, stage, module, optimizer, model_fingerprint=self.model_fingerprint)
 
     def after_step(self, step: int, module: Any, optimizer: Any, asked: list[int | None]) -> int | None:
         """Write checkpoint ``step + 1`` if it is due or was asked for (after this step, or after one already
@@ -153,7 +151,8 @@ class RankCheckpoints:
         return done
 
     def save_now(self, done: int, module: Any, optimizer: Any) -> bool:
-        """Write checkpoint ``done`` (the state after ``done`` steps); True if this rank writes."""
+        """Write checkpoint ``done`` (the state after ``done`` steps), with ``loss_scale``; True if this rank
+        writes."""
         from agents.checkpoint.state import gather_optimizer_state
         from agents.checkpoint.store import CheckpointWriter
 
@@ -172,7 +171,10 @@ class RankCheckpoints:
             self._writer = CheckpointWriter(
                 self.ckpt_dir, self.role.stage, self.num_stages, self.fingerprint, self.model_fingerprint, record
             )
-        self._writer.save(done, module, optimizer, extra={"next_step": done})
+        extra: dict[str, Any] = {"next_step": done}
+        if self.loss_scale is not None:
+            extra["loss_scale"] = self.loss_scale.state_dict()
+        self._writer.save(done, module, optimizer, extra=extra)
         return True
 
     def _whole_stage(self, sharded: Any = None, sharded_optimizer: Any = None) -> tuple[Any, Any]:
@@ -334,6 +336,7 @@ class RankWorker:
             self._runtime = session.runtime
             self._links = dict(session.transport.links) if session.transport is not None else {}
             if self.checkpoints is not None:
+                self.checkpoints.loss_scale = session.loss_scale
                 self.checkpoints.restore(session.module, session.optimizer)
             timed = not (opts.time_stage and opts.run_dir is not None)
             while (steps := self._next_request(service)) is not None and not self._stop.is_set():

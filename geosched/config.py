@@ -32,6 +32,8 @@ from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
 
 log = logging.getLogger(__name__)
+INITIAL_LOSS_SCALE = 65536.0
+"""fp16's first dynamic loss scale: torch.amp.GradScaler's and DeepSpeed's default (2^16)."""
 MIXED_PRECISION_STATE_BYTES = 12.0
 """AdamW state per bf16/fp16 parameter as the agents keep it (geosched.optim.MasterAdamW): an fp32 master and
 two fp32 moments; the default of ``job.optimizer_bytes_per_param``."""
@@ -179,6 +181,13 @@ class JobSpec:
     precision: Precision = spec("training precision (bf16, fp16: AdamW steps fp32 master weights)", "bf16")
     optimizer_bytes_per_param: float = spec(
         "optimizer state bytes per parameter (Adam, mixed precision: 12)", MIXED_PRECISION_STATE_BYTES, ge=0, le=1024
+    )
+    initial_loss_scale: float = spec(
+        "fp16 only: the dynamic loss scale's first value; halved (and the step skipped) when a gradient "
+        "overflows, doubled after 2000 steps without overflow (torch.amp.GradScaler's rule)",
+        INITIAL_LOSS_SCALE,
+        ge=1,
+        le=2.0**64,
     )
     schedule: ScheduleName | None = spec(
         "pipeline schedule (gpipe, 1f1b, zb1p = zero-bubble ZB-H1); null: the planner chooses", None

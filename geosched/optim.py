@@ -17,9 +17,12 @@ another layout. Written by hand because torch's AdamW has no master weights (its
 parameter's dtype), apex's ``FusedAdam(master_weights=True)`` is CUDA-only, and torchao's bf16 AdamW rounds
 stochastically instead of keeping a master.
 
-fp16 has no loss scaling here, so its gradients can overflow: an fp16 parameter's step first checks every
-gradient it is given and raises :class:`~geosched.errors.TrainingDiverged` before touching a weight when one
-is not finite (what a loss scaler's skipped step would catch; the job stops instead of spreading NaN).
+fp16 trains with a dynamic loss scale (:class:`DynamicLossScale`): the loss is multiplied by the scale
+before its backward so that small gradients do not underflow fp16, and ``loss_scale`` tells the step to
+divide it out in fp32 (the gradient is upcast first, so nothing the scale saved is lost again). The stage
+runtime decides with every other stage whether a step's gradients are finite and skips the step where they
+are not (:mod:`agents.stage.runtime`); a step that still meets a gradient that is not finite (a caller with
+no scaler) raises :class:`~geosched.errors.TrainingDiverged` before touching a weight.
 
 Example::
 
@@ -28,12 +31,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from geosched.errors import TrainingDiverged
+from geosched.config import INITIAL_LOSS_SCALE
+from geosched.errors import CheckpointError, TrainingDiverged
 
 TIMING_LR = 1e-6
 """The learning rate calibrations step with: AdamW does the same arithmetic at any rate, and a step timed
@@ -48,6 +52,10 @@ class MasterAdamW(torch.optim.AdamW):
 
     whole_class_name = "AdamW"
     """The class a checkpoint records: plain AdamW's state format, plus ``master`` for low-precision weights."""
+    loss_scale = 1.0
+    """The loss scale the gradients carry (fp16's :class:`DynamicLossScale`), divided out in fp32 at the step."""
+    checked = False
+    """True where the caller found the gradients finite before the step (a loss scaler's verdict): no check."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -56,17 +64,23 @@ class MasterAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _check_fp16_gradients(self.param_groups)
+        if not self.checked:
+            _check_fp16_gradients(self.param_groups)
+        inverse = 1.0 / self.loss_scale
         swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, its storage, its gradient)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype not in LOW_PRECISION or p.grad is None:
+                if p.grad is None:
+                    continue
+                if p.dtype not in LOW_PRECISION:
+                    if inverse != 1.0:
+                        p.grad.mul_(inverse)  # fp32: exact for a power of two
                     continue
                 master = self.state[p].get("master")
                 grad, own = p.grad, p.data
                 p.grad = None  # a gradient must match its parameter's dtype when assigned
                 p.data = p.detach().float() if master is None else master
-                p.grad = grad.float()
+                p.grad = grad.float() if inverse == 1.0 else grad.float().mul_(inverse)
                 swapped.append((p, own, grad))
         try:
             super().step()  # a new parameter's state starts empty: torch makes its fp32 moments from the master
@@ -95,16 +109,85 @@ class MasterAdamW(torch.optim.AdamW):
                     self.state[p][key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
 
 
+class DynamicLossScale:
+    """fp16's loss scale: halved on a step whose gradients are not finite (that step is skipped), doubled
+    after ``growth_interval`` finite steps in a row. The rule and defaults are torch.amp.GradScaler's; it is
+    kept here by hand because GradScaler decides per process (its found-inf check and update run on one
+    rank's gradients), where a pipeline's stages must all skip the same steps: the stage runtime agrees on
+    each verdict with the other stages, then every stage calls :meth:`update` with it, so every stage's
+    scale is the same number.
+
+    A scale pushed below ``min_scale`` means every step overflows: :meth:`update` raises TrainingDiverged.
+    """
+
+    def __init__(
+        self,
+        scale: float = INITIAL_LOSS_SCALE,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> None:
+        self.scale = float(scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0  # finite steps since the scale last changed
+        self.skipped = 0  # steps skipped since this scaler was made (or loaded)
+
+    def update(self, finite: bool) -> None:
+        """After a step whose gradients were (``finite``) or were not finite on some stage."""
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.good_steps = 0
+            return
+        self.scale *= self.backoff_factor
+        self.good_steps = 0
+        self.skipped += 1
+        if self.scale < self.min_scale:
+            raise TrainingDiverged(
+                f"fp16 gradients overflowed at every loss scale down to {self.scale * 2:g}: training diverged "
+                "(lower job.learning_rate or use bf16)"
+            )
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps (every stage holds the same)."""
+        return {"scale": self.scale, "good_steps": float(self.good_steps)}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from :meth:`state_dict` (a checkpoint's: CheckpointError if it is not one)."""
+        values = [state.get(key) for key in ("scale", "good_steps")] if isinstance(state, dict) else []
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        scale, good = numbers if len(numbers) == 2 else (0.0, -1.0)
+        if not (1.0 <= scale <= 2.0**64 and 0 <= good < self.growth_interval and good == int(good)):
+            raise CheckpointError(
+                f"the checkpoint's loss_scale must be {{scale: 1 to 2^64, good_steps: 0 to "
+                f"{self.growth_interval - 1}}}, got {str(state)[:80]}; the checkpoint is damaged: resume from another"
+            )
+        self.scale, self.good_steps = float(scale), int(good)
+
+
+def loss_scale_for(precision: str, initial: float) -> DynamicLossScale | None:
+    """fp16's dynamic loss scale, starting at ``initial``; None for bf16 and fp32 (no scale)."""
+    return DynamicLossScale(initial) if precision == "fp16" else None
+
+
+def gradients_finite(grads: Iterable[torch.Tensor]) -> bool:
+    """True if every gradient is finite (a tensor-parallel DTensor's local shard is checked): one host sync."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not local:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+
+
 def _check_fp16_gradients(groups: list[dict[str, Any]]) -> None:
     """Raise TrainingDiverged if a gradient of an fp16 parameter is not finite (one host sync for all of them)."""
     grads = [p.grad for g in groups for p in g["params"] if p.dtype == torch.float16 and p.grad is not None]
-    if not grads:
-        return
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a tensor-parallel DTensor's shard
-    finite = torch.stack([torch.isfinite(g).all() for g in local])  # one flag a gradient, read back once
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
+    if not gradients_finite(grads):
         raise TrainingDiverged(
-            f"{bad} of {len(local)} fp16 gradients are not finite: training diverged (fp16 has no loss scaling: "
-            "lower job.learning_rate or use bf16); no weight was updated in this step"
+            f"fp16 gradients are not finite (of {len(grads)}): training diverged; no weight was updated in this "
+            "step (a loss scaler skips such steps: run the job through its stage runtime, or lower "
+            "job.learning_rate, or use bf16)"
         )

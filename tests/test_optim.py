@@ -202,7 +202,7 @@ def test_an_fp16_gradient_that_overflowed_stops_the_step_before_any_weight_moves
     weights[1].grad = torch.randn_like(weights[1])
     weights[1].grad[3, 4] = float("inf")  # what fp16 without loss scaling gives on overflow
     weights[0].grad = torch.randn_like(weights[0])
-    with pytest.raises(TrainingDiverged, match="1 of 2 fp16 gradients are not finite.*no weight was updated"):
+    with pytest.raises(TrainingDiverged, match="fp16 gradients are not finite.*no weight was updated"):
         optimizer.step()
     for w, b, m in zip(weights, before, masters, strict=True):
         assert torch.equal(w.detach(), b) and torch.equal(optimizer.state[w]["master"], m)

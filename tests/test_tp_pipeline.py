@@ -93,6 +93,7 @@ def _rank_main(
             device=rank_device(device, rank),
         ) as session:
             if checkpoints is not None:
+                checkpoints.loss_scale = session.loss_scale  # as the agent's worker does
                 checkpoints.restore(session.module, session.optimizer)
             reports = [r.to_dict() for r in session.train(steps)]
             if checkpoints is not None:

@@ -79,6 +79,7 @@ class StepSummary:
     iteration_s: float
     bubble_fraction: float
     wan_bytes: int
+    skipped_at_scale: float | None = None  # fp16: the loss scale at which the stages skipped this step
 
     def line(self, done: int, total: int, last_step: int) -> str:
         """The fixed-format progress line."""
@@ -87,7 +88,7 @@ class StepSummary:
         bar = "[" + "#" * filled + "-" * (width - filled) + "]"
         wan = self.wan_bytes / self.iteration_s / 1e6 if self.iteration_s > 0 else 0.0
         loss = f"{self.loss:.4f}" if self.loss is not None else "   n/a"
-        return STEP_LINE.format(
+        line = STEP_LINE.format(
             step=self.step,
             last=last_step,
             bar=bar,
@@ -96,18 +97,28 @@ class StepSummary:
             bubble=100 * self.bubble_fraction,
             wan=wan,
         )
+        if self.skipped_at_scale is not None:
+            line += f" | skipped: fp16 overflow at loss scale {self.skipped_at_scale:g}"
+        return line
 
 
 def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLayout) -> StepSummary:
     """Merge one step's metrics of every rank (rank -> values) into a :class:`StepSummary`."""
     losses = [m["loss"] for r, m in metrics.items() if layout.role(r).last and m.get("loss") is not None]
+    skipped = [_scale(m.get("loss_scale")) for m in metrics.values() if m.get("skipped") is True]
     return StepSummary(
         step=step,
         loss=sum(losses) / len(losses) if losses else None,
         iteration_s=max(float(m.get("iteration_s", 0.0)) for m in metrics.values()),
         bubble_fraction=sum(float(m.get("bubble_fraction", 0.0)) for m in metrics.values()) / len(metrics),
         wan_bytes=sum(int(m.get("wan_bytes", 0)) for m in metrics.values()),
+        skipped_at_scale=skipped[0] if skipped else None,
     )
+
+
+def _scale(value: Any) -> float:
+    """A metrics record's ``loss_scale`` (0 where it is not a number)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 @dataclass

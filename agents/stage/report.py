@@ -51,6 +51,8 @@ class StepReport:
     memory: dict[str, int] = field(default_factory=dict)  # agents.stage.memory.MemoryMeter.report()
     sync_s: float = 0.0  # the gradient sync: seconds of the ALL_REDUCE action
     sync_bytes: dict[str, int] = field(default_factory=dict)  # peer DC -> bytes sent on gradient links (agents.crossdc)
+    loss_scale: float | None = None  # fp16: the loss scale this step's gradients carried; None: not scaled
+    skipped: bool = False  # fp16: some stage's gradients were not finite, so no stage stepped
 
     @classmethod
     def from_events(
@@ -126,6 +128,8 @@ class StepReport:
             memory={str(k): int(v) for k, v in data.get("memory", {}).items()},
             sync_s=float(data.get("sync_s", 0.0)),
             sync_bytes={str(k): int(v) for k, v in data.get("sync_bytes", {}).items()},
+            loss_scale=None if data.get("loss_scale") is None else float(data["loss_scale"]),
+            skipped=bool(data.get("skipped", False)),
         )
 
 

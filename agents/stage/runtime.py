@@ -24,8 +24,13 @@
 ``SEND_B k``          send the input grad to stage s-1 (after B or I)
 ``ALL_REDUCE``        average gradients over the stage's data-parallel group (ZeRO 2 reduce-scatters
                       each microbatch's as its B or W ends, and finishes here)
-``STEP``              optimizer step, then zero the gradients
+``STEP``              optimizer step, then zero the gradients; in fp16 (a loss
+                      scale) only where every stage's gradients are finite
 ====================  ==========================================================
+
+fp16 (``loss_scale``): the last stage's backward starts from the loss times the
+scale, and STEP steps only where every stage's gradients are finite, agreed
+with the other stages over the links (:mod:`agents.stage.overflow`).
 
 Every action is timed (``time.perf_counter``, seconds from the start of the
 step) into :class:`~geosched.schedule.Event` records with the simulator's
@@ -60,9 +65,11 @@ import torch
 from torch import Tensor, nn
 
 from agents.stage.memory import MemoryMeter
+from agents.stage.overflow import StageFlags, step_if_finite
 from agents.stage.report import StepReport
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError, TrainingDiverged
+from geosched.optim import DynamicLossScale
 from geosched.schedule import Action, ActionKind, Event, IdleGap, Schedule, lower, render_grid, validate
 from geosched.wgrad import SplitBackward
 
@@ -144,6 +151,8 @@ class StageRuntime:
         replica: int = 0,
         recv_timeout_s: float = 120.0,
         bubble_filler: BubbleFiller | None = None,
+        loss_scale: DynamicLossScale | None = None,
+        all_true: Callable[[bool], bool] | None = None,
     ) -> None:
         schedule = lower(schedule)
         validate(schedule)
@@ -169,6 +178,8 @@ class StageRuntime:
         self.grad_sync = grad_sync
         self.recv_timeout_s = recv_timeout_s
         self.bubble_filler = bubble_filler
+        self.loss_scale = loss_scale  # fp16's dynamic loss scale (None: gradients are not scaled)
+        self.all_true = all_true  # is a flag true on every rank of this stage's group (None: this rank alone)
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
         self._names = [str(action) for action in self.actions]  # the events' action strings, made once
@@ -202,6 +213,7 @@ class StageRuntime:
         """
         self._check_microbatches(microbatches)
         state = _StepState(step, microbatches)
+        state.loss_scale = None if self.loss_scale is None else self.loss_scale.scale  # fixed for the whole step
         sent_before = self.transport.bytes_sent() if self.transport is not None else {}
         self.memory.start_step()  # before the clocks are read: started_at and t0 must be the same instant
         started_at, t0 = same_instant()
@@ -238,6 +250,8 @@ class StageRuntime:
             bytes_sent=traffic,
             memory=self.memory.report(),
         )
+        if self.loss_scale is not None:
+            report.loss_scale, report.skipped = state.loss_scale, state.skipped
         log.debug(
             "stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step, iteration * 1e3, loss
         )
@@ -262,7 +276,7 @@ class StageRuntime:
                 # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
                 self.grad_sync.allreduce_gradients(self.module)  # type: ignore[arg-type]
         elif kind is K.STEP:
-            self.optimizer.step()
+            self._step(state)
             self.optimizer.zero_grad(set_to_none=False)  # keeps grads in the DP group's flat buckets
         else:
             assert mb is not None, f"{action} has no microbatch"  # validate() checked every action
@@ -301,8 +315,8 @@ class StageRuntime:
             loss = float(out.detach())
             if not math.isfinite(loss):  # before its backward: no weight takes an update from it
                 raise TrainingDiverged(
-                    f"the loss of microbatch {mb} is {loss}: training diverged (lower job.learning_rate; fp16 "
-                    "has no loss scaling, bf16 does not need it); resume from a checkpoint before this step"
+                    f"the loss of microbatch {mb} is {loss}: training diverged (lower job.learning_rate); "
+                    "resume from a checkpoint before this step"
                 )
             state.losses.append(loss)
         state.outputs[mb] = out
@@ -310,14 +324,20 @@ class StageRuntime:
     def _backward(self, mb: int, state: _StepState) -> None:
         out = state.outputs.pop(mb)
         if self.module.last:
-            # each replica's gradient: the mean over its m microbatches
-            torch.autograd.backward(out / self.num_microbatches)
+            torch.autograd.backward(self._loss_root(out, state))
         else:
             torch.autograd.backward(out, state.output_grads.pop(mb))
         if not self.module.first:
             x = state.inputs.pop(mb)
             assert x.grad is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
             state.input_grads[mb] = x.grad
+
+    def _loss_root(self, loss: Tensor, state: _StepState) -> Tensor:
+        """Where the last stage's backward starts: each replica's gradient is the mean over its m
+        microbatches, times fp16's loss scale."""
+        if state.loss_scale is None:
+            return loss / self.num_microbatches
+        return loss * (state.loss_scale / self.num_microbatches)
 
     def _backward_input(self, mb: int, state: _StepState) -> None:
         """I: the input gradient only; what W needs stays in ``state.weight_work``. The whole B on the first stage."""
@@ -327,7 +347,7 @@ class StageRuntime:
         out = state.outputs.pop(mb)
         x = state.inputs.pop(mb)  # (b, T, C), requires_grad
         if self.module.last:
-            roots, grads = [out / self.num_microbatches], None  # as B: the mean over the m microbatches
+            roots, grads = [self._loss_root(out, state)], None  # as B
         else:
             roots, grads = [out], [state.output_grads.pop(mb)]
         state.input_grads[mb], work = self._split.input(roots, grads, x)  # dx: (b, T, C)
@@ -341,6 +361,23 @@ class StageRuntime:
             work, held = state.weight_work.pop(mb)
             self._split.weight(work)
             self.memory.let_go(held)
+
+    def _step(self, state: _StepState) -> None:
+        """STEP: the optimizer step; in fp16, only if every stage's gradients are finite (the scale updated)."""
+        if self.loss_scale is None:
+            self.optimizer.step()
+            return
+        finite = step_if_finite(
+            self.optimizer,
+            cast("nn.Module", self.module),
+            self.loss_scale,
+            flags=StageFlags(self.transport, self.stage, self.module.first, self.module.last, self.recv_timeout_s),
+            step=state.step,
+            all_true=self.all_true,
+        )
+        state.skipped = not finite
+        if not finite:
+            log.info("stage %d replica %d step %d: fp16 overflow, step skipped", self.stage, self.replica, state.step)
 
     def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
         assert self.transport is not None
@@ -448,6 +485,8 @@ class _StepState:
         self.gaps: list[IdleGap] = []
         self.t0 = 0.0  # perf_counter at the start of the step
         self.filled_until = 0.0  # perf_counter when the last prefill chunk of this step ended
+        self.loss_scale: float | None = None  # fp16: the scale this step's gradients carry
+        self.skipped = False  # fp16: the stages agreed that some gradient was not finite
 
     def microbatch(self, mb: int) -> Microbatch:
         """Microbatch ``mb`` (the first and last stages only: run_step checked that they have them)."""

@@ -85,7 +85,7 @@ from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
-from geosched.optim import MasterAdamW
+from geosched.optim import MasterAdamW, gradients_finite, loss_scale_for
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class RankSession:
         self.sync_links: SyncLinks | None = None  # gradient links to the lane partners in other DCs
         self.grad_sync: GradientSync | None = None  # what ALL_REDUCE runs
         self.runtime: StageRuntime | None = None
+        self.loss_scale = loss_scale_for(job.precision, job.initial_loss_scale)  # fp16; a checkpoint restores it
         self._hosted_store: Any = None
 
     def __enter__(self) -> RankSession:
@@ -210,6 +211,8 @@ class RankSession:
             replica=role.replica,
             recv_timeout_s=self.recv_timeout_s,
             bubble_filler=self.bubble_filler,
+            loss_scale=self.loss_scale,
+            all_true=self.group.all_true if self.group is not None else None,  # tp, ZeRO 2: each rank has a part
         )
         log.info(
             "rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s",
@@ -475,15 +478,21 @@ def run_rank(
 
 
 def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step: int = 0) -> list[float]:
-    """The reference: the whole model in one process on the same global batches; loss per step."""
+    """The reference: the whole model in one process on the same global batches; loss per step (fp16: with
+    the pipeline's loss scale, skipping the steps whose gradients overflow)."""
     model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
     optimizer = MasterAdamW(model.parameters(), lr=job.learning_rate)
-    losses = []
+    scaler, losses = loss_scale_for(job.precision, job.initial_loss_scale), []
     for step in range(start_step, start_step + steps):
         inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
         loss = model.loss(model(inputs), targets)  # mean over all G * T tokens
-        torch.autograd.backward(loss)
-        optimizer.step()
+        torch.autograd.backward(loss if scaler is None else loss * scaler.scale)
+        finite = scaler is None or gradients_finite([p.grad for p in model.parameters() if p.grad is not None])
+        if finite:
+            optimizer.loss_scale = 1.0 if scaler is None else scaler.scale
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(finite)
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses

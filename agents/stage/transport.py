@@ -66,6 +66,8 @@ ROUTED_PREFIXES = ("pipe/", "sync/")
 """Endpoints a router may put a relay in front of: pipeline links and cross-DC gradient links."""
 KIND_NAMES = {"F": "activation", "B": "gradient"}
 """Message kinds of the schedule ("F" activation, "B" gradient) -> WanLink kinds."""
+FLAG_KIND = "control"
+"""The WanLink kind of a step's one-byte flags (fp16's found-inf agreement, :meth:`LinkTransport.send_flag`)."""
 
 
 class StageTransport(Protocol):
@@ -86,6 +88,14 @@ class StageTransport(Protocol):
 
     def bytes_sent(self) -> dict[int, int]:
         """Bytes queued for each peer stage so far."""
+        ...
+
+    def send_flag(self, flag: bool, peer_stage: int, step: int) -> None:
+        """Queue ``step``'s one flag for ``peer_stage`` (fp16's found-inf agreement); returns at once."""
+        ...
+
+    def recv_flag(self, peer_stage: int, step: int, timeout: float | None = None) -> bool:
+        """``step``'s flag from ``peer_stage``; LinkError after ``timeout`` seconds."""
         ...
 
     def flush(self, timeout: float | None = None) -> None:
@@ -216,6 +226,34 @@ class LinkTransport:
     def bytes_sent(self) -> dict[int, int]:
         """Bytes queued per peer stage since the transport was made."""
         return dict(self._sent)
+
+    def send_flag(self, flag: bool, peer_stage: int, step: int) -> None:
+        """Queue ``step``'s flag for ``peer_stage``: one byte, never compressed, outside any turns (it is
+        not a message of the schedule)."""
+        self._raise_failed_sends()
+        future = self._link(peer_stage).start_send(
+            torch.tensor([int(flag)], dtype=torch.uint8), step=step, microbatch=0, kind=FLAG_KIND
+        )
+        self._pending_sends.append((f"the flag of step {step} to stage {peer_stage}", future))
+
+    def recv_flag(self, peer_stage: int, step: int, timeout: float | None = None) -> bool:
+        """``step``'s flag from ``peer_stage``; anything but one byte, 0 or 1, is refused."""
+        self._raise_failed_sends()
+        out = torch.zeros(1, dtype=torch.uint8)  # a payload of another size is refused by the link
+        future = self._link(peer_stage).start_recv(step=step, microbatch=0, kind=FLAG_KIND, out=out)
+        try:
+            flag = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise LinkError(
+                f"stage {self.stage}: no flag for step {step} from stage {peer_stage} "
+                f"({self._link(peer_stage).peer}) within {timeout:g} s; is that stage running?"
+            ) from None
+        value = int(flag[0])
+        if value not in (0, 1):
+            raise ProtocolError(
+                f"stage {self.stage}: the flag of step {step} from stage {peer_stage} must be 0 or 1, got {value}"
+            )
+        return bool(value)
 
     def _raise_failed_sends(self) -> None:
         still = []

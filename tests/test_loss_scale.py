@@ -1,0 +1,141 @@
+"""fp16's dynamic loss scale: every stage of a pipeline skips the same steps, and the steps it takes are
+the steps one process takes.
+
+The scale's rule (halve and skip on overflow, grow after an interval, give up below 1) and its checkpoint
+form are checked on their own; MasterAdamW divides the scale out in fp32, so a gradient too small for fp16
+still moves its master. Then the demo model planned by hand as 2 stages x dp 2 x tp 2 with ZeRO 2 (8 rank
+processes, real WanLinks and gloo groups) trains in fp16 from a loss scale too large for it: the first steps
+overflow, every rank reports the same skipped steps and scales, and the losses equal a one-process fp16 run
+that skips those steps. A checkpoint carries the scale into a resumed run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_tp_pipeline import run_layout, tp_config_dict
+
+from agents.layout import JobLayout, layout_plan_text, parse_layout
+from agents.stage.report import StepReport, global_loss
+from geosched.config import config_from_dict
+from geosched.data import TextDataset, default_corpus_paths
+from geosched.errors import CheckpointError, TrainingDiverged
+from geosched.model import PRECISION_DTYPES, build_model
+from geosched.optim import DynamicLossScale, MasterAdamW
+
+STEPS = 8
+HUGE_SCALE = 2.0**20
+"""Far above what the demo's fp16 gradients allow: the first steps must overflow and be skipped."""
+
+
+def test_scale_halves_and_skips_on_overflow_and_grows_after_the_interval() -> None:
+    scaler = DynamicLossScale(1024.0, growth_interval=3)
+    for finite, expected in [(False, 512), (True, 512), (True, 512), (True, 1024), (False, 512), (True, 512)]:
+        scaler.update(finite)
+        assert scaler.scale == expected
+    assert scaler.skipped == 2
+    restored = DynamicLossScale(1.0, growth_interval=3)
+    restored.load_state_dict(scaler.state_dict())
+    assert (restored.scale, restored.good_steps) == (512.0, 1)
+
+
+def test_a_scale_that_always_overflows_stops_the_job() -> None:
+    scaler = DynamicLossScale(4.0)
+    scaler.update(False)
+    scaler.update(False)
+    with pytest.raises(TrainingDiverged, match="overflowed at every loss scale down to 1"):
+        scaler.update(False)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [None, [], {"scale": "big", "good_steps": 0}, {"scale": 0.5, "good_steps": 0}, {"scale": math.nan, "good_steps": 0},
+     {"scale": 2.0**70, "good_steps": 0}, {"scale": 8.0, "good_steps": -1}, {"scale": 8.0, "good_steps": 2.5},
+     {"scale": 8.0, "good_steps": 5000}, {"scale": True, "good_steps": 0}, {"scale": 8.0}],
+)  # fmt: skip
+def test_a_damaged_checkpoint_scale_is_refused_in_one_line(state) -> None:
+    scaler = DynamicLossScale(64.0)
+    with pytest.raises(CheckpointError, match="the checkpoint's loss_scale must be") as caught:
+        scaler.load_state_dict(state)
+    assert "\n" not in str(caught.value) and scaler.scale == 64.0
+
+
+def test_master_adamw_divides_the_scale_out_in_fp32() -> None:
+    """A gradient of 1e-8 is 0 in fp16; scaled by 2^16 it is representable, and the master steps exactly as
+    fp32 AdamW steps on the true gradient."""
+    true_grad = torch.full((4, 4), 1e-8)
+    assert torch.count_nonzero(true_grad.half()) == 0  # what fp16 without a scale would keep
+    scale = 2.0**16
+    weight = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.float16))
+    reference = torch.nn.Parameter(torch.ones(4, 4))
+    mixed, plain = MasterAdamW([weight], lr=1e-3), torch.optim.AdamW([reference], lr=1e-3)
+    weight.grad = (true_grad * scale).half()
+    reference.grad = weight.grad.float() / scale
+    mixed.loss_scale = scale
+    mixed.step()
+    plain.step()
+    assert torch.equal(mixed.state[weight]["master"], reference.detach())
+    assert not torch.equal(mixed.state[weight]["master"], torch.ones(4, 4))  # it moved
+
+
+def _fp16_layout(**job: object) -> JobLayout:
+    data = tp_config_dict(tensor_parallel=2, zero=2)
+    data["job"].update(precision="fp16", optimizer_bytes_per_param=12, **job)
+    return parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=2))
+
+
+def _reference(layout: JobLayout, verdicts: list[bool]) -> list[float]:
+    """One process in fp16 with the pipeline's loss scale, stepping where the pipeline's verdict says."""
+    job = layout.job
+    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
+    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
+    optimizer, scaler, losses = MasterAdamW(model.parameters(), lr=job.learning_rate), DynamicLossScale(HUGE_SCALE), []
+    for step, finite in enumerate(verdicts):
+        inputs, targets = dataset.global_batch(step, job.global_batch)
+        loss = model.loss(model(inputs), targets)
+        (loss * scaler.scale).backward()
+        if finite:
+            optimizer.loss_scale = scaler.scale
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scaler.update(finite)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _per_rank(runs: dict[int, tuple[list[StepReport], int]], field: str) -> set[tuple]:
+    return {tuple(getattr(report, field) for report in reports) for reports, _ in runs.values()}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_every_stage_skips_the_same_steps_and_trains_like_one_process(tmp_path: Path) -> None:
+    layout = _fp16_layout(initial_loss_scale=HUGE_SCALE)
+    assert (layout.num_stages, layout.dp, layout.job.tp, layout.job.zero, len(layout.roles)) == (2, 2, 2, 2, 8)
+    half = STEPS // 2
+    first = run_layout(layout, steps=half, ckpt_dir=tmp_path)
+    second = run_layout(layout, steps=STEPS - half, ckpt_dir=tmp_path)  # resumes checkpoint `half`
+    skipped, scales = _per_rank(first, "skipped"), _per_rank(first, "loss_scale")
+    assert len(skipped) == 1 and len(scales) == 1, (skipped, scales)  # all 8 ranks agree, step by step
+    (verdicts_first,), (scales_first,) = skipped, scales
+    assert verdicts_first[0] is True and scales_first[0] == HUGE_SCALE  # 2^20 overflows the demo's fp16
+    (verdicts_second,), (scales_second,) = _per_rank(second, "skipped"), _per_rank(second, "loss_scale")
+    after_half = DynamicLossScale(HUGE_SCALE)
+    for was_skipped in verdicts_first:
+        after_half.update(not was_skipped)
+    assert scales_second[0] == after_half.scale  # the checkpoint carried the scale
+    verdicts = [not s for s in verdicts_first + verdicts_second]
+    assert any(verdicts[:half]) or any(verdicts), verdicts  # the scale came down far enough to step
+    last = [role for role in layout.roles if role.last]
+    losses = [
+        global_loss(runs[role.rank][0][i] for role in last)
+        for runs in (first, second)
+        for i in range(len(runs[last[0].rank][0]))
+    ]
+    reference = _reference(layout, verdicts)
+    assert losses == pytest.approx(reference, rel=2e-3), (losses, reference)
+    stepped = [i for i, finite in enumerate(verdicts) if finite]
+    assert len(stepped) >= 2 and losses[-1] < losses[stepped[0]]  # it trains once it steps
