@@ -12,14 +12,19 @@ that skips those steps. A checkpoint carries the scale into a resumed run.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_tp_pipeline import run_layout, tp_config_dict
 
 from agents.layout import JobLayout, layout_plan_text, parse_layout
 from agents.stage.report import StepReport, global_loss
+from agents.stage.session import run_rank
+from agents.stage.transport import StoreAddressBook
 from geosched.config import config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import CheckpointError, TrainingDiverged
@@ -139,3 +144,32 @@ def test_every_stage_skips_the_same_steps_and_trains_like_one_process(tmp_path: 
     assert losses == pytest.approx(reference, rel=2e-3), (losses, reference)
     stepped = [i for i, finite in enumerate(verdicts) if finite]
     assert len(stepped) >= 2 and losses[-1] < losses[stepped[0]]  # it trains once it steps
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_an_overflowed_gradient_on_a_compressed_link_skips_the_step_instead_of_failing() -> None:
+    """int8 links carry finite values only: a stage whose input gradient overflowed sends zeros and makes
+    the stages skip the step (it used to fail the job with 'cannot travel int8'). Two ranks (us -> eu) in
+    threads, real WanLinks."""
+    data = tp_config_dict(tensor_parallel=1, zero=0)
+    data["job"].update(precision="fp16", optimizer_bytes_per_param=12, wan_compression="int8")
+    data["job"]["initial_loss_scale"] = 2.0**30  # so large that the gradients crossing the link overflow
+    layout = parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"]))
+    assert [(r.compress_prev, r.compress_next) for r in layout.roles] == [("none", "int8"), ("int8", "none")]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    port = store.port
+
+    def rank_main(rank: int) -> list[StepReport]:
+        book = StoreAddressBook.connect("127.0.0.1", port, prefix="int8")
+        return run_rank(layout.job, layout.role(rank), steps=16, data=default_corpus_paths(), addresses=book)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first, last = [f.result(timeout=180) for f in [pool.submit(rank_main, r) for r in (0, 1)]]
+    finally:
+        del store
+    verdicts = [(r.skipped, r.loss_scale) for r in first]
+    assert verdicts == [(r.skipped, r.loss_scale) for r in last]
+    assert verdicts[0] == (True, 2.0**30) and not verdicts[-1][0], verdicts  # skipped down to a scale that works
+    losses = [r.loss for r in last]
+    assert losses[-1] < losses[0]

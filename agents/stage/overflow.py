@@ -6,7 +6,8 @@ step everywhere, or the stages would hold weights of different steps. No process
 stages (they talk over WanLinks), so the verdict travels the links, as one-byte flags:
 
 1. each stage checks its gradients after the data-parallel sync (over its whole group, ``all_true``, where
-   ZeRO 2 or tensor parallelism leave each rank a part of them);
+   ZeRO 2 or tensor parallelism leave each rank a part of them), and whether an input gradient it sent
+   overflowed (the runtime sends zeros instead: a compressed link carries finite values only);
 2. it ANDs the flag that came up from stage s+1 and sends the result up to stage s-1;
 3. stage 0's result is the verdict; it goes back down, each stage passing it on before it steps;
 4. every stage steps (the scale divided out in fp32, :class:`~geosched.optim.MasterAdamW`) or skips, and
@@ -23,6 +24,7 @@ across datacenters does not have.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +34,8 @@ from torch import nn
 from agents.stage.transport import StageTransport
 from geosched.errors import StageError
 from geosched.optim import DynamicLossScale, MasterAdamW, gradients_finite
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,11 @@ def step_if_finite(
     flags: StageFlags,
     step: int,
     all_true: Callable[[bool], bool] | None = None,
+    overflowed: bool = False,
 ) -> bool:
-    """Step ``optimizer`` if every stage's gradients of ``step`` are finite; update ``scaler`` with the
-    verdict, which is returned (TrainingDiverged from the scaler once no scale is left to try)."""
+    """Step ``optimizer`` if every stage's gradients of ``step`` are finite (``overflowed``: an input gradient
+    this rank sent was not); update ``scaler`` with the verdict, which is returned (TrainingDiverged from the
+    scaler once no scale is left to try)."""
     stepping = getattr(optimizer, "local_optimizer", optimizer)  # ZeRO 1 and 2: the AdamW of this rank's share
     if not isinstance(stepping, MasterAdamW):
         raise StageError(
@@ -79,7 +85,7 @@ def step_if_finite(
         )
     grads = [p.grad for p in module.parameters() if p.grad is not None]  # ZeRO 0 and 1, tp: local shards
     grads += [p.grad for group in stepping.param_groups for p in group["params"] if p.grad is not None]  # ZeRO 2
-    finite = gradients_finite(grads)
+    finite = not overflowed and gradients_finite(grads)
     if all_true is not None:
         finite = all_true(finite)
     finite = flags.agree(finite, step)
@@ -89,5 +95,9 @@ def step_if_finite(
             optimizer.step()
         finally:
             stepping.loss_scale, stepping.checked = 1.0, False
+    else:
+        log.info(
+            "stage %d step %d: fp16 gradients not finite at loss scale %g; skipped", flags.stage, step, scaler.scale
+        )
     scaler.update(finite)
     return finite

@@ -180,6 +180,7 @@ class StageRuntime:
         self.bubble_filler = bubble_filler
         self.loss_scale = loss_scale  # fp16's dynamic loss scale (None: gradients are not scaled)
         self.all_true = all_true  # is a flag true on every rank of this stage's group (None: this rank alone)
+        self._flags = StageFlags(transport, stage, module.first, module.last, recv_timeout_s)  # fp16's agreement
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
         self._names = [str(action) for action in self.actions]  # the events' action strings, made once
@@ -299,7 +300,7 @@ class StageRuntime:
             elif kind is K.SEND_F:
                 self._send(state.outputs[mb].detach(), self.stage + 1, "F", mb, state.step)
             elif kind is K.SEND_B:
-                self._send(state.input_grads.pop(mb), self.stage - 1, "B", mb, state.step)
+                self._send(self._finite_gradient(state.input_grads.pop(mb), state), self.stage - 1, "B", mb, state.step)
         return _CATEGORY[kind]
 
     def _forward(self, mb: int, state: _StepState) -> None:
@@ -367,17 +368,11 @@ class StageRuntime:
         if self.loss_scale is None:
             self.optimizer.step()
             return
-        finite = step_if_finite(
-            self.optimizer,
-            cast("nn.Module", self.module),
-            self.loss_scale,
-            flags=StageFlags(self.transport, self.stage, self.module.first, self.module.last, self.recv_timeout_s),
-            step=state.step,
-            all_true=self.all_true,
-        )
-        state.skipped = not finite
-        if not finite:
-            log.info("stage %d replica %d step %d: fp16 overflow, step skipped", self.stage, self.replica, state.step)
+        module, flags = cast("nn.Module", self.module), self._flags
+        state.skipped = not step_if_finite(
+            self.optimizer, module, self.loss_scale, flags=flags, step=state.step, all_true=self.all_true,
+            overflowed=state.overflowed
+        )  # fmt: skip
 
     def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
         assert self.transport is not None
@@ -417,6 +412,14 @@ class StageRuntime:
             return None
         state.filled_until = spans[-1].end
         return spans[-1].start if transport.poll(peer, kind, state.step, mb) else None
+
+    def _finite_gradient(self, grad: Tensor, state: _StepState) -> Tensor:
+        """fp16: an input gradient that overflowed makes the stages skip this step; zeros go in its place (a
+        compressed link carries finite values only, and the step is skipped anyway)."""
+        if self.loss_scale is None or bool(torch.isfinite(grad).all()):
+            return grad
+        state.overflowed = True
+        return torch.zeros_like(grad)
 
     def _send(self, tensor: Tensor, peer: int, kind: str, mb: int, step: int) -> None:
         assert self.transport is not None
@@ -487,6 +490,7 @@ class _StepState:
         self.filled_until = 0.0  # perf_counter when the last prefill chunk of this step ended
         self.loss_scale: float | None = None  # fp16: the scale this step's gradients carry
         self.skipped = False  # fp16: the stages agreed that some gradient was not finite
+        self.overflowed = False  # fp16: an input gradient this stage sent was not finite (zeros went instead)
 
     def microbatch(self, mb: int) -> Microbatch:
         """Microbatch ``mb`` (the first and last stages only: run_step checked that they have them)."""
