@@ -35,6 +35,7 @@ from geosched.compression import Codec
 from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
 from geosched.hierarchical import Member, SyncRole, sync_roles
+from geosched.yamlload import read_bounded
 
 if TYPE_CHECKING:
     from planner.plan import RankSpec as RankSpecLike
@@ -319,13 +320,14 @@ def expected_endpoints(layout: JobLayout, rank: int, prefill: bool = False, pref
 
 def load_plan_file(path: str) -> str:
     """The text of a plan file; PlanError naming the file if it cannot be read."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_PLAN_BYTES + 1)  # enough to know it is too long; never read whole
-    except OSError as exc:
-        raise PlanError(f"{path}: cannot read the plan ({exc}); give a file written by 'geosched plan'") from None
-    if len(data) > MAX_PLAN_BYTES:
-        raise PlanError(f"{path}: larger than {MAX_PLAN_BYTES >> 10} KiB; not a plan file")
+    data = read_bounded(
+        path,
+        MAX_PLAN_BYTES,
+        PlanError,
+        too_big=f"larger than {MAX_PLAN_BYTES >> 10} KiB; not a plan file",
+        unreadable="cannot read the plan",
+        hint="; give a file written by 'geosched plan'",
+    )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from geosched.errors import ConfigError
+from geosched.yamlload import read_bounded
 
 MAX_CALIBRATION_BYTES = 16 << 20
 """A calibration file larger than this is refused unread (one from ``geosched profile`` is a few KiB)."""
@@ -106,14 +107,19 @@ class Calibration:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
         """Read a calibration JSON file (at most MAX_CALIBRATION_BYTES)."""
+        hint = "write one with 'geosched profile'"
+        raw = read_bounded(
+            path,
+            MAX_CALIBRATION_BYTES,
+            ConfigError,
+            too_big=f"not a calibration file (larger than {MAX_CALIBRATION_BYTES} bytes); {hint}",
+            unreadable="not a calibration file: cannot read it",
+            hint=f"; {hint}",
+        )
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read(MAX_CALIBRATION_BYTES + 1)
-            if len(raw) > MAX_CALIBRATION_BYTES:
-                raise ValueError(f"larger than {MAX_CALIBRATION_BYTES} bytes")
             return cls.from_dict(json.loads(raw))
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep nesting
-            raise ConfigError(f"{path}: not a calibration file ({exc}); write one with 'geosched profile'") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep nesting
+            raise ConfigError(f"{path}: not a calibration file ({exc}); {hint}") from None
 
 
 @dataclass(frozen=True)

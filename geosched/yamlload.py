@@ -9,7 +9,8 @@ libyaml's event parser (the pure-Python one where libyaml is missing) and
 composes the document itself, counting as it goes, so every limit below is
 checked before any Python object is built:
 
-* the text: at most ``max_bytes`` bytes (files are never read past it), UTF-8,
+* the text: at most ``max_bytes`` bytes (files are never read past it: :func:`read_bounded`, which the
+  other readers of hostile files share), UTF-8,
   no NUL bytes; tabs get their own message;
 * nesting: at most ``max_depth`` levels of lists and mappings (the schema's own
   depth, see :func:`geosched.schema.schema_depth`);
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -375,14 +377,38 @@ def read_yaml_file(
 
     ``missing_hint`` finishes the message for a file that does not exist.
     """
+    data = read_bounded(
+        path,
+        limits.max_bytes,
+        error,
+        too_big=f"larger than {limits.max_bytes} bytes, the most a config or plan may have",
+        missing=f"no such file; {missing_hint}",
+    )
+    return load_yaml(data, os.fspath(path), error, limits)
+
+
+def read_bounded(
+    path: str | os.PathLike[str],
+    max_bytes: int,
+    error: Callable[[str], Exception],
+    *,
+    too_big: str,
+    missing: str | None = None,
+    unreadable: str = "cannot read",
+    hint: str = "",
+) -> bytes:
+    """The bytes of a file that may be hostile (a config, plan, checkpoint's metadata, calibration), never
+    reading more than ``max_bytes + 1`` (enough to know it is too large); else ``error`` with one line naming
+    the file: ``"<path>: <too_big>"`` beyond the bound, ``"<path>: <missing>"`` if there is no such file
+    (None: as any file that cannot be read), ``"<path>: <unreadable> (<why>)<hint>"`` if it cannot be read."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
-            data = fh.read(limits.max_bytes + 1)
-    except FileNotFoundError:
-        raise error(f"{path}: no such file; {missing_hint}") from None
+            data = fh.read(max_bytes + 1)
     except OSError as exc:
-        raise error(f"{path}: cannot read ({one_line(exc.strerror or str(exc))})") from None
-    if len(data) > limits.max_bytes:
-        raise error(f"{path}: larger than {limits.max_bytes} bytes, the most a config or plan may have")
-    return load_yaml(data, path, error, limits)
+        if missing is not None and isinstance(exc, FileNotFoundError):
+            raise error(f"{path}: {missing}") from None
+        raise error(f"{path}: {unreadable} ({one_line(exc.strerror or str(exc))}){hint}") from None
+    if len(data) > max_bytes:
+        raise error(f"{path}: {too_big}")
+    return data

@@ -62,6 +62,7 @@ from agents.checkpoint.state import flatten_state
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape
 from geosched.model_counts import ShapeLike
+from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -277,15 +278,13 @@ def check_meta(meta: dict[str, Any], path: str, step: int, stage: int, fingerpri
 
 def read_json(path: str) -> dict[str, Any]:
     """A JSON object from ``path``, bounded in size; CheckpointError if absent, too big or malformed."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_METADATA_BYTES + 1)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the shard was never completely written") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes; not a shard's metadata")
+    data = read_bounded(
+        path,
+        MAX_METADATA_BYTES,
+        CheckpointError,
+        too_big=f"larger than {MAX_METADATA_BYTES} bytes; not a shard's metadata",
+        missing="missing; the shard was never completely written",
+    )
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
