@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan
 from mqtt_brokers import agent_subprocess_env
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.metrics.families import AgentMetrics, JobMetrics
@@ -243,3 +244,18 @@ def test_bad_metrics_bind_is_one_line_and_exit_2(args: list[str], needle: str, t
         )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
+
+
+def test_fp16_skipped_steps_are_counted_and_the_loss_scale_shown():
+    metrics = AgentMetrics(1, "job")
+    for step, (skipped, scale) in enumerate([(True, 65536.0), (False, 32768.0), (True, 32768.0), (False, 16384.0)]):
+        metrics.step({"step": step, "iteration_s": 0.1, "loss": 5.0, "loss_scale": scale, "skipped": skipped})
+    text = generate_latest(metrics.registry).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert value(families, "geosched_skipped_steps", "geosched_skipped_steps_total") == 2
+    assert value(families, "geosched_loss_scale") == 16384.0
+    plain = AgentMetrics(1, "job")  # bf16, fp32: no scale to show
+    plain.step({"step": 0, "iteration_s": 0.1, "loss": 5.0, "loss_scale": None, "skipped": False})
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(plain.registry).decode())}
+    assert "geosched_loss_scale" not in families
+    assert value(families, "geosched_skipped_steps", "geosched_skipped_steps_total") == 0

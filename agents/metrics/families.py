@@ -195,6 +195,9 @@ class AgentMetrics:
         self.ttft_seconds = Histogram(
             "geosched_prefill_ttft_seconds", "Prefill time to first token", buckets=TTFT_BUCKETS, registry=self.registry
         )
+        self.skipped_steps = Counter(
+            "geosched_skipped_steps", "fp16 steps skipped: a gradient overflowed the loss scale", registry=self.registry
+        )
         self.sources: dict[str, Snapshot] = {}  # "control", "links", "prefill": snapshot callables
         self._status: dict[str, Any] = {}
         self._state_since = time.time()
@@ -211,6 +214,8 @@ class AgentMetrics:
     def step(self, record: Mapping[str, Any]) -> None:
         """One step's metrics record (``iteration_s``, ``loss``, ``bubble_fraction``, ``busy_s``, ``prefill``)."""
         self.step_seconds.observe(float(record.get("iteration_s", 0.0)))
+        if record.get("skipped") is True:
+            self.skipped_steps.inc()
         self._last, self._last_at = dict(record), time.time()
 
     def observe_ttft(self, seconds: float) -> None:
@@ -253,6 +258,7 @@ class AgentMetrics:
             ),
             ("geosched_busy_fraction", "Share of training time spent computing (training + prefill in bubbles)", busy),
             ("geosched_step_wan_bytes", "Bytes sent across the WAN in the newest step", record.get("wan_bytes")),
+            ("geosched_loss_scale", "fp16: the loss scale of the newest step", record.get("loss_scale")),
         ]
         for name, doc, value in values:
             if value is not None:
