@@ -325,6 +325,11 @@ def _cross_checks(cfg: Config) -> None:
             f"agents keep per {job.precision} parameter (an fp32 master and two fp32 moments); the planner will "
             f"under-predict memory: set {masters:g}"
         )
+    if job.precision != "fp16" and job.initial_loss_scale != INITIAL_LOSS_SCALE:
+        _warn_once(
+            f"job.initial_loss_scale: set to {job.initial_loss_scale:g} but only fp16 scales its loss; this job "
+            f"trains in {job.precision}, so it is ignored"
+        )
     if job.microbatch_size is not None and job.global_batch % job.microbatch_size:
         raise ConfigError(
             f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "

@@ -185,3 +185,8 @@ def test_bf16_with_fp32_optimizer_bytes_warns_once(tmp_path):
         timeout=120,
     )
     assert quiet.returncode == 0 and "optimizer_bytes_per_param" not in quiet.stderr
+    data["job"]["initial_loss_scale"] = 1024  # fp16's alone: set for bf16, it warns that nothing reads it
+    path.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "geosched.cli", "validate-config", str(path)]
+    ignored = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert ignored.returncode == 0 and "only fp16 scales its loss" in ignored.stderr, ignored.stderr
