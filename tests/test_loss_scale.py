@@ -6,7 +6,7 @@ form are checked on their own; MasterAdamW divides the scale out in fp32, so a g
 still moves its master. Then the demo model planned by hand as 2 stages x dp 2 x tp 2 with ZeRO 2 (8 rank
 processes, real WanLinks and gloo groups) trains in fp16 from a loss scale too large for it: the first steps
 overflow, every rank reports the same skipped steps and scales, and the losses equal a one-process fp16 run
-that skips those steps. A checkpoint carries the scale into a resumed run.
+that skips those steps. A checkpoint (2 stages x tp 2) carries the scale into a resumed run.
 """
 
 from __future__ import annotations
@@ -86,10 +86,11 @@ def test_master_adamw_divides_the_scale_out_in_fp32() -> None:
     assert not torch.equal(mixed.state[weight]["master"], torch.ones(4, 4))  # it moved
 
 
-def _fp16_layout(**job: object) -> JobLayout:
-    data = tp_config_dict(tensor_parallel=2, zero=2)
-    data["job"].update(precision="fp16", optimizer_bytes_per_param=12, **job)
-    return parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=2))
+def _fp16_layout(*, tensor_parallel: int, zero: int, dp: int, initial_loss_scale: float) -> JobLayout:
+    """The demo model in fp16 as 2 stages (us -> eu) x dp x tp, planned by hand."""
+    data = tp_config_dict(tensor_parallel=tensor_parallel, zero=zero)
+    data["job"].update(precision="fp16", optimizer_bytes_per_param=12, initial_loss_scale=initial_loss_scale)
+    return parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=dp))
 
 
 def _reference(layout: JobLayout, verdicts: list[bool]) -> list[float]:
@@ -117,33 +118,36 @@ def _per_rank(runs: dict[int, tuple[list[StepReport], int]], field: str) -> set[
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
-def test_every_stage_skips_the_same_steps_and_trains_like_one_process(tmp_path: Path) -> None:
-    layout = _fp16_layout(initial_loss_scale=HUGE_SCALE)
+def test_every_stage_skips_the_same_steps_and_trains_like_one_process() -> None:
+    layout = _fp16_layout(tensor_parallel=2, zero=2, dp=2, initial_loss_scale=HUGE_SCALE)
     assert (layout.num_stages, layout.dp, layout.job.tp, layout.job.zero, len(layout.roles)) == (2, 2, 2, 2, 8)
-    half = STEPS // 2
-    first = run_layout(layout, steps=half, ckpt_dir=tmp_path)
-    second = run_layout(layout, steps=STEPS - half, ckpt_dir=tmp_path)  # resumes checkpoint `half`
-    skipped, scales = _per_rank(first, "skipped"), _per_rank(first, "loss_scale")
+    runs = run_layout(layout, steps=STEPS)
+    skipped, scales = _per_rank(runs, "skipped"), _per_rank(runs, "loss_scale")
     assert len(skipped) == 1 and len(scales) == 1, (skipped, scales)  # all 8 ranks agree, step by step
-    (verdicts_first,), (scales_first,) = skipped, scales
-    assert verdicts_first[0] is True and scales_first[0] == HUGE_SCALE  # 2^20 overflows the demo's fp16
-    (verdicts_second,), (scales_second,) = _per_rank(second, "skipped"), _per_rank(second, "loss_scale")
-    after_half = DynamicLossScale(HUGE_SCALE)
-    for was_skipped in verdicts_first:
-        after_half.update(not was_skipped)
-    assert scales_second[0] == after_half.scale  # the checkpoint carried the scale
-    verdicts = [not s for s in verdicts_first + verdicts_second]
-    assert any(verdicts[:half]) or any(verdicts), verdicts  # the scale came down far enough to step
+    (was_skipped,), (used,) = skipped, scales
+    assert was_skipped[0] is True and used[0] == HUGE_SCALE  # 2^20 overflows the demo's fp16
+    verdicts = [not s for s in was_skipped]
     last = [role for role in layout.roles if role.last]
-    losses = [
-        global_loss(runs[role.rank][0][i] for role in last)
-        for runs in (first, second)
-        for i in range(len(runs[last[0].rank][0]))
-    ]
+    losses = [global_loss(reports) for reports in zip(*(runs[role.rank][0] for role in last), strict=True)]
     reference = _reference(layout, verdicts)
     assert losses == pytest.approx(reference, rel=2e-3), (losses, reference)
     stepped = [i for i, finite in enumerate(verdicts) if finite]
     assert len(stepped) >= 2 and losses[-1] < losses[stepped[0]]  # it trains once it steps
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_checkpoint_carries_the_scale_into_the_resumed_run(tmp_path: Path) -> None:
+    """2 stages x tp 2 (4 ranks): 3 steps from 2^20 (all skipped), a checkpoint, then 3 resumed steps that
+    start at the scale the checkpoint saved, not at job.initial_loss_scale again."""
+    layout = _fp16_layout(tensor_parallel=2, zero=0, dp=1, initial_loss_scale=HUGE_SCALE)
+    first = run_layout(layout, steps=3, ckpt_dir=tmp_path)
+    second = run_layout(layout, steps=3, ckpt_dir=tmp_path)  # resumes checkpoint 3
+    (was_skipped,), (used,) = _per_rank(first, "skipped"), _per_rank(first, "loss_scale")
+    assert was_skipped == (True, True, True) and used == (HUGE_SCALE, HUGE_SCALE / 2, HUGE_SCALE / 4)
+    (resumed,) = _per_rank(second, "loss_scale")
+    assert resumed[0] == HUGE_SCALE / 8, resumed
+    assert {r.step for reports, _ in second.values() for r in reports} == {3, 4, 5}
 
 
 @pytest.mark.usefixtures("one_torch_thread")

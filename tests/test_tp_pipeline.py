@@ -21,6 +21,7 @@ import multiprocessing as mp
 import queue
 import shutil
 import subprocess
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -132,7 +133,9 @@ def run_layout(
                 rank, payload = results.get(timeout=240)
             except queue.Empty:
                 pytest.fail(f"ranks {sorted(set(range(len(layout.roles))) - set(runs))} did not report within 240 s")
-            assert not isinstance(payload, str), f"rank {rank} failed:\n{payload}"
+            if isinstance(payload, str):  # a failure: wait a moment for the others', which may be its cause
+                failures = [(rank, payload)] + _more_failures(results, wait_s=10)
+                pytest.fail("\n".join(f"rank {r} failed:\n{text}" for r, text in failures))
             reports, sharded = payload
             runs[rank] = [StepReport.from_dict(d) for d in reports], sharded
         finished = True
@@ -144,6 +147,19 @@ def run_layout(
                 p.kill()
                 p.join()
         del store
+
+
+def _more_failures(results: Any, wait_s: float) -> list[tuple[int, str]]:
+    """The failures other ranks report within ``wait_s`` seconds."""
+    failures, deadline = [], time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            rank, payload = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if isinstance(payload, str):
+            failures.append((rank, payload))
+    return failures
 
 
 def _boundary_bytes(job: Any) -> int:
