@@ -100,7 +100,10 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert endpoints["ranks"]["3"]["dc"] == "eu"
     for step in range(3):
         for role in layout.roles:
-            record = metrics_record(reports[role.rank][step], role)
+            step_report = reports[role.rank][step]
+            if step == 1:  # as fp16 reports a step every stage skipped
+                step_report = dataclasses.replace(step_report, loss_scale=1024.0, skipped=True)
+            record = metrics_record(step_report, role)
             assert ("events" in record) == (role.replica == 0)  # only the drawn pipeline sends its events
             recorder.record(MetricsMessage(role.rank, step, values=record))
     report = recorder.finish(predicted)
@@ -112,6 +115,7 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])
     assert report["measured_sync_collective_s"] == pytest.approx(report["predicted_sync_s"])  # replicas in step
     assert "gradient sync: measured" in report_text(report)
+    assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
         assert (run / name).read_bytes().startswith(PNG_MAGIC), name

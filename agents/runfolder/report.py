@@ -134,6 +134,7 @@ def build_report(
     report: dict[str, Any] = {
         "steps": [s["step"] for s in per_step],
         "losses": [s["loss"] for s in per_step],
+        "skipped_steps": [s for s in complete if any(r.skipped for r in by_step[s])],  # fp16: overflowed, not stepped
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
@@ -270,7 +271,8 @@ def report_text(report: Mapping[str, Any]) -> str:
     predicted = report.get("predicted_iteration_s")
     lines = [
         f"steps {report['steps'][0]}-{report['steps'][-1]}: loss {report['losses'][0]:.4f} -> "
-        f"{report['losses'][-1]:.4f}",
+        f"{report['losses'][-1]:.4f}"
+        + (f" ({len(skipped)} skipped: fp16 overflow)" if (skipped := report.get("skipped_steps")) else ""),
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
         + (
             f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
