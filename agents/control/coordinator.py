@@ -44,7 +44,14 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
     lost_message,
     reread_lost,
 )
-from agents.control.messages import AGENT_STATES, CommandMessage, HeartbeatMessage, MetricsMessage, StatusMessage
+from agents.control.messages import (
+    AGENT_STATES,
+    CommandMessage,
+    HeartbeatMessage,
+    MetricsMessage,
+    StatusMessage,
+    metric_number,
+)
 from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.sockets import is_loopback
 from geosched.errors import GeoschedError, InputError, PlanError
@@ -105,7 +112,7 @@ class StepSummary:
 def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLayout) -> StepSummary:
     """Merge one step's metrics of every rank (rank -> values) into a :class:`StepSummary`."""
     losses = [m["loss"] for r, m in metrics.items() if layout.role(r).last and m.get("loss") is not None]
-    skipped = [_scale(m.get("loss_scale")) for m in metrics.values() if m.get("skipped") is True]
+    skipped = [metric_number(m.get("loss_scale")) or 0.0 for m in metrics.values() if m.get("skipped") is True]
     return StepSummary(
         step=step,
         loss=sum(losses) / len(losses) if losses else None,
@@ -114,11 +121,6 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
         wan_bytes=sum(int(m.get("wan_bytes", 0)) for m in metrics.values()),
         skipped_at_scale=skipped[0] if skipped else None,
     )
-
-
-def _scale(value: Any) -> float:
-    """A metrics record's ``loss_scale`` (0 where it is not a number)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 @dataclass

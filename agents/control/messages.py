@@ -158,6 +158,11 @@ class MetricsMessage:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+def metric_number(value: object) -> float | None:
+    """A value of :attr:`MetricsMessage.values` as a number; None where it is not one (bools included)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True)
 class HeartbeatMessage:
     """One agent's sign of life with its progress (see the module docstring)."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.messages import MetricsMessage, StatusMessage, metric_number
 from agents.control.plane import ControlPlane
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
@@ -70,9 +70,9 @@ def view_lines(
 def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None) -> tuple[str, ...]:
     values: dict[str, Any] = metrics.values if metrics is not None else {}
     extra: dict[str, Any] = status.extra if status is not None else {}
-    iteration_s = _number(values.get("iteration_s"))
-    bubble = _number(values.get("bubble_fraction"))
-    wan = _number(values.get("wan_bytes"))
+    iteration_s = metric_number(values.get("iteration_s"))
+    bubble = metric_number(values.get("bubble_fraction"))
+    wan = metric_number(values.get("wan_bytes"))
     prefill = values.get("prefill")
     queue = prefill.get("queue_len") if isinstance(prefill, dict) else None
     if metrics is not None:
@@ -92,10 +92,6 @@ def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None
         "-" if not isinstance(queue, int) else str(queue),
         message[:MESSAGE_CHARS] + ("..." if len(message) > MESSAGE_CHARS else ""),
     )
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 async def watch_job(
