@@ -175,11 +175,15 @@ def loss_scale_for(precision: str, initial: float) -> DynamicLossScale | None:
 
 
 def gradients_finite(grads: Iterable[torch.Tensor]) -> bool:
-    """True if every gradient is finite (a tensor-parallel DTensor's local shard is checked): one host sync."""
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    """True if every gradient is finite (a tensor-parallel DTensor's local shard is checked): one host sync.
+    A gradient given twice (a parameter and the optimizer's alias of it) is read once."""
+    local = {}
+    for g in grads:
+        t = g.to_local() if hasattr(g, "to_local") else g
+        local[(t.data_ptr(), t.dtype, tuple(t.shape), t.stride())] = t  # the same view of the same memory: once
     if not local:
         return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+    return bool(torch.stack([torch.isfinite(t).all() for t in local.values()]).all())
 
 
 def _check_fp16_gradients(groups: list[dict[str, Any]]) -> None:

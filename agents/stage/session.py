@@ -201,6 +201,8 @@ class RankSession:
                     start_step=self.start_step,
                 )
             )
+        # fp16's found-inf flag is agreed over the group where tp or ZeRO 2 give each rank a part of the gradients
+        parts = self.group if role.tp_size > 1 or job.zero_stage == 2 else None
         self.runtime = StageRuntime(
             self.module,
             self.schedule,
@@ -212,7 +214,7 @@ class RankSession:
             recv_timeout_s=self.recv_timeout_s,
             bubble_filler=self.bubble_filler,
             loss_scale=self.loss_scale,
-            all_true=self.group.all_true if self.group is not None else None,  # tp, ZeRO 2: each rank has a part
+            all_true=parts.all_true if parts is not None else None,
         )
         log.info(
             "rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s",
