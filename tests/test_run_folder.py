@@ -114,7 +114,9 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])
     assert report["measured_sync_collective_s"] == pytest.approx(report["predicted_sync_s"])  # replicas in step
-    assert "gradient sync: measured" in report_text(report)
+    sync_line = next(line for line in report_text(report).splitlines() if line.startswith("gradient sync:"))
+    assert sync_line.startswith("gradient sync: the collective") and "(measured/predicted 1.00)" in sync_line
+    assert sync_line.endswith(f"reach it later {report['measured_sync_s'] * 1e3:.1f} ms")
     assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
