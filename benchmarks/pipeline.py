@@ -177,7 +177,8 @@ def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) ->
         stage = PipelineStage(module, rank, 2, torch.device("cpu"))
         # every rank gets a loss_fn: torch pipelining runs backward only when one is given; the last stage calls it
         schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=_cross_entropy)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)
+        # fused, as the stages step (geosched.optim.MasterAdamW): the comparison is of runtimes, not optimizers
+        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate, fused=True)
         dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
         batches = [dataset.global_batch(step, job.global_batch) for step in range(steps)]  # (G, T) each
         times = []
