@@ -63,6 +63,15 @@ def fused_kernel_fits(params: Iterable[Any]) -> bool:
     )
 
 
+def divides_before_sum(tensor: torch.Tensor) -> bool:
+    """Whether a mean over ranks computed by a SUM collective (gloo has no AVG) divides each rank's ``tensor``
+    before the sum instead of after: fp16 only. Its range ends at 65504, so a sum of replicas' (loss-scaled)
+    gradients can overflow where their mean does not, and an fp16 job with data parallelism would skip steps
+    one process does not (NCCL's AVG pre-multiplies for the same reason). Other dtypes divide after the sum:
+    fp32 and bf16 have the range, and for a power-of-two group the division after is exact."""
+    return tensor.dtype == torch.float16
+
+
 class MasterAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` with an fp32 master (and fp32 moments) for every bf16/fp16 parameter; the state's
     ``master`` is kept from the first step on (before it, the parameter's value, upcast)."""

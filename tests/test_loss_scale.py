@@ -5,8 +5,10 @@ The scale's rule (halve and skip on overflow, grow after an interval, give up be
 form are checked on their own; MasterAdamW divides the scale out in fp32, so a gradient too small for fp16
 still moves its master. Then the demo model planned by hand as 2 stages x dp 2 x tp 2 with ZeRO 2 (8 rank
 processes, real WanLinks and gloo groups) trains in fp16 from a loss scale too large for it: the first steps
-overflow, every rank reports the same skipped steps and scales, and the losses equal a one-process fp16 run
-that skips those steps. A checkpoint (2 stages x tp 2) carries the scale into a resumed run.
+overflow, every rank reports the same skipped steps and scales, the steps one process with its own scale
+skips (gloo's sums over replicas divide fp16 first), and the losses equal a one-process fp16 run that skips
+those steps. gloo's averaging paths keep an fp16 mean whose sum would overflow. A checkpoint (2 stages x
+tp 2) carries the scale into a resumed run.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ import torch
 import torch.distributed as dist
 from test_tp_pipeline import run_layout, tp_config_dict
 
+from agents.dp.group import DataParallelGroup
+from agents.dp.local_group import run_local_group
+from agents.dp.zero2 import ShardedGradAdamW
 from agents.layout import JobLayout, layout_plan_text, parse_layout
 from agents.stage.report import StepReport, global_loss
 from agents.stage.session import run_rank
 from agents.stage.transport import StoreAddressBook
+from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from geosched.config import config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import CheckpointError, TrainingDiverged
 from geosched.model import PRECISION_DTYPES, build_model
-from geosched.optim import DynamicLossScale, MasterAdamW
+from geosched.optim import DynamicLossScale, MasterAdamW, gradients_finite
 
 STEPS = 8
 HUGE_SCALE = 2.0**20
@@ -93,6 +99,25 @@ def _fp16_layout(*, tensor_parallel: int, zero: int, dp: int, initial_loss_scale
     return parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=dp))
 
 
+def _one_process_verdicts(layout: JobLayout) -> list[bool]:
+    """Which of STEPS steps a one-process fp16 run with its own scaler from HUGE_SCALE finds finite."""
+    job = layout.job
+    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
+    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
+    optimizer, scaler = MasterAdamW(model.parameters(), lr=job.learning_rate), DynamicLossScale(HUGE_SCALE)
+    verdicts: list[bool] = []
+    for step in range(STEPS):
+        inputs, targets = dataset.global_batch(step, job.global_batch)
+        (model.loss(model(inputs), targets) * scaler.scale).backward()
+        verdicts.append(gradients_finite([p.grad for p in model.parameters() if p.grad is not None]))
+        if verdicts[-1]:
+            optimizer.loss_scale = scaler.scale
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scaler.update(verdicts[-1])
+    return verdicts
+
+
 def _reference(layout: JobLayout, verdicts: list[bool]) -> list[float]:
     """One process in fp16 with the pipeline's loss scale, stepping where the pipeline's verdict says."""
     job = layout.job
@@ -127,6 +152,9 @@ def test_every_stage_skips_the_same_steps_and_trains_like_one_process() -> None:
     (was_skipped,), (used,) = skipped, scales
     assert was_skipped[0] is True and used[0] == HUGE_SCALE  # 2^20 overflows the demo's fp16
     verdicts = [not s for s in was_skipped]
+    # the same steps as one process: gloo's sums over the two replicas divide fp16 first (a sum then a division
+    # overflowed at 2^16 where one process did not, and the pipeline skipped one step more)
+    assert verdicts == _one_process_verdicts(layout), verdicts
     last = [role for role in layout.roles if role.last]
     losses = [global_loss(reports) for reports in zip(*(runs[role.rank][0] for role in last), strict=True)]
     reference = _reference(layout, verdicts)
@@ -177,3 +205,44 @@ def test_an_overflowed_gradient_on_a_compressed_link_skips_the_step_instead_of_f
     assert verdicts[0] == (True, 2.0**30) and not verdicts[-1][0], verdicts  # skipped down to a scale that works
     losses = [r.loss for r in last]
     assert losses[-1] < losses[0]
+
+
+BIG_FP16 = 40_000.0
+"""An fp16 gradient two replicas hold: their mean fits fp16 (max 65504), their sum does not."""
+
+
+def _fp16_means(group: DataParallelGroup) -> dict[str, list[float]]:
+    """Each gloo path that averages gradients over the replicas, fed BIG_FP16 on every rank: what it gives."""
+    out: dict[str, list[float]] = {}
+    out["allreduce avg"] = group.allreduce(torch.full((4,), BIG_FP16, dtype=torch.float16), op="avg").tolist()
+    layer = torch.nn.Linear(4, 4).half()
+    for p in layer.parameters():
+        p.grad = torch.full_like(p, BIG_FP16)
+    group.allreduce_gradients(layer)
+    out["gradient buckets"] = [float(g) for p in layer.parameters() for g in p.grad.reshape(-1)]
+    mesh = stage_mesh(group.size, 1)
+    for p in layer.parameters():
+        p.grad = torch.full_like(p, BIG_FP16)
+    average_gradients_over_dp(layer, mesh)
+    out["tp mesh over dp"] = [float(g) for p in layer.parameters() for g in p.grad.reshape(-1)]
+    sharded = ShardedGradAdamW(list(layer.parameters()), group, lr=1e-3)
+    for _ in range(2):  # ZeRO 2 reduce-scatters each microbatch's gradients into its slices
+        for p in layer.parameters():
+            p.grad = torch.full_like(p, BIG_FP16 / 2)
+        sharded.backward_done()
+    sharded.allreduce_gradients(layer)
+    out["ZeRO-2 slices"] = [float(g) for shard in sharded.shards for g in shard.grad.reshape(-1)]
+    return out
+
+
+def test_gloo_averages_fp16_gradients_whose_sum_overflows() -> None:
+    """gloo has no AVG: a sum then a division overflowed fp16 where the mean fits, and an fp16 job with two
+    replicas skipped steps one process does not; every averaging path now divides fp16 before the sum."""
+    results = run_local_group(_fp16_means, 2, timeout_s=60.0, deadline_s=180.0)
+    for result in results:
+        assert result.error is None, f"rank {result.rank}: {result.error}"
+        assert set(result.value) == {"allreduce avg", "gradient buckets", "tp mesh over dp", "ZeRO-2 slices"}
+        for path, values in result.value.items():
+            padding = [v for v in values if v == 0.0]  # ZeRO 2's slices pad the flat buffer with zeros
+            assert values and all(v == BIG_FP16 for v in values if v not in padding), (path, values[:4])
+            assert len(padding) < len(values), path

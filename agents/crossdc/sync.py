@@ -72,6 +72,7 @@ from geosched.hierarchical import (
     check_ops,
     choose_piece_numel,
 )
+from geosched.optim import divides_before_sum
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ class CrossDcSync:
         buckets = self._prepare([p for p in module.parameters() if p.requires_grad])
         for bucket in buckets:
             adopt_grads(bucket.params, bucket.views)
+            if divides_before_sum(bucket.flat):  # fp16: every replica's part of the mean before any sum
+                bucket.flat.div_(self.sync.replicas)
         try:
             works = [self._collective("reduce-scatter", reduce_scatter_flat, b.lane, b.flat) for b in buckets]
             gathers = self._exchange(buckets, works)
@@ -220,7 +223,8 @@ class CrossDcSync:
                 assert bucket.scratch is not None
                 region.add_(bucket.scratch[op.lo : op.hi])  # partial + own: addition commutes bit for bit
         elif op.kind == SCALE:
-            region.div_(self.sync.replicas)
+            if not divides_before_sum(region):  # fp16 was divided before the sums
+                region.div_(self.sync.replicas)
         elif op.kind == DONE:
             bucket.from_host()
             gathers.append(self._collective("all-gather", all_gather_flat, bucket.flat, bucket.lane))

@@ -43,6 +43,7 @@ from agents.dp.health import HeartbeatMonitor, store_timeout, wait_for_listener
 from agents.dp.spec import GroupSpec, choose_backend
 from geosched.errors import CollectiveError, ConfigError
 from geosched.memory import GRADIENT_BUCKET_BYTES
+from geosched.optim import divides_before_sum
 
 log = logging.getLogger(__name__)
 
@@ -276,9 +277,12 @@ class DataParallelGroup:
         if self.size == 1:
             return tensor
         native_avg = op == "avg" and self.backend == "nccl" and tensor.is_floating_point()
+        early = op == "avg" and not native_avg and divides_before_sum(tensor)
+        if early:
+            tensor.div_(self.size)
         with self.guard("all-reduce"):
             dist.all_reduce(tensor, dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM)
-        if op == "avg" and not native_avg:
+        if op == "avg" and not native_avg and not early:
             ring._divide(tensor, self.size)
         return tensor
 
@@ -419,14 +423,17 @@ class _GradientBuckets:
         self.buckets.append((flat, params, views))
 
     def allreduce(self, world: int, native_avg: bool) -> None:
-        """Average every bucket across ranks, all in flight at once (NCCL: AVG; gloo: SUM then divide)."""
+        """Average every bucket across ranks, all in flight at once (NCCL: AVG; gloo: SUM, dividing after it,
+        or before it in fp16: :func:`~geosched.optim.divides_before_sum`)."""
         works = []
         for flat, params, views in self.buckets:
             adopt_grads(params, views)
+            if not native_avg and divides_before_sum(flat):
+                flat.div_(world)
             works.append(dist.all_reduce(flat, dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM, async_op=True))
         for (flat, _, _), work in zip(self.buckets, works):
             work.wait()
-            if not native_avg:
+            if not native_avg and not divides_before_sum(flat):
                 flat.div_(world)
 
 

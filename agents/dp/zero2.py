@@ -45,7 +45,7 @@ from agents.dp.group import DataParallelGroup, all_gather_flat, local_tensor, re
 from agents.dp.shards import hyperparameters
 from geosched.errors import ConfigError
 from geosched.memory import GRADIENT_BUCKET_BYTES
-from geosched.optim import MasterAdamW
+from geosched.optim import MasterAdamW, divides_before_sum
 
 IN_FLIGHT = 1
 """Reduce-scatters left running while the next bucket fills: the staging held is this many buckets + one."""
@@ -177,6 +177,8 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         assert staging is not None
         out = torch.empty(bucket.shard_numel, dtype=staging.dtype, device=staging.device)  # (S,)
         op = dist.ReduceOp.AVG if self.native_avg else dist.ReduceOp.SUM
+        if not self.native_avg and divides_before_sum(staging):
+            staging.div_(self.size)
         with self.group.guard("ZeRO-2 gradient reduce-scatter"):
             work = reduce_scatter_flat(out, staging, op=op, group=self.replicas, async_op=True)
         self._in_flight.append((work, b, out, staging))
@@ -203,7 +205,8 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         if not self.native_avg:
             for shard in self.shards:
                 assert shard.grad is not None
-                shard.grad.div_(self.size)
+                if not divides_before_sum(shard.grad):  # fp16 divided each microbatch's before its sum
+                    shard.grad.div_(self.size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the slices' gradients (kept allocated: they are the accumulators) and drop any parameter's."""

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from geosched.errors import CollectiveError, ConfigError
+from geosched.optim import divides_before_sum
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,12 @@ def average_gradients_over_dp(module: nn.Module, mesh: DeviceMesh) -> None:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per parameter
+        early = divides_before_sum(flat)
+        if early:
+            flat /= dp
         dist.all_reduce(flat, group=mesh.get_group("dp"))  # SUM: gloo has no AVG
-        flat /= dp
+        if not early:
+            flat /= dp
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
