@@ -70,3 +70,29 @@ def test_a_lanes_wire_bytes_priced_once_per_message_size_equal_every_message_pri
         for element in (2, 4):
             each = sum(wire_bytes(m, streams) for m in hop_messages([numel], element))
             assert _lane_wire_bytes(numel, element, streams) == each, (numel, element)
+
+
+def test_an_fp16_mean_whose_sum_overflows_crosses_the_wan_finite() -> None:
+    """Two DCs' fp16 gradients of 40000: their sum passes fp16's 65504, their mean does not. The chain divides
+    each DC's part before it sums (geosched.optim.divides_before_sum), so both ends get 40000, not inf."""
+    roles = sync_roles([Member(0, "us", 0), Member(1, "eu", 1)], ["us", "eu"], lambda a, b: 2)
+    listener = WanLink.listen(config=WanLinkConfig(streams=2, link_id=1 << 30))
+    client = WanLink.connect(f"tcp://127.0.0.1:{listener.port}", WanLinkConfig(streams=2, link_id=1 << 30))
+    try:
+        listener.wait_peer(10.0)
+        ends = [
+            (CrossDcSync(roles[0], {+1: client}, None, name="us"), nn.Linear(1000, 1, bias=False).half()),
+            (CrossDcSync(roles[1], {-1: listener}, None, name="eu"), nn.Linear(1000, 1, bias=False).half()),
+        ]
+        for _, module in ends:
+            module.weight.grad = torch.full_like(module.weight, 40_000.0)
+        threads = [threading.Thread(target=sync.allreduce_gradients, args=(m,)) for sync, m in ends]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for _, module in ends:
+            assert module.weight.grad is not None and torch.all(module.weight.grad == 40_000.0), module.weight.grad
+    finally:
+        client.close()
+        listener.close()
