@@ -90,7 +90,8 @@ class MasterAdamW(torch.optim.AdamW):
         core), and bit for bit the same update, since what it steps is always fp32."""
         if not isinstance(params, torch.Tensor):  # a lone tensor: torch's own error names it
             params = [{**p, "params": list(p["params"])} if isinstance(p, dict) else p for p in params]
-            options.setdefault("fused", fused_kernel_fits(params))
+            if not options.get("foreach"):  # torch refuses fused and foreach together: a caller's foreach wins
+                options.setdefault("fused", fused_kernel_fits(params))
         super().__init__(params, lr=lr, **options)
         self._kernels = {key: self.defaults.get(key) for key in KERNEL_OPTIONS}
 

@@ -210,3 +210,24 @@ def test_an_fp16_gradient_that_overflowed_stops_the_step_before_any_weight_moves
     bf16 = torch.nn.Parameter(torch.randn(16).bfloat16())
     bf16.grad = torch.full_like(bf16, float("nan"))
     MasterAdamW([bf16], lr=1e-2).step()  # bf16 (fp32's range) and fp32 are not checked: AdamW's own behaviour
+
+
+def test_fp32_steps_take_the_fused_kernel_and_match_the_loop_bit_for_bit() -> None:
+    """MasterAdamW uses torch's fused AdamW where it fits; the update equals the per-parameter loop's exactly
+    (it steps fp32, masters included), and a loaded state keeps the live optimizer's kernel options."""
+    torch.manual_seed(0)
+    fused, loop = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    loop.load_state_dict(fused.state_dict())
+    a, b = MasterAdamW(fused.parameters(), lr=1e-2), torch.optim.AdamW(loop.parameters(), lr=1e-2)
+    assert a.defaults["fused"] is True and MasterAdamW(loop.parameters(), foreach=True).defaults["fused"] is None
+    for _ in range(5):
+        for p, q in zip(fused.parameters(), loop.parameters(), strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    assert all(torch.equal(p, q) for p, q in zip(fused.parameters(), loop.parameters(), strict=True))
+    saved = copy.deepcopy(b.state_dict())  # the loop's: fused None, as a checkpoint from before the kernel has
+    a.load_state_dict(saved)
+    assert a.param_groups[0]["fused"] is True
+    a.step()  # steps on with the fused kernel from the loaded state
