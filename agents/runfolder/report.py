@@ -95,16 +95,16 @@ def _sync_line(report: Mapping[str, Any], predicted_sync: float | None) -> str:
     prices) against the prediction first, then the slowest rank's, which adds its wait for later replicas."""
     measured, collective = report["measured_sync_s"], report.get("measured_sync_collective_s")
 
-    def versus(value: float) -> str:
+    def versus(ratio_key: str) -> str:  # the ratio build_report stored beside the figure
         if not predicted_sync:
             return ""
-        return f", predicted {predicted_sync * 1e3:.1f} ms (measured/predicted {value / predicted_sync:.2f})"
+        return f", predicted {predicted_sync * 1e3:.1f} ms (measured/predicted {report[ratio_key]:.2f})"
 
     if collective is None:
-        return f"gradient sync: measured {measured * 1e3:.1f} ms" + versus(measured)
+        return f"gradient sync: measured {measured * 1e3:.1f} ms" + versus("sync_measured_vs_predicted")
     return (
         f"gradient sync: the collective {collective * 1e3:.1f} ms"
-        + versus(collective)
+        + versus("sync_collective_measured_vs_predicted")
         + f"; with the wait for replicas that reach it later {measured * 1e3:.1f} ms"
     )
 
