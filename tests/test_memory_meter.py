@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
@@ -50,9 +52,10 @@ def test_activations_are_released_after_the_weight_pass_of_a_split_backward() ->
 
 
 def test_the_deferred_split_counts_what_i_keeps_for_w_until_w() -> None:
-    """geosched.wgrad's I frees the graph but keeps the linear layers' inputs and output gradients: counted."""
+    """geosched.wgrad keeps the linear layers' inputs from the forward to W (outside autograd, told to the
+    meter) and I adds their output gradients: all counted, and nothing once W has run."""
     module, meter = _last_stage()
-    split = SplitBackward(module)
+    split = SplitBackward(module, meter.adjust)
     targets = torch.randint(0, 128, (2, 32))
     x = torch.randn(2, 32, 64, requires_grad=True)
     with meter.saving():
@@ -60,13 +63,26 @@ def test_the_deferred_split_counts_what_i_keeps_for_w_until_w() -> None:
     after_forward = meter.live
     dx, work = split.input([loss], None, x)
     del loss
-    kept = split.held_bytes(work)
+    inputs = sum(t.nbytes for _, t, _ in work)  # the deferred layers' inputs: held since the forward
+    kept = split.held_bytes(work)  # what I added: their output gradients
+    assert kept == sum(dy.nbytes for _, _, dy in work) > 0 and 0 < inputs < after_forward
     meter.hold(kept)
-    assert 0 < kept < after_forward and meter.live == kept  # the graph is gone; W's work is what is left
+    assert meter.live == inputs + kept  # the graph is gone; W's work is what is left
     split.weight(work)
     meter.let_go(kept)
     assert meter.live == 0 and dx is not None
     assert meter.peak >= meter.state + after_forward
+
+
+def test_a_deferring_forward_whose_graph_goes_unused_lets_its_inputs_go() -> None:
+    module, meter = _last_stage()
+    split = SplitBackward(module, meter.adjust)
+    with meter.saving():
+        out = module(torch.randn(2, 32, 64, requires_grad=True))
+    assert meter.live > 0
+    del out  # no backward: the graph, and with it the layers' inputs kept for W, are freed
+    gc.collect()
+    assert meter.live == 0 and split.store is not None and not split.store.take()
 
 
 def test_saving_leaves_gradients_unchanged() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geosched.model import ModelShape, StageModule, build_stage
-from geosched.wgrad import SplitBackward, deferred_layers
+from geosched.wgrad import SplitBackward, defer_weight_gradients, deferred_layers
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq_len=16, vocab=128, ffn_mult=4)
 
@@ -89,3 +89,32 @@ def test_w_lets_go_of_what_i_kept() -> None:
     del work
     gc.collect()
     assert all(ref() is None for ref in kept)
+
+
+def test_a_layer_whose_input_autograd_does_not_reach_keeps_its_weight_gradient_in_the_backward() -> None:
+    """A deferring layer computes dy only where its input requires grad; else its backward makes dW itself."""
+    layer, plain = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    plain.load_state_dict(layer.state_dict())
+    store = defer_weight_gradients(layer)
+    assert store is not None
+    store.active = True
+    x = torch.randn(3, 8)  # a constant: no gradient flows back to it
+    layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert store.take() == []
+    for p, q in zip(layer.parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_an_input_modified_in_place_after_the_forward_is_refused_at_the_backward() -> None:
+    """W would multiply the modified input: the backward says so, as autograd does for a saved tensor."""
+    layer = torch.nn.Linear(8, 4)
+    store = defer_weight_gradients(layer)
+    assert store is not None
+    store.active = True
+    h = torch.randn(3, 8, requires_grad=True) * 2.0  # a non-leaf that nothing else saves
+    out = layer(h)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()

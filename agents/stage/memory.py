@@ -14,8 +14,9 @@ microbatches keep for backward (:func:`geosched.memory.stage_memory_bytes`).
   while the graph holds it (the saved handle uncounts it when autograd frees
   it, in ``__del__``: after B or I; a ``weakref.finalize`` per saved tensor
   cost the stage about 4 % of its step), and what a zero-bubble I keeps
-  outside the graph for its W (the linear layers' inputs and output
-  gradients, :mod:`geosched.wgrad`: :meth:`MemoryMeter.hold`). The
+  outside the graph for its W (the linear layers' inputs, from the forward
+  on, and output gradients, :mod:`geosched.wgrad`: :meth:`MemoryMeter.adjust`
+  and :meth:`MemoryMeter.hold`). The
   handle holds a detached view: an op that saves its own output (softmax)
   would otherwise tie the graph to itself through the handle, a cycle
   Python's collector cannot see into, and the graph would never be freed.
@@ -73,7 +74,7 @@ class MemoryMeter:
         self.state = self.state_bytes()
         self.peak = self.state
         if isinstance(optimizer, ShardedGradAdamW):  # its buckets' staging lives while backwards run
-            optimizer.on_staging = self._staging
+            optimizer.on_staging = self.adjust
 
     @property
     def counting(self) -> bool:
@@ -146,9 +147,10 @@ class MemoryMeter:
         """What :meth:`hold` counted is freed."""
         self.live -= nbytes
 
-    def _staging(self, nbytes: int) -> None:
-        """ZeRO 2's staged gradient bytes changed by ``nbytes``: counted with the activations, as they too
-        live only while backwards run."""
+    def adjust(self, nbytes: int) -> None:
+        """Bytes held outside autograd changed by ``nbytes`` (held if positive, let go if negative): ZeRO 2's
+        staged gradients and a zero-bubble stage's layer inputs kept for W, counted with the activations, as
+        they too live only while backwards run."""
         if nbytes >= 0:
             self.hold(nbytes)
         else:

@@ -194,14 +194,14 @@ class StageRuntime:
         for action in self.actions:
             self._post_before.append(min(len(self._receives), seen + RECV_AHEAD))
             seen += action.kind in (K.RECV_F, K.RECV_B)
-        split = any(action.kind is K.BACKWARD_INPUT for action in self.actions)
+        split = any(action.kind is K.BACKWARD_INPUT for action in self.actions) and not module.first
+        optimizer.zero_grad(set_to_none=True)
         # a StageModel is a StageModule, an nn.Module; the Protocol only names what the runtime calls
-        self._split = SplitBackward(cast("nn.Module", module)) if split and not module.first else None
+        self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
+        self._split = SplitBackward(cast("nn.Module", module), self.memory.adjust) if split else None
         self._reduce = grad_sync if isinstance(grad_sync, MicrobatchReduce) else None
         if self._reduce is not None and self._split is not None and self._split.store is not None:
             self._split.store.after_grad = self._reduce.grad_ready
-        optimizer.zero_grad(set_to_none=True)
-        self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
         self.step_in_progress: int | None = None
         self.actions_done = 0
         """Schedule actions completed since the runtime opened: the data-plane progress heartbeats carry."""
