@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import socket
 import sys
 from collections.abc import Iterable
@@ -95,3 +96,21 @@ def join_or_kill(procs: Iterable[Any], timeout_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def collect(results: Any, procs: list[Any], name: str, timeout_s: float = 180) -> dict[int, list]:
+    """Each rank's payload, by rank, from ``results`` (tag, rank, payload); a rank's error (a string) or silence
+    ends the benchmark with one line; the processes are joined (or killed) either way."""
+    out: dict[int, list] = {}
+    try:
+        while len(out) < len(procs):
+            try:
+                tag, rank, payload = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise SystemExit(f"{name}: ranks did not report within {timeout_s:g} s") from None
+            if isinstance(payload, str):
+                raise SystemExit(f"{name}: rank {rank} failed: {payload}")
+            out[rank] = payload
+    finally:
+        join_or_kill(procs, 20)
+    return out

@@ -13,14 +13,21 @@
     ``measured_vs_predicted_calibration_only`` with the stage times of the
     separate calibrations instead.
 (b) The same two-stage model, batch and microbatches trained by
-    ``torch.distributed.pipelining`` (``Schedule1F1B``, gloo on loopback) and by
-    geosched's runtime over loopback (WanLink, no relay), same pinning.
-    Reported: ``throughput_vs_torch_pipelining`` = geosched steps/s over torch's.
+    ``torch.distributed.pipelining`` (gloo on loopback) and by geosched's
+    runtime over loopback (WanLink, no relay), same pinning, each with 1F1B
+    (torch's ``Schedule1F1B``) and with the zero-bubble ZB-H1 (geosched's
+    ``zb1p``, torch's ``ScheduleInterleavedZeroBubble`` with one stage a rank:
+    the same order of actions). Reported: ``throughput_vs_torch_pipelining`` =
+    geosched's 1F1B steps/s over torch's; ``throughput_zb1p_vs_torch_zero_bubble``
+    the same with ZB-H1 on both sides, and ``throughput_zb1p_vs_torch_pipelining``
+    geosched's ZB-H1 over torch's 1F1B (each runtime's faster schedule here:
+    torch splits a backward by walking the graph twice, about 2x one backward on
+    a CPU, geosched by deferring the linear layers' weight products, about 1.05x).
     Targets: within 10 % and >= 1.05x (issue 18).
 
 This machine's speed drifts by tens of percent within seconds (a shared
-host), so the run is a series of rounds, each (b) (torch and geosched as
-A B B A, A alternating between rounds: a linear drift cancels), then
+host), so the run is a series of rounds, each (b) (the four runs in turn and
+back, A B C D D C B A, the order reversed between rounds: a linear drift cancels), then
 calibrate -> (a) -> calibrate, the other calibration fields the mean of the
 two that bracket the run (``--quick``: one round, the calibration before
 the run only); timing the stages between the run's own steps takes the
@@ -40,15 +47,15 @@ longest span over the ranks; the mean wall time per step is in the JSON too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
-import queue
 import statistics
 import sys
-import time
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, free_port, join_or_kill, pin_one_thread, positive_int
+from common import benchmark_parser, collect, cpu_for, emit, pin_one_thread, positive_int
+from torch_pipelining import run_torch
 from variants import VARIANTS, aggregates, run_variants
 
 from geosched.config import JobSpec, ModelSpec, config_from_dict
@@ -62,6 +69,7 @@ JOB = JobSpec(
     learning_rate=1e-3,
     schedule="1f1b",
 )
+ZB1P_JOB = dataclasses.replace(JOB, schedule="zb1p")
 LAYERS = [(0, 2), (2, 4)]
 LINK = {"between": ["us", "eu"], "bandwidth_gbps": 0.2, "rtt_ms": 10.0, "per_connection_gbps": 0.2}
 STREAMS = 2
@@ -76,13 +84,6 @@ def _link_shape() -> Any:
 
 
 # ------------------------------------------------------------------ child processes
-
-
-def _cross_entropy(logits: Any, targets: Any) -> Any:
-    """The last stage's loss (as ``StageModule.loss``): mean cross-entropy of (b, T, V) logits."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def _geosched_rank(
@@ -157,47 +158,6 @@ def _geosched_rank(
         results.put((prefix, role.rank, repr(exc)))
 
 
-def _torch_rank(rank: int, job: JobSpec, port: int, steps: int, results: Any) -> None:
-    """One stage trained by torch.distributed.pipelining's Schedule1F1B over gloo."""
-    try:
-        pin_one_thread(cpu_for(rank))
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        from geosched.data import TextDataset, default_corpus_paths
-        from geosched.model import build_stage
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-        )
-        start, end = LAYERS[rank]
-        module = build_stage(job.model, start, end, first=rank == 0, last=rank == 1, seed=job.seed)
-        m = job.global_batch // job.microbatch_size
-        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-        # every rank gets a loss_fn: torch pipelining runs backward only when one is given; the last stage calls it
-        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=_cross_entropy)
-        # fused, as the stages step (geosched.optim.MasterAdamW): the comparison is of runtimes, not optimizers
-        optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate, fused=True)
-        dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
-        batches = [dataset.global_batch(step, job.global_batch) for step in range(steps)]  # (G, T) each
-        times = []
-        for inputs, targets in batches:
-            t0 = time.time()
-            if rank == 0:
-                schedule.step(inputs)
-            else:
-                schedule.step(target=targets, losses=[])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append((t0, time.time()))
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put(("torch", rank, times))
-    except BaseException as exc:  # noqa: BLE001
-        results.put(("torch", rank, repr(exc)))
-
-
 def _profile(job: JobSpec, repeats: int, results: Any) -> None:
     """Calibrate as the stages run: each stage whole, one thread each, both cores busy, plus per-message costs."""
     try:
@@ -225,22 +185,6 @@ def _profile(job: JobSpec, repeats: int, results: Any) -> None:
 
 
 # ------------------------------------------------------------------ runs
-
-
-def _collect(results: Any, procs: list[Any], name: str, timeout_s: float = 180) -> dict[int, list]:
-    out: dict[int, list] = {}
-    try:
-        while len(out) < len(procs):
-            try:
-                tag, rank, payload = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise SystemExit(f"{name}: ranks did not report within {timeout_s:g} s") from None
-            if isinstance(payload, str):
-                raise SystemExit(f"{name}: rank {rank} failed: {payload}")
-            out[rank] = payload
-    finally:
-        join_or_kill(procs, 20)
-    return out
 
 
 def _iteration_s(times: dict[int, list], warmup: int) -> float:
@@ -285,22 +229,12 @@ def run_geosched(
     for p in procs:
         p.start()
     try:
-        times = _collect(results, procs, f"geosched ({prefix})", timeout_s=600)
+        times = collect(results, procs, f"geosched ({prefix})", timeout_s=600)
     finally:
         if router is not None:
             router.close()
         del store
     return times
-
-
-def run_torch(ctx: Any, job: JobSpec, steps: int) -> dict[int, list]:
-    """Train ``steps`` steps with torch.distributed.pipelining on two pinned processes."""
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_torch_rank, args=(rank, job, port, steps, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    return _collect(results, procs, "torch pipelining", timeout_s=600)
 
 
 def predict(job: JobSpec, calibration: dict[str, Any]) -> Any:
@@ -341,7 +275,7 @@ def calibrate_here(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     results = ctx.Queue()
     proc = ctx.Process(target=_profile, args=(JOB, 5 if args.quick else 9, results))
     proc.start()
-    return _collect(results, [proc], "profile", timeout_s=600)[0]  # a shared, loaded host calibrates slowly
+    return collect(results, [proc], "profile", timeout_s=600)[0]  # a shared, loaded host calibrates slowly
 
 
 def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -369,16 +303,40 @@ def with_stage_times(calibration: dict[str, Any], alone: dict[int, list[tuple[fl
     return {**calibration, "stage_times": stage_times}
 
 
-def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
-    """One round: (b) torch and geosched over loopback, A B B A; calibrate, (a) over the emulated WAN, calibrate."""
-    runs: dict[str, list[dict[int, list]]] = {"torch": [], "geosched": []}
-    order = ["torch", "geosched"] if torch_first else ["geosched", "torch"]
-    for name in order + order[::-1]:  # A B B A: a drift that is linear in time cancels out
+LOOPBACK_RUNS = {"torch": JOB, "geosched": JOB, "torch_zb1p": ZB1P_JOB, "geosched_zb1p": ZB1P_JOB}
+"""(b)'s runs: each runtime with 1F1B, and with the zero-bubble ZB-H1 (torch: ScheduleInterleavedZeroBubble)."""
+WALL_KEYS = {
+    "torch": "torch_pipelining",
+    "geosched": "geosched_loopback",
+    "torch_zb1p": "torch_zero_bubble",
+    "geosched_zb1p": "geosched_zb1p_loopback",
+}
+
+
+def run_loopback(ctx: Any, total: int, warmup: int, torch_first: bool, abba: bool) -> dict[str, tuple[float, float]]:
+    """(b): each of LOOPBACK_RUNS over loopback, run in turn (A B C D D C B A with ``abba``: a drift that is
+    linear in time cancels out); per run its mean iteration time and wall time per step."""
+    names = list(LOOPBACK_RUNS) if torch_first else [*LOOPBACK_RUNS][::-1]
+    runs: dict[str, list[dict[int, list]]] = {name: [] for name in names}
+    for name in names + names[::-1] if abba else names:
+        job = LOOPBACK_RUNS[name]
         runs[name].append(
-            run_torch(ctx, JOB, total)
-            if name == "torch"
-            else run_geosched(ctx, JOB, ["us", "us"], total, None, "loopback")
+            run_torch(ctx, job, LAYERS, total)
+            if name.startswith("torch")
+            else run_geosched(ctx, job, ["us", "us"], total, None, "loopback")
         )
+    return {
+        name: (
+            statistics.mean(_iteration_s(t, warmup) for t in done),
+            statistics.mean(_wall_per_step_s(t, warmup) for t in done),
+        )
+        for name, done in runs.items()
+    }
+
+
+def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool) -> dict[str, Any]:
+    """One round: (b) over loopback; calibrate, (a) over the emulated WAN, calibrate."""
+    loopback = run_loopback(ctx, total, args.warmup, torch_first, abba=not args.quick)
     shape = _link_shape()
     before = calibrate_here(ctx, args)
     wan = run_geosched(ctx, JOB, ["us", "eu"], total, shape, "wan", interleave=True)
@@ -389,8 +347,8 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
     predicted = predict(JOB, same_time)
     predicted_calibration_only = predict(JOB, calibration)
     measured_wan = _iteration_s(wan_times, args.warmup)
-    geosched_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["geosched"])
-    torch_s = statistics.mean(_iteration_s(t, args.warmup) for t in runs["torch"])
+    geosched_s, torch_s = loopback["geosched"][0], loopback["torch"][0]
+    geosched_zb_s, torch_zb_s = loopback["geosched_zb1p"][0], loopback["torch_zb1p"][0]
     busy = {rank: statistics.median(t[2] for t in times[args.warmup :]) for rank, times in wan_times.items()}
     return {
         "predicted_iteration_s": predicted.iteration_s,
@@ -402,10 +360,13 @@ def run_round(ctx: Any, args: argparse.Namespace, total: int, torch_first: bool)
         "geosched_loopback_iteration_s": geosched_s,
         "torch_pipelining_iteration_s": torch_s,
         "throughput_vs_torch_pipelining": torch_s / geosched_s,
+        "geosched_zb1p_loopback_iteration_s": geosched_zb_s,
+        "torch_zero_bubble_iteration_s": torch_zb_s,
+        "throughput_zb1p_vs_torch_pipelining": torch_s / geosched_zb_s,
+        "throughput_zb1p_vs_torch_zero_bubble": torch_zb_s / geosched_zb_s,
         "wall_per_step_s": {
             "wan": _wall_per_step_s(wan_times, args.warmup),
-            "geosched_loopback": statistics.mean(_wall_per_step_s(t, args.warmup) for t in runs["geosched"]),
-            "torch_pipelining": statistics.mean(_wall_per_step_s(t, args.warmup) for t in runs["torch"]),
+            **{WALL_KEYS[name]: wall for name, (_, wall) in loopback.items()},
         },
         "compute_busy_s": {"measured": busy, "predicted": {st.stage: st.busy_s for st in predicted.stages}},
         "calibration": {
@@ -440,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"(a) 2 stages over an emulated WAN link ({LINK['bandwidth_gbps'] * 1000:.0f} Mb/s, RTT "
         f"{LINK['rtt_ms']:g} ms) against the calibrated prediction; (b) the same over loopback against "
-        f"torch.distributed.pipelining 1F1B; {JOB.global_batch // JOB.microbatch_size} microbatches of "
+        f"torch.distributed.pipelining, 1F1B and ZB-H1; {JOB.global_batch // JOB.microbatch_size} microbatches of "
         f"{JOB.microbatch_size}, {steps} steps, {rounds} rounds"
     )
     per_round = []
@@ -456,11 +417,18 @@ def main(argv: list[str] | None = None) -> int:
             + "/".join(f"{busy['measured'][s] * 1e3:.0f}" for s in sorted(busy["measured"]))
             + " ms, predicted "
             + "/".join(f"{busy['predicted'][s] * 1e3:.0f}" for s in sorted(busy["predicted"]))
-            + f" ms | (b) torch {one['torch_pipelining_iteration_s'] * 1e3:6.1f} ms, geosched "
-            f"{one['geosched_loopback_iteration_s'] * 1e3:6.1f} ms, ratio {one['throughput_vs_torch_pipelining']:.3f}x"
+            + f" ms | (b) 1F1B: torch {one['torch_pipelining_iteration_s'] * 1e3:6.1f} ms, geosched "
+            f"{one['geosched_loopback_iteration_s'] * 1e3:6.1f} ms, ratio "
+            f"{one['throughput_vs_torch_pipelining']:.3f}x; "
+            f"ZB-H1: torch {one['torch_zero_bubble_iteration_s'] * 1e3:6.1f} ms, geosched "
+            f"{one['geosched_zb1p_loopback_iteration_s'] * 1e3:6.1f} ms, ratio "
+            f"{one['throughput_zb1p_vs_torch_zero_bubble']:.3f}x, against torch's 1F1B "
+            f"{one['throughput_zb1p_vs_torch_pipelining']:.3f}x"
         )
     ratio_a = [one["measured_vs_predicted"] for one in per_round]
     ratio_b = [one["throughput_vs_torch_pipelining"] for one in per_round]
+    zb_keys = ("throughput_zb1p_vs_torch_pipelining", "throughput_zb1p_vs_torch_zero_bubble")
+    zb_ratios = {key: [one[key] for one in per_round] for key in zb_keys}
     result = {
         "steps": steps,
         "warmup": args.warmup,
@@ -470,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_vs_torch_pipelining": statistics.median(ratio_b),
         "measured_vs_predicted_per_round": ratio_a,
         "throughput_vs_torch_pipelining_per_round": ratio_b,
+        **{key: statistics.median(ratios) for key, ratios in zb_ratios.items()},
+        **{f"{key}_per_round": ratios for key, ratios in zb_ratios.items()},
         "measured_vs_predicted_calibration_only": statistics.median(
             one["measured_vs_predicted_calibration_only"] for one in per_round
         ),
@@ -477,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         "measured_iteration_s": statistics.median(one["measured_iteration_s"] for one in per_round),
         "geosched_loopback_iteration_s": statistics.median(one["geosched_loopback_iteration_s"] for one in per_round),
         "torch_pipelining_iteration_s": statistics.median(one["torch_pipelining_iteration_s"] for one in per_round),
+        "geosched_zb1p_loopback_iteration_s": statistics.median(
+            one["geosched_zb1p_loopback_iteration_s"] for one in per_round
+        ),
+        "torch_zero_bubble_iteration_s": statistics.median(one["torch_zero_bubble_iteration_s"] for one in per_round),
         "per_round": per_round,
         "link": LINK,
         "pinned": cpu_for(0) is not None,
@@ -487,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update(aggregates(result.get("variants", {})))
     print(
         f"measured/predicted {result['measured_vs_predicted']:.3f} (target within 10%), throughput vs torch "
-        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x (target >= 1.05x); medians over {rounds} rounds"
+        f"pipelining {result['throughput_vs_torch_pipelining']:.3f}x with 1F1B, "
+        f"{result['throughput_zb1p_vs_torch_zero_bubble']:.3f}x with ZB-H1, geosched's ZB-H1 against torch's "
+        f"1F1B {result['throughput_zb1p_vs_torch_pipelining']:.3f}x (target >= 1.05x); medians over {rounds} rounds"
     )
     emit(result, args.json)
     return 0

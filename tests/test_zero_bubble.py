@@ -7,7 +7,9 @@ import dataclasses
 import json
 import multiprocessing as mp
 import queue
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,9 @@ from agents.stage.report import StepReport, global_loss
 from agents.stage.runtime import StageRuntime
 from agents.stage.schedule import job_schedule
 from agents.stage.session import run_rank, train_one_process
-from agents.stage.transport import StoreAddressBook
+from agents.stage.transport import LinkTransport, StoreAddressBook, link_id
+from agents.wan.config import WanLinkConfig
+from agents.wan.link import WanLink
 from geosched.cli import main
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
@@ -261,5 +265,69 @@ def test_zb1p_pipeline_in_processes_trains_like_one_process(layout: str) -> None
     per_step = [global_loss(runs[role.rank][i] for role in last_stage) for i in range(STEPS)]
     assert per_step == pytest.approx(reference, rel=1e-4)
     lowered = job_schedule(JOB, len(stage_dcs), dp)
-    for role in roles:  # every rank ran its zb1p actions, in order
-        assert [e.action for e in runs[role.rank][-1].events] == [str(a) for a in lowered.actions[role.stage]]
+    for role in roles:  # every rank ran its zb1p actions in order; a W may have run early, in a receive's wait
+        for report in runs[role.rank]:
+            check_weights_in_order([e.action for e in report.events], [str(a) for a in lowered.actions[role.stage]])
+
+
+def check_weights_in_order(ran: list[str], scheduled: list[str]) -> int:
+    """``ran`` is ``scheduled`` plus Ws run early, each in a receive's wait (before that receive's event, its
+    own W's event following as a no-op), and every W in the schedule's order; the count of early Ws."""
+    weights = [a for a in scheduled if Action.parse(a).kind is K.BACKWARD_WEIGHT]
+    early = {i for i, a in enumerate(ran) if a in weights and a in ran[i + 1 :]}
+    assert [a for i, a in enumerate(ran) if i not in early] == scheduled
+    assert all(i + 1 in early or "RECV" in ran[i + 1] for i in early), ran  # inside a receive's wait
+    assert list(dict.fromkeys(a for a in ran if a in weights)) == weights  # the gradients accumulate as scheduled
+    return len(early)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_stage_waiting_for_an_activation_runs_its_pending_w_there_with_the_same_gradients() -> None:
+    """The last stage of a 2-stage zb1p pipeline, its upstream played by hand over a real WanLink: sent late,
+    the activations leave the stage waiting with a W pending, which it runs in the wait; the weights after two
+    steps are bit for bit those of the same stage fed without delay."""
+    job = dataclasses.replace(JOB, global_batch=8)  # 4 microbatches: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 ...
+    schedule = job_schedule(job, 2, 1)
+    dataset = TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
+
+    def train_last_stage(delay_s: float) -> tuple[list[list[str]], list[torch.Tensor]]:
+        config = WanLinkConfig(link_id=link_id(0, 0), streams=1, connect_timeout_s=10)
+        listener = WanLink.listen("tcp://127.0.0.1:0", config)
+        connector = WanLink.connect(f"tcp://127.0.0.1:{listener.port}", config)
+        try:
+            module = build_stage(MODEL, 2, 4, first=False, last=True, seed=JOB.seed)
+            runtime = StageRuntime(
+                module,
+                schedule,
+                1,
+                transport=LinkTransport({0: listener}, stage=1),
+                optimizer=torch.optim.AdamW(module.parameters(), lr=JOB.learning_rate),
+            )
+            m = runtime.num_microbatches
+            upstream = LinkTransport({1: connector}, stage=0)
+            gen = torch.Generator().manual_seed(0)
+            with ThreadPoolExecutor(1) as pool:
+                reports = [
+                    pool.submit(runtime.run_step, step, dataset.batch(step, 0, 1, job.microbatch_size, m))
+                    for step in range(2)
+                ]
+                for step in range(2):
+                    for mb in range(m):
+                        if mb >= 2:  # 1F1B's steady state: the activation follows the gradient two back
+                            upstream.recv(1, "B", step, mb - 2, timeout=30)
+                            time.sleep(delay_s)
+                        upstream.send(torch.randn(2, MODEL.seq_len, MODEL.hidden, generator=gen), 1, "F", step, mb)
+                    for mb in range(m - 2, m):
+                        upstream.recv(1, "B", step, mb, timeout=30)
+                events = [[e.action for e in f.result(timeout=60).events] for f in reports]
+            upstream.flush(10)
+            return events, [p.detach().clone() for p in module.parameters()]
+        finally:
+            connector.close()
+            listener.close()
+
+    late_events, late = train_last_stage(0.05)
+    _, prompt = train_last_stage(0.0)
+    scheduled = [str(a) for a in schedule.actions[1]]
+    assert all(check_weights_in_order(events, scheduled) >= 2 for events in late_events), late_events
+    assert all(torch.equal(a, b) for a, b in zip(late, prompt, strict=True))

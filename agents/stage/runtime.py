@@ -18,9 +18,10 @@
                       torch's ``stage_backward_input`` on tensor-parallel stages);
                       same loss scaling as B on the last stage
 ``W k``               zero bubble: the weight gradients of microbatch k from what
-                      I kept, accumulated into ``.grad``. On the first stage the
-                      input is token ids, with no gradient to send: I runs the
-                      whole backward, W is a no-op
+                      I kept, accumulated into ``.grad`` (or earlier, in a
+                      receive's wait: :meth:`StageRuntime._weights_in_wait`). On
+                      the first stage the input is token ids, with no gradient to
+                      send: I runs the whole backward, W is a no-op
 ``SEND_B k``          send the input grad to stage s-1 (after B or I)
 ``ALL_REDUCE``        average gradients over the stage's data-parallel group (ZeRO 2 reduce-scatters
                       each microbatch's as its B or W ends, and finishes here)
@@ -67,6 +68,7 @@ from torch import Tensor, nn
 from agents.stage.memory import MemoryMeter
 from agents.stage.overflow import StageFlags, step_if_finite
 from agents.stage.report import StepReport
+from agents.stage.step_state import Microbatch, StepState, same_instant
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError, TrainingDiverged
 from geosched.optim import DynamicLossScale
@@ -76,8 +78,6 @@ from geosched.wgrad import SplitBackward
 log = logging.getLogger(__name__)
 
 K = ActionKind
-Microbatch = tuple[Tensor, Tensor]
-"""(inputs (b, T) int64, targets (b, T) int64), as :mod:`geosched.data` produces them."""
 
 RECV_AHEAD = 2
 """Receives posted ahead of the action that needs them: each is on its link one or two actions early, so
@@ -200,6 +200,10 @@ class StageRuntime:
         self.memory = MemoryMeter(cast("nn.Module", module), optimizer)
         self._split = SplitBackward(cast("nn.Module", module), self.memory.adjust) if split else None
         self._reduce = grad_sync if isinstance(grad_sync, MicrobatchReduce) else None
+        # Ws a receive's wait may run early: pure local products (deferred linear layers), none of ZeRO 2's
+        # per-microbatch collectives, which every replica must issue in the same order
+        local_w = self._split is not None and self._split.store is not None and self._reduce is None
+        self._weight_order = [a.microbatch for a in self.actions if a.kind is K.BACKWARD_WEIGHT] if local_w else []
         if self._reduce is not None and self._split is not None and self._split.store is not None:
             self._split.store.after_grad = self._reduce.grad_ready
         self.step_in_progress: int | None = None
@@ -213,7 +217,7 @@ class StageRuntime:
         stage (inputs) and the last stage (targets); middle stages pass None.
         """
         self._check_microbatches(microbatches)
-        state = _StepState(step, microbatches)
+        state = StepState(step, microbatches)
         state.loss_scale = None if self.loss_scale is None else self.loss_scale.scale  # fixed for the whole step
         sent_before = self.transport.bytes_sent() if self.transport is not None else {}
         self.memory.start_step()  # before the clocks are read: started_at and t0 must be the same instant
@@ -269,7 +273,7 @@ class StageRuntime:
 
     # -- one action ---------------------------------------------------------------------------
 
-    def _execute(self, action: Action, state: _StepState) -> str:
+    def _execute(self, action: Action, state: StepState) -> str:
         """Run ``action``; return its timeline category."""
         kind, mb = action.kind, action.microbatch
         if kind is K.ALL_REDUCE:
@@ -291,8 +295,6 @@ class StageRuntime:
                 self._backward_input(mb, state)
             elif kind is K.BACKWARD_WEIGHT:
                 self._backward_weight(mb, state)
-                if self._reduce is not None:
-                    self._reduce.backward_done()
             elif kind is K.RECV_F:
                 return self._receive(self.stage - 1, "F", mb, state)
             elif kind is K.RECV_B:
@@ -303,7 +305,7 @@ class StageRuntime:
                 self._send(self._finite_gradient(state.input_grads.pop(mb), state), self.stage - 1, "B", mb, state.step)
         return _CATEGORY[kind]
 
-    def _forward(self, mb: int, state: _StepState) -> None:
+    def _forward(self, mb: int, state: StepState) -> None:
         if self.module.first:
             x = state.microbatch(mb)[0]  # (b, T) int64 token ids
         else:
@@ -322,7 +324,7 @@ class StageRuntime:
             state.losses.append(loss)
         state.outputs[mb] = out
 
-    def _backward(self, mb: int, state: _StepState) -> None:
+    def _backward(self, mb: int, state: StepState) -> None:
         out = state.outputs.pop(mb)
         if self.module.last:
             torch.autograd.backward(self._loss_root(out, state))
@@ -333,14 +335,14 @@ class StageRuntime:
             assert x.grad is not None, f"stage {self.stage}: no input gradient for microbatch {mb}"
             state.input_grads[mb] = x.grad
 
-    def _loss_root(self, loss: Tensor, state: _StepState) -> Tensor:
+    def _loss_root(self, loss: Tensor, state: StepState) -> Tensor:
         """Where the last stage's backward starts: each replica's gradient is the mean over its m
         microbatches, times fp16's loss scale."""
         if state.loss_scale is None:
             return loss / self.num_microbatches
         return loss * (state.loss_scale / self.num_microbatches)
 
-    def _backward_input(self, mb: int, state: _StepState) -> None:
+    def _backward_input(self, mb: int, state: StepState) -> None:
         """I: the input gradient only; what W needs stays in ``state.weight_work``. The whole B on the first stage."""
         if self._split is None:  # the first stage: token ids, no input gradient, nothing to split off
             self._backward(mb, state)
@@ -356,14 +358,35 @@ class StageRuntime:
         state.weight_work[mb] = work, held
         self.memory.hold(held)
 
-    def _backward_weight(self, mb: int, state: _StepState) -> None:
-        """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it all)."""
+    def _backward_weight(self, mb: int, state: StepState) -> None:
+        """W: accumulate the weight gradients of microbatch ``mb`` (a no-op on the first stage, whose I did it
+        all, and where a receive's wait ran it already: :meth:`_weights_in_wait`)."""
+        if mb in state.weights_done:
+            return
+        state.weights_done.add(mb)
         if self._split is not None:
             work, held = state.weight_work.pop(mb)
             self._split.weight(work)
             self.memory.let_go(held)
+        if self._reduce is not None:
+            self._reduce.backward_done()
 
-    def _step(self, state: _StepState) -> None:
+    def _weights_in_wait(self, arrived: Callable[[], bool], state: StepState) -> bool:
+        """While the awaited message is not there, run the next W of the schedule whose I has run: the same
+        work in the same order (so the gradients accumulate bit for bit as scheduled), earlier, where the
+        stage would only wait; its own W action is then a no-op. Whether the receive still waits."""
+        while not arrived():
+            mb = next((w for w in self._weight_order if w not in state.weights_done), None)
+            if mb is None or mb not in state.weight_work:  # every W ran, or the next one's I has not
+                return True
+            begin = time.perf_counter()
+            self._backward_weight(mb, state)
+            state.filled_until = end = time.perf_counter()
+            name = f"{self.stage}W{mb}"
+            state.events.append(Event(self.stage, name, begin - state.t0, end - state.t0, "compute", "W"))
+        return False
+
+    def _step(self, state: StepState) -> None:
         """STEP: the optimizer step; in fp16, only if every stage's gradients are finite (the scale updated)."""
         if self.loss_scale is None:
             self.optimizer.step()
@@ -374,14 +397,17 @@ class StageRuntime:
             overflowed=state.overflowed
         )  # fmt: skip
 
-    def _receive(self, peer: int, kind: str, mb: int, state: _StepState) -> str:
-        assert self.transport is not None
-        waited = not self.transport.poll(peer, kind, state.step, mb)
+    def _receive(self, peer: int, kind: str, mb: int, state: StepState) -> str:
+        transport = self.transport
+        assert transport is not None
+        waited = not transport.poll(peer, kind, state.step, mb)
+        if waited and self._weight_order and state.weight_work:
+            waited = self._weights_in_wait(lambda: transport.poll(peer, kind, state.step, mb), state)
         begin = time.perf_counter()
         arrived = None
         if waited and self.bubble_filler is not None:
             arrived = self._fill_bubble(peer, kind, mb, state)
-        tensor = self.transport.recv(peer, kind, state.step, mb, timeout=self.recv_timeout_s)
+        tensor = transport.recv(peer, kind, state.step, mb, timeout=self.recv_timeout_s)
         if waited:  # the next step's bubble forecast: how long this receive waited
             self._last_wait[(kind, mb)] = (arrived or time.perf_counter()) - begin
         if kind == "F":
@@ -390,7 +416,7 @@ class StageRuntime:
             state.output_grads[mb] = tensor  # (b, T, C)
         return "idle" if waited else "comm"
 
-    def _fill_bubble(self, peer: int, kind: str, mb: int, state: _StepState) -> float | None:
+    def _fill_bubble(self, peer: int, kind: str, mb: int, state: StepState) -> float | None:
         """Run prefill chunks until the awaited message is there; record them as "prefill" events.
 
         The budget is the wait this receive had last step (None the first time).
@@ -413,7 +439,7 @@ class StageRuntime:
         state.filled_until = spans[-1].end
         return spans[-1].start if transport.poll(peer, kind, state.step, mb) else None
 
-    def _finite_gradient(self, grad: Tensor, state: _StepState) -> Tensor:
+    def _finite_gradient(self, grad: Tensor, state: StepState) -> Tensor:
         """fp16: an input gradient that overflowed makes the stages skip this step; zeros go in its place (a
         compressed link carries finite values only, and the step is skipped anyway)."""
         if self.loss_scale is None or bool(torch.isfinite(grad).all()):
@@ -453,46 +479,3 @@ class StageRuntime:
             return cls(message)
         except TypeError:  # a subclass with a different constructor
             return StageError(message)
-
-
-def same_instant(tries: int = 5, within_s: float = 50e-6) -> tuple[float, float]:
-    """(wall clock, perf_counter) read at one instant, so timelines of several processes line up on the wall
-    clock: the wall clock read between two perf_counter reads, whose midpoint is taken, retried while a
-    preemption (a loaded host) puts more than ``within_s`` between them; the tightest pair wins."""
-    best: tuple[float, float, float] | None = None
-    for _ in range(tries):
-        before = time.perf_counter()
-        wall = time.time()
-        after = time.perf_counter()
-        if best is None or after - before < best[0]:
-            best = (after - before, wall, (before + after) / 2)
-        if after - before <= within_s:
-            break
-    assert best is not None
-    return best[1], best[2]
-
-
-class _StepState:
-    """What one step keeps between actions: stage inputs/outputs and gradients per microbatch."""
-
-    def __init__(self, step: int, microbatches: Sequence[Microbatch] | None) -> None:
-        self.step = step
-        self.microbatches = microbatches
-        self.inputs: dict[int, Tensor] = {}  # received activations (requires_grad)
-        self.outputs: dict[int, Tensor] = {}  # stage outputs; the loss on the last stage
-        self.output_grads: dict[int, Tensor] = {}  # received gradients of the outputs
-        self.input_grads: dict[int, Tensor] = {}  # gradients to send upstream
-        self.weight_work: dict[int, tuple[Any, int]] = {}  # what W needs, kept by I, and the bytes it holds
-        self.losses: list[float] = []
-        self.events: list[Event] = []
-        self.gaps: list[IdleGap] = []
-        self.t0 = 0.0  # perf_counter at the start of the step
-        self.filled_until = 0.0  # perf_counter when the last prefill chunk of this step ended
-        self.loss_scale: float | None = None  # fp16: the scale this step's gradients carry
-        self.skipped = False  # fp16: the stages agreed that some gradient was not finite
-        self.overflowed = False  # fp16: an input gradient this stage sent was not finite (zeros went instead)
-
-    def microbatch(self, mb: int) -> Microbatch:
-        """Microbatch ``mb`` (the first and last stages only: run_step checked that they have them)."""
-        assert self.microbatches is not None
-        return self.microbatches[mb]
