@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,3 +116,13 @@ def test_bad_data_paths_name_the_pattern_and_the_remedy(tmp_path: Path) -> None:
     ds = TextDataset(str(tiny), seq_len=2)
     with pytest.raises(InputError, match="replica 2 of dp 2"):
         ds.batch(0, 2, 2, 1, 1)
+
+
+def test_windows_inside_documents_and_across_separators_are_the_stream_s_bytes(corpus) -> None:
+    """Gathered per document where a window fits in one, read byte by byte where it crosses a separator."""
+    paths, stream = corpus
+    ds = TextDataset([str(p) for p in paths], seq_len=8)
+    positions = np.arange(len(stream) - 9, dtype=np.int64)[::-1].copy()  # every start, in no sorted order
+    windows = ds.windows(positions)
+    assert windows.shape == (len(positions), 9)
+    assert [row.tobytes() for row in windows] == [stream[p : p + 9] for p in positions]

@@ -103,3 +103,41 @@ def test_state_dict_resumes_exactly_and_refuses_another_corpus(dataset) -> None:
             resumed.load_state_dict(other)
         with pytest.raises(CheckpointError, match="lacks next_step"):
             resumed.load_state_dict({})
+
+
+class _Recording(TextDataset):
+    """The corpus, noting which steps a producer built."""
+
+    built: list[int]
+
+    def batch(self, step: int, *request: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.built.append(step)
+        return super().batch(step, *request)
+
+
+def _until(condition: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
+
+
+def test_after_a_get_the_next_batch_is_built_when_the_consumer_is_idle_or_finds_the_queue_empty(monkeypatch) -> None:
+    """A step starting (a get) does not share its first moments with the next batch's build: the producer waits
+    for idle() (a stage waiting for a message) or for a get that finds nothing ready."""
+    monkeypatch.setattr("geosched.data.BUILD_IN_IDLE_S", 60.0)  # only the two signals may start a build here
+    dataset = _Recording(default_corpus_paths(), **DATASET)
+    dataset.built = []
+    with Prefetcher(dataset, **REQUEST, depth=1) as feed:
+        _until(lambda: dataset.built == [0, 1])  # step 0 queued, step 1 built and waiting for room
+        assert same(feed.get(0), dataset.batch(0, 1, 2, 2, 3))
+        dataset.built = []
+        time.sleep(0.2)
+        assert dataset.built == []  # step 1 went into the queue; step 2 waits for an idle moment
+        feed.idle()
+        _until(lambda: dataset.built == [2])
+        feed.get(1)  # step 2 goes in; step 3 waits for the next idle moment
+        dataset.built = []
+        assert same(feed.get(2), dataset.batch(2, 1, 2, 2, 3))
+        assert dataset.built[:1] == [2]  # the test's own batch(2) call: the producer has not built step 3
+        assert same(feed.get(3), dataset.batch(3, 1, 2, 2, 3))  # nothing queued: the get itself starts the build
