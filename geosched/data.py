@@ -32,7 +32,6 @@ import os
 import queue
 import sysconfig
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -48,9 +47,6 @@ log = logging.getLogger(__name__)
 SEPARATOR = 0x00
 """Byte placed after every document in the joined stream."""
 MAX_OPEN_FILES = 64
-BUILD_IN_IDLE_S = 0.5
-"""How long a producer that just refilled its queue waits for the consumer to be idle before building the next
-batch anyway (:meth:`Prefetcher.idle`)."""
 """Memory maps kept open at once (least recently used are closed)."""
 
 Microbatch = tuple[Tensor, Tensor]
@@ -223,13 +219,6 @@ class Prefetcher:
     Worker ``w`` of ``W`` prepares steps ``start + w, start + w + W, ...`` into
     its own queue of ``ceil(depth / W)`` entries; :meth:`get` takes them back
     in step order. A producer's exception is re-raised by :meth:`get`.
-
-    When a :meth:`get` has just made room, the producer does not build the next
-    batch at once, as the consumer starts its step (on a CPU rank, on the same
-    core, holding the GIL: 0.77 ms at the start of each step of the pipeline
-    benchmark's first stage, which the next stage waits for): it waits until the
-    consumer says it is :meth:`idle` (a stage waiting for a message), until a
-    :meth:`get` finds the queue empty, or for ``BUILD_IN_IDLE_S``.
     """
 
     def __init__(
@@ -252,7 +241,6 @@ class Prefetcher:
         self.workers = workers
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._idle = threading.Event()
         self._start(start_step)
 
     def _start(self, step: int) -> None:
@@ -276,33 +264,21 @@ class Prefetcher:
         try:
             while not stop.is_set():
                 item = (step, self.dataset.batch(step, *self.request))
-                waited = self._put(out, item, stop)
-                if waited is None:
+                if not self._put(out, item, stop):
                     return
                 step += self.workers
-                if waited:  # a get() just made room: its step is starting; build in its next idle moment
-                    self._idle.clear()
-                    deadline = time.monotonic() + BUILD_IN_IDLE_S
-                    while not (stop.is_set() or self._idle.wait(0.05) or time.monotonic() >= deadline):
-                        pass
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(out, _Failure(exc), stop)
 
     @staticmethod
-    def _put(out: queue.Queue[_Produced], item: _Produced, stop: threading.Event) -> bool | None:
-        """Queue ``item``; whether it had to wait for room (None: stopped first)."""
-        waited = out.full()  # only the consumer makes room
+    def _put(out: queue.Queue[_Produced], item: _Produced, stop: threading.Event) -> bool:
         while not stop.is_set():
             try:
                 out.put(item, timeout=0.05)
-                return waited
+                return True
             except queue.Full:
-                waited = True
-        return None
-
-    def idle(self) -> None:
-        """The consumer has nothing to do for a moment (a stage waits for a message): a good time to build."""
-        self._idle.set()
+                continue
+        return False
 
     def get(self, step: int | None = None) -> list[Microbatch]:
         """The microbatches of ``step`` (default: the next one); another step restarts the producers there."""
@@ -315,8 +291,6 @@ class Prefetcher:
             self._halt()
             self._start(step)
         worker = (step - self._base) % self.workers
-        if self._queues[worker].empty():  # no batch ready: its producer may be waiting for an idle moment
-            self._idle.set()
         while True:
             try:
                 item = self._queues[worker].get(timeout=0.1)

@@ -178,9 +178,6 @@ class StageRuntime:
         self.grad_sync = grad_sync
         self.recv_timeout_s = recv_timeout_s
         self.bubble_filler = bubble_filler
-        self.on_wait: Callable[[], None] | None = None
-        """Called when a receive starts to wait, after any early W: the data prefetcher builds the next batch
-        then (:meth:`geosched.data.Prefetcher.idle`) rather than at the step's start, on the critical path."""
         self.loss_scale = loss_scale  # fp16's dynamic loss scale (None: gradients are not scaled)
         self.all_true = all_true  # is a flag true on every rank of this stage's group (None: this rank alone)
         self._flags = StageFlags(transport, stage, module.first, module.last, recv_timeout_s)  # fp16's agreement
@@ -406,8 +403,6 @@ class StageRuntime:
         waited = not transport.poll(peer, kind, state.step, mb)
         if waited and self._weight_order and state.weight_work:
             waited = self._weights_in_wait(lambda: transport.poll(peer, kind, state.step, mb), state)
-        if waited and self.on_wait is not None:
-            self.on_wait()
         begin = time.perf_counter()
         arrived = None
         if waited and self.bubble_filler is not None:

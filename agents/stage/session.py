@@ -216,10 +216,17 @@ class RankSession:
             loss_scale=self.loss_scale,
             all_true=parts.all_true if parts is not None else None,
         )
-        if self.prefetcher is not None:  # the next batch is built while the stage waits, not as a step starts
-            self.runtime.on_wait = self.prefetcher.idle
-        where = f"stage {role.stage}/{role.num_stages} replica {role.replica}/{role.dp_size} layers [{start}, {end})"
-        log.info("rank %d ready: %s in %s", role.rank, where, role.dc)
+        log.info(
+            "rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s",
+            role.rank,
+            role.stage,
+            role.num_stages,
+            role.replica,
+            role.dp_size,
+            start,
+            end,
+            role.dc,
+        )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, GradientSync | None]:
         """The optimizer and what ALL_REDUCE runs: AdamW at the job's ZeRO stage. With tp > 1 the stage is
