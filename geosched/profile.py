@@ -182,7 +182,7 @@ SPLIT_PAIRS = 15
 def measure_backward_split(job: JobSpec, *, repeats: int = 5, warmup: int = 2, device: str = "cpu") -> float:
     """(I + W) / B on one block: the input-gradient and weight-gradient passes the zero-bubble schedule runs
     (:class:`geosched.wgrad.SplitBackward`, as the stage runtime does) against one fused backward. The same
-    FLOPs (Qi et al. 2023); what is left is the deferred layers' bookkeeping, about 1.1 on the demo's blocks
+    FLOPs (Qi et al. 2023); what is left is the deferred layers' bookkeeping, about 1.05 on the demo's blocks
     on a CPU (torch's ``stage_backward_input`` and ``stage_backward_weight``, which walk the graph twice,
     cost about 2.0).
 
