@@ -425,32 +425,30 @@ def main(argv: list[str] | None = None) -> int:
             f"{one['throughput_zb1p_vs_torch_zero_bubble']:.3f}x, against torch's 1F1B "
             f"{one['throughput_zb1p_vs_torch_pipelining']:.3f}x"
         )
-    ratio_a = [one["measured_vs_predicted"] for one in per_round]
-    ratio_b = [one["throughput_vs_torch_pipelining"] for one in per_round]
-    zb_keys = ("throughput_zb1p_vs_torch_pipelining", "throughput_zb1p_vs_torch_zero_bubble")
-    zb_ratios = {key: [one[key] for one in per_round] for key in zb_keys}
+    ratio_keys = (
+        "measured_vs_predicted",
+        "throughput_vs_torch_pipelining",
+        "throughput_zb1p_vs_torch_pipelining",
+        "throughput_zb1p_vs_torch_zero_bubble",
+    )
+    median_keys = (
+        "measured_vs_predicted_calibration_only",
+        "predicted_iteration_s",
+        "measured_iteration_s",
+        "geosched_loopback_iteration_s",
+        "torch_pipelining_iteration_s",
+        "geosched_zb1p_loopback_iteration_s",
+        "torch_zero_bubble_iteration_s",
+    )
+    ratios = {key: [one[key] for one in per_round] for key in ratio_keys}
     result = {
         "steps": steps,
         "warmup": args.warmup,
         "rounds": rounds,
         "microbatches": JOB.global_batch // JOB.microbatch_size,
-        "measured_vs_predicted": statistics.median(ratio_a),
-        "throughput_vs_torch_pipelining": statistics.median(ratio_b),
-        "measured_vs_predicted_per_round": ratio_a,
-        "throughput_vs_torch_pipelining_per_round": ratio_b,
-        **{key: statistics.median(ratios) for key, ratios in zb_ratios.items()},
-        **{f"{key}_per_round": ratios for key, ratios in zb_ratios.items()},
-        "measured_vs_predicted_calibration_only": statistics.median(
-            one["measured_vs_predicted_calibration_only"] for one in per_round
-        ),
-        "predicted_iteration_s": statistics.median(one["predicted_iteration_s"] for one in per_round),
-        "measured_iteration_s": statistics.median(one["measured_iteration_s"] for one in per_round),
-        "geosched_loopback_iteration_s": statistics.median(one["geosched_loopback_iteration_s"] for one in per_round),
-        "torch_pipelining_iteration_s": statistics.median(one["torch_pipelining_iteration_s"] for one in per_round),
-        "geosched_zb1p_loopback_iteration_s": statistics.median(
-            one["geosched_zb1p_loopback_iteration_s"] for one in per_round
-        ),
-        "torch_zero_bubble_iteration_s": statistics.median(one["torch_zero_bubble_iteration_s"] for one in per_round),
+        **{key: statistics.median(values) for key, values in ratios.items()},
+        **{f"{key}_per_round": values for key, values in ratios.items()},
+        **{key: statistics.median(one[key] for one in per_round) for key in median_keys},
         "per_round": per_round,
         "link": LINK,
         "pinned": cpu_for(0) is not None,

@@ -382,8 +382,8 @@ class StageRuntime:
             begin = time.perf_counter()
             self._backward_weight(mb, state)
             state.filled_until = end = time.perf_counter()
-            name = f"{self.stage}W{mb}"
-            state.events.append(Event(self.stage, name, begin - state.t0, end - state.t0, "compute", "W"))
+            name, kind = str(Action(self.stage, K.BACKWARD_WEIGHT, mb)), K.BACKWARD_WEIGHT.value
+            state.events.append(Event(self.stage, name, begin - state.t0, end - state.t0, "compute", kind))
         return False
 
     def _step(self, state: StepState) -> None:
