@@ -167,7 +167,12 @@ class LinkIO(InboundFrames):
         with self._lock:
             if not self._closed:
                 self._commands.append((kind, item))
-                self._wake()
+                # A recv needs the thread now only if its message is already here; else the thread takes it
+                # up when it next wakes (before it reads, so the message lands in it), at the latest when the
+                # message's first chunk arrives. Read off the thread: a message made ready after this check
+                # is made ready before that wake-up's commands run, so none is missed.
+                if kind == "send" or item.key in self.recv.ready:
+                    self._wake()
                 return
         fail_future(item.future, LinkError(f"link {self.config.link_id} to {self.peer} is closed"))
 
@@ -327,6 +332,7 @@ class LinkIO(InboundFrames):
             timeout_s = min(TIMER_S, max(0.0, wake_at - now)) if wake_at is not None else TIMER_S
             ready = poller.poll(0 if self._commands else poll_timeout_ms(timeout_s))
             now = monotonic()
+            self._run_commands()  # before the reads: a recv posted by now receives straight into its tensor
             drained = True  # every socket read this turn has nothing more waiting
             for sock, _event in ready:
                 if sock == wake_fd:

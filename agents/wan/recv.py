@@ -120,6 +120,11 @@ class PostedRecv:
     deadline: float
     timeout_s: float
     bound: InMessage | None = None
+    out_array: np.ndarray | None = field(init=False, default=None)  # flat uint8 view of ``out``
+
+    def __post_init__(self) -> None:
+        if self.out is not None:  # made where the recv is posted: off the I/O thread, whose torch calls run cold
+            self.out_array = byte_array(self.out)
 
 
 @dataclass(eq=False)
@@ -191,6 +196,8 @@ class RecvState:
         self.done_floor = floor
         self.done_above = {s for s in self.done_above if s >= floor}
         self._slide_floor()
+        for key in list(self.ready):  # a ready message whose ``prev`` the sender gave up on may go now
+            self._deliver(key)
 
     # ------------------------------------------------------------ chunks
 
@@ -230,18 +237,19 @@ class RecvState:
                 _out_mismatch(posted.out, c.dtype, c.shape),
             )
             posted = None
-        if posted is not None:
-            tensor = posted.out if posted.out is not None else empty_tensor(c.dtype, c.shape)
-            staged = False
+        if posted is not None and posted.out is not None and posted.out_array is not None:
+            tensor, array, staged = posted.out, posted.out_array, False
+        elif posted is not None:
+            tensor = empty_tensor(c.dtype, c.shape)
+            array, staged = byte_array(tensor), False
         elif self.counters.staged_bytes + c.total > self.max_staged_bytes:
             return None
         else:
             tensor, staged = empty_tensor(c.dtype, c.shape), True
+            array = byte_array(tensor)
             self.counters.staged_bytes += c.total
         nchunks = max(1, -(-c.total // c.chunk))
-        msg = InMessage(
-            c.seq, c.key, c.prev, c.dtype, c.shape, c.total, c.chunk, nchunks, tensor, byte_array(tensor), staged, now
-        )
+        msg = InMessage(c.seq, c.key, c.prev, c.dtype, c.shape, c.total, c.chunk, nchunks, tensor, array, staged, now)
         if posted is not None:
             self._pop_posted(posted)
             posted.bound, msg.posted = msg, posted
@@ -270,8 +278,7 @@ class RecvState:
                 self._push_ready(msg)  # the consumer gave up at the last moment: keep the message
         else:
             self._push_ready(msg)
-        for key in list(self.posted):
-            self._deliver(key)
+        self._deliver(msg.key)  # only its key's next message waited on it (``prev`` links a key's messages)
 
     def _push_ready(self, msg: InMessage) -> None:
         if not msg.staged:  # it was bound to a recv that went away: now it is staged data
@@ -291,6 +298,7 @@ class RecvState:
             posted.bound = None
             self.posted.setdefault(posted.key, []).insert(0, posted)
         self.counters.drop("stale")
+        self._deliver(msg.key)  # its key's next message no longer waits on it
 
     # ------------------------------------------------------------ consumers
 
@@ -311,7 +319,8 @@ class RecvState:
         if posted.out is not None:
             if _mismatch(posted.out, msg.dtype, msg.shape):
                 return  # served (and refused) when the message completes
-            out_array = byte_array(posted.out)
+            out_array = posted.out_array
+            assert out_array is not None  # set with out
             out_array[:] = msg.array  # the bytes received so far; later chunks land in out directly
             msg.tensor, msg.array = posted.out, out_array
         if msg.staged:
@@ -336,8 +345,8 @@ class RecvState:
                 )
                 continue
             result = msg.tensor
-            if posted.out is not None:
-                byte_array(posted.out)[:] = msg.array
+            if posted.out is not None and posted.out_array is not None:
+                posted.out_array[:] = msg.array
                 result = posted.out
             if resolve_future(posted.future, result):
                 heapq.heappop(ready)
