@@ -36,9 +36,9 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread, positive_float
+from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread, positive_float, positive_int
 
-PROMPT_TOKENS = 48
+PROMPT_TOKENS, SEQ_LEN = 48, 64  # defaults of --prompt-tokens and --seq-len
 
 
 def _rank_main(
@@ -125,6 +125,7 @@ def _client(
     outstanding: int,
     training_done: Any,
     deadline_s: float,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
     """Keep ``outstanding`` prompts in flight per endpoint during load steps; the answers and their TTFT."""
     import torch
@@ -151,7 +152,7 @@ def _client(
             if not training_done.is_set() and _load_on(step_seen.value, warmup, phase):
                 for i, c in enumerate(clients):
                     while in_flight[i] < outstanding:
-                        prompt = torch.randint(0, 256, (PROMPT_TOKENS,), generator=gen)
+                        prompt = torch.randint(0, 256, (prompt_tokens,), generator=gen)
                         sent_at[c.submit(prompt, deadline_s=deadline_s, return_kv=True)] = time.perf_counter()
                         in_flight[i] += 1
             ready = dict(poller.poll(20))
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from geosched.config import JobSpec, ModelSpec
 
     job = JobSpec(
-        model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=64),
+        model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=args.seq_len),
         global_batch=args.microbatches * 2,
         microbatch_size=2,
         precision="fp32",
@@ -241,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.outstanding,
                 training_done,
                 10.0,
+                args.prompt_tokens,
             ),
             daemon=True,
         )
@@ -335,6 +337,8 @@ def summarise(
         "rtt_ms": args.rtt_ms,
         "link_mbit": args.link_mbit,
         "outstanding": args.outstanding,
+        "prompt_tokens": args.prompt_tokens,
+        "seq_len": args.seq_len,
         "sec_per_token": {s: m.get("sec_per_token") for s, m in metrics.items()},
         "wall_s": wall,
     }
@@ -353,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", type=int, default=3, help="pairs of (without, with) phases (default 3)")
     parser.add_argument("--outstanding", type=int, default=6, help="prompts in flight per stage under load")
     parser.add_argument(
+        "--seq-len", type=positive_int, default=SEQ_LEN, help=f"the model's sequence length (default {SEQ_LEN})"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=positive_int, default=PROMPT_TOKENS, help=f"tokens per prompt (default {PROMPT_TOKENS})"
+    )
+    parser.add_argument(
         "--max-piece-ms",
         type=positive_float,
         default=2.0,
@@ -369,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         args.phase_steps, args.phases, args.warmup_steps = 8, 2, 3
     if args.phase_steps < 3 or args.phases < 1 or args.layers < 2:
         parser.error("--phase-steps must be >= 3, --phases >= 1 and --layers >= 2")
+    if args.prompt_tokens > args.seq_len:
+        parser.error(f"--prompt-tokens ({args.prompt_tokens}) must be at most --seq-len ({args.seq_len})")
     result = run(args)
     print(
         f"busy fraction without prefill {result['busy_without_prefill']:.3f}, with prefill "
