@@ -238,15 +238,14 @@ class RecvState:
             )
             posted = None
         if posted is not None and posted.out is not None and posted.out_array is not None:
-            tensor, array, staged = posted.out, posted.out_array, False
-        elif posted is not None:
-            tensor = empty_tensor(c.dtype, c.shape)
-            array, staged = byte_array(tensor), False
-        elif self.counters.staged_bytes + c.total > self.max_staged_bytes:
+            tensor, array = posted.out, posted.out_array
+        elif posted is None and self.counters.staged_bytes + c.total > self.max_staged_bytes:
             return None
         else:
-            tensor, staged = empty_tensor(c.dtype, c.shape), True
+            tensor = empty_tensor(c.dtype, c.shape)
             array = byte_array(tensor)
+        staged = posted is None  # nobody waits for it yet: it counts against max_staged_bytes
+        if staged:
             self.counters.staged_bytes += c.total
         nchunks = max(1, -(-c.total // c.chunk))
         msg = InMessage(c.seq, c.key, c.prev, c.dtype, c.shape, c.total, c.chunk, nchunks, tensor, array, staged, now)
