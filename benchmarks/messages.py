@@ -5,19 +5,24 @@ back and forth: each sends it, then waits for the other's. Per round trip (one
 message each way) we report the wall time and the CPU time of both processes
 (every thread: the caller, the link's I/O thread, ZeroMQ's I/O thread), for
 WanLink as a stage uses it inside a DC (one stream, ``start_send`` and
-``start_recv`` with no ``out``) and for raw pyzmq PAIR sockets moving the same
-bytes zero-copy (``recv(copy=False)``). Bulk goodput is ``wan.py``'s business;
+``start_recv`` with no ``out``), for raw pyzmq PAIR sockets moving the same
+bytes zero-copy (``recv(copy=False)``), and for torch.distributed's gloo
+point-to-point send and receive (a two-rank ``ProcessGroupGloo``: what
+``torch.distributed.pipelining`` moves activations with on CPUs, the reference a
+pipeline runtime is compared with in ``pipeline.py``). Bulk goodput is ``wan.py``'s business;
 this is the fixed cost that a pipeline of small messages pays on every
 microbatch, which on a shared core comes out of compute.
 
 Sizes: 16 KiB, 128 KiB (the activation of ``pipeline.py``'s model: 4 x 64 x 128
-fp32) and 1 MiB. Both transports live in the same two processes and take turns
-in blocks of round trips (A B B A ...), so a drift of this machine's speed hits
-both alike; the ratios are medians of the per-block ratios.
+fp32) and 1 MiB. The transports live in the same two processes and take turns
+in blocks of round trips (A B C C B A ...), so a drift of this machine's speed hits
+all alike; the ratios are medians of the per-block ratios.
 
 JSON keys (the 128 KiB message): ``roundtrip_us``, ``raw_zmq_roundtrip_us``,
 ``latency_vs_raw_zmq``, ``cpu_us_per_roundtrip``, ``raw_zmq_cpu_us_per_roundtrip``,
-``cpu_vs_raw_zmq``; ``by_size`` (the same per size, medians), and the settings.
+``cpu_vs_raw_zmq``, ``gloo_roundtrip_us``, ``gloo_cpu_us_per_roundtrip``, ``latency_vs_gloo``,
+``cpu_vs_gloo``, ``gloo_block_roundtrip_us`` (each block's, a new gloo connection each);
+``by_size`` (the same per size, medians), and the settings.
 
 Examples::
 
@@ -38,34 +43,47 @@ KIB = 1 << 10
 SIZES = (16 * KIB, 128 * KIB, 1024 * KIB)
 HEADLINE = 128 * KIB
 WARMUP = 200
-TRANSPORTS = ("raw", "wanlink")
+RECONNECT_WARMUP = 20
+TRANSPORTS = ("raw", "wanlink", "gloo")
 
 
 def _ping_pong(rank: int, nbytes: int, rounds: int, count: int, ports: Any, results: Any) -> None:
     """One end: WARMUP round trips on each transport, then ``rounds`` blocks of ``count`` on each, in turns
-    (A B B A ...: a drift of the machine's speed hits both alike); reports {transport: [(wall s, CPU s)]}."""
+    (A B C C B A ...: a drift of the machine's speed hits all alike); reports {transport: [(wall s, CPU s)]}."""
     try:
         pin_one_thread(cpu_for(rank))
-        ends = {"raw": _raw_ends(rank, nbytes, ports), "wanlink": _wanlink_ends(rank, nbytes, ports)}
+        ends = {
+            "raw": _raw_ends(rank, nbytes, ports),
+            "wanlink": _wanlink_ends(rank, nbytes, ports),
+            "gloo": _gloo_ends(rank, nbytes, ports),
+        }
         report: dict[str, list[tuple[float, float]]] = {t: [] for t in TRANSPORTS}
         step = 0
         for transport in TRANSPORTS:
             step = _bounce(rank, ends[transport], step, WARMUP)
         for block in range(rounds):
             for transport in TRANSPORTS if block % 2 == 0 else TRANSPORTS[::-1]:
+                reconnect = ends[transport][3]
+                if reconnect is not None:
+                    reconnect()
+                    step = _bounce(rank, ends[transport], step, RECONNECT_WARMUP)
                 cpu, wall = time.process_time(), time.perf_counter()
                 step = _bounce(rank, ends[transport], step, count)
                 report[transport].append((time.perf_counter() - wall, time.process_time() - cpu))
-        for _send, _recv, close in ends.values():
-            close()
+        for end in ends.values():
+            end[2]()
         results.put(("messages", rank, report))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent
         results.put(("messages", rank, repr(exc)))
 
 
-def _bounce(rank: int, ends: tuple[Any, Any, Any], step: int, count: int) -> int:
+Ends = tuple[Any, Any, Any, Any]
+"""A transport's (send(i), recv(i), close(), reconnect() or None)."""
+
+
+def _bounce(rank: int, ends: Ends, step: int, count: int) -> int:
     """``count`` round trips (rank 0 sends first); returns the next message number."""
-    send, recv, _close = ends
+    send, recv = ends[:2]
     for i in range(step, step + count):
         if rank == 0:
             send(i)
@@ -76,7 +94,7 @@ def _bounce(rank: int, ends: tuple[Any, Any, Any], step: int, count: int) -> int
     return step + count
 
 
-def _raw_ends(rank: int, nbytes: int, ports: Any) -> tuple[Any, Any, Any]:
+def _raw_ends(rank: int, nbytes: int, ports: Any) -> Ends:
     import numpy as np
     import zmq
 
@@ -92,10 +110,10 @@ def _raw_ends(rank: int, nbytes: int, ports: Any) -> tuple[Any, Any, Any]:
         sock.close(linger=1000)
         ctx.term()
 
-    return (lambda i: sock.send(data, copy=False)), (lambda i: sock.recv(copy=False)), close
+    return (lambda i: sock.send(data, copy=False)), (lambda i: sock.recv(copy=False)), close, None
 
 
-def _wanlink_ends(rank: int, nbytes: int, ports: Any) -> tuple[Any, Any, Any]:
+def _wanlink_ends(rank: int, nbytes: int, ports: Any) -> Ends:
     import torch
 
     from agents.wan.config import WanLinkConfig
@@ -119,11 +137,45 @@ def _wanlink_ends(rank: int, nbytes: int, ports: Any) -> tuple[Any, Any, Any]:
         lambda i: link.start_send(tensor, step=i, microbatch=0, kind=mine),
         lambda i: link.start_recv(step=i, microbatch=0, kind=theirs).result(timeout=60),
         close,
+        None,
+    )
+
+
+def _gloo_ends(rank: int, nbytes: int, ports: Any) -> Ends:
+    """A two-rank ProcessGroupGloo (its own TCPStore, no default group): blocking send and receive.
+
+    A new group (new connections) for every block: on this host a gloo connection settles in one of two
+    modes for its whole life, about 70 us or about 1.4 ms a 128 KiB round trip (its loop thread spinning),
+    so one connection for the whole run would measure one draw of that coin; the median over blocks is the
+    common mode, and every block's figure is reported."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=60)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout, wait_for_workers=False)
+        ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=30), 2, False, timeout)
+    groups = [dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, 2, timeout)]
+
+    def reconnect() -> None:
+        groups.append(dist.ProcessGroupGloo(dist.PrefixStore(str(len(groups)), store), rank, 2, timeout))
+
+    tensor, received = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    peer = 1 - rank
+    return (
+        lambda i: groups[-1].send([tensor], peer, 0).wait(),
+        lambda i: groups[-1].recv([received], peer, 0).wait(),
+        groups.clear,
+        reconnect,
     )
 
 
 def measure(nbytes: int, rounds: int, count: int) -> dict[str, float]:
-    """Both transports for one size in one pair of pinned processes; medians per round trip (us) and of the
+    """Every transport for one size in one pair of pinned processes; medians per round trip (us) and of the
     per-round ratios."""
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
@@ -133,13 +185,22 @@ def measure(nbytes: int, rounds: int, count: int) -> dict[str, float]:
     reports = collect(results, procs, f"messages {nbytes} B", timeout_s=300)
     wall = {t: [max(r[t][k][0] for r in reports.values()) / count * 1e6 for k in range(rounds)] for t in TRANSPORTS}
     cpu = {t: [sum(r[t][k][1] for r in reports.values()) / count * 1e6 for k in range(rounds)] for t in TRANSPORTS}
+
+    def ratio(per_block: dict[str, list[float]], other: str) -> float:
+        return statistics.median(w / r for w, r in zip(per_block["wanlink"], per_block[other], strict=True))
+
     return {
         "roundtrip_us": statistics.median(wall["wanlink"]),
         "raw_zmq_roundtrip_us": statistics.median(wall["raw"]),
-        "latency_vs_raw_zmq": statistics.median(w / r for w, r in zip(wall["wanlink"], wall["raw"], strict=True)),
+        "latency_vs_raw_zmq": ratio(wall, "raw"),
         "cpu_us_per_roundtrip": statistics.median(cpu["wanlink"]),
         "raw_zmq_cpu_us_per_roundtrip": statistics.median(cpu["raw"]),
-        "cpu_vs_raw_zmq": statistics.median(w / r for w, r in zip(cpu["wanlink"], cpu["raw"], strict=True)),
+        "cpu_vs_raw_zmq": ratio(cpu, "raw"),
+        "gloo_roundtrip_us": statistics.median(wall["gloo"]),
+        "gloo_cpu_us_per_roundtrip": statistics.median(cpu["gloo"]),
+        "latency_vs_gloo": ratio(wall, "gloo"),
+        "cpu_vs_gloo": ratio(cpu, "gloo"),
+        "gloo_block_roundtrip_us": [round(w, 1) for w in wall["gloo"]],
     }
 
 
@@ -157,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{nbytes // KIB:5d} KiB: round trip {m['roundtrip_us']:7.1f} us "
             f"(raw pyzmq {m['raw_zmq_roundtrip_us']:6.1f}), CPU {m['cpu_us_per_roundtrip']:7.1f} us "
             f"(raw {m['raw_zmq_cpu_us_per_roundtrip']:6.1f}): {m['cpu_vs_raw_zmq']:.2f}x the CPU, "
-            f"{m['latency_vs_raw_zmq']:.2f}x the time; medians of {rounds} x {count}",
+            f"{m['latency_vs_raw_zmq']:.2f}x the time; gloo p2p {m['gloo_roundtrip_us']:6.1f} us, CPU "
+            f"{m['gloo_cpu_us_per_roundtrip']:6.1f} us ({m['cpu_vs_gloo']:.2f}x); medians of {rounds} x {count}",
             flush=True,
         )
     headline = by_size[str(HEADLINE)]
