@@ -28,12 +28,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from geosched.cli import OneLineParser  # noqa: E402
 from geosched.processes import allowed_cpus, pin_to_cpu  # noqa: E402
 
 
 def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     """The benchmark's argument parser: ``doc`` (its docstring) as the description, ``--quick`` and ``--json``."""
-    out = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    out = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     out.add_argument("--quick", action="store_true", help=quick_help)
     out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return out

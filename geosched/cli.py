@@ -42,8 +42,8 @@ EPILOG = """examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose usage errors are one line and exit code 2."""
+class OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line and exit code 2 (the CLI's and the benchmarks')."""
 
     def error(self, message: str) -> NoReturn:  # pragma: no cover - exercised via CLI tests
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -54,14 +54,14 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """Build the top-level parser with one subparser per verb (``verb``: that verb's alone, so a command
     imports its own module and not every other verb's: ``geosched plan`` starts 0.1 s sooner without the
     launcher's and the agents' modules)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="geosched",
         description="Plan, simulate and run LLM training across datacenters over a WAN.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser)
     for name, (module_name, help_text) in VERBS.items():
         if verb is not None and name != verb:
             continue
