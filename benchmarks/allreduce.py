@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from common import benchmark_parser, emit
+from common import benchmark_parser, emit, in_range, positive_int
 
 MIB = 1 << 20
 SCHEMES = ("native", "ring", "all_to_all", "gather_broadcast")
@@ -178,16 +178,25 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print a table and ratios (and, with --json, one JSON object last)."""
     parser = benchmark_parser(__doc__, "G=2; 1, 16, 64 MiB only (under a minute)")
-    parser.add_argument("--groups", type=int, nargs="+", default=[2, 4], help="group sizes G (default 2 4)")
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="tensor sizes")
-    parser.add_argument("--reps", type=int, default=7, help="timed runs per scheme and size (default 7)")
-    parser.add_argument("--grad-layers", type=int, default=48, help="Linear layers of the gradient-sync model")
-    parser.add_argument("--grad-width", type=int, default=512, help="width of those layers (48 x 512: 48 MiB)")
+    parser.add_argument(
+        "--groups", type=in_range(2, 16, whole=True), nargs="+", default=[2, 4], help="group sizes G (default 2 4)"
+    )
+    parser.add_argument(
+        "--sizes-mib", type=in_range(1, 4096, whole=True), nargs="+", default=[1, 4, 16, 64, 256], help="tensor sizes"
+    )
+    parser.add_argument("--reps", type=positive_int, default=7, help="timed runs per scheme and size (default 7)")
+    parser.add_argument(
+        "--grad-layers", type=in_range(1, 1024, whole=True), default=48, help="Linear layers of the gradient-sync model"
+    )
+    parser.add_argument(
+        "--grad-width",
+        type=in_range(1, 16384, whole=True),
+        default=512,
+        help="width of those layers (48 x 512: 48 MiB)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.groups, args.sizes_mib = [2], [1, 16, 64]
-    if min(args.groups) < 2 or min(args.sizes_mib) < 1 or args.reps < 1:
-        parser.error("--groups must be >= 2, --sizes-mib >= 1 and --reps >= 1")
 
     from agents.dp.local_group import run_local_group
 

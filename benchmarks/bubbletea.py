@@ -36,9 +36,19 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, cpu_for, emit, join_or_kill, pin_one_thread, positive_float, positive_int
+from common import (
+    benchmark_parser,
+    cpu_for,
+    emit,
+    in_range,
+    join_or_kill,
+    pin_one_thread,
+    positive_float,
+    positive_int,
+)
 
 PROMPT_TOKENS, SEQ_LEN = 48, 64  # defaults of --prompt-tokens and --seq-len
+HEADS = 4  # the model's attention heads
 
 
 def _rank_main(
@@ -180,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from geosched.config import JobSpec, ModelSpec
 
     job = JobSpec(
-        model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=4, seq_len=args.seq_len),
+        model=ModelSpec(layers=args.layers, hidden=args.hidden, heads=HEADS, seq_len=args.seq_len),
         global_batch=args.microbatches * 2,
         microbatch_size=2,
         precision="fp32",
@@ -347,15 +357,28 @@ def summarise(
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the figures and the targets (and, with --json, one JSON object last)."""
     parser = benchmark_parser(__doc__, "short phases (under a minute)")
-    parser.add_argument("--rtt-ms", type=float, default=30.0, help="emulated WAN round trip (default 30)")
-    parser.add_argument("--link-mbit", type=float, default=200.0, help="emulated WAN link cap (default 200)")
-    parser.add_argument("--layers", type=int, default=4, help="model layers, split over 2 stages (default 4)")
-    parser.add_argument("--hidden", type=int, default=128, help="model hidden size (default 128)")
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
-    parser.add_argument("--warmup-steps", type=int, default=4, help="steps left out at the start (default 4)")
-    parser.add_argument("--phase-steps", type=int, default=15, help="steps per phase (default 15)")
-    parser.add_argument("--phases", type=int, default=3, help="pairs of (without, with) phases (default 3)")
-    parser.add_argument("--outstanding", type=int, default=6, help="prompts in flight per stage under load")
+    parser.add_argument("--rtt-ms", type=in_range(0, 1e4), default=30.0, help="emulated WAN round trip (default 30)")
+    parser.add_argument("--link-mbit", type=in_range(1, 1e5), default=200.0, help="emulated WAN link cap (default 200)")
+    parser.add_argument(
+        "--layers", type=in_range(2, 64, whole=True), default=4, help="model layers, split over 2 stages (default 4)"
+    )
+    parser.add_argument(
+        "--hidden",
+        type=in_range(HEADS, 4096, whole=True),
+        default=128,
+        help=f"model hidden size, a multiple of its {HEADS} heads (default 128)",
+    )
+    parser.add_argument(
+        "--microbatches", type=in_range(1, 64, whole=True), default=4, help="microbatches per step (default 4)"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=in_range(0, 1000, whole=True), default=4, help="steps left out at the start (default 4)"
+    )
+    parser.add_argument("--phase-steps", type=positive_int, default=15, help="steps per phase (default 15)")
+    parser.add_argument("--phases", type=positive_int, default=3, help="pairs of (without, with) phases (default 3)")
+    parser.add_argument(
+        "--outstanding", type=in_range(1, 256, whole=True), default=6, help="prompts in flight per stage under load"
+    )
     parser.add_argument(
         "--seq-len", type=positive_int, default=SEQ_LEN, help=f"the model's sequence length (default {SEQ_LEN})"
     )
@@ -370,15 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--switch-interval-ms",
-        type=float,
+        type=positive_float,
         default=0.5,
         help="Python GIL switch interval in the stage processes (default 0.5 ms; Python's is 5)",
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.phase_steps, args.phases, args.warmup_steps = 8, 2, 3
-    if args.phase_steps < 3 or args.phases < 1 or args.layers < 2:
-        parser.error("--phase-steps must be >= 3, --phases >= 1 and --layers >= 2")
+    if args.phase_steps < 3:
+        parser.error(f"--phase-steps must be >= 3 (got {args.phase_steps})")
+    if args.hidden % HEADS:
+        parser.error(f"--hidden ({args.hidden}) must be a multiple of the model's {HEADS} heads")
     if args.prompt_tokens > args.seq_len:
         parser.error(f"--prompt-tokens ({args.prompt_tokens}) must be at most --seq-len ({args.seq_len})")
     result = run(args)

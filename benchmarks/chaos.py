@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit, free_port
+from common import benchmark_parser, emit, free_port, in_range
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/demo-3dc.yaml"
@@ -252,7 +252,9 @@ def run(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "three faults, no clean comparison runs (under two minutes)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the launch may take (default 600)")
+    parser.add_argument(
+        "--timeout", type=in_range(1, 86400), default=600.0, help="seconds the launch may take (default 600)"
+    )
     args = parser.parse_args(argv)
     result = run(args)
     for key, value in result.items():

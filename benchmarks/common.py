@@ -22,7 +22,7 @@ import json
 import queue
 import socket
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
     return value
+
+
+def in_range(low: float, high: float, *, whole: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` for a bounded flag (``--rtt-ms``, ``--hidden``): a finite number (``whole``: an
+    integer) in ``[low, high]``, else the flag's one-line error."""
+    kind = "a whole number" if whole else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value: float = int(text) if whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind} in [{low:g}, {high:g}] (got {text!r})") from None
+        if not low <= value <= high:  # NaN fails both comparisons
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}] (got {text})")
+        return value
+
+    return parse
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 import yaml
-from common import benchmark_parser, emit, positive_int
+from common import benchmark_parser, emit, in_range, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.calibrate import calibrate_plan
@@ -389,19 +389,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", choices=("int8", "fp8"), default="int8", help="the codec of the keys (int8)")
     parser.add_argument(
         "--wan-scale",
-        type=float,
+        type=in_range(1e-3, 1e3),
         default=DEFAULT_WAN_SCALE,
         help=f"emulated WAN bandwidth x this ({DEFAULT_WAN_SCALE})",
     )
-    parser.add_argument("--loss-steps", type=int, help="steps of the learning comparison (default 200; --quick 20)")
-    parser.add_argument("--seeds", type=int, help="training seeds of the learning comparison (default 8; --quick 2)")
+    parser.add_argument(
+        "--loss-steps", type=positive_int, help="steps of the learning comparison (default 200; --quick 20)"
+    )
+    parser.add_argument(
+        "--seeds", type=positive_int, help="training seeds of the learning comparison (default 8; --quick 2)"
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 2)
     loss_steps = args.loss_steps or (20 if args.quick else 200)
     seeds = args.seeds or (2 if args.quick else 8)
-    if seeds < 1:
-        parser.error(f"--seeds must be >= 1 (got {seeds})")
     torch.set_num_threads(1)  # as every rank runs; the learning comparison too
     codec, other = args.codec, {"int8": "fp8", "fp8": "int8"}[args.codec]
     job = config_from_dict(with_compression(DEMO, codec)).job

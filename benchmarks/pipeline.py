@@ -54,7 +54,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from common import benchmark_parser, collect, cpu_for, emit, pin_one_thread, positive_int
+from common import benchmark_parser, collect, cpu_for, emit, in_range, pin_one_thread, positive_int
 from torch_pipelining import run_torch
 from variants import VARIANTS, aggregates, run_variants
 
@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "fewer steps, one round, one calibration per round (under a minute)")
     parser.add_argument("--steps", type=positive_int, help="measured steps per run (default 10, quick 5)")
     parser.add_argument("--rounds", type=positive_int, help="calibrate/measure rounds (default 5, quick 1)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument(
+        "--warmup", type=in_range(0, 100, whole=True), default=2, help="untimed steps first (default 2)"
+    )
     parser.add_argument("--variants", action=argparse.BooleanOptionalAction, help="(c); default: on, off in --quick")
     args = parser.parse_args(argv)
     steps = args.steps or (5 if args.quick else 10)

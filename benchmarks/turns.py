@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit, positive_int
+from common import benchmark_parser, emit, in_range, positive_int
 
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.calibrate import calibrate_plan
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__, "4 steps a run, one round, uncalibrated (under a minute)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 10; --quick 4)")
     parser.add_argument("--rounds", type=positive_int, help="runs per mode (default 3; --quick 1)")
-    parser.add_argument("--wan-scale", type=float, default=DEFAULT_WAN_SCALE, help="emulated WAN bandwidth scale")
+    parser.add_argument(
+        "--wan-scale", type=in_range(1e-3, 1e3), default=DEFAULT_WAN_SCALE, help="emulated WAN bandwidth scale"
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (4 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 3)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import benchmark_parser, emit, join_or_kill
+from common import benchmark_parser, emit, in_range, join_or_kill, positive_int
 
 MIB = 1 << 20
 
@@ -295,16 +295,33 @@ def _make_curve_dir(folder: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table (and, with --json, one JSON object last)."""
     parser = benchmark_parser(__doc__, "smaller tensors, fewer repeats (under a minute)")
-    parser.add_argument("--link-mbit", type=float, default=200.0, help="emulated link cap in Mbit/s (default 200)")
-    parser.add_argument("--rtt-ms", type=float, default=40.0, help="emulated round-trip time in ms (default 40)")
     parser.add_argument(
-        "--wan-mib", type=int, default=None, help="tensor size of the WAN runs (default 64; quick: 8 for K=1)"
+        "--link-mbit", type=in_range(1, 1e5), default=200.0, help="emulated link cap in Mbit/s (default 200)"
     )
-    parser.add_argument("--wan-chunk-kib", type=int, default=0, help="WanLink chunk size on the WAN (default 0: auto)")
-    parser.add_argument("--chunk-kib", type=int, default=0, help="loopback chunk size, raw and WanLink (default: auto)")
+    parser.add_argument(
+        "--rtt-ms", type=in_range(0, 1e4), default=40.0, help="emulated round-trip time in ms (default 40)"
+    )
+    parser.add_argument(
+        "--wan-mib",
+        type=in_range(1, 4096, whole=True),
+        default=None,
+        help="tensor size of the WAN runs (default 64; quick: 8 for K=1)",
+    )
+    parser.add_argument(
+        "--wan-chunk-kib",
+        type=in_range(0, 65536, whole=True),
+        default=0,
+        help="WanLink chunk size on the WAN (default 0: auto)",
+    )
+    parser.add_argument(
+        "--chunk-kib",
+        type=in_range(0, 65536, whole=True),
+        default=0,
+        help="loopback chunk size, raw and WanLink (default: auto)",
+    )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=None,
         help="loopback pairs (raw, WanLink) run back to back; medians reported (default 7, quick 3)",
     )
