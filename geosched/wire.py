@@ -35,6 +35,7 @@ from geosched.errors import ProtocolError
 MAX_HEADER_BYTES = 4096  # a header frame longer than this is refused before decoding
 MAX_HEADER_STR = 256  # longest string (or bin) value allowed inside a header
 MAX_HEADER_ITEMS = 64  # most keys in the header map / items in one of its arrays
+MAX_HEADER_DEPTH = 4  # the map, its values, their items, theirs: deeper nesting is refused (it is never sent)
 MAX_DIMS = 16  # most dimensions of a tensor shape
 
 _QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
@@ -103,7 +104,31 @@ def decode_header(data: bytes | memoryview, *, max_bytes: int = MAX_HEADER_BYTES
         raise ProtocolError(f"header frame is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    for value in header.values():  # hot path: most values are scalars
+        if type(value) is list or type(value) is dict:
+            _check_depth(value)
     return header
+
+
+def _check_depth(value: list[Any] | dict[Any, Any]) -> None:
+    """ProtocolError if containers nest deeper than MAX_HEADER_DEPTH (counting the header map): a frame of a
+    few KB can nest a thousand lists deep, and anything that prints or compares such a value recursively
+    would exhaust the stack. Iterative, so checking cannot."""
+    stack: list[tuple[Any, int]] = [(value, 2)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_HEADER_DEPTH:
+            raise ProtocolError(f"header nests containers deeper than {MAX_HEADER_DEPTH} levels")
+        children = item.values() if type(item) is dict else item
+        stack.extend((child, depth + 1) for child in children if type(child) is list or type(child) is dict)
+
+
+def show(value: Any, limit: int = 20) -> str:
+    """A value from the wire for an error message: a scalar's text cut to ``limit`` characters, else only its
+    type (never the whole of a container, however it nests)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return repr(value)[:limit]
+    return f"<{type(value).__name__}>"
 
 
 def join_maps(first: bytes, first_items: int, second: bytes, second_items: int) -> bytes:

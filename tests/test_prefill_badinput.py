@@ -54,6 +54,8 @@ BAD_REQUESTS = {
     "no id": ([header(id=None), b"hi"], "'id'"),
     "long id": ([header(id="x" * 65), b"hi"], "'id'"),
     "bad version": ([header(v=9), b"hi"], f"'v' must be {VERSION}"),
+    "nested 1,000 deep": ([b"\x81\xa1v" + b"\x91" * 1000 + b"\x00", b"hi"], "deeper than"),
+    "version a list": ([header(v=[[1]]), b"hi"], "(got <list>)"),
     "version 1": ([header(v=1), b"hi"], "a version 1 client expects one frame per KV tensor"),
     "bad prompt kind": ([header(prompt="image"), b"hi"], "'prompt' must be"),
     "priority type": ([header(priority="high"), b"hi"], "'priority' must be int"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import math
 import socket
 import threading
@@ -179,6 +180,7 @@ def test_the_token_is_required(served):
         (b'{"prompt": [1, 999]}', 400, "token ids must be in [0, 256)"),
         (b'{"prompt": ["a", "b"]}', 400, "one prompt per request"),
         (b'{"prompt": ""}', 400, "prompt is empty"),
+        (b'{"prompt": "a\\ud800"}', 400, "not valid Unicode"),  # a lone surrogate
         (json.dumps({"prompt": "x" * 65}).encode(), 400, "exceeds this agent's limit of 64"),
         (b'{"prompt": "a", "model": "gpt-4"}', 404, "is not served here"),
         (b'{"prompt": "' + b"x" * 20_000 + b'"}', 413, "the body exceeds"),
@@ -187,6 +189,28 @@ def test_the_token_is_required(served):
 def test_bad_bodies_are_refused_with_openai_errors(served, raw: bytes, status: int, needle: str):
     reply = call(served[1], "POST", "/v1/completions", raw=raw)
     assert reply[0] == status and needle in error(reply)["message"], reply
+
+
+def _raw_reply(server: PrefillHttpServer, request: bytes) -> bytes:
+    with socket.create_connection((server.host, server.port), timeout=10) as conn:
+        conn.sendall(request)
+        return conn.recv(4096)
+
+
+def test_malformed_requests_and_undecodable_tokens_are_refused_counted_and_not_logged_as_errors(served, caplog):
+    service, server = served
+    before = service.metrics()
+    body = b"Content-Length: 2\r\n\r\n{}"
+    with caplog.at_level(logging.DEBUG):
+        reply = _raw_reply(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\r\n" + body)
+        assert reply.startswith(b"HTTP/1.1 401"), reply
+        for bad in (b"Ho\x00st: x\r\n", b"NoColon\r\n"):  # refused by aiohttp's parser
+            assert _raw_reply(server, b"GET /v1/models HTTP/1.1\r\n" + bad + b"\r\n").startswith(b"HTTP/1.0 400")
+    after = service.metrics()
+    assert after["unauthenticated"] == before["unauthenticated"] + 1
+    assert after["bad_requests"] == before["bad_requests"] + 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert call(server, "GET", "/v1/models")[0] == 200
 
 
 def test_a_body_that_does_not_arrive_is_refused(model):

@@ -77,6 +77,8 @@ def test_bad_frames_are_refused_counted_and_the_link_keeps_serving(server: WanLi
         stranger.connect(endpoint)
         stranger.send_multipart(chunk_frames(b"x" * 10))  # data without hello
         assert wait_for(lambda: drops()["unknown_peer"] == 2)
+        stranger.send(b"\x81\xa1v" + b"\x91" * 1000 + b"\x00")  # {"v": [[[...1000 deep...]]]}: 1 KB
+        assert wait_for(lambda: drops()["bad_header"] == 1)
 
         # a peer that says hello properly, then misbehaves
         evil = ctx.socket(zmq.DEALER)
@@ -89,6 +91,7 @@ def test_bad_frames_are_refused_counted_and_the_link_keeps_serving(server: WanLi
         cases = [
             ("bad_header", [good[0][: len(good[0]) // 2], good[1]]),  # truncated header
             ("bad_header", [b"\x93garbage", good[1]]),
+            ("bad_header", chunk_frames(b"y" * 100, kind=[[[["activation"]]]])),  # nested deeper than headers go
             ("bad_version", chunk_frames(b"y" * 100, v=99)),
             ("unknown_link", chunk_frames(b"y" * 100, link=LINK + 1)),
             ("bad_checksum", chunk_frames(b"y" * 100, crc=(checksum(b"y" * 100) + 1) & 0xFFFFFFFF)),

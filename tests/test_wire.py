@@ -22,6 +22,7 @@ from geosched.wire import (
     require,
     require_int,
     require_shape,
+    show,
     tensor_bytes,
     tensor_from_buffer,
 )
@@ -54,6 +55,22 @@ def test_header_round_trip_and_limits() -> None:
         decode_header(msgpack.packb({1: 2}))  # non-string keys
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         decode_header(msgpack.packb({"x": msgpack.ExtType(1, b"pickle?")}))
+
+
+def test_nesting_is_bounded_and_wire_values_print_short() -> None:
+    nested = {"v": [[{"k": 1}]], "shape": [2, 3]}  # four levels, counting the header map: allowed
+    assert decode_header(encode_header(nested)) == nested
+    bomb = b"\x81\xa1v" + b"\x91" * 1000 + b"\x00"  # {"v": [[[...]]]}, 1,005 bytes
+    with pytest.raises(ProtocolError, match="deeper than"):
+        decode_header(bomb)
+    with pytest.raises(ProtocolError, match="deeper than"):
+        decode_header(encode_header({"v": 1, "m": {"a": {"b": [[0]]}}}))  # five
+    deep: list = []
+    for _ in range(100_000):  # deeper than any recursion limit: show never walks into it
+        deep = [deep]
+    assert show(deep) == "<list>"
+    assert show("x" * 100) == repr("x" * 100)[:20]
+    assert show(7) == "7" and show(None) == "None"
 
 
 def test_field_validators_name_the_field() -> None:

@@ -98,7 +98,12 @@ def token_text(token: int) -> str:
 def _prompt_frame(prompt: Any) -> tuple[str, bytes, str]:
     """(kind, frame, text) of a JSON prompt: a string (UTF-8 bytes are the tokens) or a list of token ids."""
     if isinstance(prompt, str):
-        return "text", prompt.encode("utf-8"), prompt
+        try:
+            return "text", prompt.encode("utf-8"), prompt
+        except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
+            raise invalid(
+                "prompt is not valid Unicode (a lone surrogate such as \\ud800); send UTF-8 text", "prompt"
+            ) from None
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not -(1 << 63) <= t < 1 << 63 for t in prompt):
             raise invalid("prompt token ids must fit in int64", "prompt")

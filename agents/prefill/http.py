@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from agents.prefill.completions import (
     Ask,
@@ -69,6 +70,25 @@ BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") o
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _ServerLog(logging.Logger):
+    """aiohttp's server logger for one front end: a request its parser refuses (a 400 it answers itself: a NUL
+    in a header, a bare LF) is counted as a bad request and logged at debug level, not as an error with a
+    traceback per request (a stranger's flood would fill the log); everything else as aiohttp logs it."""
+
+    def __init__(self, on_bad_request: Callable[[], None]) -> None:
+        super().__init__("aiohttp.server.prefill")
+        self.parent = logging.getLogger("aiohttp.server")  # a logger made here: its records go up from there
+        self._on_bad_request = on_bad_request
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        """Count and quiet the parser's refusals; log the rest with their traceback."""
+        if isinstance(exc_info, HttpProcessingError):
+            self._on_bad_request()
+            self.debug("malformed HTTP request refused: %s", exc_info.message.splitlines()[0][:200])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class PrefillHttpServer:
@@ -170,6 +190,7 @@ class PrefillHttpServer:
         self._runner = runner = web.AppRunner(
             app,
             access_log=None,
+            logger=_ServerLog(lambda: self.service.count_refused("bad_requests")),
             shutdown_timeout=2.0,
             # aiohttp's own idle timer is only a backstop: the guard cuts first, and counts it (_sweep)
             keepalive_timeout=max(limits.header_timeout_s, limits.keepalive_timeout_s) + 1.0,

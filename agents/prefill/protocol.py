@@ -154,13 +154,13 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
         raise BadRequest(f"unknown fields {unknown[:4]}; known: {sorted(REQUEST_FIELDS)}", rid)
     if header.get("v") != VERSION:
         raise BadRequest(
-            f"field 'v' must be {VERSION} (got {header.get('v')!r}); a version 1 client expects one frame per KV "
-            f"tensor: upgrade it",
+            f"field 'v' must be {VERSION} (got {wire.show(header.get('v'))}); a version 1 client expects one "
+            f"frame per KV tensor: upgrade it",
             rid,
         )
     kind = header.get("prompt")
     if kind not in ("text", "tokens"):
-        raise BadRequest(f"field 'prompt' must be 'text' or 'tokens' (got {kind!r})", rid)
+        raise BadRequest(f"field 'prompt' must be 'text' or 'tokens' (got {wire.show(kind)})", rid)
     deadline = _optional(header, "deadline_ms", (int, float), None, rid)
     if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
         raise BadRequest(f"field 'deadline_ms' must be > 0 (got {deadline})", rid)
@@ -222,7 +222,7 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
     header = wire.decode_header(frames[0])
     status = header.get("status")
     if status not in STATUSES:
-        raise ProtocolError(f"response status {status!r} not in {STATUSES}")
+        raise ProtocolError(f"response status {wire.show(status)} not in {STATUSES}")
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise ProtocolError("response id must be a string or nil")

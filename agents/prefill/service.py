@@ -405,7 +405,13 @@ class PrefillService:
 
     def authorized(self, token: str | None) -> bool:
         """Whether ``token`` is the service's (constant-time); always true without an ``auth_token``."""
-        return self.auth_token is None or hmac.compare_digest((token or "").encode(), self.auth_token.encode())
+        if self.auth_token is None:
+            return True
+        try:
+            offered = (token or "").encode()
+        except UnicodeEncodeError:  # a lone surrogate from a header's undecodable bytes: no token of ours
+            return False
+        return hmac.compare_digest(offered, self.auth_token.encode())
 
     def submit(self, req: PrefillRequest, reply: Callable[[PrefillResponse], None]) -> None:
         """Admit a request a front end decoded and authenticated; its one response goes to ``reply``.

@@ -46,7 +46,7 @@ from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
 from agents.wan.seal import HEAD_BYTES, TAG_BYTES, Bytes, FrameSeal, SealError, is_sealed
 from geosched.errors import LinkError, ProtocolError
-from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header
+from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header, show
 
 if TYPE_CHECKING:
     from agents.sockets import PeerLogLimiter
@@ -179,16 +179,16 @@ class InboundFrames:
         except ProtocolError as exc:
             return self._drop("bad_header", frame, str(exc))
         if h.get("v") != PROTOCOL_VERSION:
-            return self._drop("bad_version", frame, f"protocol version {str(h.get('v'))[:20]}")
+            return self._drop("bad_version", frame, f"protocol version {show(h.get('v'))}")
         if h.get("link") != self.config.link_id:
-            return self._drop("unknown_link", frame, f"link id {str(h.get('link'))[:20]}")
+            return self._drop("unknown_link", frame, f"link id {show(h.get('link'))}")
         kind = h.get("type")
         if self._sealing and sealed == (kind in ("hello", "welcome")):
-            return self._drop("auth_failed", frame, f"{str(kind)[:20]} frame {'' if sealed else 'not '}sealed")
+            return self._drop("auth_failed", frame, f"{show(kind)} frame {'' if sealed else 'not '}sealed")
         if kind == "hello" and self.listening:
             return self._on_hello(sock, ident, h, frame, now)
         if stream is None:
-            return self._drop("unknown_peer", frame, f"{str(kind)[:20]} frame before hello")
+            return self._drop("unknown_peer", frame, f"{show(kind)} frame before hello")
         if ident is not None:
             self._fd_stream[frame.get(zmq.SRCFD)] = stream
             self._last_heard = now  # the current session is alive
@@ -203,7 +203,7 @@ class InboundFrames:
             return False
         if kind == "pong" and self.listening:
             return False
-        return self._drop("bad_header", frame, f"unknown frame type {str(kind)[:20]!r}")
+        return self._drop("bad_header", frame, f"unknown frame type {show(kind)}")
 
     def _on_data(self, sock: zmq.Socket[bytes], stream: int, h: dict[str, Any], frame: zmq.Frame, now: float) -> bool:
         if not sock.get(RCVMORE):
