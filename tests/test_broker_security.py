@@ -359,3 +359,43 @@ def test_connections_are_bounded_per_address_and_in_total() -> None:
             await until(lambda: broker.connection_count == 0)
 
     run(scenario())
+
+
+def test_subscriptions_logins_and_unread_output_are_bounded() -> None:
+    limits = BrokerLimits(
+        subscriptions_per_client=4, topic_filter_chars=64, connections_per_login=2, backlog_bytes=4 << 20
+    )
+    payload = b"x" * (512 << 10)
+
+    async def scenario() -> None:
+        async with EmbeddedBroker(users={"a": "pw", "b": "pw2"}, limits=limits) as broker:
+            async with aiomqtt.Client(broker.host, broker.port, identifier="a-1", username="a", password="pw") as a:
+                codes = await a.subscribe([(f"t/{i}", 1) for i in range(6)] + [("t/" + "y" * 80, 1)])
+                assert [getattr(code, "value", code) for code in codes] == [1, 1, 1, 1, 0x80, 0x80, 0x80]
+                renewed = (await a.subscribe("t/0", qos=1))[0]  # a filter it holds: renewed, not refused
+                assert getattr(renewed, "value", renewed) == 1
+                assert broker.refusals["subscribe"] == 3
+                async with aiomqtt.Client(broker.host, broker.port, identifier="a-2", username="a", password="pw"):
+                    reader, writer = await asyncio.open_connection(broker.host, broker.port)
+                    writer.write(connect_packet("a-3", 60, ("a", "pw")))  # a third client of login "a"
+                    assert await reader.readexactly(4) == b"\x20\x02\x00\x03"  # CONNACK 3: server unavailable
+                    assert await closed(reader)
+                    assert broker.refusals["login"] == 1
+                # clients that subscribe and never read: together they may hold ~backlog_bytes, not 64 MiB each
+                sleepers = []
+                for n in range(2):
+                    reader, writer = await asyncio.open_connection(broker.host, broker.port)
+                    writer.write(connect_packet(f"b-{n}", 60, ("b", "pw2")))
+                    assert await reader.readexactly(4) == b"\x20\x02\x00\x00"
+                    writer.write(b"\x82" + bytes([8]) + b"\x00\x01" + string(b"s/0") + b"\x01")  # SUBSCRIBE s/0
+                    sleepers.append((reader, writer))
+                await until(lambda: sum(len(c.subscriptions) for c in broker._clients.values()) == 4 + 2)
+                for _ in range(64):  # 32 MiB to each sleeper
+                    await a.publish("s/0", payload, qos=0)
+                await until(lambda: broker.client_count == 1)  # both sleepers cut off; "a" reads and stays
+                for _reader, sleeper in sleepers:
+                    sleeper.transport.abort()
+                await a.publish("t/1", b"still served", qos=1)
+                assert await until_message(a, b"still served") == [("t/1", b"still served")]
+
+    run(scenario())

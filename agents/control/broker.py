@@ -25,7 +25,9 @@ SUBACK 0x80; both are counted in :attr:`EmbeddedBroker.refusals` and logged at
 most once per interval); retained messages are bounded per client and in
 total; silent connections are dropped (no CONNECT in time, or no packet for
 longer than the keepalive allows, keepalive 0 included); connections are
-bounded in total and per source address. The numbers are
+bounded in total, per source address and per login; topic filters per client
+and in length; unsent output per client and over all clients (one client's
+state is :mod:`agents.control.broker_client`). The numbers are
 :class:`~agents.control.broker_policy.BrokerLimits` (``limits=``).
 
 What it does not: persistent sessions (``clean_session=0`` is served as a
@@ -45,17 +47,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from types import TracebackType
 
 from agents.control import mqtt_codec as mq
+from agents.control.broker_client import BrokerClient, Will
 from agents.control.broker_policy import (
     DEFAULT_MAX_PACKET_BYTES,
     BrokerAcl,
@@ -72,49 +72,6 @@ __all__ = ["DEFAULT_MAX_PACKET_BYTES", "EmbeddedBroker", "topic_matches", "valid
 log = logging.getLogger(__name__)
 
 _THREAD_TIMEOUT_S = 10.0
-
-
-@dataclass
-class _Will:
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-
-
-@dataclass(eq=False)
-class _Client:
-    """One connected client: its socket writer, login, subscriptions and will."""
-
-    client_id: str
-    username: str | None
-    writer: asyncio.StreamWriter
-    will: _Will | None
-    backlog_limit: int
-    subscriptions: dict[str, int] = field(default_factory=dict)
-    packet_ids: Iterator[int] = field(default_factory=lambda: itertools.cycle(range(1, 65536)))
-
-    @property
-    def owner(self) -> str:
-        """Whose retained budget this client spends: its login, or its client id when anonymous."""
-        return self.username if self.username is not None else f"client:{self.client_id}"
-
-    def send(self, data: bytes) -> None:
-        """Queue bytes to the socket; a client too slow to read is disconnected."""
-        if self.writer.is_closing():
-            return
-        if self.writer.transport.get_write_buffer_size() > self.backlog_limit:
-            log.warning("broker: client %r reads too slowly; disconnecting it", self.client_id)
-            self.writer.transport.abort()
-            return
-        self.writer.write(data)
-
-    def deliver(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
-        """Send one PUBLISH to this client."""
-        body = mq.string(topic)
-        if qos:
-            body += next(self.packet_ids).to_bytes(2, "big")
-        self.send(mq.packet(mq.PUBLISH, body + payload, qos << 1 | int(retain)))
 
 
 class EmbeddedBroker:
@@ -163,7 +120,7 @@ class EmbeddedBroker:
         self._refusal_log = RateLimitedLog(self.limits.refusal_log_interval_s)
         self._server: asyncio.Server | None = None
         self._port: int | None = None
-        self._clients: dict[str, _Client] = {}
+        self._clients: dict[str, BrokerClient] = {}
         self._writers: set[asyncio.StreamWriter] = set()
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
@@ -319,7 +276,7 @@ class EmbeddedBroker:
             writer.transport.abort()
             return
         self._writers.add(writer)
-        client: _Client | None = None
+        client: BrokerClient | None = None
         clean = silent = False
         try:
             try:
@@ -365,7 +322,7 @@ class EmbeddedBroker:
                     if self._may_publish(client, will.topic, "will"):
                         self._publish(client, will.topic, will.payload, min(will.qos, 1), will.retain)
 
-    def _connect(self, body: Body, writer: asyncio.StreamWriter, address: str) -> tuple[_Client | None, int]:
+    def _connect(self, body: Body, writer: asyncio.StreamWriter, address: str) -> tuple[BrokerClient | None, int]:
         """Validate CONNECT, answer CONNACK, register the client (taking over any same-id one)."""
         protocol, level = body.string(), body.u8()
         if protocol != "MQTT" or level != 4:
@@ -380,7 +337,7 @@ class EmbeddedBroker:
         ):
             raise ProtocolViolation("invalid CONNECT flags")
         client_id = body.string()
-        will = _Will(body.string(), body.binary(), flags >> 3 & 3, bool(flags & 0x20)) if flags & 0x04 else None
+        will = Will(body.string(), body.binary(), flags >> 3 & 3, bool(flags & 0x20)) if flags & 0x04 else None
         if will is not None and not mq.valid_topic_name(will.topic):
             raise ProtocolViolation("invalid will topic")
         username = body.string() if flags & 0x80 else None
@@ -391,18 +348,28 @@ class EmbeddedBroker:
         if not client_id:
             client_id = f"auto-{uuid.uuid4().hex[:12]}" if flags & 0x02 else ""
             code = code or (mq.BAD_CLIENT_ID if not client_id else mq.ACCEPTED)
+        others = [c for c in self._clients.values() if username is not None and c.username == username]
+        same_login = sum(c.client_id != client_id for c in others)  # a reconnect replaces its own
+        if code == mq.ACCEPTED and same_login >= self.limits.connections_per_login:
+            code = mq.SERVER_UNAVAILABLE
         writer.write(mq.packet(mq.CONNACK, bytes([0, code])))
         if code != mq.ACCEPTED:
-            self._refuse("login", address, f"client {client_id!r} (user {username!r}): CONNACK {code}")
+            why = f" ({same_login} clients of this login)" if code == mq.SERVER_UNAVAILABLE else ""
+            self._refuse("login", address, f"client {client_id!r} (user {username!r}): CONNACK {code}{why}")
             return None, 0
         old = self._clients.get(client_id)
         if old is not None:
             log.info("broker: client %r reconnected; closing its previous connection", client_id)
             old.will = None
             old.writer.transport.abort()
-        client = _Client(client_id, username, writer, will, self.limits.client_backlog_bytes)
+        client = BrokerClient(client_id, username, writer, will, self.limits.client_backlog_bytes, self._over_backlog)
         self._clients[client_id] = client
         return client, keepalive
+
+    def _over_backlog(self) -> bool:
+        """Whether the unsent bytes of all clients together are over ``limits.backlog_bytes``."""
+        total = sum(c.writer.transport.get_write_buffer_size() for c in self._clients.values())
+        return total > self.limits.backlog_bytes
 
     def _authenticate(self, username: str | None, password: bytes) -> int:
         if self.users is None or (username is None and self.allow_anonymous):
@@ -414,13 +381,13 @@ class EmbeddedBroker:
             return mq.BAD_CREDENTIALS
         return mq.ACCEPTED
 
-    def _may_publish(self, client: _Client, topic: str, kind: str = "publish") -> bool:
+    def _may_publish(self, client: BrokerClient, topic: str, kind: str = "publish") -> bool:
         if self.acl is None or self.acl.may_publish(client.username, topic):
             return True
         self._refuse(kind, client.client_id, f"user {client.username!r} may not publish to {topic!r}")
         return False
 
-    def _handle(self, client: _Client, kind: int, flags: int, body: Body) -> None:
+    def _handle(self, client: BrokerClient, kind: int, flags: int, body: Body) -> None:
         """Act on one packet from a connected client."""
         if kind == mq.PUBLISH:
             qos, retain = flags >> 1 & 3, bool(flags & 1)
@@ -450,16 +417,20 @@ class EmbeddedBroker:
         else:
             raise ProtocolViolation(f"unexpected packet type {kind} with flags {flags:#x}")
 
-    def _may_read(self, client: _Client, topic: str) -> bool:
+    def _may_read(self, client: BrokerClient, topic: str) -> bool:
         return self.acl is None or self.acl.may_read(client.username, topic)
 
-    def _subscribe(self, client: _Client, body: Body) -> None:
+    def _subscribe(self, client: BrokerClient, body: Body) -> None:
         packet_id, granted, accepted = body.take(2), bytearray(), []
         while not body.at_end():
             topic_filter, qos = body.string(), body.u8()
             if qos > 2:
                 raise ProtocolViolation("SUBSCRIBE asks for QoS above 2")
+            bound = self.limits.subscription_refused(len(client.subscriptions), topic_filter)
             if not valid_topic_filter(topic_filter):
+                granted.append(mq.SUBACK_FAILURE)
+            elif bound is not None and topic_filter not in client.subscriptions:
+                self._refuse("subscribe", client.client_id, bound)
                 granted.append(mq.SUBACK_FAILURE)
             elif self.acl is not None and not self.acl.may_subscribe(client.username, topic_filter):
                 self._refuse(
@@ -478,7 +449,7 @@ class EmbeddedBroker:
             if grants and self._may_read(client, topic):
                 client.deliver(topic, message.payload, min(message.qos, max(grants)), retain=True)
 
-    def _publish(self, sender: _Client, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+    def _publish(self, sender: BrokerClient, topic: str, payload: bytes, qos: int, retain: bool) -> None:
         """Store a retained message if asked (and within bounds); forward to every matching reader once."""
         if retain:
             refused = self.retained.put(sender.owner, topic, payload, qos)

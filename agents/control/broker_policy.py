@@ -53,6 +53,14 @@ MAX_RETAINED_BYTES = 64 << 20
 """Retained bytes (topic + payload) in total."""
 MAX_CLIENT_BACKLOG_BYTES = 64 << 20
 """A client whose unsent output passes this many bytes reads too slowly and is disconnected."""
+MAX_BACKLOG_BYTES = 256 << 20
+"""Unsent output of all clients together; past it, a client with over 1 MiB of its own is disconnected."""
+MAX_CONNECTIONS_PER_LOGIN = 16
+"""Clients logged in with one username at once (an agent needs one; the coordinator's tools a few)."""
+MAX_SUBSCRIPTIONS_PER_CLIENT = 256
+"""Topic filters one client holds (geosched's clients hold a handful); every publish checks them all."""
+MAX_TOPIC_FILTER_CHARS = 512
+"""Longest topic filter a client may subscribe to (geosched's are under 100 characters)."""
 REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one log line per kind of refusal and client in this many seconds (the rest are counted)."""
 
@@ -81,6 +89,23 @@ class BrokerLimits:
     """Retained bytes in total."""
     client_backlog_bytes: int = MAX_CLIENT_BACKLOG_BYTES
     """Unsent bytes queued to one client before it is disconnected."""
+    backlog_bytes: int = MAX_BACKLOG_BYTES
+    """Unsent bytes queued to all clients together (past it, clients with over 1 MiB queued are disconnected)."""
+    connections_per_login: int = MAX_CONNECTIONS_PER_LOGIN
+    """Clients logged in as one username at once."""
+    subscriptions_per_client: int = MAX_SUBSCRIPTIONS_PER_CLIENT
+    """Topic filters one client may hold."""
+    topic_filter_chars: int = MAX_TOPIC_FILTER_CHARS
+    """Longest topic filter."""
+
+    def subscription_refused(self, held: int, topic_filter: str) -> str | None:
+        """Why a client holding ``held`` filters may not add ``topic_filter`` (None: it may)."""
+        if len(topic_filter) > self.topic_filter_chars:
+            return f"a filter of {len(topic_filter)} characters (topic_filter_chars={self.topic_filter_chars})"
+        if held >= self.subscriptions_per_client:
+            return f"{held} filters held (subscriptions_per_client={self.subscriptions_per_client})"
+        return None
+
     refusal_log_interval_s: float = REFUSAL_LOG_INTERVAL_S
     """Seconds between two log lines about the same kind of refusal from the same client."""
 
