@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -173,3 +174,32 @@ def test_keys_refuse_unknown_clients_and_serve_allowed_ones(tmp_path: Path, encr
         assert server.metrics()["messages_received"] == 1
     finally:
         server.close()
+
+
+def test_connections_that_never_say_hello_are_closed_and_bounded() -> None:
+    config = WanLinkConfig(link_id=LINK, hello_timeout_s=1.0, recv_timeout_s=10.0)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    with WanLink.listen("tcp://127.0.0.1:0", config) as server:
+        endpoint, before = f"tcp://127.0.0.1:{server.port}", fds()
+        drops = lambda: server.metrics()["drops"]  # noqa: E731
+        ctx = zmq.Context()
+        try:
+            for _ in range(80):  # connect (ZMTP handshake done by libzmq) and never say a word
+                stranger = ctx.socket(zmq.DEALER)
+                stranger.setsockopt(zmq.RECONNECT_IVL, -1)  # a closed stranger stays closed: it can be counted
+                stranger.connect(endpoint)
+            # 16 beyond the 64 held are closed at once, the rest after hello_timeout_s; all counted (those cut
+            # before their ZMTP handshake completed as handshake_failed)
+            assert wait_for(lambda: drops()["unknown_peer"] + drops()["handshake_failed"] == 80, timeout_s=20)
+            assert server.metrics()["disconnects"] == 80
+        finally:
+            ctx.destroy(linger=0)
+        assert wait_for(lambda: fds() <= before, timeout_s=10)  # the listener holds none of them
+        with WanLink.connect(endpoint, WanLinkConfig(link_id=LINK, streams=2)) as client:
+            x = torch.randn(1000)
+            client.start_send(x, step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+            time.sleep(1.5)  # past hello_timeout_s: identified streams are not closed
+            client.send_sync(x * 3, step=1, microbatch=0)
+            assert torch.equal(server.recv_sync(step=1, microbatch=0), x * 3)
+            assert server.metrics()["disconnects"] == 80  # its streams were not closed

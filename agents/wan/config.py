@@ -47,6 +47,9 @@ class WanLinkConfig:
     session_takeover_s: float = 2.0
     """Listening side: a new session (a restarted peer) replaces the current one only once the current
     peer has been silent this long and has not answered a probe for as long; until then it is refused."""
+    hello_timeout_s: float = 10.0
+    """Listening side: a connection that has not identified as one of the link's streams this long after it
+    was accepted is closed (at most 64 such connections are held; beyond, the oldest is closed)."""
     peer_name: str = ""
     """Who the peer is, for errors and logs (e.g. 'stage 0 (rank 0 in us)'); empty: only its address."""
     io_threads: int = 0

@@ -45,6 +45,7 @@ from zmq.utils.monitor import recv_monitor_message
 from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
 from agents.wan.seal import HEAD_BYTES, TAG_BYTES, Bytes, FrameSeal, SealError, is_sealed
+from agents.wan.strangers import Unidentified
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header, show
 
@@ -105,6 +106,7 @@ class InboundFrames:
     _ident_stream: dict[bytes, int]
     _stream_ident: dict[int, bytes]
     _fd_stream: dict[int, int]
+    _unidentified: Unidentified
     _failed_handshake: bool
     _last_heard: float
     _probe_at: float
@@ -190,7 +192,9 @@ class InboundFrames:
         if stream is None:
             return self._drop("unknown_peer", frame, f"{show(kind)} frame before hello")
         if ident is not None:
-            self._fd_stream[frame.get(zmq.SRCFD)] = stream
+            fd = frame.get(zmq.SRCFD)
+            self._fd_stream[fd] = stream
+            self._unidentified.identified(fd)
             self._last_heard = now  # the current session is alive
         if kind == "data":
             return self._on_data(sock, stream, h, frame, now)
@@ -437,7 +441,9 @@ class InboundFrames:
                     self._send_hello(stream)
             elif event == zmq.EVENT_ACCEPTED:
                 self._fd_stream.pop(value, None)  # a new connection reuses this descriptor
+                self._unidentified.accepted(value, now)
             elif event == zmq.EVENT_DISCONNECTED:
+                self._unidentified.gone(value)
                 self.counters.disconnects += 1
                 self._on_disconnect(stream if stream >= 0 else self._fd_stream.pop(value, None), now)
 

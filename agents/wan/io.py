@@ -49,6 +49,7 @@ from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
 from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from agents.wan.strangers import Unidentified
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
 from geosched.wire import encode_header
@@ -116,6 +117,7 @@ class LinkIO(InboundFrames):
         self._ident_stream: dict[bytes, int] = {}
         self._stream_ident: dict[int, bytes] = {}
         self._fd_stream: dict[int, int] = {}  # listening side: socket descriptor -> stream it carries
+        self._unidentified = Unidentified(config.hello_timeout_s)  # listening side: connections not yet streams
         self._failed_handshake = False
         self._last_heard = 0.0  # listening side: last valid frame from the current session
         self._probe_at = 0.0  # listening side: last time a competing hello made us ping the current session
@@ -248,7 +250,7 @@ class LinkIO(InboundFrames):
                 sndhwm=hwm,
                 rcvhwm=hwm,
             )
-            self.port = bound_port(self._router)
+            self.port = self._unidentified.port = bound_port(self._router)
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self.peer = self.counters.peer = self.send.peer = self.recv.peer = self._describe_peer(None)
             self._monitors[monitor_events(self._router)] = -1
@@ -383,6 +385,7 @@ class LinkIO(InboundFrames):
                         self._send_hello(index)
         self.send.expire(now)
         self.recv.expire(now)
+        self._unidentified.expire(now)
         self.counters.tick(now)
 
     def _shutdown(self, error: Exception | None) -> None:
