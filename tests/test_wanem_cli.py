@@ -32,6 +32,12 @@ CLI = [sys.executable, "-m", "geosched.cli", "wanem"]
         (["configs/demo-3dc.yaml"], "--route"),
         (["configs/demo-3dc.yaml", "--route", "us-mars=127.0.0.1:1"], "us-mars"),
         (["configs/demo-3dc.yaml", "--route", "us-eu"], "--route"),
+        (["configs/demo-3dc.yaml", "--route", "us-eu:99999=127.0.0.1:1"], "--route"),
+        (["configs/demo-3dc.yaml", "--route", "us-eu:7101=127.0.0.1:7101"], "own address"),
+        (["--listen", "127.0.0.1:7101", "--target", "127.0.0.1:7101"], "own address"),
+        (["--target", "127.0.0.1:1", "--link-mbps", "inf"], "finite"),
+        (["--target", "127.0.0.1:1", "--rtt-ms", "1e308"], "--rtt-ms"),
+        (["--target", "127.0.0.1:1", "--duration", "nan"], "--duration"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

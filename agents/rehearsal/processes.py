@@ -50,8 +50,7 @@ class AgentProcesses:
                 self.job,
                 "--rank",
                 str(role.rank),
-                "--dc",
-                role.dc,
+                f"--dc={role.dc}",  # one argument: a DC named "-us" is not a flag
                 "--threads",
                 "1",
                 "--run-dir",

@@ -3,13 +3,14 @@
     at_least(args, "steps", 1)                       # --steps: must be >= 1 (got 0)
     above(args, "wan_scale", 0, "e.g. 0.05")         # --wan-scale: must be > 0 (got -1.0); e.g. 0.05
 
-A flag left at None (not given, no default) passes. ``colon=False`` keeps the
+A flag left at None (not given, no default) passes; infinity and NaN never do. ``colon=False`` keeps the
 form some older subcommands print, ``--repeats must be >= 1 (got 0)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from geosched.errors import InputError
 
@@ -19,6 +20,7 @@ def at_least(args: argparse.Namespace, name: str, minimum: float, hint: str = ""
     value = getattr(args, name)
     if value is not None and not value >= minimum:
         raise InputError(_message(name, f">= {minimum}", value, hint, colon))
+    _finite(name, value, hint, colon)
 
 
 def above(args: argparse.Namespace, name: str, bound: float, hint: str = "") -> None:
@@ -26,6 +28,19 @@ def above(args: argparse.Namespace, name: str, bound: float, hint: str = "") -> 
     value = getattr(args, name)
     if value is not None and not value > bound:
         raise InputError(_message(name, f"> {bound}", value, hint, True))
+    _finite(name, value, hint, True)
+
+
+def at_most(args: argparse.Namespace, name: str, maximum: float, hint: str = "") -> None:
+    """InputError unless ``args.<name>`` is None or <= ``maximum``."""
+    value = getattr(args, name)
+    if value is not None and not value <= maximum:
+        raise InputError(_message(name, f"<= {maximum:g}", value, hint, True))
+
+
+def _finite(name: str, value: object, hint: str, colon: bool) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(_message(name, "a finite number", value, hint, colon))
 
 
 def _message(name: str, bound: str, value: object, hint: str, colon: bool) -> str:

@@ -34,7 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from geosched.commands.checks import above, at_least
 from geosched.errors import InputError
@@ -146,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "steps", 1)
     at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
+    above(args, "ready_timeout", 0, "e.g. 120")
     above(args, "wan_reset_every", 0, "e.g. 5")
     above(args, "elastic_return_after", 0, "e.g. 10")
     if args.elastic_return_after is not None and not args.elastic:
@@ -160,13 +166,40 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
     calibration: object = "measure"
+    if args.no_calibrate and args.calibration:
+        raise InputError("--calibration FILE and --no-calibrate contradict each other; give one of them")
     if args.no_calibrate:
         calibration = None
     elif args.calibration:
         from geosched.costmodel import Calibration
 
         calibration = Calibration.load(args.calibration)
-    report = launch(
+    with _sigterm_as_ctrl_c():
+        report = _launch(args, launch, calibration)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (``timeout``, a supervisor) stops the rehearsal as Ctrl-C does: every child process stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; a caller elsewhere keeps its own
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(args: argparse.Namespace, launch: Any, calibration: object) -> dict[str, Any]:
+    report: dict[str, Any] = launch(
         args.config,
         plan_path=args.plan,
         steps=args.steps,
@@ -190,6 +223,4 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         resume=args.resume,
     )
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return report

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from geosched.commands.checks import above, at_least
+from geosched.commands.checks import above, at_least, at_most
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -63,6 +63,15 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _not_itself(listen: tuple[str, int], target: tuple[str, int], flag: str) -> None:
+    """InputError when a relay would forward to its own listening address (every connection would loop)."""
+    anywhere = ("0.0.0.0", "::", "")
+    if listen[1] and listen[1] == target[1] and (listen[0] == target[0] or listen[0] in anywhere):
+        raise InputError(
+            f"{flag}: {target[0]}:{target[1]} is the relay's own address; forward to the listener behind it"
+        )
+
+
 def _single_route(args: argparse.Namespace) -> _Routes:
     from agents.wanem.emulator import LinkShape
 
@@ -71,15 +80,20 @@ def _single_route(args: argparse.Namespace) -> _Routes:
     if args.route:
         raise InputError("--route: needs a CONFIG; for one relay use --listen and --target")
     at_least(args, "rtt_ms", 0)
+    at_most(args, "rtt_ms", 60_000, "a minute")
     above(args, "link_mbps", 0, "omit it for no link cap")
+    at_most(args, "link_mbps", 1e7, "10 Tb/s; omit it for no link cap")
     above(args, "window_kb", 0, "omit it for no per-connection window")
+    at_most(args, "window_kb", 1 << 30, "1 TiB; omit it for no per-connection window")
     shape = LinkShape(
         rtt_ms=args.rtt_ms,
         link_bytes_per_s=None if args.link_mbps is None else args.link_mbps * 1e6 / 8,
         window_bytes=None if args.window_kb is None else max(1, int(args.window_kb * 1000)),
     )
     name = "relay"
-    return ({name: (parse_address(args.target, "--target"), shape)}, {}, {name: parse_address(args.listen, "--listen")})
+    target, here = parse_address(args.target, "--target"), parse_address(args.listen, "--listen")
+    _not_itself(here, target, "--target")
+    return {name: (target, shape)}, {}, {name: here}
 
 
 def _config_routes(args: argparse.Namespace) -> _Routes:
@@ -97,7 +111,7 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
     for text in args.route:
         left, sep, right = text.partition("=")
         pair, _, port = left.partition(":")
-        if not sep or (port and not port.isdigit()):
+        if not sep or (port and not (port.isdigit() and int(port) <= 65535)):
             raise InputError(f"--route: expected A-B[:LISTEN_PORT]=HOST:PORT (got {text!r})")
         found = [
             (lk, pair[:i], pair[i + 1 :])
@@ -112,6 +126,7 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
         routes[f"{a}-{b}"] = (parse_address(right, "--route"), shape_for_link(link, args.scale))
         ends[f"{a}-{b}"] = (a, b)
         listen[f"{a}-{b}"] = (listen_host, int(port or 0))
+        _not_itself(listen[f"{a}-{b}"], routes[f"{a}-{b}"][0], f"--route {text!r}")
     return routes, ends, listen
 
 
@@ -125,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     above(args, "reset_every_s", 0, "omit it for no periodic resets")
     above(args, "duration", 0, "omit it to run until stopped")
+    at_most(args, "duration", 1e7, "omit it to run until stopped")
     routes, ends, listen = _config_routes(args) if args.config else _single_route(args)
     try:
         emulator = WanEmulator(routes, args.reset_every_s, link_ends=ends, listen=listen)
