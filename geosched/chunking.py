@@ -19,6 +19,8 @@ STRIPE_MIN = 2 << 10
 """Smallest stripe of a message too small for 64 KiB chunks on every stream of a multi-stream link."""
 DEFAULT_MAX_CHUNK = 16 << 20
 """WanLinkConfig.max_chunk_bytes by default."""
+MAX_STREAMS = 64
+"""Most TCP streams a WanLink opens (its config's bound, and a cluster link's ``max_streams``)."""
 
 
 def auto_chunk_bytes(total: int, streams: int, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:

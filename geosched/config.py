@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from geosched.chunking import MAX_STREAMS
 from geosched.errors import ConfigError
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
@@ -103,7 +104,7 @@ class WanLinkSpec:
         "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", gt=0, le=1e6
     )
     egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0, le=1e3)
-    max_streams: int = spec("most TCP connections a link may open", 64, ge=1, le=1024)
+    max_streams: int = spec("most TCP connections a link may open", MAX_STREAMS, ge=1, le=MAX_STREAMS)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ def _break_precision(d):
     d["job"]["precision"] = "fp8"
 
 
+def _break_streams(d):
+    d["cluster"]["links"][0]["max_streams"] = 200  # a WanLink opens at most 64
+
+
 BROKEN = {
     "missing field": (_break_missing_field, "cluster.datacenters[0].gpus: missing required field"),
     "negative gpus": (_break_negative_gpus, "cluster.datacenters[1].gpus: must be >= 1 (got -4)"),
@@ -84,6 +88,7 @@ BROKEN = {
     "heads": (_break_heads, "hidden(64) must be divisible by heads(5)"),
     "duplicate dc": (_break_duplicate_dc, "cluster.datacenters[1].name: duplicate datacenter 'us'"),
     "precision": (_break_precision, "job.precision: must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')"),
+    "streams": (_break_streams, "cluster.links[0].max_streams: must be <= 64 (got 200)"),
 }
 
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from agents.sockets import CurveClient, CurveServer, is_loopback
+from geosched.chunking import MAX_STREAMS
 from geosched.errors import ConfigError
 
 CHECKSUMS = ("auto", "crc32c", "none")
@@ -73,7 +74,7 @@ class WanLinkConfig:
         """Raise ConfigError naming the first field out of range; return self."""
         limits = {
             "link_id": (0, 2**31),
-            "streams": (1, 64),
+            "streams": (1, MAX_STREAMS),
             "chunk_bytes": (0, 1 << 30),
             "max_chunk_bytes": (1, 1 << 30),
             "max_tensor_bytes": (1, 1 << 40),
