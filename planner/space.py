@@ -363,6 +363,8 @@ class Problem:
         if p < 1 or len(cand.stage_layers) != p:
             return "a plan needs at least one stage and one layer range per stage"
         job = self.job
+        if self.pinned_dp is not None and cand.replicas != self.pinned_dp:  # every search move keeps the pin
+            return f"replicas({cand.replicas}) != the pinned data-parallel degree ({self.pinned_dp})"
         if cand.replicas * cand.microbatches * job.batch != job.global_batch:
             return (
                 f"replicas({cand.replicas}) x microbatches({cand.microbatches}) x microbatch_size({job.batch}) "

@@ -271,3 +271,20 @@ def test_zero_2_is_searched_where_it_allows_a_shallower_pipeline(tmp_path, capsy
     assert (plans["--zero 1"]["stages"], plans["--zero 2"]["stages"]) == (2, 1)
     chosen = plans[""]["prediction"]["iteration_s"]
     assert chosen <= min(plans[f"--zero {z}"]["prediction"]["iteration_s"] for z in (1, 2)) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_a_pinned_dp_is_the_plans_dp(tmp_path, capsys, dp: int) -> None:
+    """The search's moves (halving or doubling the replicas, merging pipelines on one path) keep the pin."""
+    config = {
+        "cluster": {
+            "name": "one",
+            "datacenters": [{"name": "a", "gpus": 8, "gpu": {"name": "H100", "tflops": 400, "memory_gib": 80}}],
+        },
+        "job": {"model": {"layers": 4, "hidden": 256, "heads": 4, "seq_len": 256}, "global_batch": 16},
+    }
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["plan", str(path), "--dp", str(dp), "--json", "--no-explain"]) == 0
+    plan = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert plan["dp"] * len(plan["pipelines"]) == dp
