@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from geosched.errors import InputError
 
@@ -36,6 +37,19 @@ def at_most(args: argparse.Namespace, name: str, maximum: float, hint: str = "")
     value = getattr(args, name)
     if value is not None and not value <= maximum:
         raise InputError(_message(name, f"<= {maximum:g}", value, hint, True))
+
+
+def folder(path: str | Path, flag: str) -> Path:
+    """``path`` made a folder (with its parents) if it is none yet; InputError naming the flag when it cannot
+    be (a file there, a path under a file, a read-only or virtual file system)."""
+    made = Path(path)
+    try:
+        made.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"{flag} {path}: cannot make a folder there ({exc.strerror or exc}); pass a folder you can write"
+        ) from None
+    return made
 
 
 def _finite(name: str, value: object, hint: str, colon: bool) -> None:

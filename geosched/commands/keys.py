@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from geosched.commands.checks import folder
 from geosched.errors import InputError
 
 
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the key folder or the keypair and print where it went."""
+    folder(args.dir, "DIR")
     if args.ranks is not None or args.plan is not None:
         return _job_folder(args)
     from agents.sockets import load_public_key, write_keypair

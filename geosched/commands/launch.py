@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from geosched.commands.checks import above, at_least
+from geosched.commands.checks import above, at_least, folder
 from geosched.errors import InputError
 
 
@@ -152,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
     above(args, "ready_timeout", 0, "e.g. 120")
+    if args.mqtt is not None:
+        from agents.control.address import BrokerAddress
+
+        BrokerAddress.parse(args.mqtt)  # a malformed URL is one line here, not a traceback after the plan
     above(args, "wan_reset_every", 0, "e.g. 5")
     above(args, "elastic_return_after", 0, "e.g. 10")
     if args.elastic_return_after is not None and not args.elastic:
@@ -174,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         from geosched.costmodel import Calibration
 
         calibration = Calibration.load(args.calibration)
+    if args.run_dir is not None:  # last: a refused launch leaves no folder behind
+        folder(args.run_dir, "--run-dir")
     with _sigterm_as_ctrl_c():
         report = _launch(args, launch, calibration)
     if args.json:

@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "repeats", 1, colon=False)
     at_least(args, "warmup", 0, colon=False)
     at_least(args, "co_located", 1, "how many ranks share this host", colon=False)
-    if args.threads < 0:
-        raise InputError(f"--threads must be >= 1, or 0 for torch's choice (got {args.threads})")
+    if not 0 <= args.threads <= 1024:
+        raise InputError(f"--threads must be >= 1, or 0 for torch's choice, and at most 1024 (got {args.threads})")
     if args.threads:
         torch.set_num_threads(args.threads)
     _check_device(args.device, torch)

@@ -1,0 +1,28 @@
+"""Paths and addresses a verb cannot use are one line and exit code 2, never a traceback (rule 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from geosched.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["keys", "{file}/sub", "--ranks", "2"], "cannot make a folder there (Not a directory)"),
+        (["keys", "{file}", "--name", "x"], "cannot make a folder there (File exists)"),
+        (["launch", "configs/demo-3dc.yaml", "--run-dir", "{file}", "--steps", "1"], "--run-dir"),
+        (["launch", "configs/demo-3dc.yaml", "--mqtt", "foo", "--steps", "1"], "broker URL 'foo'"),
+        (["launch", "configs/demo-3dc.yaml", "--wan-scale", "inf"], "--wan-scale: must be a finite number"),
+        (["profile", "configs/demo-3dc.yaml", "--threads", "2147483648"], "at most 1024"),
+    ],
+)
+def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("not a folder")
+    assert main([arg.format(file=file) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
