@@ -26,3 +26,17 @@ def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: li
     assert main([arg.format(file=file) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
+    from agents.layout import layout_plan_text
+    from geosched.config import load_config
+
+    plan = tmp_path / "demo-plan.yaml"
+    plan.write_text(layout_plan_text(load_config("configs/demo-3dc.yaml"), ["us", "eu"]))
+    run = tmp_path / "run"
+    argv = ["launch", "configs/gpt3-3dc.yaml", "--plan", str(plan), "--run-dir", str(run), "--no-calibrate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "was made for cluster 'demo-3dc' and a model of 6 layers" in err and err.count("\n") == 1, err
+    assert not run.exists()

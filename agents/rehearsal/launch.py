@@ -156,6 +156,8 @@ def launch(
     config = load_config(config_path)
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
+    if plan_path:
+        _check_plan_matches(plan_path, layout.config, config_path, config)
     refusal = runtime_refusal(layout)
     if refusal is None and device != "cpu":
         from agents.stage.device import host_refusal
@@ -168,7 +170,10 @@ def launch(
     if resume and out is not None:
         print(f"launch: resuming from checkpoint step {first} in {checkpoint_dir}, to step {steps}", file=out)
     run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
-    run.mkdir(parents=True, exist_ok=True)
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, a path under a file, a read-only or virtual file system
+        raise InputError(f"--run-dir {run}: cannot make a folder there ({exc.strerror or exc})") from None
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
         old.unlink()
     (run / "plan.yaml").write_text(text)
@@ -493,3 +498,20 @@ def _load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def _check_plan_matches(plan_path: str, made_for: Any, config_path: str, config: Any) -> None:
+    """InputError unless the plan was made for this config's cluster and model (its other job fields, the
+    pins, may differ: the plan's win)."""
+    was, now = made_for, config
+    differs = []
+    if was.cluster != now.cluster:
+        same_name = was.cluster.name == now.cluster.name
+        differs.append(f"cluster {was.cluster.name!r}" + (" as it was then" if same_name else ""))
+    if was.job.model != now.job.model:
+        differs.append(f"a model of {was.job.model.layers} layers x {was.job.model.hidden} hidden")
+    if differs:
+        raise InputError(
+            f"{plan_path} was made for {' and '.join(differs)}, not for {config_path}; plan this config "
+            f"(geosched plan {config_path} -o PLAN) or pass the config the plan was made from"
+        )

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from geosched.commands.checks import above, at_least, folder
+from geosched.commands.checks import above, at_least
 from geosched.errors import InputError
 
 
@@ -178,8 +178,6 @@ def run(args: argparse.Namespace) -> int:
         from geosched.costmodel import Calibration
 
         calibration = Calibration.load(args.calibration)
-    if args.run_dir is not None:  # last: a refused launch leaves no folder behind
-        folder(args.run_dir, "--run-dir")
     with _sigterm_as_ctrl_c():
         report = _launch(args, launch, calibration)
     if args.json:
