@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -286,8 +287,19 @@ class Config:
     job: JobSpec = spec("the job")
 
 
+NAME_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}")
+"""Cluster and datacenter names: they become MQTT topics, file names and command-line arguments of agents."""
+
+
 def _cross_checks(cfg: Config) -> None:
     names = [dc.name for dc in cfg.cluster.datacenters]
+    for where, name in [("cluster.name", cfg.cluster.name)] + [
+        (f"cluster.datacenters[{i}].name", dc) for i, dc in enumerate(names)
+    ]:
+        if not NAME_RE.fullmatch(name):
+            raise ConfigError(
+                f"{where}: {name[:64]!r} is not a name: use 1-64 characters from A-Z a-z 0-9 _ . -, not starting with -"
+            )
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"cluster.datacenters[{i}].name: duplicate datacenter {name!r}; names must be unique")

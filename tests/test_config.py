@@ -74,6 +74,10 @@ def _break_precision(d):
     d["job"]["precision"] = "fp8"
 
 
+def _break_name(d):
+    d["cluster"]["datacenters"][0]["name"] = "-us"  # read as a flag by the agents' command line
+
+
 def _break_streams(d):
     d["cluster"]["links"][0]["max_streams"] = 200  # a WanLink opens at most 64
 
@@ -89,6 +93,7 @@ BROKEN = {
     "duplicate dc": (_break_duplicate_dc, "cluster.datacenters[1].name: duplicate datacenter 'us'"),
     "precision": (_break_precision, "job.precision: must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')"),
     "streams": (_break_streams, "cluster.links[0].max_streams: must be <= 64 (got 200)"),
+    "name": (_break_name, "cluster.datacenters[0].name: '-us' is not a name"),
 }
 
 
