@@ -18,6 +18,8 @@ from geosched.cli import main
         (["launch", "configs/demo-3dc.yaml", "--mqtt", "foo", "--steps", "1"], "broker URL 'foo'"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "inf"], "--wan-scale: must be a finite number"),
         (["profile", "configs/demo-3dc.yaml", "--threads", "2147483648"], "at most 1024"),
+        (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--priority", "10", "hi"], "--priority: must be <= 9"),
+        (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--timeout", "nan", "hi"], "--timeout: must be > 0"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:

@@ -32,7 +32,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from geosched.commands.checks import at_least
+from geosched.commands.checks import above, at_least, at_most
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -121,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
     from agents.sockets import CurveClient
 
     at_least(args, "decode", 0, colon=False)
+    at_least(args, "priority", 0)
+    at_most(args, "priority", 9)
+    at_least(args, "top_k", 1)
+    at_most(args, "top_k", 16)
+    above(args, "deadline_ms", 0, "omit it for the agent's default")
+    above(args, "timeout", 0, "seconds, e.g. 30")
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
     if args.local:
