@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from agents.layout import JobLayout, parse_layout
 from geosched.config import Config, JobSpec
-from geosched.errors import PlanError
+from geosched.errors import InputError, PlanError
 
 RUNTIME_TP = 8
 """The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
@@ -66,3 +66,19 @@ def plan_for_config(config: Config) -> str:
     if refusal is not None:
         raise PlanError(f"the best plan for {config.cluster.name!r}: {refusal}")
     return text
+
+
+def check_plan_config(made_for: Config, config: Config, plan_path: str, config_path: str) -> None:
+    """InputError when a plan made for ``made_for`` (its embedded config) was made for another cluster or model
+    than ``config``'s (the plan's other job fields, its pins, may differ)."""
+    differs = []
+    if made_for.cluster != config.cluster:
+        same_name = made_for.cluster.name == config.cluster.name
+        differs.append(f"cluster {made_for.cluster.name!r}" + (" as it was then" if same_name else ""))
+    if made_for.job.model != config.job.model:
+        differs.append(f"a model of {made_for.job.model.layers} layers x {made_for.job.model.hidden} hidden")
+    if differs:
+        raise InputError(
+            f"{plan_path} was made for {' and '.join(differs)}, not for {config_path}; plan this config "
+            f"(geosched plan {config_path} -o PLAN) or pass the config the plan was made from"
+        )

@@ -146,7 +146,7 @@ def launch(
     from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
     from agents.runfolder.record import endpoints_hook
     from agents.runfolder.report import build_report, load_rank_reports, report_text, write_run_folder
-    from agents.runnable import plan_for_config, runtime_refusal
+    from agents.runnable import check_plan_config, plan_for_config, runtime_refusal
     from geosched.config import load_config
 
     if prefill_follow_checkpoints and checkpoint_dir is None and not elastic:
@@ -157,7 +157,7 @@ def launch(
     text = load_plan_file(plan_path) if plan_path else plan_for_config(config)
     layout = parse_layout(text, plan_path or "plan")
     if plan_path:
-        _check_plan_matches(plan_path, layout.config, config_path, config)
+        check_plan_config(layout.config, config, plan_path, config_path)
     refusal = runtime_refusal(layout)
     if refusal is None and device != "cpu":
         from agents.stage.device import host_refusal
@@ -498,20 +498,3 @@ def _load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
-
-
-def _check_plan_matches(plan_path: str, made_for: Any, config_path: str, config: Any) -> None:
-    """InputError unless the plan was made for this config's cluster and model (its other job fields, the
-    pins, may differ: the plan's win)."""
-    was, now = made_for, config
-    differs = []
-    if was.cluster != now.cluster:
-        same_name = was.cluster.name == now.cluster.name
-        differs.append(f"cluster {was.cluster.name!r}" + (" as it was then" if same_name else ""))
-    if was.job.model != now.job.model:
-        differs.append(f"a model of {was.job.model.layers} layers x {was.job.model.hidden} hidden")
-    if differs:
-        raise InputError(
-            f"{plan_path} was made for {' and '.join(differs)}, not for {config_path}; plan this config "
-            f"(geosched plan {config_path} -o PLAN) or pass the config the plan was made from"
-        )
