@@ -13,7 +13,7 @@ from geosched.cli import main
     "argv, needle",
     [
         (["keys", "{file}/sub", "--ranks", "2"], "cannot make a folder there (Not a directory)"),
-        (["keys", "{file}", "--name", "x"], "cannot make a folder there (File exists)"),
+        (["keys", "{file}", "--ranks", "2"], "cannot make a folder there (File exists)"),
         (["launch", "configs/demo-3dc.yaml", "--run-dir", "{file}", "--steps", "1"], "--run-dir"),
         (["launch", "configs/demo-3dc.yaml", "--mqtt", "foo", "--steps", "1"], "broker URL 'foo'"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "inf"], "--wan-scale: must be a finite number"),

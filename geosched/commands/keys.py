@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the key folder or the keypair and print where it went."""
-    folder(args.dir, "DIR")
     if args.ranks is not None or args.plan is not None:
+        folder(args.dir, "DIR")  # a job's key folder is made; a keypair goes into a folder that exists
         return _job_folder(args)
     from agents.sockets import load_public_key, write_keypair
 
