@@ -39,7 +39,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from geosched.commands.checks import above, at_least
 from geosched.errors import InputError
@@ -179,7 +178,30 @@ def run(args: argparse.Namespace) -> int:
 
         calibration = Calibration.load(args.calibration)
     with _sigterm_as_ctrl_c():
-        report = _launch(args, launch, calibration)
+        report = launch(
+            args.config,
+            plan_path=args.plan,
+            steps=args.steps,
+            run_dir=args.run_dir,
+            mqtt=args.mqtt,
+            job=args.job,
+            wan_scale=args.wan_scale,
+            ready_timeout_s=args.ready_timeout,
+            out=sys.stderr if args.json else sys.stdout,
+            calibration=calibration,
+            prefill_rate=args.prefill_rate,
+            insecure=args.insecure,
+            prefill_http=args.prefill_http,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            metrics=args.metrics,
+            elastic=args.elastic,
+            wan_reset_every_s=args.wan_reset_every,
+            prefill_follow_checkpoints=args.prefill_follow_checkpoints,
+            elastic_return_after_s=args.elastic_return_after,
+            device=args.device,
+            resume=args.resume,
+        )
     if args.json:
         print(json.dumps(report))
     return 0
@@ -200,31 +222,3 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _launch(args: argparse.Namespace, launch: Any, calibration: object) -> dict[str, Any]:
-    report: dict[str, Any] = launch(
-        args.config,
-        plan_path=args.plan,
-        steps=args.steps,
-        run_dir=args.run_dir,
-        mqtt=args.mqtt,
-        job=args.job,
-        wan_scale=args.wan_scale,
-        ready_timeout_s=args.ready_timeout,
-        out=sys.stderr if args.json else sys.stdout,
-        calibration=calibration,
-        prefill_rate=args.prefill_rate,
-        insecure=args.insecure,
-        prefill_http=args.prefill_http,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        metrics=args.metrics,
-        elastic=args.elastic,
-        wan_reset_every_s=args.wan_reset_every,
-        prefill_follow_checkpoints=args.prefill_follow_checkpoints,
-        elastic_return_after_s=args.elastic_return_after,
-        device=args.device,
-        resume=args.resume,
-    )
-    return report
