@@ -35,7 +35,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from common import benchmark_parser, collect, cpu_for, emit, pin_one_thread, positive_int
 
@@ -63,7 +64,7 @@ def _ping_pong(rank: int, nbytes: int, rounds: int, count: int, ports: Any, resu
             step = _bounce(rank, ends[transport], step, WARMUP)
         for block in range(rounds):
             for transport in TRANSPORTS if block % 2 == 0 else TRANSPORTS[::-1]:
-                reconnect = ends[transport][3]
+                reconnect = ends[transport].reconnect
                 if reconnect is not None:
                     reconnect()
                     step = _bounce(rank, ends[transport], step, RECONNECT_WARMUP)
@@ -71,19 +72,24 @@ def _ping_pong(rank: int, nbytes: int, rounds: int, count: int, ports: Any, resu
                 step = _bounce(rank, ends[transport], step, count)
                 report[transport].append((time.perf_counter() - wall, time.process_time() - cpu))
         for end in ends.values():
-            end[2]()
+            end.close()
         results.put(("messages", rank, report))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent
         results.put(("messages", rank, repr(exc)))
 
 
-Ends = tuple[Any, Any, Any, Any]
-"""A transport's (send(i), recv(i), close(), reconnect() or None)."""
+class Ends(NamedTuple):
+    """One transport in one process."""
+
+    send: Callable[[int], Any]  # message i
+    recv: Callable[[int], Any]
+    close: Callable[[], Any]
+    reconnect: Callable[[], Any] | None  # a new connection before each block (gloo), or None
 
 
 def _bounce(rank: int, ends: Ends, step: int, count: int) -> int:
     """``count`` round trips (rank 0 sends first); returns the next message number."""
-    send, recv = ends[:2]
+    send, recv = ends.send, ends.recv
     for i in range(step, step + count):
         if rank == 0:
             send(i)
@@ -110,7 +116,7 @@ def _raw_ends(rank: int, nbytes: int, ports: Any) -> Ends:
         sock.close(linger=1000)
         ctx.term()
 
-    return (lambda i: sock.send(data, copy=False)), (lambda i: sock.recv(copy=False)), close, None
+    return Ends(lambda i: sock.send(data, copy=False), lambda i: sock.recv(copy=False), close, None)
 
 
 def _wanlink_ends(rank: int, nbytes: int, ports: Any) -> Ends:
@@ -133,7 +139,7 @@ def _wanlink_ends(rank: int, nbytes: int, ports: Any) -> Ends:
         time.sleep(0.2)  # the peer's last acknowledgement is in
         link.close()
 
-    return (
+    return Ends(
         lambda i: link.start_send(tensor, step=i, microbatch=0, kind=mine),
         lambda i: link.start_recv(step=i, microbatch=0, kind=theirs).result(timeout=60),
         close,
@@ -166,7 +172,7 @@ def _gloo_ends(rank: int, nbytes: int, ports: Any) -> Ends:
 
     tensor, received = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     peer = 1 - rank
-    return (
+    return Ends(
         lambda i: groups[-1].send([tensor], peer, 0).wait(),
         lambda i: groups[-1].recv([received], peer, 0).wait(),
         groups.clear,
