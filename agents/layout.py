@@ -36,12 +36,10 @@ from geosched.config import Config, JobSpec
 from geosched.errors import PlanError
 from geosched.hierarchical import Member, SyncRole, sync_roles
 from geosched.yamlload import read_bounded
+from planner.plan import MAX_PLAN_BYTES
 
 if TYPE_CHECKING:
     from planner.plan import RankSpec as RankSpecLike
-
-MAX_PLAN_BYTES = 1 << 20
-"""The largest plan text accepted (it also travels as one retained MQTT message)."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import pytest
 
@@ -16,6 +17,7 @@ from agents.control.messages import (
     Topics,
     check_name,
     parse_message,
+    plan_payload,
 )
 from geosched.errors import InputError, ProtocolError
 
@@ -110,3 +112,26 @@ def test_payload_size_limit() -> None:
     assert isinstance(parse_message("j", "geosched/j/command", big, max_bytes=len(big)), CommandMessage)
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         parse_message("j", "geosched/j/command", big, max_bytes=len(big) - 1)
+
+
+def test_a_large_plan_is_compressed_and_inflated_within_bounds() -> None:
+    text = "ranks:\n" + "".join(f"- {{rank: {r}, dc: eu, stage: {r % 9}}}\n" for r in range(60_000))
+    payload = plan_payload(text, max_bytes=1 << 20)
+    assert len(text) > 1 << 20 and payload[:1] == b"\xff" and len(payload) < 1 << 20
+    assert parse_message("j", "geosched/j/plan", payload) == PlanMessage(text)
+    assert plan_payload("stages: 2\n") == b"stages: 2\n"  # a plan that fits travels as its text
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        (zlib.compress(b"#" * (5 << 20)), "inflates past the limit of 4194304 bytes"),  # 5 KB -> 5 MiB
+        (zlib.compress(b"stages: 2\n")[:-3], "truncated"),
+        (zlib.compress(b"stages: 2\n") + b"junk", "bytes after its end"),
+        (b"not zlib at all", "not a zlib stream"),
+        (zlib.compress(b"\xc3\x28"), "not UTF-8"),
+    ],
+)
+def test_hostile_compressed_plans_are_refused(body: bytes, complaint: str) -> None:
+    with pytest.raises(ProtocolError, match=complaint):
+        parse_message("j", "geosched/j/plan", b"\xff" + body)

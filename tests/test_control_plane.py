@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Awaitable
@@ -290,6 +292,24 @@ def test_plan_subscription_delivers_the_retained_plan(embedded_broker: RunningBr
     assert run(scenario()).text == '{"stages": 2}'
 
 
+def test_a_plan_larger_than_one_message_travels_compressed(mqtt_broker: RunningBroker) -> None:
+    """A plan of thousands of ranks (here 1.9 MB, a payload may be 1 MiB) reaches the agents whole."""
+    rank = '- {{"rank": {r}, "dc": "dc{d}", "stage": {s}, "replica": {p}, "group": "dc{d}/stage{s}"}}\n'
+    text = "ranks:\n" + "".join(rank.format(r=r, d=r % 7, s=r % 11, p=r // 77) for r in range(24_000))
+    assert len(text) > 1.5 * (1 << 20)
+
+    async def scenario() -> PlanMessage:
+        url = mqtt_broker.url_for()
+        async with ControlPlane(url, JOB, "coordinator") as coordinator, ControlPlane(url, JOB, "agent-0") as agent:
+            assert await coordinator.publish_plan(text)
+            async for message in agent.events("plan"):
+                assert isinstance(message, PlanMessage)
+                return message
+        raise AssertionError("no plan")
+
+    assert run(scenario()).text == text
+
+
 def test_unreachable_broker_is_a_clear_error() -> None:
     port = free_port()
 
@@ -312,8 +332,10 @@ def test_invalid_outgoing_messages_raise(embedded_broker: RunningBroker) -> None
                 await cp.publish_metrics(0, {"loss": 1.0})
             with pytest.raises(ProtocolError, match="not JSON-serialisable"):
                 await cp.publish_metrics(0, {"step": 1, "tensor": object()})
-            with pytest.raises(ProtocolError, match="exceeds the limit of 2048"):
-                await cp.publish_plan("x" * 4096)
+            with pytest.raises(ProtocolError, match="compressed exceeds the limit of 2048"):
+                await cp.publish_plan(base64.b64encode(os.urandom(6000)).decode())  # does not compress
+            with pytest.raises(ProtocolError, match="exceeds the limit of 4194304"):
+                await cp.publish_plan("x" * (4 << 20) + "x")
             with pytest.raises(ProtocolError, match="command.cmd"):
                 await cp.publish_command("reboot")
         with pytest.raises(InputError, match="job name 'a/b'"):

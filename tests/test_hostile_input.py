@@ -160,8 +160,8 @@ def demo_plan() -> str:
 
 
 PLAN_FILE_ANSWERS = {  # what simulate (the plan file reader) and the agents' reader say, where they differ
-    ("2 MB", "simulate"): "config.cluster.name: a value of 2097152 characters; no field takes more than 4096",
-    ("2 MB", "agents"): "larger than 1024 KiB; not a plan file",
+    ("5 MB", "simulate"): "larger than 4194304 bytes, the most a config or plan may have",
+    ("5 MB", "agents"): "larger than 4096 KiB; not a plan file",
 }
 
 
@@ -174,7 +174,11 @@ def hostile_plans(plan: str) -> dict[str, tuple[str | bytes, str]]:
         "nan": (nan, "prediction.iteration_s: .nan is not a finite number"),
         "5000 levels": ("ranks: " + "[" * 5000 + "]" * 5000 + "\n", "nested far deeper than any field"),
         "duplicate key": (plan.replace("\ndp:", "\ndp: 1\ndp:", 1), "duplicate key 'dp'"),
-        "2 MB name": (plan.replace("name: demo-3dc", "name: " + "x" * (2 << 20)), "2 MB"),
+        "2 MB name": (
+            plan.replace("name: demo-3dc", "name: " + "x" * (2 << 20)),
+            "config.cluster.name: a value of 2097152 characters; no field takes more than 4096",
+        ),
+        "5 MB": (plan + "#" * (5 << 20), "5 MB"),
         "binary": (bytes(range(256)) * 4, "binary"),
         "tab": (plan.replace("\ndp:", "\n\tdp:", 1), "a tab character"),
     }

@@ -5,7 +5,7 @@ Every topic lives under ``geosched/<job>/`` (``<job>``: 1-64 of ``A-Z a-z 0-9 _ 
 ==========================  ========  ===  ==============================  =========================
 topic                       retained  QoS  who publishes -> who reads      payload
 ==========================  ========  ===  ==============================  =========================
-``plan``                    yes       1    coordinator -> agents           plan file text (YAML/JSON)
+``plan``                    yes       1    coordinator -> agents           plan file text (YAML/JSON), see below
 ``agents/<rank>/status``    yes       1    agent (+ its last will)         JSON :class:`StatusMessage`
 ``agents/<rank>/metrics``   no        0    agent -> coordinator, watchers  JSON :class:`MetricsMessage`
 ``agents/<rank>/heartbeat`` no        0    agent -> coordinator, watchers  JSON :class:`HeartbeatMessage`
@@ -30,6 +30,11 @@ JSON payloads (``time`` is Unix seconds; ``?`` marks optional fields):
   so a restarted coordinator still increases it).
 - event:   ``{"level": "info|warning|error", "message": str, "rank"?: int, "time"?: number}``.
 
+The plan is its UTF-8 text; a text larger than one payload may be (a job of
+thousands of ranks) travels as the byte 0xFF (no UTF-8 text begins with it)
+followed by the text's zlib stream, inflated at most to the planner's bound on
+a plan (:data:`MAX_PLAN_TEXT_BYTES`) and refused past it.
+
 Validation rule (one rule for every kind): a payload is at most 1 MiB, UTF-8,
 and (except the plan) a JSON object; the fields above must have the types
 shown, and the rank in a status/metrics payload must equal the rank in its
@@ -53,12 +58,16 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.layout import MAX_PLAN_BYTES as MAX_PLAN_TEXT_BYTES
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
 MAX_PAYLOAD_BYTES = 1 << 20
+ZLIB_PLAN = b"\xff"
+"""The first byte of a plan payload that carries the text's zlib stream."""
 AGENT_STATES = ("starting", "ready", "training", "stopped", "offline", "error")
 COMMANDS = ("start", "stop", "checkpoint")
 EVENT_LEVELS = ("info", "warning", "error")
@@ -315,11 +324,13 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
         raise ProtocolError(f"{topic}: payload of {len(payload)} bytes exceeds the limit of {max_bytes}")
     if not payload:
         return None
+    kind, topic_rank = classify_topic(job, topic)
+    if kind == "plan" and payload.startswith(ZLIB_PLAN):
+        payload = inflate_plan(topic, payload)
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
         raise ProtocolError(f"{topic}: payload is not UTF-8") from None
-    kind, topic_rank = classify_topic(job, topic)
     if kind == "plan":
         return PlanMessage(text)
     try:
@@ -338,6 +349,35 @@ def parse_message(job: str, topic: str, payload: bytes, max_bytes: int = MAX_PAY
     if kind == "command":
         return CommandMessage(**known, extra=extra)
     return EventMessage(**known, extra=extra)
+
+
+def plan_payload(text: str, max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """The payload that carries a plan's ``text``: the text, or :data:`ZLIB_PLAN` and its zlib stream when the
+    text is larger than ``max_bytes``; ProtocolError if even that does not fit."""
+    data = text.encode()
+    if not data:
+        raise ProtocolError("plan: empty text; publish the plan file's contents")
+    if len(data) > MAX_PLAN_TEXT_BYTES:
+        raise ProtocolError(f"plan: {len(data)} bytes exceeds the limit of {MAX_PLAN_TEXT_BYTES}")
+    if len(data) > max_bytes:
+        data = ZLIB_PLAN + zlib.compress(data, 9)
+    if len(data) > max_bytes:
+        raise ProtocolError(f"plan: {len(data)} bytes compressed exceeds the limit of {max_bytes}")
+    return data
+
+
+def inflate_plan(topic: str, payload: bytes) -> bytes:
+    """The plan text of a :data:`ZLIB_PLAN` payload, never inflating past :data:`MAX_PLAN_TEXT_BYTES`."""
+    inflater = zlib.decompressobj()
+    try:
+        text = inflater.decompress(payload[len(ZLIB_PLAN) :], MAX_PLAN_TEXT_BYTES + 1)
+    except zlib.error as exc:
+        raise ProtocolError(f"{topic}: compressed plan is not a zlib stream ({exc})") from None
+    if len(text) > MAX_PLAN_TEXT_BYTES:
+        raise ProtocolError(f"{topic}: compressed plan inflates past the limit of {MAX_PLAN_TEXT_BYTES} bytes")
+    if not inflater.eof or inflater.unused_data:
+        raise ProtocolError(f"{topic}: compressed plan is truncated or has bytes after its end")
+    return text
 
 
 def kind_of(message: ControlMessage) -> str:

@@ -52,6 +52,7 @@ from agents.control.messages import (
     Topics,
     check_name,
     parse_message,
+    plan_payload,
     validate_fields,
 )
 from agents.control.subscription import Subscription
@@ -446,12 +447,7 @@ class ControlPlane:
 
     async def publish_plan(self, text: str) -> bool:
         """Publish (retained) the plan file text; True if the broker has it now."""
-        payload = text.encode()
-        if len(payload) > self._max_payload:
-            raise ProtocolError(f"plan: {len(payload)} bytes exceeds the limit of {self._max_payload}")
-        if not payload:
-            raise ProtocolError("plan: empty text; publish the plan file's contents")
-        return await self._publish_state(self.topics.plan, payload)
+        return await self._publish_state(self.topics.plan, plan_payload(text, self._max_payload))
 
     async def publish_metrics(self, rank: int, metrics: Mapping[str, Any]) -> bool:
         """Publish one step's metrics (must contain ``step``); dropped and counted if offline."""
