@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -387,6 +388,33 @@ def read_yaml_file(
     return load_yaml(data, os.fspath(path), error, limits)
 
 
+def read_at_most(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd``, fewer only at the end of the file."""
+    parts, size = [], 0
+    while size < limit:
+        part = os.read(fd, min(limit - size, 1 << 20))
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
+
+
+def file_kind(mode: int) -> str:
+    """What a ``stat`` mode is, in words: ``"file"`` for a regular file, else ``"directory"``, ``"FIFO"``..."""
+    for test, kind in (
+        (stat.S_ISREG, "file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
+
+
 def read_bounded(
     path: str | os.PathLike[str],
     max_bytes: int,
@@ -403,8 +431,16 @@ def read_bounded(
     (None: as any file that cannot be read), ``"<path>: <unreadable> (<why>)<hint>"`` if it cannot be read."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(max_bytes + 1)
+        # non-blocking open: a FIFO without a writer would block open() forever; it is refused below instead
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            kind = file_kind(os.fstat(fd).st_mode)
+            if kind != "file":
+                raise error(f"{path}: {unreadable} (a {kind}, not a regular file){hint}")
+            os.set_blocking(fd, True)
+            data = read_at_most(fd, max_bytes + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         if missing is not None and isinstance(exc, FileNotFoundError):
             raise error(f"{path}: {missing}") from None

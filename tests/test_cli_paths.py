@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,26 @@ def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: li
     assert main([arg.format(file=file) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate-config", "{path}"],
+        ["plan", "{path}"],
+        ["simulate", "{path}"],
+        ["launch", "configs/demo-3dc.yaml", "--plan", "{path}", "--run-dir", "{run}"],
+    ],
+)
+def test_a_fifo_device_or_folder_for_a_file_is_refused_at_once(tmp_path: Path, capsys, argv: list[str]) -> None:
+    """A FIFO nobody writes would block a reader forever: refused without opening it for a blocking read."""
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device"), (tmp_path, "a directory")):
+        assert main([arg.format(path=path, run=tmp_path / "run") for arg in argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{path}: cannot read" in err and f"({kind}, not a regular file)" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
