@@ -155,7 +155,8 @@ def _convert(tp: Any, value: Any, path: str, error: type[Exception], meta: Any =
         return float(value)
     if tp is str:
         if not isinstance(value, str) or not value:
-            raise error(f"{path}: expected a non-empty string (got {_describe(value)})")
+            quote = "; YAML read a number or true/false: write it in quotes" if isinstance(value, int | float) else ""
+            raise error(f"{path}: expected a non-empty string (got {_describe(value)}){quote}")
         most = meta["max_len"] if meta else MAX_STR_LEN
         if len(value) > most:
             raise error(f"{path}: at most {most} characters (got {len(value)}: {_describe(value[:20])})")

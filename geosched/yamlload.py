@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,14 +279,23 @@ class _BoundedComposer:
         return node, size
 
 
+class _Resolver(yaml.resolver.Resolver):
+    """PyYAML's YAML 1.1 resolver, plus YAML 1.2's floats with an exponent and no dot or sign (``3e-3``, ``1e9``,
+    ``2.5e4``), which YAML 1.1 reads as strings: a learning rate written ``3e-3`` is the number a user means."""
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+_Resolver.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("-+.0123456789"))
+
+
 if getattr(yaml, "__with_libyaml__", False):
     from yaml._yaml import CParser as _EventParser  # what yaml.cyaml re-exports
 
-    class _Loader(_BoundedComposer, _EventParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    class _Loader(_BoundedComposer, _EventParser, yaml.constructor.SafeConstructor, _Resolver):
         def __init__(self, text: str, limits: YamlLimits):
             _EventParser.__init__(self, text)
             yaml.constructor.SafeConstructor.__init__(self)
-            yaml.resolver.Resolver.__init__(self)
+            _Resolver.__init__(self)
             self._init_bounds(limits)
 
 else:  # pragma: no cover - libyaml ships with the PyYAML wheels
@@ -296,18 +306,19 @@ else:  # pragma: no cover - libyaml ships with the PyYAML wheels
         yaml.scanner.Scanner,
         yaml.parser.Parser,
         yaml.constructor.SafeConstructor,
-        yaml.resolver.Resolver,
+        _Resolver,
     ):
         def __init__(self, text: str, limits: YamlLimits):
             yaml.reader.Reader.__init__(self, text)
             yaml.scanner.Scanner.__init__(self)
             yaml.parser.Parser.__init__(self)
             yaml.constructor.SafeConstructor.__init__(self)
-            yaml.resolver.Resolver.__init__(self)
+            _Resolver.__init__(self)
             self._init_bounds(limits)
 
 
-_Dumper: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml: a 2,500-rank plan in 0.7 s instead of 1.7 s
+_Dumper: Any = type("_Dumper", (getattr(yaml, "CSafeDumper", yaml.SafeDumper),), {})  # libyaml: 2.4x faster
+_Dumper.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("-+.0123456789"))  # quotes a name like "1e3"
 
 
 def dump_yaml(data: Any, **options: Any) -> str:

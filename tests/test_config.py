@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -200,3 +201,24 @@ def test_bf16_with_fp32_optimizer_bytes_warns_once(tmp_path):
     command = [sys.executable, "-m", "geosched.cli", "validate-config", str(path)]
     ignored = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert ignored.returncode == 0 and "only fp16 scales its loss" in ignored.stderr, ignored.stderr
+
+
+def test_exponent_numbers_are_numbers_and_number_like_names_stay_names(tmp_path):
+    """``3e-3`` is YAML 1.2's float (YAML 1.1 reads it as a string); a DC named ``1e3`` still round-trips."""
+    from agents.layout import layout_plan_text, parse_layout
+
+    text = open(os.path.join(ROOT, "configs", "demo-3dc.yaml")).read()
+    assert "learning_rate: 0.003" in text and "name: eu" in text
+    path = tmp_path / "c.yaml"
+    text = text.replace("learning_rate: 0.003", "learning_rate: 3e-3")
+    path.write_text(text.replace("name: eu", "name: 1e3"))
+    with pytest.raises(ConfigError, match=r"name: expected a non-empty string \(got 1000.0\); .* write it in quotes"):
+        load_config(path)
+    path.write_text(re.sub(r"\beu\b", "'1e3'", text))
+    cfg = load_config(path)
+    assert cfg.job.learning_rate == 0.003 and "1e3" in [dc.name for dc in cfg.cluster.datacenters]
+    out = tmp_path / "dumped.yaml"
+    out.write_text(dump_config(cfg))
+    assert load_config(out) == cfg
+    layout = parse_layout(layout_plan_text(cfg))
+    assert "1e3" in {role.dc for role in layout.roles}

@@ -220,7 +220,7 @@ def test_published_plan_bomb_refused_without_parsing_it(demo_plan):
     message = str(info.value)
     assert message.startswith("plan from the broker: line ") and "(an alias bomb?)" in message
     assert "\n" not in message and len(message) < 300
-    with pytest.raises(PlanError, match="larger than 1024 KiB"):
+    with pytest.raises(PlanError, match="larger than 4096 KiB"):
         parse_layout(demo_plan + "#" * MAX_PLAN_BYTES, "plan from the broker")
     assert parse_layout(demo_plan).num_stages >= 1  # the honest plan still reads
 
