@@ -37,7 +37,7 @@ from agents.control.auth import (
 )
 from agents.control.commands import job_statuses, stop_job
 from agents.control.coordinator import start_job
-from agents.control.messages import CommandMessage, EventMessage, StatusMessage
+from agents.control.messages import CommandMessage, EventMessage, MetricsMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.layout import plan_id
 from geosched.errors import InputError, ProtocolError
@@ -496,3 +496,36 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
     finally:
         stop_processes(agents)
         attacker.close()
+
+
+def test_an_insiders_ill_typed_metrics_and_statuses_are_dropped_and_counted(mqtt_broker):
+    """A rank's own key signs fields the coordinator computes with (a loss of "abc", a next_step of "x", 1e400
+    WAN bytes): each is dropped and counted where it arrives, and the genuine messages after it still are read."""
+    keys = KeySet()
+    url = mqtt_broker.url_for("geosched")
+    metrics_topic = f"geosched/{JOB}/agents/1/metrics"
+    forged = [
+        (metrics_topic, b'{"rank": 1, "step": 3, "loss": "abc"}'),
+        (metrics_topic, b'{"rank": 1, "step": 3, "iteration_s": "abc"}'),
+        (metrics_topic, b'{"rank": 1, "step": 3, "wan_bytes": 1e400}'),
+        (metrics_topic, b'{"rank": 1, "step": 3, "bubble_fraction": [1, 2]}'),
+        (status_topic(1), b'{"rank": 1, "state": "ready", "next_step": "x"}'),
+        (status_topic(1), b'{"rank": 1, "state": "ready", "endpoints": "tcp://6.6.6.6:1"}'),
+        (status_topic(1), b'{"rank": 1, "state": "ready", "checkpoint": {"step": "x"}}'),
+    ]
+
+    async def scenario() -> None:
+        async with (
+            ControlPlane(url, JOB, "coord", keys=keys.of("coordinator")) as coordinator,
+            ControlPlane(url, JOB, "agent1", keys=keys.of("agent-1"), agent=AgentIdentity(1)) as agent,
+        ):
+            async with await coordinator.subscribe("metrics", "status") as sub:
+                signer = Signer(keys.of("agent-1"), JOB)
+                for topic, body in forged:
+                    await _attacker_publish(mqtt_broker, topic, signer.seal(topic, body))
+                await agent.publish_metrics(1, {"step": 3, "loss": 2.5, "wan_bytes": 10})  # the genuine one
+                message = await sub.get(5)
+                assert isinstance(message, MetricsMessage) and message.values["loss"] == 2.5, message
+            assert coordinator.stats.dropped_malformed == len(forged), coordinator.stats
+
+    asyncio.run(scenario())

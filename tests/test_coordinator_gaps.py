@@ -167,3 +167,32 @@ def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> No
     assert acks.overdue(29.0) == [] and acks.overdue(30.0) == [1]
     acks.heard(StatusMessage(1, "training", extra={"started": 41}))
     assert not acks.due(10.0) and acks.overdue(60.0) == []
+
+
+def test_metrics_of_steps_outside_the_run_or_from_no_rank_change_nothing() -> None:
+    """A rank's key can sign any step: metrics of steps past the end, far ahead, already printed, or of a rank
+    the plan does not have are ignored, so they neither pile up nor move the job's progress."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    padding = {"pad": "x" * (512 << 10)}
+    forged = [MetricsMessage(1, step, values=padding) for step in (10**9, 10**9 + 1, 5, 3 + 64)]
+    feed = _Feed(
+        [
+            _metrics(0, 3),
+            _metrics(1, 3),
+            *forged,
+            MetricsMessage(7, 4, values={"loss": 1.0}),  # rank 7: none in this plan
+            _metrics(0, 3),  # a late duplicate of a printed step
+            _metrics(0, 4),
+            _metrics(1, 4),
+            StatusMessage(0, "ready", extra={"next_step": 5}),
+            StatusMessage(1, "ready", extra={"next_step": 5}),
+        ]
+    )
+    out, seen = io.StringIO(), []
+    result = asyncio.run(
+        _follow(_Plane(), feed, layout, 3, 2, out, step_timeout_s=1.0, on_metrics=seen.append)  # type: ignore[arg-type]
+    )
+    assert [s.step for s in result.steps] == [3, 4] and result.missing == {}
+    assert [s.loss for s in result.steps] == [2.0, 1.0]
+    assert [(m.rank, m.step) for m in seen] == [(0, 3), (1, 3), (0, 4), (1, 4)]
+    assert len(out.getvalue().splitlines()) == 2

@@ -67,6 +67,11 @@ STEP_LINE = (
     "WAN {wan:7.2f} MB/s"
 )
 BAD_STATES = ("offline", "error", "stopped")
+SUMMARY_FIELDS = ("loss", "iteration_s", "bubble_fraction", "wan_bytes", "loss_scale", "skipped")
+"""What the coordinator keeps of a step's metrics until every rank's have arrived (:func:`summarize_step`)."""
+AHEAD_STEPS = 64
+"""Metrics of a step this far past the oldest step not yet printed are ignored (no rank of a job runs that far
+ahead; the bound keeps a forged stream of future steps from piling up)."""
 RESEND_S = 2.0
 """Seconds between re-sends of ``start`` to the agents that have not acknowledged it."""
 START_ACK_S = 30.0
@@ -111,14 +116,19 @@ class StepSummary:
 
 def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLayout) -> StepSummary:
     """Merge one step's metrics of every rank (rank -> values) into a :class:`StepSummary`."""
-    losses = [m["loss"] for r, m in metrics.items() if layout.role(r).last and m.get("loss") is not None]
-    skipped = [metric_number(m.get("loss_scale")) or 0.0 for m in metrics.values() if m.get("skipped") is True]
+
+    def number(m: dict[str, Any], name: str) -> float:
+        return metric_number(m.get(name)) or 0.0
+
+    losses = [metric_number(m.get("loss")) for r, m in metrics.items() if layout.role(r).last]
+    known = [loss for loss in losses if loss is not None]
+    skipped = [number(m, "loss_scale") for m in metrics.values() if m.get("skipped") is True]
     return StepSummary(
         step=step,
-        loss=sum(losses) / len(losses) if losses else None,
-        iteration_s=max(float(m.get("iteration_s", 0.0)) for m in metrics.values()),
-        bubble_fraction=sum(float(m.get("bubble_fraction", 0.0)) for m in metrics.values()) / len(metrics),
-        wan_bytes=sum(int(m.get("wan_bytes", 0)) for m in metrics.values()),
+        loss=sum(known) / len(known) if known else None,
+        iteration_s=max(number(m, "iteration_s") for m in metrics.values()),
+        bubble_fraction=sum(number(m, "bubble_fraction") for m in metrics.values()) / len(metrics),
+        wan_bytes=sum(int(number(m, "wan_bytes")) for m in metrics.values()),
         skipped_at_scale=skipped[0] if skipped else None,
     )
 
@@ -355,6 +365,7 @@ async def _follow(
     newest: dict[int, int] = {}  # rank -> the newest step it reported metrics for
     printed = first
     current: int | None = first
+    ignored = 0
 
     def _moved_past(step: int) -> bool:
         """Every rank reported a later step or finished: the metrics of ``step`` not here were lost."""
@@ -399,9 +410,23 @@ async def _follow(
                 )
             continue
         if isinstance(message, MetricsMessage):
+            if message.rank not in ranks or not printed <= message.step < min(end, printed + AHEAD_STEPS):
+                ignored += 1  # a step already printed (late), outside this run, or from no rank of the plan
+                if ignored == 1:
+                    log.warning(
+                        "job %r: ignored metrics of rank %d for step %d (steps %d-%d are expected now)",
+                        cp.job,
+                        message.rank,
+                        message.step,
+                        printed,
+                        min(end, printed + AHEAD_STEPS) - 1,
+                    )
+                continue
             if on_metrics is not None:
                 on_metrics(message)
-            pending.setdefault(message.step, {})[message.rank] = {"loss": None, **message.values}
+            pending.setdefault(message.step, {})[message.rank] = {
+                name: message.values.get(name) for name in SUMMARY_FIELDS
+            }
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = min(message.step + 1, end - 1)  # step N's metrics: the job is at N + 1 (errors name it)
             progress_at = loop.time()

@@ -40,7 +40,9 @@ and (except the plan) a JSON object; the fields above must have the types
 shown, and the rank in a status/metrics payload must equal the rank in its
 topic. **Unknown fields are tolerated** and kept in ``.extra`` (metrics: in
 ``.values``), so newer agents can add fields without breaking older
-coordinators. :func:`parse_message` raises ProtocolError naming the broken rule (the client
+coordinators. The extra fields the job's own readers compute with
+(:data:`_CHECKED_EXTRAS`: ``next_step``, ``endpoints``, ``loss``, ``wan_bytes``...)
+are checked too where present. :func:`parse_message` raises ProtocolError naming the broken rule (the client
 drops and counts such messages; sending one raises). An empty retained
 payload clears a topic; :func:`parse_message` returns None for it.
 
@@ -57,13 +59,16 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agents.layout import MAX_PLAN_BYTES as MAX_PLAN_TEXT_BYTES
 from geosched.errors import GeoschedError, InputError, ProtocolError
+from geosched.yamlload import short
 
 MAX_PAYLOAD_BYTES = 1 << 20
 ZLIB_PLAN = b"\xff"
@@ -275,8 +280,62 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[str, ...] | No
 }
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _endpoints(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _checkpoint(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        value.get(name) is None or check(value[name])
+        for name, check in (("step", _count), ("seq", _count), ("dir", _is_str), ("error", _is_str))
+    )
+
+
+# extra fields the job's own readers rely on: checked when present and not null, kept in .extra (.values)
+_CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
+    "status": {
+        "next_step": (_count, "an integer >= 0"),
+        "started": (_count, "an integer >= 0"),
+        "plan_id": (_is_str, "a string"),
+        "message": (_is_str, "a string"),
+        "endpoints": (_endpoints, "an object of names to address strings"),
+        "checkpoint": (_checkpoint, 'an object {"step": int, "seq": int, "dir": str, "error": str}'),
+    },
+    "metrics": {
+        "loss": (_is_number, "a number"),  # NaN and infinity included: a diverged loss is shown as such
+        "iteration_s": (_finite, "a finite number"),
+        "bubble_fraction": (_finite, "a finite number"),
+        "wan_bytes": (_count, "an integer >= 0"),
+        "loss_scale": (_finite, "a finite number"),
+        "skipped": (_is_bool, "true or false"),
+        "started_at": (_finite, "a finite number"),
+    },
+}
+
+
 def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a payload object into (known fields, extra fields), checking the known ones."""
+    """Split a payload object into (known fields, extra fields), checking the known ones and those extra fields
+    that the job's own readers rely on (:data:`_CHECKED_EXTRAS`)."""
     if not isinstance(data, dict):
         raise ProtocolError(f"{kind}: payload must be a JSON object, got {type(data).__name__}")
     known: dict[str, Any] = {}
@@ -287,13 +346,17 @@ def validate_fields(kind: str, data: object) -> tuple[dict[str, Any], dict[str, 
             continue
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, types):
-            raise ProtocolError(f"{kind}.{name}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}")
+            raise ProtocolError(f"{kind}.{name}: expected {'/'.join(t.__name__ for t in types)}, got {short(value)}")
         if allowed is not None and value not in allowed:
-            raise ProtocolError(f"{kind}.{name}: must be one of {'|'.join(allowed)} (got {value!r})")
+            raise ProtocolError(f"{kind}.{name}: must be one of {'|'.join(allowed)} (got {short(value)})")
         if types == _INT and isinstance(value, int) and value < 0:
             raise ProtocolError(f"{kind}.{name}: must be >= 0 (got {value})")
         known[name] = value
     extra = {k: v for k, v in data.items() if k not in _SCHEMAS[kind]}
+    for name, (check, wanted) in _CHECKED_EXTRAS.get(kind, {}).items():
+        value = extra.get(name)
+        if value is not None and not check(value):
+            raise ProtocolError(f"{kind}.{name}: expected {wanted}, got {short(value)}")
     return known, extra
 
 
