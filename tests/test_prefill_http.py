@@ -275,6 +275,49 @@ def _closed_after(conn: socket.socket, trickle: bytes = b"", every_s: float = 0.
     return time.monotonic() - start
 
 
+def _refused_and_closed(server: PrefillHttpServer, head: bytes, chunk: bytes) -> tuple[bytes, float]:
+    """Send ``head`` then ``chunk`` over and over (a body that never ends) while reading: the answer, and the
+    seconds until the server closed the connection (EOF, a reset, or a send refused)."""
+    with socket.create_connection((server.host, server.port), timeout=10) as conn:
+        conn.sendall(head)
+        conn.setblocking(False)
+        answer, start = b"", time.monotonic()
+        while time.monotonic() - start < 20:
+            try:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                answer += data
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            try:
+                conn.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.01)  # the server reads no more: its window is full
+            except OSError:
+                break
+        return answer, time.monotonic() - start
+
+
+def test_a_refused_request_with_a_body_still_coming_is_closed_not_read(served):
+    """401 before the body (no token) and 413 (a declared body over the limit): the answer, then the connection
+    closes within a second or so; aiohttp alone would read and decrypt the rest for body_timeout_s (10 s)."""
+    service, server = served
+    chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer, seconds = _refused_and_closed(server, head, chunk)
+    assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer, answer[:200]
+    assert seconds < server.limits.body_timeout_s / 2, seconds
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+    answer, seconds = _refused_and_closed(server, head + b"Content-Length: 100000000\r\n\r\n", b"x" * 65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert seconds < server.limits.body_timeout_s / 2, seconds
+    assert wait_for(lambda: server.stats()["open"] == 0, 10.0)
+    assert call(server, "GET", "/v1/models")[0] == 200  # and the front end serves on
+
+
 def test_slow_idle_and_excess_clients_are_cut_off_while_a_normal_one_is_served(model):
     limits = HttpLimits(
         max_connections=3, max_inflight=1, header_timeout_s=0.6, body_timeout_s=0.6, keepalive_timeout_s=0.6

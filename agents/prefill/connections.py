@@ -212,14 +212,24 @@ class GuardedProtocol(asyncio.Protocol):
     def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard, loop: asyncio.AbstractEventLoop) -> None:
         self.inner, self.guard, self.loop = inner, guard, loop
         self.transport: asyncio.Transport | None = None
+        self.closing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.guard.connected(self.inner, self.loop.time())
         self.inner.connection_made(transport)
 
+    def close_unread(self) -> None:
+        """A request was refused before its body was read (401, 413, 408): drop what else the client sends, and
+        close within :data:`REFUSAL_LINGER_S` (time for the answer to reach it), instead of aiohttp's lingering,
+        which would read and decrypt a body nobody wants for ``body_timeout_s``."""
+        if not self.closing and self.transport is not None:
+            self.closing = True
+            self.loop.call_later(REFUSAL_LINGER_S, self.transport.close)
+
     def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
+        if not self.closing:
+            self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received()

@@ -271,7 +271,17 @@ class PrefillHttpServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every refusal as OpenAI's error object."""
+        """Every refusal as OpenAI's error object; a refusal that left the body unread closes the connection."""
+        response = await self._answer(request, handler)
+        if response.status >= 400 and not request.content.is_eof():
+            response.force_close()  # "Connection: close"
+            transport = request.transport
+            protocol = transport.get_protocol() if transport is not None else None
+            if isinstance(protocol, GuardedProtocol):
+                protocol.close_unread()
+        return response
+
+    async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except HttpError as exc:
