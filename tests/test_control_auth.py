@@ -181,6 +181,23 @@ def test_last_will_beats_its_session_but_an_old_will_loses_to_a_newer_session():
     assert refused(verifier, topic, current) == "duplicate"
 
 
+def test_two_clients_signing_as_one_agent_are_a_conflict_not_a_replay():
+    """Whoever holds agent-1's key opens a newer session: the genuine agent's later statuses (older session, newer
+    seq) are a conflict, named as such, instead of replays refused in silence while the job waits for them."""
+    keys = KeySet()
+    genuine, impostor = Signer(keys.of("agent-1"), JOB), Signer(keys.of("agent-1"), JOB)
+    verifier = Verifier(keys.of("coordinator"), JOB)
+    topic = status_topic(1)
+    will = genuine.seal(topic, b'{"rank":1,"state":"offline"}', will=True)
+    assert verifier.open(topic, genuine.seal(topic, b'{"rank":1,"state":"training"}'))
+    assert verifier.open(topic, impostor.seal(topic, b'{"rank":1,"state":"ready","next_step":40}'))
+    late = genuine.seal(topic, b'{"rank":1,"state":"training"}')
+    with pytest.raises(Refused, match="two clients sign as 'agent-1' at once") as info:
+        verifier.open(topic, late)
+    assert info.value.reason == "conflict"
+    assert refused(verifier, topic, will) == "replay"  # an older session's will is no sign of a second client
+
+
 def test_unsigned_yaml_bomb_plan_is_refused_before_parsing():
     keys = KeySet()
     verifier = Verifier(keys.of("agent-0"), JOB)

@@ -6,9 +6,10 @@ import asyncio
 import io
 from dataclasses import dataclass, field
 
+import pytest
 from agent_helpers import TINY_CONFIG
 
-from agents.control.coordinator import StartAcks, _follow, stranded_endpoints
+from agents.control.coordinator import AgentLost, StartAcks, _follow, stranded_endpoints
 from agents.control.liveness import Liveness
 from agents.control.messages import CommandMessage, ControlStats, MetricsMessage, StatusMessage
 from agents.layout import layout_plan_text, parse_layout
@@ -196,3 +197,12 @@ def test_metrics_of_steps_outside_the_run_or_from_no_rank_change_nothing() -> No
     assert [s.loss for s in result.steps] == [2.0, 1.0]
     assert [(m.rank, m.step) for m in seen] == [(0, 3), (1, 3), (0, 4), (1, 4)]
     assert len(out.getvalue().splitlines()) == 2
+
+
+def test_two_clients_signing_as_one_agent_stop_the_job_with_the_reason() -> None:
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    plane = _Plane()
+    plane.stats.conflict = "geosched/gaps/agents/1/status: two clients sign as 'agent-1' at once (sessions 1 and 2)"
+    feed = _Feed([_metrics(0, 0), _metrics(1, 0)])
+    with pytest.raises(AgentLost, match=r"stopped at step 0: .* two clients sign as 'agent-1'.*'geosched keys'"):
+        asyncio.run(_follow(plane, feed, layout, 0, 5, io.StringIO(), step_timeout_s=5.0))  # type: ignore[arg-type]

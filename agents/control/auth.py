@@ -20,6 +20,11 @@ is parsed* (an unsigned YAML bomb plan is never parsed) and refuses:
 - ``replay``: a sequence number not above the highest one seen from that
   sender on that topic, or a command signed before this receiver started
   (minus :data:`MAX_CLOCK_SKEW_NS`).
+- ``conflict``: a status of an older session signed *later* (a higher seq, not a
+  will) than the newest status seen: two clients sign as one agent at once, so
+  its key is in another process's hands. Either could be the impostor; the
+  coordinator stops the job naming the rank rather than follow a rank whose
+  genuine statuses would otherwise all be refused as replays.
 
 The broker sends the current retained plan and statuses again after every
 (re)subscribe; :class:`Verifier` raises those as ``Refused("duplicate")``,
@@ -71,7 +76,7 @@ WILL_SEQ = (1 << 63) - 1
 """The sequence number of an agent's last will: above every status of its session."""
 MAX_CLOCK_SKEW_NS = 120 * 10**9
 """A command signed this long before a receiver started is refused as a replay."""
-REASONS = ("unsigned", "identity", "signature", "binding", "replay")
+REASONS = ("unsigned", "identity", "signature", "binding", "replay", "conflict")
 """Why a payload is refused (``ControlStats.refused_<reason>``); ``duplicate`` (below) is no refusal."""
 
 
@@ -216,6 +221,12 @@ class Verifier:
         last = self._highest.get((identity, topic))
         if last is not None and order == last and kind in ("plan", "status"):
             raise Refused("duplicate", f"{topic}: the retained message again (after a (re)subscribe)")
+        if last is not None and kind == "status" and session < last[0] and last[1] < seq < WILL_SEQ:
+            raise Refused(
+                "conflict",
+                f"{topic}: two clients sign as {identity!r} at once (sessions {session} and {last[0]}); another "
+                "process holds its key",
+            )
         if last is not None and order <= last:
             raise Refused("replay", f"{topic}: replayed or stale message from {identity!r} (seq {seq})")
         self._highest[(identity, topic)] = order

@@ -393,6 +393,12 @@ async def _follow(
         loss = exited_lost(cp.job, exits(), current) if exits is not None else None
         if loss is None and reread.due(loop.time(), cp.stats.connects):
             loss = reread_lost(cp.job, cp.statuses(), ranks - finished, plan_id(layout.text))
+        if loss is None and cp.stats.conflict is not None:
+            loss = AgentLost(
+                f"job {cp.job!r}: stopped at step {current}: {cp.stats.conflict}; make new keys for the job "
+                "('geosched keys') and restart it",
+                [],
+            )
         if loss is not None:
             raise loss
         if stop_when is not None and stop_when():

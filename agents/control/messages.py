@@ -234,6 +234,8 @@ class ControlStats:
     refused_signature: int = 0
     refused_binding: int = 0
     refused_replay: int = 0
+    refused_conflict: int = 0
+    conflict: str | None = None  # the latest conflict refused (two clients signing as one agent), in words
 
 
 @dataclass(frozen=True)

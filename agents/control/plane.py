@@ -300,6 +300,8 @@ class ControlPlane:
     def _refused(self, exc: Refused) -> None:
         """Count a refused payload; log it and raise an event, at most once per report interval."""
         setattr(self.stats, f"refused_{exc.reason}", getattr(self.stats, f"refused_{exc.reason}") + 1)
+        if exc.reason == "conflict":
+            self.stats.conflict = str(exc)
         line = self._refusals.note(exc, time.monotonic())
         if line is not None:
             log.warning("MQTT %s job %r: %s", self.address, self.job, line)
