@@ -362,12 +362,7 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
         raise PlanError(f"plan.stages: {problem_text}")
     if plan.warmup:
         _check_warmup(plan, problem, cand)
-    for i, link in enumerate(plan.links):
-        if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
-            raise PlanError(
-                f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
-                f"wan_compression: {job.wan_compression}); use none or {job.wan_compression}, or re-run 'geosched plan'"
-            )
+    _check_links(plan, problem, cand)
     expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
@@ -382,6 +377,34 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
                 f"(expected {getattr(want, field)!r})"
             )
     return plan
+
+
+def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
+    """PlanError unless each entry of ``plan.links`` is a WAN link of the config, listed once, with a codec the
+    job allows, and every link a pipeline crosses is listed (its streams and codec are what the agents use)."""
+    job, seen = plan.config.job, set()
+    for i, link in enumerate(plan.links):
+        a, b = link.between
+        if a == b or problem.link(a, b) is None:
+            raise PlanError(
+                f"plan.links[{i}].between: [{a}, {b}] is no WAN link of the config (cluster.links); "
+                "re-run 'geosched plan'"
+            )
+        if frozenset((a, b)) in seen:
+            raise PlanError(f"plan.links[{i}].between: the link [{a}, {b}] is listed twice; keep one")
+        seen.add(frozenset((a, b)))
+        if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
+            raise PlanError(
+                f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
+                f"wan_compression: {job.wan_compression}); use none or {job.wan_compression}, or re-run 'geosched plan'"
+            )
+    for pipeline in cand.pipelines:
+        path = tuple(dict.fromkeys(pipeline))
+        for a, b in zip(path, path[1:]):
+            if frozenset((a, b)) not in seen:
+                raise PlanError(
+                    f"plan.links: no entry for the WAN link [{a}, {b}] a pipeline crosses; re-run 'geosched plan'"
+                )
 
 
 def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:

@@ -137,6 +137,11 @@ def test_data_parallel_ranks_form_intra_dc_groups() -> None:
         (lambda d: d.update(dp=0), "plan.dp"),
         (lambda d: d.update(bogus=1), "plan.bogus"),
         (lambda d: d["config"]["cluster"]["datacenters"][0].update(gpus=0), "gpus"),
+        (lambda d: d["links"][0].update(between=["ap", "zz"]), "links[0].between: [ap, zz] is no WAN link"),
+        (lambda d: d["links"][0].update(between=["us", "us"]), "links[0].between: [us, us] is no WAN link"),
+        (lambda d: d["links"].append(dict(d["links"][0])), "links[1].between: the link [us, eu] is listed twice"),
+        (lambda d: d.update(links=[]), "no entry for the WAN link [us, eu] a pipeline crosses"),
+        (lambda d: d["links"][0].update(compression="fp8"), "links[0].compression: 'fp8' is not one the job allows"),
     ],
 )
 def test_malformed_plan_names_the_field(tmp_path, edit, field) -> None:
