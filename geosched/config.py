@@ -326,6 +326,13 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(
             f"job.tensor_parallel: heads({model.heads}) must be divisible by tensor_parallel({job.tensor_parallel})"
         )
+    tp, dcs = job.tensor_parallel, cfg.cluster.datacenters
+    if tp is not None and tp > 1 and not any(dc.gpus_per_node % tp == 0 and dc.gpus >= tp for dc in dcs):
+        nodes = ", ".join(sorted({str(dc.gpus_per_node) for dc in dcs}))
+        raise ConfigError(
+            f"job.tensor_parallel: no datacenter has a node of {tp} GPUs (gpus_per_node: {nodes}); tensor "
+            "parallelism stays inside a node: pick a divisor of a gpus_per_node, or null to let the planner choose"
+        )
     if model.custom_layers and len(model.custom_layers) != model.layers:
         raise ConfigError(
             f"job.model.custom_layers: has {len(model.custom_layers)} entries but "

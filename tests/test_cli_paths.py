@@ -21,6 +21,7 @@ from geosched.cli import main
         (["profile", "configs/demo-3dc.yaml", "--threads", "2147483648"], "at most 1024"),
         (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--priority", "10", "hi"], "--priority: must be <= 9"),
         (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--timeout", "nan", "hi"], "--timeout: must be > 0"),
+        (["simulate", "configs/demo-3dc.yaml", "--step-ms", "5"], "--step-ms: sets the synthetic pipeline's costs"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:

@@ -25,7 +25,8 @@ from typing import Any
 from geosched.errors import InputError
 
 SOURCE_MODULE = "geosched.commands.simulate_source"  # build(args) -> (Schedule, CostProvider, info dict)
-COST_FLAGS = ("forward_ms", "backward_ms", "transfer_ms", "allreduce_ms", "step_ms")
+COST_FLAGS = {"forward_ms": 1.0, "backward_ms": 2.0, "transfer_ms": 0.0, "allreduce_ms": 0.0, "step_ms": 0.0}
+"""The synthetic pipeline's cost flags and their defaults (a config or plan file brings its own costs)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,19 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--microbatches", type=int, help="microbatches m per iteration (required without a source file)"
     )
-    parser.add_argument(
-        "--forward-ms", type=float, default=1.0, help="forward time per microbatch and stage (default 1)"
-    )
-    parser.add_argument(
-        "--backward-ms", type=float, default=2.0, help="backward time per microbatch and stage (default 2)"
-    )
-    parser.add_argument(
-        "--transfer-ms", type=float, default=0.0, help="time a message occupies a stage boundary link (default 0)"
-    )
-    parser.add_argument(
-        "--allreduce-ms", type=float, default=0.0, help="gradient all-reduce time per stage (default 0)"
-    )
-    parser.add_argument("--step-ms", type=float, default=0.0, help="optimizer step time per stage (default 0)")
+    parser.add_argument("--forward-ms", type=float, help="forward time per microbatch and stage (default 1)")
+    parser.add_argument("--backward-ms", type=float, help="backward time per microbatch and stage (default 2)")
+    parser.add_argument("--transfer-ms", type=float, help="time a message occupies a stage boundary link (default 0)")
+    parser.add_argument("--allreduce-ms", type=float, help="gradient all-reduce time per stage (default 0)")
+    parser.add_argument("--step-ms", type=float, help="optimizer step time per stage (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the timeline to this file")
     parser.add_argument("--trace", metavar="JSON", help="write a Chrome trace (Perfetto) to this file")
@@ -83,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
 def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """The synthetic form from flags, or the lead's config/plan loader when a source is given."""
     if args.source:
+        given = [name for name in COST_FLAGS if getattr(args, name) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise InputError(
+                f"{flag}: sets the synthetic pipeline's costs; {args.source} brings its own (the cost model, "
+                "a calibration): drop the flag, or drop the file and give --stages and --microbatches"
+            )
         try:
             simulate_source = importlib.import_module(SOURCE_MODULE)
         except ModuleNotFoundError as exc:
@@ -99,12 +99,13 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
     for flag in ("stages", "microbatches"):
         if getattr(args, flag) is None:
             raise InputError(f"--{flag} is required without a config/plan file (e.g. --stages 4 --microbatches 8)")
-    for name in COST_FLAGS:
-        value = getattr(args, name)
+    ms = {}
+    for name, default in COST_FLAGS.items():
+        value = default if getattr(args, name) is None else getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise InputError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {value})")
+        ms[name] = value / 1000.0
     schedule = build_schedule(args.schedule or "1f1b", args.stages, args.microbatches)
-    ms = {name: getattr(args, name) / 1000.0 for name in COST_FLAGS}
     costs = UniformCosts(ms["forward_ms"], ms["backward_ms"], ms["transfer_ms"], ms["allreduce_ms"], ms["step_ms"])
     return schedule, costs, {}
 
