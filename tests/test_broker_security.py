@@ -399,3 +399,27 @@ def test_subscriptions_logins_and_unread_output_are_bounded() -> None:
                 assert await until_message(a, b"still served") == [("t/1", b"still served")]
 
     run(scenario())
+
+
+def test_a_client_id_is_taken_over_only_by_its_own_login() -> None:
+    """Another login's CONNECT with a connected client's id is refused (CONNACK 2) and the holder stays; the
+    same login's reconnect replaces its previous connection, as MQTT asks."""
+
+    async def scenario() -> None:
+        async with EmbeddedBroker(users={"agent-1": "pw1", "agent-2": "pw2"}) as broker:
+            reader, writer = await asyncio.open_connection(broker.host, broker.port)
+            writer.write(connect_packet("agent-1", 60, ("agent-1", "pw1")))
+            assert await reader.readexactly(4) == b"\x20\x02\x00\x00"
+            thief_reader, thief = await asyncio.open_connection(broker.host, broker.port)
+            thief.write(connect_packet("agent-1", 60, ("agent-2", "pw2")))
+            assert await thief_reader.readexactly(4) == b"\x20\x02\x00\x02"  # identifier rejected
+            assert await closed(thief_reader) and broker.refusals["login"] == 1
+            writer.write(b"\xc0\x00")  # PINGREQ: the holder is still connected
+            assert await reader.readexactly(2) == b"\xd0\x00"
+            again_reader, again = await asyncio.open_connection(broker.host, broker.port)
+            again.write(connect_packet("agent-1", 60, ("agent-1", "pw1")))
+            assert await again_reader.readexactly(4) == b"\x20\x02\x00\x00"
+            assert await closed(reader)  # the previous connection of the same login is replaced
+            again.close()
+
+    run(scenario())

@@ -350,14 +350,16 @@ class EmbeddedBroker:
             code = code or (mq.BAD_CLIENT_ID if not client_id else mq.ACCEPTED)
         others = [c for c in self._clients.values() if username is not None and c.username == username]
         same_login = sum(c.client_id != client_id for c in others)  # a reconnect replaces its own
+        old = self._clients.get(client_id)
+        why = ""
         if code == mq.ACCEPTED and same_login >= self.limits.connections_per_login:
-            code = mq.SERVER_UNAVAILABLE
+            code, why = mq.SERVER_UNAVAILABLE, f" ({same_login} clients of this login)"
+        if code == mq.ACCEPTED and old is not None and old.username != username:
+            code, why = mq.BAD_CLIENT_ID, " (the id is held by another login's connection)"  # no takeover
         writer.write(mq.packet(mq.CONNACK, bytes([0, code])))
         if code != mq.ACCEPTED:
-            why = f" ({same_login} clients of this login)" if code == mq.SERVER_UNAVAILABLE else ""
             self._refuse("login", address, f"client {client_id!r} (user {username!r}): CONNACK {code}{why}")
             return None, 0
-        old = self._clients.get(client_id)
         if old is not None:
             log.info("broker: client %r reconnected; closing its previous connection", client_id)
             old.will = None
