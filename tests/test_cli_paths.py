@@ -22,6 +22,9 @@ from geosched.cli import main
         (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--priority", "10", "hi"], "--priority: must be <= 9"),
         (["prefill", "--endpoint", "tcp://127.0.0.1:9", "--timeout", "nan", "hi"], "--timeout: must be > 0"),
         (["simulate", "configs/demo-3dc.yaml", "--step-ms", "5"], "--step-ms: sets the synthetic pipeline's costs"),
+        (["profile", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
+        (["profile", "configs/demo-3dc.yaml", "--repeats", "1000000000"], "--repeats: must be <= 10000"),
+        (["export", "{file}", "-o", "/dev/null"], "-o /dev/null: a character device, not a regular file"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
@@ -64,3 +67,20 @@ def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_pa
     err = capsys.readouterr().err
     assert "was made for cluster 'demo-3dc' and a model of 6 layers" in err and err.count("\n") == 1, err
     assert not run.exists()
+
+
+def test_export_writes_neither_through_a_link_nor_into_the_checkpoint_it_reads(tmp_path: Path, capsys) -> None:
+    """Its output is written whole and renamed into place: a rename would replace a link (or a device) itself,
+    and a file inside the checkpoint folder could be one of its shards."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000003").mkdir(parents=True)
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to(tmp_path / "elsewhere.safetensors")
+    for out, needle in (
+        (link, "a symbolic link; give the file it points to"),
+        (ckpt / "step-000003" / "stage-00.safetensors", "inside " + str(ckpt) + ", the folder it is made from"),
+    ):
+        assert main(["export", str(ckpt), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+    assert link.is_symlink() and not (ckpt / "step-000003" / "stage-00.safetensors").exists()

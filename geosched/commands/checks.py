@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
 from pathlib import Path
 
 from geosched.errors import InputError
@@ -50,6 +52,27 @@ def folder(path: str | Path, flag: str) -> Path:
             f"{flag} {path}: cannot make a folder there ({exc.strerror or exc}); pass a folder you can write"
         ) from None
     return made
+
+
+def output_file(path: str, flag: str, *, not_inside: str | None = None) -> str:
+    """``path`` as a file a command may write whole and rename into place: InputError naming ``flag`` if it is a
+    device, FIFO, folder or symbolic link (a rename would replace that, not write into it), or lies inside the
+    folder ``not_inside`` (the input it is made from)."""
+    from geosched.yamlload import file_kind
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise InputError(f"{flag} {path}: cannot use it ({exc.strerror or exc}); pass a file you can write") from None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise InputError(f"{flag} {path}: a symbolic link; give the file it points to, or a new name")
+    if mode is not None and file_kind(mode) != "file":
+        raise InputError(f"{flag} {path}: a {file_kind(mode)}, not a regular file; give a file name")
+    if not_inside is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(not_inside)):
+        raise InputError(f"{flag} {path}: inside {not_inside}, the folder it is made from; write it elsewhere")
+    return path
 
 
 def _finite(name: str, value: object, hint: str, colon: bool) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from geosched.commands.checks import at_least
+from geosched.commands.checks import at_least, output_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from geosched.weights import ModelRecord
 
     at_least(args, "step", 0)
+    output_file(args.output, "-o", not_inside=args.checkpoint_dir)
     config = None
     if args.config is not None:
         from geosched.config import load_config

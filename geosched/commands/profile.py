@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Any
 
-from geosched.commands.checks import at_least
+from geosched.commands.checks import at_least, at_most, output_file
 from geosched.errors import InputError
 
 
@@ -87,11 +87,16 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "repeats", 1, colon=False)
     at_least(args, "warmup", 0, colon=False)
     at_least(args, "co_located", 1, "how many ranks share this host", colon=False)
+    at_most(args, "repeats", 10_000)
+    at_most(args, "warmup", 10_000)
+    at_most(args, "co_located", os.cpu_count() or 1, "one copy runs per CPU of this host")
     if not 0 <= args.threads <= 1024:
         raise InputError(f"--threads must be >= 1, or 0 for torch's choice, and at most 1024 (got {args.threads})")
     if args.threads:
         torch.set_num_threads(args.threads)
     _check_device(args.device, torch)
+    if args.output:
+        output_file(args.output, "-o")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
     options = _plan_options(args.plan, job) if args.plan else {}
