@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from geosched.errors import ConfigError
-from geosched.yamlload import read_bounded
+from geosched.schema import load_dataclass
+from geosched.yamlload import one_line, read_bounded
 
 MAX_CALIBRATION_BYTES = 16 << 20
 """A calibration file larger than this is refused unread (one from ``geosched profile`` is a few KiB)."""
@@ -105,8 +106,10 @@ class Calibration:
         return next((c for c in self.collectives or () if (c.kind, c.group) == (kind, group)), None)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Calibration:
-        """Read a calibration JSON file (at most MAX_CALIBRATION_BYTES)."""
+    def load(cls, path: str | os.PathLike[str], model: Mapping[str, int] | None = None) -> Calibration:
+        """Read a calibration JSON file (at most MAX_CALIBRATION_BYTES), every field checked: its type, finite,
+        not negative (``tflops`` and bandwidths above 0), at most :data:`MAX_VALUE`. ``model``: the job's model
+        shape (``layers``, ``hidden``...), which the file's must match where it records one."""
         hint = "write one with 'geosched profile'"
         raw = read_bounded(
             path,
@@ -117,9 +120,68 @@ class Calibration:
             hint=f"; {hint}",
         )
         try:
-            return cls.from_dict(json.loads(raw))
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep nesting
-            raise ConfigError(f"{path}: not a calibration file ({exc}); {hint}") from None
+            data = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+            raise ConfigError(f"{path}: not a calibration file (not JSON: {one_line(str(exc))}); {hint}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: not a calibration file (a JSON {type(data).__name__}, not an object); {hint}")
+        try:
+            calibration = load_dataclass(cls, _known_fields(cls, data), error=ConfigError)
+            _check_values(calibration, "")
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}; {hint}") from None
+        recorded = data.get("model")
+        if model is not None and isinstance(recorded, dict):
+            differ = [
+                f"{k} {recorded[k]} (the job's {v})" for k, v in model.items() if k in recorded and recorded[k] != v
+            ]
+            if differ:
+                raise ConfigError(
+                    f"{path}: measured on another model ({', '.join(differ)}); profile this job's config "
+                    "('geosched profile CONFIG -o FILE') or leave --calibration out"
+                )
+        return calibration
+
+
+MAX_VALUE = 1e18
+"""The largest number a calibration field may hold (seconds, bits/s, TFLOP/s: far above any measurement; a fit of
+co-located ranks' collectives can reach 1e15 bits/s)."""
+_POSITIVE = ("tflops", "bandwidth_bps", "group")
+"""Fields that must be above 0 (the others may be 0)."""
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the keys ``cls`` does not know (a calibration file records more than the cost model
+    reads: the host, the model, the settings), also inside its stage times and collective fits."""
+    nested = {"stage_times": StageTime, "collectives": CollectiveFit}
+    out = {}
+    for name in cls.__dataclass_fields__:  # type: ignore[attr-defined]
+        if name not in data:
+            continue
+        value = data[name]
+        if name in nested and isinstance(value, list):
+            value = [_known_fields(nested[name], v) if isinstance(v, dict) else v for v in value]
+        out[name] = value
+    return out
+
+
+def _check_values(obj: Any, path: str) -> None:
+    """ConfigError naming the field of the first number that is negative (or 0 where it must be above), or past
+    :data:`MAX_VALUE`, anywhere in ``obj`` (a calibration or one of its records)."""
+    for f in dataclasses.fields(obj):
+        value, where = getattr(obj, f.name), f"{path}{f.name}"
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                _check_values(item, f"{where}[{i}].")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            low = 0 if f.name in _POSITIVE else None
+            if (value <= 0 if low is not None else value < 0) or value > MAX_VALUE:
+                bound = "above 0" if low is not None else "at least 0"
+                raise ConfigError(f"{where}: must be {bound} and at most {MAX_VALUE:g} (got {value!r})")
 
 
 @dataclass(frozen=True)

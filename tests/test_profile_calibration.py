@@ -148,17 +148,58 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> No
     assert err.strip().splitlines()[-1].startswith("geosched profile: error:")
 
 
+def _calibration(**changes: object) -> bytes:
+    """A calibration file of the demo's model with ``changes`` (raw JSON text for values JSON cannot write)."""
+    data = {
+        "gpu_name": "cpu",
+        "tflops": 0.05,
+        "model": {"layers": 6, "hidden": 64, "heads": 4, "seq_len": 64, "vocab": 256, "ffn_mult": 4},
+        **{f"{part}_{d}_s": 1e-4 for part in ("block", "head", "embed") for d in ("forward", "backward")},
+    }
+    text = json.dumps({**data, **{k: v for k, v in changes.items() if not isinstance(v, bytes)}})
+    for key, raw in changes.items():
+        if isinstance(raw, bytes):
+            text = text[:-1] + f', "{key}": {raw.decode()}}}'
+    return text.encode()
+
+
 @pytest.mark.parametrize(
     ("content", "why"),
-    [(b"[" * 100_000, "recursion"), (b" " * (17 << 20) + b"{}", "larger than"), (b'{"version": 1}', "")],
-    ids=["nested past the recursion limit", "17 MiB, refused unread", "fields missing"],
+    [
+        (b"[" * 100_000, "not a calibration file (not JSON: maximum recursion"),
+        (b" " * (17 << 20) + b"{}", "not a calibration file (larger than"),
+        (b'{"version": 1}', "gpu_name: missing required field"),
+        (_calibration(block_forward_s="x"), "block_forward_s: expected a number (got 'x')"),
+        (_calibration(codec_s_per_byte=b"NaN"), "NaN is not a number JSON allows"),
+        (_calibration(head_backward_s=-1.0), "head_backward_s: must be at least 0"),
+        (_calibration(embed_forward_s=1e308), "embed_forward_s: must be at least 0 and at most 1e+18"),
+        (_calibration(tflops=0), "tflops: must be above 0"),
+        (
+            _calibration(stage_times=[{"start": 0, "end": 2, "first": True, "last": False, "forward_s": "x"}]),
+            "stage_times[0].forward_s: expected a number",
+        ),
+        (_calibration(model={"hidden": 128}), "measured on another model (hidden 128 (the job's 64))"),
+    ],
+    ids=[
+        "nested",
+        "17 MiB",
+        "fields missing",
+        "a string",
+        "NaN",
+        "negative",
+        "1e308",
+        "0 tflops",
+        "stage time",
+        "another model",
+    ],
 )
 def test_a_hostile_calibration_file_is_one_line_and_exit_2(tmp_path, capsys, content: bytes, why: str) -> None:
+    """Every field is checked before anything starts: a bad value used to crash launch after training."""
     bad = tmp_path / "cal.json"
     bad.write_bytes(content)
     assert main(["launch", DEMO, "--calibration", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "not a calibration file" in err and why in err
+    assert why in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything started
 

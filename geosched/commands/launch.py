@@ -174,9 +174,12 @@ def run(args: argparse.Namespace) -> int:
     if args.no_calibrate:
         calibration = None
     elif args.calibration:
+        from geosched.config import load_config
         from geosched.costmodel import Calibration
 
-        calibration = Calibration.load(args.calibration)
+        model = load_config(args.config).job.model
+        shape = {name: getattr(model, name) for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult")}
+        calibration = Calibration.load(args.calibration, shape)
     with _sigterm_as_ctrl_c():
         report = launch(
             args.config,
