@@ -50,6 +50,8 @@ def _warn_once(message: str) -> None:
 MAX_NAME_LEN = 64
 """The longest datacenter, GPU or cluster name."""
 MAX_LAYERS = 4096
+MAX_STEPS = 10**9
+"""The most training steps a job may ask for (job.steps, launch --steps)."""
 """The most transformer blocks a model may have."""
 MAX_DC_GPUS = 1_000_000
 """The most GPUs one datacenter may offer."""
@@ -221,7 +223,7 @@ class JobSpec:
         "'none': never (geosched.compression)",
         "none",
     )
-    steps: int = spec("training iterations", 100, ge=1, le=10**9)
+    steps: int = spec("training iterations", 100, ge=1, le=MAX_STEPS)
     seed: int = spec("seed for initialisation and data order", 0, ge=0, le=2**63 - 1)
     learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0, le=10)
 

@@ -40,7 +40,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from geosched.commands.checks import above, at_least
+from geosched.commands.checks import above, at_least, at_most
+from geosched.config import MAX_STEPS
 from geosched.errors import InputError
 
 
@@ -148,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
     from agents.rehearsal.launch import launch
 
     at_least(args, "steps", 1)
+    at_most(args, "steps", MAX_STEPS, "as job.steps in a config")
     at_least(args, "checkpoint_every", 0)
     above(args, "wan_scale", 0, "e.g. 0.05")
+    at_most(args, "wan_scale", 1000, "it scales the config's WAN bandwidths; e.g. 0.05")
     above(args, "ready_timeout", 0, "e.g. 120")
     if args.mqtt is not None:
         from agents.control.address import BrokerAddress

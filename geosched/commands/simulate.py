@@ -22,11 +22,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from geosched.config import MAX_LAYERS
 from geosched.errors import InputError
 
 SOURCE_MODULE = "geosched.commands.simulate_source"  # build(args) -> (Schedule, CostProvider, info dict)
 COST_FLAGS = {"forward_ms": 1.0, "backward_ms": 2.0, "transfer_ms": 0.0, "allreduce_ms": 0.0, "step_ms": 0.0}
 """The synthetic pipeline's cost flags and their defaults (a config or plan file brings its own costs)."""
+MAX_COST_MS = 86_400_000.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         written["trace"] = str(_write(write_chrome_trace, timeline, args.trace, "--trace"))
     summary = _summary(timeline, info, written)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary, allow_nan=False))
     else:
         print(_text_report(summary, timeline, args.grid_steps))
     return 0
@@ -102,9 +104,13 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
     ms = {}
     for name, default in COST_FLAGS.items():
         value = default if getattr(args, name) is None else getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise InputError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {value})")
+        if not (math.isfinite(value) and 0 <= value <= MAX_COST_MS):
+            raise InputError(
+                f"--{name.replace('_', '-')} must be a number from 0 to {MAX_COST_MS:g} ms, a day (got {value})"
+            )
         ms[name] = value / 1000.0
+    if args.stages > MAX_LAYERS:
+        raise InputError(f"--stages must be at most {MAX_LAYERS}, a model's most layers (got {args.stages})")
     schedule = build_schedule(args.schedule or "1f1b", args.stages, args.microbatches)
     costs = UniformCosts(ms["forward_ms"], ms["backward_ms"], ms["transfer_ms"], ms["allreduce_ms"], ms["step_ms"])
     return schedule, costs, {}

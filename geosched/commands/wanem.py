@@ -105,6 +105,7 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
     if not args.route:
         raise InputError("--route: give at least one, e.g. --route us-eu=127.0.0.1:7001")
     above(args, "scale", 0, "e.g. 0.01 rehearses 100 Gb/s at 1 Gb/s")
+    at_most(args, "scale", 1000, "it scales the config's bandwidths; e.g. 0.01 rehearses 100 Gb/s at 1 Gb/s")
     links = list(load_config(args.config).cluster.links)
     listen_host = parse_address(args.listen, "--listen")[0]
     routes, ends, listen = {}, {}, {}
