@@ -89,3 +89,16 @@ def test_export_writes_neither_through_a_link_nor_into_the_checkpoint_it_reads(t
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, err
     assert link.is_symlink() and not (ckpt / "step-000003" / "stage-00.safetensors").exists()
+
+
+def test_a_new_run_into_a_folder_of_checkpoints_needs_resume(tmp_path: Path, capsys) -> None:
+    """Without --resume a run would overwrite some of the folder's steps and leave the rest, mixed."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000001").mkdir(parents=True)
+    (ckpt / "step-000003").mkdir()
+    run = tmp_path / "run"
+    argv = ["launch", "configs/demo-3dc.yaml", "--checkpoint-dir", str(ckpt), "--run-dir", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds checkpoints already (steps 1-3); add --resume" in err and err.count("\n") == 1, err
+    assert not run.exists() and sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000003"]

@@ -166,6 +166,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
         raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
+    if args.checkpoint_dir and not args.resume:
+        from agents.checkpoint.store import list_steps
+
+        held = list_steps(args.checkpoint_dir)
+        if held:
+            raise InputError(
+                f"--checkpoint-dir {args.checkpoint_dir}: holds checkpoints already (steps {held[0]}-{held[-1]}); "
+                "add --resume to continue from the newest, or pick an empty folder (a new run would overwrite "
+                "some of those steps and mix its shards with theirs)"
+            )
     from agents.stage.device import check_device_text
 
     check_device_text(args.device)
