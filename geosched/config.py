@@ -72,7 +72,7 @@ class GpuSpec:
     """One kind of accelerator."""
 
     name: str = spec("GPU model, e.g. H100", max_len=MAX_NAME_LEN)
-    tflops: float = spec("sustained dense TFLOP/s at the job's precision (not the datasheet peak)", gt=0, le=1e6)
+    tflops: float = spec("sustained dense TFLOP/s at the job's precision (not the datasheet peak)", ge=1e-3, le=1e6)
     memory_gib: float = spec("device memory in GiB", gt=0, le=1e6)
 
 
@@ -84,14 +84,14 @@ class DatacenterSpec:
     gpus: int = spec("GPUs available to this job in this datacenter", ge=1, le=MAX_DC_GPUS)
     gpu: GpuSpec = spec("the GPU kind")
     intra_bandwidth_gbps: float = spec(
-        "per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, gt=0, le=1e6
+        "per-GPU network bandwidth inside the DC, Gb/s (all-reduce)", 400.0, ge=1e-3, le=1e6
     )
     intra_latency_us: float = spec("one-hop latency inside the DC, microseconds", 10.0, ge=0, le=1e6)
     gpus_per_node: int = spec(
         "GPUs per node (server); tensor parallelism stays inside one node", 8, ge=1, le=MAX_GPUS_PER_NODE
     )
     node_bandwidth_gbps: float = spec(
-        "per-GPU bandwidth between the GPUs of one node, Gb/s (NVLink-class: 2400 = 300 GB/s)", 2400.0, gt=0, le=1e7
+        "per-GPU bandwidth between the GPUs of one node, Gb/s (NVLink-class: 2400 = 300 GB/s)", 2400.0, ge=1e-3, le=1e7
     )
     node_latency_us: float = spec("one-hop latency between the GPUs of one node, microseconds", 3.0, ge=0, le=1e6)
 
@@ -101,10 +101,10 @@ class WanLinkSpec:
     """A WAN link between two datacenters (symmetric, full duplex)."""
 
     between: tuple[str, str] = spec("the two datacenter names", max_len=MAX_NAME_LEN)
-    bandwidth_gbps: float = spec("link capacity per direction, Gb/s", gt=0, le=1e6)
+    bandwidth_gbps: float = spec("link capacity per direction, Gb/s", ge=1e-6, le=1e6)
     rtt_ms: float = spec("round-trip time, ms", ge=0, le=1e5)
     per_connection_gbps: float = spec(
-        "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", gt=0, le=1e6
+        "throughput one TCP connection reaches on this link, Gb/s (its window / RTT)", ge=1e-6, le=1e6
     )
     egress_usd_per_gb: float = spec("price per GB sent over the link, either direction, USD", 0.0, ge=0, le=1e3)
     max_streams: int = spec("most TCP connections a link may open", MAX_STREAMS, ge=1, le=MAX_STREAMS)

@@ -87,6 +87,10 @@ def _break_tp(d):
     d["job"]["tensor_parallel"] = 4  # the demo's nodes have 2 GPUs
 
 
+def _break_tiny_tflops(d):
+    d["cluster"]["datacenters"][0]["gpu"]["tflops"] = 1e-300  # passed the schema and overflowed CP-SAT's ints
+
+
 BROKEN = {
     "missing field": (_break_missing_field, "cluster.datacenters[0].gpus: missing required field"),
     "negative gpus": (_break_negative_gpus, "cluster.datacenters[1].gpus: must be >= 1 (got -4)"),
@@ -99,6 +103,7 @@ BROKEN = {
     "precision": (_break_precision, "job.precision: must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')"),
     "streams": (_break_streams, "cluster.links[0].max_streams: must be <= 64 (got 200)"),
     "name": (_break_name, "cluster.datacenters[0].name: '-us' is not a name"),
+    "tiny tflops": (_break_tiny_tflops, "cluster.datacenters[0].gpu.tflops: must be >= 0.001 (got 1e-300)"),
     "tp": (_break_tp, "job.tensor_parallel: no datacenter has a node of 4 GPUs (gpus_per_node: 2)"),
 }
 
