@@ -97,3 +97,20 @@ def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):
         load_inference_model(shape, tmp_path / "junk.safetensors")
     memory = inference_memory_bytes(shape, max_tokens=64, max_kv_bytes=1 << 20)
     assert memory > total_params(shape) * 4 + (1 << 20)
+
+
+def test_a_prompt_that_is_not_utf8_is_its_bytes(endpoint, weights, capsys):
+    """A byte-level model takes any bytes: argv's undecodable ones (Python's surrogate escapes) are sent as
+    they were typed, locally and to an agent, instead of a UnicodeEncodeError traceback."""
+    raw = b"caf\xe9 \xff\xfe"
+    prompt = raw.decode("utf-8", "surrogateescape")  # what sys.argv holds for those bytes
+    answers = []
+    for where in (
+        ["--local", "--weights", str(weights), "--config", CONFIG],
+        ["--endpoint", endpoint, "--token", "tok"],
+    ):
+        assert main(["prefill", *where, "--json", prompt]) == 0
+        answers.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    model = build_model(load_config(CONFIG).job.model, seed=99)
+    expected = greedy_generate(model, torch.tensor([list(raw)]), 1)[0, -1].item()
+    assert [(a["prompt_tokens"], a["first_token"]) for a in answers] == [(len(raw), expected)] * 2

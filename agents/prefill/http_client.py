@@ -40,7 +40,7 @@ def split_url(url: str) -> tuple[str, str, int, str]:
 
 def prefill_over_http(
     url: str,
-    prompt: str | bytes,
+    prompt: str | bytes | list[int],
     *,
     token: str | None = None,
     context: ssl.SSLContext | None = None,
@@ -51,7 +51,14 @@ def prefill_over_http(
 ) -> PrefillResponse:
     """Prefill ``prompt`` (text, one token per UTF-8 byte) on the front end at ``url``; LinkError if unreachable."""
     scheme, host, port, prefix = split_url(url)
-    text = prompt.decode("utf-8") if isinstance(prompt, bytes) else prompt
+    text: str | list[int]
+    if isinstance(prompt, bytes):  # text when it is UTF-8, else its bytes as token ids (a byte-level model)
+        try:
+            text = prompt.decode("utf-8")
+        except UnicodeDecodeError:
+            text = list(prompt)
+    else:
+        text = prompt
     body: dict[str, Any] = {"prompt": text, "priority": priority, "top_k": top_k}
     if deadline_s is not None:
         body["deadline_ms"] = deadline_s * 1e3

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from geosched import wire
-from geosched.errors import ProtocolError
+from geosched.errors import InputError, ProtocolError
 from geosched.model import KVCache
 
 VERSION = 2
@@ -93,7 +93,10 @@ class PrefillResponse:
 def prompt_tokens(prompt: str | bytes | Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Token ids (T,) int64 of a prompt: text/bytes are byte tokens, ints and tensors are ids."""
     if isinstance(prompt, str):
-        prompt = prompt.encode("utf-8")
+        try:
+            prompt = prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate
+            raise InputError(f"prompt: not valid Unicode ({exc.reason} at character {exc.start})") from None
     if isinstance(prompt, (bytes, bytearray)):
         return torch.tensor(list(prompt), dtype=torch.int64)
     return torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).clone()

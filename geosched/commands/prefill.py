@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     above(args, "timeout", 0, "seconds, e.g. 30")
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
+    args.prompt = os.fsencode(args.prompt)  # the bytes as given, UTF-8 or not: one token each
     if args.local:
         if args.endpoint is not None:
             raise InputError("pass either --endpoint (an agent) or --local (this process), not both")
