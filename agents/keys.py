@@ -39,14 +39,15 @@ import nacl.signing
 
 from agents.sockets import load_keypair, load_public_key, write_keypair
 from geosched.errors import ConfigError, InputError
+from planner.plan import MAX_RANKS as PLAN_MAX_RANKS
 
 MANIFEST = "job-keys.json"
 FORMAT_VERSION = 1
 COORDINATOR = "coordinator"
 PREFILL_TOKEN = "prefill.token"
 MQTT_DIR = "mqtt"
-MAX_RANKS = 4096
-"""The most ranks a key folder is written for (bounds the file count)."""
+MAX_RANKS = PLAN_MAX_RANKS
+"""The most ranks a key folder is written for: a plan's most (bounds the file count)."""
 
 
 def agent_identity(rank: int) -> str:

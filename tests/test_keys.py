@@ -85,7 +85,7 @@ def test_keys_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.
 @pytest.mark.parametrize(
     "argv, fragment",
     [
-        (["--ranks", "0"], "--ranks: must be between 1 and 4096 (got 0)"),
+        (["--ranks", "0"], "--ranks: must be between 1 and 8192 (got 0)"),
         (["--ranks", "2", "--name", "x"], "--name writes one CURVE keypair"),
         (["--ranks", "2", "--plan", "p.yaml"], "either --ranks N or --plan PLAN"),
     ],
@@ -96,6 +96,7 @@ def test_keys_bad_flags_are_one_line(
     assert main(["keys", str(tmp_path / "k"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err, err
+    assert not (tmp_path / "k").exists()  # refused before the folder is made
 
 
 def test_keys_from_a_plan_count_its_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

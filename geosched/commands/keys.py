@@ -41,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the key folder or the keypair and print where it went."""
     if args.ranks is not None or args.plan is not None:
-        folder(args.dir, "DIR")  # a job's key folder is made; a keypair goes into a folder that exists
         return _job_folder(args)
     from agents.sockets import load_public_key, write_keypair
 
@@ -66,7 +65,7 @@ WHAT = {
 
 
 def _job_folder(args: argparse.Namespace) -> int:
-    from agents.keys import write_job_keys
+    from agents.keys import MAX_RANKS, write_job_keys
 
     if args.name is not None:
         raise InputError("--name writes one CURVE keypair; --ranks/--plan write a job's key folder: pass one of them")
@@ -77,6 +76,9 @@ def _job_folder(args: argparse.Namespace) -> int:
         from agents.layout import load_plan_file, parse_layout
 
         ranks = len(parse_layout(load_plan_file(args.plan), args.plan).roles)
+    if not 1 <= ranks <= MAX_RANKS:
+        raise InputError(f"--ranks: must be between 1 and {MAX_RANKS} (got {ranks})")
+    folder(args.dir, "DIR")  # a job's key folder is made once its arguments hold; a keypair's must exist
     written = write_job_keys(args.dir, ranks, force=args.force)
     if args.json:
         print(json.dumps({"dir": args.dir, "ranks": ranks, **{k: [str(p) for p in v] for k, v in written.items()}}))
