@@ -35,7 +35,8 @@ from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, StageModule, build_model
 from geosched.model_counts import ShapeLike
 
-FORMAT = "geosched-weights/1"
+FORMAT_PREFIX = "geosched-weights/"
+FORMAT = FORMAT_PREFIX + "1"
 SHAPE_FIELDS = ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult")
 CHECKPOINT_FORMAT_PREFIX = "geosched-checkpoint/"
 """The ``format`` of one stage's checkpoint shard (``agents.checkpoint.store``): not whole-model weights."""
@@ -117,8 +118,9 @@ def read_weights_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     from safetensors import SafetensorError, safe_open
 
     if not os.path.isfile(path):
+        what = "is not a regular file" if os.path.exists(path) else "does not exist"
         raise InputError(
-            f"weights file {os.fspath(path)!r} does not exist; pass a .safetensors file written by "
+            f"weights file {os.fspath(path)!r} {what}; pass a .safetensors file written by "
             "'geosched export' or a checkpoint folder"
         )
     try:
@@ -139,6 +141,8 @@ def weights_record(metadata: Mapping[str, str], source: str) -> ModelRecord | No
             f"{source!r} is one stage's checkpoint shard, not whole-model weights; pass its checkpoint "
             "folder, or merge the stages first: geosched export CHECKPOINT_DIR -o model.safetensors"
         )
+    if fmt is not None and fmt.startswith(FORMAT_PREFIX) and fmt != FORMAT:
+        raise InputError(f"{source!r}: weights of format {fmt[:40]!r}, which this geosched does not read ({FORMAT})")
     if fmt != FORMAT or "model" not in metadata:
         return None
     try:

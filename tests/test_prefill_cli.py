@@ -95,6 +95,14 @@ def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(InputError, match="cannot read weights"):
         load_inference_model(shape, tmp_path / "junk.safetensors")
+    with pytest.raises(InputError, match="is not a regular file"):
+        load_inference_model(shape, "/dev/zero")
+    from safetensors.torch import load_file, save_file
+
+    future = tmp_path / "future.safetensors"
+    save_file(load_file(weights), future, metadata={"format": "geosched-weights/9", "model": "{}"})
+    with pytest.raises(InputError, match="format 'geosched-weights/9', which this geosched does not read"):
+        load_inference_model(shape, future)
     memory = inference_memory_bytes(shape, max_tokens=64, max_kv_bytes=1 << 20)
     assert memory > total_params(shape) * 4 + (1 << 20)
 
