@@ -305,6 +305,8 @@ def _cross_checks(cfg: Config) -> None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"cluster.datacenters[{i}].name: duplicate datacenter {name!r}; names must be unique")
+    if not names:
+        raise ConfigError("cluster.datacenters: none listed; a job needs at least one datacenter")
     seen: dict[frozenset[str], int] = {}
     for i, link in enumerate(cfg.cluster.links):
         for end in link.between:
@@ -362,7 +364,8 @@ def _cross_checks(cfg: Config) -> None:
 def config_from_dict(data: object, source: str = "config") -> Config:
     """Validate plain data (as read from YAML) into a :class:`Config`."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping with 'cluster' and 'job' (got {type(data).__name__})")
+        got = "nothing" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(f"{source}: expected a mapping with 'cluster' and 'job' (got {got})")
     cfg = load_dataclass(Config, data, path="")
     _cross_checks(cfg)
     return cfg
@@ -379,7 +382,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     try:
         return config_from_dict(data, source=path)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        message = str(exc)
+        raise ConfigError(message if message.startswith(f"{path}: ") else f"{path}: {message}") from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -106,6 +106,16 @@ class _Refused(Exception):
         self.line, self.message = line, message
 
 
+def _yaml11_surprise(text: str) -> str | None:
+    """Why a plain number means something else in YAML 1.1 than it looks (base 60, octal), or None."""
+    digits = text.lstrip("+-").replace("_", "")
+    if ":" in digits:
+        return f"{short(text, 20)[1:-1]} is a base-60 number in YAML 1.1; write the number itself, or quote a text"
+    if len(digits) > 1 and digits[0] == "0" and digits.isdigit():
+        return f"{short(text, 20)[1:-1]} is an octal number in YAML 1.1; write it without the leading zero"
+    return None
+
+
 class _BoundedComposer:
     """Composer of one document that counts depth, aliases and values, and refuses duplicates."""
 
@@ -212,6 +222,10 @@ class _BoundedComposer:
                 f"a value of {len(value)} characters; no field takes more than {self.limits.max_scalar_chars}",
             )
         node = ScalarNode(tag, value, event.start_mark, event.end_mark, style=event.style)
+        if tag in (_INT_TAG, _FLOAT_TAG) and event.tag is None:
+            surprise = _yaml11_surprise(value)
+            if surprise is not None:
+                raise self._refuse(event.start_mark, surprise)
         if tag == _INT_TAG and len(value) > MAX_INT_DIGITS:
             raise self._refuse(event.start_mark, f"an integer of {len(value)} digits; far beyond any field's bound")
         if tag == _FLOAT_TAG:

@@ -232,3 +232,31 @@ def test_exponent_numbers_are_numbers_and_number_like_names_stay_names(tmp_path)
     assert load_config(out) == cfg
     layout = parse_layout(layout_plan_text(cfg))
     assert "1e3" in {role.dc for role in layout.roles}
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [
+        ("  steps: 1:30", "1:30 is a base-60 number in YAML 1.1"),  # PyYAML read it as 90
+        ("  steps: 010", "010 is an octal number in YAML 1.1"),  # PyYAML read it as 8
+    ],
+)
+def test_yaml11_numbers_that_mean_something_else_are_refused(tmp_path, line: str, complaint: str):
+    text = open(os.path.join(ROOT, "configs", "demo-3dc.yaml")).read()
+    assert "\n  steps: " in text
+    path = tmp_path / "c.yaml"
+    path.write_text(re.sub(r"\n  steps: [0-9]+", "\n" + line, text, count=1))
+    with pytest.raises(ConfigError, match=complaint):
+        load_config(path)
+
+
+def test_an_empty_file_or_no_datacenter_is_named_as_such(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as info:
+        load_config(empty)
+    assert str(info.value) == f"{empty}: expected a mapping with 'cluster' and 'job' (got nothing)"
+    data = _demo()
+    data["cluster"]["datacenters"], data["cluster"]["links"] = [], []
+    with pytest.raises(ConfigError, match="cluster.datacenters: none listed"):
+        config_from_dict(data)
