@@ -12,12 +12,14 @@ import asyncio
 import io
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
 
-from agents.control.commands import checkpoint_job
+from agents.checkpoint.store import verify_step
+from agents.control.commands import checkpoint_job, job_statuses
 from agents.control.coordinator import AgentRefused, start_job
 from geosched.errors import InputError
 
@@ -89,3 +91,28 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path:
     finally:
         stop_processes(agents)
     assert shard.read_bytes() == b"not a safetensors file"  # nothing overwritten
+
+
+def test_a_checkpoint_asked_while_training_is_one_complete_step(embedded_broker, tmp_path: Path):
+    """'job checkpoint' without --after-step during training: every rank writes the same step (one boundary
+    past the step in progress), so the step it reports is complete; ranks that each wrote "after the step in
+    progress" as they saw it left step N with stage 0 only and step N+1 with stage 1 only."""
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path).read_text()
+    ckpt = tmp_path / "ckpt"
+    agents = [spawn_agent(url, "busy", r, dc, tmp_path, "--checkpoint-dir", str(ckpt)) for r, dc in enumerate(DCS)]
+    losses: list[list[float]] = []
+    try:
+        job = threading.Thread(target=lambda: losses.append(_losses(url, "busy", plan, 400)), daemon=True)
+        job.start()
+        for _ in range(600):
+            statuses = asyncio.run(job_statuses(url, "busy", settle_s=0.1))
+            if len(statuses) == 2 and all(s.state == "training" for s in statuses.values()):
+                break
+        written = asyncio.run(checkpoint_job(url, "busy", timeout_s=120))
+        verify_step(ckpt, written.step, 2)  # both stages' shards of that step, every one verified
+        assert written.ranks == (0, 1) and [p.name for p in ckpt.iterdir()] == [f"step-{written.step:06d}"]
+        job.join(300)
+        assert len(losses) == 1 and len(losses[0]) == 400, log_tail(tmp_path)
+    finally:
+        stop_processes(agents)

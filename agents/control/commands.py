@@ -112,8 +112,9 @@ async def checkpoint_job(
     keys: ControlKeys | None = None,
     timeout_s: float = 120.0,
 ) -> CheckpointWritten:
-    """Ask every live agent of ``job`` for a checkpoint after step ``after_step`` (None: now when idle, else
-    after the step in progress) and wait until each acknowledges it in its status.
+    """Ask every live agent of ``job`` for a checkpoint after step ``after_step`` (None: now when idle, else after
+    the step past the one in progress, one step for every rank, at most the job's last) and wait until each
+    acknowledges it in its status.
 
     InputError (exit 2) when no agent is live or ``after_step`` is already done (naming the job's step);
     AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
@@ -130,9 +131,17 @@ async def checkpoint_job(
                     f"--after-step {after_step}: that step is done (job {job!r} has completed {done} steps); "
                     f"ask for --after-step {done} or later, or leave it out to checkpoint now"
                 )
+            statuses = cp.statuses()
+            training = [statuses[r] for r in live if statuses[r].state == "training"]
+            if after_step is None and training:
+                # one boundary for every rank (their stages' collectives write it together), a step past the one
+                # in progress so the command reaches each before its end; the job's last step at the latest
+                ends = [int(s.extra["next_step"]) + int(s.extra["steps"]) for s in training if _has_end(s)]
+                after_step = min([done + 1, *(end - 1 for end in ends)])
             sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
             wanted = done if after_step is None else after_step + 1
-            return await _acknowledged(cp, sub, live, wanted, sent.seq, timeout_s)
+            step = done if training else None  # the step in progress, for a message naming when a rank failed
+            return await _acknowledged(cp, sub, live, wanted, sent.seq, timeout_s, step=step)
 
 
 async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
@@ -153,8 +162,13 @@ async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
     return done
 
 
+def _has_end(status: StatusMessage) -> bool:
+    """Whether a training status says where its run ends (``next_step`` and ``steps``)."""
+    return status.extra.get("next_step") is not None and status.extra.get("steps") is not None
+
+
 async def _acknowledged(
-    cp: ControlPlane, sub: Any, live: set[int], wanted: int, seq: int, timeout_s: float
+    cp: ControlPlane, sub: Any, live: set[int], wanted: int, seq: int, timeout_s: float, step: int | None = None
 ) -> CheckpointWritten:
     """Wait until every rank of ``live`` reports a checkpoint of step ``wanted`` or later (InputError at once
     if one refuses command ``seq``, e.g. for want of a checkpoint folder)."""
@@ -182,7 +196,7 @@ async def _acknowledged(
                 f"{sorted(live - set(acked))} within {timeout_s:g} s (do they have --checkpoint-dir?); see their logs"
             ) from None
         if isinstance(message, StatusMessage) and message.rank in live and message.state in BAD_STATES:
-            raise AgentLost(lost_message(cp.job, message, None))
+            raise AgentLost(lost_message(cp.job, message, step))
 
 
 def status_table(statuses: dict[int, StatusMessage]) -> str:

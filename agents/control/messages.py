@@ -318,6 +318,7 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
     "status": {
         "next_step": (_count, "an integer >= 0"),
         "started": (_count, "an integer >= 0"),
+        "steps": (_count, "an integer >= 0"),
         "plan_id": (_is_str, "a string"),
         "message": (_is_str, "a string"),
         "endpoints": (_endpoints, "an object of names to address strings"),

@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument(
         "--after-step",
         type=int,
-        help="after this step (0-based; default: now if idle, else after the step in progress)",
+        help="after this step (0-based; default: now if idle, else after the step past the one in progress, "
+        "the same for every rank)",
     )
     checkpoint.add_argument(
         "--timeout", type=float, default=120.0, metavar="S", help="wait this long for every agent's acknowledgement"
