@@ -164,3 +164,14 @@ def test_a_moved_shard_is_refused(ckpt) -> None:
     model, opt = trained()
     with pytest.raises(CheckpointError, match="records step 2 stage 0, but sits at step 3"):
         load_shard(ckpt, 3, 0, model, opt)
+
+
+def test_a_folder_that_refuses_the_write_is_a_checkpoint_error_naming_it(tmp_path) -> None:
+    """The file system's refusal (full, read-only, a file where the step folder goes) is the job's storage, named
+    as such (CheckpointError: an elastic job stops instead of re-planning around a healthy rank)."""
+    model, opt = trained()
+    writer = CheckpointWriter(tmp_path, 0, 1, FP)
+    (tmp_path / "step-000004").write_text("not a folder")
+    with pytest.raises(CheckpointError, match=f"cannot write checkpoint step 4 into {tmp_path}: .*--checkpoint-dir"):
+        writer.save(4, model, opt)
+    assert latest_complete(tmp_path, 1) is None

@@ -206,3 +206,17 @@ def test_two_clients_signing_as_one_agent_stop_the_job_with_the_reason() -> None
     feed = _Feed([_metrics(0, 0), _metrics(1, 0)])
     with pytest.raises(AgentLost, match=r"stopped at step 0: .* two clients sign as 'agent-1'.*'geosched keys'"):
         asyncio.run(_follow(plane, feed, layout, 0, 5, io.StringIO(), step_timeout_s=5.0))  # type: ignore[arg-type]
+
+
+def test_an_error_of_the_checkpoint_storage_names_no_lost_rank() -> None:
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    full = StatusMessage(
+        1, "error", extra={"message": "cannot write checkpoint step 1: No space", "cause": "checkpoint"}
+    )
+    with pytest.raises(AgentLost, match="No space") as info:
+        asyncio.run(_follow(_Plane(), _Feed([_metrics(0, 0), full]), layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+    assert info.value.ranks == []
+    crashed = StatusMessage(1, "error", extra={"message": "CUDA error: an illegal memory access"})
+    with pytest.raises(AgentLost) as info:
+        asyncio.run(_follow(_Plane(), _Feed([_metrics(0, 0), crashed]), layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+    assert info.value.ranks == [1]

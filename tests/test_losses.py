@@ -44,3 +44,13 @@ def test_reread_is_due_once_per_reconnect_after_the_retained_statuses_settle() -
     assert abs(reread.next_s(10.0) - RETAINED_SETTLE_S) < 1e-9
     assert reread.due(10.0 + RETAINED_SETTLE_S, 2)
     assert not reread.due(20.0, 2)  # once
+
+
+def test_a_rank_that_refused_is_no_lost_machine_and_its_own_error_is_the_message() -> None:
+    """Exit code 2 (a checkpoint disk full, bad input): nobody is named, so an elastic job stops instead of
+    re-planning around a healthy GPU, and the line is the rank's own error."""
+    full = StatusMessage(2, "error", dc="eu", extra={"message": "cannot write checkpoint step 4: No space left"})
+    loss = exited_lost("j", {2: 2}, 4, {2: full})
+    assert loss is not None and loss.ranks == [] and "No space left" in str(loss), loss
+    loss = exited_lost("j", {2: 2, 1: -signal.SIGKILL}, 4, {2: full})
+    assert loss is not None and loss.ranks == [1]  # a killed rank is still the cause

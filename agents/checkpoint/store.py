@@ -175,7 +175,21 @@ class CheckpointWriter:
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        """Write the shard of ``step`` (optimizer steps completed) atomically; return its metadata path."""
+        """Write the shard of ``step`` (optimizer steps completed) atomically; return its metadata path.
+
+        CheckpointError naming the folder when the file system refuses (full, read-only): the job's storage, not
+        this rank, so an elastic job does not re-plan around it."""
+        try:
+            return self._save(step, model, optimizer, extra)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoint step {step} into {self.ckpt_dir}: {exc.strerror or exc}; free space "
+                "there or pick another --checkpoint-dir"
+            ) from None
+
+    def _save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+    ) -> str:
         started = time.perf_counter()
         tensors, meta = flatten_state(model, optimizer)
         tensors["rng/torch_cpu"] = torch.get_rng_state()

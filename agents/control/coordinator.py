@@ -390,7 +390,7 @@ async def _follow(
             _hear(liveness, message)
         if acks is not None:
             await _resend_start(cp, acks, message, loop.time())
-        loss = exited_lost(cp.job, exits(), current) if exits is not None else None
+        loss = exited_lost(cp.job, exits(), current, cp.statuses()) if exits is not None else None
         if loss is None and reread.due(loop.time(), cp.stats.connects):
             loss = reread_lost(cp.job, cp.statuses(), ranks - finished, plan_id(layout.text))
         if loss is None and cp.stats.conflict is not None:
@@ -439,7 +439,8 @@ async def _follow(
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
             if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
-                raise AgentLost(lost_message(cp.job, message, current), [message.rank])
+                storage = message.extra.get("cause") == "checkpoint"  # the job's disk, not the rank: no one lost
+                raise AgentLost(lost_message(cp.job, message, current), [] if storage else [message.rank])
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):

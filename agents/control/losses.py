@@ -51,13 +51,25 @@ EXIT_POLL_S = 0.5
 """How often the coordinator asks ``exits`` while the job runs."""
 
 
-def exited_lost(job: str, codes: dict[int, int], step: int | None) -> AgentLost | None:
+EXIT_REFUSED = 2
+"""An agent's exit code for what is no machine's fault: bad input, a checkpoint it cannot read or write."""
+
+
+def exited_lost(
+    job: str, codes: dict[int, int], step: int | None, statuses: dict[int, StatusMessage] | None = None
+) -> AgentLost | None:
     """The loss that exited agent processes mean (policy only): the ranks killed by a signal (the cause; the
-    ones that exited with an error failed because of them), else every exited rank; None when none exited."""
+    ones that exited with an error failed because of them), else every rank that exited other than with
+    :data:`EXIT_REFUSED` (a full checkpoint disk is no lost GPU: nobody is named, so an elastic job stops rather
+    than re-plan around it, with the rank's own error from ``statuses``); None when none exited."""
     if not codes:
         return None
     killed = sorted(r for r, code in codes.items() if code < 0)
-    named = killed or sorted(codes)
+    named = killed or sorted(r for r, code in codes.items() if code != EXIT_REFUSED)
+    refused = [(statuses or {}).get(r) for r, code in sorted(codes.items()) if code == EXIT_REFUSED]
+    said = next((st for st in refused if st is not None and st.state == "error"), None)
+    if not named and said is not None:
+        return AgentLost(lost_message(job, said, step), [])
     how = ", ".join(f"rank {r} ({_exit_words(codes[r])})" for r in sorted(codes))
     at = f" during step {step}" if step is not None else ""
     return AgentLost(f"job {job!r}: agent processes exited{at}: {how}; job stopped", named)
