@@ -9,6 +9,8 @@ Pinning is a no-op where the platform has no CPU affinity (macOS).
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from pathlib import Path
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -19,6 +21,36 @@ def child_env(**extra: str) -> dict[str, str]:
     """This process's environment with the checkout first on PYTHONPATH, plus ``extra`` variables."""
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": REPO_ROOT if not path else REPO_ROOT + os.pathsep + path, **extra}
+
+
+PARENT_ENV = "GEOSCHED_DIE_WITH_PARENT"
+"""Set (to the parent's pid) in a child that must not outlive the process that started it."""
+
+
+def die_with_parent_env() -> dict[str, str]:
+    """The variable that makes a child call :func:`die_with_parent` about this process (merge it into its env)."""
+    return {PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with :func:`die_with_parent_env`: be sent SIGTERM when its parent dies, even by SIGKILL
+    (Linux ``PR_SET_PDEATHSIG``), so a killed ``geosched launch`` leaves no agents holding ports; a no-op
+    elsewhere. The signal comes when the parent's *thread* that started the child ends: start such children
+    from a thread that lives as long as they should."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not inherited by this child's own children
+    if parent is None or not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # no prctl: the parent's own cleanup must do
+        return
+    if os.getppid() != int(parent):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def allowed_cpus() -> list[int]:

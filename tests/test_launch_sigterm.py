@@ -1,4 +1,5 @@
-"""SIGTERM to ``geosched launch`` (``timeout``, a supervisor) stops its agents as Ctrl-C does."""
+"""SIGTERM to ``geosched launch`` (``timeout``, a supervisor) stops its agents as Ctrl-C does; SIGKILL, which it
+cannot catch, takes them down too (they ask the kernel for a signal when their parent dies)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +30,13 @@ def agents_of(run_dir: Path) -> list[int]:
     return found
 
 
-def test_sigterm_stops_every_agent(tmp_path: Path) -> None:
+def _steps_done(run_dir: Path) -> int:
+    rank0 = run_dir / "rank0.jsonl"
+    return len(rank0.read_text().splitlines()) if rank0.exists() else 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "geosched.cli", "launch", "configs/demo-3dc.yaml", "--steps", "100000"]
     launch = subprocess.Popen(
@@ -40,9 +48,11 @@ def test_sigterm_stops_every_agent(tmp_path: Path) -> None:
     )
     try:
         assert wait_for(lambda: len(agents_of(run_dir)) == 4, timeout_s=120), "the agents did not start"
-        launch.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: _steps_done(run_dir) >= 2, timeout_s=120), "no training step"
+        launch.send_signal(sig)  # mid-training: an agent left alone would wait out its links' timeouts (~2 min)
         _, err = launch.communicate(timeout=60)
-        assert launch.returncode == 130 and "interrupted" in err, err[-2000:]
+        if sig == signal.SIGTERM:
+            assert launch.returncode == 130 and "interrupted" in err, err[-2000:]
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
     finally:
         if launch.poll() is None:

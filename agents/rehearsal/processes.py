@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from geosched.errors import GeoschedError
-from geosched.processes import REPO_ROOT, child_env
+from geosched.processes import REPO_ROOT, child_env, die_with_parent_env
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
@@ -37,7 +37,7 @@ class AgentProcesses:
 
     def start(self) -> AgentProcesses:
         """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder."""
-        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **die_with_parent_env())
         for role in self.layout.roles:
             cmd = [
                 sys.executable,
