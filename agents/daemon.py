@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from agents.control.auth import ControlKeys
 from agents.control.endpoints import MqttAddressBook
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
+from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
@@ -177,7 +178,7 @@ class Agent:
         for sig in stop_signals:
             loop.add_signal_handler(sig, self._inbox.put_nowait, ("signal", sig.name))
         identity = AgentIdentity(opts.rank, dc=opts.dc)
-        client_id = f"{opts.job}-agent-{opts.rank}"
+        client_id = make_client_id(opts.job, f"agent-{opts.rank}", unique=False)
         try:
             async with ControlPlane(
                 opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=opts.control_keys

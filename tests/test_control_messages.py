@@ -135,3 +135,12 @@ def test_a_large_plan_is_compressed_and_inflated_within_bounds() -> None:
 def test_hostile_compressed_plans_are_refused(body: bytes, complaint: str) -> None:
     with pytest.raises(ProtocolError, match=complaint):
         parse_message("j", "geosched/j/plan", b"\xff" + body)
+
+
+def test_client_ids_fit_the_bound_and_one_shot_commands_get_their_own() -> None:
+    from agents.control.messages import client_id
+
+    long_job = "j" * 64
+    ids = [client_id(long_job, "checkpoint") for _ in range(2)]
+    assert all(len(i) <= 64 and check_name("client id", i) for i in ids) and ids[0] != ids[1]
+    assert client_id("demo", "agent-3", unique=False) == "demo-agent-3"

@@ -18,6 +18,7 @@ from agents.control.auth import ControlKeys
 from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.liveness import WILL_GRACE_S
 from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
 from agents.control.watch import align
 from geosched.errors import InputError
@@ -37,7 +38,7 @@ async def job_statuses(
 
     With ``keys``, only statuses signed by the rank's own agent key are shown.
     """
-    client_id = f"{job}-status-{id(object()) % 100000}"
+    client_id = make_client_id(job, "status")
     async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status"):
             await asyncio.sleep(settle_s)
@@ -63,7 +64,7 @@ async def stop_job(
     With ``plan_id`` only the agents of that plan stop (and are waited for): an elastic recovery stops the
     old plan's survivors while agents restarted for the new plan come up.
     """
-    async with ControlPlane(url, job, f"{job}-stopper", ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             sent = await cp.publish_command("stop", plan_id=plan_id)
@@ -119,7 +120,7 @@ async def checkpoint_job(
     InputError (exit 2) when no agent is live or ``after_step`` is already done (naming the job's step);
     AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
     """
-    async with ControlPlane(url, job, f"{job}-checkpointer", ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}

@@ -50,6 +50,7 @@ from agents.control.messages import (
     HeartbeatMessage,
     MetricsMessage,
     StatusMessage,
+    client_id,
     metric_number,
 )
 from agents.control.plane import AgentsNotReady, ControlPlane
@@ -205,7 +206,7 @@ async def start_job(
     layout = parse_layout(plan_text, plan_source)  # plan_source names the plan in errors
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
-    async with ControlPlane(url, job, f"{job}-coordinator", ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, client_id(job, "coordinator", unique=False), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat", ranks=ranks) as sub:
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))

@@ -61,6 +61,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,13 @@ HEARTBEAT_S = 1.0
 """Seconds between an agent's heartbeats."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RANK_RE = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical decimal, as Topics.status() writes it
+
+
+def client_id(job: str, role: str, *, unique: bool = True) -> str:
+    """An MQTT client id for a ``role`` of ``job`` within the 64-character bound, whatever the job's name; unique:
+    a random suffix, so two such clients at once (two ``job stop``) do not take each other's connection over."""
+    suffix = f"-{secrets.token_hex(3)}" if unique else ""
+    return check_name("client id", f"{job[: 63 - len(role) - len(suffix)]}-{role}{suffix}")
 
 
 def check_name(what: str, name: str) -> str:

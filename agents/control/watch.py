@@ -12,7 +12,6 @@ otherwise), until cancelled (Ctrl-C).
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import sys
 import time
@@ -20,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import MetricsMessage, StatusMessage, metric_number
+from agents.control.messages import MetricsMessage, StatusMessage, client_id, metric_number
 from agents.control.plane import ControlPlane
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
@@ -107,7 +106,7 @@ async def watch_job(
     """Redraw :func:`view_lines` every ``interval_s`` seconds until cancelled (the first after ``settle_s``,
     once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count."""
     terminal = out.isatty()
-    async with ControlPlane(url, job, f"{job}-watch-{os.getpid()}", ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, client_id(job, "watch"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics") as sub:
             latest: dict[int, MetricsMessage] = {}
             loop = asyncio.get_running_loop()

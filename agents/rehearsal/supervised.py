@@ -101,6 +101,7 @@ def run_supervised(
     (see the module docstring)."""
     from agents.control.commands import stop_job
     from agents.control.coordinator import start_job
+    from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
     from agents.layout import plan_id
 
@@ -110,7 +111,7 @@ def run_supervised(
     control: dict[str, Any] = {"ca_file": ca_file, "keys": keys}
 
     async def publish_then_stop(text: str, old: str) -> None:
-        async with ControlPlane(url, job, f"{job}-elastic", **control) as cp:
+        async with ControlPlane(url, job, client_id(job, "elastic", unique=False), **control) as cp:
             await cp.publish_plan(text)  # retained: a restarted survivor adopts it, not the old one
         await stop_job(url, job, timeout_s=10.0, plan_id=plan_id(old), **control)
 
