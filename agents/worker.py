@@ -102,7 +102,7 @@ class RankCheckpoints:
         if there are checkpoints but none is complete."""
         from agents.checkpoint.store import latest_complete, list_steps, saved_stages, verify_step
 
-        step = latest_complete(self.ckpt_dir)
+        step = latest_complete(self.ckpt_dir, warn=True)
         if step is not None:
             return step
         steps = list_steps(self.ckpt_dir)

@@ -11,6 +11,7 @@ model given where whole weights are expected: one line, exit 2.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -117,3 +118,15 @@ def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, 
     _one_line_exit_2([*local, str(two), "hi"], "do not fit the model shape", capsys)
     _one_line_exit_2(["prefill", "hi"], "--endpoint tcp://HOST:PORT", capsys)
     assert not (tmp_path / "w.safetensors.tmp").exists() and not list(tmp_path.glob(".w.safetensors.tmp*"))
+
+
+def test_a_corrupt_newest_step_is_named_when_an_older_one_is_exported(two_layouts, tmp_path: Path, caplog) -> None:
+    two, _, _ = two_layouts
+    folder = tmp_path / "ckpt"
+    shutil.copytree(two, folder)
+    shutil.copytree(folder / "step-000002", folder / "step-000005")
+    shard = folder / "step-000005" / "stage-01.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])  # truncated
+    with caplog.at_level(logging.WARNING, logger="agents.checkpoint.store"):
+        assert resolve_step(folder) == 2
+    assert any("checkpoint step 5 skipped: " in r.getMessage() for r in caplog.records), caplog.text

@@ -52,7 +52,7 @@ def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None) -> i
     if not steps:
         raise CheckpointError(f"{folder!r} holds no checkpoint (no step-NNNNNN folder); pass the --checkpoint-dir")
     if step is None:
-        found = latest_complete(folder)
+        found = latest_complete(folder, warn=True)
         if found is not None:
             return found
         step = steps[-1]

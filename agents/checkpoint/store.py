@@ -381,14 +381,17 @@ def newest_marked(ckpt_dir: str | os.PathLike[str], after: int = -1) -> int | No
     return None
 
 
-def latest_complete(ckpt_dir: str | os.PathLike[str], num_stages: int | None = None) -> int | None:
+def latest_complete(
+    ckpt_dir: str | os.PathLike[str], num_stages: int | None = None, *, warn: bool = False
+) -> int | None:
     """The newest step whose ``num_stages`` shards (None: as many as the job that wrote it had) are all
-    present and verify, or None."""
+    present and verify, or None. ``warn``: each newer step passed over is a warning naming its fault (for a
+    reader that takes the step: export, resume), else a debug line (a step still being written is normal)."""
     for step in reversed(list_steps(ckpt_dir)):
         try:
             verify_step(ckpt_dir, step, num_stages if num_stages is not None else saved_stages(ckpt_dir, step))
         except CheckpointError as exc:
-            log.info("checkpoint step %d does not count: %s", step, exc)
+            log.log(logging.WARNING if warn else logging.DEBUG, "checkpoint step %d skipped: %s", step, exc)
             continue
         return step
     return None
