@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agents.control.auth import ControlKeys
 from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.liveness import WILL_GRACE_S
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, MetricsMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
 from agents.control.watch import align
@@ -34,15 +34,30 @@ DONE_STATES = ("stopped", "error", "offline")
 async def job_statuses(
     url: str, job: str, *, settle_s: float = 0.5, ca_file: str | None = None, keys: ControlKeys | None = None
 ) -> dict[int, StatusMessage]:
-    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive).
+    """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive); a training agent's
+    has the step in progress as ``extra["step"]``, from its next heartbeat (up to one heartbeat period more).
 
     With ``keys``, only statuses signed by the rank's own agent key are shown.
     """
     client_id = make_client_id(job, "status")
     async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status"):
+        async with await cp.subscribe("status", "heartbeat") as sub:
             await asyncio.sleep(settle_s)
-            return cp.statuses()
+            statuses = cp.statuses()
+            training = {r for r, st in statuses.items() if st.state == "training"}
+            loop = asyncio.get_running_loop()
+            until, steps = loop.time() + HEARTBEAT_S + 0.5, dict[int, int]()
+            while training - set(steps) and (left := until - loop.time()) > 0:
+                try:
+                    message = await sub.get(left)
+                except TimeoutError:
+                    break
+                if isinstance(message, HeartbeatMessage) and message.step is not None:
+                    steps[message.rank] = message.step
+            return {
+                r: replace(st, extra={**st.extra, "step": steps[r]}) if r in steps and r in training else st
+                for r, st in statuses.items()
+            }
 
 
 async def stop_job(
@@ -213,7 +228,7 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
                 "-" if s.replica is None else str(s.replica),
                 s.host or "-",
                 str(s.pid or "-"),
-                str(s.extra.get("next_step", "-")),
+                str(s.extra["step"] if s.state == "training" and "step" in s.extra else s.extra.get("next_step", "-")),
             )
         )
     return "\n".join(align(rows))
