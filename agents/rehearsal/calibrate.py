@@ -220,7 +220,7 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
     """Run ``copies`` profiles at once, one process per CPU; the median of each time field."""
     import torch
 
-    from geosched.processes import allowed_cpus, child_env
+    from geosched.processes import allowed_cpus, child_env, die_with_parent_env
 
     cpus = allowed_cpus()
     if len(cpus) < copies:
@@ -235,7 +235,7 @@ def _profile_co_located(job: JobSpec, copies: int, **options: Any) -> dict[str, 
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=child_env(),
+                env=child_env(**die_with_parent_env()),
             )
         )
     cals = []
@@ -334,4 +334,7 @@ def _worker_main(cpu: int, request_json: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 4:
         sys.exit("usage: python -m agents.rehearsal.calibrate --worker CPU REQUEST_JSON  (CPU -1: not pinned)")
+    from geosched.processes import die_with_parent
+
+    die_with_parent()  # a launch killed while calibrating leaves no worker behind
     _worker_main(int(sys.argv[2]), sys.argv[3])

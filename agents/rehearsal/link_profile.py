@@ -68,7 +68,7 @@ from agents.wan.link import WanLink
 from agents.wanem.emulator import LinkShape, WanRelay
 from geosched.chunking import auto_chunk_bytes, chunks_per_message
 from geosched.errors import LinkError
-from geosched.processes import allowed_cpus, child_env, pin_to_cpu, unpin
+from geosched.processes import allowed_cpus, child_env, die_with_parent, die_with_parent_env, pin_to_cpu, unpin
 
 SIZE_FACTOR = 8
 """The second message size is this many times the activation (for the per-byte slope)."""
@@ -215,7 +215,7 @@ def _helper(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**child_env(), **(env or {})},
+        env={**child_env(**die_with_parent_env()), **(env or {})},
     )
 
 
@@ -394,6 +394,7 @@ HELPER_ARGS = {"--echo-peer": 3, "--relay": 2, "--busy": 1}
 if __name__ == "__main__":  # the probe's helper processes
     if len(sys.argv) < 2 or HELPER_ARGS.get(sys.argv[1]) != len(sys.argv) - 2:
         sys.exit(USAGE)
+    die_with_parent()  # a launch killed (or interrupted) while calibrating leaves no helper behind
     try:
         if sys.argv[1] == "--busy":
             _busy_main(int(sys.argv[2]))
