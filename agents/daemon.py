@@ -125,6 +125,7 @@ class Agent:
         self.worker: Any = None
         self.cp: ControlPlane | None = None
         self._status: dict[str, Any] = {}
+        self._stopped_by: str | None = None  # "command": a 'job stop' ended it (its final status says so)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics = AgentMetrics(  # always kept (cheap); served only with metrics_bind
@@ -194,7 +195,8 @@ class Agent:
                     finally:
                         await cancel_and_wait(tasks)
                         await self._shutdown_worker()
-                await self._set_status("stopped" if code == 0 else "error", endpoints=None)
+                stopped_by = self._stopped_by if code == 0 else None
+                await self._set_status("stopped" if code == 0 else "error", endpoints=None, stopped_by=stopped_by)
                 return code
         finally:
             for sig in stop_signals:
@@ -334,6 +336,7 @@ class Agent:
             if command.extra.get("plan_id") not in (None, self.plan_id):
                 return None  # a stop for the agents of another plan (an elastic recovery stopping the old one)
             log.info("rank %d: stop command", self.opts.rank)
+            self._stopped_by = "command"  # its final status says so: the coordinator reads an operator's stop
             return 0
         if self.worker is None or self._status.get("state") not in ("ready", "training"):
             await self._event(

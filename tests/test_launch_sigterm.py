@@ -3,6 +3,7 @@ cannot catch, takes them down too (they ask the kernel for a signal when their p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,44 @@ def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
         _, err = launch.communicate(timeout=60)
         if sig == signal.SIGTERM:
             assert launch.returncode == 130 and "interrupted" in err, err[-2000:]
+            report = json.loads((run_dir / "report.json").read_text())  # what the run did before it
+            assert report["outcome"] == "interrupted" and len(report["steps"]) >= 2, report
+        assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        for pid in agents_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _broker_of(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--mqtt") + 1]
+
+
+def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path: Path) -> None:
+    """'geosched job stop' (the documented way to stop a job) is an operator's stop, not a lost agent: launch
+    says so, exits as interrupted (130), and report.json holds the outcome and the steps done with their losses."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "geosched.cli", "launch", "configs/demo-3dc.yaml", "--steps", "100000"]
+    launch = subprocess.Popen(
+        [*cmd, "--no-calibrate", "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_for(lambda: _steps_done(run_dir) >= 3, timeout_s=120), "no training step"
+        url = _broker_of(agents_of(run_dir)[0])
+        stop = [sys.executable, "-m", "geosched.cli", "job", "stop", "--mqtt", url, "--job", "launch"]
+        stopped = subprocess.run([*stop, "--keys", str(run_dir / "secrets")], cwd=ROOT, capture_output=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stderr
+        _, err = launch.communicate(timeout=60)
+        assert launch.returncode == 130 and "stopped by 'geosched job stop' during step" in err, err[-2000:]
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["outcome"] == "stopped" and len(report["steps"]) >= 3
+        assert len(report["losses"]) == len(report["steps"]) and all(isinstance(x, float) for x in report["losses"])
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
     finally:
         if launch.poll() is None:

@@ -39,6 +39,7 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
     AgentLost,
     Exits,
     JobInterrupted,
+    JobStopped,
     Reread,
     exited_lost,
     lost_message,
@@ -439,6 +440,9 @@ async def _follow(
             progress_at = loop.time()
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
+            this_plan = message.extra.get("plan_id") in (None, plan_id(layout.text))
+            if message.state == "stopped" and message.extra.get("stopped_by") == "command" and this_plan:
+                raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' during step {current}")
             if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
                 storage = message.extra.get("cause") == "checkpoint"  # the job's disk, not the rank: no one lost
                 raise AgentLost(lost_message(cp.job, message, current), [] if storage else [message.rank])

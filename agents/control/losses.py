@@ -99,6 +99,13 @@ def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], p
     )
 
 
+class JobStopped(GeoschedError):
+    """An operator stopped the job (``geosched job stop``) while it trained: no failure, nobody lost; the exit
+    code is an interruption's."""
+
+    exit_code = 130
+
+
 class JobInterrupted(GeoschedError):
     """The caller's ``stop_when`` asked to end the job at a step boundary (``launch --elastic`` moving back to
     the better plan); the agents were told to stop."""

@@ -330,6 +330,7 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
         "plan_id": (_is_str, "a string"),
         "message": (_is_str, "a string"),
         "cause": (_is_str, "a string"),
+        "stopped_by": (_is_str, "a string"),
         "endpoints": (_endpoints, "an object of names to address strings"),
         "checkpoint": (_checkpoint, 'an object {"step": int, "seq": int, "dir": str, "error": str}'),
     },

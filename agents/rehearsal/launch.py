@@ -62,8 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_WAN_SCALE = 0.05
-"""Multiplies WAN bandwidths: the demo's 0.2 Gb/s links become 10 Mb/s relays (delays are kept).
-"""
+"""Multiplies WAN bandwidths: the demo's 0.2 Gb/s links become 10 Mb/s relays (delays are kept)."""
 
 
 def launch(
@@ -92,7 +91,8 @@ def launch(
     device: str = "cpu",
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Run the rehearsal; return the report (also written to ``run_dir/report.json``).
+    """Run the rehearsal; return the report (also written to ``run_dir/report.json``; a run that does not finish
+    writes what it did, with its ``outcome``: :func:`agents.runfolder.report.write_unfinished_report`).
 
     ``prefill_rate`` > 0: every agent serves prefill (``--prefill-bind``) and a
     Poisson stream of that many requests per second runs while training
@@ -102,24 +102,18 @@ def launch(
     prediction, ``"measure"`` (profile the model here first) or None (the
     config's GPU FLOP rates).
 
-    ``insecure``: no key folder, no broker logins, unsigned commands, plain
-    TCP links and an open prefill endpoint (one warning line on ``out``).
+    ``insecure``: no key folder, broker logins, signatures, encryption or prefill token (one warning line).
 
-    ``prefill_http``: every agent serves prefill (as with ``prefill_rate``)
-    and also answers OpenAI-style HTTP (``--prefill-http 127.0.0.1:0``,
-    :mod:`agents.prefill.http`); the URLs are printed once the agents are
-    ready and recorded as the report's ``prefill_http`` (rank -> URL).
+    ``prefill_http``: every agent serves prefill (as with ``prefill_rate``) and also answers OpenAI-style HTTP
+    (:mod:`agents.prefill.http`); the URLs are printed and recorded as the report's ``prefill_http``.
 
     ``checkpoint_dir``: every agent writes its checkpoints there (every
     ``checkpoint_every`` steps if > 0, and on ``geosched job checkpoint``). ``resume``: the job starts
-    from the newest complete checkpoint there (written by any layout of the same model; the agents
-    reshard it) and trains to step ``steps``; InputError when there is none, it holds another model, or
-    it already covers ``steps``.
+    from the newest complete checkpoint there (any layout of the same model, resharded) and trains to step
+    ``steps``; InputError when there is none, it holds another model, or it already covers ``steps``.
 
-    ``metrics``: every agent (``--metrics-bind 127.0.0.1:0``) and the
-    coordinator serve Prometheus ``/metrics`` and ``/health``
-    (:mod:`agents.metrics`); the URLs are printed once the agents are ready
-    and recorded as the report's ``metrics`` (``coordinator``, ``r<rank>``).
+    ``metrics``: every agent (``--metrics-bind 127.0.0.1:0``) and the coordinator serve Prometheus ``/metrics``
+    and ``/health`` (:mod:`agents.metrics`); the URLs are printed and recorded as the report's ``metrics``.
 
     ``elastic``: survive lost agents or a lost DC (:mod:`agents.rehearsal.elastic`): re-plan on the GPUs
     left, resume from the newest complete checkpoint (``RUN_DIR/checkpoints`` every step unless
@@ -128,8 +122,7 @@ def launch(
     after each recovery and the job moves back to the original plan at the next checkpoint (one more entry
     of ``recoveries``, with no lost ranks).
 
-    ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often (the
-    links reconnect and resend, :mod:`agents.wan`).
+    ``wan_reset_every_s``: fault injection; every WAN relay resets all of its connections that often.
 
     ``prefill_follow_checkpoints``: every agent serves prefill and swaps in each newer checkpoint of the
     checkpoint folder as it completes (``--prefill-follow-checkpoints``); needs ``checkpoint_dir`` or ``elastic``.
@@ -306,7 +299,13 @@ def launch(
             MAX_RECOVERIES if elastic else 0,
             return_after_s=elastic_return_after_s,
         )
-        text, agents = recovering.train(text, steps, first)
+        try:
+            text, agents = recovering.train(text, steps, first)
+        except BaseException as exc:  # stopped, interrupted, failed: what there is of the run, in report.json
+            from agents.runfolder.report import write_unfinished_report
+
+            write_unfinished_report(run, exc)
+            raise
         if recovering.recoveries:
             layout = parse_layout(text)
         wall_s = time.monotonic() - started
@@ -332,6 +331,7 @@ def launch(
         calibration_only_iteration_s=separate.iteration_s,
         wan_bytes=wan,
         extra={
+            "outcome": "completed",
             "wan_scale": wan_scale,
             "wall_s": wall_s,
             "agent_exit_codes": codes,

@@ -241,6 +241,33 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
     return Path(path)
 
 
+def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException) -> Path:
+    """``report.json`` of a run that did not finish: its ``outcome`` (``stopped`` by an operator, ``interrupted``,
+    ``failed``), the ``error`` line, and the steps every rank that reported completed, with their losses (and
+    ``loss.png``); no prediction, no timeline. Written from the rank files, whatever state the run is in."""
+    from agents.control.losses import JobStopped
+
+    reports = load_rank_reports(run_dir)
+    by_step = reports_by_step(reports)
+    last_stage = max((r.stage for rs in reports.values() for r in rs), default=0)
+    steps = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
+    outcome = (
+        "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    )
+    report = {
+        "outcome": outcome,
+        "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        "steps": steps,
+        "losses": [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps],
+    }
+    run = Path(run_dir)
+    if steps and all(loss is not None for loss in report["losses"]):
+        report["loss_png"] = str(write_loss_png(steps, report["losses"], run / "loss.png"))
+    with open(run / "report.json", "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=2, allow_nan=True)
+    return run / "report.json"
+
+
 def write_run_folder(
     run_dir: str | os.PathLike[str],
     layout: Any,
