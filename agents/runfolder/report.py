@@ -254,15 +254,17 @@ def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException)
     outcome = (
         "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     )
-    report = {
+    losses = [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps]
+    report: dict[str, Any] = {
         "outcome": outcome,
         "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
         "steps": steps,
-        "losses": [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps],
+        "losses": losses,
     }
     run = Path(run_dir)
-    if steps and all(loss is not None for loss in report["losses"]):
-        report["loss_png"] = str(write_loss_png(steps, report["losses"], run / "loss.png"))
+    known = [loss for loss in losses if loss is not None]
+    if steps and len(known) == len(steps):
+        report["loss_png"] = str(write_loss_png(steps, known, run / "loss.png"))
     with open(run / "report.json", "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=2, allow_nan=True)
     return run / "report.json"
