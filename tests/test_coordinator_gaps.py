@@ -220,3 +220,15 @@ def test_an_error_of_the_checkpoint_storage_names_no_lost_rank() -> None:
     with pytest.raises(AgentLost) as info:
         asyncio.run(_follow(_Plane(), _Feed([_metrics(0, 0), crashed]), layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
     assert info.value.ranks == [1]
+
+
+def test_a_broker_away_is_said_once_and_its_return_too() -> None:
+    from agents.control.liveness import BrokerAway
+
+    away = BrokerAway(after_s=10.0)
+    assert away.note(True, 0.0, 3) is None and away.note(False, 1.0, 3) is None and away.note(False, 10.0, 3) is None
+    line = away.note(False, 11.5, 3)
+    assert line is not None and "unreachable (for 10 s, at step 3)" in line and "train on" in line
+    assert away.note(False, 20.0, 3) is None  # said once
+    assert away.note(True, 31.0, 3) == "control plane: the broker is back after 30 s"
+    assert away.note(False, 32.0, 9) is None and away.note(True, 33.0, 9) is None  # a blip: nothing to say

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.liveness import Liveness
+from agents.control.liveness import BrokerAway, Liveness
 from agents.control.losses import (  # AgentLost and lost_message: re-exported for the callers
     EXIT_POLL_S,
     RETAINED_SETTLE_S,
@@ -374,7 +374,7 @@ async def _follow(
         return all(r in finished or newest.get(r, -1) > step for r in ranks)
 
     loop = asyncio.get_running_loop()
-    liveness = Liveness(ranks, loop.time(), cp.stats.connects)
+    liveness, away = Liveness(ranks, loop.time(), cp.stats.connects), BrokerAway()
     progress_at = loop.time()
     reread = Reread(cp.stats.connects)
     while len(finished) < len(ranks):
@@ -388,6 +388,8 @@ async def _follow(
         except TimeoutError:
             message = None
         liveness.tick(loop.time(), cp.connected, cp.stats.connects)
+        if (notice := away.note(cp.connected, loop.time(), current)) is not None and out is not None:
+            print(notice, file=out, flush=True)
         if message is not None:
             _hear(liveness, message)
         if acks is not None:

@@ -115,3 +115,30 @@ class Liveness:
 
     def _others_heard(self, rank: int) -> bool:
         return any(s < SILENT_S / 2 for other, s in self._silent.items() if other != rank)
+
+
+class BrokerAway:
+    """When to tell the operator that the broker is gone and when it is back (policy only): the agents train on
+    without it, so the coordinator's step lines pause; one line after ``after_s`` away, one when it returns."""
+
+    def __init__(self, after_s: float = 10.0) -> None:
+        self.after_s = after_s
+        self._since: float | None = None
+        self._said = False
+
+    def note(self, connected: bool, now: float, step: int | None) -> str | None:
+        """The line to print now, if any."""
+        since = self._since
+        if connected:
+            line = f"control plane: the broker is back after {now - since:.0f} s" if since and self._said else None
+            self._since, self._said = None, False
+            return line
+        if self._since is None:
+            self._since = now
+        if not self._said and now - self._since >= self.after_s:
+            self._said = True
+            return (
+                f"control plane: the broker is unreachable (for {now - self._since:.0f} s, at step {step}); the agents "
+                "train on without it and the step lines resume when it is back"
+            )
+        return None
