@@ -196,6 +196,24 @@ def test_a_slow_or_silent_client_neither_holds_the_metrics_server_nor_blocks_a_s
         assert health(server.url())[0] == 200
 
 
+def test_one_address_holding_idle_connections_leaves_room_for_a_probe():
+    """A client that opens connections and says nothing holds at most MAX_CLIENTS_PER_ADDRESS of the server's
+    MAX_CLIENTS slots: a liveness probe from another address is still answered (it waited out 10 s before)."""
+    from agents.metrics.server import MAX_CLIENTS_PER_ADDRESS
+
+    metrics = AgentMetrics(3, "crowd")
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True)) as server:
+        idle = []
+        for _ in range(MAX_CLIENTS_PER_ADDRESS + 4):  # from 127.0.0.2: the loopback network, another address
+            conn = socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=("127.0.0.2", 0))
+            idle.append(conn)
+        refused = sum(1 for conn in idle[MAX_CLIENTS_PER_ADDRESS:] if conn.recv(1) == b"")  # closed unanswered
+        assert refused == 4
+        assert health(server.url())[0] == 200  # from 127.0.0.1, at once
+        for conn in idle:
+            conn.close()
+
+
 def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():
     """docs/metrics.md names every family both registries can expose; the Grafana dashboard queries no other."""
     agent = AgentMetrics(0, "docs")

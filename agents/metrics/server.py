@@ -6,7 +6,8 @@ own WSGI app on a thread, bound to the host it is given (off unless a
 ``/health`` answers 200 with a small JSON body when the process's health
 callable says so, else 503. It only reads: nothing a client sends changes
 anything. Request lines and headers are bounded by the standard library,
-connections at once by :data:`MAX_CLIENTS` (more are closed unanswered), and
+connections at once by :data:`MAX_CLIENTS`, :data:`MAX_CLIENTS_PER_ADDRESS` of them from one address (more
+are closed unanswered), and
 each connection, from its accept to its answer (TLS handshake included), by
 :data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 16
 """Connections served at once; further ones are closed at once (a scrape retries)."""
+MAX_CLIENTS_PER_ADDRESS = 8
+"""Of those, from one client address: a client that holds its connections idle leaves the others room (a
+Prometheus scrape, a liveness probe) for their ``CLIENT_TIMEOUT_S``."""
 CLIENT_TIMEOUT_S = 10.0
 """A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -61,17 +65,34 @@ class _BoundedServer(ThreadingWSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._per_address: dict[str, int] = {}
+        self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._take(client_address[0]):
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._give_back(client_address[0])
             raise
+
+    def _take(self, address: str) -> bool:
+        """A slot for a connection from ``address``, if one is free (of all, and of that address's share)."""
+        with self._lock:
+            if self._per_address.get(address, 0) >= MAX_CLIENTS_PER_ADDRESS or not self._slots.acquire(False):
+                return False
+            self._per_address[address] = self._per_address.get(address, 0) + 1
+            return True
+
+    def _give_back(self, address: str) -> None:
+        with self._lock:
+            left = self._per_address.pop(address) - 1
+            if left:
+                self._per_address[address] = left
+            self._slots.release()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         held = [request]  # the socket the deadline cuts: the TLS one once wrapped (wrapping detaches the plain one)
@@ -90,7 +111,7 @@ class _BoundedServer(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             deadline.cancel()
-            self._slots.release()
+            self._give_back(client_address[0])
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client cut off or gone mid-request is no server error: logged at debug level, not printed."""
