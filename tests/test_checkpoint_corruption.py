@@ -175,3 +175,13 @@ def test_a_folder_that_refuses_the_write_is_a_checkpoint_error_naming_it(tmp_pat
     with pytest.raises(CheckpointError, match=f"cannot write checkpoint step 4 into {tmp_path}: .*--checkpoint-dir"):
         writer.save(4, model, opt)
     assert latest_complete(tmp_path, 1) is None
+
+
+def test_a_writer_removes_what_its_stage_left_half_written(ckpt) -> None:
+    """kill -9 mid-write leaves a hidden temporary file; the stage's next writer removes its own, no other's."""
+    step = ckpt / "step-000002"
+    mine, other = step / ".stage-00.safetensors.tmp-123-abcd", step / ".stage-01.safetensors.tmp-456-ef01"
+    mine.write_bytes(b"half")
+    other.write_bytes(b"half")
+    CheckpointWriter(ckpt, 0, 1, FP)
+    assert not mine.exists() and other.exists() and latest_complete(ckpt, 1) == 2

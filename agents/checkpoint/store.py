@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +84,14 @@ def shard_paths(ckpt_dir: str | os.PathLike[str], step: int, stage: int) -> tupl
     """The tensor file and the metadata file of one stage's shard."""
     base = os.path.join(step_dir(ckpt_dir, step), f"stage-{stage:02d}")
     return base + ".safetensors", base + ".json"
+
+
+def _remove_stale_temporaries(ckpt_dir: str | os.PathLike[str], step: int, stage: int) -> None:
+    """Remove what a writer of this stage killed mid-write left (``.stage-NN.*.tmp-*``): only this stage's writer
+    makes them, and it is starting now, so none is being written."""
+    for path in Path(step_dir(ckpt_dir, step)).glob(f".stage-{stage:02d}.*.tmp-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def job_fingerprint(
@@ -153,6 +163,7 @@ class CheckpointWriter:
                 "pick a writable --checkpoint-dir"
             ) from None
         for step in list_steps(self.ckpt_dir):
+            _remove_stale_temporaries(self.ckpt_dir, step, stage)
             meta_path = shard_paths(self.ckpt_dir, step, stage)[1]
             try:
                 meta = read_json(meta_path)
