@@ -254,9 +254,11 @@ class ElasticJob:
         self._lost_at = None
 
     def _say(self, line: str) -> None:
-        log.warning("%s", line)
+        """``line`` on ``out``; in the log instead (as a warning) when there is no ``out``: never twice."""
         if self.out is not None:
             print(line, file=self.out, flush=True)
+        else:
+            log.warning("%s", line)
 
 
 def set_aside(run_dir: Path) -> Path:
