@@ -365,6 +365,9 @@ def test_tls_with_a_ca_file_against_mosquitto(tmp_path: Path) -> None:
             with pytest.raises(BrokerAuthError, match="TLS certificate .* is not trusted"):
                 async with ControlPlane(url, JOB, "agent-1", connect_timeout=5):
                     pass
+            (tmp_path / "not-a-ca.pem").write_bytes(bytes(range(256)))  # refused at once, not "cannot reach" later
+            with pytest.raises(InputError, match="--ca-file: cannot read .*not-a-ca.pem.* as PEM certificates"):
+                ControlPlane(url, JOB, "agent-2", ca_file=tmp_path / "not-a-ca.pem")
 
         run(scenario())
     finally:

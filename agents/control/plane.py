@@ -57,6 +57,7 @@ from agents.control.messages import (
 )
 from agents.control.subscription import Subscription
 from agents.control.tasks import cancel_and_wait
+from agents.tls.context import client_context
 from geosched.errors import GeoschedError, InputError, ProtocolError
 
 __all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "ControlStats"]
@@ -109,8 +110,8 @@ class ControlPlane:
         address = BrokerAddress.parse(url)
         if ca_file is not None and not address.tls:
             raise InputError(f"broker URL {address}: a CA file was given but the URL is not mqtts://; use mqtts://")
-        if ca_file is not None and not os.path.isfile(ca_file):
-            raise InputError(f"CA file {os.fspath(ca_file)!r} does not exist; give the broker's CA certificate (PEM)")
+        # read (and checked: a file that is not PEM certificates is one line now, not 'cannot reach' later) once
+        self._tls = client_context(ca_file, "--ca-file") if address.tls else None
         self.address = BrokerAddress(
             address.host,
             address.port,
@@ -123,7 +124,6 @@ class ControlPlane:
         self.topics = Topics(job)
         self.agent = agent
         self.stats = ControlStats()
-        self._ca_file = os.fspath(ca_file) if ca_file is not None else None
         self._keepalive, self._connect_timeout = keepalive, connect_timeout
         self._backoff, self._max_payload = backoff, max_payload
         self._client: aiomqtt.Client | None = None  # set while connected
@@ -202,7 +202,7 @@ class ControlPlane:
             will=will,
             keepalive=self._keepalive,
             clean_session=True,
-            tls_params=aiomqtt.TLSParameters(ca_certs=self._ca_file) if self.address.tls else None,
+            tls_context=self._tls,
             timeout=max(2.0, float(self._keepalive)),
             max_queued_incoming_messages=10_000,
         )
