@@ -375,10 +375,24 @@ CONFIG_LIMITS = YamlLimits(max_bytes=1 << 20, max_depth=schema_depth(Config), ma
 """What a config file may contain: 1 MiB, nested no deeper than the schema (see :mod:`geosched.yamlload`)."""
 
 
+def _is_plan(path: str) -> bool:
+    """Whether the (readable, regular) file at ``path`` begins as a plan file does."""
+    with open(path, "rb") as fh:
+        return re.match(rb"version: [0-9]+\nschedule: ", fh.read(64)) is not None
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Load and validate a YAML config file (hostile text is refused by :mod:`geosched.yamlload`)."""
     path = os.fspath(path)
-    data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml", CONFIG_LIMITS)
+    try:
+        data = read_yaml_file(path, ConfigError, "pass a config such as configs/demo-3dc.yaml", CONFIG_LIMITS)
+    except ConfigError as exc:  # a plan's config nests one level deeper than a config allows: say what it is
+        if "nested deeper than" in str(exc) and _is_plan(path):
+            raise ConfigError(
+                f"{path}: a plan file (written by 'geosched plan'), not a config; give the config it was made from, "
+                "or use it where a plan goes ('geosched simulate PLAN', 'geosched launch CONFIG --plan PLAN')"
+            ) from None
+        raise
     try:
         return config_from_dict(data, source=path)
     except ConfigError as exc:

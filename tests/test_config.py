@@ -260,3 +260,12 @@ def test_an_empty_file_or_no_datacenter_is_named_as_such(tmp_path):
     data["cluster"]["datacenters"], data["cluster"]["links"] = [], []
     with pytest.raises(ConfigError, match="cluster.datacenters: none listed"):
         config_from_dict(data)
+
+
+def test_a_plan_given_as_a_config_is_named_as_such(tmp_path):
+    from agents.layout import layout_plan_text
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(layout_plan_text(load_config(os.path.join(ROOT, "configs", "demo-3dc.yaml"))))
+    with pytest.raises(ConfigError, match="a plan file \\(written by 'geosched plan'\\), not a config"):
+        load_config(plan)
