@@ -23,6 +23,7 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         (HTTP, "--prefill-http: serve it over TLS (--prefill-http-tls-cert FILE --prefill-http-tls-key FILE), or"),
         ([*HTTP, "--prefill-http-tls-cert", "c.pem"], "--prefill-http-tls-cert and --prefill-http-tls-key go together"),
         ([*HTTP, "--prefill-http-tls-cert", "c", "--prefill-http-tls-key", "k"], "'c' does not exist"),
+        ([*HTTP, "--prefill-http-tls-cert", "README.md", "--prefill-http-tls-key", "k"], "-tls-key: 'k' does"),
         ([*HTTP, "--prefill-http-insecure", "--prefill-http-limit", "max_inflight=0"], "max_inflight: must be between"),
         (["--prefill-http-insecure"], "--prefill-http-insecure goes with --prefill-http HOST:PORT"),
         (["--metrics-bind", "127.0.0.1:0"], "--metrics-bind: serve it over TLS (--metrics-tls-cert FILE"),

@@ -22,19 +22,23 @@ from geosched.errors import InputError
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
 
 
-def server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str], flag: str) -> ssl.SSLContext:
-    """A server context holding ``cert`` and ``key``; InputError (one line, naming ``flag``) if they cannot serve.
+def server_context(
+    cert: str | os.PathLike[str], key: str | os.PathLike[str], flag: str, key_flag: str | None = None
+) -> ssl.SSLContext:
+    """A server context holding ``cert`` and ``key``; InputError (one line, naming ``flag``, or ``key_flag`` for
+    what is wrong with the key file alone) if they cannot serve.
 
     The key file must be readable by its owner only (as every secret of a key folder).
     """
     cert, key = os.fspath(cert), os.fspath(key)
-    for path in (cert, key):
+    for path, named in ((cert, flag), (key, key_flag or flag)):
         if not os.path.isfile(path):
-            raise InputError(f"{flag}: {path!r} does not exist; pass a PEM certificate and its private key")
+            raise InputError(f"{named}: {path!r} does not exist; pass a PEM certificate and its private key")
     mode = os.stat(key).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise InputError(
-            f"{flag}: the key {key!r} is readable by others (mode {stat.S_IMODE(mode):04o}): chmod 600 {key}"
+            f"{key_flag or flag}: the key {key!r} is readable by others (mode {stat.S_IMODE(mode):04o}): "
+            f"chmod 600 {key}"
         )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = MIN_VERSION

@@ -50,7 +50,7 @@ def tls_context(args: argparse.Namespace, prefix: str, endpoint_flag: str) -> ss
         return None
     from agents.tls.context import server_context
 
-    return server_context(cert, key, f"--{prefix}-tls-cert")
+    return server_context(cert, key, f"--{prefix}-tls-cert", f"--{prefix}-tls-key")
 
 
 def unused_tls_flags(args: argparse.Namespace, prefix: str, endpoint_flag: str) -> None:
