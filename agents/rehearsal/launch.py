@@ -251,7 +251,7 @@ def launch(
                 relays.adopt(plan)
                 (run / "plan.yaml").write_text(plan.text)
             args = [*chunk_args, *(agent_args or [])]
-            if recovery or resume:  # from the newest complete checkpoint (a recovery's, or the one asked for)
+            if resume or (recovery and recovering.resumed_from() > 0):  # the newest complete checkpoint, if any
                 args += ["--resume"]
             if recovery:  # the broker still retains the old plan: the new agents must not adopt it first
                 args += ["--plan", str((run / "plan.yaml").resolve())]
