@@ -3,11 +3,13 @@ cannot catch, takes them down too (they ask the kernel for a signal when their p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,9 +38,10 @@ def _steps_done(run_dir: Path) -> int:
     return len(rank0.read_text().splitlines()) if rank0.exists() else 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
-    run_dir = tmp_path / "run"
+@contextlib.contextmanager
+def training_launch(run_dir: Path, steps_done: int) -> Iterator[subprocess.Popen[str]]:
+    """A ``geosched launch`` of the demo for many steps, once ``steps_done`` steps are done; whatever the test does,
+    it and its agents are gone afterwards."""
     cmd = [sys.executable, "-m", "geosched.cli", "launch", "configs/demo-3dc.yaml", "--steps", "100000"]
     launch = subprocess.Popen(
         [*cmd, "--no-calibrate", "--run-dir", str(run_dir)],
@@ -49,7 +52,19 @@ def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
     )
     try:
         assert wait_for(lambda: len(agents_of(run_dir)) == 4, timeout_s=120), "the agents did not start"
-        assert wait_for(lambda: _steps_done(run_dir) >= 2, timeout_s=120), "no training step"
+        assert wait_for(lambda: _steps_done(run_dir) >= steps_done, timeout_s=120), "no training step"
+        yield launch
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        for pid in agents_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
+    run_dir = tmp_path / "run"
+    with training_launch(run_dir, 2) as launch:
         launch.send_signal(sig)  # mid-training: an agent left alone would wait out its links' timeouts (~2 min)
         _, err = launch.communicate(timeout=60)
         if sig == signal.SIGTERM:
@@ -57,11 +72,6 @@ def test_a_signal_to_launch_stops_every_agent(tmp_path: Path, sig: int) -> None:
             report = json.loads((run_dir / "report.json").read_text())  # what the run did before it
             assert report["outcome"] == "interrupted" and len(report["steps"]) >= 2, report
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-        for pid in agents_of(run_dir):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _broker_of(pid: int) -> str:
@@ -73,16 +83,7 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
     """'geosched job stop' (the documented way to stop a job) is an operator's stop, not a lost agent: launch
     says so, exits as interrupted (130), and report.json holds the outcome and the steps done with their losses."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "geosched.cli", "launch", "configs/demo-3dc.yaml", "--steps", "100000"]
-    launch = subprocess.Popen(
-        [*cmd, "--no-calibrate", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert wait_for(lambda: _steps_done(run_dir) >= 3, timeout_s=120), "no training step"
+    with training_launch(run_dir, 3) as launch:
         url = _broker_of(agents_of(run_dir)[0])
         stop = [sys.executable, "-m", "geosched.cli", "job", "stop", "--mqtt", url, "--job", "launch"]
         stopped = subprocess.run([*stop, "--keys", str(run_dir / "secrets")], cwd=ROOT, capture_output=True, timeout=60)
@@ -93,8 +94,3 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
         assert report["outcome"] == "stopped" and len(report["steps"]) >= 3
         assert len(report["losses"]) == len(report["steps"]) and all(isinstance(x, float) for x in report["losses"])
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-        for pid in agents_of(run_dir):
-            os.kill(pid, signal.SIGKILL)
