@@ -10,7 +10,6 @@ genuine command, finishing with the losses of an undisturbed run.
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import json
 import signal
@@ -24,81 +23,24 @@ import aiomqtt
 import nacl.signing
 import pytest
 from agent_helpers import log_tail, stop_processes, tiny_plan, wait_for
+from control_keys import CMD, EVENTS, JOB, PLAN, KeySet, attacker_publish, forge, login, refused, status_topic
 from mqtt_brokers import agent_subprocess_env
 
 from agents.control.auth import (
     MAX_CLOCK_SKEW_NS,
-    ControlKeys,
     RefusalReport,
     Refused,
     Signer,
     Verifier,
-    _signed_bytes,
 )
 from agents.control.commands import job_statuses, stop_job
 from agents.control.coordinator import start_job
-from agents.control.messages import CommandMessage, EventMessage, MetricsMessage, StatusMessage
+from agents.control.messages import CommandMessage, EventMessage, StatusMessage
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.layout import plan_id
 from geosched.errors import InputError, ProtocolError
 
-JOB = "demo"
-CMD = f"geosched/{JOB}/command"
-PLAN = f"geosched/{JOB}/plan"
-EVENTS = f"geosched/{JOB}/events"
 
-
-def status_topic(rank: int, job: str = JOB) -> str:
-    return f"geosched/{job}/agents/{rank}/status"
-
-
-class KeySet:
-    """Ed25519 keys of a coordinator and ``ranks`` agents, built with nacl directly."""
-
-    def __init__(self, ranks: int = 2) -> None:
-        self.coordinator = nacl.signing.SigningKey.generate()
-        self.agents = [nacl.signing.SigningKey.generate() for _ in range(ranks)]
-
-    def of(self, identity: str) -> ControlKeys:
-        signing = self.coordinator if identity == "coordinator" else self.agents[int(identity.split("-")[1])]
-        return ControlKeys(
-            identity, signing, self.coordinator.verify_key, {r: k.verify_key for r, k in enumerate(self.agents)}
-        )
-
-    def write(self, path: Path) -> Path:
-        """The seeds as JSON, for an agent subprocess (see AGENT_MAIN)."""
-        data = {
-            "coordinator": base64.b64encode(bytes(self.coordinator)).decode(),
-            "agents": [base64.b64encode(bytes(k)).decode() for k in self.agents],
-        }
-        path.write_text(json.dumps(data))
-        path.chmod(0o600)
-        return path
-
-
-def forge(key: nacl.signing.SigningKey, identity: str, topic: str, body: bytes, **header: object) -> bytes:
-    """An envelope signed by ``key`` with any header fields (what an attacker holding ``key`` can make)."""
-    fields: dict[str, object] = {
-        "id": identity,
-        "job": JOB,
-        "topic": topic,
-        "kind": header.pop("kind", None) or topic.rsplit("/", 1)[-1].replace("events", "event"),
-        "seq": time.time_ns(),
-        "session": time.time_ns(),
-        "time": time.time(),
-        **header,
-    }
-    fields["sig"] = base64.b64encode(key.sign(_signed_bytes(fields, body)).signature).decode()
-    return b"GS1 " + json.dumps(fields).encode() + b"\n" + body
-
-
-def refused(verifier: Verifier, topic: str, payload: bytes) -> str:
-    with pytest.raises(Refused) as info:
-        verifier.open(topic, payload)
-    return info.value.reason
-
-
-# -- the envelope ------------------------------------------------------------------
 def test_genuine_messages_open_and_forgeries_are_refused_by_reason():
     keys = KeySet()
     coordinator = Signer(keys.of("coordinator"), JOB)
@@ -181,23 +123,6 @@ def test_last_will_beats_its_session_but_an_old_will_loses_to_a_newer_session():
     assert refused(verifier, topic, current) == "duplicate"
 
 
-def test_two_clients_signing_as_one_agent_are_a_conflict_not_a_replay():
-    """Whoever holds agent-1's key opens a newer session: the genuine agent's later statuses (older session, newer
-    seq) are a conflict, named as such, instead of replays refused in silence while the job waits for them."""
-    keys = KeySet()
-    genuine, impostor = Signer(keys.of("agent-1"), JOB), Signer(keys.of("agent-1"), JOB)
-    verifier = Verifier(keys.of("coordinator"), JOB)
-    topic = status_topic(1)
-    will = genuine.seal(topic, b'{"rank":1,"state":"offline"}', will=True)
-    assert verifier.open(topic, genuine.seal(topic, b'{"rank":1,"state":"training"}'))
-    assert verifier.open(topic, impostor.seal(topic, b'{"rank":1,"state":"ready","next_step":40}'))
-    late = genuine.seal(topic, b'{"rank":1,"state":"training"}')
-    with pytest.raises(Refused, match="two clients sign as 'agent-1' at once") as info:
-        verifier.open(topic, late)
-    assert info.value.reason == "conflict"
-    assert refused(verifier, topic, will) == "replay"  # an older session's will is no sign of a second client
-
-
 def test_unsigned_yaml_bomb_plan_is_refused_before_parsing():
     keys = KeySet()
     verifier = Verifier(keys.of("agent-0"), JOB)
@@ -226,17 +151,6 @@ def test_a_plane_signs_only_as_its_own_identity():
 
 
 # -- keyed ControlPlane clients against an attacker on a real broker ---------------------
-def _login(broker, user: str = "watcher") -> dict:
-    return {"username": user, "password": broker.users[user]} if broker.users else {}
-
-
-async def _attacker_publish(broker, topic: str, payload: bytes, retain: bool = False) -> None:
-    async with aiomqtt.Client(
-        broker.host, broker.port, identifier=f"mallory-{time.monotonic_ns()}", **_login(broker)
-    ) as c:
-        await c.publish(topic, payload, qos=1, retain=retain)
-
-
 def test_keyed_planes_refuse_forged_commands_statuses_and_replays(mqtt_broker):
     keys = KeySet()
     url = mqtt_broker.url_for("geosched")
@@ -252,7 +166,7 @@ def test_keyed_planes_refuse_forged_commands_statuses_and_replays(mqtt_broker):
             await coordinator.subscribe("status")
             async with await agent.subscribe("command", "status") as sub:
                 captured: list[bytes] = []
-                async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **_login(mqtt_broker)) as spy:
+                async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **login(mqtt_broker)) as spy:
                     await spy.subscribe(CMD, qos=1)
                     await coordinator.publish_command("checkpoint")
                     async with asyncio.timeout(5):
@@ -262,19 +176,17 @@ def test_keyed_planes_refuse_forged_commands_statuses_and_replays(mqtt_broker):
                 genuine = await sub.get(5)
                 assert isinstance(genuine, CommandMessage) and genuine.cmd == "checkpoint"
 
-                await _attacker_publish(mqtt_broker, CMD, b'{"cmd":"stop","seq":99}')
-                await _attacker_publish(
-                    mqtt_broker, CMD, forge(stranger, "coordinator", CMD, b'{"cmd":"stop","seq":1}')
-                )
-                await _attacker_publish(
+                await attacker_publish(mqtt_broker, CMD, b'{"cmd":"stop","seq":99}')
+                await attacker_publish(mqtt_broker, CMD, forge(stranger, "coordinator", CMD, b'{"cmd":"stop","seq":1}'))
+                await attacker_publish(
                     mqtt_broker, CMD, forge(keys.agents[1], "agent-1", CMD, b'{"cmd":"stop","seq":1}')
                 )
-                await _attacker_publish(mqtt_broker, CMD, captured[0])  # the genuine command, replayed
+                await attacker_publish(mqtt_broker, CMD, captured[0])  # the genuine command, replayed
                 forged_status = json.dumps(
                     {"rank": 1, "state": "ready", "endpoints": {"pipe/s1/r0": "tcp://6.6.6.6:1"}}
                 )
-                await _attacker_publish(mqtt_broker, status_topic(1), forged_status.encode(), retain=True)
-                await _attacker_publish(
+                await attacker_publish(mqtt_broker, status_topic(1), forged_status.encode(), retain=True)
+                await attacker_publish(
                     mqtt_broker,
                     status_topic(1),
                     forge(keys.agents[0], "agent-0", status_topic(1), forged_status.encode()),
@@ -340,7 +252,7 @@ def test_agent_will_is_believed_but_an_old_will_replayed_later_is_not(mqtt_broke
             first = spawn()
             try:
                 await state("ready")
-                async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **_login(mqtt_broker)) as spy:
+                async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **login(mqtt_broker)) as spy:
                     await spy.subscribe(status_topic(1), qos=1)
                     first.send_signal(signal.SIGKILL)
                     first.wait(10)
@@ -353,7 +265,7 @@ def test_agent_will_is_believed_but_an_old_will_replayed_later_is_not(mqtt_broke
                 second = spawn()
                 try:
                     await state("ready")
-                    await _attacker_publish(mqtt_broker, status_topic(1), wills[0], retain=True)
+                    await attacker_publish(mqtt_broker, status_topic(1), wills[0], retain=True)
                     await asyncio.sleep(0.5)
                     assert coordinator.statuses()[1].state == "ready"
                     assert coordinator.stats.refused_replay >= 1
@@ -433,7 +345,7 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
         return forge(key, identity, topic, json.dumps(data).encode(), job=job)
 
     async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
-        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **_login(mqtt_broker)) as client:
+        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **login(mqtt_broker)) as client:
             await client.publish(topic, payload, qos=1, retain=retain)
 
     async def before_start(statuses: dict[int, StatusMessage]) -> dict[str, str]:
@@ -454,7 +366,7 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
     async def attack() -> tuple[object, list[bytes], list[dict]]:
         commands: list[bytes] = []
         events: list[dict] = []
-        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **_login(mqtt_broker)) as spy:
+        async with aiomqtt.Client(mqtt_broker.host, mqtt_broker.port, **login(mqtt_broker)) as spy:
             await spy.subscribe(cmd, qos=1)
             await spy.subscribe(f"geosched/{job}/events", qos=1)
 
@@ -513,36 +425,3 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
     finally:
         stop_processes(agents)
         attacker.close()
-
-
-def test_an_insiders_ill_typed_metrics_and_statuses_are_dropped_and_counted(mqtt_broker):
-    """A rank's own key signs fields the coordinator computes with (a loss of "abc", a next_step of "x", 1e400
-    WAN bytes): each is dropped and counted where it arrives, and the genuine messages after it still are read."""
-    keys = KeySet()
-    url = mqtt_broker.url_for("geosched")
-    metrics_topic = f"geosched/{JOB}/agents/1/metrics"
-    forged = [
-        (metrics_topic, b'{"rank": 1, "step": 3, "loss": "abc"}'),
-        (metrics_topic, b'{"rank": 1, "step": 3, "iteration_s": "abc"}'),
-        (metrics_topic, b'{"rank": 1, "step": 3, "wan_bytes": 1e400}'),
-        (metrics_topic, b'{"rank": 1, "step": 3, "bubble_fraction": [1, 2]}'),
-        (status_topic(1), b'{"rank": 1, "state": "ready", "next_step": "x"}'),
-        (status_topic(1), b'{"rank": 1, "state": "ready", "endpoints": "tcp://6.6.6.6:1"}'),
-        (status_topic(1), b'{"rank": 1, "state": "ready", "checkpoint": {"step": "x"}}'),
-    ]
-
-    async def scenario() -> None:
-        async with (
-            ControlPlane(url, JOB, "coord", keys=keys.of("coordinator")) as coordinator,
-            ControlPlane(url, JOB, "agent1", keys=keys.of("agent-1"), agent=AgentIdentity(1)) as agent,
-        ):
-            async with await coordinator.subscribe("metrics", "status") as sub:
-                signer = Signer(keys.of("agent-1"), JOB)
-                for topic, body in forged:
-                    await _attacker_publish(mqtt_broker, topic, signer.seal(topic, body))
-                await agent.publish_metrics(1, {"step": 3, "loss": 2.5, "wan_bytes": 10})  # the genuine one
-                message = await sub.get(5)
-                assert isinstance(message, MetricsMessage) and message.values["loss"] == 2.5, message
-            assert coordinator.stats.dropped_malformed == len(forged), coordinator.stats
-
-    asyncio.run(scenario())
