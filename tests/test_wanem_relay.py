@@ -281,3 +281,25 @@ def test_clients_that_vanish_do_not_hurt_the_relay(echo: EchoServer) -> None:
             time.sleep(0.02)
         assert relay.stats()["connections_open"] == 0
         assert relay.stats()["connections_total"] == 41
+
+
+def test_connections_past_the_bound_are_reset_and_counted(echo: EchoServer, monkeypatch) -> None:
+    """Anyone who reaches a relay is relayed; at most MAX_CONNECTIONS at once (each holds two 256 KiB buffers), the
+    rest reset and counted while the ones held are still served."""
+    import agents.wanem.emulator as emulator
+
+    monkeypatch.setattr(emulator, "MAX_CONNECTIONS", 4)
+    with WanRelay(echo.address, LinkShape()) as relay:
+        held = [socket.create_connection(("127.0.0.1", relay.port), timeout=10) for _ in range(4)]
+        for sock in held:  # each connected through to the echo server
+            sock.sendall(b"x")
+            assert sock.recv(1) == b"x"
+        with pytest.raises(ConnectionResetError):
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as extra:
+                extra.sendall(b"y")
+                extra.recv(1)
+        assert relay.stats()["refused_connections"] == 1
+        held[0].sendall(b"z")
+        assert held[0].recv(1) == b"z"
+        for sock in held:
+            sock.close()

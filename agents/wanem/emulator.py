@@ -35,6 +35,9 @@ __all__ = ["LinkShape", "WanRelay", "WanEmulator", "shape_for_link"]
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+MAX_CONNECTIONS = 256
+"""Connections one relay carries at once (a link opens at most 64 streams); more are reset, counted and logged
+(at powers of two): each holds two 256 KiB buffers, and anyone who reaches the port is relayed."""
 
 
 class WanRelay:
@@ -75,6 +78,7 @@ class WanRelay:
             "resets": 0,
             "reset_events": 0,
             "connect_failures": 0,
+            "refused_connections": 0,
         }
         self._sock = _listening_socket(listen, socket_buffer_bytes)
         self.host: str = self._sock.getsockname()[0]
@@ -143,10 +147,22 @@ class WanRelay:
         self._reset_now()
         self._reset_timer = self.loop.call_later(self.reset_every_s, self._periodic_reset)
 
-    def connection_opened(self, conn: Connection) -> None:
-        """Called by a new connection (on the loop)."""
+    def connection_opened(self, conn: Connection) -> bool:
+        """Called by a new connection (on the loop); False (refused, counted) past :data:`MAX_CONNECTIONS`."""
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self.counters["refused_connections"] += 1
+            if self.counters["refused_connections"] & (self.counters["refused_connections"] - 1) == 0:
+                log.warning(
+                    "wanem: %s:%d holds its %d connections; refused another (%d so far)",
+                    self.host,
+                    self.port,
+                    MAX_CONNECTIONS,
+                    self.counters["refused_connections"],
+                )
+            return False
         self._conns.add(conn)
         self.counters["connections_total"] += 1
+        return True
 
     def connection_closed(self, conn: Connection) -> None:
         """Called by a connection when it finishes or aborts (on the loop)."""

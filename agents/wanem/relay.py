@@ -223,10 +223,12 @@ class _Half:
         self.reopened: tuple[float, float] | None = None  # (virtual, real) time the window last reopened
         self._deliver_timer: asyncio.TimerHandle | None = None
         self._ack_timer: asyncio.TimerHandle | None = None
-        self._view = memoryview(bytearray(self.relay.max_chunk_bytes))
+        self._view: memoryview | None = None  # allocated at the first read: a refused connection costs none
         src.out, dst.into = self, self
 
     def get_buffer(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(self.relay.max_chunk_bytes))
         size = self.relay.shape.chunk_bytes(len(self._view))
         window = self.relay.shape.window_bytes
         if window is not None:
@@ -234,6 +236,7 @@ class _Half:
         return self._view[: max(size, 1)]  # never 0: asyncio rejects an empty buffer
 
     def chunk_read(self, nbytes: int) -> None:
+        assert self._view is not None  # get_buffer made it
         data = bytes(self._view[:nbytes])
         now = self.loop.time()
         t = now
@@ -353,7 +356,7 @@ class Connection:
 
     ``relay`` provides ``loop``, ``shape``, ``pacers`` (to-target, to-client), ``target_address``,
     ``socket_buffer_bytes``, ``max_chunk_bytes``, ``max_queued_bytes``, ``counters`` and
-    ``connection_opened(conn)`` / ``connection_closed(conn)``.
+    ``connection_opened(conn)`` (False: refused) / ``connection_closed(conn)``.
     """
 
     def __init__(self, relay: Any) -> None:
@@ -370,7 +373,10 @@ class Connection:
             side.abort(rst=True)
             return
         if side is self.client:  # its buffer sizes are inherited from the listening socket
-            self.relay.connection_opened(self)
+            if not self.relay.connection_opened(self):  # over the relay's bound: refused before any buffer
+                self.done = True
+                side.abort(rst=True)
+                return
             self._connect_task = self.relay.loop.create_task(self._connect())
         self.up.update_reading()  # the client is not read until the target is connected
         self.down.update_reading()
