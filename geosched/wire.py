@@ -22,6 +22,7 @@ checksums, not links or prefill requests. Example::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, overload
 
@@ -100,6 +101,19 @@ def decode_header(data: bytes | memoryview, *, max_bytes: int = MAX_HEADER_BYTES
             max_map_len=MAX_HEADER_ITEMS,
             max_ext_len=0,
         )
+    except ValueError as exc:  # its bounds: "3000 exceeds max_str_len(256)"
+        bound = re.fullmatch(r"(\d+) exceeds max_(str|bin|array|map)_len\((\d+)\)", str(exc))
+        if bound is None:
+            raise ProtocolError(f"header frame is not valid msgpack ({type(exc).__name__})") from None
+        what, unit = {
+            "str": ("string", "bytes"),
+            "bin": ("byte string", "bytes"),
+            "array": ("list", "items"),
+            "map": ("map", "entries"),
+        }[bound.group(2)]
+        raise ProtocolError(
+            f"header frame holds a {what} of {bound.group(1)} {unit}; a header's may have at most {bound.group(3)}"
+        ) from None
     except Exception as exc:  # msgpack raises a zoo of types for garbage; all mean the same here
         raise ProtocolError(f"header frame is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(header, dict):

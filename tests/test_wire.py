@@ -49,8 +49,10 @@ def test_header_round_trip_and_limits() -> None:
         decode_header(encode_header(header)[:-3])  # truncated
     with pytest.raises(ProtocolError, match="must be a msgpack map"):
         decode_header(msgpack.packb([1, 2, 3]))
-    with pytest.raises(ProtocolError, match="not valid msgpack"):
-        decode_header(msgpack.packb({"s": "y" * 300}))  # string over MAX_HEADER_STR
+    with pytest.raises(ProtocolError, match="holds a string of 300 bytes; a header's may have at most 256"):
+        decode_header(msgpack.packb({"s": "y" * 300}))  # string over MAX_HEADER_STR, named as such
+    with pytest.raises(ProtocolError, match="holds a list of 100 items; a header's may have at most 64"):
+        decode_header(msgpack.packb({"a": list(range(100))}))
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         decode_header(msgpack.packb({1: 2}))  # non-string keys
     with pytest.raises(ProtocolError, match="not valid msgpack"):
