@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from agents.dp import ring
 from agents.dp.health import HeartbeatMonitor, store_timeout, wait_for_listener
 from agents.dp.spec import GroupSpec, choose_backend
+from agents.dp.store import listening_store
 from geosched.errors import CollectiveError, ConfigError
 from geosched.memory import GRADIENT_BUCKET_BYTES
 from geosched.optim import divides_before_sum
@@ -129,13 +130,12 @@ class DataParallelGroup:
         try:
             if not master:  # TCPStore's own connect retries can overrun the timeout
                 wait_for_listener(spec.store_host, spec.store_port, spec.timeout_s)
-            base = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
-                spec.store_host,
-                spec.store_port,
-                spec.size,
-                master,
-                timeout=store_timeout(spec.timeout_s),
-                wait_for_workers=False,
+            base = (
+                listening_store(spec.store_host, spec.store_port, spec.size, store_timeout(spec.timeout_s))
+                if master
+                else dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
+                    spec.store_host, spec.store_port, spec.size, False, timeout=store_timeout(spec.timeout_s)
+                )
             )
         except Exception as exc:  # noqa: BLE001 - translated at the boundary
             who = "rank 0 (the store host) is missing" if spec.host_store else "the external store is down"

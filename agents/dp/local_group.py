@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from agents.dp.group import join_group
 from agents.dp.health import store_timeout
 from agents.dp.spec import GroupSpec
+from agents.dp.store import listening_store
 
 
 @dataclass
@@ -75,9 +75,7 @@ def run_local_group(
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     else:
-        store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
-            "127.0.0.1", 0, None, True, timeout=store_timeout(timeout_s), wait_for_workers=False
-        )
+        store = listening_store("127.0.0.1", 0, None, store_timeout(timeout_s))
         port = store.port
     spec = GroupSpec(name, 0, size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s, host_store=host_store)
     procs = [

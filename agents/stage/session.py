@@ -66,6 +66,7 @@ from agents.crossdc.links import SyncLinks
 from agents.crossdc.sync import CrossDcSync
 from agents.dp.group import DataParallelGroup, join_group
 from agents.dp.spec import GroupSpec
+from agents.dp.store import listening_store
 from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name
 from agents.runnable import sync_refusal, tp_refusal
@@ -320,14 +321,7 @@ class RankSession:
             name = pipe_name(role.stage, role.replica, role.tp_rank)
             self.addresses.publish(name, f"tcp://{self.advertise_host}:{listener.port}")
         if role.group_size > 1 and role.group_rank == 0:
-            store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it implicitly
-                self.bind_host,
-                0,
-                role.group_size,
-                True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.connect_timeout_s),
-            )
+            store = listening_store(self.bind_host, 0, role.group_size, timedelta(seconds=self.connect_timeout_s))
             self._hosted_store = store  # lives until close(), after the group is gone
             self.addresses.publish(store_name(role.group), f"{self.advertise_host}:{store.port}")
         return listener
