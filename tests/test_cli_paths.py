@@ -102,3 +102,26 @@ def test_a_new_run_into_a_folder_of_checkpoints_needs_resume(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "holds checkpoints already (steps 1-3); add --resume" in err and err.count("\n") == 1, err
     assert not run.exists() and sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000003"]
+
+
+def test_a_run_folder_of_other_files_or_in_use_is_refused(tmp_path: Path, capsys) -> None:
+    """A launch rewrites its run folder's keys, rank files and checkpoints: a folder of the user's own files, or
+    one another launch is running in, is refused before anything is touched."""
+    import fcntl
+
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "checkpoints" / "important.txt").write_text("precious")
+    assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(project), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds files that are no launch's run folder (checkpoints)" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in project.iterdir()) == ["checkpoints"]  # untouched, no lock file left
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "plan.yaml").write_text("a previous launch's plan\n")
+    with open(busy / ".launch.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running launch holds it
+        assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(busy), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "another launch is using it" in err and err.count("\n") == 1, err
+    assert (busy / "plan.yaml").read_text() == "a previous launch's plan\n"

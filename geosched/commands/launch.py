@@ -33,12 +33,14 @@ Ctrl-C stops every child process; nothing is left running.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from geosched.commands.checks import above, at_least, at_most
 from geosched.config import MAX_STEPS
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult")}
         calibration = Calibration.load(args.calibration, shape)
-    with _sigterm_as_ctrl_c():
+    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir):
         report = launch(
             args.config,
             plan_path=args.plan,
@@ -221,6 +223,34 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+LOCK_NAME = ".launch.lock"
+"""The file in a run folder a launch holds locked while it runs."""
+
+
+@contextmanager
+def _claim_run_dir(run_dir: str | None) -> Iterator[None]:
+    """Hold an existing ``--run-dir`` for this launch: refused (one line) when it holds files that are no launch's
+    run folder (a launch rewrites its keys, rank files and checkpoints there), or while another launch holds it.
+    A folder that does not exist yet is made by the launch (nothing is made for a launch refused before)."""
+    run = Path(run_dir) if run_dir is not None else None
+    if run is None or not run.is_dir():
+        yield
+        return
+    others = sorted(p.name for p in run.iterdir() if p.name != LOCK_NAME)
+    if others and not (run / "plan.yaml").is_file():
+        raise InputError(
+            f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}); pick a new or empty folder (a launch writes its keys, rank "
+            "files and checkpoints there)"
+        )
+    with open(run / LOCK_NAME, "a") as lock_file:  # held open, and locked, for the whole launch
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"--run-dir {run}: another launch is using it; wait, or pick another folder") from None
+        yield
 
 
 @contextmanager
