@@ -94,3 +94,21 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
         assert report["outcome"] == "stopped" and len(report["steps"]) >= 3
         assert len(report["losses"]) == len(report["steps"]) and all(isinstance(x, float) for x in report["losses"])
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
+
+
+def test_an_unfinished_run_is_reported_from_cut_rank_files_or_not_at_all_but_never_with_a_traceback(
+    tmp_path: Path, caplog
+) -> None:
+    """A full disk cuts a rank file's last line: the report leaves it out (a warning); a run folder that cannot
+    be written leaves no report.json, and the run's own error is what the caller raises."""
+    from agents.runfolder.report import write_unfinished_report
+    from agents.stage.report import StepReport
+
+    step = {"rank": 0, **StepReport(0, 0, 0, 2.5, 0.1, 0.05, 0.0, 0.05, 0.0).to_dict()}
+    (tmp_path / "rank0.jsonl").write_text(json.dumps(step) + "\n" + json.dumps({**step, "step": 1})[:40])
+    written = write_unfinished_report(tmp_path, RuntimeError("disk full"))
+    assert written is not None
+    report = json.loads(written.read_text())
+    assert (report["outcome"], report["error"], report["steps"]) == ("failed", "disk full", [0])
+    assert "its last line is cut short" in caplog.text
+    assert write_unfinished_report(tmp_path / "missing" / "folder", KeyboardInterrupt()) is None

@@ -57,11 +57,15 @@ def load_rank_reports(run_dir: str | os.PathLike[str]) -> dict[int, list[StepRep
     """Every ``rank<R>.jsonl`` in ``run_dir``: rank -> its step reports in step order."""
     out: dict[int, list[StepReport]] = {}
     for path in sorted(Path(run_dir).glob("rank*.jsonl")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    data = json.loads(line)
-                    out.setdefault(int(data["rank"]), []).append(StepReport.from_dict(data))
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        for n, line in enumerate(lines, 1):
+            try:
+                data = json.loads(line)
+                out.setdefault(int(data["rank"]), []).append(StepReport.from_dict(data))
+            except (ValueError, KeyError, TypeError) as exc:
+                if n < len(lines):
+                    raise GeoschedError(f"{path}: line {n} is not a step report ({exc}); see the agent's log") from None
+                log.warning("%s: its last line is cut short (a full disk, a killed agent?); left out", path)
     for reports in out.values():
         reports.sort(key=lambda r: r.step)
     return out
@@ -241,18 +245,27 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
     return Path(path)
 
 
-def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException) -> Path:
+def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException) -> Path | None:
     """``report.json`` of a run that did not finish: its ``outcome`` (``stopped`` by an operator, ``interrupted``,
     ``failed``), the ``error`` line, and the steps every rank that reported completed, with their losses (and
-    ``loss.png``); no prediction, no timeline. Written from the rank files, whatever state the run is in."""
+    ``loss.png``); no prediction, no timeline. Written from the rank files, whatever state the run is in; None
+    (and a warning) if even that cannot be written (a full disk)."""
     from agents.control.losses import JobStopped
 
+    try:
+        return _write_unfinished(run_dir, exc, JobStopped)
+    except Exception as error:  # noqa: BLE001 - the run's own failure is what the caller reports
+        log.warning("%s: report.json of the unfinished run not written: %s", run_dir, error)
+        return None
+
+
+def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, stopped: type) -> Path:
     reports = load_rank_reports(run_dir)
     by_step = reports_by_step(reports)
     last_stage = max((r.stage for rs in reports.values() for r in rs), default=0)
     steps = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
     outcome = (
-        "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        "stopped" if isinstance(exc, stopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     )
     losses = [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps]
     report: dict[str, Any] = {
