@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,19 @@ def test_a_corrupt_newest_step_is_named_when_an_older_one_is_exported(two_layout
     with caplog.at_level(logging.WARNING, logger="agents.checkpoint.store"):
         assert resolve_step(folder) == 2
     assert any("checkpoint step 5 skipped: " in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_an_output_folder_that_refuses_the_write_is_one_line(two_layouts, tmp_path: Path, capsys) -> None:
+    """A full (here: 64 KiB) or read-only file system under -o: one line, exit 2, nothing half-written."""
+    two, _, _ = two_layouts
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        _one_line_exit_2(
+            ["export", str(two), "-o", str(tiny / "w.safetensors")], "cannot write the weights there", capsys
+        )
+        assert list(tiny.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)

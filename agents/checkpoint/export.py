@@ -111,6 +111,7 @@ def export_weights(
 ) -> dict[str, Any]:
     """Write the whole-model weights of checkpoint ``step`` (None: the newest complete) to ``out`` atomically;
     return what was written (step, stages, parameters, bytes, sha256, model record, fingerprint)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = os.fspath(out)
@@ -123,7 +124,11 @@ def export_weights(
     stages = saved_stages(ckpt_dir, step)
     tensors = {name: value.detach().contiguous() for name, value in model.state_dict().items()}
     meta = weights_metadata(record, step=step, model_fingerprint=fingerprint, source_stages=stages)
-    sha, nbytes = _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    try:
+        sha, nbytes = _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    except (OSError, SafetensorError) as exc:  # a read-only or full file system: nothing is left half-written
+        why = getattr(exc, "strerror", None) or str(exc).rsplit(": ", 1)[-1]
+        raise InputError(f"-o {out!r}: cannot write the weights there ({why}); pick a writable folder") from None
     log.info("exported checkpoint step %d (%d stages) of %s to %s", step, stages, os.fspath(ckpt_dir), out)
     return {
         "step": step,
