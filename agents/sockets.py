@@ -26,6 +26,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -48,13 +49,20 @@ PUBLIC_SUFFIX = ".key.pub"
 # ---------------------------------------------------------------- key files
 
 
+KEY_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+"""A keypair's name: its files' names, and the header line of each."""
+
+
 def write_keypair(directory: str | os.PathLike[str], name: str, *, force: bool = False) -> tuple[Path, Path]:
     """Generate a CURVE keypair as ``DIR/NAME.key`` (secret, mode 0600) and ``DIR/NAME.key.pub``.
 
     Raises InputError for a bad name, a missing directory, or existing files without ``force``.
     """
-    if not name or "/" in name or name.startswith("."):
-        raise InputError(f"key name {name!r} must be a plain file name such as 'eu-agent0'")
+    if not KEY_NAME_RE.fullmatch(name):
+        raise InputError(
+            f"key name {name[:64]!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, not starting with . or - "
+            "(it names the files), such as 'eu-agent0'"
+        )
     folder = Path(directory)
     if not folder.is_dir():
         raise InputError(f"key directory {str(folder)!r} does not exist: create it first (mkdir -p)")

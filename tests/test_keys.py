@@ -279,3 +279,9 @@ def test_prefill_with_keys_sends_the_token_over_curve(secured_prefill, capsys) -
     assert reload(folder).prefill_token()  # the folder is untouched
     assert main([*argv, "--keys", str(folder), "hello"]) == 2
     assert "--keys needs --rank R" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ü", "n" * 300, "a b", ".hidden", "x\nkey"])
+def test_a_keypair_name_that_cannot_name_its_files_is_refused_and_nothing_written(tmp_path: Path, name: str) -> None:
+    assert main(["keys", str(tmp_path), "--name", name]) == 2
+    assert list(tmp_path.iterdir()) == []

@@ -36,7 +36,7 @@ def test_keys_refuses_to_overwrite_and_bad_places(tmp_path: Path, capsys: pytest
     assert main(["keys", str(tmp_path / "missing"), "--name", "a"]) == 2
     assert main(["keys", str(tmp_path), "--name", "../a"]) == 2
     err = capsys.readouterr().err
-    assert "does not exist: create it first" in err and "must be a plain file name" in err
+    assert "does not exist: create it first" in err and "'../a': use 1-64 characters" in err
 
 
 def test_loading_wrong_key_files_is_a_config_error(tmp_path: Path) -> None:
