@@ -30,6 +30,8 @@ from geosched.cli import main
         (["simulate", "--stages", "1000000", "--microbatches", "1"], "--stages must be at most 4096"),
         (["profile", "configs/demo-3dc.yaml", "--repeats", "1000000000"], "--repeats: must be <= 10000"),
         (["export", "{file}", "-o", "/dev/null"], "-o /dev/null: a character device, not a regular file"),
+        (["plan", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
+        (["simulate", "--stages", "2", "--microbatches", "2", "--trace", "/dev/null"], "--trace /dev/null: a char"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
@@ -125,3 +127,15 @@ def test_a_run_folder_of_other_files_or_in_use_is_refused(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert "another launch is using it" in err and err.count("\n") == 1, err
     assert (busy / "plan.yaml").read_text() == "a previous launch's plan\n"
+
+
+def test_plan_writes_neither_over_its_config_nor_into_a_fifo(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text(Path("configs/demo-3dc.yaml").read_text() + "# my notes\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for out, needle in ((config, "the config being planned"), (fifo, "a FIFO, not a regular file")):
+        assert main(["plan", str(config), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert config.read_text().endswith("# my notes\n")

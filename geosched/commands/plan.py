@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 
 
@@ -84,7 +85,7 @@ def _progress(fraction: float, message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, plan, print the summary, write the plan file."""
-    from geosched.commands.checks import at_least
+    from geosched.commands.checks import at_least, output_file, write_atomically
     from geosched.config import load_config
     from geosched.errors import InputError
 
@@ -97,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("tp", "microbatch_size", "dp"):
         at_least(args, name, 1)
+    if args.output:  # before the search: a FIFO, device, link or the config itself is no place for the plan
+        output_file(args.output, "-o")
+        if os.path.exists(args.output) and os.path.samefile(args.output, args.config):
+            raise InputError(f"-o {args.output}: the config being planned; write the plan to another file")
     objective = Objective(args.wan_cost_weight, args.max_iteration_s, args.prefill_weight)
     pinned = Pins(args.tp, args.zero, args.schedule, args.microbatch_size, args.dp, args.cross_dc_dp)
     outcome = make_plan(
@@ -116,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     reasons = outcome.reasons
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as fh:
-                fh.write(dump_plan(outcome.plan))
+            write_atomically(args.output, dump_plan(outcome.plan))
         except OSError as exc:
             raise InputError(f"cannot write -o {args.output!r}: {exc.strerror or exc}; pick a writable path") from None
     summary = summary_dict(outcome.plan, reasons)

@@ -117,6 +117,9 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
 
 
 def _write(writer: Any, timeline: Any, path: str, flag: str) -> Any:
+    from geosched.commands.checks import output_file
+
+    output_file(path, flag)  # a FIFO would block, a device or link be written through
     try:
         return writer(timeline, path)
     except OSError as exc:
