@@ -11,6 +11,8 @@ from agents.layout import JobLayout, parse_layout
 from geosched.config import Config, JobSpec
 from geosched.errors import InputError, PlanError
 
+BYTE_VOCAB = 256
+"""Token ids of the agents' training text: one per byte (geosched.data)."""
 RUNTIME_TP = 8
 """The largest tensor-parallel degree the agents run (a stage's blocks sharded over one node, agents.tp)."""
 
@@ -32,10 +34,21 @@ def sync_refusal(job: JobSpec) -> str | None:
     return None
 
 
+def vocab_refusal(job: JobSpec) -> str | None:
+    """Why the agents cannot train ``job``'s model on their text, or None: they read bytes (token ids 0-255)."""
+    if job.model.vocab < BYTE_VOCAB:
+        return (
+            f"job.model.vocab {job.model.vocab} is below the {BYTE_VOCAB} byte values the agents train on "
+            f"(their text is byte-level); set vocab: {BYTE_VOCAB} or more"
+        )
+    return None
+
+
 def runtime_refusal(layout: JobLayout) -> str | None:
-    """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks), or None."""
+    """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks, a model they cannot feed), or
+    None."""
     across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job) or across
+    return tp_refusal(layout.job) or across or vocab_refusal(layout.job)
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:

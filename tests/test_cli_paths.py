@@ -139,3 +139,16 @@ def test_plan_writes_neither_over_its_config_nor_into_a_fifo(tmp_path: Path, cap
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
     assert config.read_text().endswith("# my notes\n")
+
+
+def test_a_model_the_agents_cannot_feed_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
+    """The agents train on bytes (ids 0-255): a vocabulary below 256 plans fine but crashed the first forward."""
+    text = Path("configs/demo-3dc.yaml").read_text()
+    assert "seq_len: 64}" in text
+    config = tmp_path / "tiny-vocab.yaml"
+    config.write_text(text.replace("seq_len: 64}", "seq_len: 64, vocab: 2}"))
+    run = tmp_path / "run"
+    assert main(["launch", str(config), "--run-dir", str(run), "--no-calibrate", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "job.model.vocab 2 is below the 256 byte values" in err and err.count("\n") == 1, err
+    assert not run.exists()
