@@ -144,9 +144,9 @@ def test_plan_writes_neither_over_its_config_nor_into_a_fifo(tmp_path: Path, cap
 def test_a_model_the_agents_cannot_feed_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
     """The agents train on bytes (ids 0-255): a vocabulary below 256 plans fine but crashed the first forward."""
     text = Path("configs/demo-3dc.yaml").read_text()
-    assert "seq_len: 64}" in text
+    assert "seq_len: 64, vocab: 256}" in text
     config = tmp_path / "tiny-vocab.yaml"
-    config.write_text(text.replace("seq_len: 64}", "seq_len: 64, vocab: 2}"))
+    config.write_text(text.replace("seq_len: 64, vocab: 256}", "seq_len: 64, vocab: 2}"))
     run = tmp_path / "run"
     assert main(["launch", str(config), "--run-dir", str(run), "--no-calibrate", "--steps", "2"]) == 2
     err = capsys.readouterr().err
