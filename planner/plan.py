@@ -394,9 +394,10 @@ def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
             raise PlanError(f"plan.links[{i}].between: the link [{a}, {b}] is listed twice; keep one")
         seen.add(frozenset((a, b)))
         if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
+            allowed = "none" if job.wan_compression == "none" else f"none or {job.wan_compression}"
             raise PlanError(
                 f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
-                f"wan_compression: {job.wan_compression}); use none or {job.wan_compression}, or re-run 'geosched plan'"
+                f"wan_compression: {job.wan_compression}); use {allowed}, or re-run 'geosched plan'"
             )
     for pipeline in cand.pipelines:
         path = tuple(dict.fromkeys(pipeline))

@@ -110,6 +110,8 @@ def test_a_checkpoint_asked_while_training_is_one_complete_step(embedded_broker,
             if len(statuses) == 2 and all(s.state == "training" for s in statuses.values()):
                 if all(isinstance(s.extra.get("step"), int) for s in statuses.values()):  # from the heartbeats
                     break
+        with pytest.raises(InputError, match="--after-step 1000000: job 'busy' trains to step 399"):
+            asyncio.run(checkpoint_job(url, "busy", after_step=1_000_000))  # never comes: refused, not waited for
         written = asyncio.run(checkpoint_job(url, "busy", timeout_s=120))
         verify_step(ckpt, written.step, 2)  # both stages' shards of that step, every one verified
         assert written.ranks == (0, 1) and [p.name for p in ckpt.iterdir()] == [f"step-{written.step:06d}"]

@@ -24,6 +24,12 @@ from geosched.cli import main
         (["simulate", "configs/demo-3dc.yaml", "--step-ms", "5"], "--step-ms: sets the synthetic pipeline's costs"),
         (["profile", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e308"], "--wan-scale: must be <= 1000"),
+        (["launch", "configs/demo-3dc.yaml", "--wan-reset-every", "1e-9"], "--wan-reset-every: must be >= 0.1"),
+        (["profile", "configs/demo-3dc.yaml", "--gpu-name", "x" * 300], "--gpu-name: 1-256 characters on one line"),
+        (
+            ["wanem", "configs/demo-3dc.yaml", "--route", "us-eu=127.0.0.1:9", "--route", "us-eu=127.0.0.1:8"],
+            "the link us-eu has a route already",
+        ),
         (["launch", "configs/demo-3dc.yaml", "--steps", "1000000000000"], "--steps: must be <= 1e+09"),
         (["wanem", "configs/demo-3dc.yaml", "--scale", "1e308", "--route", "us-eu:0=127.0.0.1:9"], "--scale: must be"),
         (["simulate", "--stages", "2", "--microbatches", "9", "--forward-ms", "1e308"], "from 0 to 8.64e+07 ms"),

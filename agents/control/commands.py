@@ -149,10 +149,15 @@ async def checkpoint_job(
                 )
             statuses = cp.statuses()
             training = [statuses[r] for r in live if statuses[r].state == "training"]
+            ends = [int(s.extra["next_step"]) + int(s.extra["steps"]) for s in training if _has_end(s)]
+            if after_step is not None and ends and after_step >= min(ends):
+                raise InputError(
+                    f"--after-step {after_step}: job {job!r} trains to step {min(ends) - 1}; ask for a step up to "
+                    "that, or leave it out"
+                )
             if after_step is None and training:
                 # one boundary for every rank (their stages' collectives write it together), a step past the one
                 # in progress so the command reaches each before its end; the job's last step at the latest
-                ends = [int(s.extra["next_step"]) + int(s.extra["steps"]) for s in training if _has_end(s)]
                 after_step = min([done + 1, *(end - 1 for end in ends)])
             sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
             wanted = done if after_step is None else after_step + 1

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         from agents.control.address import BrokerAddress
 
         BrokerAddress.parse(args.mqtt)  # a malformed URL is one line here, not a traceback after the plan
-    above(args, "wan_reset_every", 0, "e.g. 5")
+    at_least(args, "wan_reset_every", 0.1, "seconds between resets, e.g. 5")
     above(args, "elastic_return_after", 0, "e.g. 10")
     if args.elastic_return_after is not None and not args.elastic:
         raise InputError("--elastic-return-after needs --elastic: there is no recovery to move back from")

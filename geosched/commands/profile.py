@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "repeats", 1, colon=False)
     at_least(args, "warmup", 0, colon=False)
     at_least(args, "co_located", 1, "how many ranks share this host", colon=False)
+    if args.gpu_name is not None and not 0 < len(args.gpu_name) <= 256 or "\n" in (args.gpu_name or ""):
+        raise InputError("--gpu-name: 1-256 characters on one line (a calibration file holds it)")
     at_most(args, "repeats", 10_000)
     at_most(args, "warmup", 10_000)
     at_most(args, "co_located", os.cpu_count() or 1, "one copy runs per CPU of this host")

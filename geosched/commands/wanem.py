@@ -124,6 +124,8 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
             known = ", ".join("-".join(lk.between) for lk in links) or "none"
             raise InputError(f"--route {text!r}: no WAN link {pair!r} in {args.config} (links: {known})")
         link, a, b = found[0]
+        if f"{a}-{b}" in routes:
+            raise InputError(f"--route {text!r}: the link {a}-{b} has a route already; give each link one")
         routes[f"{a}-{b}"] = (parse_address(right, "--route"), shape_for_link(link, args.scale))
         ends[f"{a}-{b}"] = (a, b)
         listen[f"{a}-{b}"] = (listen_host, int(port or 0))
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve the relays until interrupted, printing stats every second."""
     from agents.wanem.emulator import WanEmulator
 
-    above(args, "reset_every_s", 0, "omit it for no periodic resets")
+    at_least(args, "reset_every_s", 0.1, "seconds between resets, omit it for no periodic resets")
     above(args, "duration", 0, "omit it to run until stopped")
     at_most(args, "duration", 1e7, "omit it to run until stopped")
     routes, ends, listen = _config_routes(args) if args.config else _single_route(args)
