@@ -39,14 +39,14 @@ def _steps_done(run_dir: Path) -> int:
 
 
 @contextlib.contextmanager
-def training_launch(run_dir: Path, steps_done: int) -> Iterator[subprocess.Popen[str]]:
+def training_launch(run_dir: Path, steps_done: int, *extra: str) -> Iterator[subprocess.Popen[str]]:
     """A ``geosched launch`` of the demo for many steps, once ``steps_done`` steps are done; whatever the test does,
     it and its agents are gone afterwards."""
     cmd = [sys.executable, "-m", "geosched.cli", "launch", "configs/demo-3dc.yaml", "--steps", "100000"]
     launch = subprocess.Popen(
-        [*cmd, "--no-calibrate", "--run-dir", str(run_dir)],
+        [*cmd, "--no-calibrate", "--run-dir", str(run_dir), *extra],
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if "--json" in extra else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -83,14 +83,15 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
     """'geosched job stop' (the documented way to stop a job) is an operator's stop, not a lost agent: launch
     says so, exits as interrupted (130), and report.json holds the outcome and the steps done with their losses."""
     run_dir = tmp_path / "run"
-    with training_launch(run_dir, 3) as launch:
+    with training_launch(run_dir, 3, "--json") as launch:
         url = _broker_of(agents_of(run_dir)[0])
         stop = [sys.executable, "-m", "geosched.cli", "job", "stop", "--mqtt", url, "--job", "launch"]
         stopped = subprocess.run([*stop, "--keys", str(run_dir / "secrets")], cwd=ROOT, capture_output=True, timeout=60)
         assert stopped.returncode == 0, stopped.stderr
-        _, err = launch.communicate(timeout=60)
+        out, err = launch.communicate(timeout=60)
         assert launch.returncode == 130 and "stopped by 'geosched job stop' during step" in err, err[-2000:]
         report = json.loads((run_dir / "report.json").read_text())
+        assert json.loads(out.strip().splitlines()[-1]) == report  # --json: the report ends stdout all the same
         assert report["outcome"] == "stopped" and len(report["steps"]) >= 3
         assert len(report["losses"]) == len(report["steps"]) and all(isinstance(x, float) for x in report["losses"])
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)

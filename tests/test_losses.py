@@ -54,3 +54,14 @@ def test_a_rank_that_refused_is_no_lost_machine_and_its_own_error_is_the_message
     assert loss is not None and loss.ranks == [] and "No space left" in str(loss), loss
     loss = exited_lost("j", {2: 2, 1: -signal.SIGKILL}, 4, {2: full})
     assert loss is not None and loss.ranks == [1]  # a killed rank is still the cause
+
+
+def test_agents_that_exit_after_a_job_stop_are_a_stop_not_a_loss() -> None:
+    """Their exits may be seen before their 'stopped' statuses are read: the statuses say why."""
+    from agents.control.losses import JobStopped
+
+    by_command = {r: StatusMessage(r, "stopped", extra={"stopped_by": "command"}) for r in (0, 1)}
+    assert isinstance(exited_lost("j", {0: 0, 1: 0}, 7, by_command), JobStopped)
+    drained = {0: by_command[0], 1: StatusMessage(1, "stopped")}  # rank 1 stopped by its own SIGTERM
+    loss = exited_lost("j", {0: 0, 1: 0}, 7, drained)
+    assert loss is not None and not isinstance(loss, JobStopped) and loss.ranks == [0, 1]

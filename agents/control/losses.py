@@ -57,13 +57,17 @@ EXIT_REFUSED = 2
 
 def exited_lost(
     job: str, codes: dict[int, int], step: int | None, statuses: dict[int, StatusMessage] | None = None
-) -> AgentLost | None:
+) -> AgentLost | JobStopped | None:
     """The loss that exited agent processes mean (policy only): the ranks killed by a signal (the cause; the
     ones that exited with an error failed because of them), else every rank that exited other than with
     :data:`EXIT_REFUSED` (a full checkpoint disk is no lost GPU: nobody is named, so an elastic job stops rather
-    than re-plan around it, with the rank's own error from ``statuses``); None when none exited."""
+    than re-plan around it, with the rank's own error from ``statuses``); JobStopped when every one that exited
+    had said a ``job stop`` stopped it; None when none exited."""
     if not codes:
         return None
+    told = [(statuses or {}).get(r) for r in codes]
+    if all(st is not None and st.state == "stopped" and st.extra.get("stopped_by") == "command" for st in told):
+        return JobStopped(f"job {job!r}: stopped by 'geosched job stop' during step {step}")  # exits after the stop
     killed = sorted(r for r, code in codes.items() if code < 0)
     named = killed or sorted(r for r, code in codes.items() if code != EXIT_REFUSED)
     refused = [(statuses or {}).get(r) for r, code in sorted(codes.items()) if code == EXIT_REFUSED]

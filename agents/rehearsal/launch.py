@@ -304,7 +304,7 @@ def launch(
         except BaseException as exc:  # stopped, interrupted, failed: what there is of the run, in report.json
             from agents.runfolder.report import write_unfinished_report
 
-            write_unfinished_report(run, exc)
+            setattr(exc, "run_report", write_unfinished_report(run, exc))  # noqa: B010 - for `launch --json`
             raise
         if recovering.recoveries:
             layout = parse_layout(text)

@@ -33,6 +33,7 @@ Ctrl-C stops every child process; nothing is left running.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import signal
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult")}
         calibration = Calibration.load(args.calibration, shape)
-    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir):
+    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir), _json_on_failure(args.json):
         report = launch(
             args.config,
             plan_path=args.plan,
@@ -227,6 +228,19 @@ def run(args: argparse.Namespace) -> int:
 
 LOCK_NAME = ".launch.lock"
 """The file in a run folder a launch holds locked while it runs."""
+
+
+@contextmanager
+def _json_on_failure(wanted: bool) -> Iterator[None]:
+    """With ``--json``, a run that does not finish still ends stdout with its report (outcome, error, steps)."""
+    try:
+        yield
+    except BaseException as exc:
+        path = getattr(exc, "run_report", None)
+        if wanted and path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                print(json.dumps(json.loads(Path(path).read_text(encoding="utf-8"))), flush=True)
+        raise
 
 
 @contextmanager
