@@ -80,3 +80,18 @@ def test_launch_resumes_only_from_a_folder_of_checkpoints(tmp_path, capsys: pyte
         assert main(["launch", config, "--resume", *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--connect-timeout", "0"], "--connect-timeout: must be > 0"),
+        (["--wan-chunk-bytes", "99999999999999"], "--wan-chunk-bytes: must be <= 16777216"),
+        (["--data", "/nonexistent/*.txt"], "data pattern '/nonexistent/*.txt' matches no files"),
+    ],
+)
+def test_flags_read_only_at_training_are_checked_before_the_broker(extra, needle, capsys) -> None:
+    """Refused at once, not after 'cannot reach the broker' (here: nothing listens) or when training starts."""
+    assert main(["agent", "--rank", "0", "--mqtt", "mqtt://127.0.0.1:9", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err

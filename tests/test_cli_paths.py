@@ -30,7 +30,7 @@ from geosched.cli import main
             ["wanem", "configs/demo-3dc.yaml", "--route", "us-eu=127.0.0.1:9", "--route", "us-eu=127.0.0.1:8"],
             "the link us-eu has a route already",
         ),
-        (["launch", "configs/demo-3dc.yaml", "--steps", "1000000000000"], "--steps: must be <= 1e+09"),
+        (["launch", "configs/demo-3dc.yaml", "--steps", "1000000000000"], "--steps: must be <= 1000000000"),
         (["wanem", "configs/demo-3dc.yaml", "--scale", "1e308", "--route", "us-eu:0=127.0.0.1:9"], "--scale: must be"),
         (["simulate", "--stages", "2", "--microbatches", "9", "--forward-ms", "1e308"], "from 0 to 8.64e+07 ms"),
         (["simulate", "--stages", "1000000", "--microbatches", "1"], "--stages must be at most 4096"),

@@ -30,7 +30,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from geosched.commands.checks import at_least
+from geosched.chunking import DEFAULT_MAX_CHUNK
+from geosched.commands.checks import above, at_least, at_most
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import InputError
 
@@ -218,6 +219,13 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "rank", 0)
     at_least(args, "threads", 1)
     at_least(args, "wan_chunk_bytes", 0, "0 lets the link pick")
+    at_most(args, "wan_chunk_bytes", DEFAULT_MAX_CHUNK, "16 MiB, a link's largest chunk")
+    above(args, "connect_timeout", 0, "seconds to wait for peers, e.g. 300")
+    at_most(args, "connect_timeout", 86_400, "a day")
+    if args.data:  # its files are read only when training starts: a wrong path is one line now, not an error later
+        from geosched.data import resolve_paths
+
+        resolve_paths(args.data)
     at_least(args, "checkpoint_every", 0)
     check_bind_host(args.bind_host)
     from agents.stage.device import rank_device

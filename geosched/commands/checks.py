@@ -39,7 +39,8 @@ def at_most(args: argparse.Namespace, name: str, maximum: float, hint: str = "")
     """InputError unless ``args.<name>`` is None or <= ``maximum``."""
     value = getattr(args, name)
     if value is not None and not value <= maximum:
-        raise InputError(_message(name, f"<= {maximum:g}", value, hint, True))
+        bound = str(int(maximum)) if float(maximum).is_integer() and abs(maximum) < 1e15 else f"{maximum:g}"
+        raise InputError(_message(name, f"<= {bound}", value, hint, True))
 
 
 def folder(path: str | Path, flag: str) -> Path:
