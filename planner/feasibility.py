@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from geosched.config import JobSpec
 from geosched.costmodel import GIB, layer_costs, total_params
@@ -179,6 +180,12 @@ def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools
     return cap
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order (none for 0), in O(sqrt n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: bool = True) -> tuple[int, int]:
     """(blocks, stages): the most blocks any pipeline of at most ``most_stages`` stages holds, and its depth
     (the shallowest that holds all of them, once one does).
@@ -195,20 +202,35 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     L, mem = problem.layers, max(problem.memory_bytes.values())
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
     pinned = problem.pinned_dp
-    options = [(d, sequences // d) for d in range(1, sequences + 1) if sequences % d == 0 and pinned in (None, d)]
+    options = [(d, sequences // d) for d in _divisors(sequences) if pinned in (None, d)]
     shard = max(1, min(most_stages, pinned or most_stages))
     fewest = min((m for d, m in options if d <= most_stages), default=0)  # one stage: GPipe still keeps all m
     alone = (fewest if job.schedule == "gpipe" else 1) * activations
     whole = stage_memory_bytes(job, (0, L), True, True, alone, shard)
     best = (L if whole <= mem else 0, 1)
+    capacities: dict[int, functools._lru_cache_wrapper[int]] = {}  # by ZeRO shard: the depths sharing one share caps
+    summed = (0, 0, 0, 0)  # (shard, depth, m as far as it caps held(k), k < depth; that depth's middle caps summed)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
         if not m:
             break
-        cap = _capacity(job, L, mem, max(1, min(most_stages // p, pinned or most_stages)))
-        held = [(min(p - s, m) if job.schedule == "1f1b" else m) * activations for s in range(p)]
-        caps = [cap(True, False, held[0])] + [cap(False, False, i) for i in held[1:-1]] + [cap(False, True, held[-1])]
-        total = sum(caps) if min(caps) >= 1 else 0
+        shard_p = max(1, min(most_stages // p, pinned or most_stages))
+        cap = capacities.setdefault(shard_p, _capacity(job, L, mem, shard_p))
+
+        def held(k: int, m: int = m) -> int:  # microbatches in flight on the stage k stages from the end
+            return (min(k, m) if job.schedule == "1f1b" else m) * activations
+
+        # stages 1..p-2 hold held(k) for k = p-1..2: from depth p-1 to p the sum grows by one term, when the shard and
+        # held(k) for k <= p-2 (m, as far as it caps them) stay the same
+        one_f_one_b = job.schedule == "1f1b"  # held(k) = min(k, m); else m for every k
+        middle = summed[3]
+        if summed[:3] != (shard_p, p - 1, min(m, p - 2) if one_f_one_b else m):
+            middle = sum(cap(False, False, held(k)) for k in range(2, p - 1))
+        middle += cap(False, False, held(p - 1)) if p > 2 else 0
+        summed = (shard_p, p, min(m, p - 1) if one_f_one_b else m, middle)
+        ends = [cap(True, False, held(p)), cap(False, True, held(1))]
+        fewest_blocks = min(ends + ([cap(False, False, held(p - 1))] if p > 2 else []))  # caps fall as held grows
+        total = sum(ends) + middle if fewest_blocks >= 1 else 0
         if total > best[0]:
             best = (total, p)
         if best[0] >= L:  # a depth that holds every block: nothing to refuse (the callers ask only that)
