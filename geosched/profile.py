@@ -53,6 +53,7 @@ from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
 from geosched.optim import TIMING_LR, MasterAdamW
 from geosched.wgrad import SplitBackward
+from geosched.yamlload import write_atomically
 
 MAX_PROFILE_MICROBATCHES = 8
 """Microbatches a measured step keeps in flight at most (1F1B holds at most p per stage)."""
@@ -464,17 +465,9 @@ def check_prediction(
 def write_calibration(cal: dict[str, Any], path: str | os.PathLike[str]) -> str:
     """Write the calibration JSON (via a temporary file and rename); return the path."""
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(cal, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(cal, indent=1, sort_keys=True) + "\n")
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise InputError(f"cannot write calibration {path!r}: {exc.strerror or exc}; pick a writable -o path") from None
     return path
 

@@ -1,5 +1,5 @@
 """Hardened YAML reading for every config and plan: hostile text is refused in one line, quickly
-(and :func:`dump_yaml`, the writer of both).
+(and :func:`dump_yaml`, the writer of both; :func:`write_atomically` puts a written file in place whole).
 
 ``yaml.safe_load`` is safe against code execution but not against size: a
 3 KB alias bomb (``b: [*a, *a, ...]`` nested ten deep) stands for billions of
@@ -27,6 +27,7 @@ path: ``plan.yaml: line 4: cluster.datacenters[0]: duplicate key 'gpus' (first o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -413,18 +414,6 @@ def read_yaml_file(
     return load_yaml(data, os.fspath(path), error, limits)
 
 
-def read_at_most(fd: int, limit: int) -> bytes:
-    """Up to ``limit`` bytes from ``fd``, fewer only at the end of the file."""
-    parts, size = [], 0
-    while size < limit:
-        part = os.read(fd, min(limit - size, 1 << 20))
-        if not part:
-            break
-        parts.append(part)
-        size += len(part)
-    return b"".join(parts)
-
-
 def file_kind(mode: int) -> str:
     """What a ``stat`` mode is, in words: ``"file"`` for a regular file, else ``"directory"``, ``"FIFO"``..."""
     for test, kind in (
@@ -438,6 +427,20 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "special file"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``text`` into ``path`` via a temporary file beside it and a rename: a reader (or a crash) never sees half a
+    file, and a file that was there stays whole until the new one is."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_bounded(
@@ -463,7 +466,8 @@ def read_bounded(
             if kind != "file":
                 raise error(f"{path}: {unreadable} (a {kind}, not a regular file){hint}")
             os.set_blocking(fd, True)
-            data = read_at_most(fd, max_bytes + 1)
+            with open(fd, "rb", closefd=False) as fh:  # reads on until max_bytes + 1 bytes or the end
+                data = fh.read(max_bytes + 1)
         finally:
             os.close(fd)
     except OSError as exc:

@@ -209,6 +209,7 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     whole = stage_memory_bytes(job, (0, L), True, True, alone, shard)
     best = (L if whole <= mem else 0, 1)
     capacities: dict[int, functools._lru_cache_wrapper[int]] = {}  # by ZeRO shard: the depths sharing one share caps
+    one_f_one_b = job.schedule == "1f1b"  # held(k) = min(k, m); else m for every k
     summed = (0, 0, 0, 0)  # (shard, depth, m as far as it caps held(k), k < depth; that depth's middle caps summed)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
@@ -218,11 +219,10 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
         cap = capacities.setdefault(shard_p, _capacity(job, L, mem, shard_p))
 
         def held(k: int, m: int = m) -> int:  # microbatches in flight on the stage k stages from the end
-            return (min(k, m) if job.schedule == "1f1b" else m) * activations
+            return (min(k, m) if one_f_one_b else m) * activations
 
         # stages 1..p-2 hold held(k) for k = p-1..2: from depth p-1 to p the sum grows by one term, when the shard and
         # held(k) for k <= p-2 (m, as far as it caps them) stay the same
-        one_f_one_b = job.schedule == "1f1b"  # held(k) = min(k, m); else m for every k
         middle = summed[3]
         if summed[:3] != (shard_p, p - 1, min(m, p - 2) if one_f_one_b else m):
             middle = sum(cap(False, False, held(k)) for k in range(2, p - 1))

@@ -291,7 +291,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[str, ...] | No
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return metric_number(value) is not None
 
 
 def _is_str(value: object) -> bool:

@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agents.control.losses import JobStopped
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from geosched.errors import GeoschedError
@@ -250,22 +251,20 @@ def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException)
     ``failed``), the ``error`` line, and the steps every rank that reported completed, with their losses (and
     ``loss.png``); no prediction, no timeline. Written from the rank files, whatever state the run is in; None
     (and a warning) if even that cannot be written (a full disk)."""
-    from agents.control.losses import JobStopped
-
     try:
-        return _write_unfinished(run_dir, exc, JobStopped)
+        return _write_unfinished(run_dir, exc)
     except Exception as error:  # noqa: BLE001 - the run's own failure is what the caller reports
         log.warning("%s: report.json of the unfinished run not written: %s", run_dir, error)
         return None
 
 
-def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, stopped: type) -> Path:
+def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException) -> Path:
     reports = load_rank_reports(run_dir)
     by_step = reports_by_step(reports)
     last_stage = max((r.stage for rs in reports.values() for r in rs), default=0)
     steps = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
     outcome = (
-        "stopped" if isinstance(exc, stopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     )
     losses = [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps]
     report: dict[str, Any] = {

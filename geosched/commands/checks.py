@@ -10,7 +10,6 @@ form some older subcommands print, ``--repeats must be >= 1 (got 0)``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import stat
@@ -75,20 +74,6 @@ def output_file(path: str, flag: str, *, not_inside: str | None = None) -> str:
     if not_inside is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(not_inside)):
         raise InputError(f"{flag} {path}: inside {not_inside}, the folder it is made from; write it elsewhere")
     return path
-
-
-def write_atomically(path: str, text: str) -> None:
-    """``text`` into ``path`` via a temporary file beside it and a rename: a reader (or a crash) never sees half a
-    file, and a file that was there stays whole until the new one is."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _finite(name: str, value: object, hint: str, colon: bool) -> None:

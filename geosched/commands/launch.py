@@ -192,9 +192,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.calibration:
         from geosched.config import load_config
         from geosched.costmodel import Calibration
+        from geosched.weights import SHAPE_FIELDS
 
         model = load_config(args.config).job.model
-        shape = {name: getattr(model, name) for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_mult")}
+        shape = {name: getattr(model, name) for name in SHAPE_FIELDS}
         calibration = Calibration.load(args.calibration, shape)
     with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir), _json_on_failure(args.json):
         report = launch(

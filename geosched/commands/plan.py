@@ -85,9 +85,10 @@ def _progress(fraction: float, message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, plan, print the summary, write the plan file."""
-    from geosched.commands.checks import at_least, output_file, write_atomically
+    from geosched.commands.checks import at_least, output_file
     from geosched.config import load_config
     from geosched.errors import InputError
+    from geosched.yamlload import write_atomically
 
     cfg = load_config(args.config)  # first: a bad config is refused before OR-Tools is imported
     from planner.baselines import all_baselines
