@@ -38,6 +38,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from geosched.errors import LinkError
+from geosched.yamlload import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -492,8 +493,5 @@ class RankWorker:
         """The service's metrics (JSON-safe), also written to ``run_dir/prefill-rank<R>.json``."""
         metrics: dict[str, Any] = json.loads(json.dumps(self.prefill_snapshot() or service.metrics()))
         if self.opts.run_dir is not None:
-            path = os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json")
-            with open(path + ".tmp", "w", encoding="utf-8") as fh:
-                json.dump(metrics, fh)
-            os.replace(path + ".tmp", path)
+            write_atomically(os.path.join(self.opts.run_dir, f"prefill-rank{self.role.rank}.json"), json.dumps(metrics))
         return metrics

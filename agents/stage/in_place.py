@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from geosched.yamlload import write_atomically
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -87,7 +89,5 @@ def time_stage(job: JobSpec, role: RankRole, mesh: DeviceMesh | None, device: to
 def write_stage_time(run_dir: str | os.PathLike[str], rank: int, record: dict[str, Any]) -> Path:
     """Write ``record`` to :func:`stage_time_path` atomically (a reader never sees half a file)."""
     path = stage_time_path(run_dir, rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(str(path), json.dumps(record))
     return path
