@@ -163,11 +163,12 @@ def _devices(tp: int, n: int) -> str:
 @functools.lru_cache(maxsize=1024)
 def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools._lru_cache_wrapper[int]:
     """``cap(first, last, inflight)``: most identical blocks one stage holds in ``memory`` bytes (ZeRO over
-    ``shard`` replicas)."""
+    ``shard`` replicas); ``at_least`` and ``at_most``, when known (the caps at more and at fewer microbatches
+    in flight), only narrow the bisection."""
 
     @functools.cache
-    def cap(first: bool, last: bool, inflight: int) -> int:
-        lo, hi = 0, layers  # the most n with stage_memory(n blocks) <= memory (memory grows with n)
+    def cap(first: bool, last: bool, inflight: int, at_least: int = 0, at_most: int = layers) -> int:
+        lo, hi = at_least, at_most  # the most n with stage_memory(n blocks) <= memory (memory grows with n)
         while lo < hi:
             n = (lo + hi + 1) // 2
             span = (layers - n, layers) if last else (0, n)
@@ -178,6 +179,16 @@ def _capacity(job: JobSpec, layers: int, memory: float, shard: int) -> functools
         return lo
 
     return cap
+
+
+def _summed(cap: functools._lru_cache_wrapper[int], lo: int, hi: int, cap_lo: int, cap_hi: int) -> int:
+    """``cap(False, False, k)`` summed over ``k = lo..hi``, given its values at both ends: the cap falls as ``k``
+    grows, so a range whose ends agree is flat, and the work grows with the distinct values, not the range."""
+    if cap_lo == cap_hi or hi - lo <= 1:
+        return cap_lo + cap_hi + cap_lo * (hi - lo - 1) if hi > lo else cap_lo
+    mid = (lo + hi) // 2
+    cap_mid = cap(False, False, mid, cap_hi, cap_lo)
+    return _summed(cap, lo, mid, cap_lo, cap_mid) + _summed(cap, mid, hi, cap_mid, cap_hi) - cap_mid
 
 
 def _divisors(n: int) -> list[int]:
@@ -198,6 +209,9 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     ``most_stages`` (the GPUs of the largest linked group). Stage ``s`` of ``p`` keeps
     ``min(p - s, m)`` microbatches of activations (1F1B) or ``m`` (GPipe); none without ``activations``
     (the weights, gradients and optimizer state alone).
+
+    Deeper pipelines shard less and keep as many microbatches or more in flight, so the stage that holds the
+    fewest blocks holds no more at the next depth: once it holds none, no deeper pipeline fits either.
     """
     L, mem = problem.layers, max(problem.memory_bytes.values())
     sequences = job.global_batch // job.batch if job.global_batch % job.batch == 0 else 0
@@ -208,29 +222,28 @@ def deepest_fit(problem: Problem, job: JobSpec, most_stages: int, activations: b
     alone = (fewest if job.schedule == "gpipe" else 1) * activations
     whole = stage_memory_bytes(job, (0, L), True, True, alone, shard)
     best = (L if whole <= mem else 0, 1)
-    capacities: dict[int, functools._lru_cache_wrapper[int]] = {}  # by ZeRO shard: the depths sharing one share caps
     one_f_one_b = job.schedule == "1f1b"  # held(k) = min(k, m); else m for every k
-    summed = (0, 0, 0, 0)  # (shard, depth, m as far as it caps held(k), k < depth; that depth's middle caps summed)
     for p in range(2, min(L, most_stages) + 1):
         m = min((m for d, m in options if d * p <= most_stages), default=0)
         if not m:
             break
         shard_p = max(1, min(most_stages // p, pinned or most_stages))
-        cap = capacities.setdefault(shard_p, _capacity(job, L, mem, shard_p))
+        cap = _capacity(job, L, mem, shard_p)
 
         def held(k: int, m: int = m) -> int:  # microbatches in flight on the stage k stages from the end
             return (min(k, m) if one_f_one_b else m) * activations
 
-        # stages 1..p-2 hold held(k) for k = p-1..2: from depth p-1 to p the sum grows by one term, when the shard and
-        # held(k) for k <= p-2 (m, as far as it caps them) stay the same
-        middle = summed[3]
-        if summed[:3] != (shard_p, p - 1, min(m, p - 2) if one_f_one_b else m):
-            middle = sum(cap(False, False, held(k)) for k in range(2, p - 1))
-        middle += cap(False, False, held(p - 1)) if p > 2 else 0
-        summed = (shard_p, p, min(m, p - 1) if one_f_one_b else m, middle)
-        ends = [cap(True, False, held(p)), cap(False, True, held(1))]
-        fewest_blocks = min(ends + ([cap(False, False, held(p - 1))] if p > 2 else []))  # caps fall as held grows
-        total = sum(ends) + middle if fewest_blocks >= 1 else 0
+        first, last = cap(True, False, held(p)), cap(False, True, held(1))
+        deepest_middle = cap(False, False, held(p - 1)) if p > 2 else L  # the middle stage holding the fewest
+        if min(first, last, deepest_middle) < 1:
+            break
+        middle = 0  # stages 1..p-2 hold held(k) for k = p-1..2; held(k) grows with k up to m, then stays
+        if p > 2:
+            top = min(p - 1, max(2, m) if one_f_one_b and activations else 2)  # held(k) = held(top) from k = top on
+            cap_two = cap(False, False, held(2))
+            middle = _summed(cap, held(2), held(top), cap_two, cap(False, False, held(top))) if top > 2 else cap_two
+            middle += (p - 1 - top) * deepest_middle
+        total = first + last + middle
         if total > best[0]:
             best = (total, p)
         if best[0] >= L:  # a depth that holds every block: nothing to refuse (the callers ask only that)
