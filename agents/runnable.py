@@ -81,15 +81,35 @@ def plan_for_config(config: Config) -> str:
     return text
 
 
+LEARNING_FIELDS = (
+    "global_batch",
+    "precision",
+    "optimizer_bytes_per_param",
+    "initial_loss_scale",
+    "attention",
+    "recompute",
+    "wan_compression",
+    "seed",
+    "learning_rate",
+)
+"""The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""
+
+
 def check_plan_config(made_for: Config, config: Config, plan_path: str, config_path: str) -> None:
-    """InputError when a plan made for ``made_for`` (its embedded config) was made for another cluster or model
-    than ``config``'s (the plan's other job fields, its pins, may differ)."""
+    """InputError when a plan made for ``made_for`` (its embedded config) would not run ``config``: another
+    cluster or model, or other learning settings (:data:`LEARNING_FIELDS`: the agents train with the plan's).
+    The planner's choices (microbatch size, schedule, tensor parallelism, ZeRO) may differ: ``geosched plan``'s
+    flags override a config's pins; so may ``steps`` (launch runs the config's)."""
     differs = []
     if made_for.cluster != config.cluster:
         same_name = made_for.cluster.name == config.cluster.name
         differs.append(f"cluster {made_for.cluster.name!r}" + (" as it was then" if same_name else ""))
     if made_for.job.model != config.job.model:
         differs.append(f"a model of {made_for.job.model.layers} layers x {made_for.job.model.hidden} hidden")
+    for name in LEARNING_FIELDS:
+        planned, wanted = getattr(made_for.job, name), getattr(config.job, name)
+        if planned != wanted:
+            differs.append(f"job.{name} {planned} (the config has {wanted})")
     if differs:
         raise InputError(
             f"{plan_path} was made for {' and '.join(differs)}, not for {config_path}; plan this config "

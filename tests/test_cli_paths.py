@@ -82,6 +82,34 @@ def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_pa
     assert not run.exists()
 
 
+def test_a_plan_trains_only_the_learning_settings_it_was_made_with(tmp_path: Path, capsys) -> None:
+    """The agents train with the plan's job: a config whose learning rate, seed or precision differ is refused,
+    each field named; the planner's choices (here ZeRO and the microbatch size, pinned by the config) and the
+    steps may differ."""
+    import dataclasses
+
+    from agents.layout import layout_plan_text
+    from agents.runnable import check_plan_config
+    from geosched.config import load_config
+
+    config = load_config("configs/demo-3dc.yaml")
+    plan = tmp_path / "demo-plan.yaml"
+    plan.write_text(layout_plan_text(config, ["us", "eu"]))
+    text = Path("configs/demo-3dc.yaml").read_text()
+    other = tmp_path / "other.yaml"
+    other.write_text(text.replace("learning_rate: 0.003", "learning_rate: 0.03\n  seed: 7").replace("fp32", "bf16"))
+    run = tmp_path / "run"
+    argv = ["launch", str(other), "--plan", str(plan), "--run-dir", str(run), "--no-calibrate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for field in ("job.precision fp32 (the config has bf16)", "job.seed 0 (the config has 7)", "learning_rate 0.003"):
+        assert field in err, err
+    assert not run.exists()
+    chosen = dataclasses.replace(config.job, zero=1, microbatch_size=1, steps=5)  # as plan --zero 1 ... sets them
+    check_plan_config(dataclasses.replace(config, job=chosen), config, str(plan), "configs/demo-3dc.yaml")
+
+
 def test_export_writes_neither_through_a_link_nor_into_the_checkpoint_it_reads(tmp_path: Path, capsys) -> None:
     """Its output is written whole and renamed into place: a rename would replace a link (or a device) itself,
     and a file inside the checkpoint folder could be one of its shards."""

@@ -158,7 +158,7 @@ def launch(
         refusal = host_refusal(layout, device)
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
-    steps = steps or layout.job.steps
+    steps = steps or config.job.steps  # a plan's steps are those of the config it was made from
     first = resume_step(checkpoint_dir, layout.job, steps) if resume and checkpoint_dir is not None else 0
     if resume and out is not None:
         print(f"launch: resuming from checkpoint step {first} in {checkpoint_dir}, to step {steps}", file=out)
