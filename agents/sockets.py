@@ -5,7 +5,8 @@ linger, high-water marks, the maximum inbound message size
 (``zmq.MAXMSGSIZE``: a peer that sends a bigger frame is disconnected by
 libzmq before anything is allocated), reconnect intervals, the routing id
 and CURVE security. Sockets are context managers (``with make_socket(...)
-as s:``) and close with linger 0 by default.
+as s:``) and close with linger 0 by default. :class:`Unidentified` closes the connections to
+a listener that never identify themselves (strangers).
 
 CURVE: a server loads its keypair from a ``NAME.key`` file and authenticates
 clients against a directory of allowed ``*.key.pub`` files through a
@@ -27,6 +28,7 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -36,6 +38,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
 
@@ -377,3 +380,80 @@ def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     )
     return sock.get_monitor_socket(events)
+
+
+# ---------------------------------------------------------------- strangers
+
+MAX_UNIDENTIFIED = 64
+"""Connections a listener holds that have not identified themselves; beyond, the oldest is closed."""
+
+
+class Unidentified:
+    """The accepted connections of one listener that no accepted frame has come from yet, by descriptor.
+
+    libzmq's ROUTER keeps every TCP connection that completed the ZMTP handshake, whether it says anything or
+    not, and offers no call to close one peer's connection. A stranger could hold idle connections until the
+    listener runs out of descriptors (then no genuine peer can connect), or keep one connection sending a
+    multipart message that never ends. So the listener (a WanLink's, :mod:`agents.wan.io`; a prefill
+    endpoint's, :mod:`agents.prefill.service`) notes each accepted connection's descriptor (its monitor's
+    ACCEPTED event) until a frame from it is accepted (a stream's hello, an authenticated request); a connection
+    still unidentified after its timeout, or the oldest beyond :data:`MAX_UNIDENTIFIED`, is shut down:
+    ``shutdown(2)`` on a duplicate of its descriptor, after checking that it is a TCP connection to this
+    listener's port; libzmq sees its peer hang up and closes its own descriptor. Written here because libzmq
+    has no per-socket connection limit nor a way to drop one peer.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.port = 0  # the listener's, once bound: only connections to it are ever shut down
+        self.closed = 0  # connections shut down so far
+        self._since: dict[int, float] = {}  # descriptor -> when it was accepted
+
+    def accepted(self, fd: int, now: float) -> None:
+        """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed."""
+        self._since[fd] = now
+        while len(self._since) > MAX_UNIDENTIFIED:
+            self.close(next(iter(self._since)), "too many connections that have not identified themselves")
+
+    def read_events(self, monitor: zmq.Socket[bytes], now: float) -> None:
+        """Take in a listener's monitor events (:func:`agents.sockets.monitor_events`) until none is waiting:
+        accepted connections are noted, closed ones forgotten (for a listener with nothing else to watch)."""
+        while True:
+            try:
+                message = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message["event"] == zmq.EVENT_ACCEPTED:
+                self.accepted(message["value"], now)
+            elif message["event"] == zmq.EVENT_DISCONNECTED:
+                self.gone(message["value"])
+
+    def identified(self, fd: int) -> None:
+        """A frame from ``fd`` was accepted (a stream's hello, an authenticated request): it is no stranger."""
+        self._since.pop(fd, None)
+
+    def gone(self, fd: int) -> None:
+        """The connection on ``fd`` closed (the descriptor may be reused by the next one)."""
+        self._since.pop(fd, None)
+
+    def expire(self, now: float) -> None:
+        """Close the connections unidentified for longer than ``timeout_s``."""
+        for fd in [fd for fd, since in self._since.items() if now - since > self.timeout_s]:
+            self.close(fd, f"not identified within {self.timeout_s:g} s")
+
+    def close(self, fd: int, why: str) -> None:
+        """Shut the connection on ``fd`` down (if it still is a TCP connection to this listener's port)."""
+        self._since.pop(fd, None)
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return  # already closed
+        try:
+            if conn.type == socket.SOCK_STREAM and self.port and conn.getsockname()[1] == self.port:
+                conn.shutdown(socket.SHUT_RDWR)
+                self.closed += 1
+                log.debug("closing a connection to port %d: %s", self.port, why)
+        except OSError:
+            pass  # not a connected TCP socket (any more)
+        finally:
+            conn.close()  # the duplicate only; libzmq closes its own once it sees the hang-up

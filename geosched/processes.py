@@ -53,6 +53,22 @@ def die_with_parent() -> None:
 PR_SET_PDEATHSIG = 1
 
 
+def raise_open_files_limit(most: int = 65536) -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit (at most ``most``), as servers
+    do: every peer connection holds one, and a shell's default of 1,024 runs out first. The new soft limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            return wanted
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def allowed_cpus() -> list[int]:
     """The CPUs this process may run on, in order; empty where the platform cannot say."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

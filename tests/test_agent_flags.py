@@ -95,3 +95,28 @@ def test_flags_read_only_at_training_are_checked_before_the_broker(extra, needle
     assert main(["agent", "--rank", "0", "--mqtt", "mqtt://127.0.0.1:9", *extra]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
+
+
+def test_an_agent_raises_its_open_files_limit_to_the_hard_one() -> None:
+    """Every peer connection holds a descriptor: a shell's soft default (1,024 here) is raised, never the hard."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256 if hard == resource.RLIM_INFINITY else min(256, hard)
+    code = (
+        "import resource; from geosched.processes import raise_open_files_limit as r; n = r(); "
+        "print(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    reported, now = map(int, done.stdout.split())
+    expected = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    assert reported == now == max(low, expected)

@@ -6,7 +6,10 @@ Network I/O runs on the service's own thread (a ROUTER socket made by
 applies admission control (bounded queue, bounded KV memory, deadline
 feasibility against the predicted bubble capacity: ``rejected`` with the
 reason), expires queued work past its deadline (``expired``) and sends the
-responses computed elsewhere. It never computes. A front end that decodes requests itself
+responses computed elsewhere. It never computes. A connection that has not sent an authenticated request
+within :data:`IDENTIFY_TIMEOUT_S`, or the oldest beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle
+connections would otherwise hold the agent's descriptors), and a client's unread answers are bounded
+(``sndhwm``). A front end that decodes requests itself
 (:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage
@@ -48,7 +51,7 @@ from agents.prefill.jobs import ChunkSpan, Reply, _Job
 from agents.prefill.metrics import PrefillMetrics
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
 from agents.prefill.protocol import BadRequest, PrefillRequest, PrefillResponse, decode_request, encode_response
-from agents.sockets import CurveServer, ZapAuthenticator, bound_port, make_socket
+from agents.sockets import CurveServer, Unidentified, ZapAuthenticator, bound_port, make_socket, monitor_events
 from geosched.errors import InputError
 from geosched.model import StageModule
 
@@ -58,6 +61,8 @@ SAFETY = 0.5  # a piece (half a block of a chunk) may use this share of the pred
 EMA_WEIGHT = 0.3  # weight of the newest finished prompt in the seconds-per-token estimate
 TYPICAL_CHUNK = 8  # tokens per chunk assumed to seed the seconds-per-token estimate
 POLL_MS = 20  # the network thread wakes at least this often (to expire queued work)
+IDENTIFY_TIMEOUT_S = 10.0
+"""A connection that has sent no authenticated request this long after it was accepted is closed."""
 
 
 class PrefillService:
@@ -77,7 +82,7 @@ class PrefillService:
         curve_server: CurveServer | None = None,
         min_piece_s: float = 0.001,
         max_piece_s: float = 0.005,
-        sndhwm: int = 1000,
+        sndhwm: int = 128,
     ) -> None:
         assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
         if not 0 < min_piece_s <= max_piece_s:
@@ -110,11 +115,16 @@ class PrefillService:
         self._ctx = ctx or zmq.Context()
         self._zap = ZapAuthenticator(self._ctx, curve_server.allowed_clients).start() if curve_server else None
         max_msg = 4096 + 8 * self.max_prompt_tokens
+        opts = {int(zmq.HANDSHAKE_IVL): int(IDENTIFY_TIMEOUT_S * 1000)}  # a CURVE handshake left unfinished
+        server, router = curve_server, zmq.ROUTER
         self._sock = make_socket(
-            self._ctx, zmq.ROUTER, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm, curve_server=curve_server
+            self._ctx, router, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm, curve_server=server, options=opts
         )
+        self._monitor = monitor_events(self._sock)
         host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
         self.port = bound_port(self._sock)
+        self._strangers = Unidentified(IDENTIFY_TIMEOUT_S)
+        self._strangers.port = self.port
         self.endpoint = f"tcp://{host}:{self.port}"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -137,6 +147,8 @@ class PrefillService:
         self._stop.set()
         self._wake()
         self._thread.join(10.0)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._zap is not None:
             self._zap.stop()
@@ -327,23 +339,29 @@ class PrefillService:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_expiry = 0.0
         while True:
             events = dict(poller.poll(POLL_MS))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
+            if self._monitor in events:
+                self._strangers.read_events(self._monitor, time.monotonic())
             for _ in range(256):  # a burst at a time, then send what is ready
                 if not cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than recv's zmq.Again
                     break
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = [part.bytes for part in parts]
                 try:
-                    self._admit(frames)
+                    if self._admit(frames):
+                        self._strangers.identified(parts[0].get(zmq.SRCFD))
                 except Exception:  # noqa: BLE001 - the service must outlive any one request
                     log.exception("prefill request failed unexpectedly; answered with error")
                     self._reply_now(frames[0], None, "error", "internal error in the prefill service")
             now = time.monotonic()
             if now >= next_expiry or self._stop.is_set():  # deadlines are checked every POLL_MS, not every wake
                 next_expiry = now + POLL_MS / 1e3
+                self._strangers.expire(now)
                 self._expire_paused()
                 with self._lock:
                     self._expire_queued(now)
@@ -376,12 +394,12 @@ class PrefillService:
         except zmq.ZMQError as exc:  # the client's queue is full or it is gone: its loss, not ours
             log.debug("prefill response %s not sent: %s", response.id, exc)
 
-    def _admit(self, frames: list[bytes]) -> None:
-        """Decode one request and queue it, or answer error/rejected at once."""
+    def _admit(self, frames: list[bytes]) -> bool:
+        """Decode one request and queue it, or answer error/rejected at once; whether it was authenticated."""
         if len(frames) < 2:
             with self._lock:
                 self.metrics_.counts["dropped_frames"] += 1
-            return
+            return False
         identity, body = frames[0], frames[1:]
         with self._lock:
             self.metrics_.counts["received"] += 1
@@ -389,7 +407,7 @@ class PrefillService:
             req = decode_request(body, max_prompt_tokens=self.max_prompt_tokens, vocab=self.shape.vocab)
         except BadRequest as exc:
             self._reply_now(identity, exc.request_id, "error", str(exc), count="bad_requests")
-            return
+            return False
         if not self.authorized(req.auth_token):
             self._reply_now(
                 identity,
@@ -398,10 +416,11 @@ class PrefillService:
                 "unauthenticated: missing or wrong token (pass --token)",
                 count="unauthenticated",
             )
-            return
+            return False
         reason = self._admission(req, identity)
         if reason is not None:
             self._reply_now(identity, req.id, "rejected", reason)
+        return True
 
     def authorized(self, token: str | None) -> bool:
         """Whether ``token`` is the service's (constant-time); always true without an ``auth_token``."""

@@ -42,10 +42,10 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from agents.sockets import Unidentified
 from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
 from agents.wan.seal import HEAD_BYTES, TAG_BYTES, Bytes, FrameSeal, SealError, is_sealed
-from agents.wan.strangers import Unidentified
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header, show
 

@@ -25,6 +25,7 @@ import zmq
 
 from agents.sockets import (
     PeerLogLimiter,
+    Unidentified,
     ZapAuthenticator,
     bound_port,
     keep_message_buffers,
@@ -49,7 +50,6 @@ from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
 from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
-from agents.wan.strangers import Unidentified
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
 from geosched.wire import encode_header

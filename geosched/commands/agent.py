@@ -211,9 +211,10 @@ def check_bind_host(host: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until stopped."""
     from agents.control.auth import ControlKeys
-    from geosched.processes import die_with_parent
+    from geosched.processes import die_with_parent, raise_open_files_limit
 
     die_with_parent()  # started by 'geosched launch': gone when it is, even if it is killed
+    raise_open_files_limit()  # links, prefill and metrics clients each hold a descriptor
     from agents.daemon import AgentOptions, parse_overrides, run_agent
 
     at_least(args, "rank", 0)
