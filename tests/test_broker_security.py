@@ -361,6 +361,47 @@ def test_connections_are_bounded_per_address_and_in_total() -> None:
     run(scenario())
 
 
+def test_idle_connections_cannot_lock_logins_out_and_refusal_lines_stay_short(caplog) -> None:
+    """Connections without a CONNECT have their own bound, per address and in all: a new one closes the oldest
+    (a trial held the 256 a rehearsal's address may open, and locked every login out, launch's stop included);
+    a refused login's 60,000-character client id is cut in its log line."""
+    from agents.control.mqtt_codec import CONNECT, packet
+
+    limits = BrokerLimits(pending_per_address=8, pending_connections=12)
+
+    async def scenario() -> None:
+        async with EmbeddedBroker(users={"u": "pw"}, limits=limits) as broker:
+            idle = [await asyncio.open_connection(broker.host, broker.port) for _ in range(30)]
+            await until(lambda: broker.connection_count == 8)
+            reader, writer = await asyncio.open_connection(broker.host, broker.port)
+            writer.write(connect_packet("late", 60, ("u", "pw")))
+            assert await reader.readexactly(4) == b"\x20\x02\x00\x00"  # logged in past 30 idle connections
+            assert all([await closed(r) for r, _ in idle[:23]]) and broker.refusals["pending"] == 23
+            for _ in range(8):  # from another address: the oldest of all go
+                idle.append(await asyncio.open_connection(broker.host, broker.port, local_addr=("127.0.0.2", 0)))
+            await until(lambda: broker.connection_count == 1 + 12)
+            long = string(b"MQTT") + bytes([4, 0xC2]) + (60).to_bytes(2, "big") + string(b"x" * 60_000)
+            r, w = await asyncio.open_connection(broker.host, broker.port, local_addr=("127.0.0.3", 0))
+            w.write(packet(CONNECT, long + string(b"u") + string(b"wrong")))
+            assert await r.readexactly(4) == b"\x20\x02\x00\x04" and await closed(r)  # bad user name or password
+            for _, each in [*idle, (reader, writer), (r, w)]:
+                each.close()
+            await until(lambda: broker.connection_count == 0)
+
+    with caplog.at_level(logging.INFO, logger="agents.control.broker"):
+        run(scenario())
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("refused login" in line and "(60000 characters)" in line for line in lines), lines
+    assert max(len(line) for line in lines) < 600
+
+
+def test_refusal_lines_are_bounded_in_all_as_well_as_per_client() -> None:
+    log = RateLimitedLog(10.0, lines=3)
+    allowed = [log.allow(f"login:10.0.0.{i}", 100.0) for i in range(10)]
+    assert allowed == [0, 0, 0] + [None] * 7  # many addresses: 3 lines an interval in all
+    assert log.allow("login:10.0.0.9", 110.0) == 1  # the next interval: its held-back line is counted
+
+
 def test_subscriptions_logins_and_unread_output_are_bounded() -> None:
     limits = BrokerLimits(
         subscriptions_per_client=4, topic_filter_chars=64, connections_per_login=2, backlog_bytes=4 << 20

@@ -58,11 +58,14 @@ from agents.control import mqtt_codec as mq
 from agents.control.broker_client import BrokerClient, Will
 from agents.control.broker_policy import (
     DEFAULT_MAX_PACKET_BYTES,
+    MAX_LOGGED_NAME_CHARS,
     BrokerAcl,
     BrokerLimits,
     ConnectionCounter,
+    PendingConnections,
     RateLimitedLog,
     RetainedStore,
+    shown_name,
 )
 from agents.control.mqtt_codec import Body, ProtocolViolation, topic_matches, valid_topic_filter
 from geosched.errors import GeoschedError
@@ -114,9 +117,10 @@ class EmbeddedBroker:
         self.allow_anonymous = allow_anonymous
         self.limits = limits or BrokerLimits()
         self.refusals: Counter[str] = Counter()
-        """Refusals so far by kind: connection, login, protocol, publish, will, subscribe, retained, idle."""
+        """Refusals so far by kind: connection, pending, login, protocol, publish, will, subscribe, retained, idle."""
         self.retained = RetainedStore(self.limits)
         self._connections = ConnectionCounter(self.limits)
+        self._pending: PendingConnections[asyncio.StreamWriter] = PendingConnections(self.limits)
         self._refusal_log = RateLimitedLog(self.limits.refusal_log_interval_s)
         self._server: asyncio.Server | None = None
         self._port: int | None = None
@@ -250,9 +254,11 @@ class EmbeddedBroker:
     def _refuse(self, kind: str, who: str, detail: str) -> None:
         """Count a refusal; log it unless a line about the same kind and client was written lately."""
         self.refusals[kind] += 1
+        who = shown_name(who)
         held_back = self._refusal_log.allow(f"{kind}:{who}", time.monotonic())
         if held_back is not None:
             more = f" ({held_back} more like it not logged)" if held_back else ""
+            detail = detail if len(detail) <= 4 * MAX_LOGGED_NAME_CHARS else f"{detail[: 4 * MAX_LOGGED_NAME_CHARS]}..."
             log.warning("broker: refused %s from %s: %s%s", kind, who, detail, more)
 
     # -- one connection ------------------------------------------------------
@@ -276,6 +282,9 @@ class EmbeddedBroker:
             writer.transport.abort()
             return
         self._writers.add(writer)
+        for oldest in self._pending.add(writer, address):  # idle connections must not lock logins out
+            self._refuse("pending", address, "too many connections without a CONNECT: the oldest closed")
+            oldest.transport.abort()
         client: BrokerClient | None = None
         clean = silent = False
         try:
@@ -283,6 +292,7 @@ class EmbeddedBroker:
                 kind, flags, body = await asyncio.wait_for(
                     self._read_frame(reader, self.limits.connect_bytes), self.limits.connect_timeout_s
                 )
+                self._pending.logged_in(writer)
             except TimeoutError:
                 self._refuse("idle", address, f"no CONNECT within {self.limits.connect_timeout_s:g} s")
                 silent = True
@@ -314,6 +324,7 @@ class EmbeddedBroker:
             else:
                 writer.close()  # flushes what was queued (a CONNACK refusal), then closes
             self._writers.discard(writer)
+            self._pending.logged_in(writer)
             self._connections.release(address)
             if client is not None and self._clients.get(client.client_id) is client:
                 del self._clients[client.client_id]
@@ -358,10 +369,11 @@ class EmbeddedBroker:
             code, why = mq.BAD_CLIENT_ID, " (the id is held by another login's connection)"  # no takeover
         writer.write(mq.packet(mq.CONNACK, bytes([0, code])))
         if code != mq.ACCEPTED:
-            self._refuse("login", address, f"client {client_id!r} (user {username!r}): CONNACK {code}{why}")
+            who = f"client {shown_name(client_id)!r} (user {shown_name(str(username))!r})"
+            self._refuse("login", address, f"{who}: CONNACK {code}{why}")
             return None, 0
         if old is not None:
-            log.info("broker: client %r reconnected; closing its previous connection", client_id)
+            log.info("broker: client %r reconnected; closing its previous connection", shown_name(client_id))
             old.will = None
             old.writer.transport.abort()
         client = BrokerClient(client_id, username, writer, will, self.limits.client_backlog_bytes, self._over_backlog)

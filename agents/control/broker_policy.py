@@ -17,15 +17,15 @@ This module holds the broker's decisions as plain classes with no sockets
   ``geosched/<job>/``; what it receives is filtered by its read rules.
 - :class:`BrokerLimits`: every bound, each a named constant below.
 - :class:`RetainedStore`: retained messages with per-client and total bounds.
-- :class:`ConnectionCounter`, :class:`RateLimitedLog`: connection admission
-  and refusal logging.
+- :class:`ConnectionCounter`, :class:`PendingConnections`, :class:`RateLimitedLog`: connection admission,
+  connections not logged in yet (the oldest closed beyond their own bound), and refusal logging.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from agents.control.messages import Topics, check_name
 from agents.control.mqtt_codec import topic_matches
@@ -43,6 +43,12 @@ MAX_CONNECTIONS = 1024
 """Open TCP connections in total (logged in or not); further ones are closed at once."""
 MAX_CONNECTIONS_PER_ADDRESS = 256
 """Open TCP connections from one source IP address; further ones are closed at once."""
+MAX_PENDING_CONNECTIONS = 128
+"""Connections that have not sent their CONNECT yet, in total; a new one beyond closes the oldest of them."""
+MAX_PENDING_PER_ADDRESS = 32
+"""Connections from one source address that have not sent their CONNECT yet; a new one beyond closes the
+oldest of that address (so idle connections cannot hold every slot: a client's CONNECT follows its
+connection within milliseconds, before many newer ones can push it out)."""
 MAX_RETAINED_TOPICS = 10_000
 """Retained topics in total."""
 MAX_RETAINED_TOPICS_PER_CLIENT = 1_000
@@ -63,6 +69,10 @@ MAX_TOPIC_FILTER_CHARS = 512
 """Longest topic filter a client may subscribe to (geosched's are under 100 characters)."""
 REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one log line per kind of refusal and client in this many seconds (the rest are counted)."""
+MAX_REFUSAL_LINES = 50
+"""At most this many refusal log lines in all per :data:`REFUSAL_LOG_INTERVAL_S` (many source addresses)."""
+MAX_LOGGED_NAME_CHARS = 80
+"""A client id or user name is cut to this many characters in a log line (a CONNECT may carry 64 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,10 @@ class BrokerLimits:
     """Open connections in total."""
     connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
     """Open connections from one source address."""
+    pending_connections: int = MAX_PENDING_CONNECTIONS
+    """Connections without a CONNECT yet, in total (beyond, the oldest is closed)."""
+    pending_per_address: int = MAX_PENDING_PER_ADDRESS
+    """Connections without a CONNECT yet from one source address (beyond, that address's oldest is closed)."""
     retained_topics: int = MAX_RETAINED_TOPICS
     """Retained topics in total."""
     retained_topics_per_client: int = MAX_RETAINED_TOPICS_PER_CLIENT
@@ -315,20 +329,67 @@ class ConnectionCounter:
             self._by_address.pop(address, None)
 
 
-class RateLimitedLog:
-    """Decides which refusals get a log line: one per key per interval; the others are counted."""
+K = TypeVar("K")
 
-    def __init__(self, interval_s: float) -> None:
+
+def shown_name(name: str) -> str:
+    """A client id or user name as a log line shows it: cut to :data:`MAX_LOGGED_NAME_CHARS`, its length said."""
+    cut = MAX_LOGGED_NAME_CHARS
+    return name if len(name) <= cut else f"{name[:cut]}... ({len(name)} characters)"
+
+
+class PendingConnections(Generic[K]):
+    """Connections that have not sent their CONNECT yet, oldest first, by a key of the caller's (its writer)."""
+
+    def __init__(self, limits: BrokerLimits) -> None:
+        self.limits = limits
+        self._address: dict[K, str] = {}  # insertion order: the oldest first
+
+    def __len__(self) -> int:
+        return len(self._address)
+
+    def add(self, key: K, address: str) -> list[K]:
+        """Note a new connection from ``address``; the ones to close to stay within the limits (the oldest of
+        that address, else the oldest of all; never the new one unless the limits are 0)."""
+        self._address[key] = address
+        evicted = []
+        same = [k for k, a in self._address.items() if a == address]
+        if len(same) > self.limits.pending_per_address:
+            evicted.append(same[0])
+        if len(self._address) - len(evicted) > self.limits.pending_connections:
+            evicted.append(next(k for k in self._address if k not in evicted))
+        for k in evicted:
+            del self._address[k]
+        return evicted
+
+    def logged_in(self, key: K) -> None:
+        """The connection sent its CONNECT (or closed): no longer pending."""
+        self._address.pop(key, None)
+
+
+class RateLimitedLog:
+    """Decides which refusals get a log line: one per key per interval, at most ``lines`` in all per interval;
+    the others are counted."""
+
+    def __init__(self, interval_s: float, lines: int = MAX_REFUSAL_LINES) -> None:
         self.interval_s = interval_s
+        self.lines = lines
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        self._window: tuple[float, int] = (float("-inf"), 0)  # (when the current interval began, lines in it)
 
     def allow(self, key: str, now: float) -> int | None:
         """None to stay silent; else how many lines for ``key`` were held back since the last one."""
         last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
+        began, written = self._window
+        if now - began >= self.interval_s:
+            began, written = now, 0
+        if (last is not None and now - last < self.interval_s) or written >= self.lines:
+            if len(self._suppressed) > 10_000:  # many keys held back: forget their counts rather than grow
+                self._suppressed.clear()
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return None
+        self._window = (began, written + 1)
         if len(self._last) > 10_000:  # many keys: forget the old ones rather than grow
             self._last.clear()
             self._suppressed.clear()
