@@ -119,6 +119,9 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert sync_line.endswith(f"reach it later {report['measured_sync_s'] * 1e3:.1f} ms")
     assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
+    for step, row in enumerate(report["per_step"]):  # each step's WAN bytes, as the agents' metrics count them
+        wan = sum(metrics_record(reports[r.rank][step], r)["wan_bytes"] for r in layout.roles)
+        assert row["wan_bytes"] == wan and 0 < wan <= row["bytes_sent"], (row, wan)
     for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):
         assert (run / name).read_bytes().startswith(PNG_MAGIC), name
     trace = json.loads((run / "trace.json").read_text())

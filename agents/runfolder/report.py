@@ -133,6 +133,7 @@ def build_report(
     by_step = reports_by_step(reports)
     complete = sorted(s for s, rs in by_step.items() if len(rs) == len(layout.roles))
     schedule = _schedule(layout)
+    roles = {(role.stage, role.replica): role for role in layout.roles}  # a stage's tp ranks share its links
     per_step = []
     for step in complete:
         rs = by_step[step]
@@ -144,7 +145,11 @@ def build_report(
                 "loss": global_loss(r for r in rs if r.stage == layout.num_stages - 1),
                 "iteration_s": max(r.iteration_s for r in rs),
                 "bubble_fraction": timeline.bubble_fraction,
-                "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),
+                "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),  # every pipeline message, in DCs too
+                "wan_bytes": sum(
+                    n for r in rs for peer, n in r.bytes_sent.items() if roles[r.stage, r.replica].wan_peer_dc(peer)
+                )
+                + sum(sum(r.sync_bytes.values()) for r in rs),  # as the metrics count them (agents.worker)
                 "sync_s": max(r.sync_s for r in rs),
                 "sync_collective_s": collective_sync_s(rs),
                 "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
