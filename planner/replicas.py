@@ -178,7 +178,9 @@ def widen(problem: Problem, cand: Candidate) -> list[Candidate]:
     """
     if problem.job.zero_stage >= 2:
         return []
-    return list(dict.fromkeys(_widened(problem, cand, False) + _widened(problem, cand, True)))
+    free = problem.unpinned()  # a pinned degree counts the new pipelines' replicas too
+    out = dict.fromkeys(_widened(free, cand, False) + _widened(free, cand, True))
+    return [c for c in out if problem.violation(c) is None]
 
 
 def _widened(problem: Problem, cand: Candidate, new_dcs_first: bool) -> list[Candidate]:
@@ -217,12 +219,14 @@ def _widened(problem: Problem, cand: Candidate, new_dcs_first: bool) -> list[Can
 def everywhere(problem: Problem) -> list[Candidate]:
     """Data parallelism over several DCs: one-stage pipelines of ``d`` replicas in every DC with room, for
     each ``d`` that leaves at most :data:`MAX_PIPELINES` pipelines over the largest linked group."""
+    free = problem.unpinned()  # a pinned degree counts every pipeline's replicas: fewer in each
     return [
         c
-        for group, roomiest in _groups(problem)
+        for group, roomiest in _groups(free)
         if len(group) >= 2
-        for d, m in problem.dp_options()
-        for c in _copies(problem, group, roomiest, d, m, 1)
+        for d, m in free.dp_options()
+        for c in _copies(free, group, roomiest, d, m, 1)
+        if problem.violation(c) is None
     ]
 
 
@@ -233,18 +237,19 @@ def local_pipelines(problem: Problem) -> list[Candidate]:
     long pipeline), for every ``d`` and ``p`` of the fewest stages memory allows, one or two more, twice and
     three times as many."""
     out: list[Candidate] = []
-    for group, roomiest in _groups(problem):
+    free = problem.unpinned()  # a pinned degree counts every pipeline's replicas: fewer in each copy
+    for group, roomiest in _groups(free):
         for dc in group:
-            for d, m in problem.dp_options():
-                most = min(problem.layers, problem.gpus[dc] // d)
-                fewest = _fewest_fitting(problem, dc, d, m, most)
+            for d, m in free.dp_options():
+                most = min(free.layers, free.gpus[dc] // d)
+                fewest = _fewest_fitting(free, dc, d, m, most)
                 depths = {fewest, fewest + 1, fewest + 2, 2 * fewest, 3 * fewest} if fewest is not None else set()
                 for p in sorted(depths):
-                    if p <= most and problem.violation(alone := _stacked(problem, dc, d, m, p)) is None:
+                    if p <= most and free.violation(alone := _stacked(free, dc, d, m, p)) is None:
                         out.append(alone)
                         if dc == roomiest and len(group) >= 2:
-                            out += _copies(problem, group, dc, d, m, p)
-    return list(dict.fromkeys(out))
+                            out += _copies(free, group, dc, d, m, p)
+    return [c for c in dict.fromkeys(out) if problem.violation(c) is None]
 
 
 def fewest_stacked(problem: Problem) -> int | None:

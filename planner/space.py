@@ -17,6 +17,7 @@ once: the (d, m) choices, the link graph and the memory rule.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 from collections.abc import Iterator
@@ -244,6 +245,16 @@ class Problem:
                         todo.append(nxt)
             groups.append(sorted(group, key=self.dcs.index))
         return sorted(groups, key=lambda g: -sum(self.gpus[dc] for dc in g))
+
+    def unpinned(self) -> Problem:
+        """This problem without its pinned data-parallel degree (itself when none is pinned). A pin counts
+        every pipeline's replicas of a stage, so pipelines on several DC paths are built from fewer replicas
+        each and kept where they meet it (:mod:`planner.replicas`)."""
+        if self.pinned_dp is None:
+            return self
+        free = copy.copy(self)
+        free.pinned_dp, free.memo = None, {}
+        return free
 
     def group_of(self, dc: str) -> list[str]:
         """The group of :meth:`components` that ``dc`` lies in (memoised: the widening asks per candidate)."""

@@ -119,8 +119,8 @@ class Pins:
 
         Only the pins a search over one variant can miss: the variant fixes tp, ZeRO, schedule and
         microbatch size."""
-        if self.dp is not None and cand.dp != self.dp:
-            return f"it runs {cand.dp} replicas, and --dp pins {self.dp}"
+        if self.dp is not None and cand.replicas != self.dp:  # over every pipeline, as Problem.violation counts
+            return f"it runs {cand.replicas} replicas of each stage, and --dp pins {self.dp}"
         if self.cross_dc_dp is not None and cand.across_dcs != self.cross_dc_dp:
             return (
                 "its pipelines lie on one DC path, and --cross-dc-dp asks for several"
@@ -227,6 +227,12 @@ def check_cross_dc_pins(cfg: Config, pins: Pins) -> None:
             "--cross-dc-dp: no two datacenters are joined by a WAN link, so no stage can have replicas in two; "
             "add a link (cluster.links) or drop --cross-dc-dp"
         )
+    if pins.dp == 1:
+        raise PlanInfeasible(
+            "--cross-dc-dp with --dp 1: a stage with replicas in two datacenters has at least 2 (--dp counts a "
+            "stage's replicas over every pipeline; a plan's 'dp' those on one DC path); use --dp 2 or more, or "
+            "drop --dp"
+        )
     if pins.zero == 2:
         raise PlanInfeasible(
             "--cross-dc-dp with ZeRO 2: a stage's replicas in two datacenters would reduce-scatter every "
@@ -242,10 +248,11 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     pins = pins.over(cfg)
     check_cross_dc_pins(cfg, pins)
     options = variant_options(cfg, pins)
-    if pins.dp is not None:  # a pinned degree needs a DC with that many devices: fewer at a wider tp
-        fitting = [v for v in options if Problem(cfg, v, dp=pins.dp).dp_options()]
+    dp = None if pins.cross_dc_dp else pins.dp  # across DCs, a stage's replicas need not fit in one DC
+    if dp is not None:  # a pinned degree needs a DC with that many devices: fewer at a wider tp
+        fitting = [v for v in options if Problem(cfg, v, dp=dp).dp_options()]
         if not fitting:  # named at the narrowest tp, where DCs have the most devices
-            check_feasible(Problem(cfg, min(options, key=lambda v: v.tp), dp=pins.dp))
+            check_feasible(Problem(cfg, min(options, key=lambda v: v.tp), dp=dp))
         options = fitting
     roomiest = max(options, key=lambda v: (v.tp, -v.microbatch_size))
     schedule = pins.schedule or "1f1b"  # 1F1B keeps the fewest microbatches in flight
@@ -253,7 +260,7 @@ def check_plannable(cfg: Config, pins: Pins = Pins()) -> None:
     refusal: PlanInfeasible | None = None
     for zero in zeros:
         try:
-            check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=pins.dp))
+            check_feasible(Problem(cfg, dataclasses.replace(roomiest, zero=zero, schedule=schedule), dp=dp))
             return
         except PlanInfeasible as exc:
             refusal = refusal or exc  # the roomier level's reason
@@ -463,8 +470,9 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
     bases = [ev.candidate for ev in list(starts.values())[:WIDEN_STARTS]]
     if result.best is not None:  # the best plan's placement with fewer replicas leaves room for more pipelines
         best = result.best.candidate
-        bases += [Candidate(d, m, best.stage_dcs, best.stage_layers) for d, m in problem.dp_options() if d < best.dp]
-    widened = [c for base in bases if problem.violation(base) is None for c in widen(problem, base)]
+        free = problem.unpinned()  # a pinned degree counts the replicas of every pipeline: fewer in each
+        bases += [Candidate(d, m, best.stage_dcs, best.stage_layers) for d, m in free.dp_options() if d < best.dp]
+    widened = [c for base in bases if problem.unpinned().violation(base) is None for c in widen(problem, base)]
     cands = everywhere(problem) + widened
     cands = [c for c in cands if pins.breaks(c) is None]
     kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []

@@ -273,13 +273,26 @@ def test_pins_name_what_a_plan_breaks() -> None:
     cand = Candidate(2, 4, ("a", "b"), ((0, 4), (4, 8)))
     across = dataclasses.replace(cand, extra_paths=(("b", "b"),))
     assert Pins().breaks(cand) is None and Pins(dp=2, cross_dc_dp=False).breaks(cand) is None
-    assert Pins(dp=4).breaks(cand) == "it runs 2 replicas, and --dp pins 4"
+    assert Pins(dp=4).breaks(cand) == "it runs 2 replicas of each stage, and --dp pins 4"
     assert "--cross-dc-dp" in (Pins(cross_dc_dp=True).breaks(cand) or "")
     assert Pins(cross_dc_dp=True).breaks(across) is None
+    assert Pins(dp=4, cross_dc_dp=True).breaks(across) is None  # --dp counts a stage's replicas on every path
+    assert Pins(dp=2).breaks(across) == "it runs 4 replicas of each stage, and --dp pins 2"
     assert "several DC paths" in (Pins(cross_dc_dp=False).breaks(across) or "")
     same_path = dataclasses.replace(cand, extra_paths=(("a", "b"),))  # two pipelines, no stage in two DCs
     assert not same_path.across_dcs and "--cross-dc-dp" in (Pins(cross_dc_dp=True).breaks(same_path) or "")
     assert Pins(cross_dc_dp=False).breaks(same_path) is None
+
+
+def test_dp_pins_a_stages_replicas_over_every_pipeline(capsys) -> None:
+    """The demo's --cross-dc-dp plan has 2 replicas of each stage, one in each of two DCs: --dp 2 finds it (it
+    was refused, the pin compared with one path's replicas), and --dp 1 is refused in one line at once."""
+    cfg = load_config("configs/demo-3dc.yaml")
+    pinned = make_plan(cfg, pins=Pins(dp=2, cross_dc_dp=True)).best.candidate
+    assert pinned.across_dcs and pinned.replicas == 2
+    assert main(["plan", "configs/demo-3dc.yaml", "--cross-dc-dp", "--dp", "1", "--no-explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "use --dp 2 or more" in err, err
 
 
 def test_cross_dc_dp_means_a_stage_with_replicas_in_two_dcs(tmp_path) -> None:
