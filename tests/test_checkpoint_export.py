@@ -147,3 +147,22 @@ def test_an_output_folder_that_refuses_the_write_is_one_line(two_layouts, tmp_pa
         assert list(tiny.iterdir()) == []
     finally:
         subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_a_checkpoint_that_fills_the_disk_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """safetensors reports a full disk as its own error, not OSError: it must still be the job's storage
+    (CheckpointError: an elastic job does not re-plan around it), not a lost rank."""
+    import torch
+
+    from agents.checkpoint.store import CheckpointWriter
+    from geosched.errors import CheckpointError
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(tiny)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            CheckpointWriter(tiny / "ckpt", 0, 1, "fingerprint").save(1, torch.nn.Linear(300, 300), None)
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)

@@ -232,3 +232,20 @@ def test_a_broker_away_is_said_once_and_its_return_too() -> None:
     assert away.note(False, 20.0, 3) is None  # said once
     assert away.note(True, 31.0, 3) == "control plane: the broker is back after 30 s"
     assert away.note(False, 32.0, 9) is None and away.note(True, 33.0, 9) is None  # a blip: nothing to say
+
+
+def test_a_status_naming_a_replaced_plan_is_no_conflict_after_an_elastic_replan() -> None:
+    """A frozen agent keeps its retained 'training' status of the old plan: once the job re-plans around it,
+    that is a lost agent (replaced), not another job's agent running another plan (which stopped the job)."""
+    from agents.control.coordinator import AgentRefused, _check_same_plan
+    from agents.layout import plan_id
+
+    old = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"]))
+    new = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us"]))
+    frozen = StatusMessage(1, "training", extra={"plan_id": plan_id(old.text)})
+    with pytest.raises(AgentRefused, match="is running another plan"):
+        _check_same_plan("j", frozen, new)
+    _check_same_plan("j", frozen, new, replaced={plan_id(old.text)})
+    other = StatusMessage(1, "training", extra={"plan_id": "0123456789ab"})  # a plan this job never ran
+    with pytest.raises(AgentRefused):
+        _check_same_plan("j", other, new, replaced={plan_id(old.text)})

@@ -27,7 +27,10 @@ then resumed from step 6 with nothing left to run, downtime -1)."""
 JOB = "elastic-hosts"
 
 
-def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, fault: signal.Signals) -> None:
+    """A killed agent (its will says so) or a frozen one (silent; its retained status still names the old plan,
+    which once stopped the job as 'running another plan' once the new one was published)."""
     broker = MosquittoBroker(tmp_path)
     broker.start()
     raw = three_dc_config()
@@ -53,7 +56,7 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path) 
     restarted: list[subprocess.Popen[bytes]] = []
     try:
         wait_for(lambda: (latest_complete(ckpt) or 0) >= 2 or coordinator.poll() is not None, 120, "checkpoint 2")
-        agents[1].send_signal(signal.SIGKILL)  # DC eu lost
+        agents[1].send_signal(fault)  # DC eu lost
         new_plan = ckpt / "plans" / "plan-1.yaml"
         wait_for(lambda: new_plan.exists() or coordinator.poll() is not None, 90, "the new plan")
         assert coordinator.poll() is None, coordinator.communicate()[1][-3000:]

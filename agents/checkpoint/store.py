@@ -192,9 +192,10 @@ class CheckpointWriter:
         this rank, so an elastic job does not re-plan around it."""
         try:
             return self._save(step, model, optimizer, extra)
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:  # safetensors' writer reports a full disk as its own error
+            why = getattr(exc, "strerror", None) or exc
             raise CheckpointError(
-                f"cannot write checkpoint step {step} into {self.ckpt_dir}: {exc.strerror or exc}; free space "
+                f"cannot write checkpoint step {step} into {self.ckpt_dir}: {why}; free space "
                 "there or pick another --checkpoint-dir"
             ) from None
 

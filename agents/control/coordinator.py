@@ -15,10 +15,6 @@ The one-shot commands (status, stop, checkpoint) are in
 Step line (one per training step, the global view over all ranks)::
 
     step    3/10 [######----] loss 5.4213 | iter  812.4 ms | bubble 41.2% | WAN   1.23 MB/s
-
-Example::
-
-    result = asyncio.run(start_job("mqtt://broker:1883", "demo", Path("plan.yaml").read_text(), steps=10))
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -185,6 +181,7 @@ async def start_job(
     exits: Exits | None = None,
     stop_on_loss: bool = True,
     stop_when: Callable[[], bool] | None = None,
+    replaced: Collection[str] = (),
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -194,7 +191,8 @@ async def start_job(
     ``exits`` (:data:`Exits`) reports the agents' processes that exited, polled every :data:`EXIT_POLL_S`
     while the job runs. ``stop_on_loss=False``: a loss raises without sending ``stop`` (the caller stops the
     survivors once it has published what they should adopt next: ``job start --elastic``). ``stop_when``,
-    polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised.
+    polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised. ``replaced``: ids
+    of plans this one replaces (elastic): a status naming one is a lost or not yet restarted agent, no conflict.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -213,9 +211,9 @@ async def start_job(
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
-                _check_same_plan(cp.job, status, layout)
+                _check_same_plan(cp.job, status, layout, replaced)
             await cp.publish_plan(plan_text)
-            statuses = await _wait_ready(cp, sub, layout, ready_timeout_s)
+            statuses = await _wait_ready(cp, sub, layout, ready_timeout_s, replaced)
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             first = _first_step(statuses)
@@ -262,12 +260,12 @@ def _first_step(statuses: dict[int, StatusMessage]) -> int:
     return steps.pop()
 
 
-def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout) -> None:
-    """AgentRefused if ``status`` is a live agent that has another plan open."""
+def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced: Collection[str] = ()) -> None:
+    """AgentRefused if ``status`` is a live agent that has another plan open (not one this plan replaces)."""
     from agents.layout import plan_id
 
     want, other = plan_id(layout.text), status.extra.get("plan_id")
-    if status.state in ("ready", "training") and other not in (None, want):
+    if status.state in ("ready", "training") and other not in (None, want) and other not in replaced:
         raise AgentRefused(
             f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
             f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
@@ -275,7 +273,9 @@ def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout) -> None
         )
 
 
-async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: float) -> dict[int, StatusMessage]:
+async def _wait_ready(
+    cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: float, replaced: Collection[str] = ()
+) -> dict[int, StatusMessage]:
     """Statuses of every rank once all are ready for this plan; fail early on an error status."""
     from agents.layout import plan_id
 
@@ -300,7 +300,7 @@ async def _wait_ready(cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: 
         if not isinstance(message, StatusMessage):
             continue
         latest[message.rank] = message
-        _check_same_plan(cp.job, message, layout)
+        _check_same_plan(cp.job, message, layout, replaced)
         if message.extra.get("plan_id") == want_plan:
             if message.state == "error":
                 raise AgentRefused(lost_message(cp.job, message, None))

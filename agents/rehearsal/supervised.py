@@ -116,10 +116,13 @@ def run_supervised(
         await stop_job(url, job, timeout_s=10.0, plan_id=plan_id(old), **control)
 
     current = [plan_text]
+    replaced: set[str] = set()  # a frozen or cut-off agent's status may still name any earlier plan
 
     def start_agents(layout: JobLayout, resume: bool) -> None:
         progress.new_attempt()
         old, current[0] = current[0], layout.text
+        if old != layout.text:
+            replaced.add(plan_id(old))
         if not resume:
             return
         plans.mkdir(parents=True, exist_ok=True)
@@ -148,6 +151,7 @@ def run_supervised(
                     out=out,
                     on_metrics=progress.record,
                     stop_on_loss=False,  # stopped once the new plan is published
+                    replaced=frozenset(replaced),
                     **control,
                 )
             )
