@@ -20,7 +20,8 @@ from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
 
 from agents.checkpoint.store import verify_step
 from agents.control.commands import checkpoint_job, job_statuses
-from agents.control.coordinator import AgentRefused, start_job
+from agents.control.coordinator import start_job
+from agents.control.ready import AgentRefused
 from geosched.errors import InputError
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 from agent_helpers import TINY_CONFIG
 
-from agents.control.coordinator import AgentLost, StartAcks, _follow, stranded_endpoints
+from agents.control.coordinator import AgentLost, StartAcks, _follow
 from agents.control.liveness import Liveness
 from agents.control.messages import CommandMessage, ControlStats, MetricsMessage, StatusMessage
+from agents.control.ready import AgentRefused, check_same_plan, stranded_endpoints
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
 
@@ -237,15 +238,35 @@ def test_a_broker_away_is_said_once_and_its_return_too() -> None:
 def test_a_status_naming_a_replaced_plan_is_no_conflict_after_an_elastic_replan() -> None:
     """A frozen agent keeps its retained 'training' status of the old plan: once the job re-plans around it,
     that is a lost agent (replaced), not another job's agent running another plan (which stopped the job)."""
-    from agents.control.coordinator import AgentRefused, _check_same_plan
     from agents.layout import plan_id
 
     old = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"]))
     new = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us"]))
     frozen = StatusMessage(1, "training", extra={"plan_id": plan_id(old.text)})
     with pytest.raises(AgentRefused, match="is running another plan"):
-        _check_same_plan("j", frozen, new)
-    _check_same_plan("j", frozen, new, replaced={plan_id(old.text)})
+        check_same_plan("j", frozen, new)
+    check_same_plan("j", frozen, new, replaced={plan_id(old.text)})
     other = StatusMessage(1, "training", extra={"plan_id": "0123456789ab"})  # a plan this job never ran
     with pytest.raises(AgentRefused):
-        _check_same_plan("j", other, new, replaced={plan_id(old.text)})
+        check_same_plan("j", other, new, replaced={plan_id(old.text)})
+
+
+def test_waiting_for_ready_agents_ends_at_an_exited_agent_or_a_job_stop() -> None:
+    """While a (re-planned) job waits for its agents: a process that exits is a loss at once (an elastic job
+    recovers again), and a 'job stop' stops it; both once waited out the ready timeout, then blamed the agents."""
+    from agents.control.losses import JobStopped
+    from agents.control.plane import AgentsNotReady
+    from agents.control.ready import wait_ready
+    from agents.layout import plan_id
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"]))
+    ready = StatusMessage(0, "ready", extra={"plan_id": plan_id(layout.text)})
+    with pytest.raises(AgentLost, match=r"rank 1 \(killed by SIGKILL\)") as info:
+        asyncio.run(wait_ready(_Plane(), _Feed([ready]), layout, 600.0, exits=lambda: {1: -9}))  # type: ignore[arg-type]
+    assert info.value.ranks == [1]
+    stopped = StatusMessage(1, "stopped", extra={"stopped_by": "command", "plan_id": plan_id(layout.text)})
+    with pytest.raises(JobStopped, match="stopped by 'geosched job stop'"):
+        asyncio.run(wait_ready(_Plane(), _Feed([ready, stopped]), layout, 600.0))  # type: ignore[arg-type]
+    survivor = StatusMessage(1, "stopped", extra={"stopped_by": "command", "plan_id": "0123456789ab"})  # old plan
+    with pytest.raises(AgentsNotReady):  # stopped by the re-plan itself: waited for, not a job stop
+        asyncio.run(wait_ready(_Plane(), _Feed([ready, survivor]), layout, 0.2))  # type: ignore[arg-type]

@@ -50,9 +50,14 @@ from agents.control.messages import (
     client_id,
     metric_number,
 )
-from agents.control.plane import AgentsNotReady, ControlPlane
-from agents.sockets import is_loopback
-from geosched.errors import GeoschedError, InputError, PlanError
+from agents.control.plane import ControlPlane
+from agents.control.ready import (
+    check_same_plan,
+    first_step,
+    stranded_endpoints,
+    wait_ready,
+)
+from geosched.errors import GeoschedError
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
@@ -74,10 +79,6 @@ RESEND_S = 2.0
 """Seconds between re-sends of ``start`` to the agents that have not acknowledged it."""
 START_ACK_S = 30.0
 """Seconds every agent has to acknowledge ``start`` (its status's ``started``) before the job stops."""
-
-
-class AgentRefused(InputError):
-    """An agent refused the job before it started (a plan that does not fit it, a corrupt checkpoint)."""
 
 
 @dataclass
@@ -147,22 +148,6 @@ OnMetrics = Callable[[MetricsMessage], None]
 """Called with every metrics message while the job runs (e.g. to record it for the run folder)."""
 
 
-def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
-    """PlanError naming an agent whose reported DC, stage or replica differs from the layout."""
-    for rank, status in sorted(statuses.items()):
-        role = layout.role(rank)
-        for what, got, want in (
-            ("DC", status.dc, role.dc),
-            ("stage", status.stage, role.stage),
-            ("replica", status.replica, role.replica),
-        ):
-            if got is not None and got != want:
-                raise PlanError(
-                    f"agent rank {rank} joined with {what} {got!r} but the plan puts rank {rank} in "
-                    f"{what} {want!r}; restart that agent with the plan's rank and DC"
-                )
-
-
 async def start_job(
     url: str,
     job: str,
@@ -211,12 +196,12 @@ async def start_job(
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
-                _check_same_plan(cp.job, status, layout, replaced)
+                check_same_plan(cp.job, status, layout, replaced)
             await cp.publish_plan(plan_text)
-            statuses = await _wait_ready(cp, sub, layout, ready_timeout_s, replaced)
+            statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits)
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
-            first = _first_step(statuses)
+            first = first_step(statuses)
             routes = await before_start(statuses) if before_start is not None else {}
             command = await cp.publish_command("start", steps=steps, routes=routes)
             try:
@@ -229,82 +214,6 @@ async def start_job(
                     with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
                         await cp.publish_command("stop", timeout=2.0)
                 raise
-
-
-def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
-    """Ranks on one host that publish loopback endpoints while other ranks run on other hosts (an agent
-    started without ``--bind-host`` on a multi-host job): one line each naming the fix, since the links
-    would otherwise fail only at the connect timeout."""
-    hosts = {st.host for st in statuses.values() if st.host}
-    out = []
-    for rank, status in sorted(statuses.items()):
-        endpoints = status.extra.get("endpoints")
-        if len(hosts) < 2 or not status.host or not isinstance(endpoints, dict):
-            continue
-        peer_facing = {name: address for name, address in endpoints.items() if not str(name).startswith("metrics/")}
-        loopback = sorted(str(name) for name, address in peer_facing.items() if is_loopback(str(address)))
-        if loopback:
-            others = ", ".join(sorted(hosts - {status.host}))
-            out.append(
-                f"rank {rank} on host {status.host} publishes {loopback[0]} on a loopback address, which ranks on "
-                f"{others} cannot reach; restart it with --bind-host <its address on the network> "
-                "(or give the others --peer-override)"
-            )
-    return out
-
-
-def _first_step(statuses: dict[int, StatusMessage]) -> int:
-    steps = {int(s.extra.get("next_step", 0)) for s in statuses.values()}
-    if len(steps) != 1:
-        raise PlanError(f"agents are at different steps {sorted(steps)}; stop the job and restart every agent")
-    return steps.pop()
-
-
-def _check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced: Collection[str] = ()) -> None:
-    """AgentRefused if ``status`` is a live agent that has another plan open (not one this plan replaces)."""
-    from agents.layout import plan_id
-
-    want, other = plan_id(layout.text), status.extra.get("plan_id")
-    if status.state in ("ready", "training") and other not in (None, want) and other not in replaced:
-        raise AgentRefused(
-            f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
-            f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
-            "the agents, or use another --job name"
-        )
-
-
-async def _wait_ready(
-    cp: ControlPlane, sub: Any, layout: JobLayout, timeout_s: float, replaced: Collection[str] = ()
-) -> dict[int, StatusMessage]:
-    """Statuses of every rank once all are ready for this plan; fail early on an error status."""
-    from agents.layout import plan_id
-
-    want_plan = plan_id(layout.text)
-    latest: dict[int, StatusMessage] = {}
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
-        if len(ready) == len(layout.roles):
-            check_joined(layout, ready)
-            return ready
-        try:
-            message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
-        except TimeoutError:
-            missing = [r.rank for r in layout.roles if r.rank not in ready]
-            seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
-            raise AgentsNotReady(
-                f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
-                f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
-                missing,
-            ) from None
-        if not isinstance(message, StatusMessage):
-            continue
-        latest[message.rank] = message
-        _check_same_plan(cp.job, message, layout, replaced)
-        if message.extra.get("plan_id") == want_plan:
-            if message.state == "error":
-                raise AgentRefused(lost_message(cp.job, message, None))
-            check_joined(layout, {message.rank: message})
 
 
 class StartAcks:

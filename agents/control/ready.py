@@ -1,0 +1,132 @@
+"""Waiting for a job's agents: every rank ready for the plan, or the reason the job cannot start.
+
+:func:`wait_ready` is what ``start_job`` (:mod:`agents.control.coordinator`) does between publishing a plan
+and sending ``start``: it refuses an agent running another plan (not one an elastic re-plan replaced), an
+agent that joined from the wrong DC, stage or replica, an agent's ``error``, an agent process that exited
+and a ``job stop``, and names the ranks still missing at the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
+from agents.control.messages import StatusMessage
+from agents.control.plane import AgentsNotReady, ControlPlane
+from agents.sockets import is_loopback
+from geosched.errors import InputError, PlanError
+
+if TYPE_CHECKING:
+    from agents.layout import JobLayout
+
+
+class AgentRefused(InputError):
+    """An agent refused the job before it started (a plan that does not fit it, a corrupt checkpoint)."""
+
+
+def check_joined(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
+    """PlanError naming an agent whose reported DC, stage or replica differs from the layout."""
+    for rank, status in sorted(statuses.items()):
+        role = layout.role(rank)
+        for what, got, want in (
+            ("DC", status.dc, role.dc),
+            ("stage", status.stage, role.stage),
+            ("replica", status.replica, role.replica),
+        ):
+            if got is not None and got != want:
+                raise PlanError(
+                    f"agent rank {rank} joined with {what} {got!r} but the plan puts rank {rank} in "
+                    f"{what} {want!r}; restart that agent with the plan's rank and DC"
+                )
+
+
+def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
+    """Ranks on one host that publish loopback endpoints while other ranks run on other hosts (an agent
+    started without ``--bind-host`` on a multi-host job): one line each naming the fix, since the links
+    would otherwise fail only at the connect timeout."""
+    hosts = {st.host for st in statuses.values() if st.host}
+    out = []
+    for rank, status in sorted(statuses.items()):
+        endpoints = status.extra.get("endpoints")
+        if len(hosts) < 2 or not status.host or not isinstance(endpoints, dict):
+            continue
+        peer_facing = {name: address for name, address in endpoints.items() if not str(name).startswith("metrics/")}
+        loopback = sorted(str(name) for name, address in peer_facing.items() if is_loopback(str(address)))
+        if loopback:
+            others = ", ".join(sorted(hosts - {status.host}))
+            out.append(
+                f"rank {rank} on host {status.host} publishes {loopback[0]} on a loopback address, which ranks on "
+                f"{others} cannot reach; restart it with --bind-host <its address on the network> "
+                "(or give the others --peer-override)"
+            )
+    return out
+
+
+def first_step(statuses: dict[int, StatusMessage]) -> int:
+    steps = {int(s.extra.get("next_step", 0)) for s in statuses.values()}
+    if len(steps) != 1:
+        raise PlanError(f"agents are at different steps {sorted(steps)}; stop the job and restart every agent")
+    return steps.pop()
+
+
+def check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced: Collection[str] = ()) -> None:
+    """AgentRefused if ``status`` is a live agent that has another plan open (not one this plan replaces)."""
+    from agents.layout import plan_id
+
+    want, other = plan_id(layout.text), status.extra.get("plan_id")
+    if status.state in ("ready", "training") and other not in (None, want) and other not in replaced:
+        raise AgentRefused(
+            f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
+            f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
+            "the agents, or use another --job name"
+        )
+
+
+async def wait_ready(
+    cp: ControlPlane,
+    sub: Any,
+    layout: JobLayout,
+    timeout_s: float,
+    replaced: Collection[str] = (),
+    exits: Exits | None = None,
+) -> dict[int, StatusMessage]:
+    """Statuses of every rank once all are ready for this plan; fail early on an error status, an agent
+    process that exited (``exits``: AgentLost, so an elastic job recovers again) or a ``job stop``."""
+    from agents.layout import plan_id
+
+    want_plan = plan_id(layout.text)
+    latest: dict[int, StatusMessage] = {}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
+        if len(ready) == len(layout.roles):
+            check_joined(layout, ready)
+            return ready
+        left = deadline - asyncio.get_running_loop().time()
+        loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
+        if loss is not None:
+            raise loss
+        try:
+            message = await sub.get(max(0.0, min(left, EXIT_POLL_S) if exits is not None else left))
+        except TimeoutError:
+            if left > EXIT_POLL_S:
+                continue
+            missing = [r.rank for r in layout.roles if r.rank not in ready]
+            seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
+            raise AgentsNotReady(
+                f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
+                f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
+                missing,
+            ) from None
+        if not isinstance(message, StatusMessage):
+            continue
+        latest[message.rank] = message
+        check_same_plan(cp.job, message, layout, replaced)
+        if message.extra.get("plan_id") == want_plan:  # survivors an elastic re-plan stopped name the old plan
+            if message.state == "stopped" and message.extra.get("stopped_by") == "command":
+                raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' before it started")
+            if message.state == "error":
+                raise AgentRefused(lost_message(cp.job, message, None))
+            check_joined(layout, {message.rank: message})
