@@ -67,14 +67,22 @@ def _write_secret(path: Path, data: str, force: bool) -> None:
 def write_job_keys(directory: str | os.PathLike[str], ranks: int, *, force: bool = False) -> dict[str, list[Path]]:
     """Write a job's key folder for ``ranks`` agents (see the module docstring); file class -> paths written.
 
-    Creates the folder (mode 0700) if needed. InputError for a bad rank count or,
-    without ``force``, a file that already exists (checked before anything is written).
+    Creates the folder (mode 0700) if needed. InputError for a bad rank count, an empty name, a folder holding
+    other files (not a key folder: its mode would change), or, without ``force``, a file that already exists
+    (checked before anything is written).
     """
     if not 1 <= ranks <= MAX_RANKS:
         raise InputError(f"--ranks: must be between 1 and {MAX_RANKS} (got {ranks})")
+    if not os.fspath(directory):
+        raise InputError("the key folder: an empty name; give a new folder for the job's keys, e.g. secrets")
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{str(folder)!r} exists and is not a folder: pick another path for the keys")
+    if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()):
+        raise InputError(  # its mode becomes 0700: never a shared folder (/tmp), never other files among the keys
+            f"{str(folder)!r} holds other files: a job's keys go into a folder of their own (made mode 0700); "
+            "pick a new or empty folder"
+        )
     identities = [COORDINATOR, *(agent_identity(r) for r in range(ranks))]
     planned = [folder / MANIFEST, folder / PREFILL_TOKEN]
     planned += [folder / f"{i}.sign" for i in identities] + [folder / f"agent-{r}.key" for r in range(ranks)]

@@ -82,6 +82,28 @@ def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_pa
     assert not run.exists()
 
 
+def test_an_output_is_never_one_of_the_files_the_command_reads_nor_an_empty_name(tmp_path: Path, capsys) -> None:
+    """simulate --trace over its plan, profile -o over its config or plan, plan -o '' (which wrote nothing)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(Path("configs/demo-3dc.yaml").read_text())
+    plan = tmp_path / "p.yaml"
+    assert main(["plan", str(config), "-o", str(plan), "--no-explain"]) == 0
+    before = config.read_bytes(), plan.read_bytes()
+    profile = ["profile", str(config), "--no-link", "--repeats", "1", "--warmup", "0"]
+    for argv, says in (
+        (["simulate", str(plan), "--trace", str(plan)], "the file simulated"),
+        (["simulate", str(plan), "--timeline", str(plan)], "the file simulated"),
+        ([*profile, "-o", str(config)], "the config measured"),
+        ([*profile, "--plan", str(plan), "-o", str(plan)], "the plan"),
+        (["plan", str(config), "-o", ""], "an empty file name"),
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, (argv, err)
+    assert (config.read_bytes(), plan.read_bytes()) == before
+
+
 def test_a_plan_trains_only_the_learning_settings_it_was_made_with(tmp_path: Path, capsys) -> None:
     """The agents train with the plan's job: a config whose learning rate, seed or precision differ is refused,
     each field named; the planner's choices (here ZeRO and the microbatch size, pinned by the config) and the

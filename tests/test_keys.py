@@ -99,6 +99,23 @@ def test_keys_bad_flags_are_one_line(
     assert not (tmp_path / "k").exists()  # refused before the folder is made
 
 
+def test_keys_never_go_into_a_folder_of_other_files_nor_an_empty_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its mode becomes 0700: a shared folder (mode 1777, like /tmp) once lost its sticky bit and got 10 secret
+    files among its own; '' wrote them into the current folder."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "theirs.txt").write_text("x")
+    assert main(["keys", str(shared), "--ranks", "1"]) == 2
+    assert "holds other files" in capsys.readouterr().err
+    assert (shared.stat().st_mode & 0o7777) == 0o1777 and [p.name for p in shared.iterdir()] == ["theirs.txt"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["keys", "", "--ranks", "2"]) == 2
+    assert "an empty name" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["shared"]
+
+
 def test_keys_from_a_plan_count_its_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from agent_helpers import tiny_plan
 

@@ -65,6 +65,7 @@ BAD_REQUESTS = {
     "return_kv type": ([header(return_kv=1), b"hi"], "return_kv"),
     "empty prompt": ([header(), b""], "empty"),
     "over-long prompt": ([header(), b"x" * (SHAPE.seq_len + 1)], "exceeds this agent's limit of 32"),
+    "prompt 20x the limit": ([header(), b"x" * (20 * SHAPE.seq_len)], "exceeds this agent's limit of 32"),
     "ragged token ids": ([header(prompt="tokens"), b"\x01\x02\x03"], "multiple of 8"),
     "token id out of range": ([header(prompt="tokens"), (300).to_bytes(8, "little")], "[0, 256)"),
     "no token": ([header(token=None), b"hi"], "unauthenticated"),

@@ -114,8 +114,8 @@ class PrefillService:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self._zap = ZapAuthenticator(self._ctx, curve_server.allowed_clients).start() if curve_server else None
-        max_msg = 4096 + 8 * self.max_prompt_tokens
-        opts = {int(zmq.HANDSHAKE_IVL): int(IDENTIFY_TIMEOUT_S * 1000)}  # a CURVE handshake left unfinished
+        max_msg = (64 << 10) + 8 * self.max_prompt_tokens  # a prompt too long for this agent arrives, is refused
+        opts = {int(zmq.HANDSHAKE_IVL): int(IDENTIFY_TIMEOUT_S * 1000), int(zmq.RCVHWM): max_queue}  # requests queued
         server, router = curve_server, zmq.ROUTER
         self._sock = make_socket(
             self._ctx, router, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm, curve_server=server, options=opts

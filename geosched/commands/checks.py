@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from geosched.errors import InputError
@@ -55,12 +56,20 @@ def folder(path: str | Path, flag: str) -> Path:
     return made
 
 
-def output_file(path: str, flag: str, *, not_inside: str | None = None) -> str:
-    """``path`` as a file a command may write whole and rename into place: InputError naming ``flag`` if it is a
-    device, FIFO, folder or symbolic link (a rename would replace that, not write into it), or lies inside the
-    folder ``not_inside`` (the input it is made from)."""
+def output_file(
+    path: str, flag: str, *, not_inside: str | None = None, inputs: Iterable[tuple[str | None, str]] = ()
+) -> str:
+    """``path`` as a file a command may write whole and rename into place: InputError naming ``flag`` if it is
+    empty, a device, FIFO, folder or symbolic link (a rename would replace that, not write into it), lies inside
+    the folder ``not_inside`` (the input it is made from), or is one of the ``inputs`` (file, what it is) the
+    command reads."""
     from geosched.yamlload import file_kind
 
+    if not path:
+        raise InputError(f"{flag}: an empty file name; give the file to write")
+    for source, what in inputs:
+        if source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+            raise InputError(f"{flag} {path}: {what}, which this command reads; write to another file")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from geosched.weights import ModelRecord
 
     at_least(args, "step", 0)
-    output_file(args.output, "-o", not_inside=args.checkpoint_dir)
+    output_file(args.output, "-o", not_inside=args.checkpoint_dir, inputs=[(args.config, "the --config")])
     config = None
     if args.config is not None:
         from geosched.config import load_config

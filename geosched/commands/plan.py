@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 
 
@@ -99,10 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("tp", "microbatch_size", "dp"):
         at_least(args, name, 1)
-    if args.output:  # before the search: a FIFO, device, link or the config itself is no place for the plan
-        output_file(args.output, "-o")
-        if os.path.exists(args.output) and os.path.samefile(args.output, args.config):
-            raise InputError(f"-o {args.output}: the config being planned; write the plan to another file")
+    if args.output is not None:  # before the search: a FIFO, device, link or the config itself is no place for it
+        output_file(args.output, "-o", inputs=[(args.config, "the config being planned")])
     objective = Objective(args.wan_cost_weight, args.max_iteration_s, args.prefill_weight)
     pinned = Pins(args.tp, args.zero, args.schedule, args.microbatch_size, args.dp, args.cross_dc_dp)
     outcome = make_plan(

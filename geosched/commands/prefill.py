@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     at_most(args, "top_k", 16)
     above(args, "deadline_ms", 0, "omit it for the agent's default")
     above(args, "timeout", 0, "seconds, e.g. 30")
+    at_most(args, "timeout", 86_400, "a day")
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
     args.prompt = os.fsencode(args.prompt)  # the bytes as given, UTF-8 or not: one token each

@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     _check_device(args.device, torch)
-    if args.output:
-        output_file(args.output, "-o")
+    if args.output is not None:
+        output_file(args.output, "-o", inputs=[(args.config, "the config measured"), (args.plan, "the plan")])
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise InputError(f"cannot write calibration {args.output!r}: its folder does not exist; create it first")
     options = _plan_options(args.plan, job) if args.plan else {}

@@ -59,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
     schedule, costs, info = _schedule_and_costs(args)
     timeline = simulate(lower(schedule), costs)
     written = {}
-    if args.timeline:
+    if args.timeline is not None:
         from geosched.schedule.plot import write_timeline_png
 
-        written["timeline"] = str(_write(write_timeline_png, timeline, args.timeline, "--timeline"))
-    if args.trace:
+        written["timeline"] = str(_write(write_timeline_png, timeline, args.timeline, "--timeline", args.source))
+    if args.trace is not None:
         from geosched.schedule.trace import write_chrome_trace
 
-        written["trace"] = str(_write(write_chrome_trace, timeline, args.trace, "--trace"))
+        written["trace"] = str(_write(write_chrome_trace, timeline, args.trace, "--trace", args.source))
     summary = _summary(timeline, info, written)
     if args.json:
         print(json.dumps(summary, allow_nan=False))
@@ -116,10 +116,10 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
     return schedule, costs, {}
 
 
-def _write(writer: Any, timeline: Any, path: str, flag: str) -> Any:
+def _write(writer: Any, timeline: Any, path: str, flag: str, source: str | None) -> Any:
     from geosched.commands.checks import output_file
 
-    output_file(path, flag)  # a FIFO would block, a device or link be written through
+    output_file(path, flag, inputs=[(source, "the file simulated")])  # nor a FIFO, a device or a link
     try:
         return writer(timeline, path)
     except OSError as exc:
