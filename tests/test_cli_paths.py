@@ -208,3 +208,20 @@ def test_a_model_the_agents_cannot_feed_is_refused_before_anything_starts(tmp_pa
     err = capsys.readouterr().err
     assert "job.model.vocab 2 is below the 256 byte values" in err and err.count("\n") == 1, err
     assert not run.exists()
+
+
+def test_a_model_larger_than_this_hosts_memory_is_refused_before_torch_allocates(tmp_path: Path, capsys) -> None:
+    """A valid config of 137B parameters (a trial's 18.8B one gave a 31-line torch allocation traceback)."""
+    text = Path("configs/demo-3dc.yaml").read_text()
+    small = "model: {layers: 6, hidden: 64, heads: 4, seq_len: 64, vocab: 256}"
+    assert small in text
+    big = tmp_path / "big.yaml"
+    big.write_text(text.replace(small, "model: {layers: 2, hidden: 65536, heads: 64, seq_len: 64, vocab: 1048576}"))
+    for argv in (
+        ["profile", str(big), "--repeats", "1", "--warmup", "0", "--no-link"],
+        ["prefill", "--local", "--config", str(big), "--seed", "0", "hi"],
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "GiB available" in err and "Traceback" not in err, err

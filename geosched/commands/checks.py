@@ -15,8 +15,12 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from geosched.errors import InputError
+
+if TYPE_CHECKING:
+    from geosched.config import JobSpec
 
 
 def at_least(args: argparse.Namespace, name: str, minimum: float, hint: str = "", *, colon: bool = True) -> None:
@@ -83,6 +87,26 @@ def output_file(
     if not_inside is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(not_inside)):
         raise InputError(f"{flag} {path}: inside {not_inside}, the folder it is made from; write it elsewhere")
     return path
+
+
+def fits_host_memory(job: JobSpec, bytes_per_param: float, what: str, fix: str) -> None:
+    """InputError when ``job``'s whole model at ``bytes_per_param`` needs more than this host's available memory
+    (Linux's MemAvailable; unchecked where that is unknown): torch would fail to allocate with a traceback, or
+    the host would swap for minutes first."""
+    from geosched.costmodel import total_params
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    params = total_params(job)
+    if params * bytes_per_param > available:
+        raise InputError(
+            f"{what}: its {params / 1e9:.3g}B parameters need about {params * bytes_per_param / 2**30:.3g} GiB "
+            f"here, and this host has {available / 2**30:.3g} GiB available; {fix}"
+        )
 
 
 def _finite(name: str, value: object, hint: str, colon: bool) -> None:

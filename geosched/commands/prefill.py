@@ -33,7 +33,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from geosched.commands.checks import above, at_least, at_most
+from geosched.commands.checks import above, at_least, at_most, fits_host_memory
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def _load_local_model(args: argparse.Namespace) -> StageModule:
             "job.model) and --weights (or --seed for the seeded demo model)"
         )
     job = load_config(args.config).job
+    fits_host_memory(job, 4, f"the model of {args.config}", "serve it from an agent on a larger host (--endpoint)")
     if args.weights is None:
         return load_inference_model(job.model, None, seed=args.seed)
     model, _ = served_weights(args.weights, ModelRecord.of(job.model, job.seed, job.precision))

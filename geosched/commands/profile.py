@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Any
 
-from geosched.commands.checks import at_least, at_most, output_file
+from geosched.commands.checks import at_least, at_most, fits_host_memory, output_file
 from geosched.errors import InputError
 
 
@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from geosched.costmodel import Calibration
     from geosched.profile import check_prediction, write_calibration
 
+    fits_host_memory(  # weights, gradients and AdamW's two moments in fp32, over the ranks that time it
+        job, 16, f"the model of {args.config}", "profile a smaller model here, or on a host with more memory"
+    )
     at_least(args, "repeats", 1, colon=False)
     at_least(args, "warmup", 0, colon=False)
     at_least(args, "co_located", 1, "how many ranks share this host", colon=False)
