@@ -18,7 +18,15 @@ import os
 from dataclasses import dataclass
 
 from geosched.compression import CODECS
-from geosched.config import MAX_DATACENTERS, MAX_DC_GPUS, MAX_LAYERS, MAX_NAME_LEN, Config, config_from_dict
+from geosched.config import (
+    MAX_DATACENTERS,
+    MAX_DC_GPUS,
+    MAX_LAYERS,
+    MAX_NAME_LEN,
+    ClusterSpec,
+    Config,
+    config_from_dict,
+)
 from geosched.costmodel import GIB
 from geosched.errors import ConfigError, PlanError, ScheduleError
 from geosched.netcost import wan_effective_bps
@@ -237,6 +245,20 @@ ZERO_UNUSED = "nothing to shard"
 stage (:func:`build_plan`)."""
 
 
+def dc_usage(cluster: ClusterSpec, cand: Candidate, tp: int) -> tuple[DcUsage, ...]:
+    """The plan's ``datacenters``: each DC's GPUs, those ``cand`` uses (``tp`` a device) and its stages."""
+    return tuple(
+        DcUsage(
+            dc.name,
+            dc.gpus,
+            cand.gpus_used(dc.name) * tp,
+            dc.gpus - cand.gpus_used(dc.name) * tp,
+            tuple(s for s in range(cand.num_stages) if any(pipeline[s] == dc.name for pipeline in cand.pipelines)),
+        )
+        for dc in cluster.datacenters
+    )
+
+
 def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
     """The plan file for a simulated candidate."""
     cand, cluster, job = ev.candidate, problem.cluster, problem.job
@@ -268,16 +290,7 @@ def build_plan(problem: Problem, ev: Evaluation, solver: SolverInfo) -> Plan:
                 codecs.get((min(a, b), max(a, b)), "none"),
             )
         )
-    dcs = tuple(
-        DcUsage(
-            dc.name,
-            dc.gpus,
-            cand.gpus_used(dc.name) * tp,
-            dc.gpus - cand.gpus_used(dc.name) * tp,
-            tuple(s for s in range(cand.num_stages) if any(pipeline[s] == dc.name for pipeline in cand.pipelines)),
-        )
-        for dc in cluster.datacenters
-    )
+    dcs = dc_usage(cluster, cand, tp)
     tokens = job.global_batch * job.model.seq_len
     prediction = Prediction(
         ev.iteration_s,
@@ -363,6 +376,16 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     if plan.warmup:
         _check_warmup(plan, problem, cand)
     _check_links(plan, problem, cand)
+    usage = dc_usage(plan.config.cluster, cand, plan.tensor_parallel)
+    if len(plan.datacenters) != len(usage):  # what the summary shows: only what the stages and the config say
+        raise PlanError(f"plan.datacenters: {len(plan.datacenters)} listed, the config has {len(usage)}")
+    for i, (used, due) in enumerate(zip(plan.datacenters, usage)):
+        for name in ("name", "gpus", "used", "unused", "stages"):
+            if getattr(used, name) != getattr(due, name):
+                raise PlanError(
+                    f"plan.datacenters[{i}].{name}: {getattr(used, name)!r} does not match the config and stages "
+                    f"(expected {getattr(due, name)!r}); re-run 'geosched plan'"
+                )
     expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
@@ -392,6 +415,12 @@ def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
             )
         if frozenset((a, b)) in seen:
             raise PlanError(f"plan.links[{i}].between: the link [{a}, {b}] is listed twice; keep one")
+        most = problem.require_link(a, b).max_streams
+        if link.streams > most:
+            raise PlanError(
+                f"plan.links[{i}].streams: {link.streams} is more than the link's max_streams ({most}, "
+                "cluster.links); use at most that, or re-run 'geosched plan'"
+            )
         seen.add(frozenset((a, b)))
         if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
             allowed = "none" if job.wan_compression == "none" else f"none or {job.wan_compression}"
