@@ -108,8 +108,13 @@ class _Refused(Exception):
 
 
 def _yaml11_surprise(text: str) -> str | None:
-    """Why a plain number means something else in YAML 1.1 than it looks (base 60, octal), or None."""
+    """Why a plain number means something else in YAML 1.1 than it looks (base 60, octal, binary, digits
+    grouped with underscores: YAML 1.2 reads those as text), or None."""
     digits = text.lstrip("+-").replace("_", "")
+    if "_" in text:
+        return f"{short(text, 20)[1:-1]} is read as {digits} in YAML 1.1 (underscores dropped); write {digits}"
+    if digits[:2].lower() == "0b":
+        return f"{short(text, 20)[1:-1]} is a binary number in YAML 1.1; write it in decimal"
     if ":" in digits:
         return f"{short(text, 20)[1:-1]} is a base-60 number in YAML 1.1; write the number itself, or quote a text"
     if len(digits) > 1 and digits[0] == "0" and digits.isdigit():

@@ -239,6 +239,8 @@ def test_exponent_numbers_are_numbers_and_number_like_names_stay_names(tmp_path)
     [
         ("  steps: 1:30", "1:30 is a base-60 number in YAML 1.1"),  # PyYAML read it as 90
         ("  steps: 010", "010 is an octal number in YAML 1.1"),  # PyYAML read it as 8
+        ("  steps: 3_0", r"3_0 is read as 30 in YAML 1.1 \(underscores dropped\); write 30"),  # YAML 1.2: text
+        ("  steps: 0b11110", "0b11110 is a binary number in YAML 1.1"),  # PyYAML read it as 30
     ],
 )
 def test_yaml11_numbers_that_mean_something_else_are_refused(tmp_path, line: str, complaint: str):
