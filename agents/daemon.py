@@ -126,6 +126,7 @@ class Agent:
         self.cp: ControlPlane | None = None
         self._status: dict[str, Any] = {}
         self._stopped_by: str | None = None  # "command": a 'job stop' ended it (its final status says so)
+        self._checkpoints = 0  # written by this process: each acknowledgement differs from the one before
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics = AgentMetrics(  # always kept (cheap); served only with metrics_bind
@@ -238,10 +239,9 @@ class Agent:
             elif kind == "finished":
                 await self._set_status("ready", next_step=rest[0])
             elif kind == "checkpointed":  # the acknowledgement 'geosched job checkpoint' waits for
-                folder = os.path.abspath(self.opts.checkpoint_dir or ".")
-                await self._set_status(
-                    str(self._status.get("state", "ready")), checkpoint={"step": rest[0], "dir": folder}
-                )
+                folder, self._checkpoints = os.path.abspath(self.opts.checkpoint_dir or "."), self._checkpoints + 1
+                mark = {"step": rest[0], "dir": folder, "count": self._checkpoints}
+                await self._set_status(str(self._status.get("state", "ready")), checkpoint=mark)
             elif kind == "failed":
                 return await self._on_failure(rest[0])
 

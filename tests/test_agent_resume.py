@@ -13,6 +13,7 @@ import io
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,4 +120,30 @@ def test_a_checkpoint_asked_while_training_is_one_complete_step(embedded_broker,
         job.join(300)
         assert len(losses) == 1 and len(losses[0]) == 400, log_tail(tmp_path)
     finally:
+        stop_processes(agents)
+
+
+def test_a_checkpoint_asked_of_a_stalled_job_is_not_an_older_one(embedded_broker, tmp_path: Path):
+    """One rank frozen: no metrics arrive, so the step done was read from the statuses' start (0), and the
+    checkpoint written every 2 steps long before was acknowledged as the one asked for ('written', exit 0).
+    Only a checkpoint reported after the command counts now (and heartbeats give the step in progress)."""
+    from agents.control.losses import AgentLost
+
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path).read_text()
+    ckpt = tmp_path / "ckpt"
+    every = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
+    agents = [spawn_agent(url, "stall", r, dc, tmp_path, *every) for r, dc in enumerate(DCS)]
+    try:
+        threading.Thread(target=lambda: _losses(url, "stall", plan, 400), daemon=True).start()
+        for _ in range(600):
+            statuses = asyncio.run(job_statuses(url, "stall", settle_s=0.1))
+            if len(statuses) == 2 and all(int(s.extra.get("step", 0)) >= 6 for s in statuses.values()):
+                break
+        agents[1].send_signal(signal.SIGSTOP)
+        time.sleep(6)  # the last metrics are older than the command's listening window
+        with pytest.raises(AgentLost):  # rank 1 named: silent (no checkpoint), or offline once the broker drops it
+            asyncio.run(checkpoint_job(url, "stall", timeout_s=8))
+    finally:
+        agents[1].send_signal(signal.SIGCONT)
         stop_processes(agents)

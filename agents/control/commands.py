@@ -136,7 +136,7 @@ async def checkpoint_job(
     AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
     """
     async with ControlPlane(url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics") as sub:
+        async with await cp.subscribe("status", "metrics", "heartbeat") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
             if not live:
@@ -159,14 +159,17 @@ async def checkpoint_job(
                 # one boundary for every rank (their stages' collectives write it together), a step past the one
                 # in progress so the command reaches each before its end; the job's last step at the latest
                 after_step = min([done + 1, *(end - 1 for end in ends)])
+            before = {r: (statuses[r].pid, statuses[r].extra.get("checkpoint")) for r in live}
             sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
             wanted = done if after_step is None else after_step + 1
             step = done if training else None  # the step in progress, for a message naming when a rank failed
-            return await _acknowledged(cp, sub, live, wanted, sent.seq, timeout_s, step=step)
+            return await _acknowledged(cp, sub, before, wanted, sent.seq, timeout_s, step=step)
 
 
 async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
-    """Steps the job has completed: the agents' ``next_step``, or newer step metrics of a training job."""
+    """Steps the job has completed: the agents' ``next_step``, or newer step metrics of a training job, or the
+    step its agents' heartbeats say is in progress (a job that stalled sends no metrics: without them, a
+    checkpoint written long before counted as the one asked for)."""
     statuses = cp.statuses()
     done = max(int(statuses[r].extra.get("next_step", 0)) for r in live)
     if all(statuses[r].state == "ready" for r in live):
@@ -180,6 +183,8 @@ async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
             break
         if isinstance(message, MetricsMessage):
             return max(done, message.step + 1)
+        if isinstance(message, HeartbeatMessage) and message.rank in live and message.step is not None:
+            done = max(done, message.step)
     return done
 
 
@@ -189,10 +194,12 @@ def _has_end(status: StatusMessage) -> bool:
 
 
 async def _acknowledged(
-    cp: ControlPlane, sub: Any, live: set[int], wanted: int, seq: int, timeout_s: float, step: int | None = None
+    cp: ControlPlane, sub: Any, before: dict[int, Any], wanted: int, seq: int, timeout_s: float, step: int | None = None
 ) -> CheckpointWritten:
-    """Wait until every rank of ``live`` reports a checkpoint of step ``wanted`` or later (InputError at once
-    if one refuses command ``seq``, e.g. for want of a checkpoint folder)."""
+    """Wait until every rank of ``before`` reports a checkpoint of step ``wanted`` or later, other than the one it
+    reported when the command was sent (``before``: its process and mark then; a stalled job's old checkpoint
+    was once taken for the new one). InputError at once if one refuses command ``seq`` (no checkpoint folder)."""
+    live = set(before)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     acked: dict[int, dict[str, Any]] = {}
@@ -203,7 +210,7 @@ async def _acknowledged(
                 continue
             if mark.get("seq") == seq and mark.get("error"):
                 raise InputError(f"job {cp.job!r}: agent rank {rank} cannot checkpoint: {mark['error']}")
-            if int(mark.get("step", -1)) >= wanted:
+            if int(mark.get("step", -1)) >= wanted and (cp.statuses()[rank].pid, mark) != before[rank]:
                 acked[rank] = mark
         if len(acked) == len(live):
             step = min(int(m["step"]) for m in acked.values())
