@@ -173,7 +173,12 @@ def test_the_token_is_required(served):
         (b'{"prompt": "a", "deadline_ms": 1e400}', 400, "1e400 is out of range"),
         (b'{"prompt": "a", "deadline_ms": 1' + b"0" * 40 + b"}", 400, "numbers of ordinary size"),
         (b'{"prompt": "a", "deadline_ms": "soon"}', 400, "'deadline_ms' must be int/float (got str)"),
-        (b'{"prompt": "a", "top_p": 1}', 400, "unknown fields ['top_p']"),
+        (b'{"prompt": "a", "top_k": 1}', 400, "unknown fields ['top_k']"),
+        (b'{"prompt": "a", "top_p": 0.5}', 400, "top_p must be 1"),
+        (b'{"prompt": "a", "n": true}', 400, "n must be 1"),  # a bool is no count, though Python says True == 1
+        (b'{"prompt": "a", "stream": 0}', 400, "stream must be false"),
+        (b'{"prompt": "a", "stop": ["\\n"]}', 400, "stop must be null"),
+        (b'{"prompt": "a", "seed": "x"}', 400, "seed must be an integer"),
         (b'{"prompt": "a", "max_tokens": 2}', 400, "max_tokens must be 1"),
         (b'{"prompt": "a", "logprobs": 99}', 400, "logprobs must be an integer 0-16"),
         (b'{"prompt": "a", "priority": 10}', 400, "'priority' must be 0-9"),
@@ -189,6 +194,13 @@ def test_the_token_is_required(served):
 def test_bad_bodies_are_refused_with_openai_errors(served, raw: bytes, status: int, needle: str):
     reply = call(served[1], "POST", "/v1/completions", raw=raw)
     assert reply[0] == status and needle in error(reply)["message"], reply
+
+
+def test_openai_fields_clients_send_at_their_defaults_are_accepted(served):
+    body = {"prompt": "a", "stop": None, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "seed": 7}
+    body |= {"logit_bias": {}, "best_of": 1}
+    reply = call(served[1], "POST", "/v1/completions", raw=json.dumps(body).encode())
+    assert reply[0] == 200, reply
 
 
 def _raw_reply(server: PrefillHttpServer, request: bytes) -> bytes:

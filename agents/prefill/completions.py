@@ -26,8 +26,12 @@ from geosched import wire
 from geosched.errors import ProtocolError
 from geosched.model import KVCache
 
+NEUTRAL = {"stop": None, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1}
+NEUTRAL |= {"logit_bias": None, "suffix": None, "seed": None}
+"""OpenAI's fields that change nothing at their defaults (clients send them): accepted at these values (or
+null; ``stop: []`` and ``logit_bias: {}`` too, and any integer ``seed``: the one token is the greedy one)."""
 COMPLETION_FIELDS = frozenset(
-    {"model", "prompt", "max_tokens", "logprobs", "n", "stream", "echo", "temperature", "user"}
+    {"model", "prompt", "max_tokens", "logprobs", "n", "stream", "echo", "temperature", "user", *NEUTRAL}
     | {"priority", "deadline_ms"}  # geosched's own: the service's queue order and the answer's deadline
 )
 PREFILL_FIELDS = frozenset({"model", "prompt", "user", "priority", "deadline_ms", "top_k"})
@@ -116,8 +120,9 @@ def _prompt_frame(prompt: Any) -> tuple[str, bytes, str]:
 
 
 def _flag(body: dict[str, Any], key: str, allowed: Any, why: str) -> None:
-    if key in body and body[key] is not None and body[key] != allowed:
-        raise invalid(f"{key} must be {json.dumps(allowed)}: {why}", key, "unsupported_value")
+    value = body.get(key)
+    if value is not None and (value != allowed or isinstance(value, bool) != isinstance(allowed, bool)):
+        raise invalid(f"{key} must be {json.dumps(allowed)}: {why}", key, "unsupported_value")  # not true for 1
 
 
 def parse_request(body: dict[str, Any], *, kind: str, model_id: str, max_prompt_tokens: int, vocab: int) -> Ask:
@@ -150,6 +155,13 @@ def parse_request(body: dict[str, Any], *, kind: str, model_id: str, max_prompt_
         _flag(body, "stream", False, "answers are not streamed")
         _flag(body, "echo", False, "the prompt is not echoed")
         _flag(body, "temperature", 0, "the first token is the greedy one (temperature 0)")
+        for key, neutral in NEUTRAL.items():
+            value = body.get(key)
+            if key == "seed":
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                    raise invalid(f"seed must be an integer (got {json.dumps(value)[:40]})", "seed")
+            elif value not in (None, [], {}):  # the empty list of stop strings, no logit biases: the defaults too
+                _flag(body, key, neutral, "this endpoint answers one greedy token, so only the default changes nothing")
         logprobs = body.get("logprobs")
         top = min(MAX_TOP_K, vocab)
         if logprobs is not None and (
