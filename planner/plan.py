@@ -338,6 +338,8 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
             f"{source}: expected a plan mapping (got {type(data).__name__}); "
             "write one with 'geosched plan CONFIG -o plan.yaml'"
         )
+    if "version" not in data and {"cluster", "job"} <= set(data):
+        raise PlanError(f"{source} is a config, not a plan: make one with 'geosched plan {source} -o plan.yaml'")
     if data.get("version") not in READS_VERSIONS:
         raise PlanError(
             f"{source}: version: this geosched reads plan versions {', '.join(map(str, READS_VERSIONS))} "

@@ -225,3 +225,17 @@ def test_a_model_larger_than_this_hosts_memory_is_refused_before_torch_allocates
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "GiB available" in err and "Traceback" not in err, err
+
+
+def test_a_config_where_a_plan_goes_is_named_as_such(capsys) -> None:
+    """It was 'version: this geosched reads plan versions 1, 2 (got None)', for every verb taking a plan."""
+    config = "configs/demo-3dc.yaml"
+    for argv in (
+        ["job", "start", config, "--mqtt", "mqtt://127.0.0.1:1"],
+        ["agent", "--plan", config, "--rank", "0", "--mqtt", "mqtt://127.0.0.1:1"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is a config, not a plan: make one with 'geosched plan" in err, err
+    assert main(["job", "start", config, "--mqtt", "mqtt://127.0.0.1:1", "--ready-timeout", "-1"]) == 2
+    assert "--ready-timeout: must be > 0" in capsys.readouterr().err

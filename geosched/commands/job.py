@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
-from geosched.commands.checks import above, at_least
+from geosched.commands.checks import above, at_least, at_most
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import GeoschedError, InputError
 
@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         from agents.layout import load_plan_file
 
         at_least(args, "steps", 1)
+        above(args, "ready_timeout", 0, "seconds to wait for every agent, e.g. 120")
+        at_most(args, "ready_timeout", 86_400, "a day")
         text = load_plan_file(args.plan)
         out = sys.stderr if args.json else sys.stdout
         if args.elastic or args.config or args.checkpoint_dir:
