@@ -239,3 +239,17 @@ def test_a_config_where_a_plan_goes_is_named_as_such(capsys) -> None:
         assert err.count("\n") == 1 and "is a config, not a plan: make one with 'geosched plan" in err, err
     assert main(["job", "start", config, "--mqtt", "mqtt://127.0.0.1:1", "--ready-timeout", "-1"]) == 2
     assert "--ready-timeout: must be > 0" in capsys.readouterr().err
+
+
+def test_a_job_name_that_cannot_name_topics_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
+    """launch --job a/b named an internal client id, after starting 4 agents and writing a report."""
+    run = tmp_path / "run"
+    for argv in (
+        ["launch", "configs/demo-3dc.yaml", "--job", "a/b", "--run-dir", str(run), "--no-calibrate"],
+        ["job", "status", "--mqtt", "mqtt://127.0.0.1:1", "--job", "a/b"],
+        ["agent", "--rank", "0", "--mqtt", "mqtt://127.0.0.1:1", "--job", "a#"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--job 'a" in err and "use 1-64 characters" in err, err
+    assert not run.exists()

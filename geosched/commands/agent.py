@@ -31,7 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from geosched.chunking import DEFAULT_MAX_CHUNK
-from geosched.commands.checks import above, at_least, at_most
+from geosched.commands.checks import above, at_least, at_most, job_name
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import InputError
 
@@ -69,6 +69,7 @@ def load_keys(args: argparse.Namespace) -> JobKeys | None:
 
 def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: str | None = None) -> str:
     """The broker URL from --mqtt / env, with credentials from env, else from ``keys`` as ``identity``."""
+    job_name(args)
     if not args.mqtt:
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
     url: str = args.mqtt

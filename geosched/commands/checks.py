@@ -89,6 +89,13 @@ def output_file(
     return path
 
 
+def job_name(args: argparse.Namespace) -> str:
+    """``--job``, checked before anything starts: it names the job's topics and clients (InputError naming it)."""
+    from agents.control.messages import check_name
+
+    return check_name("--job", args.job)
+
+
 def fits_host_memory(job: JobSpec, bytes_per_param: float, what: str, fix: str) -> None:
     """InputError when ``job``'s whole model at ``bytes_per_param`` needs more than this host's available memory
     (Linux's MemAvailable; unchecked where that is unknown): torch would fail to allocate with a traceback, or

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from geosched.commands.checks import above, at_least, at_most
+from geosched.commands.checks import above, at_least, at_most, job_name
 from geosched.config import MAX_STEPS
 from geosched.errors import InputError
 
@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     above(args, "wan_scale", 0, "e.g. 0.05")
     at_most(args, "wan_scale", 1000, "it scales the config's WAN bandwidths; e.g. 0.05")
     above(args, "ready_timeout", 0, "e.g. 120")
+    job_name(args)
     if args.mqtt is not None:
         from agents.control.address import BrokerAddress
 
