@@ -218,11 +218,15 @@ def test_malformed_requests_and_undecodable_tokens_are_refused_counted_and_not_l
         assert reply.startswith(b"HTTP/1.1 401"), reply
         for bad in (b"Ho\x00st: x\r\n", b"NoColon\r\n"):  # refused by aiohttp's parser
             assert _raw_reply(server, b"GET /v1/models HTTP/1.1\r\n" + bad + b"\r\n").startswith(b"HTTP/1.0 400")
+        chunked = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        for auth in (b"", f"Authorization: Bearer {TOKEN}\r\n".encode()):  # a bogus chunk size, then gone
+            _raw_reply(server, chunked + auth + b"\r\nzz\r\n{}\r\n")
     after = service.metrics()
     assert after["unauthenticated"] == before["unauthenticated"] + 1
-    assert after["bad_requests"] == before["bad_requests"] + 2
+    assert after["bad_requests"] == before["bad_requests"] + 4
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    assert call(server, "GET", "/v1/models")[0] == 200
+    status, headers, _ = call(server, "GET", "/v1/models")
+    assert status == 200 and {k.lower(): v for k, v in headers.items()}["server"] == "geosched"  # no versions
 
 
 def test_a_body_that_does_not_arrive_is_refused(model):

@@ -130,7 +130,10 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., It
     """The WSGI app: ``/health`` from ``health``, ``/metrics`` (and ``/``) from prometheus_client, else 404."""
     prometheus = make_wsgi_app(registry)
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def app(environ: dict[str, Any], respond: Callable[..., Any]) -> Iterable[bytes]:
+        def start_response(status: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
+            return respond(status, [*headers, ("Server", "geosched")], *rest)  # not wsgiref's Python version
+
         path = environ.get("PATH_INFO", "")
         if path in ("/metrics", "/"):
             result: Iterable[bytes] = prometheus(environ, start_response)

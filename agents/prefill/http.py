@@ -83,10 +83,14 @@ class _ServerLog(logging.Logger):
         self._on_bad_request = on_bad_request
 
     def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        """Count and quiet the parser's refusals; log the rest with their traceback."""
+        """Count and quiet the parser's refusals and clients that hang up mid-request; log the rest with their
+        traceback."""
         if isinstance(exc_info, HttpProcessingError):
             self._on_bad_request()
             self.debug("malformed HTTP request refused: %s", exc_info.message.splitlines()[0][:200])
+            return
+        if isinstance(exc_info, ConnectionError):  # a body cut short (a bogus chunk size): the client's doing
+            self.debug("client connection lost during a request: %s", exc_info)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
@@ -273,6 +277,7 @@ class PrefillHttpServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every refusal as OpenAI's error object; a refusal that left the body unread closes the connection."""
         response = await self._answer(request, handler)
+        response.headers["Server"] = "geosched"  # not aiohttp's and Python's versions
         if response.status >= 400 and not request.content.is_eof():
             response.force_close()  # "Connection: close"
             transport = request.transport
