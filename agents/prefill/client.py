@@ -71,6 +71,7 @@ class PrefillClient:
         self.token = token
         self.timeout_s = timeout_s
         self.max_response_bytes = max_response_bytes
+        self._curve = curve_client is not None
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self._sock = make_socket(
@@ -115,9 +116,10 @@ class PrefillClient:
         """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(timeout * 1e3), zmq.POLLIN):
+            keys = " and the server key the agent's (--rank: CURVE drops a wrong key unanswered)" if self._curve else ""
             raise LinkError(
                 f"no prefill response from {self.endpoint} within {timeout:g} s; "
-                f"is the agent running and its endpoint right?"
+                f"is the agent running, its endpoint right{keys}?"
             )
         frames = self._sock.recv_multipart(copy=False)
         return decode_response([f.buffer for f in frames], max_kv_frame_bytes=self.max_response_bytes)
