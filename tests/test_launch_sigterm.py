@@ -113,3 +113,24 @@ def test_an_unfinished_run_is_reported_from_cut_rank_files_or_not_at_all_but_nev
     assert (report["outcome"], report["error"], report["steps"]) == ("failed", "disk full", [0])
     assert "its last line is cut short" in caplog.text
     assert write_unfinished_report(tmp_path / "missing" / "folder", KeyboardInterrupt()) is None
+
+
+def test_an_unfinished_elastic_run_reports_every_attempts_steps_and_its_recoveries(tmp_path: Path) -> None:
+    """The failed attempts' rank files sit in attempt-<n>/: their steps count too (a redone step once, as last
+    run), with the recoveries (a trial's reports after recoveries had no recoveries and only the last steps)."""
+    from agents.runfolder.report import write_unfinished_report
+    from agents.stage.report import StepReport
+
+    def rank_file(folder: Path, steps: range, loss: float) -> None:
+        folder.mkdir(exist_ok=True)
+        lines = [{"rank": 0, **StepReport(s, 0, 0, loss - s, 0.1, 0.05, 0.0, 0.05, 0.0).to_dict()} for s in steps]
+        (folder / "rank0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    rank_file(tmp_path / "attempt-1", range(0, 5), 10.0)  # steps 0-4; checkpoint at 3, lost during 5
+    rank_file(tmp_path, range(4, 6), 20.0)  # resumed from step 4: steps 4 (redone) and 5
+    recoveries = [{"lost_ranks": [1], "resumed_from_step": 4}]
+    written = write_unfinished_report(tmp_path, KeyboardInterrupt(), recoveries)
+    assert written is not None
+    report = json.loads(written.read_text())
+    assert report["outcome"] == "interrupted" and report["steps"] == [0, 1, 2, 3, 4, 5]
+    assert report["losses"] == [10.0, 9.0, 8.0, 7.0, 16.0, 15.0] and report["recoveries"] == recoveries

@@ -49,11 +49,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
+from agents.rehearsal.hooks import with_http_urls, with_load, with_metrics_urls
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
-from agents.tls.context import client_context, server_context
+from agents.tls.context import server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
-from geosched.errors import GeoschedError, InputError, PlanError
+from geosched.errors import InputError, PlanError
 
 if TYPE_CHECKING:
     from agents.keys import JobKeys
@@ -138,7 +139,13 @@ def launch(
     from agents.layout import load_plan_file, parse_layout
     from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
     from agents.runfolder.record import endpoints_hook
-    from agents.runfolder.report import build_report, load_rank_reports, report_text, write_run_folder
+    from agents.runfolder.report import (
+        build_report,
+        load_rank_reports,
+        report_text,
+        write_run_folder,
+        write_unfinished_report,
+    )
     from agents.runnable import check_plan_config, plan_for_config, runtime_refusal
     from geosched.config import load_config
 
@@ -239,9 +246,9 @@ def launch(
             stack.enter_context(server)
             metrics_urls["coordinator"] = server.url()
         coordinator_url, control = coordinator_login(mqtt, keys)
-        routes = relays if load is None else _with_load(relays, load)
-        hook = _with_http_urls(routes, http_urls, keys, tls, out)
-        hook = _with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
+        routes = relays if load is None else with_load(relays, load)
+        hook = with_http_urls(routes, http_urls, keys, tls, out)
+        hook = with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
 
         attempt: list[AgentProcesses] = []  # every attempt's agents, the running ones last
 
@@ -301,10 +308,11 @@ def launch(
         )
         try:
             text, agents = recovering.train(text, steps, first)
-        except BaseException as exc:  # stopped, interrupted, failed: what there is of the run, in report.json
-            from agents.runfolder.report import write_unfinished_report
-
-            setattr(exc, "run_report", write_unfinished_report(run, exc))  # noqa: B010 - for `launch --json`
+        except BaseException as exc:  # stopped, interrupted, failed: its agents stopped, then what they did reported
+            for procs in attempt[-1:]:
+                procs.stop()  # a step they complete after the signal is in their rank files, so in the report
+            done = [r.to_dict() for r in recovering.recoveries]
+            setattr(exc, "run_report", write_unfinished_report(run, exc, done))  # noqa: B010 - for `launch --json`
             raise
         if recovering.recoveries:
             layout = parse_layout(text)
@@ -406,90 +414,6 @@ def coordinator_login(url: str, keys: JobKeys | None) -> tuple[str, dict[str, An
     from agents.control.auth import ControlKeys
 
     return url, {"keys": ControlKeys(*keys.control_fields("coordinator"))}
-
-
-def _with_load(relays: RelayRoutes, load: Any) -> Any:
-    """A ``before_start`` hook: start the prefill load on the agents' published endpoints, then the relays."""
-    from agents.layout import prefill_name
-
-    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
-        endpoints = {rank: st.extra.get("endpoints", {}).get(prefill_name(rank)) for rank, st in statuses.items()}
-        missing = sorted(rank for rank, ep in endpoints.items() if not ep)
-        if missing:
-            raise GeoschedError(f"ranks {missing} are ready but did not publish a prefill endpoint")
-        load.start(endpoints)
-        return await relays(statuses)
-
-    return hook
-
-
-def _with_http_urls(
-    then: Any, urls: dict[int, str], keys: JobKeys | None, tls: TlsFiles | None, out: TextIO | None
-) -> Any:
-    """A ``before_start`` hook: note (in ``urls``), check (one ``GET /v1/models`` each, over TLS with the run's CA
-    and token) and print every rank's prefill HTTP URL, then run ``then``."""
-    from agents.keys import PREFILL_TOKEN
-    from agents.layout import prefill_http_name
-
-    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
-        for rank, status in sorted(statuses.items()):
-            url = status.extra.get("endpoints", {}).get(prefill_http_name(rank))
-            if url:
-                urls[rank] = str(url)
-        token = None if keys is None else keys.prefill_token()
-        for rank, url in urls.items():
-            await asyncio.to_thread(check_http, rank, url, token, None if tls is None else tls.ca)
-        if urls and out is not None:
-            secured = "no token" if keys is None else f"token in {keys.directory / PREFILL_TOKEN}"
-            secured += "" if tls is None else f", CA {tls.ca}"
-            listed = ", ".join(f"r{rank} {url}" for rank, url in urls.items())
-            print(f"launch: prefill over HTTP ({secured}): {listed}", file=out, flush=True)
-        result: dict[str, str] = await then(statuses)
-        return result
-
-    return hook
-
-
-def check_http(rank: int, url: str, token: str | None, ca: Path | None) -> None:
-    """GeoschedError unless ``GET url/v1/models`` answers 200 (over TLS trusting ``ca`` for an https URL)."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 0
-    if parts.scheme == "https":
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, port, timeout=10, context=client_context(ca)
-        )
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=10)
-    try:
-        conn.request("GET", "/v1/models", headers={} if token is None else {"Authorization": f"Bearer {token}"})
-        status = conn.getresponse().status
-    except (OSError, http.client.HTTPException) as exc:
-        raise GeoschedError(f"rank {rank}'s prefill front end at {url} does not answer: {exc}") from None
-    finally:
-        conn.close()
-    if status != 200:
-        raise GeoschedError(f"rank {rank}'s prefill front end at {url} answers GET /v1/models with {status}")
-
-
-def _with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> Any:
-    """A ``before_start`` hook: note (in ``urls``, as ``r<rank>``) and print the Prometheus URLs, then ``then``."""
-    from agents.layout import metrics_name
-
-    async def hook(statuses: dict[int, Any]) -> dict[str, str]:
-        for rank, status in sorted(statuses.items()):
-            url = status.extra.get("endpoints", {}).get(metrics_name(rank))
-            if url:
-                urls[f"r{rank}"] = str(url)
-        if urls and out is not None:
-            listed = ", ".join(f"{who} {url}" for who, url in urls.items())
-            print(f"launch: Prometheus metrics (and /health): {listed}", file=out, flush=True)
-        result: dict[str, str] = await then(statuses)
-        return result
-
-    return hook
 
 
 def _load_average() -> float | None:

@@ -251,34 +251,47 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
     return Path(path)
 
 
-def write_unfinished_report(run_dir: str | os.PathLike[str], exc: BaseException) -> Path | None:
+def write_unfinished_report(
+    run_dir: str | os.PathLike[str], exc: BaseException, recoveries: list[dict[str, Any]] | None = None
+) -> Path | None:
     """``report.json`` of a run that did not finish: its ``outcome`` (``stopped`` by an operator, ``interrupted``,
-    ``failed``), the ``error`` line, and the steps every rank that reported completed, with their losses (and
-    ``loss.png``); no prediction, no timeline. Written from the rank files, whatever state the run is in; None
-    (and a warning) if even that cannot be written (a full disk)."""
+    ``failed``), the ``error`` line, the steps every rank completed, with their losses (and ``loss.png``), over
+    every attempt of an elastic run (``attempt-<n>/``; a step redone after a recovery counts once, as last run),
+    and its ``recoveries``; no prediction, no timeline. Written from the rank files, whatever state the run is
+    in; None (and a warning) if even that cannot be written (a full disk)."""
     try:
-        return _write_unfinished(run_dir, exc)
+        return _write_unfinished(run_dir, exc, recoveries)
     except Exception as error:  # noqa: BLE001 - the run's own failure is what the caller reports
         log.warning("%s: report.json of the unfinished run not written: %s", run_dir, error)
         return None
 
 
-def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException) -> Path:
-    reports = load_rank_reports(run_dir)
+def _completed_steps(folder: Path) -> dict[int, float | None]:
+    """Step -> loss of every step all of ``folder``'s ranks completed."""
+    reports = load_rank_reports(folder)
     by_step = reports_by_step(reports)
     last_stage = max((r.stage for rs in reports.values() for r in rs), default=0)
-    steps = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
+    done = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
+    return {s: global_loss(r for r in by_step[s] if r.stage == last_stage) for s in done}
+
+
+def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
+    run, done = Path(run_dir), {}
+    attempts = sorted(run.glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]) if p.name[8:].isdigit() else 0)
+    for folder in [*attempts, run]:  # a later attempt's run of a step wins
+        done.update(_completed_steps(folder))
+    steps = sorted(done)
     outcome = (
         "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     )
-    losses = [global_loss(r for r in by_step[s] if r.stage == last_stage) for s in steps]
+    losses = [done[s] for s in steps]
     report: dict[str, Any] = {
         "outcome": outcome,
         "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
         "steps": steps,
         "losses": losses,
+        **({"recoveries": recoveries} if recoveries else {}),
     }
-    run = Path(run_dir)
     known = [loss for loss in losses if loss is not None]
     if steps and len(known) == len(steps):
         report["loss_png"] = str(write_loss_png(steps, known, run / "loss.png"))
