@@ -211,7 +211,11 @@ def completion_body(ask: Ask, response: PrefillResponse, model_id: str, created:
             "completion_tokens": 1,
             "total_tokens": response.prompt_tokens + 1,
         },
-        "geosched": {"first_token": response.first_token, **response.timings},
+        "geosched": {
+            "first_token": response.first_token,
+            **response.timings,
+            "chunks": int(response.timings.get("chunks", 0)),
+        },
     }
 
 

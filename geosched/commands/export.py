@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     model = ModelRecord.from_dict(done["model"], args.output)
     print(
-        f"exported checkpoint step {done['step']} ({done['stages']} stages) of {args.checkpoint_dir} to "
+        f"exported checkpoint step {done['step']} ({done['stages']} stage{'s' if done['stages'] != 1 else ''}) of "
+        f"{args.checkpoint_dir} to "
         f"{done['path']}: {done['parameters']:,} parameters, {done['bytes'] / 1e6:.1f} MB, {model.describe()} "
         f"{model.precision}, fingerprint {done['model_fingerprint']}"
     )
