@@ -134,3 +134,19 @@ def test_an_unfinished_elastic_run_reports_every_attempts_steps_and_its_recoveri
     report = json.loads(written.read_text())
     assert report["outcome"] == "interrupted" and report["steps"] == [0, 1, 2, 3, 4, 5]
     assert report["losses"] == [10.0, 9.0, 8.0, 7.0, 16.0, 15.0] and report["recoveries"] == recoveries
+
+
+def test_a_frozen_agent_is_told_apart_for_its_sigkill_at_once() -> None:
+    """A stopped process keeps SIGTERM pending: launch SIGKILLs it at once instead of waiting out the 10 s grace
+    (a trial's recovery from a frozen agent spent 10 of its 28.6 s there)."""
+    from agents.rehearsal.processes import _frozen
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert wait_for(lambda: not _frozen(proc.pid), timeout_s=5)
+        proc.send_signal(signal.SIGSTOP)
+        assert wait_for(lambda: _frozen(proc.pid), timeout_s=5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _frozen(proc.pid)  # gone

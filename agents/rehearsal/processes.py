@@ -84,6 +84,8 @@ class AgentProcesses:
         before that SIGKILL (None: still running then), so a -SIGKILL among them was someone else's."""
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGTERM)
+            if _frozen(proc.pid):  # stopped (SIGSTOP, a debugger): it would not see SIGTERM until the grace ends
+                _signal_group(proc, signal.SIGKILL)
         codes = self.wait(grace_s)
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGKILL)  # also reaps grandchildren left in the group
@@ -95,6 +97,15 @@ class AgentProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _frozen(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
