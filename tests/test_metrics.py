@@ -277,3 +277,21 @@ def test_fp16_skipped_steps_are_counted_and_the_loss_scale_shown():
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(plain.registry).decode())}
     assert "geosched_loss_scale" not in families
     assert value(families, "geosched_skipped_steps", "geosched_skipped_steps_total") == 0
+
+
+def test_the_metrics_urls_an_elastic_launch_prints_are_its_current_ranks_only() -> None:
+    """After a re-plan from 4 ranks to 3, the printed list (and report.json's) still named the dead rank 3."""
+    from types import SimpleNamespace
+
+    from agents.layout import metrics_name
+    from agents.rehearsal.hooks import with_metrics_urls
+
+    async def then(statuses: dict[int, Any]) -> dict[str, str]:
+        return {}
+
+    urls = {"coordinator": "https://127.0.0.1:1/metrics"}
+    hook = with_metrics_urls(then, urls, None)
+    for ranks, port in ((4, 100), (3, 200)):
+        statuses = {r: SimpleNamespace(extra={"endpoints": {metrics_name(r): f"u{port + r}"}}) for r in range(ranks)}
+        asyncio.run(hook(statuses))
+    assert urls == {"coordinator": "https://127.0.0.1:1/metrics", "r0": "u200", "r1": "u201", "r2": "u202"}

@@ -43,6 +43,7 @@ def with_http_urls(
     from agents.layout import prefill_http_name
 
     async def hook(statuses: dict[int, Any]) -> dict[str, str]:
+        urls.clear()  # this attempt's ranks only: an elastic re-plan's agents are new processes
         for rank, status in sorted(statuses.items()):
             url = status.extra.get("endpoints", {}).get(prefill_http_name(rank))
             if url:
@@ -90,6 +91,8 @@ def with_metrics_urls(then: Any, urls: dict[str, str], out: TextIO | None) -> An
     from agents.layout import metrics_name
 
     async def hook(statuses: dict[int, Any]) -> dict[str, str]:
+        for gone in [who for who in urls if who.startswith("r")]:  # a re-plan's ranks are new processes
+            del urls[gone]
         for rank, status in sorted(statuses.items()):
             url = status.extra.get("endpoints", {}).get(metrics_name(rank))
             if url:
