@@ -436,3 +436,13 @@ def test_the_connection_guard_admits_refuses_and_times_out():
     with pytest.raises(ValueError, match="header_timeout_s: must be between 0.05 and 3600"):
         HttpLimits.parse(["header_timeout_s=0"])
     assert HttpLimits.parse(["max_inflight=8"]) == HttpLimits(max_inflight=8)
+
+
+def test_text_offset_is_the_same_for_a_prompt_as_text_or_as_its_bytes(served):
+    """'é' as a string and as its UTF-8 bytes [195, 169] are one prompt: text_offset counted 1 and 8."""
+    offsets = []
+    for prompt in ("é", [195, 169]):
+        status, _, body = call(served[1], "POST", "/v1/completions", {"prompt": prompt, "logprobs": 1})
+        assert status == 200, body
+        offsets.append(json.loads(body)["choices"][0]["logprobs"]["text_offset"])
+    assert offsets == [[1], [1]]

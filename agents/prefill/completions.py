@@ -112,11 +112,25 @@ def _prompt_frame(prompt: Any) -> tuple[str, bytes, str]:
         if any(not -(1 << 63) <= t < 1 << 63 for t in prompt):
             raise invalid("prompt token ids must fit in int64", "prompt")
         ids = np.asarray(prompt, dtype="<i8")
-        return "tokens", ids.tobytes(), "".join(token_text(t) for t in prompt if 0 <= t)
+        return "tokens", ids.tobytes(), _tokens_text(prompt)
     raise invalid(
         "prompt must be a string or a list of token ids (one prompt per request; token ids are bytes of UTF-8)",
         "prompt",
     )
+
+
+def _tokens_text(tokens: list[int]) -> str:
+    """Token ids as the text a string prompt of the same bytes is: runs of byte tokens decoded as UTF-8 (so
+    ``[195, 169]`` is "é", one character for ``text_offset``, as the string "é" is), others as :func:`token_text`."""
+    out, run = [], bytearray()
+    for t in [*tokens, -1]:
+        if 0 <= t < 256:
+            run.append(t)
+            continue
+        out.append(run.decode("utf-8", errors="backslashreplace"))
+        run.clear()
+        out.append(token_text(t) if t >= 256 else "")
+    return "".join(out)
 
 
 def _flag(body: dict[str, Any], key: str, allowed: Any, why: str) -> None:
