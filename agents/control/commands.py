@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +25,11 @@ from agents.control.watch import align
 from geosched.errors import InputError
 
 METRICS_LISTEN_S = 3.0
-"""How long ``job checkpoint`` listens for step metrics to learn the step a training job is in."""
+"""How long ``job checkpoint`` listens for step metrics to learn the step a training job is in, and its pace."""
+COMMAND_MARGIN_S = 2.0
+"""The time a checkpoint command may take to reach every agent: the step it names is this far ahead, at the
+job's pace (a fast job passed a step one ahead before the command reached every rank: they wrote different
+steps)."""
 STOP_TIMEOUT_S = 30.0
 """How long ``job stop`` waits for every agent's acknowledgement."""
 DONE_STATES = ("stopped", "error", "offline")
@@ -141,7 +146,7 @@ async def checkpoint_job(
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
             if not live:
                 raise InputError(f"job {job!r}: no agent is ready or training; start the job before a checkpoint")
-            done = await _steps_done(cp, sub, live)
+            done, ahead = await _steps_done(cp, sub, live)
             if after_step is not None and after_step < done:
                 raise InputError(
                     f"--after-step {after_step}: that step is done (job {job!r} has completed {done} steps); "
@@ -158,7 +163,7 @@ async def checkpoint_job(
             if after_step is None and training:
                 # one boundary for every rank (their stages' collectives write it together), a step past the one
                 # in progress so the command reaches each before its end; the job's last step at the latest
-                after_step = min([done + 1, *(end - 1 for end in ends)])
+                after_step = min([done + 1 + ahead, *(end - 1 for end in ends)])
             before = {r: (statuses[r].pid, statuses[r].extra.get("checkpoint")) for r in live}
             sent = await cp.publish_command("checkpoint", **({} if after_step is None else {"step": after_step}))
             wanted = done if after_step is None else after_step + 1
@@ -166,26 +171,33 @@ async def checkpoint_job(
             return await _acknowledged(cp, sub, before, wanted, sent.seq, timeout_s, step=step)
 
 
-async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> int:
-    """Steps the job has completed: the agents' ``next_step``, or newer step metrics of a training job, or the
-    step its agents' heartbeats say is in progress (a job that stalled sends no metrics: without them, a
-    checkpoint written long before counted as the one asked for)."""
+async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> tuple[int, int]:
+    """(steps the job has completed, steps it runs in :data:`COMMAND_MARGIN_S`): the agents' ``next_step``, or
+    newer step metrics of a training job (two steps of them give its pace), or the step its agents' heartbeats
+    say is in progress (a job that stalled sends no metrics: without them, a checkpoint written long before
+    counted as the one asked for)."""
     statuses = cp.statuses()
     done = max(int(statuses[r].extra.get("next_step", 0)) for r in live)
     if all(statuses[r].state == "ready" for r in live):
-        return done
+        return done, 0
     loop = asyncio.get_running_loop()
     until = loop.time() + METRICS_LISTEN_S  # a training job: its next step metrics name the step in progress
+    first: tuple[int, float] | None = None  # the first step metrics seen, and when
     while (left := until - loop.time()) > 0:
         try:
             message = await sub.get(left)
         except TimeoutError:
             break
         if isinstance(message, MetricsMessage):
-            return max(done, message.step + 1)
+            done = max(done, message.step + 1)
+            if first is None:
+                first = (message.step, loop.time())
+            elif message.step > first[0]:
+                pace = (message.step - first[0]) / max(loop.time() - first[1], 1e-3)
+                return done, math.ceil(pace * COMMAND_MARGIN_S)
         if isinstance(message, HeartbeatMessage) and message.rank in live and message.step is not None:
             done = max(done, message.step)
-    return done
+    return done, 0
 
 
 def _has_end(status: StatusMessage) -> bool:
@@ -202,29 +214,39 @@ async def _acknowledged(
     live = set(before)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    acked: dict[int, dict[str, Any]] = {}
+    written: dict[int, dict[int, str]] = {r: {} for r in live}  # rank -> step -> folder, reported since the command
     while True:
-        for rank in live - set(acked):
+        for rank in live:
             mark = cp.statuses()[rank].extra.get("checkpoint")
             if not isinstance(mark, dict):
                 continue
             if mark.get("seq") == seq and mark.get("error"):
                 raise InputError(f"job {cp.job!r}: agent rank {rank} cannot checkpoint: {mark['error']}")
             if int(mark.get("step", -1)) >= wanted and (cp.statuses()[rank].pid, mark) != before[rank]:
-                acked[rank] = mark
-        if len(acked) == len(live):
-            step = min(int(m["step"]) for m in acked.values())
-            folders = sorted({str(m.get("dir")) for m in acked.values()})
-            return CheckpointWritten(step, ", ".join(folders), tuple(sorted(acked)))
+                written[rank][int(mark["step"])] = str(mark.get("dir"))
+        common = set.intersection(*(set(steps) for steps in written.values()))
+        if common:  # a step every rank wrote: complete (ranks that wrote different ones made none)
+            step = min(common)
+            folders = sorted({steps[step] for steps in written.values()})
+            return CheckpointWritten(step, ", ".join(folders), tuple(sorted(live)))
         try:
             message = await sub.get(max(0.0, deadline - loop.time()))
         except TimeoutError:
+            silent = sorted(r for r, steps in written.items() if not steps)
             raise AgentLost(
-                f"job {cp.job!r}: no checkpoint of step {wanted} or later acknowledged by ranks "
-                f"{sorted(live - set(acked))} within {timeout_s:g} s (do they have --checkpoint-dir?); see their logs"
+                f"job {cp.job!r}: no checkpoint of step {wanted} or later acknowledged by ranks {silent} within "
+                f"{timeout_s:g} s (do they have --checkpoint-dir?); see their logs"
+                if silent
+                else f"job {cp.job!r}: the ranks wrote different steps ({_steps_by_rank(written)}), none complete; "
+                f"ask again with --after-step {max(max(s) for s in written.values()) + 2}",
+                silent,
             ) from None
         if isinstance(message, StatusMessage) and message.rank in live and message.state in BAD_STATES:
             raise AgentLost(lost_message(cp.job, message, step))
+
+
+def _steps_by_rank(written: dict[int, dict[int, str]]) -> str:
+    return ", ".join(f"rank {r}: {', '.join(map(str, sorted(steps)))}" for r, steps in sorted(written.items()))
 
 
 def status_table(statuses: dict[int, StatusMessage]) -> str:
