@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from prefill_helpers import idle_worker
 
 from agents.prefill.client import PrefillClient
 from agents.prefill.protocol import VERSION
@@ -30,13 +31,8 @@ def model():
 
 @pytest.fixture
 def service(model):
-    with PrefillService(model, auth_token="s3cret") as svc:
-        stop = threading.Event()
-        worker = threading.Thread(target=svc.serve_idle, args=(stop.is_set,), daemon=True)
-        worker.start()
+    with PrefillService(model, auth_token="s3cret") as svc, idle_worker(svc):
         yield svc
-        stop.set()
-        worker.join(10)
 
 
 def header(**fields: object) -> bytes:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 from polling import wait_for
+from prefill_helpers import idle_worker
 
 from agents.prefill.client import PrefillClient, continue_greedy
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
@@ -25,19 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def model():
     return build_model(SHAPE, seed=7).eval()
-
-
-@contextmanager
-def idle_worker(service: PrefillService) -> Iterator[None]:
-    """Run ``serve_idle`` in a thread for the duration of a with-block."""
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(10)
 
 
 @pytest.fixture

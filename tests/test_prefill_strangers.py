@@ -4,11 +4,11 @@ oldest beyond 64 (idle connections would otherwise hold the agent's descriptors 
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import zmq
 from polling import wait_for
+from prefill_helpers import idle_worker
 
 from agents.prefill import service as service_module
 from agents.prefill.client import PrefillClient
@@ -22,13 +22,8 @@ SHAPE = ModelShape(layers=2, hidden=16, heads=2, seq_len=32)
 @pytest.fixture
 def service(monkeypatch):
     monkeypatch.setattr(service_module, "IDENTIFY_TIMEOUT_S", 4.0)
-    with PrefillService(build_model(SHAPE, seed=2).eval(), auth_token="s3cret") as svc:
-        stop = threading.Event()
-        worker = threading.Thread(target=svc.serve_idle, args=(stop.is_set,), daemon=True)
-        worker.start()
+    with PrefillService(build_model(SHAPE, seed=2).eval(), auth_token="s3cret") as svc, idle_worker(svc):
         yield svc
-        stop.set()
-        worker.join(10)
 
 
 def hung_up(conn: socket.socket) -> bool:
