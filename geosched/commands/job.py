@@ -48,7 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     start = sub.add_parser("start", help="publish the plan, wait for the agents, train")
     start.add_argument("plan", help="plan file (from 'geosched plan')")
-    start.add_argument("--steps", type=int, help="training steps (default: the job's steps)")
+    start.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="steps to train, from the step the agents are at (after a resume: that many more; default: the job's)",
+    )
     start.add_argument(
         "--ready-timeout", type=float, default=120.0, help="seconds to wait for every agent to be ready (default 120)"
     )

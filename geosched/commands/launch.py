@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("config", help="cluster + job config, e.g. configs/demo-3dc.yaml")
     parser.add_argument("--plan", help="plan file to run (default: plan the config now)")
-    parser.add_argument("--steps", type=int, help="training steps (default: the job's steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="steps of the whole run: train to step N-1 (with --resume, from the checkpoint on; default: the job's)",
+    )
     parser.add_argument("--run-dir", help="run folder (default runs/launch-<time>)")
     parser.add_argument("--mqtt", help="use this broker instead of starting an embedded one")
     parser.add_argument("--job", default="launch", help="job name on the broker (default launch)")
