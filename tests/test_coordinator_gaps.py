@@ -265,8 +265,11 @@ def test_waiting_for_ready_agents_ends_at_an_exited_agent_or_a_job_stop() -> Non
         asyncio.run(wait_ready(_Plane(), _Feed([ready]), layout, 600.0, exits=lambda: {1: -9}))  # type: ignore[arg-type]
     assert info.value.ranks == [1]
     stopped = StatusMessage(1, "stopped", extra={"stopped_by": "command", "plan_id": plan_id(layout.text)})
+    starting = StatusMessage(1, "starting", extra={"plan_id": plan_id(layout.text)})
     with pytest.raises(JobStopped, match="stopped by 'geosched job stop'"):
-        asyncio.run(wait_ready(_Plane(), _Feed([ready, stopped]), layout, 600.0))  # type: ignore[arg-type]
+        asyncio.run(wait_ready(_Plane(), _Feed([ready, starting, stopped]), layout, 600.0))  # type: ignore[arg-type]
+    with pytest.raises(AgentsNotReady):  # a stop retained from an earlier attempt of this plan (an elastic move back)
+        asyncio.run(wait_ready(_Plane(), _Feed([ready, stopped]), layout, 0.2))  # type: ignore[arg-type]
     survivor = StatusMessage(1, "stopped", extra={"stopped_by": "command", "plan_id": "0123456789ab"})  # old plan
     with pytest.raises(AgentsNotReady):  # stopped by the re-plan itself: waited for, not a job stop
         asyncio.run(wait_ready(_Plane(), _Feed([ready, survivor]), layout, 0.2))  # type: ignore[arg-type]

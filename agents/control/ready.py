@@ -122,10 +122,11 @@ async def wait_ready(
             ) from None
         if not isinstance(message, StatusMessage):
             continue
-        latest[message.rank] = message
+        before, latest[message.rank] = latest.get(message.rank), message
         check_same_plan(cp.job, message, layout, replaced)
-        if message.extra.get("plan_id") == want_plan:  # survivors an elastic re-plan stopped name the old plan
-            if message.state == "stopped" and message.extra.get("stopped_by") == "command":
+        if message.extra.get("plan_id") == want_plan:
+            stopped = message.state == "stopped" and message.extra.get("stopped_by") == "command"
+            if stopped and before is not None and before.state != "stopped":  # not a stop of an earlier attempt
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' before it started")
             if message.state == "error":
                 raise AgentRefused(lost_message(cp.job, message, None))
