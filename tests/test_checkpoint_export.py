@@ -166,3 +166,16 @@ def test_a_checkpoint_that_fills_the_disk_is_a_checkpoint_error(tmp_path: Path) 
             CheckpointWriter(tiny / "ckpt", 0, 1, "fingerprint").save(1, torch.nn.Linear(300, 300), None)
     finally:
         subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_weights_that_diverged_are_exported_with_a_warning(tmp_path: Path, capsys) -> None:
+    """A checkpoint whose weights are NaN exported silently (exit 0), and prefill then decoded zeros."""
+    stages, optimizers = pipeline(OLD)
+    with torch.no_grad():
+        next(stages[0].parameters()).fill_(float("nan"))
+    save(tmp_path / "nan", 1, OLD, stages, optimizers)
+    assert main(["export", str(tmp_path / "nan"), "-o", str(tmp_path / "w.safetensors"), "--json"]) == 0
+    captured = capsys.readouterr()
+    nonfinite = json.loads(captured.out)["nonfinite"]
+    assert nonfinite == next(stages[0].parameters()).numel() > 0
+    assert f"warning: {nonfinite:,} of the weights are NaN or inf" in captured.err

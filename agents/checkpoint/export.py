@@ -110,7 +110,9 @@ def export_weights(
     config: ModelRecord | None = None,
 ) -> dict[str, Any]:
     """Write the whole-model weights of checkpoint ``step`` (None: the newest complete) to ``out`` atomically;
-    return what was written (step, stages, parameters, bytes, sha256, model record, fingerprint)."""
+    return what was written (step, stages, parameters, bytes, sha256, model record, fingerprint, and
+    ``nonfinite``: how many weights are NaN or inf, a model whose training diverged)."""
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -131,6 +133,7 @@ def export_weights(
         raise InputError(f"-o {out!r}: cannot write the weights there ({why}); pick a writable folder") from None
     log.info("exported checkpoint step %d (%d stages) of %s to %s", step, stages, os.fspath(ckpt_dir), out)
     return {
+        "nonfinite": sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point()),
         "step": step,
         "stages": stages,
         "parameters": sum(t.numel() for t in tensors.values()),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from geosched.commands.checks import at_least, output_file
 
@@ -48,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
         job = load_config(args.config).job
         config = ModelRecord.of(job.model, job.seed, job.precision)
     done = export_weights(args.checkpoint_dir, args.output, step=args.step, config=config)
+    if done["nonfinite"]:  # written as the checkpoint holds it, but worth a word before anyone serves it
+        print(
+            f"geosched export: warning: {done['nonfinite']:,} of the weights are NaN or inf: the training diverged "
+            "by that step; export an earlier one (--step)",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(done))
         return 0
