@@ -68,9 +68,7 @@ def metrics_record(report: Any, role: Any) -> dict[str, Any]:
     data = report.to_dict(with_events=role.replica == 0)
     if len(json.dumps(data.get("events", [])) + json.dumps(data.get("idle_gaps", []))) > METRICS_EVENTS_MAX_BYTES:
         data["events_dropped"] = len(data.pop("events")) + len(data.pop("idle_gaps"))
-    wan = sum(nbytes for peer, nbytes in report.bytes_sent.items() if role.wan_peer_dc(peer) is not None)
-    wan += sum(report.sync_bytes.values())  # the cross-DC gradient links (data parallelism across DCs)
-    data.update(dc=role.dc, wan_bytes=wan)
+    data.update(dc=role.dc, wan_bytes=report.wan_bytes(role))
     record: dict[str, Any] = json.loads(json.dumps(data))  # JSON-safe: what the control plane sends
     return record
 

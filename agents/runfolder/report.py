@@ -146,10 +146,7 @@ def build_report(
                 "iteration_s": max(r.iteration_s for r in rs),
                 "bubble_fraction": timeline.bubble_fraction,
                 "bytes_sent": sum(sum(r.bytes_sent.values()) for r in rs),  # every pipeline message, in DCs too
-                "wan_bytes": sum(
-                    n for r in rs for peer, n in r.bytes_sent.items() if roles[r.stage, r.replica].wan_peer_dc(peer)
-                )
-                + sum(sum(r.sync_bytes.values()) for r in rs),  # as the metrics count them (agents.worker)
+                "wan_bytes": sum(r.wan_bytes(roles[r.stage, r.replica]) for r in rs),  # as the metrics count them
                 "sync_s": max(r.sync_s for r in rs),
                 "sync_collective_s": collective_sync_s(rs),
                 "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
@@ -277,7 +274,7 @@ def _completed_steps(folder: Path) -> dict[int, float | None]:
 
 def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
     run, done = Path(run_dir), {}
-    attempts = sorted(run.glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]) if p.name[8:].isdigit() else 0)
+    attempts = sorted(run.glob("attempt-*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else 0)
     for folder in [*attempts, run]:  # a later attempt's run of a step wins
         done.update(_completed_steps(folder))
     steps = sorted(done)

@@ -96,6 +96,12 @@ class StepReport:
         """1 - busy / iteration, as the simulator defines it."""
         return 1.0 - self.busy_s / self.iteration_s if self.iteration_s > 0 else 0.0
 
+    def wan_bytes(self, role: Any) -> int:
+        """Bytes this step sent over the WAN: to neighbouring stages in other DCs (``role``, a
+        :class:`~agents.layout.RankRole`, knows which) and on the cross-DC gradient links."""
+        pipeline = sum(n for peer, n in self.bytes_sent.items() if role.wan_peer_dc(peer) is not None)
+        return pipeline + sum(self.sync_bytes.values())
+
     def to_dict(self, *, with_events: bool = True) -> dict[str, Any]:
         """JSON-ready form (peer keys become strings)."""
         data = asdict(self)
