@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from geosched.compression import CODECS
 from geosched.config import (
@@ -382,12 +383,7 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     if len(plan.datacenters) != len(usage):  # what the summary shows: only what the stages and the config say
         raise PlanError(f"plan.datacenters: {len(plan.datacenters)} listed, the config has {len(usage)}")
     for i, (used, due) in enumerate(zip(plan.datacenters, usage)):
-        for name in ("name", "gpus", "used", "unused", "stages"):
-            if getattr(used, name) != getattr(due, name):
-                raise PlanError(
-                    f"plan.datacenters[{i}].{name}: {getattr(used, name)!r} does not match the config and stages "
-                    f"(expected {getattr(due, name)!r}); re-run 'geosched plan'"
-                )
+        _check_same(f"plan.datacenters[{i}]", used, due, "the config and stages")
     expected = rank_layout(cand, plan.tensor_parallel)
     if len(plan.ranks) != len(expected):
         raise PlanError(
@@ -395,13 +391,18 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
             f"tensor_parallel({plan.tensor_parallel}) = {len(expected)}"
         )
     for r, (got, want) in enumerate(zip(plan.ranks, expected)):
-        if got != want:
-            field = next(f for f in RankSpec.__dataclass_fields__ if getattr(got, f) != getattr(want, f))
-            raise PlanError(
-                f"plan.ranks[{r}].{field}: {getattr(got, field)!r} does not match the stages "
-                f"(expected {getattr(want, field)!r})"
-            )
+        _check_same(f"plan.ranks[{r}]", got, want, "the stages")
     return plan
+
+
+def _check_same(path: str, got: Any, want: Any, source: str) -> None:
+    """PlanError naming the first field of dataclass ``got`` that differs from ``want`` (derived from ``source``)."""
+    if got != want:
+        name = next(f.name for f in dataclasses.fields(got) if getattr(got, f.name) != getattr(want, f.name))
+        raise PlanError(
+            f"{path}.{name}: {getattr(got, name)!r} does not match {source} (expected {getattr(want, name)!r}); "
+            "re-run 'geosched plan'"
+        )
 
 
 def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:

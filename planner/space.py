@@ -252,9 +252,12 @@ class Problem:
         each and kept where they meet it (:mod:`planner.replicas`)."""
         if self.pinned_dp is None:
             return self
-        free = copy.copy(self)
-        free.pinned_dp, free.memo = None, {}
-        return free
+        if "unpinned" not in self.memo:  # one for every caller: its own memo serves them all
+            free = copy.copy(self)
+            free.pinned_dp, free.memo = None, {}
+            self.memo["unpinned"] = free
+        unpinned: Problem = self.memo["unpinned"]
+        return unpinned
 
     def group_of(self, dc: str) -> list[str]:
         """The group of :meth:`components` that ``dc`` lies in (memoised: the widening asks per candidate)."""

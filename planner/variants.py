@@ -468,11 +468,11 @@ def across_dcs(result: VariantResult, pins: Pins) -> None:
         if not ev.candidate.extra_paths:
             starts.setdefault(ev.candidate.dp, ev)
     bases = [ev.candidate for ev in list(starts.values())[:WIDEN_STARTS]]
+    free = problem.unpinned()  # a pinned degree counts the replicas of every pipeline: fewer in each
     if result.best is not None:  # the best plan's placement with fewer replicas leaves room for more pipelines
         best = result.best.candidate
-        free = problem.unpinned()  # a pinned degree counts the replicas of every pipeline: fewer in each
         bases += [Candidate(d, m, best.stage_dcs, best.stage_layers) for d, m in free.dp_options() if d < best.dp]
-    widened = [c for base in bases if problem.unpinned().violation(base) is None for c in widen(problem, base)]
+    widened = [c for base in bases if free.violation(base) is None for c in widen(problem, base)]
     cands = everywhere(problem) + widened
     cands = [c for c in cands if pins.breaks(c) is None]
     kept = [result.best] if result.best is not None and not pins.cross_dc_dp else []
