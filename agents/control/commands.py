@@ -216,13 +216,14 @@ async def _acknowledged(
     deadline = loop.time() + timeout_s
     written: dict[int, dict[int, str]] = {r: {} for r in live}  # rank -> step -> folder, reported since the command
     while True:
+        statuses = cp.statuses()
         for rank in live:
-            mark = cp.statuses()[rank].extra.get("checkpoint")
+            mark = statuses[rank].extra.get("checkpoint")
             if not isinstance(mark, dict):
                 continue
             if mark.get("seq") == seq and mark.get("error"):
                 raise InputError(f"job {cp.job!r}: agent rank {rank} cannot checkpoint: {mark['error']}")
-            if int(mark.get("step", -1)) >= wanted and (cp.statuses()[rank].pid, mark) != before[rank]:
+            if int(mark.get("step", -1)) >= wanted and (statuses[rank].pid, mark) != before[rank]:
                 written[rank][int(mark["step"])] = str(mark.get("dir"))
         common = set.intersection(*(set(steps) for steps in written.values()))
         if common:  # a step every rank wrote: complete (ranks that wrote different ones made none)

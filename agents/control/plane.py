@@ -67,6 +67,11 @@ log = logging.getLogger(__name__)
 _REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
 
 
+def last_states(ranks: Iterable[int], latest: Mapping[int, StatusMessage]) -> str:
+    """``0 (ready), 3 (no status)``: each rank with the state its latest status said, for a message."""
+    return ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in ranks)
+
+
 class ControlPlane:
     """A reconnecting MQTT client for one job; an async context manager.
 
@@ -377,10 +382,9 @@ class ControlPlane:
                 try:
                     message = await sub.get(max(0.0, deadline - asyncio.get_running_loop().time()))
                 except TimeoutError:
-                    seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
                     raise AgentsNotReady(
                         f"job {self.job!r} on {self.address}: {len(missing)} of {len(wanted)} agents not "
-                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {seen}",
+                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {last_states(missing, latest)}",
                         missing,
                     ) from None
                 assert isinstance(message, StatusMessage)

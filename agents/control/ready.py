@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
 from agents.control.messages import StatusMessage
-from agents.control.plane import AgentsNotReady, ControlPlane
+from agents.control.plane import AgentsNotReady, ControlPlane, last_states
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
 
@@ -104,22 +104,21 @@ async def wait_ready(
         if len(ready) == len(layout.roles):
             check_joined(layout, ready)
             return ready
-        left = deadline - asyncio.get_running_loop().time()
         loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
         if loss is not None:
             raise loss
-        try:
-            message = await sub.get(max(0.0, min(left, EXIT_POLL_S) if exits is not None else left))
-        except TimeoutError:
-            if left > EXIT_POLL_S:
-                continue
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
-            seen = ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in missing)
             raise AgentsNotReady(
                 f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
-                f"{timeout_s:g} s: ranks {seen}; start them with 'geosched agent --rank R'",
+                f"{timeout_s:g} s: ranks {last_states(missing, latest)}; start them with 'geosched agent --rank R'",
                 missing,
-            ) from None
+            )
+        try:
+            message = await sub.get(min(left, EXIT_POLL_S) if exits is not None else left)
+        except TimeoutError:
+            continue  # the exits again, or the deadline
         if not isinstance(message, StatusMessage):
             continue
         before, latest[message.rank] = latest.get(message.rank), message
