@@ -345,9 +345,6 @@ class PendingConnections(Generic[K]):
         self.limits = limits
         self._address: dict[K, str] = {}  # insertion order: the oldest first
 
-    def __len__(self) -> int:
-        return len(self._address)
-
     def add(self, key: K, address: str) -> list[K]:
         """Note a new connection from ``address``; the ones to close to stay within the limits (the oldest of
         that address, else the oldest of all; never the new one unless the limits are 0)."""

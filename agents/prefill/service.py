@@ -6,11 +6,11 @@ Network I/O runs on the service's own thread (a ROUTER socket made by
 applies admission control (bounded queue, bounded KV memory, deadline
 feasibility against the predicted bubble capacity: ``rejected`` with the
 reason), expires queued work past its deadline (``expired``) and sends the
-responses computed elsewhere. It never computes. A connection that has not sent an authenticated request
-within :data:`IDENTIFY_TIMEOUT_S`, or the oldest beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle
-connections would otherwise hold the agent's descriptors), and a client's unread answers are bounded
-(``sndhwm``). A front end that decodes requests itself
-(:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
+responses computed elsewhere. It never computes. A connection that has sent no authenticated request within
+:data:`IDENTIFY_TIMEOUT_S`, or the oldest beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle
+connections would hold the agent's descriptors); a client's unread answers are bounded (``sndhwm``). A front
+end that decodes requests itself (:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the
+same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage
 runtime on the training thread when a receive has not arrived (a bubble):
@@ -115,10 +115,15 @@ class PrefillService:
         self._ctx = ctx or zmq.Context()
         self._zap = ZapAuthenticator(self._ctx, curve_server.allowed_clients).start() if curve_server else None
         max_msg = (64 << 10) + 8 * self.max_prompt_tokens  # a prompt too long for this agent arrives, is refused
-        opts = {int(zmq.HANDSHAKE_IVL): int(IDENTIFY_TIMEOUT_S * 1000), int(zmq.RCVHWM): max_queue}  # requests queued
-        server, router = curve_server, zmq.ROUTER
         self._sock = make_socket(
-            self._ctx, router, bind=bind, max_msg_bytes=max_msg, sndhwm=sndhwm, curve_server=server, options=opts
+            self._ctx,
+            zmq.ROUTER,
+            bind=bind,
+            max_msg_bytes=max_msg,
+            sndhwm=sndhwm,
+            rcvhwm=max_queue,  # requests queued per client
+            curve_server=curve_server,
+            options={int(zmq.HANDSHAKE_IVL): int(IDENTIFY_TIMEOUT_S * 1000)},  # a CURVE handshake left unfinished
         )
         self._monitor = monitor_events(self._sock)
         host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
