@@ -63,7 +63,7 @@ import math
 import re
 import secrets
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,6 +225,11 @@ class AgentsNotReady(GeoschedError):
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+def last_states(ranks: Iterable[int], latest: Mapping[int, StatusMessage]) -> str:
+    """``0 (ready), 3 (no status)``: each rank with the state its latest status said, for a message."""
+    return ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in ranks)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from agents.control.messages import (
     StatusMessage,
     Topics,
     check_name,
+    last_states,
     parse_message,
     plan_payload,
     validate_fields,
@@ -65,11 +66,6 @@ __all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "Co
 log = logging.getLogger(__name__)
 
 _REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
-
-
-def last_states(ranks: Iterable[int], latest: Mapping[int, StatusMessage]) -> str:
-    """``0 (ready), 3 (no status)``: each rank with the state its latest status said, for a message."""
-    return ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in ranks)
 
 
 class ControlPlane:

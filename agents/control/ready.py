@@ -13,8 +13,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
-from agents.control.messages import StatusMessage
-from agents.control.plane import AgentsNotReady, ControlPlane, last_states
+from agents.control.messages import StatusMessage, last_states
+from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
 
