@@ -120,6 +120,7 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     endpoints = json.loads((run / "endpoints.json").read_text())
     assert set(endpoints["ranks"]) == {"0", "1", "2"} and "pipe/s2/r0" in endpoints["ranks"]["2"]["endpoints"]
     assert set(endpoints["routes"]) == {"pipe/s1/r0", "pipe/s2/r0"}
+    assert endpoints["coordinator"] == {"metrics": report["metrics"]["coordinator"]}  # its Prometheus URL too
     # --checkpoint-dir and --checkpoint-every reached every agent: after step 2, each stage wrote its shard
     shards = sorted(p.name for p in (tmp_path / "ckpt" / "step-000002").glob("stage-*.json"))
     assert shards == ["stage-00.json", "stage-01.json", "stage-02.json"], shards

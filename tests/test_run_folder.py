@@ -156,6 +156,10 @@ def test_endpoints_json_carries_the_routes_the_hook_returns(tmp_path: Path) -> N
     written = json.loads((tmp_path / "endpoints.json").read_text())
     assert written["routes"] == {"pipe/s1/r0": "tcp://127.0.0.1:9999"}
     assert written["ranks"]["0"]["endpoints"] == {"prefill/r0": "tcp://127.0.0.1:7000"}
+    assert written["coordinator"] == {}  # a coordinator serving no metrics lists none
+    coordinator = {"metrics": "https://127.0.0.1:9400/metrics"}
+    asyncio.run(endpoints_hook(tmp_path, relays, coordinator)({0: status}))
+    assert json.loads((tmp_path / "endpoints.json").read_text())["coordinator"] == coordinator
 
 
 def test_the_collective_alone_leaves_out_the_wait_for_a_later_replica() -> None:

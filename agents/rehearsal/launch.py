@@ -248,7 +248,8 @@ def launch(
         coordinator_url, control = coordinator_login(mqtt, keys)
         routes = relays if load is None else with_load(relays, load)
         hook = with_http_urls(routes, http_urls, keys, tls, out)
-        hook = with_metrics_urls(endpoints_hook(run, hook), metrics_urls, out)
+        coordinator_endpoints = {"metrics": metrics_urls["coordinator"]} if metrics else {}
+        hook = with_metrics_urls(endpoints_hook(run, hook, coordinator_endpoints), metrics_urls, out)
 
         attempt: list[AgentProcesses] = []  # every attempt's agents, the running ones last
 

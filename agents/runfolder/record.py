@@ -36,8 +36,13 @@ BeforeStart = Callable[[dict[int, StatusMessage]], Awaitable[dict[str, str]]]
 """The coordinator's ``before_start`` hook: ready statuses in, routes out."""
 
 
-def endpoints_of(statuses: Mapping[int, StatusMessage], routes: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``endpoints.json`` content: every rank's place and published endpoints, and the routes."""
+def endpoints_of(
+    statuses: Mapping[int, StatusMessage],
+    routes: Mapping[str, str] | None = None,
+    coordinator: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The ``endpoints.json`` content: every rank's place and published endpoints, the routes, and the
+    coordinator's own endpoints (``metrics``: its Prometheus URL, when it serves one)."""
     ranks = {
         str(rank): {
             "dc": st.dc,
@@ -50,30 +55,35 @@ def endpoints_of(statuses: Mapping[int, StatusMessage], routes: Mapping[str, str
         }
         for rank, st in sorted(statuses.items())
     }
-    return {"time": time.time(), "ranks": ranks, "routes": dict(routes or {})}
+    return {"time": time.time(), "ranks": ranks, "routes": dict(routes or {}), "coordinator": dict(coordinator or {})}
 
 
 def write_endpoints(
-    run_dir: str | os.PathLike[str], statuses: Mapping[int, StatusMessage], routes: Mapping[str, str] | None = None
+    run_dir: str | os.PathLike[str],
+    statuses: Mapping[int, StatusMessage],
+    routes: Mapping[str, str] | None = None,
+    coordinator: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``run_dir/endpoints.json`` atomically (a reader never sees half of it); return its path."""
     path = Path(run_dir) / "endpoints.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(".endpoints.json.tmp")
-    tmp.write_text(json.dumps(endpoints_of(statuses, routes), indent=1), encoding="utf-8")
+    tmp.write_text(json.dumps(endpoints_of(statuses, routes, coordinator), indent=1), encoding="utf-8")
     tmp.replace(path)
     return path
 
 
-def endpoints_hook(run_dir: str | os.PathLike[str], then: BeforeStart | None = None) -> BeforeStart:
+def endpoints_hook(
+    run_dir: str | os.PathLike[str], then: BeforeStart | None = None, coordinator: Mapping[str, str] | None = None
+) -> BeforeStart:
     """A ``before_start`` hook: write ``endpoints.json`` at once, run ``then`` (e.g. the WAN relays) and
-    write it again with the routes ``then`` returns."""
+    write it again with the routes ``then`` returns; ``coordinator`` is listed as the coordinator's endpoints."""
 
     async def hook(statuses: dict[int, StatusMessage]) -> dict[str, str]:
-        write_endpoints(run_dir, statuses)
+        write_endpoints(run_dir, statuses, coordinator=coordinator)
         routes = await then(statuses) if then is not None else {}
         if routes:
-            write_endpoints(run_dir, statuses, routes)
+            write_endpoints(run_dir, statuses, routes, coordinator)
         return routes
 
     return hook
@@ -82,13 +92,15 @@ def endpoints_hook(run_dir: str | os.PathLike[str], then: BeforeStart | None = N
 class RunRecorder:
     """A job's run folder from the coordinator's side: endpoints on ready, metrics as they come, report at the end."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], layout: Any) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], layout: Any, coordinator: Mapping[str, str] | None = None
+    ) -> None:
         self.run, self.layout = Path(run_dir), layout
         self.run.mkdir(parents=True, exist_ok=True)
         (self.run / "plan.yaml").write_text(layout.text, encoding="utf-8")
         self.metrics_path = self.run / "metrics.jsonl"
         self._out = open(self.metrics_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by finish/close
-        self.ready = endpoints_hook(self.run)
+        self.ready = endpoints_hook(self.run, coordinator=coordinator)
 
     def record(self, message: MetricsMessage) -> None:
         """Append one metrics message (the coordinator's ``on_metrics`` hook)."""

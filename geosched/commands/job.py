@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         if args.elastic or args.config or args.checkpoint_dir:
             return _start_elastic(args, url, signing, text, out)
         metrics, server = _job_metrics(args, out)
-        recorder = _recorder(args.run_dir, text, args.plan)
+        recorder = _recorder(args.run_dir, text, args.plan, {} if server is None else {"metrics": server.url()})
         hooks: dict[str, Any] = (
             {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
         )
@@ -286,15 +286,16 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
     return 0
 
 
-def _recorder(run_dir: str | None, text: str, source: str) -> Any:
-    """The run folder's recorder for ``--run-dir`` (None without it); InputError when the folder cannot be made."""
+def _recorder(run_dir: str | None, text: str, source: str, coordinator: dict[str, str]) -> Any:
+    """The run folder's recorder for ``--run-dir`` (None without it), listing the ``coordinator``'s endpoints in
+    endpoints.json; InputError when the folder cannot be made."""
     if run_dir is None:
         return None
     from agents.layout import parse_layout
     from agents.runfolder.record import RunRecorder
 
     try:
-        return RunRecorder(run_dir, parse_layout(text, source))
+        return RunRecorder(run_dir, parse_layout(text, source), coordinator)
     except OSError as exc:
         raise InputError(f"--run-dir {run_dir!r}: {exc.strerror or exc}; pick a writable folder") from None
 
