@@ -47,6 +47,10 @@ def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: 
     assert report["steps"] == list(range(recovery["resumed_from_step"], STEPS))  # the new plan's steps
     assert all(loss > 0 for loss in report["losses"])
     assert list((run / "attempt-1").glob("rank*.jsonl")), "the failed attempt's rank files are kept aside"
+    # rank 0's log holds both of its agents' output, each start opened by a line naming its plan
+    starts = [line for line in (run / "agent0.log").read_text().splitlines() if line.startswith("--- ")]
+    assert len(starts) == 2 and all("agent rank 0" in line for line in starts), starts
+    assert len({line.rsplit(" of plan ", 1)[1] for line in starts}) == 2, starts
     assert (run / "checkpoints").is_dir()
 
 

@@ -36,7 +36,11 @@ class AgentProcesses:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self) -> AgentProcesses:
-        """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder."""
+        """Spawn every rank's agent; logs go to ``agent<R>.log`` in the run folder, each start (an elastic
+        recovery's agents append to the same file) opened by a line naming the plan, DC and time."""
+        from agents.layout import plan_id
+
+        plan = plan_id(self.layout.text)
         env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **die_with_parent_env())
         for role in self.layout.roles:
             cmd = [
@@ -58,6 +62,9 @@ class AgentProcesses:
                 *self.extra_args,
             ]
             with open(self.run_dir / f"agent{role.rank}.log", "ab") as logfile:
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+                logfile.write(f"--- {started}: agent rank {role.rank} (dc {role.dc}) of plan {plan} ---\n".encode())
+                logfile.flush()
                 self.procs[role.rank] = subprocess.Popen(
                     cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO_ROOT
                 )
