@@ -3,7 +3,9 @@ the live view, the run folder (``job start --run-dir``) and ``launch --checkpoin
 
 from __future__ import annotations
 
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.commands import status_table
+from agents.control.losses import lost_message
+from agents.control.messages import MetricsMessage, StatusMessage, printable
 from agents.control.watch import HEADER, view_lines
 from geosched.cli import main
 
@@ -44,6 +46,24 @@ def test_the_table_shows_every_rank_from_statuses_and_metrics() -> None:
     # the message column starts where the header says, in every row
     at = lines[1].index("message")
     assert lines[3][at:].startswith("link to stage 0")
+
+
+def test_an_agents_own_text_is_shown_as_one_bounded_line_without_control_characters() -> None:
+    escape = "\x1b[2J\x1b]0;owned\x07"  # clear the screen, set the terminal's title
+    forged = StatusMessage(
+        7, "error", dc="eu" + escape, host="h\rx" * 5_000, stage=1, extra={"message": "boom\n" + escape + "x" * 10**6}
+    )
+    lines = [
+        *view_lines("demo", {7: forged}, {}, now=0.0),
+        status_table({7: forged}),
+        lost_message("demo", forged, 3),
+    ]
+    for line in lines:
+        assert "\x1b" not in line and "\x07" not in line and "\r" not in line, line[:200]
+        assert len(line) < 1_000, len(line)
+    assert lines[-1].startswith("job 'demo': agent rank 7 (eu [2J ]0;owned , stage 1) on h xh x")
+    assert "boom" in lines[-1] and "(1000019 characters)" in lines[-1]
+    assert printable("ok") == "ok" and printable("a" * 10, 4) == "aaaa... (10 characters)"
 
 
 def test_a_big_job_is_cut_to_the_screen_and_an_empty_one_says_so() -> None:

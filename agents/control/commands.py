@@ -18,7 +18,7 @@ from typing import Any
 from agents.control.auth import ControlKeys
 from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.liveness import WILL_GRACE_S
-from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, MetricsMessage, StatusMessage
+from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, MetricsMessage, StatusMessage, printable
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
 from agents.control.watch import align
@@ -258,10 +258,10 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
             (
                 str(rank),
                 s.state,
-                s.dc or "-",
+                printable(s.dc or "-", 40),
                 "-" if s.stage is None else str(s.stage),
                 "-" if s.replica is None else str(s.replica),
-                s.host or "-",
+                printable(s.host or "-", 60),
                 str(s.pid or "-"),
                 str(s.extra["step"] if s.state == "training" and "step" in s.extra else s.extra.get("next_step", "-")),
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable
 
-from agents.control.messages import StatusMessage
+from agents.control.messages import StatusMessage, printable
 from geosched.errors import GeoschedError
 
 RETAINED_SETTLE_S = 0.3
@@ -32,14 +32,15 @@ def lost_message(job: str, status: StatusMessage, step: int | None, why: str | N
     """One line naming the lost agent (rank, DC, stage, replica, host), what happened (``why``, else the
     state it went to) and when."""
     parts = [
-        status.dc,
+        status.dc and printable(status.dc),
         *(f"{k} {v}" for k, v in (("stage", status.stage), ("replica", status.replica)) if v is not None),
     ]
     where = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
-    detail = status.extra.get("message")
+    detail = status.extra.get("message") and printable(status.extra["message"])
     at = f" during step {step}" if step is not None else " before training started"
     return (
-        f"job {job!r}: agent rank {status.rank}{where} on {status.host or '?'} {why or 'went ' + status.state}{at}"
+        f"job {job!r}: agent rank {status.rank}{where} on {printable(status.host or '?')} "
+        f"{why or 'went ' + status.state}{at}"
         f"{': ' + str(detail) if detail else ''}; job stopped"
     )
 

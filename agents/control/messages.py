@@ -180,6 +180,18 @@ class MetricsMessage:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+MAX_SHOWN_CHARS = 300
+"""The most characters of an agent's own text (its ``message``, DC or host) a coordinator's line shows."""
+
+
+def printable(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """An agent's text as one line a terminal shows as it is: control characters (newlines, escape sequences)
+    as spaces, cut to ``limit`` characters with its length said."""
+    text = str(value)
+    line = "".join(c if c.isprintable() else " " for c in text[:limit])
+    return line if len(text) <= limit else f"{line}... ({len(text)} characters)"
+
+
 def metric_number(value: object) -> float | None:
     """A value of :attr:`MetricsMessage.values` as a number; None where it is not one (bools included)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import MetricsMessage, StatusMessage, client_id, metric_number
+from agents.control.messages import MetricsMessage, StatusMessage, client_id, metric_number, printable
 from agents.control.plane import ControlPlane
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
@@ -79,17 +79,17 @@ def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None
     else:
         done = extra.get("next_step")
         step = str(done - 1) if isinstance(done, int) and done > 0 else "-"
-    message = str(extra.get("message") or "").replace("\n", " ")
+    message = printable(extra.get("message") or "", MESSAGE_CHARS)
     return (
         str(rank),
-        (status.dc if status is not None else None) or str(values.get("dc") or "-"),
+        printable((status.dc if status is not None else None) or values.get("dc") or "-", 40),
         status.state if status is not None else "?",
         step,
         "-" if iteration_s is None else f"{iteration_s * 1e3:.1f}",
         "-" if bubble is None else f"{100 * bubble:.1f}%",
         "-" if wan is None or not iteration_s else f"{wan / iteration_s / 1e6:.2f}",
         "-" if not isinstance(queue, int) else str(queue),
-        message[:MESSAGE_CHARS] + ("..." if len(message) > MESSAGE_CHARS else ""),
+        message,
     )
 
 
