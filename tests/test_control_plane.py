@@ -25,8 +25,10 @@ from mqtt_brokers import (
 )
 
 from agents.control.address import BrokerAuthError, BrokerUnreachable
+from agents.control.commands import job_statuses, status_table
 from agents.control.messages import CommandMessage, EventMessage, MetricsMessage, PlanMessage, StatusMessage
 from agents.control.plane import AgentIdentity, AgentsNotReady, ControlPlane
+from agents.layout import plan_id
 from geosched.errors import InputError, ProtocolError
 
 T = TypeVar("T")
@@ -290,6 +292,27 @@ def test_plan_subscription_delivers_the_retained_plan(embedded_broker: RunningBr
         raise AssertionError("no plan")
 
     assert run(scenario()).text == '{"stages": 2}'
+
+
+def test_job_status_marks_the_ranks_of_an_earlier_plan(embedded_broker: RunningBroker) -> None:
+    """After a re-plan to fewer ranks, the dropped rank's retained status stays on the broker; ``job status``
+    shows it as of an earlier plan, beside the ranks of the published one."""
+    new, old = "plan: new\n", "plan: old\n"
+
+    async def scenario() -> dict[int, StatusMessage]:
+        url = embedded_broker.url_for()
+        async with ControlPlane(url, JOB, "coordinator") as coordinator:
+            assert await coordinator.publish_plan(new)
+            for rank, text in ((0, new), (1, new), (2, old)):
+                async with ControlPlane(url, JOB, f"agent-{rank}") as cp:
+                    assert await cp.publish_status(rank, "stopped", plan_id=plan_id(text))
+            return await job_statuses(url, JOB, settle_s=0.5)
+
+    statuses = run(scenario())
+    assert {r: st.extra["current_plan"] for r, st in statuses.items()} == {0: True, 1: True, 2: False}
+    rows = status_table(statuses).splitlines()
+    assert rows[0].split()[-1] == "plan" and rows[3].endswith(f"{plan_id(old)} (earlier)")
+    assert rows[1].endswith(plan_id(new)) and "earlier" not in rows[1]
 
 
 def test_a_plan_larger_than_one_message_travels_compressed(mqtt_broker: RunningBroker) -> None:

@@ -66,6 +66,19 @@ def test_an_agents_own_text_is_shown_as_one_bounded_line_without_control_charact
     assert printable("ok") == "ok" and printable("a" * 10, 4) == "aaaa... (10 characters)"
 
 
+def test_ranks_of_an_earlier_plan_are_counted_not_shown() -> None:
+    statuses = {
+        0: StatusMessage(0, "training", dc="us", extra={"plan_id": "new"}),
+        1: StatusMessage(1, "training", dc="ap"),  # no plan named: shown
+        3: StatusMessage(3, "stopped", dc="eu", extra={"plan_id": "old"}),
+    }
+    metrics = {3: MetricsMessage(3, 9, values={"iteration_s": 0.1})}
+    lines = view_lines("demo", statuses, metrics, now=0.0, plan="new")
+    assert "2 agents (2 training); 1 rank of an earlier plan not shown" in lines[0], lines[0]
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
+    assert len(view_lines("demo", statuses, metrics, now=0.0)) == 5  # no plan known: every rank
+
+
 def test_a_big_job_is_cut_to_the_screen_and_an_empty_one_says_so() -> None:
     statuses = {r: StatusMessage(r, "training", dc="us") for r in range(500)}
     lines = view_lines("big", statuses, {}, max_rows=20)

@@ -18,10 +18,18 @@ from typing import Any
 from agents.control.auth import ControlKeys
 from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.liveness import WILL_GRACE_S
-from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, MetricsMessage, StatusMessage, printable
+from agents.control.messages import (
+    HEARTBEAT_S,
+    HeartbeatMessage,
+    MetricsMessage,
+    PlanMessage,
+    StatusMessage,
+    printable,
+)
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
 from agents.control.watch import align
+from agents.layout import plan_id
 from geosched.errors import InputError
 
 METRICS_LISTEN_S = 3.0
@@ -41,28 +49,39 @@ async def job_statuses(
 ) -> dict[int, StatusMessage]:
     """The retained status of every agent of ``job`` (waits ``settle_s`` for them to arrive); a training agent's
     has the step in progress as ``extra["step"]``, from its next heartbeat (up to one heartbeat period more).
+    Where the job's plan is published, a status that names its plan has ``extra["current_plan"]``: False for
+    the retained status of a rank of an earlier plan (an elastic re-plan leaves them on the broker).
 
     With ``keys``, only statuses signed by the rank's own agent key are shown.
     """
     client_id = make_client_id(job, "status")
     async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "heartbeat") as sub:
+        async with await cp.subscribe("status", "heartbeat", "plan") as sub:
             await asyncio.sleep(settle_s)
             statuses = cp.statuses()
             training = {r for r, st in statuses.items() if st.state == "training"}
             loop = asyncio.get_running_loop()
-            until, steps = loop.time() + HEARTBEAT_S + 0.5, dict[int, int]()
-            while training - set(steps) and (left := until - loop.time()) > 0:
+            until, steps, plan = loop.time() + HEARTBEAT_S + 0.5, dict[int, int](), None
+            while (sub.backlog() or training - set(steps)) and (left := until - loop.time()) > 0:
                 try:
-                    message = await sub.get(left)
+                    message = await sub.get(left)  # at once while there is a backlog
                 except TimeoutError:
                     break
                 if isinstance(message, HeartbeatMessage) and message.step is not None:
                     steps[message.rank] = message.step
-            return {
-                r: replace(st, extra={**st.extra, "step": steps[r]}) if r in steps and r in training else st
-                for r, st in statuses.items()
-            }
+                elif isinstance(message, PlanMessage):
+                    plan = plan_id(message.text)
+            return {r: _shown(st, steps.get(r) if r in training else None, plan) for r, st in statuses.items()}
+
+
+def _shown(status: StatusMessage, step: int | None, plan: str | None) -> StatusMessage:
+    """``status`` with the step in progress and whether it is of the published ``plan`` (see job_statuses)."""
+    extra = dict(status.extra)
+    if step is not None:
+        extra["step"] = step
+    if plan is not None and isinstance(extra.get("plan_id"), str):
+        extra["current_plan"] = extra["plan_id"] == plan
+    return replace(status, extra=extra)
 
 
 async def stop_job(
@@ -251,8 +270,8 @@ def _steps_by_rank(written: dict[int, dict[int, str]]) -> str:
 
 
 def status_table(statuses: dict[int, StatusMessage]) -> str:
-    """A text table of agent statuses, one row per rank."""
-    rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step")]
+    """A text table of agent statuses, one row per rank; its plan column marks a rank of an earlier plan."""
+    rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step", "plan")]
     for rank, s in sorted(statuses.items()):
         rows.append(
             (
@@ -264,6 +283,8 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
                 printable(s.host or "-", 60),
                 str(s.pid or "-"),
                 str(s.extra["step"] if s.state == "training" and "step" in s.extra else s.extra.get("next_step", "-")),
+                printable(s.extra.get("plan_id") or "-", 20)
+                + (" (earlier)" if s.extra.get("current_plan") is False else ""),
             )
         )
     return "\n".join(align(rows))

@@ -19,8 +19,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from agents.control.auth import ControlKeys
-from agents.control.messages import MetricsMessage, StatusMessage, client_id, metric_number, printable
+from agents.control.messages import (
+    MetricsMessage,
+    PlanMessage,
+    StatusMessage,
+    client_id,
+    metric_number,
+    printable,
+)
 from agents.control.plane import ControlPlane
+from agents.layout import plan_id
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
 MESSAGE_CHARS = 60
@@ -42,9 +50,14 @@ def view_lines(
     *,
     max_rows: int | None = None,
     now: float | None = None,
+    plan: str | None = None,
 ) -> list[str]:
     """The live table: a headline, then one row per rank known from a status or metrics (at most
-    ``max_rows``, then a line saying how many more)."""
+    ``max_rows``, then a line saying how many more). With the published ``plan``'s id, the ranks whose
+    status names another plan (left on the broker by a re-plan) are counted in the headline, not shown."""
+    earlier = {r for r, st in statuses.items() if plan is not None and st.extra.get("plan_id") not in (None, plan)}
+    statuses = {r: st for r, st in statuses.items() if r not in earlier}
+    metrics = {r: m for r, m in metrics.items() if r not in earlier}
     ranks = sorted(set(statuses) | set(metrics))
     states: dict[str, int] = {}
     for st in statuses.values():
@@ -55,6 +68,7 @@ def view_lines(
         f"job {job!r} at {clock}: {len(ranks)} agent{'' if len(ranks) == 1 else 's'}"
         + (" (" + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) + ")" if states else "")
         + (f", newest step {newest}" if newest is not None else "")
+        + (f"; {len(earlier)} rank{'' if len(earlier) == 1 else 's'} of an earlier plan not shown" if earlier else "")
     )
     if not ranks:
         return [headline, "no agents seen yet (waiting for their statuses)"]
@@ -107,8 +121,9 @@ async def watch_job(
     once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count."""
     terminal = out.isatty()
     async with ControlPlane(url, job, client_id(job, "watch"), ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics") as sub:
+        async with await cp.subscribe("status", "metrics", "plan") as sub:
             latest: dict[int, MetricsMessage] = {}
+            plan: str | None = None
             loop = asyncio.get_running_loop()
             draw_at = loop.time() + settle_s
             while True:
@@ -118,10 +133,12 @@ async def watch_job(
                     message = None
                 if isinstance(message, MetricsMessage):
                     latest[message.rank] = message
+                elif isinstance(message, PlanMessage):
+                    plan = plan_id(message.text)
                 if loop.time() < draw_at:
                     continue
                 rows = shutil.get_terminal_size().lines - 3 if terminal else None
-                lines = view_lines(job, cp.statuses(), latest, max_rows=rows)
+                lines = view_lines(job, cp.statuses(), latest, max_rows=rows, plan=plan)
                 out.write((CLEAR if terminal else "") + "\n".join(lines) + "\n" + ("" if terminal else "\n"))
                 out.flush()
                 draw_at = loop.time() + interval_s
