@@ -11,6 +11,7 @@ cuts off a client that trickles its request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan
+from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan, wait_for
 from mqtt_brokers import agent_subprocess_env
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -212,6 +213,36 @@ def test_one_address_holding_idle_connections_leaves_room_for_a_probe():
         assert health(server.url())[0] == 200  # from 127.0.0.1, at once
         for conn in idle:
             conn.close()
+
+
+def test_a_flood_of_connections_is_answered_at_a_bounded_rate_and_scrapes_resume():
+    """Beyond CONNECTIONS_BURST in a row, connections are closed unanswered (before any TLS handshake) at more
+    than CONNECTIONS_PER_S: a flood of scrapes costs the agent's core little; a scrape after it is answered."""
+    from agents.metrics.server import CONNECTIONS_BURST, CONNECTIONS_PER_S
+
+    metrics = AgentMetrics(5, "flood")
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True)) as server:
+        started, answered, closed = time.monotonic(), 0, 0
+        for _ in range(300):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+                with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                    conn.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                try:
+                    first = conn.recv(12)
+                except ConnectionResetError:
+                    first = b""
+                answered, closed = answered + first.startswith(b"HTTP/1."), closed + (first == b"")
+        elapsed = time.monotonic() - started
+        assert answered + closed == 300 and closed > 0
+        assert answered <= CONNECTIONS_BURST + CONNECTIONS_PER_S * elapsed + 1, (answered, elapsed)
+        wait_for(lambda: _answers(server.url()), 10, "a scrape answered after the flood")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return health(url)[0] == 200
+    except OSError:
+        return False
 
 
 def test_every_metric_is_documented_and_the_dashboard_uses_only_real_ones():

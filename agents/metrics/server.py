@@ -7,7 +7,8 @@ own WSGI app on a thread, bound to the host it is given (off unless a
 callable says so, else 503. It only reads: nothing a client sends changes
 anything. Request lines and headers are bounded by the standard library,
 connections at once by :data:`MAX_CLIENTS`, :data:`MAX_CLIENTS_PER_ADDRESS` of them from one address (more
-are closed unanswered), and
+are closed unanswered), connections a second by :data:`CONNECTIONS_PER_S` (more are closed unanswered before
+any TLS handshake: a flood of scrapes costs the process's core little, whoever sends it), and
 each connection, from its accept to its answer (TLS handshake included), by
 :data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
@@ -35,6 +36,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from geosched.errors import InputError
+from geosched.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ MAX_CLIENTS = 16
 MAX_CLIENTS_PER_ADDRESS = 8
 """Of those, from one client address: a client that holds its connections idle leaves the others room (a
 Prometheus scrape, a liveness probe) for their ``CLIENT_TIMEOUT_S``."""
+CONNECTIONS_PER_S = 20.0
+"""Connections taken a second on average (each is one request: HTTP/1.0), :data:`CONNECTIONS_BURST` in a row;
+Prometheus scrapes a target every few seconds, a probe about as often."""
+CONNECTIONS_BURST = 40.0
 CLIENT_TIMEOUT_S = 10.0
 """A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -66,11 +72,12 @@ class _BoundedServer(ThreadingWSGIServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self._per_address: dict[str, int] = {}
+        self._rate = TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)  # the accepting thread's alone
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._take(client_address[0]):
+        if not self._rate.take() or not self._take(client_address[0]):
             self.shutdown_request(request)
             return
         try:

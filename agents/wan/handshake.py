@@ -51,6 +51,7 @@ from zmq.utils import z85
 
 from agents.wan.metrics import Dropped
 from geosched.errors import ConfigError
+from geosched.ratelimit import TokenBucket
 
 if TYPE_CHECKING:
     from agents.sockets import CurveClient, CurveServer
@@ -217,7 +218,7 @@ class ServerHandshake:
         self._allowed = None if allowed is None else {_raw(k, "an allowed client key") for k in allowed}
         self._last_ts: OrderedDict[tuple[bytes, int], int] = OrderedDict()  # (key, stream) -> newest hello's ts
         self._static_dh: OrderedDict[bytes, bytes] = OrderedDict()  # client key -> DH(s, C), which never changes
-        self._tokens, self._refilled = HELLO_CHECK_BURST, time.monotonic()
+        self._hellos = TokenBucket(HELLO_CHECKS_PER_S, HELLO_CHECK_BURST)
 
     def check_hello(
         self, header: bytes | memoryview, h: dict[str, Any], proof: bytes | memoryview, *, stream: int
@@ -236,7 +237,7 @@ class ServerHandshake:
         last = self._last_ts.get((key, stream))
         if last is not None and ts <= last:
             raise HandshakeError("replayed_hello", "hello not newer than the last one taken for its stream (a replay?)")
-        if not self._take_token():
+        if not self._hellos.take():
             raise HandshakeError("hello_flood", f"over {HELLO_CHECKS_PER_S:g} hellos a second; dropped unverified")
         dhs = _dh(self._static, eph) + self._dh_with(key)
         expected = _proof(_hello_key(self._link, dhs, key, eph, self._public), header)
@@ -244,15 +245,6 @@ class ServerHandshake:
             raise HandshakeError("auth_failed", "hello proof does not verify (not the key it names)")
         _remember(self._last_ts, (key, stream), ts)
         return ClientHello(key, eph, ts)
-
-    def _take_token(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(HELLO_CHECK_BURST, self._tokens + (now - self._refilled) * HELLO_CHECKS_PER_S)
-        self._refilled = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
 
     def _dh_with(self, key: bytes) -> bytes:
         """DH(s, C) for a client key, computed once per key (at most MAX_REMEMBERED_HELLOS kept)."""
