@@ -69,6 +69,16 @@ def raise_open_files_limit(most: int = 65536) -> int:
     return soft
 
 
+def available_memory_bytes() -> int | None:
+    """This host's memory available to new processes (Linux's MemAvailable); None where it is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def allowed_cpus() -> list[int]:
     """The CPUs this process may run on, in order; empty where the platform cannot say."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

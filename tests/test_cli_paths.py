@@ -227,6 +227,26 @@ def test_a_model_larger_than_this_hosts_memory_is_refused_before_torch_allocates
         assert err.count("\n") == 1 and "GiB available" in err and "Traceback" not in err, err
 
 
+def test_a_plan_whose_ranks_this_host_cannot_hold_is_not_launched(tmp_path: Path, capsys) -> None:
+    """launch runs every rank as a process here: configs/unequal-5dc.yaml's 96 ranks of a 13B model (a trial's
+    launch of configs/gpt3-3dc.yaml started 2,880 ranks' calibration processes until the host swapped)."""
+    from agents.layout import parse_layout
+    from agents.rehearsal.processes import AGENT_PROCESS_BYTES, fleet_memory_refusal
+    from agents.runnable import plan_for_config
+    from geosched.config import load_config
+
+    run = tmp_path / "run"
+    assert main(["launch", "configs/unequal-5dc.yaml", "--run-dir", str(run), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "launch runs each of its 96 ranks as a process on this host" in err, err
+    assert "GiB available; rehearse a smaller config" in err and not run.exists()
+    demo = parse_layout(plan_for_config(load_config("configs/demo-3dc.yaml")), "demo")
+    assert fleet_memory_refusal(demo, "cpu", 2**40) is None and fleet_memory_refusal(demo, "cpu", None) is None
+    processes = len(demo.roles) * AGENT_PROCESS_BYTES
+    assert fleet_memory_refusal(demo, "cuda", processes) is None  # the stages are in GPU memory
+    assert "ranks as a process" in (fleet_memory_refusal(demo, "cpu", processes) or "")
+
+
 def test_a_config_where_a_plan_goes_is_named_as_such(capsys) -> None:
     """It was 'version: this geosched reads plan versions 1, 2 (got None)', for every verb taking a plan."""
     config = "configs/demo-3dc.yaml"

@@ -50,11 +50,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.hooks import with_http_urls, with_load, with_metrics_urls
-from agents.rehearsal.processes import AgentProcesses, RelayRoutes
+from agents.rehearsal.processes import AgentProcesses, RelayRoutes, fleet_memory_refusal
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.tls.context import server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import InputError, PlanError
+from geosched.processes import available_memory_bytes
 
 if TYPE_CHECKING:
     from agents.keys import JobKeys
@@ -163,6 +164,8 @@ def launch(
         from agents.stage.device import host_refusal
 
         refusal = host_refusal(layout, device)
+    if refusal is None:
+        refusal = fleet_memory_refusal(layout, device, available_memory_bytes())
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or config.job.steps  # a plan's steps are those of the config it was made from

@@ -27,6 +27,38 @@ if TYPE_CHECKING:
     from agents.layout import JobLayout
 
 
+AGENT_PROCESS_BYTES = 300 * 2**20
+"""What one agent process holds besides its stage (Python, torch, its links' buffers): the demo's agents hold
+230-390 MiB each."""
+
+
+def fleet_memory_refusal(layout: JobLayout, device: str, available: int | None) -> str | None:
+    """Why this host cannot hold every rank of ``layout`` as a process, as launch runs them (and its calibration
+    before them): their stages' memory as the planner predicts it (on this host's memory when ``device`` is the
+    CPU) and :data:`AGENT_PROCESS_BYTES` each, against ``available`` bytes; None when it fits or is unknown."""
+    if available is None:
+        return None
+    from agents.stage.schedule import predicted_stage_bytes
+
+    stages = 0
+    if device == "cpu":
+        groups: dict[tuple[int, str], list[Any]] = {}
+        for role in layout.roles:
+            groups.setdefault((role.stage, role.dc), []).append(role)
+        stages = sum(predicted_stage_bytes(layout, roles[0]) * len(roles) for roles in groups.values())
+    ranks = len(layout.roles)
+    need = stages + ranks * AGENT_PROCESS_BYTES
+    if need <= available:
+        return None
+    what = "their stages' weights, optimizer state and activations, and " if stages else ""
+    return (
+        f"launch runs each of its {ranks} ranks as a process on this host: about {need / 2**30:,.1f} GiB ({what}"
+        f"{AGENT_PROCESS_BYTES >> 20} MiB a process), and this host has {available / 2**30:,.1f} GiB available; "
+        "rehearse a smaller config (e.g. configs/demo-3dc.yaml), or run the plan's agents on its hosts "
+        "(docs/multi-host.md)"
+    )
+
+
 class AgentProcesses:
     """One ``geosched agent`` subprocess per rank, each in its own process group; a context manager."""
 

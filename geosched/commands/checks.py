@@ -101,12 +101,10 @@ def fits_host_memory(job: JobSpec, bytes_per_param: float, what: str, fix: str) 
     (Linux's MemAvailable; unchecked where that is unknown): torch would fail to allocate with a traceback, or
     the host would swap for minutes first."""
     from geosched.costmodel import total_params
+    from geosched.processes import available_memory_bytes
 
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+    available = available_memory_bytes()
+    if available is None:
         return
     params = total_params(job)
     if params * bytes_per_param > available:
