@@ -147,6 +147,40 @@ def test_each_wan_message_is_timed_against_the_simulator_per_replica(job) -> Non
     assert message_lines({}) == [] and len(message_lines(times)) == 2
 
 
+def test_the_recorder_keeps_only_well_formed_reports_of_each_ranks_place_once_a_step(job, tmp_path: Path) -> None:
+    """A rank's key signs whatever it sends: one malformed report failed the whole run folder at the end, and a
+    flood of large ones filled the coordinator's disk. Such messages are counted and not recorded."""
+    layout, predicted, reports = job
+    recorder = RunRecorder(tmp_path / "run", layout)
+    role = layout.role(1)
+    good = metrics_record(reports[1][0], role)
+    event = {"stage": role.stage, "action": "0F0", "start": 0, "end": 1, "category": "compute", "kind": "F"}
+    bad = [
+        {},  # the insider trial's {"rank": 1, "step": 10}
+        {**good, "stage": 1 - role.stage},  # another stage's place
+        {**good, "iteration_s": float("nan")},
+        {**good, "events": [{**event, "action": "x" * 10_000}]},
+        {**good, "events": [{**event, "stage": 1 - role.stage}]},
+        {**good, "bytes_sent": {"7": 10}},  # no such neighbour
+        {**good, "bytes_sent": {"0": -1}},
+        {**good, "busy_s": "1"},
+    ]
+    for values in bad:
+        recorder.record(MetricsMessage(1, 0, values=values))
+    assert recorder.refused == len(bad)
+    for step in range(3):
+        for r in layout.roles:
+            recorder.record(MetricsMessage(r.rank, step, values=metrics_record(reports[r.rank][step], r)))
+    big = {**good, "padding": "x" * 500_000}
+    for _ in range(100):  # the same step again, or an earlier one: not recorded
+        recorder.record(MetricsMessage(1, 2, values=big))
+        recorder.record(MetricsMessage(1, 0, values=big))
+    assert recorder.refused == len(bad) + 200
+    assert (tmp_path / "run" / "metrics.jsonl").stat().st_size < 100_000
+    report = recorder.finish(predicted)
+    assert report["steps"] == [0, 1, 2] and report["losses"] == [5.0, 4.0, 3.0]
+
+
 def test_endpoints_json_carries_the_routes_the_hook_returns(tmp_path: Path) -> None:
     async def relays(statuses: dict[int, StatusMessage]) -> dict[str, str]:
         return {"pipe/s1/r0": "tcp://127.0.0.1:9999"}

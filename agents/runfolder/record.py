@@ -22,15 +22,18 @@ them into step reports and writes ``report.json`` and the pictures
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agents.control.messages import MetricsMessage, StatusMessage
+from agents.control.messages import MetricsMessage, StatusMessage, printable
 from agents.stage.report import StepReport
 from geosched.errors import GeoschedError
+
+log = logging.getLogger(__name__)
 
 BeforeStart = Callable[[dict[int, StatusMessage]], Awaitable[dict[str, str]]]
 """The coordinator's ``before_start`` hook: ready statuses in, routes out."""
@@ -100,14 +103,46 @@ class RunRecorder:
         (self.run / "plan.yaml").write_text(layout.text, encoding="utf-8")
         self.metrics_path = self.run / "metrics.jsonl"
         self._out = open(self.metrics_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by finish/close
+        self._newest: dict[int, int] = {}  # rank -> the newest step recorded
+        self.refused = 0  # metrics messages not recorded (see record)
         self.ready = endpoints_hook(self.run, coordinator=coordinator)
 
     def record(self, message: MetricsMessage) -> None:
-        """Append one metrics message (the coordinator's ``on_metrics`` hook)."""
+        """Append one metrics message (the coordinator's ``on_metrics`` hook) if it is a step report of its
+        rank's place in the plan, for a step after the last one recorded for that rank: a rank's key can sign
+        anything, and one malformed report failed the whole run folder at the end, a flood of them filled the
+        disk. The others are counted (``refused``) and logged once."""
         if self._out.closed:
             return
-        self._out.write(json.dumps({**message.values, "rank": message.rank, "step": message.step}) + "\n")
+        data = {**message.values, "rank": message.rank, "step": message.step}
+        why = self._refusal(message.rank, data)
+        if why is not None:
+            self.refused += 1
+            if self.refused == 1:
+                log.warning(
+                    "run folder: not recorded: metrics of rank %d for step %d: %s", message.rank, message.step, why
+                )
+            return
+        self._newest[message.rank] = message.step
+        self._out.write(json.dumps(data) + "\n")
         self._out.flush()
+
+    def _refusal(self, rank: int, data: Mapping[str, Any]) -> str | None:
+        """Why ``data`` is not recorded for ``rank``; None to record it."""
+        if data["step"] <= self._newest.get(rank, -1):
+            return f"step {data['step']} is not after the last recorded one ({self._newest[rank]})"
+        try:
+            report = StepReport.from_dict(data)
+            role = self.layout.role(rank)
+        except (KeyError, TypeError, ValueError, GeoschedError) as exc:
+            return f"not a step report ({type(exc).__name__}: {printable(exc, 200)})"
+        if (report.stage, report.replica) != (role.stage, role.replica):
+            return (
+                f"stage {report.stage} replica {report.replica}: the rank is stage {role.stage}, replica {role.replica}"
+            )
+        if any(peer not in (role.stage - 1, role.stage + 1) for peer in report.bytes_sent):
+            return f"bytes sent to stages {sorted(report.bytes_sent)}, not the rank's neighbours"
+        return None
 
     def close(self) -> None:
         """Stop recording (idempotent)."""

@@ -23,6 +23,7 @@ each replica's last-stage loss (all replicas see equally many samples).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 from geosched.errors import StageError
 from geosched.schedule import Action, Event, IdleGap, LinkUse, Message, Schedule, Timeline, message_edges
 from geosched.schedule.timeline import summarize
+from geosched.yamlload import short
 
 
 @dataclass
@@ -117,26 +119,76 @@ class StepReport:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepReport:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`, strict: what another process sent (a rank's metrics, signed but not
+        trusted to be well formed) is checked as it is read, so a malformed report fails here (KeyError,
+        TypeError, ValueError) and not in the run folder's pictures. A diverged loss may be NaN."""
+        stage = _whole(data["stage"])
+        events = [_event(e, stage) for e in data.get("events", [])]
+        gaps = [_gap(g, stage) for g in data.get("idle_gaps", [])]
         return cls(
-            step=int(data["step"]),
-            stage=int(data["stage"]),
-            replica=int(data["replica"]),
+            step=_whole(data["step"]),
+            stage=stage,
+            replica=_whole(data["replica"]),
             loss=None if data["loss"] is None else float(data["loss"]),
-            iteration_s=float(data["iteration_s"]),
-            busy_s=float(data["busy_s"]),
-            comm_s=float(data["comm_s"]),
-            idle_s=float(data["idle_s"]),
-            started_at=float(data["started_at"]),
-            bytes_sent={int(k): int(v) for k, v in data.get("bytes_sent", {}).items()},
-            events=[Event(**e) for e in data.get("events", [])],
-            idle_gaps=[IdleGap(**g) for g in data.get("idle_gaps", [])],
-            memory={str(k): int(v) for k, v in data.get("memory", {}).items()},
-            sync_s=float(data.get("sync_s", 0.0)),
-            sync_bytes={str(k): int(v) for k, v in data.get("sync_bytes", {}).items()},
-            loss_scale=None if data.get("loss_scale") is None else float(data["loss_scale"]),
-            skipped=bool(data.get("skipped", False)),
+            iteration_s=_seconds(data["iteration_s"]),
+            busy_s=_seconds(data["busy_s"]),
+            comm_s=_seconds(data["comm_s"]),
+            idle_s=_seconds(data["idle_s"]),
+            started_at=_seconds(data["started_at"]),
+            bytes_sent={_whole(k): _whole(v) for k, v in data.get("bytes_sent", {}).items()},
+            events=events,
+            idle_gaps=gaps,
+            memory={str(k): _whole(v) for k, v in data.get("memory", {}).items()},
+            sync_s=_seconds(data.get("sync_s", 0.0)),
+            sync_bytes={str(k): _whole(v) for k, v in data.get("sync_bytes", {}).items()},
+            loss_scale=None if data.get("loss_scale") is None else _seconds(data["loss_scale"]),
+            skipped=data.get("skipped", False) is True,
         )
+
+
+def _whole(value: object) -> int:
+    """A count, stage or step of a report: an integer >= 0 (or its decimal string, as JSON keys are)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
+        value = int(value)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"expected an integer >= 0, got {short(value)}")
+    return value
+
+
+def _seconds(value: object) -> float:
+    """A time or scale of a report: a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {short(value)}")
+    return float(value)
+
+
+def _label(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 64:
+        raise ValueError(f"expected a name of at most 64 characters, got {short(value)}")
+    return value
+
+
+def _event(data: Mapping[str, Any], stage: int) -> Event:
+    event = Event(
+        _whole(data["stage"]),
+        _label(data["action"]),
+        _seconds(data["start"]),
+        _seconds(data["end"]),
+        _label(data["category"]),
+        _label(data["kind"]),
+    )
+    if event.stage != stage:
+        raise ValueError(f"an event of stage {event.stage} in a report of stage {stage}")
+    return event
+
+
+def _gap(data: Mapping[str, Any], stage: int) -> IdleGap:
+    waiting = data["waiting_for"]
+    label = None if waiting is None else _label(waiting)
+    gap = IdleGap(_whole(data["stage"]), _seconds(data["start"]), _seconds(data["end"]), label)
+    if gap.stage != stage:
+        raise ValueError(f"an idle gap of stage {gap.stage} in a report of stage {stage}")
+    return gap
 
 
 def measured_timeline(
