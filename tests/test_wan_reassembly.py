@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from agents.wan.metrics import LinkCounters
-from agents.wan.recv import ChunkHeader, PostedRecv, RecvState
+from agents.wan.recv import MESSAGE_OVERHEAD_BYTES, ChunkHeader, PostedRecv, RecvState
 
 SHAPE = (2, 3)
 NBYTES = 2 * 3 * 4
@@ -66,3 +66,22 @@ def test_a_recv_posted_with_out_receives_straight_into_it() -> None:
     _deliver_chunk(state, _chunk(0, key, prev=-1), 4.0)
     assert future.result(0) is out and torch.equal(out, torch.full(SHAPE, 4.0))
     assert state.counters.staged_bytes == 0  # never held anywhere else
+
+
+def test_empty_messages_nobody_receives_are_bounded_by_the_staging_budget() -> None:
+    """A peer (a rank's key is enough) sent empty tensors under fresh keys: each was complete at once, counted 0
+    bytes and waited forever; 246,000 of them grew the receiver by 340 MiB with nothing staged. Each staged
+    message now costs MESSAGE_OVERHEAD_BYTES too, so past the budget its chunks are refused busy."""
+    state = _state()  # a 1 MiB budget
+    verdicts = []
+    for seq in range(1_000):
+        empty = ChunkHeader(seq, (seq, 0, "activation"), -1, 0, torch.float32, (0,), 0, 1, 0, 0, -1, seq)
+        verdict, msg, _ = state.begin_chunk(empty, 0.0)
+        verdicts.append(verdict)
+        if msg is not None:
+            state.finish_chunk(msg, 0, 0, 0.0)
+    kept = (1 << 20) // MESSAGE_OVERHEAD_BYTES
+    assert verdicts.count("write") == kept and verdicts.count("busy") == 1_000 - kept
+    assert state.counters.staged_bytes == kept * MESSAGE_OVERHEAD_BYTES
+    assert float(_post(state, (0, 0, "activation")).result(0).numel()) == 0  # a consumer takes one: room again
+    assert state.counters.staged_bytes == (kept - 1) * MESSAGE_OVERHEAD_BYTES

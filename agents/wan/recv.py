@@ -12,7 +12,10 @@ A complete message is handed out only once ``prev`` is complete too, and
 messages of one key leave in sequence order. A message whose recv is already
 posted is assembled directly in the caller's ``out`` tensor; otherwise it is
 staged within ``max_staged_bytes`` (beyond that the chunk is refused "busy"
-and the sender retries later).
+and the sender retries later). Each staged message costs its bytes and
+:data:`MESSAGE_OVERHEAD_BYTES`, so the budget bounds how many messages wait
+as well: a peer sending empty tensors under fresh keys, which nobody receives,
+once grew its receiver by a gigabyte with nothing staged.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 KINDS = ("activation", "gradient", "control", "allreduce")
 """Message kinds: pipeline activations and gradients, control messages, pieces of a cross-DC gradient all-reduce."""
 Key = tuple[int, int, str]  # (step, microbatch, kind)
+MESSAGE_OVERHEAD_BYTES = 4096
+"""What a staged message costs besides its bytes (its bookkeeping, tensor and views hold about 1.4 KiB)."""
 U63 = (1 << 63) - 1
 _T = TypeVar("_T")
 
@@ -149,6 +154,11 @@ class InMessage:
     def __lt__(self, other: InMessage) -> bool:  # heap order: sequence number
         return self.seq < other.seq
 
+    @property
+    def cost(self) -> int:
+        """What it counts against ``max_staged_bytes`` while staged."""
+        return self.total + MESSAGE_OVERHEAD_BYTES
+
 
 class RecvState:
     """Reassembly and in-order delivery for one link direction (owned by the I/O thread)."""
@@ -239,16 +249,16 @@ class RecvState:
             posted = None
         if posted is not None and posted.out is not None and posted.out_array is not None:
             tensor, array = posted.out, posted.out_array
-        elif posted is None and self.counters.staged_bytes + c.total > self.max_staged_bytes:
+        elif posted is None and self.counters.staged_bytes + c.total + MESSAGE_OVERHEAD_BYTES > self.max_staged_bytes:
             return None
         else:
             tensor = empty_tensor(c.dtype, c.shape)
             array = byte_array(tensor)
         staged = posted is None  # nobody waits for it yet: it counts against max_staged_bytes
-        if staged:
-            self.counters.staged_bytes += c.total
         nchunks = max(1, -(-c.total // c.chunk))
         msg = InMessage(c.seq, c.key, c.prev, c.dtype, c.shape, c.total, c.chunk, nchunks, tensor, array, staged, now)
+        if staged:
+            self.counters.staged_bytes += msg.cost
         if posted is not None:
             self._pop_posted(posted)
             posted.bound, msg.posted = msg, posted
@@ -284,14 +294,14 @@ class RecvState:
             msg.tensor = msg.tensor.clone()
             msg.array = byte_array(msg.tensor)
             msg.staged = True
-            self.counters.staged_bytes += msg.total
+            self.counters.staged_bytes += msg.cost
         heapq.heappush(self.ready.setdefault(msg.key, []), msg)
 
     def _abandon(self, msg: InMessage) -> None:
         self.assembling.pop(msg.seq, None)
         self._mark_done(msg.seq)
         if msg.staged:
-            self.counters.staged_bytes -= msg.total
+            self.counters.staged_bytes -= msg.cost
         if msg.posted is not None:  # the consumer keeps waiting for the next message of its key
             posted, msg.posted = msg.posted, None
             posted.bound = None
@@ -324,7 +334,7 @@ class RecvState:
             msg.tensor, msg.array = posted.out, out_array
         if msg.staged:
             msg.staged = False
-            self.counters.staged_bytes -= msg.total
+            self.counters.staged_bytes -= msg.cost
         self._pop_posted(posted)
         posted.bound, msg.posted = msg, posted
 
@@ -349,7 +359,7 @@ class RecvState:
                 result = posted.out
             if resolve_future(posted.future, result):
                 heapq.heappop(ready)
-                self.counters.staged_bytes -= msg.total
+                self.counters.staged_bytes -= msg.cost
         if not waiting:
             self.posted.pop(key, None)
         if not ready:
@@ -397,7 +407,7 @@ class RecvState:
                 msg.tensor = msg.tensor.clone()
                 msg.array = byte_array(msg.tensor)
         msg.staged = True
-        self.counters.staged_bytes += msg.total
+        self.counters.staged_bytes += msg.cost
 
     def _timeout_error(self, posted: PostedRecv) -> LinkError:
         step, microbatch, kind = posted.key
