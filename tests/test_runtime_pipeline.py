@@ -3,7 +3,9 @@ loopback, checked against a one-process run, plus the measured timeline and its 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +19,7 @@ from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset
+from geosched.errors import TrainingDiverged
 from geosched.model import build_stage
 from geosched.schedule import render_grid, write_chrome_trace, write_timeline_png
 
@@ -155,3 +158,21 @@ def test_receives_are_posted_before_the_receive_ahead_of_them(dataset, link_pair
         for earlier, later in zip(received, received[1:]):
             # posted (first polled) before the runtime even waited for the receive ahead of it
             assert calls.index(("poll", later)) < calls.index(("recv", earlier)), (earlier, later)
+
+
+def test_a_non_finite_activation_from_upstream_is_named_when_the_loss_is_nan(dataset, link_pair):
+    """A stage that sends NaN activations (a diverged or misbehaving peer) made the last stage report only that
+    training diverged; it now says which stage's activation was not finite."""
+    listener, connector = link_pair
+    upstream, last = make_runtime(JOB, 0, connector), make_runtime(JOB, 1, listener)
+    with torch.no_grad():
+        next(upstream.module.parameters()).fill_(float("nan"))
+    batch = dataset.batch(0, 0, 1, JOB.microbatch_size, last.num_microbatches)
+
+    def run_upstream() -> None:
+        with contextlib.suppress(Exception):  # its gradients never come: the links close at the end
+            upstream.run_step(0, batch)
+
+    threading.Thread(target=run_upstream, daemon=True).start()
+    with pytest.raises(TrainingDiverged, match="the activation stage 0 sent for it is not finite"):
+        last.run_step(0, batch)

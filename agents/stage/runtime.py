@@ -317,9 +317,16 @@ class StageRuntime:
         if self.module.last:
             loss = float(out.detach())
             if not math.isfinite(loss):  # before its backward: no weight takes an update from it
+                upstream = not self.module.first and not bool(torch.isfinite(x).all())
                 raise TrainingDiverged(
-                    f"the loss of microbatch {mb} is {loss}: training diverged (lower job.learning_rate); "
-                    "resume from a checkpoint before this step"
+                    f"the loss of microbatch {mb} is {loss}"
+                    + (
+                        f", and the activation stage {self.stage - 1} sent for it is not finite: training diverged "
+                        f"before this stage, or stage {self.stage - 1} sent bad data"
+                        if upstream
+                        else ": training diverged"
+                    )
+                    + " (lower job.learning_rate); resume from a checkpoint before this step"
                 )
             state.losses.append(loss)
         state.outputs[mb] = out
