@@ -147,6 +147,7 @@ def test_the_kv_route_returns_loadable_safetensors(served, model):
         torch.testing.assert_close(tensors[f"layers.{i}.v"], v, atol=1e-5, rtol=1e-5)
     response = response_from_safetensors(body)
     assert headers["X-Prefill-Prompt-Tokens"] == "21" and headers["X-Prefill-First-Token"] == str(response.first_token)
+    assert headers["Server"] == "geosched"  # a streamed answer too: not aiohttp's and Python's versions
     expected = greedy_generate(model, tokens.view(1, -1), 6)[0, 21:].tolist()
     assert continue_greedy(model, response, 6) == expected  # decode on locally from the HTTP answer
 
@@ -173,6 +174,7 @@ def test_the_token_is_required(served):
         (b'{"prompt": "a", "deadline_ms": 1e400}', 400, "1e400 is out of range"),
         (b'{"prompt": "a", "deadline_ms": 1' + b"0" * 40 + b"}", 400, "numbers of ordinary size"),
         (b'{"prompt": "a", "deadline_ms": "soon"}', 400, "'deadline_ms' must be int/float (got str)"),
+        (b'{"prompt": "a", "deadline_ms": 1e300}', 400, "'deadline_ms' must be > 0 and <= 86400000 (a day"),
         (b'{"prompt": "a", "top_k": 1}', 400, "unknown fields ['top_k']"),
         (b'{"prompt": "a", "top_p": 0.5}', 400, "top_p must be 1"),
         (b'{"prompt": "a", "n": true}', 400, "n must be 1"),  # a bool is no count, though Python says True == 1
@@ -241,6 +243,42 @@ def test_unknown_routes_and_methods_answer_json(served):
     assert call(served[1], "GET", "/v1/completions")[0] == 405
     reply = call(served[1], "POST", "/v1/chat/completions", {"prompt": "hi"})
     assert reply[0] == 404 and "Not Found" in error(reply)["message"]
+    model_id = served[1].model_id
+    reply = call(served[1], "GET", f"/v1/models/{model_id}")  # openai's client.models.retrieve
+    assert reply[0] == 200 and json.loads(reply[2]) == {
+        "id": model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "geosched",
+    }
+    reply = call(served[1], "GET", "/v1/models/gpt-4")
+    assert reply[0] == 404 and error(reply)["code"] == "model_not_found"
+    assert call(served[1], "GET", f"/v1/models/{model_id}", token=None)[0] == 401
+
+
+def _expect_continue(server: PrefillHttpServer, head: bytes) -> bytes:
+    """Send a request's head with ``Expect: 100-continue`` and no body; what the server answers first."""
+    with socket.create_connection((server.host, server.port), timeout=10) as conn:
+        conn.sendall(head + b"Expect: 100-continue\r\n\r\n")
+        return conn.recv(4096)
+
+
+def test_expect_100_continue_is_refused_before_the_body_when_the_token_or_size_is_wrong(served):
+    """aiohttp's own handler invited every body (a stranger's, or 100 MB over the limit) with 100 Continue."""
+    service, server = served
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    first = _expect_continue(server, post + b"Content-Length: 16000\r\n")
+    assert first.startswith(b"HTTP/1.1 401") and b"Connection: close" in first and b"invalid_api_key" in first, first
+    first = _expect_continue(server, post + auth + b"Content-Length: 100000000\r\n")
+    assert first.startswith(b"HTTP/1.1 413") and b"request_too_large" in first, first
+    assert _expect_continue(server, post + auth + b"Content-Length: 15\r\n").startswith(b"HTTP/1.1 100 Continue")
+    body = json.dumps({"prompt": "hi"}).encode()
+    with socket.create_connection((server.host, server.port), timeout=30) as conn:  # invited, then answered
+        conn.sendall(post + auth + f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        assert conn.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        conn.sendall(body)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
 
 
 def test_a_full_queue_answers_429_a_missed_deadline_504_and_a_shutdown_503(model):

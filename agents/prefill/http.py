@@ -3,12 +3,13 @@
 Routes: ``POST /v1/completions`` (the greedy first token, with top-k
 logprobs; ``max_tokens`` must be 1), ``POST /v1/prefill`` (the KV cache as
 safetensors bytes, :func:`~agents.prefill.completions.kv_safetensors`) and
-``GET /v1/models``. Thin: bodies are parsed by
+``GET /v1/models`` (and ``/v1/models/{id}``). Thin: bodies are parsed by
 :mod:`agents.prefill.completions`, and requests go through the service's own
 queue (:meth:`PrefillService.submit <agents.prefill.service.PrefillService.submit>`):
 the same admission control, deadlines, priorities and token as the ZeroMQ
 endpoint. ``Authorization: Bearer <token>`` is checked (constant time) before
-the body is read; bodies are bounded; refusals are OpenAI error objects
+the body is read (and before a client that sent ``Expect: 100-continue`` is invited
+to send it, with the body's announced size); bodies are bounded; refusals are OpenAI error objects
 (400 bad input, 401 token, 404, 408 body too slow, 413 body too large, 429
 queue full or deadline infeasible, 504 deadline passed, 503 shutting down or
 over a limit).
@@ -40,7 +41,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 
 from agents.prefill.completions import (
@@ -185,11 +187,13 @@ class PrefillHttpServer:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guarded, self._errors])
         app.add_routes(
             [
-                web.post("/v1/completions", self._completions),
-                web.post("/v1/prefill", self._prefill),
+                web.post("/v1/completions", self._completions, expect_handler=self._expect),
+                web.post("/v1/prefill", self._prefill, expect_handler=self._expect),
                 web.get("/v1/models", self._models),
+                web.get("/v1/models/{model}", self._model),
             ]
         )
+        app.on_response_prepare.append(_server_header)
         limits = self.limits
         self._runner = runner = web.AppRunner(
             app,
@@ -277,29 +281,15 @@ class PrefillHttpServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every refusal as OpenAI's error object; a refusal that left the body unread closes the connection."""
         response = await self._answer(request, handler)
-        response.headers["Server"] = "geosched"  # not aiohttp's and Python's versions
         if response.status >= 400 and not request.content.is_eof():
-            response.force_close()  # "Connection: close"
-            transport = request.transport
-            protocol = transport.get_protocol() if transport is not None else None
-            if isinstance(protocol, GuardedProtocol):
-                protocol.close_unread()
+            _close_unread(request, response)
         return response
 
     async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except HttpError as exc:
-            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-            if exc.status == 429:
-                headers["Retry-After"] = "1"
-            return web.json_response(exc.body(), status=exc.status, headers=headers)
-        except web.HTTPRequestEntityTooLarge:
-            self.service.count_refused("bad_requests")
-            error = invalid(
-                f"the body exceeds {self.max_body_bytes} bytes; send a shorter prompt", None, "request_too_large", 413
-            )
-            return web.json_response(error.body(), status=413)
+        except (HttpError, web.HTTPRequestEntityTooLarge) as exc:
+            return self._refusal(exc)
         except web.HTTPException as exc:  # 404, 405 from the router
             error = HttpError(
                 exc.status, f"{exc.reason}: {request.method} {request.path[:100]}", "invalid_request_error"
@@ -312,6 +302,46 @@ class PrefillHttpServer:
             log.exception("prefill HTTP request failed unexpectedly")
             body = HttpError(500, "internal error in the prefill front end", "server_error").body()
             return web.json_response(body, status=500)
+
+    def _refusal(self, exc: HttpError | web.HTTPRequestEntityTooLarge) -> web.Response:
+        """The OpenAI error answer of a refused request."""
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            self.service.count_refused("bad_requests")
+            exc = invalid(
+                f"the body exceeds {self.max_body_bytes} bytes; send a shorter prompt", None, "request_too_large", 413
+            )
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.status == 429:
+            headers["Retry-After"] = "1"
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the token and the body's announced size are checked before the client is
+        invited to send the body; a refusal is the answer at once, and the connection closes (RFC 9110 10.1.1:
+        aiohttp's own handler invited every body, a stranger's or one far over the limit)."""
+        if request.version != HttpVersion11:
+            return None
+        if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
+            expectation = request.headers.get(hdrs.EXPECT, "")[:60]
+            response = web.json_response(
+                invalid(f"unknown expectation {expectation!r}: only 100-continue", None, None, 417).body(), status=417
+            )
+        else:
+            try:
+                self._authenticate(request)
+                self._check_size(request)
+            except (HttpError, web.HTTPRequestEntityTooLarge) as exc:
+                response = self._refusal(exc)
+            else:
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # as aiohttp's own handler: the answer has not begun
+                return None
+        _close_unread(request, response)
+        return response
+
+    def _check_size(self, request: web.Request) -> None:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
 
     def _authenticate(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -328,8 +358,7 @@ class PrefillHttpServer:
     async def _ask(self, request: web.Request, kind: str) -> tuple[Ask, PrefillResponse]:
         """Authenticate, read and parse the body, queue it in the service, wait for its answer."""
         self._authenticate(request)
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        self._check_size(request)
         try:
             body = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except TimeoutError:
@@ -397,8 +426,32 @@ class PrefillHttpServer:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._authenticate(request)
-        model: dict[str, Any] = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "geosched"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        self._authenticate(request)
+        name = request.match_info["model"]
+        if name != self.model_id:
+            message = f"model {name[:80]!r} is not served here; use {self.model_id!r} (GET /v1/models)"
+            raise invalid(message, "model", "model_not_found", 404)
+        return web.json_response(self._model_object())
+
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "geosched"}
+
+
+def _close_unread(request: web.Request, response: web.StreamResponse) -> None:
+    """Answer with "Connection: close", and close the connection without reading the body still coming."""
+    response.force_close()
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    if isinstance(protocol, GuardedProtocol):
+        protocol.close_unread()
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer the app makes, streamed ones included, names geosched, not aiohttp's and Python's versions."""
+    response.headers[hdrs.SERVER] = "geosched"
 
 
 def _resolve(future: asyncio.Future[PrefillResponse], response: PrefillResponse) -> None:

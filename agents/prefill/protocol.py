@@ -49,6 +49,7 @@ VERSION = 2
 STATUSES = ("ok", "rejected", "expired", "error")
 MAX_ID_CHARS = 64
 MAX_TOP_K = 16
+MAX_DEADLINE_MS = 86_400_000  # a day: a prefill waits for bubbles, not for ever
 MAX_REASON_CHARS = 240  # fits wire.MAX_HEADER_STR
 REQUEST_FIELDS = frozenset({"v", "id", "prompt", "deadline_ms", "priority", "return_kv", "top_k", "token"})
 TIMING_FIELDS = ("queued_ms", "compute_ms", "ttft_ms", "chunks", "bubble_share")
@@ -165,8 +166,8 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
     if kind not in ("text", "tokens"):
         raise BadRequest(f"field 'prompt' must be 'text' or 'tokens' (got {wire.show(kind)})", rid)
     deadline = _optional(header, "deadline_ms", (int, float), None, rid)
-    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
-        raise BadRequest(f"field 'deadline_ms' must be > 0 (got {deadline})", rid)
+    if deadline is not None and not (math.isfinite(deadline) and 0 < deadline <= MAX_DEADLINE_MS):
+        raise BadRequest(f"field 'deadline_ms' must be > 0 and <= {MAX_DEADLINE_MS} (a day; got {deadline:g})", rid)
     priority = _optional(header, "priority", int, 0, rid)
     if not 0 <= priority <= 9:
         raise BadRequest(f"field 'priority' must be 0-9 (got {priority})", rid)
