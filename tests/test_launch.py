@@ -57,6 +57,9 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
     run = tmp_path / "run"
+    (run / "attempt-1").mkdir(parents=True)  # a folder an earlier (elastic) launch left: reused
+    for name in ("plan.yaml", "metrics.jsonl", "attempt-1/rank0.jsonl"):
+        (run / name).write_text("an earlier run's\n")
     done = subprocess.run(
         cli(
             "launch",
@@ -83,6 +86,7 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == json.loads((run / "report.json").read_text())
+    assert not (run / "metrics.jsonl").exists() and not (run / "attempt-1").exists()  # nothing of the earlier run
     # --metrics: every agent and the coordinator served Prometheus metrics (scraped in tests/test_metrics.py)
     assert set(report["metrics"]) == {"coordinator", "r0", "r1", "r2"}, report.get("metrics")
     assert all(url.startswith("https://127.0.0.1:") for url in report["metrics"].values())  # TLS, the run's CA

@@ -57,6 +57,19 @@ from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import InputError, PlanError
 from geosched.processes import available_memory_bytes
 
+PREVIOUS_RUN = (
+    "report.json",
+    "timeline.png",
+    "predicted.png",
+    "timelines.png",
+    "trace.json",
+    "loss.png",
+    "calibration.json",
+    "endpoints.json",
+    "metrics.jsonl",
+)
+"""What a run folder holds of the run that wrote it: removed when a launch reuses the folder."""
+
 if TYPE_CHECKING:
     from agents.keys import JobKeys
     from agents.layout import JobLayout
@@ -179,6 +192,10 @@ def launch(
         raise InputError(f"--run-dir {run}: cannot make a folder there ({exc.strerror or exc})") from None
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
         old.unlink()
+    for name in PREVIOUS_RUN:  # a reused folder: nothing of the last run may pass for this one's
+        (run / name).unlink(missing_ok=True)
+    for folder in run.glob("attempt-*"):
+        shutil.rmtree(folder, ignore_errors=True)
     (run / "plan.yaml").write_text(text)
     calibration_s = None
     if calibration == "measure":
