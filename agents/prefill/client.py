@@ -116,7 +116,12 @@ class PrefillClient:
         """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(timeout * 1e3), zmq.POLLIN):
-            keys = " and the server key the agent's (--rank: CURVE drops a wrong key unanswered)" if self._curve else ""
+            keys = (
+                " and the server key the agent's (--rank: CURVE drops a wrong key unanswered)"
+                if self._curve
+                else ", and does it take plain ZeroMQ? An agent with keys (launch's default) speaks CURVE only: "
+                "pass --keys DIR --rank R"
+            )
             raise LinkError(
                 f"no prefill response from {self.endpoint} within {timeout:g} s; "
                 f"is the agent running, its endpoint right{keys}?"

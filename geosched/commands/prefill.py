@@ -4,8 +4,8 @@ The agent runs the prefill inside its training bubbles and returns the first
 token, its top-k logits and the KV cache; ``--decode N`` continues greedy
 decoding locally from that cache (needs the same weights: --weights, --config):
 
-  geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file secrets/prefill.token "The quick brown fox"
   geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
+  geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file prefill.token "The quick brown fox"  # --insecure agent
   geosched prefill --endpoint https://127.0.0.1:8443 --keys runs/demo/secrets "Hello"   # HTTPS: token + its CA
   geosched prefill --endpoint https://agent:8443 --ca-file ca.crt --token-file prefill.token "Hello"
   geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\

@@ -8,7 +8,8 @@ Synthetic form (uniform stages, costs from the flags):
 
 From a config or plan file (stage costs from the cost model):
 
-  geosched simulate plan.yaml --microbatches 16
+  geosched simulate configs/demo-3dc.yaml --stages 3 --microbatches 16
+  geosched simulate plan.yaml --timeline t.png   # a plan fixes its stages and microbatches
 
 The trace opens in https://ui.perfetto.dev or chrome://tracing.
 """
