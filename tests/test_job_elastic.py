@@ -25,12 +25,16 @@ STEPS = 24
 """Enough that the job cannot finish between checkpoint 2 and the SIGKILL (at 6 it sometimes did: the recovery
 then resumed from step 6 with nothing left to run, downtime -1)."""
 JOB = "elastic-hosts"
+FIRST = 2
+"""Steps an earlier job start ran before the elastic one."""
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, fault: signal.Signals) -> None:
     """A killed agent (its will says so) or a frozen one (silent; its retained status still names the old plan,
-    which once stopped the job as 'running another plan' once the new one was published)."""
+    which once stopped the job as 'running another plan' once the new one was published). The agents have done
+    FIRST steps of an earlier job start: --steps counts from there, after the recovery too (it once ran to step
+    --steps and stopped, or exited 0 at once when the checkpoint was past it)."""
     broker = MosquittoBroker(tmp_path)
     broker.start()
     raw = three_dc_config()
@@ -45,6 +49,14 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
         r.rank: spawn_agent(broker.url, JOB, r.rank, r.dc, logs, *flags)
         for r in parse_layout(plan_path.read_text()).roles
     }
+    earlier = subprocess.run(
+        cli("job", "start", str(plan_path), "--mqtt", broker.url, "--job", JOB, "--steps", str(FIRST)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=agent_subprocess_env(),
+    )
+    assert earlier.returncode == 0, earlier.stderr[-3000:] + log_tail(logs)
     coordinator = subprocess.Popen(
         cli("job", "start", str(plan_path), "--mqtt", broker.url, "--job", JOB, "--steps", str(STEPS), "--elastic")
         + ["--config", str(config_path), "--checkpoint-dir", str(ckpt), "--json"],
@@ -55,7 +67,9 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
     )
     restarted: list[subprocess.Popen[bytes]] = []
     try:
-        wait_for(lambda: (latest_complete(ckpt) or 0) >= 2 or coordinator.poll() is not None, 120, "checkpoint 2")
+        wait_for(
+            lambda: (latest_complete(ckpt) or 0) >= FIRST + 2 or coordinator.poll() is not None, 120, "a checkpoint"
+        )
         agents[1].send_signal(fault)  # DC eu lost
         new_plan = ckpt / "plans" / "plan-1.yaml"
         wait_for(lambda: new_plan.exists() or coordinator.poll() is not None, 90, "the new plan")
@@ -75,9 +89,9 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
     (recovery,) = result["recoveries"]
     assert recovery["lost_ranks"] == [1] and recovery["lost_dcs"] == ["eu"], recovery
     assert "eu" not in recovery["new_plan"] and "eu" not in result["plan"]
-    assert recovery["resumed_from_step"] >= 2 and recovery["downtime_s"] > 0
+    assert recovery["resumed_from_step"] >= FIRST + 2 and recovery["downtime_s"] > 0
     steps = [s["step"] for s in result["steps"]]
-    assert steps == list(range(recovery["resumed_from_step"], STEPS))  # the new plan ran the rest
+    assert steps == list(range(recovery["resumed_from_step"], FIRST + STEPS))  # the new plan ran the rest
     print(err)  # the coordinator's lines (pytest -s shows them)
     assert "elastic: new plan" in err and "--rank 0 --dc" in err and "recovery: lost ranks [1]" in err
 

@@ -160,20 +160,23 @@ class ElasticJob:
         self.returning = ReturnPolicy(return_after_s)
         self._lost_at: float | None = None  # Unix time of the last loss, until the next attempt's first step
 
-    def train(self, text: str, steps: int, first: int = 0) -> tuple[str, Any]:
+    def train(self, text: str, steps: int, first: int = 0, origin: Callable[[], int] | None = None) -> tuple[str, Any]:
         """Run plan ``text`` from step ``first`` (its agents resume from that checkpoint when > 0) to ``steps``,
-        recovering up to ``most`` times; the plan that finished and its agents."""
+        recovering up to ``most`` times; the plan that finished and its agents. With ``origin``, ``steps`` counts
+        from ``origin()``, the step the first attempt's agents started from (``job start``: their own next
+        step, known once they are ready; 0 until then)."""
         from agents.control.coordinator import AgentLost, JobInterrupted
 
         original = text
         layout, config = parse_layout(text), self.config
         agents = self.start_agents(layout, False)
-        while first < steps:  # once the newest complete checkpoint holds every step, nothing is left to run
+        end = lambda: steps + (origin() if origin is not None else 0)  # noqa: E731 - the last step, past the start
+        while first < end():  # once the newest complete checkpoint holds every step, nothing is left to run
             try:
                 if self.returning.after_s is None:
-                    self.run(text, steps - first)
+                    self.run(text, end() - first)
                 else:
-                    self.run(text, steps - first, self._move_back_due)
+                    self.run(text, end() - first, self._move_back_due)
                 break
             except JobInterrupted:  # the lost GPUs returned: back to the original plan on all of them
                 lost_at, failed_at, old = time.time(), self.progress()[0], describe(layout)

@@ -103,6 +103,7 @@ def run_supervised(
     from agents.control.coordinator import start_job
     from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
+    from agents.control.ready import first_step
     from agents.layout import plan_id
 
     progress = MetricsProgress()
@@ -117,6 +118,12 @@ def run_supervised(
 
     current = [plan_text]
     replaced: set[str] = set()  # a frozen or cut-off agent's status may still name any earlier plan
+    origin: list[int] = []  # the step the first attempt's agents started from: --steps counts from it
+
+    async def note_origin(statuses: dict[int, Any]) -> dict[str, str]:
+        if not origin:
+            origin.append(first_step(statuses))
+        return {}
 
     def start_agents(layout: JobLayout, resume: bool) -> None:
         progress.new_attempt()
@@ -152,6 +159,7 @@ def run_supervised(
                     on_metrics=progress.record,
                     stop_on_loss=False,  # stopped once the new plan is published
                     replaced=frozenset(replaced),
+                    before_start=note_origin,
                     **control,
                 )
             )
@@ -168,5 +176,5 @@ def run_supervised(
         most,
         progress,
     )
-    text, _ = recovering.train(plan_text, steps)
+    text, _ = recovering.train(plan_text, steps, origin=lambda: origin[0] if origin else 0)
     return SupervisedResult(results[-1] if results else None, recovering.recoveries, text)
