@@ -125,7 +125,8 @@ class Agent:
         self.worker: Any = None
         self.cp: ControlPlane | None = None
         self._status: dict[str, Any] = {}
-        self._stopped_by: str | None = None  # "command": a 'job stop' ended it (its final status says so)
+        self._stopped_by: str | None = None  # "command": a 'job stop' ended it, "replaced": a new plan (its final
+        # status says so)
         self._checkpoints = 0  # written by this process: each acknowledgement differs from the one before
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -280,13 +281,15 @@ class Agent:
         new_id = plan_id(text)
         if new_id == self.plan_id:
             return None
-        if self.worker is not None:
-            await self._event(
-                "warning",
-                f"rank {self.opts.rank}: a new plan arrived while plan {self.plan_id} "
-                "is open; stop the job first (geosched job stop)",
+        if self.worker is not None:  # only a re-plan publishes over an open plan ('job start' refuses first)
+            line = (
+                f"rank {self.opts.rank}: plan {new_id} replaced plan {self.plan_id} (an elastic re-plan); stopping "
+                "(restart with --resume to adopt it)"
             )
-            return None
+            log.warning("%s", line)
+            await self._event("warning", line)
+            self._stopped_by = "replaced"  # a stale agent back from a cut stops too, instead of failing later
+            return 0
         try:
             layout = parse_layout(text, "plan from the broker")
             self._check_fits(layout)

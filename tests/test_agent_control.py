@@ -22,6 +22,7 @@ import pytest
 from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
 
 from agents.control.coordinator import AgentLost, start_job
+from agents.control.messages import StatusMessage
 from agents.control.plane import ControlPlane
 from geosched.cli import main
 
@@ -150,3 +151,29 @@ def test_an_agent_ignores_a_stop_for_another_plan(embedded_broker, tmp_path: Pat
         assert agent.wait(30) == 0, log_tail(tmp_path)
     finally:
         stop_processes([agent])
+
+
+def test_an_agent_whose_plan_is_replaced_stops_and_says_so(embedded_broker, tmp_path: Path):
+    """Only a re-plan publishes a new plan over an open one ('job start' refuses another plan first): the agent
+    stops (exit 0, 'stopped' by 'replaced'), so a stale agent back from a cut stops instead of failing later as
+    a rank of the new plan; its supervisor restarts it with --resume into the new plan."""
+    url, job = embedded_broker.url_for("geosched"), "replanned"
+    old = tiny_plan(tmp_path, ["us"]).read_text()
+    new = tiny_plan(tmp_path, ["us", "us"]).read_text()
+    agent = spawn_agent(url, job, 0, "us", tmp_path)
+
+    async def run() -> StatusMessage:
+        async with ControlPlane(url, job, f"{job}-coordinator") as cp:
+            async with await cp.subscribe("status", ranks=[0]):
+                await cp.publish_plan(old)
+                await cp.wait_for_statuses([0], state="ready", timeout=60)
+                await cp.publish_plan(new)
+                return (await cp.wait_for_statuses([0], state="stopped", timeout=30))[0]
+
+    try:
+        final = asyncio.run(run())
+        assert agent.wait(30) == 0, log_tail(tmp_path)
+    finally:
+        stop_processes([agent])
+    assert final.extra["stopped_by"] == "replaced", final
+    assert "replaced plan" in log_tail(tmp_path)

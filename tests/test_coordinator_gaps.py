@@ -223,6 +223,22 @@ def test_an_error_of_the_checkpoint_storage_names_no_lost_rank() -> None:
     assert info.value.ranks == [1]
 
 
+def test_an_error_of_an_agent_of_another_plan_stops_nothing() -> None:
+    """A DC cut off during an elastic re-plan comes back: its stale agent, with a rank number the new plan also
+    has, reports an error of its old plan; the new plan's job took it for its own rank and re-planned again."""
+    from agents.layout import plan_id
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    stale = StatusMessage(1, "error", extra={"message": "no activation for step 14", "plan_id": "0123456789ab"})
+    done = [StatusMessage(r, "ready", extra={"next_step": 2, "plan_id": plan_id(layout.text)}) for r in (0, 1)]
+    feed = _Feed([_metrics(0, 0), stale, _metrics(1, 0), _metrics(0, 1), _metrics(1, 1), *done])
+    result = asyncio.run(_follow(_Plane(), feed, layout, 0, 2, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+    assert [s.step for s in result.steps] == [0, 1] and result.statuses[1].state == "ready"
+    own = StatusMessage(1, "error", extra={"message": "boom", "plan_id": plan_id(layout.text)})
+    with pytest.raises(AgentLost, match="boom"):
+        asyncio.run(_follow(_Plane(), _Feed([_metrics(0, 0), own]), layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+
+
 def test_a_broker_away_is_said_once_and_its_return_too() -> None:
     from agents.control.liveness import BrokerAway
 
@@ -249,6 +265,12 @@ def test_a_status_naming_a_replaced_plan_is_no_conflict_after_an_elastic_replan(
     other = StatusMessage(1, "training", extra={"plan_id": "0123456789ab"})  # a plan this job never ran
     with pytest.raises(AgentRefused):
         check_same_plan("j", other, new, replaced={plan_id(old.text)})
+    # a second 'job start' of the same plan while its agents train for another one: the two coordinators took
+    # each other's broker connection over (129 times in 20 s) and the running job lost its step lines
+    busy = StatusMessage(1, "training", extra={"plan_id": plan_id(new.text)})
+    with pytest.raises(AgentRefused, match="is training this plan for another 'job start'"):
+        check_same_plan("j", busy, new)
+    check_same_plan("j", StatusMessage(1, "ready", extra={"plan_id": plan_id(new.text)}), new)  # idle: a new start
 
 
 def test_waiting_for_ready_agents_ends_at_an_exited_agent_or_a_job_stop() -> None:

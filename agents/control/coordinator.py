@@ -349,10 +349,11 @@ async def _follow(
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = min(message.step + 1, end - 1)  # step N's metrics: the job is at N + 1 (errors name it)
             progress_at = loop.time()
+        elif isinstance(message, StatusMessage) and message.extra.get("plan_id") not in (None, plan_id(layout.text)):
+            log.info("job %r: ignored a status of rank %d of another plan", cp.job, message.rank)  # a stale agent
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message
-            this_plan = message.extra.get("plan_id") in (None, plan_id(layout.text))
-            if message.state == "stopped" and message.extra.get("stopped_by") == "command" and this_plan:
+            if message.state == "stopped" and message.extra.get("stopped_by") == "command":
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' during step {current}")
             if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
                 storage = message.extra.get("cause") == "checkpoint"  # the job's disk, not the rank: no one lost

@@ -72,7 +72,8 @@ def first_step(statuses: dict[int, StatusMessage]) -> int:
 
 
 def check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced: Collection[str] = ()) -> None:
-    """AgentRefused if ``status`` is a live agent that has another plan open (not one this plan replaces)."""
+    """AgentRefused if ``status`` is a live agent that has another plan open (not one this plan replaces), or
+    is training this plan already (for another coordinator's start)."""
     from agents.layout import plan_id
 
     want, other = plan_id(layout.text), status.extra.get("plan_id")
@@ -81,6 +82,12 @@ def check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced
             f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
             f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "
             "the agents, or use another --job name"
+        )
+    if status.state == "training" and other == want:  # two coordinators would take each other's connection over
+        raise AgentRefused(
+            f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is training this plan for another "
+            "'job start' (a coordinator running it, or one that was stopped: its steps go on); wait for it to "
+            "finish ('geosched job status --watch'), or 'geosched job stop' first"
         )
 
 
