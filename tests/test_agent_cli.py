@@ -46,6 +46,10 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
             "0": ("ready", "us", 3),
             "1": ("ready", "eu", 3),
         }
+        assert list(table) == ["0", "1"]  # in rank order, each rank with every key (null where unknown)
+        keys = {"state", "dc", "stage", "replica", "host", "pid", "step", "next_step", "plan_id", "current_plan"}
+        assert all(keys | {"message", "endpoints"} <= set(s) for s in table.values()), table
+        assert all(s["current_plan"] is True and s["step"] is None and s["message"] is None for s in table.values())
 
         other = tmp_path / "other.yaml"  # a different plan while this one is open: refused, naming the agents
         other.write_text(plan.read_text().replace("learning_rate: 0.003", "learning_rate: 0.002"))

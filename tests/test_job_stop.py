@@ -61,3 +61,22 @@ def test_a_stop_for_one_plan_waits_only_for_its_agents_and_says_which_plan(embed
 
     assert asyncio.run(run()) == []  # rank 0 runs another plan: not waited for (else it would be left)
     assert seen[0].cmd == "stop" and seen[0].extra.get("plan_id") == "old"  # the agents of 'new' ignore it
+
+
+def test_job_stop_names_the_ranks_that_stayed_offline(embedded_broker, capsys) -> None:
+    """A frozen or cut-off agent (its will says offline) never acknowledges: 'every agent acknowledged' was printed
+    anyway. The stop is still a success (the job is stopped), and the line names the offline rank."""
+    from geosched.cli import main
+
+    url = embedded_broker.url_for("geosched")
+
+    async def statuses() -> None:
+        async with ControlPlane(url, "stopgone", "stopgone-agent-0") as cp:
+            await cp.publish_status(0, "stopped")  # rank 0 acknowledged an earlier stop
+        async with ControlPlane(url, "stopgone", "stopgone-will-1") as will:
+            await will.publish_status(1, "offline")  # rank 1's will: it never comes back
+
+    asyncio.run(statuses())
+    assert main(["job", "stop", "--mqtt", url, "--job", "stopgone"]) == 0
+    out = capsys.readouterr().out
+    assert "every agent acknowledged but ranks 1, offline" in out and "were not told" in out, out

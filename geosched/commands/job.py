@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "status":
         statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
-        if args.json:
+        if args.json:  # ranks in order, each with every key (null where its status has none), then the rest
+            stable = {"step": None, "next_step": None, "plan_id": None, "current_plan": None, "message": None}
             print(
                 json.dumps(
                     {
@@ -204,9 +205,11 @@ def run(args: argparse.Namespace) -> int:
                             "replica": s.replica,
                             "host": s.host,
                             "pid": s.pid,
+                            **stable,
+                            "endpoints": {},
                             **s.extra,
                         }
-                        for r, s in statuses.items()
+                        for r, s in sorted(statuses.items())
                     }
                 )
             )
@@ -235,7 +238,17 @@ def run(args: argparse.Namespace) -> int:
             f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "
             "see their logs"
         )
-    print(f"job {args.job!r} stopped: every agent acknowledged")
+    statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
+    offline = sorted(
+        r for r, st in statuses.items() if st.state == "offline" and st.extra.get("current_plan") is not False
+    )
+    if offline:  # its will: gone, frozen or cut off; a stop it never saw
+        print(
+            f"job {args.job!r} stopped: every agent acknowledged but ranks {', '.join(map(str, offline))}, offline "
+            "(gone, frozen or cut off: they were not told; check their hosts)"
+        )
+    else:
+        print(f"job {args.job!r} stopped: every agent acknowledged")
     return 0
 
 
