@@ -477,7 +477,7 @@ class StageRuntime:
         except Exception as render_exc:  # noqa: BLE001 - a broken view must not hide the real error
             grid = f"(grid unavailable: {render_exc})"
         message = (
-            f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {exc}\n"
+            f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {str(exc) or repr(exc)}\n"
             f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}"
         )
         log.error("%s", message)

@@ -61,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['total_gpus']} GPUs, {len(summary['links'])} WAN links"
     )
     print(
-        f"  model: {summary['model_params'] / 1e9:.3f} B parameters, global batch {cfg.job.global_batch} "
+        f"  model: {_count(summary['model_params'])} parameters, global batch {cfg.job.global_batch} "
         + (f"in microbatches of {cfg.job.microbatch_size}" if cfg.job.microbatch_size else "(microbatch size: planned)")
     )
     return 0
+
+
+def _count(params: float) -> str:
+    """A parameter count as people write it: 175B, 1.3B, 337K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if params >= size:
+            return f"{params / size:.3g}{unit}"
+    return f"{params:.0f}"
