@@ -7,8 +7,9 @@ own WSGI app on a thread, bound to the host it is given (off unless a
 callable says so, else 503. It only reads: nothing a client sends changes
 anything. Request lines and headers are bounded by the standard library,
 connections at once by :data:`MAX_CLIENTS`, :data:`MAX_CLIENTS_PER_ADDRESS` of them from one address (more
-are closed unanswered), connections a second by :data:`CONNECTIONS_PER_S` (more are closed unanswered before
-any TLS handshake: a flood of scrapes costs the process's core little, whoever sends it), and
+are closed unanswered), connections a second from one address by :data:`CONNECTIONS_PER_S` and from all by
+:data:`ALL_CONNECTIONS_PER_S` (more are closed unanswered before any TLS handshake: a flood costs the process's
+core little, and one address's flood does not lock out another's scrapes and probes), and
 each connection, from its accept to its answer (TLS handshake included), by
 :data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
@@ -28,6 +29,7 @@ import logging
 import socket
 import ssl
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -46,9 +48,13 @@ MAX_CLIENTS_PER_ADDRESS = 8
 """Of those, from one client address: a client that holds its connections idle leaves the others room (a
 Prometheus scrape, a liveness probe) for their ``CLIENT_TIMEOUT_S``."""
 CONNECTIONS_PER_S = 20.0
-"""Connections taken a second on average (each is one request: HTTP/1.0), :data:`CONNECTIONS_BURST` in a row;
-Prometheus scrapes a target every few seconds, a probe about as often."""
+"""Connections taken a second from one address on average (each is one request: HTTP/1.0),
+:data:`CONNECTIONS_BURST` in a row; Prometheus scrapes a target every few seconds, a probe about as often."""
 CONNECTIONS_BURST = 40.0
+ALL_CONNECTIONS_PER_S = 200.0
+"""Connections taken a second from every address together: what bounds the handshakes many addresses cause."""
+RATED_ADDRESSES = 1024
+"""Addresses whose rate is remembered (the least recently seen is forgotten first)."""
 CLIENT_TIMEOUT_S = 10.0
 """A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -72,12 +78,13 @@ class _BoundedServer(ThreadingWSGIServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self._per_address: dict[str, int] = {}
-        self._rate = TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)  # the accepting thread's alone
+        self._rates: OrderedDict[str, TokenBucket] = OrderedDict()  # per address; the accepting thread's alone
+        self._all = TokenBucket(ALL_CONNECTIONS_PER_S, 2 * ALL_CONNECTIONS_PER_S)
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._rate.take() or not self._take(client_address[0]):
+        if not self._within_rate(client_address[0]) or not self._take(client_address[0]):
             self.shutdown_request(request)
             return
         try:
@@ -85,6 +92,14 @@ class _BoundedServer(ThreadingWSGIServer):
         except BaseException:
             self._give_back(client_address[0])
             raise
+
+    def _within_rate(self, address: str) -> bool:
+        """Whether a connection from ``address`` is within its own rate and everyone's."""
+        rate = self._rates.pop(address, None) or TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)
+        self._rates[address] = rate  # the most recently seen last
+        if len(self._rates) > RATED_ADDRESSES:
+            self._rates.popitem(last=False)
+        return rate.take() and self._all.take()
 
     def _take(self, address: str) -> bool:
         """A slot for a connection from ``address``, if one is free (of all, and of that address's share)."""
