@@ -282,7 +282,10 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
                 "-" if s.replica is None else str(s.replica),
                 printable(s.host or "-", 60),
                 str(s.pid or "-"),
-                str(s.extra["step"] if s.state == "training" and "step" in s.extra else s.extra.get("next_step", "-")),
+                printable(
+                    s.extra["step"] if s.state == "training" and "step" in s.extra else s.extra.get("next_step", "-"),
+                    20,
+                ),
                 printable(s.extra.get("plan_id") or "-", 20)
                 + (" (earlier)" if s.extra.get("current_plan") is False else ""),
             )

@@ -167,7 +167,7 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
         raise BadRequest(f"field 'prompt' must be 'text' or 'tokens' (got {wire.show(kind)})", rid)
     deadline = _optional(header, "deadline_ms", (int, float), None, rid)
     if deadline is not None and not (math.isfinite(deadline) and 0 < deadline <= MAX_DEADLINE_MS):
-        raise BadRequest(f"field 'deadline_ms' must be > 0 and <= {MAX_DEADLINE_MS} (a day; got {deadline:g})", rid)
+        raise BadRequest(f"field 'deadline_ms' must be > 0 and <= {MAX_DEADLINE_MS} (a day; got {deadline})", rid)
     priority = _optional(header, "priority", int, 0, rid)
     if not 0 <= priority <= 9:
         raise BadRequest(f"field 'priority' must be 0-9 (got {priority})", rid)
