@@ -53,9 +53,10 @@ def test_an_agents_own_text_is_shown_as_one_bounded_line_without_control_charact
     forged = StatusMessage(
         7, "error", dc="eu" + escape, host="h\rx" * 5_000, stage=1, extra={"message": "boom\n" + escape + "x" * 10**6}
     )
+    training = StatusMessage(8, "training", extra={"step": escape + "PWNED"})  # a step is no number it checks
     lines = [
         *view_lines("demo", {7: forged}, {}, now=0.0),
-        status_table({7: forged}),
+        status_table({7: forged, 8: training}),
         lost_message("demo", forged, 3),
     ]
     for line in lines:
