@@ -350,6 +350,10 @@ class Agent:
         if command.cmd == "start":
             if command.seq == self._status.get("started"):
                 return None  # a re-sent start this agent already applied (its status acknowledges it)
+            if self._status.get("state") == "training":  # another coordinator's: two 'job start' at once
+                busy = f"training for start {self._status.get('started')}"
+                await self._event("warning", f"rank {self.opts.rank}: ignored start {command.seq}: {busy}")
+                return None
             routes = command.extra.get("routes") or {}
             steps = command.steps or self.layout.job.steps  # type: ignore[union-attr]
             self.book.open_gate(routes if isinstance(routes, dict) else {})  # type: ignore[union-attr]

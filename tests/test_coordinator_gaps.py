@@ -171,6 +171,18 @@ def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> No
     assert not acks.due(10.0) and acks.overdue(60.0) == []
 
 
+def test_an_agent_training_for_another_coordinators_start_makes_this_one_leave() -> None:
+    """Two 'job start' of one job before its agents were ready both went ahead, each taking the other's broker
+    connection over; now the start an agent took first wins and the other coordinator leaves (no stop sent)."""
+    acks = StartAcks(CommandMessage("start", seq=41, steps=3), [0, 1], now=0.0, plan="p1")
+    acks.heard(StatusMessage(0, "training", extra={"started": 41, "plan_id": "p1"}))
+    acks.heard(StatusMessage(1, "training", extra={"started": 40, "plan_id": "old"}))  # a stale agent's: not ours
+    acks.heard(StatusMessage(1, "ready", extra={"started": 40, "plan_id": "p1"}))  # an earlier job's start, idle
+    acks.heard(StatusMessage(1, "training", extra={"started": 43, "plan_id": "p1"}))  # a later start: it stays
+    with pytest.raises(AgentRefused, match="trains for another 'job start' .start 39, this one's is 41"):
+        acks.heard(StatusMessage(1, "training", extra={"started": 39, "plan_id": "p1"}))
+
+
 def test_metrics_of_steps_outside_the_run_or_from_no_rank_change_nothing() -> None:
     """A rank's key can sign any step: metrics of steps past the end, far ahead, already printed, or of a rank
     the plan does not have are ignored, so they neither pile up nor move the job's progress."""

@@ -52,6 +52,7 @@ from agents.control.messages import (
 )
 from agents.control.plane import ControlPlane
 from agents.control.ready import (
+    AgentRefused,
     check_same_plan,
     first_step,
     stranded_endpoints,
@@ -185,12 +186,12 @@ async def start_job(
     Raises AgentsNotReady (naming missing ranks), PlanError (a mismatching
     agent) or AgentLost (an agent went offline or failed; ``stop`` was sent).
     """
-    from agents.layout import parse_layout
+    from agents.layout import parse_layout, plan_id
 
     layout = parse_layout(plan_text, plan_source)  # plan_source names the plan in errors
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
-    async with ControlPlane(url, job, client_id(job, "coordinator", unique=False), ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat", ranks=ranks) as sub:
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
@@ -205,12 +206,12 @@ async def start_job(
             routes = await before_start(statuses) if before_start is not None else {}
             command = await cp.publish_command("start", steps=steps, routes=routes)
             try:
-                acks = StartAcks(command, ranks, asyncio.get_running_loop().time())
+                acks = StartAcks(command, ranks, asyncio.get_running_loop().time(), plan_id(layout.text))
                 return await _follow(
                     cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics, exits, stop_when
                 )
             except BaseException as exc:
-                if stop_on_loss or not isinstance(exc, AgentLost):
+                if (stop_on_loss or not isinstance(exc, AgentLost)) and not isinstance(exc, AgentRefused):
                     with contextlib.suppress(GeoschedError, asyncio.TimeoutError):
                         await cp.publish_command("stop", timeout=2.0)
                 raise
@@ -221,11 +222,21 @@ class StartAcks:
     its status (or by reporting a step); the same command (same ``seq``, which agents apply once) is re-sent
     every :data:`RESEND_S` to the others, so an agent that was reconnecting when it was sent still gets it."""
 
-    def __init__(self, command: CommandMessage, ranks: Iterable[int], now: float) -> None:
-        self.command, self.waiting = command, set(ranks)
+    def __init__(self, command: CommandMessage, ranks: Iterable[int], now: float, plan: str | None = None) -> None:
+        self.command, self.waiting, self.plan = command, set(ranks), plan  # plan: its id, to tell its agents
         self._sent_at = self._first = now
 
     def heard(self, message: object) -> None:
+        """Count ``message`` as an acknowledgement; AgentRefused if an agent trains for an earlier start of another
+        coordinator (two ``job start`` of one job at once: the earlier start wins, the later coordinator leaves; an
+        agent that took the later start first reports its steps, which acknowledge the earlier one)."""
+        if isinstance(message, StatusMessage) and message.state == "training" and self.plan is not None:
+            started = message.extra.get("started") if message.extra.get("plan_id") == self.plan else None
+            if isinstance(started, int) and started < self.command.seq:
+                raise AgentRefused(
+                    f"agent rank {message.rank} trains for another 'job start' (start {started}, this one's is "
+                    f"{self.command.seq}): two coordinators ran this job at once; this one leaves it to the other"
+                )
         if isinstance(message, MetricsMessage) or (
             isinstance(message, StatusMessage) and message.extra.get("started") == self.command.seq
         ):
