@@ -63,14 +63,26 @@ class PrefillLoad:
         self.ttft_s: list[float] = []
         self.per_rank_sent: dict[int, int] = {}
         self.started = self.stopped = 0.0
+        self.active_s = 0.0  # seconds sending, over every start
+        self.abandoned = 0  # requests to the agents of an earlier start (an elastic attempt's, gone): never answered
+        self._since = 0.0  # when the current start began
+        self._drain_s = deadline_s + 2.0
         self._thread: threading.Thread | None = None
 
     def start(self, endpoints: Mapping[int, str]) -> PrefillLoad:
-        """Begin sending to ``endpoints`` (rank -> tcp://host:port)."""
+        """Begin sending to ``endpoints`` (rank -> tcp://host:port); a second start (an elastic recovery's new
+        agents) first ends the sending to the earlier ones, whose unanswered requests count as abandoned (one
+        thread and its sockets were left behind per recovery, sending to agents that were gone)."""
         if not endpoints:
             raise GeoschedError("prefill load: no agent published a prefill endpoint")
+        if self._thread is not None and self._thread.is_alive():
+            self._halt(0.0)
+            self.abandoned += len(self._sent)
+            self._sent.clear()
+        self._stop_sending.clear()
         self._thread = threading.Thread(target=self._run, args=(dict(endpoints),), name="prefill-load", daemon=True)
-        self.started = time.monotonic()
+        self._since = time.monotonic()
+        self.started = self.started or self._since
         self._thread.start()
         return self
 
@@ -78,10 +90,21 @@ class PrefillLoad:
         """Stop sending; wait up to ``drain_s`` (default deadline + 2 s) for the outstanding responses."""
         if self._stop_sending.is_set():
             return  # already stopped
+        self._halt(self.deadline_s + 2.0 if drain_s is None else drain_s)
+
+    def _halt(self, drain_s: float) -> None:
         self.stopped = time.monotonic()
+        self.active_s += self.stopped - self._since
+        self._drain_s = drain_s
         self._stop_sending.set()
         if self._thread is not None:
-            self._thread.join((self.deadline_s + 2.0 if drain_s is None else drain_s) + 5.0)
+            self._thread.join(drain_s + 5.0)
+
+    @property
+    def sending_s(self) -> float:
+        """Seconds spent sending so far, over every start."""
+        running = self._thread is not None and not self._stop_sending.is_set()
+        return self.active_s + (time.monotonic() - self._since if running else 0.0)
 
     @property
     def outstanding(self) -> int:
@@ -100,7 +123,7 @@ class PrefillLoad:
             while True:
                 now = time.monotonic()
                 if self._stop_sending.is_set():
-                    drain_until = drain_until or now + self.deadline_s + 2.0
+                    drain_until = drain_until or now + self._drain_s
                     if not self._sent or now > drain_until:
                         break
                 elif now >= next_send:
@@ -160,7 +183,7 @@ class PrefillLoad:
 
 def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
     """The report's ``prefill`` section: client counts, tokens/s, TTFT p50/p99, per-agent time split."""
-    duration = max(1e-9, (load.stopped or time.monotonic()) - load.started)
+    duration = max(1e-9, load.sending_s)
     p50, p99 = percentile(load.ttft_s, 50), percentile(load.ttft_s, 99)
     agents: dict[str, Any] = {}
     for path in sorted(Path(run_dir).glob("prefill-rank*.json")):
@@ -190,7 +213,7 @@ def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
         "rejected": load.counts["rejected"],
         "expired": load.counts["expired"],
         "error": load.counts["error"],
-        "lost": load.outstanding,
+        "lost": load.outstanding + load.abandoned,
         "prefill_tokens": load.ok_tokens,
         "tokens_per_s": load.ok_tokens / duration,
         "load_s": duration,
