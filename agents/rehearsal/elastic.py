@@ -50,7 +50,8 @@ from geosched.errors import PlanInfeasible
 log = logging.getLogger(__name__)
 
 MAX_RECOVERIES = 3
-"""Recoveries one run attempts before it gives up (each one drops GPUs for good)."""
+"""Losses one run recovers from before it gives up (each one drops GPUs for good; moving back to the original
+plan once they return is no loss)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ class ElasticJob:
                 )
                 self.returning.moved()
             except AgentLost as exc:
-                if not exc.ranks or len(self.recoveries) >= self.most:
+                if not exc.ranks or sum(1 for r in self.recoveries if r.lost_ranks) >= self.most:
                     raise
                 lost_at, failed_at = time.time(), self.progress()[0]
                 self._say(f"elastic: {exc}")
