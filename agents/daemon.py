@@ -94,6 +94,7 @@ class AgentOptions:
     peer_overrides: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int = 0  # the newest complete checkpoints kept (0: every one)
     resume: bool = False
     connect_timeout_s: float = 300.0
     recv_timeout_s: float = 120.0
@@ -320,7 +321,9 @@ class Agent:
         checkpoints = None
         if opts.checkpoint_dir is not None:
             try:
-                checkpoints = RankCheckpoints(opts.checkpoint_dir, layout, role, opts.checkpoint_every, opts.resume)
+                checkpoints = RankCheckpoints(
+                    opts.checkpoint_dir, layout, role, opts.checkpoint_every, opts.resume, opts.checkpoint_keep
+                )
             except GeoschedError as exc:  # a corrupt checkpoint: say so, load nothing, leave
                 return await self._on_failure(exc)
         self.book = MqttAddressBook(asyncio.get_running_loop(), self._announce, opts.peer_overrides)

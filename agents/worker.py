@@ -76,10 +76,10 @@ def metrics_record(report: Any, role: Any) -> dict[str, Any]:
 class RankCheckpoints:
     """When and how one rank writes and restores checkpoints."""
 
-    def __init__(self, ckpt_dir: str, layout: Any, role: Any, every: int, resume: bool) -> None:
+    def __init__(self, ckpt_dir: str, layout: Any, role: Any, every: int, resume: bool, keep: int = 0) -> None:
         from agents.checkpoint.store import job_fingerprint, model_fingerprint
 
-        self.ckpt_dir, self.role, self.every, self.resume = ckpt_dir, role, every, resume
+        self.ckpt_dir, self.role, self.every, self.resume, self.keep = ckpt_dir, role, every, resume, keep
         self.num_stages = layout.num_stages
         self.job = job = layout.job
         self.fingerprint = job_fingerprint(
@@ -174,6 +174,8 @@ class RankCheckpoints:
         if self.loss_scale is not None:
             extra["loss_scale"] = self.loss_scale.state_dict()
         self._writer.save(done, module, optimizer, extra=extra)
+        if self.keep and self.role.stage == 0:  # one writer prunes: the steps older than the keep newest complete
+            self._writer.prune(self.keep)
         return True
 
     def _whole_stage(self, sharded: Any = None, sharded_optimizer: Any = None) -> tuple[Any, Any]:

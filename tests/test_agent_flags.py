@@ -19,7 +19,9 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
     [
         (["--bind-host", "192.0.2.1"], "--bind-host 192.0.2.1: not an address of this host"),  # TEST-NET-1
         (["--bind-host", "no-such-host.invalid"], "not an address or resolvable name"),
-        (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir DIR"),
+        (["--resume"], "--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR"),
+        (["--checkpoint-keep", "2"], "--checkpoint-keep need --checkpoint-dir DIR"),
+        (["--checkpoint-dir", "c", "--checkpoint-keep", "-1"], "--checkpoint-keep: must be >= 0"),
         (HTTP, "--prefill-http: serve it over TLS (--prefill-http-tls-cert FILE --prefill-http-tls-key FILE), or"),
         ([*HTTP, "--prefill-http-tls-cert", "c.pem"], "--prefill-http-tls-cert and --prefill-http-tls-key go together"),
         ([*HTTP, "--prefill-http-tls-cert", "c", "--prefill-http-tls-key", "k"], "'c' does not exist"),

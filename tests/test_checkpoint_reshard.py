@@ -142,3 +142,27 @@ def test_an_agent_rank_resumes_a_checkpoint_of_another_plan(tmp_path) -> None:
         value, moments = saved[name]
         assert torch.equal(param, value), name
         assert torch.equal(whole_opt.state[param]["exp_avg"], moments["exp_avg"]), name
+
+
+def test_an_agent_keeps_only_the_newest_complete_checkpoints(tmp_path) -> None:
+    """--checkpoint-keep N: stage 0's writer deletes the steps older than the N newest complete ones after each of
+    its saves (an elastic launch checkpoints every step: 600 demo steps wrote 2.4 GB). A step still being written
+    by a later stage stays, and so does everything while fewer than N are complete."""
+    from agent_helpers import TINY_CONFIG
+
+    from agents.checkpoint.store import latest_complete, list_steps
+    from agents.layout import layout_plan_text, parse_layout
+    from agents.worker import RankCheckpoints
+    from geosched.config import config_from_dict
+
+    cfg = config_from_dict(TINY_CONFIG)
+    job, layout = cfg.job, parse_layout(layout_plan_text(cfg, ["us", "eu"], dp=1))
+    ranks = []
+    for role in layout.roles:
+        stage = build_stage(job.model, *role.layers, first=role.first, last=role.last, seed=job.seed)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=job.learning_rate)
+        ranks.append((RankCheckpoints(str(tmp_path), layout, role, every=1, resume=False, keep=2), stage, optimizer))
+    for step in range(1, 6):
+        for checkpoints, stage, optimizer in ranks:  # stage 0 first: step 5 is incomplete when it prunes
+            checkpoints.save_now(step, stage, optimizer)
+    assert list_steps(str(tmp_path)) == [3, 4, 5] and latest_complete(str(tmp_path)) == 5

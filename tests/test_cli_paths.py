@@ -25,6 +25,8 @@ from geosched.cli import main
         (["profile", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e308"], "--wan-scale: must be <= 1000"),
         (["launch", "configs/demo-3dc.yaml", "--wan-reset-every", "1e-9"], "--wan-reset-every: must be >= 0.1"),
+        (["launch", "configs/demo-3dc.yaml", "--checkpoint-keep", "2"], "--checkpoint-keep needs --checkpoint-dir"),
+        (["launch", "configs/demo-3dc.yaml", "--elastic", "--checkpoint-keep", "-2"], "--checkpoint-keep: must be >="),
         (["profile", "configs/demo-3dc.yaml", "--gpu-name", "x" * 300], "--gpu-name: 1-256 characters on one line"),
         (
             ["wanem", "configs/demo-3dc.yaml", "--route", "us-eu=127.0.0.1:9", "--route", "us-eu=127.0.0.1:8"],

@@ -118,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (on command and every N steps)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only on command)")
+    parser.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the N newest complete checkpoints; stage 0 deletes older ones (0, the default: keep every one)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument(
         "--wan-chunk-bytes",
@@ -229,12 +236,13 @@ def run(args: argparse.Namespace) -> int:
 
         resolve_paths(args.data)
     at_least(args, "checkpoint_every", 0)
+    at_least(args, "checkpoint_keep", 0)
     check_bind_host(args.bind_host)
     from agents.stage.device import rank_device
 
     device = str(rank_device(args.device, args.rank))  # cpu or cuda:N; one line if this host lacks it
-    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
-        raise InputError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    if (args.resume or args.checkpoint_every or args.checkpoint_keep) and not args.checkpoint_dir:
+        raise InputError("--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
         raise InputError(
             f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 (got {args.prefill_bind!r})"
@@ -291,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         peer_overrides=parse_overrides(args.peer_override),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=args.checkpoint_keep,
         resume=args.resume,
         connect_timeout_s=args.connect_timeout,
         wan_chunk_bytes=args.wan_chunk_bytes,

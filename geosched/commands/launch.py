@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only on command)"
     )
     parser.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        metavar="N",
+        help="keep the N newest complete checkpoints, deleting older ones (default: every one; --elastic's own "
+        "folder in RUN_DIR: 3)",
+    )
+    parser.add_argument(
         "--prefill-follow-checkpoints",
         action="store_true",
         help="every agent serves prefill from the newest complete checkpoint of --checkpoint-dir, swapping each "
@@ -171,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     above(args, "elastic_return_after", 0, "e.g. 10")
     if args.elastic_return_after is not None and not args.elastic:
         raise InputError("--elastic-return-after needs --elastic: there is no recovery to move back from")
+    at_least(args, "checkpoint_keep", 0)
+    if args.checkpoint_keep is not None and not args.checkpoint_dir and not args.elastic:
+        raise InputError("--checkpoint-keep needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
@@ -220,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_http=args.prefill_http,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            checkpoint_keep=args.checkpoint_keep,
             metrics=args.metrics,
             elastic=args.elastic,
             wan_reset_every_s=args.wan_reset_every,
