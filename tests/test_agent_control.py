@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,16 @@ def test_a_frozen_agent_is_named_from_its_missing_heartbeats(embedded_broker, tm
         stop_processes(agents)
 
 
+@contextlib.asynccontextmanager
+async def _rank_0_ready(url: str, job: str, plan: str) -> AsyncIterator[ControlPlane]:
+    """As the coordinator, following rank 0's status: ``plan`` published and rank 0's agent ready for it."""
+    async with ControlPlane(url, job, f"{job}-coordinator") as cp:
+        async with await cp.subscribe("status", ranks=[0]):
+            await cp.publish_plan(plan)
+            await cp.wait_for_statuses([0], state="ready", timeout=60)
+            yield cp
+
+
 def test_an_agent_ignores_a_stop_for_another_plan(embedded_broker, tmp_path: Path):
     """An elastic recovery stops the old plan's survivors while agents of the new plan come up: a ``stop``
     carrying another plan's id leaves an agent running, one carrying its own plan's id (or none) stops it."""
@@ -136,15 +147,12 @@ def test_an_agent_ignores_a_stop_for_another_plan(embedded_broker, tmp_path: Pat
     agent = spawn_agent(url, job, 0, "us", tmp_path)
 
     async def run() -> None:
-        async with ControlPlane(url, job, f"{job}-coordinator") as cp:
-            async with await cp.subscribe("status", ranks=[0]):
-                await cp.publish_plan(plan)
-                await cp.wait_for_statuses([0], state="ready", timeout=60)
-                await cp.publish_command("stop", plan_id="another-plan")
-                with contextlib.suppress(TimeoutError):  # an agent that took it would exit within this
-                    await asyncio.wait_for(asyncio.to_thread(agent.wait), 10.0)
-                assert agent.poll() is None, "a stop for another plan stopped the agent"
-                await cp.publish_command("stop", plan_id=plan_id(plan))
+        async with _rank_0_ready(url, job, plan) as cp:
+            await cp.publish_command("stop", plan_id="another-plan")
+            with contextlib.suppress(TimeoutError):  # an agent that took it would exit within this
+                await asyncio.wait_for(asyncio.to_thread(agent.wait), 10.0)
+            assert agent.poll() is None, "a stop for another plan stopped the agent"
+            await cp.publish_command("stop", plan_id=plan_id(plan))
 
     try:
         asyncio.run(run())
@@ -163,12 +171,9 @@ def test_an_agent_whose_plan_is_replaced_stops_and_says_so(embedded_broker, tmp_
     agent = spawn_agent(url, job, 0, "us", tmp_path)
 
     async def run() -> StatusMessage:
-        async with ControlPlane(url, job, f"{job}-coordinator") as cp:
-            async with await cp.subscribe("status", ranks=[0]):
-                await cp.publish_plan(old)
-                await cp.wait_for_statuses([0], state="ready", timeout=60)
-                await cp.publish_plan(new)
-                return (await cp.wait_for_statuses([0], state="stopped", timeout=30))[0]
+        async with _rank_0_ready(url, job, old) as cp:
+            await cp.publish_plan(new)
+            return (await cp.wait_for_statuses([0], state="stopped", timeout=30))[0]
 
     try:
         final = asyncio.run(run())

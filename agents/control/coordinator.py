@@ -49,6 +49,7 @@ from agents.control.messages import (
     StatusMessage,
     client_id,
     metric_number,
+    of_another_plan,
 )
 from agents.control.plane import ControlPlane
 from agents.control.ready import (
@@ -280,6 +281,7 @@ async def _follow(
     from agents.layout import plan_id
 
     ranks = {r.rank for r in layout.roles}
+    this_plan = plan_id(layout.text)
     end = first + steps
     result = JobResult()
     pending: dict[int, dict[int, dict[str, Any]]] = {}
@@ -316,7 +318,7 @@ async def _follow(
             await _resend_start(cp, acks, message, loop.time())
         loss = exited_lost(cp.job, exits(), current, cp.statuses()) if exits is not None else None
         if loss is None and reread.due(loop.time(), cp.stats.connects):
-            loss = reread_lost(cp.job, cp.statuses(), ranks - finished, plan_id(layout.text))
+            loss = reread_lost(cp.job, cp.statuses(), ranks - finished, this_plan)
         if loss is None and cp.stats.conflict is not None:
             loss = AgentLost(
                 f"job {cp.job!r}: stopped at step {current}: {cp.stats.conflict}; make new keys for the job "
@@ -360,7 +362,7 @@ async def _follow(
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
             current = min(message.step + 1, end - 1)  # step N's metrics: the job is at N + 1 (errors name it)
             progress_at = loop.time()
-        elif isinstance(message, StatusMessage) and message.extra.get("plan_id") not in (None, plan_id(layout.text)):
+        elif isinstance(message, StatusMessage) and of_another_plan(message, this_plan):
             log.info("job %r: ignored a status of rank %d of another plan", cp.job, message.rank)  # a stale agent
         elif isinstance(message, StatusMessage):
             result.statuses[message.rank] = message

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable
 
-from agents.control.messages import StatusMessage, printable
+from agents.control.messages import StatusMessage, of_another_plan, printable
 from geosched.errors import GeoschedError
 
 RETAINED_SETTLE_S = 0.3
@@ -41,7 +41,7 @@ def lost_message(job: str, status: StatusMessage, step: int | None, why: str | N
     return (
         f"job {job!r}: agent rank {status.rank}{where} on {printable(status.host or '?')} "
         f"{why or 'went ' + status.state}{at}"
-        f"{': ' + str(detail) if detail else ''}; job stopped"
+        f"{': ' + detail if detail else ''}; job stopped"
     )
 
 
@@ -95,7 +95,7 @@ def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], p
     bad = sorted(
         r
         for r, st in statuses.items()
-        if r in ranks and st.state in ("error", "stopped") and st.extra.get("plan_id") in (None, plan)
+        if r in ranks and st.state in ("error", "stopped") and not of_another_plan(st, plan)
     )
     if not bad:
         return None

@@ -192,6 +192,13 @@ def printable(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
     return line if len(text) <= limit else f"{line}... ({len(text)} characters)"
 
 
+def of_another_plan(status: StatusMessage, plan: str | None) -> bool:
+    """Whether ``status`` names a plan other than ``plan`` (one naming none, or ``plan`` unknown: no), as a rank
+    of an earlier plan, left on the broker by a re-plan or back from a network cut, does."""
+    named = status.extra.get("plan_id")
+    return plan is not None and named is not None and named != plan
+
+
 def metric_number(value: object) -> float | None:
     """A value of :attr:`MetricsMessage.values` as a number; None where it is not one (bools included)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

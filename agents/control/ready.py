@@ -13,7 +13,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
-from agents.control.messages import StatusMessage, last_states
+from agents.control.messages import StatusMessage, last_states, of_another_plan
 from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
@@ -77,7 +77,7 @@ def check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced
     from agents.layout import plan_id
 
     want, other = plan_id(layout.text), status.extra.get("plan_id")
-    if status.state in ("ready", "training") and other not in (None, want) and other not in replaced:
+    if status.state in ("ready", "training") and of_another_plan(status, want) and other not in replaced:
         raise AgentRefused(
             f"job {job!r}: agent rank {status.rank} on {status.host or '?'} is running another "
             f"plan ({other}, this one is {want}); stop the job ('geosched job stop') and restart "

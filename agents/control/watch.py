@@ -25,6 +25,7 @@ from agents.control.messages import (
     StatusMessage,
     client_id,
     metric_number,
+    of_another_plan,
     printable,
 )
 from agents.control.plane import ControlPlane
@@ -55,7 +56,7 @@ def view_lines(
     """The live table: a headline, then one row per rank known from a status or metrics (at most
     ``max_rows``, then a line saying how many more). With the published ``plan``'s id, the ranks whose
     status names another plan (left on the broker by a re-plan) are counted in the headline, not shown."""
-    earlier = {r for r, st in statuses.items() if plan is not None and st.extra.get("plan_id") not in (None, plan)}
+    earlier = {r for r, st in statuses.items() if of_another_plan(st, plan)}
     statuses = {r: st for r, st in statuses.items() if r not in earlier}
     metrics = {r: m for r, m in metrics.items() if r not in earlier}
     ranks = sorted(set(statuses) | set(metrics))
