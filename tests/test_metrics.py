@@ -174,6 +174,8 @@ def test_health_verdicts_and_routes_over_real_http():
             urllib.request.urlopen(server.url().replace("/metrics", "/nope"), timeout=10)
         assert missing.value.code == 404 and missing.value.headers["Server"] == "geosched"  # no Python version
         assert value(scrape(server.url()), "geosched_busy_fraction") == pytest.approx(0.4)
+        only = scrape(server.url() + "?name[]=geosched_busy_fraction&name[]=geosched_agent_info")
+        assert set(only) == {"geosched_busy_fraction", "geosched_agent_info"}  # Prometheus' name[] filter
 
 
 def test_a_slow_or_silent_client_neither_holds_the_metrics_server_nor_blocks_a_scrape(monkeypatch, tmp_path: Path):

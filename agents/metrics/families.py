@@ -32,9 +32,10 @@ STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60
 """Seconds, for training step times (a CPU rehearsal's tens of ms to a large model's minutes)."""
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Seconds, for prefill time to first token."""
-PREFILL_STATUSES = ("ok", "rejected", "expired", "error")
+PREFILL_STATUSES = ("ok", "rejected", "expired", "error", "cancelled")
 """Outcomes of ``PrefillService.metrics()`` exported as ``geosched_prefill_requests_total{status}`` (they add up
-to the requests answered); ``bad_requests`` and ``unauthenticated``, both among ``error``, are
+to the requests finished: answered, or ``cancelled`` unanswered when the HTTP client hung up); ``bad_requests`` and
+``unauthenticated``, both among ``error``, are
 ``geosched_prefill_refused_total{reason}``."""
 LOOP_PROBE_S = 1.0
 """An agent whose event loop does not run a callback within this long is unhealthy."""
@@ -123,7 +124,7 @@ HTTP_REFUSALS = (
 
 def prefill_families(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
     """``PrefillService.metrics()``: requests by status, queue length, KV bytes reserved, tokens, compute."""
-    requests = _family("counter", "geosched_prefill_requests", "Prefill requests answered, by status", ["status"])
+    requests = _family("counter", "geosched_prefill_requests", "Prefill requests finished, by status", ["status"])
     for status in PREFILL_STATUSES:
         requests.add_metric([status], snapshot.get(status, 0))
     yield requests
@@ -188,7 +189,7 @@ class AgentMetrics:
     def __init__(self, rank: int, job: str, *, stale_s: float = 120.0, grace_s: float = 300.0) -> None:
         self.rank, self.job = rank, job
         self.stale_s, self.grace_s = stale_s, grace_s
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry(support_collectors_without_names=True)  # ?name[]= filters them too
         self.step_seconds = Histogram(
             "geosched_step_seconds", "Training step (iteration) time", buckets=STEP_BUCKETS, registry=self.registry
         )
@@ -296,7 +297,7 @@ class JobMetrics:
 
     def __init__(self, job: str) -> None:
         self.job = job
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry(support_collectors_without_names=True)  # ?name[]= filters them too
         self.steps = Counter("geosched_job_steps", "Job steps summarized over every rank", registry=self.registry)
         self.step_seconds = Histogram(
             "geosched_job_step_seconds", "Job step time (slowest rank)", buckets=STEP_BUCKETS, registry=self.registry

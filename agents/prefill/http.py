@@ -62,7 +62,7 @@ from agents.prefill.connections import (
     RefusingProtocol,
     overloaded_response,
 )
-from agents.prefill.protocol import PrefillResponse
+from agents.prefill.protocol import PrefillResponse, token_matches
 from agents.prefill.service import PrefillService
 from geosched.errors import LinkError
 
@@ -200,6 +200,7 @@ class PrefillHttpServer:
             access_log=None,
             logger=_ServerLog(lambda: self.service.count_refused("bad_requests")),
             shutdown_timeout=2.0,
+            handler_cancellation=True,  # a client that hangs up cancels its request (PrefillService.cancel)
             # aiohttp's own idle timer is only a backstop: the guard cuts first, and counts it (_sweep)
             keepalive_timeout=max(limits.header_timeout_s, limits.keepalive_timeout_s) + 1.0,
             lingering_time=limits.body_timeout_s,
@@ -345,7 +346,7 @@ class PrefillHttpServer:
 
     def _authenticate(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if not self.service.authorized(token.strip() if scheme.lower() == "bearer" else None):
+        if not token_matches(self.service.auth_token, token.strip() if scheme.lower() == "bearer" else None):
             self.service.count_refused("unauthenticated")
             raise HttpError(
                 401,
@@ -393,6 +394,9 @@ class PrefillHttpServer:
                 response = await asyncio.wait_for(future, deadline + ANSWER_GRACE_S)
             except TimeoutError:
                 response = PrefillResponse(ask.request.id, "expired", reason="no answer from the prefill service")
+            except asyncio.CancelledError:  # the client hung up (handler_cancellation): stop computing its prompt
+                self.service.cancel(deliver)
+                raise
         finally:
             self._pending.discard(future)
         if response.status != "ok":

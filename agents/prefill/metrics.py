@@ -36,6 +36,7 @@ class PrefillMetrics:
             "rejected": 0,
             "expired": 0,
             "error": 0,
+            "cancelled": 0,
             "bad_requests": 0,
             "unauthenticated": 0,
             "dropped_frames": 0,

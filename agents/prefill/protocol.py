@@ -33,6 +33,7 @@ timings ``queued_ms``, ``compute_ms``, ``ttft_ms``, ``chunks``,
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,17 @@ def prompt_tokens(prompt: str | bytes | Sequence[int] | torch.Tensor) -> torch.T
     if isinstance(prompt, (bytes, bytearray)):
         return torch.tensor(list(prompt), dtype=torch.int64)
     return torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).clone()
+
+
+def token_matches(expected: str | None, offered: str | None) -> bool:
+    """Whether ``offered`` is the ``expected`` token, compared in constant time; always true without one."""
+    if expected is None:
+        return True
+    try:
+        given = (offered or "").encode()
+    except UnicodeEncodeError:  # a lone surrogate from a header's undecodable bytes: no token of ours
+        return False
+    return hmac.compare_digest(given, expected.encode())
 
 
 def encode_request(req: PrefillRequest) -> list[bytes | memoryview]:

@@ -1,31 +1,24 @@
 """The prefill service of an agent: a ZeroMQ endpoint, a bounded queue, and chunked prefill inside bubbles.
 
-Network I/O runs on the service's own thread (a ROUTER socket made by
-:func:`agents.sockets.make_socket`): it decodes requests
-(:mod:`agents.prefill.protocol`), answers bad ones at once with ``error``,
-applies admission control (bounded queue, bounded KV memory, deadline
-feasibility against the predicted bubble capacity: ``rejected`` with the
-reason), expires queued work past its deadline (``expired``) and sends the
-responses computed elsewhere. It never computes. A connection that has sent no authenticated request within
-:data:`IDENTIFY_TIMEOUT_S`, or the oldest beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle
-connections would hold the agent's descriptors); a client's unread answers are bounded (``sndhwm``). A front
-end that decodes requests itself (:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the
-same queue and admission.
+Network I/O runs on the service's own thread (a ROUTER socket made by :func:`agents.sockets.make_socket`): it
+decodes requests (:mod:`agents.prefill.protocol`), answers bad ones at once with ``error``, applies admission
+control (bounded queue, bounded KV memory, deadline feasibility against the predicted bubble capacity: ``rejected``
+with the reason), expires queued work past its deadline (``expired``) and sends the responses computed elsewhere. It
+never computes. A connection that has sent no authenticated request within :data:`IDENTIFY_TIMEOUT_S`, or the oldest
+beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle connections would hold the agent's
+descriptors); a client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself
+(:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
 
-Computing happens only in :meth:`PrefillService.fill`, called by the stage
-runtime on the training thread when a receive has not arrived (a bubble):
-it runs queued prompts a chunk of tokens at a time
-(``forward_cached`` against the growing KV cache) and checks ``ready()``
-between chunks and inside them, after every half transformer block (a
-*piece*): training waits for at most one piece, never a whole chunk. So a
-chunk is sized by its pieces, not its length: each piece may take a share of
-the predicted remaining idle time (between ``min_piece_s`` and
-``max_piece_s``), from the measured cost of a chunk (fixed + per token); on a
-small model a whole prompt is one chunk, since every chunk pays the fixed
-cost again (1.8 ms for a 1-token chunk of the 4-layer benchmark model on a
-2-core host, 4.5 ms for 48 tokens). ``serve_idle``
-does the same on a stage that is not training at all. Every request gets
-exactly one response, also when the service closes. Example::
+Computing happens only in :meth:`PrefillService.fill`, called by the stage runtime on the training thread when a
+receive has not arrived (a bubble): it runs queued prompts a chunk of tokens at a time (``forward_cached`` against
+the growing KV cache) and checks ``ready()`` between chunks and inside them, after every half transformer block (a
+*piece*): training waits for at most one piece, never a whole chunk. So a chunk is sized by its pieces, not its
+length: each piece may take a share of the predicted remaining idle time (between ``min_piece_s`` and
+``max_piece_s``), from the measured cost of a chunk (fixed + per token); on a small model a whole prompt is one
+chunk, since every chunk pays the fixed cost again (1.8 ms for a 1-token chunk of the 4-layer benchmark model on a
+2-core host, 4.5 ms for 48 tokens). ``serve_idle`` does the same on a stage that is not training at all. Every
+request gets exactly one response, also when the service closes, but one :meth:`PrefillService.cancel` drops (an
+HTTP client that hung up): its compute stops at the next piece. Example::
 
     with PrefillService(model, bind="tcp://127.0.0.1:0") as service:
         runtime = StageRuntime(..., bubble_filler=service)
@@ -35,7 +28,6 @@ exactly one response, also when the service closes. Example::
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import threading
@@ -50,7 +42,14 @@ import zmq
 from agents.prefill.jobs import ChunkSpan, Reply, _Job
 from agents.prefill.metrics import PrefillMetrics
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
-from agents.prefill.protocol import BadRequest, PrefillRequest, PrefillResponse, decode_request, encode_response
+from agents.prefill.protocol import (
+    BadRequest,
+    PrefillRequest,
+    PrefillResponse,
+    decode_request,
+    encode_response,
+    token_matches,
+)
 from agents.sockets import CurveServer, Unidentified, ZapAuthenticator, bound_port, make_socket, monitor_events
 from geosched.errors import InputError
 from geosched.model import StageModule
@@ -61,8 +60,7 @@ SAFETY = 0.5  # a piece (half a block of a chunk) may use this share of the pred
 EMA_WEIGHT = 0.3  # weight of the newest finished prompt in the seconds-per-token estimate
 TYPICAL_CHUNK = 8  # tokens per chunk assumed to seed the seconds-per-token estimate
 POLL_MS = 20  # the network thread wakes at least this often (to expire queued work)
-IDENTIFY_TIMEOUT_S = 10.0
-"""A connection that has sent no authenticated request this long after it was accepted is closed."""
+IDENTIFY_TIMEOUT_S = 10.0  # a connection that has sent no authenticated request this long after accept is closed
 
 
 class PrefillService:
@@ -413,7 +411,7 @@ class PrefillService:
         except BadRequest as exc:
             self._reply_now(identity, exc.request_id, "error", str(exc), count="bad_requests")
             return False
-        if not self.authorized(req.auth_token):
+        if not token_matches(self.auth_token, req.auth_token):
             self._reply_now(
                 identity,
                 req.id,
@@ -427,16 +425,6 @@ class PrefillService:
             self._reply_now(identity, req.id, "rejected", reason)
         return True
 
-    def authorized(self, token: str | None) -> bool:
-        """Whether ``token`` is the service's (constant-time); always true without an ``auth_token``."""
-        if self.auth_token is None:
-            return True
-        try:
-            offered = (token or "").encode()
-        except UnicodeEncodeError:  # a lone surrogate from a header's undecodable bytes: no token of ours
-            return False
-        return hmac.compare_digest(offered, self.auth_token.encode())
-
     def submit(self, req: PrefillRequest, reply: Callable[[PrefillResponse], None]) -> None:
         """Admit a request a front end decoded and authenticated; its one response goes to ``reply``.
 
@@ -449,6 +437,18 @@ class PrefillService:
         reason = self._admission(req, reply)
         if reason is not None:
             self._reply_now(reply, req.id, "rejected", reason)
+
+    def cancel(self, reply: Reply) -> bool:
+        """Drop the request answered through ``reply`` (its client hung up) unanswered; False if it is not here."""
+        with self._lock:
+            job = next((j for j in [self._current, *self._queue] if j is not None and j.identity is reply), None)
+            if job is None:
+                return False
+            self._current = None if job is self._current else self._current
+            self._queue = [j for j in self._queue if j is not job]
+            self._kv_reserved -= job.kv_bytes
+            self.metrics_.counts["cancelled"] += 1
+            return True
 
     def count_refused(self, count: str) -> None:
         """A front end refused a request before :meth:`submit` (``bad_requests`` or ``unauthenticated``)."""
