@@ -20,7 +20,7 @@ a last will marks it ``offline`` if it dies):
    per step. When the steps are done the state is ``ready`` again with
    ``next_step``; a further ``start`` continues from there.
 5. ``checkpoint`` (and every ``--checkpoint-every`` steps) writes the stage's
-   shard; ``stop`` or SIGTERM/SIGINT: status ``stopped``, everything closed, exit 0.
+   shard; ``stop`` or SIGTERM/SIGINT/SIGHUP (not under nohup): status ``stopped``, everything closed, exit 0.
 
 Address exchange (see :class:`~agents.control.endpoints.MqttAddressBook`): endpoints ride in the
 retained statuses of ``ready``/``training`` agents of the same plan
@@ -178,7 +178,9 @@ class Agent:
         """Connect, serve commands until stop/SIGTERM or failure; return the exit code."""
         opts, loop = self.opts, asyncio.get_running_loop()
         self._loop = loop
-        stop_signals = (signal.SIGTERM, signal.SIGINT)
+        stop_signals = [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a closed terminal or ssh session; not under nohup
+            stop_signals.append(signal.SIGHUP)
         for sig in stop_signals:
             loop.add_signal_handler(sig, self._inbox.put_nowait, ("signal", sig.name))
         identity = AgentIdentity(opts.rank, dc=opts.dc)

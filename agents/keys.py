@@ -26,6 +26,7 @@ hand-rolled crypto. Example::
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import secrets
@@ -78,7 +79,11 @@ def write_job_keys(directory: str | os.PathLike[str], ranks: int, *, force: bool
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{str(folder)!r} exists and is not a folder: pick another path for the keys")
-    if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()):
+    try:
+        foreign = folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir())
+    except OSError as exc:  # a folder this user may not read
+        raise InputError(f"{str(folder)!r}: cannot read the key folder ({exc.strerror or exc}); pick another") from None
+    if foreign:
         raise InputError(  # its mode becomes 0700: never a shared folder (/tmp), never other files among the keys
             f"{str(folder)!r} holds other files: a job's keys go into a folder of their own (made mode 0700); "
             "pick a new or empty folder"
@@ -87,11 +92,32 @@ def write_job_keys(directory: str | os.PathLike[str], ranks: int, *, force: bool
     planned = [folder / MANIFEST, folder / PREFILL_TOKEN]
     planned += [folder / f"{i}.sign" for i in identities] + [folder / f"agent-{r}.key" for r in range(ranks)]
     planned += [folder / MQTT_DIR / f"{i}.password" for i in identities]
-    if not force:
-        for path in planned:
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise InputError(f"{str(folder)!r}: cannot make the key folder ({exc.strerror or exc}); pick another") from None
+    try:
+        try:  # two writers at once would pair one's secret keys with the other's public ones
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(
+                f"{str(folder)!r}: another 'geosched keys' is writing into it; wait, or pick another"
+            ) from None
+        for path in [] if force else planned:
             if path.exists():
                 raise InputError(f"{path} already exists: pick another folder or pass --force to overwrite")
-    (folder / MQTT_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            return _write_keys(folder, identities, ranks)
+        except OSError as exc:  # no permission, a full disk: one line naming the file
+            raise InputError(f"{exc.filename or str(folder)!r}: cannot write a key ({exc.strerror or exc})") from None
+    finally:
+        os.close(lock)
+
+
+def _write_keys(folder: Path, identities: list[str], ranks: int) -> dict[str, list[Path]]:
+    """Every file of a key folder whose writer holds its lock; file class -> paths written."""
+    (folder / MQTT_DIR).mkdir(mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
     os.chmod(folder / MQTT_DIR, 0o700)
     written: dict[str, list[Path]] = {"signing": [], "curve": [], "prefill": [], "mqtt": [], "manifest": []}

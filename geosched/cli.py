@@ -4,7 +4,10 @@ Each verb lives in its own module under :mod:`geosched.commands` (or the
 package that owns it) exposing ``add_arguments(parser)`` and ``run(args)``.
 Errors are translated here, at the boundary: a :class:`GeoschedError` becomes
 one line on stderr and its exit code (2 for bad input, 1 for run-time
-failures); Ctrl-C exits 130.
+failures); Ctrl-C exits 130; an operating system's refusal (a full disk, a
+file that cannot be written) is one line and exit 1; a closed pipe on stdout
+ends a command quietly with 0, but a run it stopped (``args.run_stops``: launch,
+job start) with 1.
 """
 
 from __future__ import annotations
@@ -98,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.process_ends = process_ends
     if args.verb is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # output that cannot be written (a full disk) fails here, inside these handlers
+        return code
     except GeoschedError as exc:
         sys.stderr.write(f"geosched {args.verb}: error: {exc}\n")
         return exc.exit_code
@@ -111,9 +117,30 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"geosched {args.verb}: interrupted\n")
         return 130
     except BrokenPipeError:  # the reader went away (``geosched plan ... | head``): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
-        return 0
+        _drop_stdout()
+        if not getattr(args, "run_stops", False):
+            return 0
+        sys.stderr.write(
+            f"geosched {args.verb}: error: its output's reader went away (broken pipe), so the run stopped\n"
+        )
+        return 1
+    except OSError as exc:  # a full disk, a file that cannot be written: the system's refusal, in one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"geosched {args.verb}: error: {exc.strerror or exc}{where}\n")
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Flush stdout; if that fails, point it at /dev/null, so the interpreter's final flush fails no more."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):  # a closed pipe, a full disk (or no stdout at all)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 if __name__ == "__main__":  # pragma: no cover

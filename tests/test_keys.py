@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import zmq
 
 from agents.keys import load_job_keys, write_job_keys
 from agents.sockets import CurveServer, load_keypair, load_public_key
@@ -80,6 +81,34 @@ def test_keys_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.
     assert (folder / "prefill.token").read_text() == token  # nothing written
     assert main(["keys", str(folder), "--ranks", "2", "--force"]) == 0
     assert (folder / "prefill.token").read_text() != token
+
+
+def test_two_writers_of_one_key_folder_never_mix_their_keys(tmp_path: Path) -> None:
+    """A writer holds the folder locked: a second at once is refused in one line (a trial's two concurrent
+    `geosched keys` both exited 0 and left a secret key beside the other's public key)."""
+    import fcntl
+
+    folder = tmp_path / "k"
+    folder.mkdir()
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another writer, part-way through
+        with pytest.raises(InputError, match="another 'geosched keys' is writing into it"):
+            write_job_keys(folder, 2, force=True)
+    finally:
+        os.close(held)
+    assert list(folder.iterdir()) == []
+    cmd = [sys.executable, "-m", "geosched.cli", "keys", "--ranks", "8"]
+    for n in range(4):  # really at once: one writes a whole folder, the other is refused
+        target = tmp_path / f"race{n}"
+        pair = [subprocess.Popen([*cmd, str(target)], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        codes = sorted(p.wait(60) for p in pair)
+        assert codes == [0, 2], codes  # never both: the later one finds the lock, or the files of the first
+        keys = load_job_keys(target)
+        for rank in range(8):
+            public, secret = load_keypair(target / f"agent-{rank}.key")
+            assert zmq.curve_public(secret) == public == load_public_key(target / f"agent-{rank}.key.pub")
+        assert all(keys.signing_keys[who].verify_key == keys.verify_keys[who] for who in keys.signing_keys)
 
 
 @pytest.mark.parametrize(

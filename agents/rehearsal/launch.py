@@ -44,7 +44,8 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -201,38 +202,39 @@ def launch(
     for folder in run.glob("attempt-*"):
         shutil.rmtree(folder, ignore_errors=True)
     (run / "plan.yaml").write_text(text)
-    calibration_s = None
-    if calibration == "measure":
-        if out is not None:
-            print(
-                f"launch: calibrating {describe(layout)} on this host first (--calibration FILE or "
-                "--no-calibrate skip it)",
-                file=out,
-                flush=True,
-            )
-        from agents.rehearsal.calibrate import calibrate_plan  # torch: not for `geosched plan`'s flags
-
-        began = time.monotonic()
-        calibration = calibrate_plan(
-            layout, wan_scale, run / "calibration.json", out, device=device, encrypted_links=not insecure
-        )
-        calibration_s = time.monotonic() - began
-        if out is not None:
-            print(f"launch: calibrated in {calibration_s:.1f} s: {run / 'calibration.json'}", file=out, flush=True)
-    load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
-    relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
-    if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
-        checkpoint_dir, checkpoint_every = run / "checkpoints", checkpoint_every or 1
-        checkpoint_keep = ELASTIC_KEEP if checkpoint_keep is None else checkpoint_keep  # its own: not every step
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-    most_ranks = max(len(layout.roles), sum(dc.gpus for dc in config.cluster.datacenters) if elastic else 0)
-    keys = None if insecure else job_keys(run / "secrets", most_ranks)  # a new plan may use other GPUs
-    tls = None if keys is None or not (prefill_http or metrics) else write_rehearsal_tls(keys.directory)
-    if insecure and out is not None:
-        print(INSECURE_WARNING, file=out, flush=True)
-    broker = None
     with ExitStack() as stack:
+        stack.enter_context(_reported_if_unfinished(run))  # from here on a run stopped early leaves report.json
+        calibration_s = None
+        if calibration == "measure":
+            if out is not None:
+                print(
+                    f"launch: calibrating {describe(layout)} on this host first (--calibration FILE or "
+                    "--no-calibrate skip it)",
+                    file=out,
+                    flush=True,
+                )
+            from agents.rehearsal.calibrate import calibrate_plan  # torch: not for `geosched plan`'s flags
+
+            began = time.monotonic()
+            calibration = calibrate_plan(
+                layout, wan_scale, run / "calibration.json", out, device=device, encrypted_links=not insecure
+            )
+            calibration_s = time.monotonic() - began
+            if out is not None:
+                print(f"launch: calibrated in {calibration_s:.1f} s: {run / 'calibration.json'}", file=out, flush=True)
+        load_calibrated = _load_average() if calibration_s is not None else None  # as calibrated (its ranks too)
+        relays = RelayRoutes(layout, wan_scale, wan_reset_every_s)
         stack.callback(relays.close)
+        if elastic and checkpoint_dir is None:  # recovery resumes from checkpoints: the run folder's, every step
+            checkpoint_dir, checkpoint_every = run / "checkpoints", checkpoint_every or 1
+            checkpoint_keep = ELASTIC_KEEP if checkpoint_keep is None else checkpoint_keep  # its own: not every step
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        most_ranks = max(len(layout.roles), sum(dc.gpus for dc in config.cluster.datacenters) if elastic else 0)
+        keys = None if insecure else job_keys(run / "secrets", most_ranks)  # a new plan may use other GPUs
+        tls = None if keys is None or not (prefill_http or metrics) else write_rehearsal_tls(keys.directory)
+        if insecure and out is not None:
+            print(INSECURE_WARNING, file=out, flush=True)
+        broker = None
         if mqtt is None:
             broker = EmbeddedBroker(**broker_security(keys, job))
             broker.start()
@@ -402,6 +404,20 @@ INSECURE_WARNING = (
     "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links, plain HTTP and an "
     "open prefill endpoint; anyone who can reach these ports can read or steer the job"
 )
+
+
+@contextmanager
+def _reported_if_unfinished(run: Path) -> Iterator[None]:
+    """A run that fails or is interrupted before training (while it calibrates, starts its broker) leaves
+    ``report.json`` too (``launch --json`` prints it); one whose training began reported it already."""
+    try:
+        yield
+    except BaseException as exc:
+        if getattr(exc, "run_report", None) is None:
+            from agents.runfolder.report import write_unfinished_report
+
+            setattr(exc, "run_report", write_unfinished_report(run, exc))  # noqa: B010 - for `launch --json`
+        raise
 
 
 def tls_args(prefix: str, tls: TlsFiles | None) -> list[str]:

@@ -36,9 +36,11 @@ import argparse
 import contextlib
 import fcntl
 import json
+import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the rehearsal."""
     from agents.rehearsal.launch import launch
 
+    args.run_stops = True  # a closed stdout stops the run: exit 1, not a pipe reader's quiet 0 (geosched.cli)
     at_least(args, "steps", 1)
     at_most(args, "steps", MAX_STEPS, "as job.steps in a config")
     at_least(args, "checkpoint_every", 0)
@@ -213,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in SHAPE_FIELDS}
         calibration = Calibration.load(args.calibration, shape)
-    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir), _json_on_failure(args.json):
+    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json):
         report = launch(
             args.config,
             plan_path=args.plan,
             steps=args.steps,
-            run_dir=args.run_dir,
+            run_dir=run_dir,
             mqtt=args.mqtt,
             job=args.job,
             wan_scale=args.wan_scale,
@@ -262,32 +265,62 @@ def _json_on_failure(wanted: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _claim_run_dir(run_dir: str | None) -> Iterator[None]:
-    """Hold an existing ``--run-dir`` for this launch: refused (one line) when it holds files that are no launch's
-    run folder (a launch rewrites its keys, rank files and checkpoints there), or while another launch holds it.
-    A folder that does not exist yet is made by the launch (nothing is made for a launch refused before)."""
-    run = Path(run_dir) if run_dir is not None else None
-    if run is None or not run.is_dir():
-        yield
-        return
-    others = sorted(p.name for p in run.iterdir() if p.name != LOCK_NAME)
-    if others and not (run / "plan.yaml").is_file():
-        raise InputError(
-            f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
-            f"{', ...' if len(others) > 3 else ''}); pick a new or empty folder (a launch writes its keys, rank "
-            "files and checkpoints there)"
-        )
+def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
+    """Make and hold the run folder for this launch (``--run-dir``, else a new ``runs/launch-<time>[-N]``) and yield
+    it: refused (one line) when it holds files that are no launch's run folder (a launch rewrites its keys, rank
+    files and checkpoints there), or while another launch holds it (``.launch.lock``, locked from before the first
+    file is written). A folder this launch made is removed again if the launch is refused before it wrote any."""
+    if run_dir is None:
+        run, made = _new_default_run_dir(), True
+    else:
+        run = Path(run_dir)
+        try:
+            made = not run.is_dir()
+            run.mkdir(parents=True, exist_ok=True)
+            others = sorted(p.name for p in run.iterdir() if p.name != LOCK_NAME)
+        except OSError as exc:  # a file there, a path under a file, no permission, a name too long
+            raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
+        if others and not (run / "plan.yaml").is_file():
+            raise InputError(
+                f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}); pick a new or empty folder (a launch writes its keys, rank "
+                "files and checkpoints there)"
+            )
     with open(run / LOCK_NAME, "a") as lock_file:  # held open, and locked, for the whole launch
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise InputError(f"--run-dir {run}: another launch is using it; wait, or pick another folder") from None
-        yield
+        try:
+            yield str(run)
+        except InputError:
+            if made and [p.name for p in run.iterdir()] == [LOCK_NAME]:  # refused before it wrote anything
+                shutil.rmtree(run, ignore_errors=True)
+            raise
+
+
+def _new_default_run_dir() -> Path:
+    """A folder of its own under ``runs/``, named for the time to the second (``-2``, ``-3``, ... when another
+    launch took that name in the same second): made here, so no two launches share it."""
+    base = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            run = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                run.mkdir()
+                return run
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise InputError(f"runs/: cannot make a run folder there ({exc.strerror or exc}); pass --run-dir DIR") from None
+    raise InputError(f"{base}: 999 run folders of this second exist already; pass --run-dir DIR")
 
 
 @contextmanager
 def _sigterm_as_ctrl_c() -> Iterator[None]:
-    """SIGTERM (``timeout``, a supervisor) stops the rehearsal as Ctrl-C does: every child process stopped."""
+    """SIGTERM (``timeout``, a supervisor) and SIGHUP (a closed terminal or ssh session) stop the rehearsal as
+    Ctrl-C does: every child process stopped, the unfinished run reported."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread; a caller elsewhere keeps its own
         return
@@ -295,8 +328,10 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else [])
+    previous = {signum: signal.signal(signum, interrupt) for signum in wanted}  # under nohup, HUP stays ignored
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
