@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import re
+import secrets
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -437,9 +438,9 @@ def file_kind(mode: int) -> str:
 def write_atomically(path: str, text: str) -> None:
     """``text`` into ``path`` via a temporary file beside it and a rename: a reader (or a crash) never sees half a
     file, and a file that was there stays whole until the new one is."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{secrets.token_hex(4)}")  # fits any file name
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -458,10 +458,15 @@ def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:
                 )
 
 
+RANK_NODES = 40
+"""YAML nodes a rank's line may use in a plan file (35 today), with room for a field or two more."""
+
 PLAN_LIMITS = YamlLimits(
-    max_bytes=MAX_PLAN_BYTES, max_depth=schema_depth(Plan), max_nodes=30 * MAX_RANKS + 20_000, max_aliases=200
+    max_bytes=MAX_PLAN_BYTES, max_depth=schema_depth(Plan), max_nodes=RANK_NODES * MAX_RANKS + 20_000, max_aliases=200
 )
-"""What a plan's YAML may contain (see :mod:`geosched.yamlload`): a rank is 27 values, the config a few hundred."""
+"""What a plan's YAML may contain (see :mod:`geosched.yamlload`): a rank's line is 35 nodes (its mapping, 16 keys, 15
+values and its layers' 3), the config a few hundred; the limit holds ``RANK_NODES`` a rank, so the largest plan the
+planner writes (:data:`MAX_RANKS` ranks) always loads."""
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

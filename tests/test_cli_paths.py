@@ -27,6 +27,7 @@ from geosched.cli import main
         (["launch", "configs/demo-3dc.yaml", "--wan-reset-every", "1e-9"], "--wan-reset-every: must be >= 0.1"),
         (["launch", "configs/demo-3dc.yaml", "--checkpoint-keep", "2"], "--checkpoint-keep needs --checkpoint-dir"),
         (["launch", "configs/demo-3dc.yaml", "--elastic", "--checkpoint-keep", "-2"], "--checkpoint-keep: must be >="),
+        (["launch", "configs/demo-3dc.yaml", "--elastic", "--checkpoint-every", "0"], "a recovery would start over"),
         (["profile", "configs/demo-3dc.yaml", "--gpu-name", "x" * 300], "--gpu-name: 1-256 characters on one line"),
         (
             ["wanem", "configs/demo-3dc.yaml", "--route", "us-eu=127.0.0.1:9", "--route", "us-eu=127.0.0.1:8"],
@@ -39,6 +40,12 @@ from geosched.cli import main
         (["profile", "configs/demo-3dc.yaml", "--repeats", "1000000000"], "--repeats: must be <= 10000"),
         (["export", "{file}", "-o", "/dev/null"], "-o /dev/null: a character device, not a regular file"),
         (["plan", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
+        (["plan", "configs/demo-3dc.yaml", "-o", "{file}.d/p.yaml"], "does not exist; make it first"),
+        (["launch", "configs/demo-3dc.yaml", "--checkpoint-dir", "{file}/c"], "--checkpoint-dir {file}/c: cannot make"),
+        (
+            ["agent", "--rank", "0", "--checkpoint-dir", "{file}/c", "--mqtt", "mqtt://127.0.0.1:9", "--job", "j"],
+            "cannot make the folder",
+        ),
         (["simulate", "--stages", "2", "--microbatches", "2", "--trace", "/dev/null"], "--trace /dev/null: a char"),
     ],
 )
@@ -47,7 +54,7 @@ def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: li
     file.write_text("not a folder")
     assert main([arg.format(file=file) for arg in argv]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and needle.format(file=file) in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize(

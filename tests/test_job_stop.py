@@ -80,3 +80,13 @@ def test_job_stop_names_the_ranks_that_stayed_offline(embedded_broker, capsys) -
     assert main(["job", "stop", "--mqtt", url, "--job", "stopgone"]) == 0
     out = capsys.readouterr().out
     assert "every agent acknowledged but ranks 1, offline" in out and "were not told" in out, out
+
+
+def test_stopping_a_job_no_agent_has_is_refused_not_reported_done(embedded_broker, capsys) -> None:
+    """A mistyped --job printed "job 'nosuchjob' stopped: every agent acknowledged", exit 0 (a trial)."""
+    from geosched.cli import main
+
+    url = embedded_broker.url_for("geosched")
+    assert main(["job", "stop", "--mqtt", url, "--job", "nosuchjob"]) == 2
+    err = capsys.readouterr().err
+    assert "job 'nosuchjob': no agent of it has a status on this broker" in err and len(err.splitlines()) == 1

@@ -56,8 +56,10 @@ def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: 
 
 def test_when_the_lost_gpus_return_it_moves_back_to_the_original_plan(tmp_path: Path) -> None:
     run, steps = tmp_path / "run", 12
-    report, err, _ = _kill_eu(run, "--elastic-return-after", "2", steps=steps)
+    ckpt = tmp_path / "ckpt"  # its own folder: every step all the same (a trial's --checkpoint-dir wrote none)
+    report, err, _ = _kill_eu(run, "--elastic-return-after", "2", "--checkpoint-dir", str(ckpt), steps=steps)
     lost, back = report["recoveries"]
+    assert lost["resumed_from_step"] > 0 and list(ckpt.glob("step-*")) and not (run / "checkpoints").exists()
     assert lost["lost_dcs"] == ["eu"] and back["lost_ranks"] == [] and back["reason"].startswith("moved back")
     assert back["old_plan"] == lost["new_plan"] and back["new_plan"] == lost["old_plan"]  # the original plan
     assert back["resumed_from_step"] > lost["resumed_from_step"] and back["downtime_s"] > 0

@@ -288,3 +288,32 @@ def test_a_pinned_dp_is_the_plans_dp(tmp_path, capsys, dp: int) -> None:
     assert main(["plan", str(path), "--dp", str(dp), "--json", "--no-explain"]) == 0
     plan = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert plan["dp"] * len(plan["pipelines"]) == dp
+
+
+def test_the_largest_plan_the_planner_writes_loads(tmp_path, capsys) -> None:
+    """8,192 GPUs, the planner's most: a trial's 8,064-rank plan was written, then refused by every reader
+    ("more than 265760 values")."""
+    from planner.plan import MAX_RANKS, load_plan
+
+    raw = {
+        "cluster": {
+            "name": "big",
+            "datacenters": [
+                {"name": "mega", "gpus": MAX_RANKS - 1, "gpu": {"name": "H100", "tflops": 400, "memory_gib": 80}},
+                {"name": "tiny", "gpus": 1, "gpu": {"name": "H100", "tflops": 400, "memory_gib": 80}},
+            ],
+            "links": [{"between": ["mega", "tiny"], "bandwidth_gbps": 100, "rtt_ms": 40, "per_connection_gbps": 2.5}],
+        },
+        "job": {
+            "model": {"layers": 96, "hidden": 12288, "heads": 96, "seq_len": 2048, "vocab": 50257},
+            "global_batch": 1536,
+            "precision": "bf16",
+            "recompute": "full",
+        },
+    }
+    config, plan_path = tmp_path / "big.yaml", tmp_path / "p.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(config), "-o", str(plan_path)]) == 0, capsys.readouterr().err
+    plan = load_plan(plan_path)
+    assert len(plan.ranks) > 8040
+    assert main(["simulate", str(plan_path), "--json"]) == 0, capsys.readouterr().err

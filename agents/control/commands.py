@@ -93,9 +93,12 @@ async def stop_job(
     timeout_s: float = STOP_TIMEOUT_S,
     resend_s: float = 2.0,
     plan_id: str | None = None,
+    known_job: bool = False,
 ) -> list[int]:
     """Send ``stop`` to every agent of ``job`` until each acknowledges it (status ``stopped``, or ``error``);
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
+    With ``known_job`` (``geosched job stop``), a job no agent ever gave a status of is InputError, nothing sent:
+    a mistyped ``--job`` is not a stop.
 
     The command is sent again every ``resend_s`` seconds, and while a rank's status is ``offline`` (its will:
     it may be reconnecting) for up to :data:`~agents.control.liveness.WILL_GRACE_S`, so an agent back
@@ -106,6 +109,11 @@ async def stop_job(
     async with ControlPlane(url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+            if known_job and not cp.statuses():
+                raise InputError(
+                    f"job {job!r}: no agent of it has a status on this broker, so there is nothing to stop; "
+                    "check --job (geosched job status lists a job's agents)"
+                )
             sent = await cp.publish_command("stop", plan_id=plan_id)
             loop = asyncio.get_running_loop()
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s

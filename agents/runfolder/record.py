@@ -32,6 +32,7 @@ from typing import Any
 from agents.control.messages import MetricsMessage, StatusMessage, printable
 from agents.stage.report import StepReport
 from geosched.errors import GeoschedError
+from geosched.yamlload import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,7 @@ def write_endpoints(
     """Write ``run_dir/endpoints.json`` atomically (a reader never sees half of it); return its path."""
     path = Path(run_dir) / "endpoints.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".endpoints.json.tmp")
-    tmp.write_text(json.dumps(endpoints_of(statuses, routes, coordinator), indent=1), encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(str(path), json.dumps(endpoints_of(statuses, routes, coordinator), indent=1))
     return path
 
 

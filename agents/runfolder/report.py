@@ -50,6 +50,7 @@ from agents.control.losses import JobStopped
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from geosched.errors import GeoschedError
+from geosched.yamlload import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -292,8 +293,7 @@ def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recov
     known = [loss for loss in losses if loss is not None]
     if steps and len(known) == len(steps):
         report["loss_png"] = str(write_loss_png(steps, known, run / "loss.png"))
-    with open(run / "report.json", "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=2, allow_nan=True)
+    write_atomically(str(run / "report.json"), json.dumps(report, indent=2, allow_nan=True))  # never seen half-done
     return run / "report.json"
 
 
@@ -332,8 +332,7 @@ def write_run_folder(
             )
         )
     report["files"] = {**report.get("files", {}), **written}
-    with open(run / "report.json", "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
+    write_atomically(str(run / "report.json"), json.dumps(report, indent=1))  # a watcher never reads half of it
     return {**written, "report": str(run / "report.json")}
 
 

@@ -86,6 +86,27 @@ def output_file(
         raise InputError(f"{flag} {path}: a {file_kind(mode)}, not a regular file; give a file name")
     if not_inside is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(not_inside)):
         raise InputError(f"{flag} {path}: inside {not_inside}, the folder it is made from; write it elsewhere")
+    folder = os.path.dirname(path) or "."  # checked now, not after the work (a plan's search, a profile)
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path}: the folder {folder} does not exist; make it first, or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: the folder {folder} is not writable here; write elsewhere")
+    if len(os.path.basename(path).encode()) > 255:
+        raise InputError(f"{flag}: a file name longer than 255 bytes; give a shorter one")
+    return path
+
+
+def writable_folder(path: str, flag: str) -> str:
+    """``path`` made if missing and writable by this process, checked when a command starts: InputError naming
+    ``flag`` otherwise (a read-only checkpoint folder was found only at the first checkpoint, hours in)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"{flag} {path}: cannot make the folder ({exc.strerror or exc}); pick a writable one"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):  # also a read-only file system (EROFS)
+        raise InputError(f"{flag} {path}: not writable here (read-only, or another user's); pick a writable one")
     return path
 
 

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(acknowledged by {len(written.ranks)} agents)"
             )
         return 0
-    left = asyncio.run(commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing))
+    left = asyncio.run(commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing, known_job=True))
     if left:
         raise AgentLost(
             f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "

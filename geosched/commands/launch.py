@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from geosched.commands.checks import above, at_least, at_most, job_name
+from geosched.commands.checks import above, at_least, at_most, job_name, writable_folder
 from geosched.config import MAX_STEPS
 from geosched.errors import InputError
 
@@ -111,7 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "into this one) and train to --steps, the last step",
     )
     parser.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only on command)"
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N steps (default 0: only on command; with --elastic 1, and never 0)",
     )
     parser.add_argument(
         "--checkpoint-keep",
@@ -136,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--elastic",
         action="store_true",
         help="survive lost agents or a lost DC: re-plan on the GPUs left, resume from the newest complete "
-        "checkpoint (RUN_DIR/checkpoints every step unless --checkpoint-dir), finish the steps; report.json "
+        "checkpoint (RUN_DIR/checkpoints or --checkpoint-dir, every step or every --checkpoint-every N), finish "
+        "the steps; report.json "
         "lists the recoveries",
     )
     parser.add_argument(
@@ -188,6 +193,15 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--checkpoint-every needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.prefill_follow_checkpoints and not (args.checkpoint_dir or args.elastic):
         raise InputError("--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic): the folder to follow")
+    if args.elastic and args.checkpoint_every == 0:
+        raise InputError(
+            "--elastic resumes from checkpoints: --checkpoint-every 0 would write none, and a recovery would start "
+            "over at step 0; give N >= 1, or drop it (every step)"
+        )
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 1 if args.elastic else 0  # a recovery resumes from the newest step: every step
+    if args.checkpoint_dir:
+        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
     if args.checkpoint_dir and not args.resume:
         from agents.checkpoint.store import list_steps
 
