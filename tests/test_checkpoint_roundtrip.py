@@ -95,6 +95,27 @@ def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path) -> None:
     assert all(float(st["step"]) == 6.0 for st in restored["state"].values())
 
 
+def test_a_resume_trains_with_the_jobs_learning_rate_not_the_checkpoints(tmp_path, caplog) -> None:
+    """A trial lowered the config's learning rate and resumed: the agents went on with the checkpoint's, silently.
+    The job's settings win (its moments and step come from the checkpoint), and the change is logged."""
+    stages, optimizers = build_pipeline()
+    train(stages, optimizers, range(0, 2))
+    save_all(tmp_path, 2, stages, optimizers)
+    fresh, _ = build_pipeline()
+    lowered = [torch.optim.AdamW(s.parameters(), lr=3e-4, weight_decay=0.1) for s in fresh]
+    for i, (stage, opt) in enumerate(zip(fresh, lowered)):
+        load_shard(tmp_path, 2, i, stage, opt, job_fingerprint=fingerprint(i))
+    assert all(opt.param_groups[0]["lr"] == 3e-4 for opt in lowered)
+    assert "trained with lr 0.003; resuming with the job's 0.0003" in caplog.text
+    saved = optimizers[1].state_dict()["state"]
+    restored = lowered[1].state_dict()["state"]
+    assert all(torch.equal(saved[k]["exp_avg"], restored[k]["exp_avg"]) for k in saved)  # the moments are kept
+    reference = [torch.optim.AdamW(s.parameters(), lr=3e-4, weight_decay=0.1) for s in stages]
+    for ref, opt in zip(reference, optimizers):
+        ref.load_state_dict({**opt.state_dict(), "param_groups": ref.state_dict()["param_groups"]})
+    assert train(fresh, lowered, range(2, 4)) == train(stages, reference, range(2, 4))  # lr 3e-4 from step 2
+
+
 def test_layout_and_manifest(tmp_path) -> None:
     stages, optimizers = build_pipeline()
     train(stages, optimizers, range(0, 1))

@@ -307,3 +307,42 @@ def test_waiting_for_ready_agents_ends_at_an_exited_agent_or_a_job_stop() -> Non
     survivor = StatusMessage(1, "stopped", extra={"stopped_by": "command", "plan_id": "0123456789ab"})  # old plan
     with pytest.raises(AgentsNotReady):  # stopped by the re-plan itself: waited for, not a job stop
         asyncio.run(wait_ready(_Plane(), _Feed([ready, survivor]), layout, 0.2))  # type: ignore[arg-type]
+
+
+def test_a_retained_error_from_before_the_start_waits_for_the_restarted_agent(monkeypatch) -> None:
+    """A trial restarted dead agents and ran 'job start' at once: the dead agent's retained error failed the start
+    (exit 2) before the new one had published. A retained error now waits for a newer status; a live one fails."""
+    from dataclasses import replace
+
+    import agents.control.ready as ready_module
+    from agents.control.ready import wait_ready
+    from agents.layout import plan_id
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"]))
+    mine = {"plan_id": plan_id(layout.text)}
+    dead = StatusMessage(0, "error", extra={**mine, "message": "step 141: timed out"}, retained=True)
+    ready = [StatusMessage(rank, "ready", extra=mine) for rank in (0, 1)]
+    got = asyncio.run(wait_ready(_Plane(), _Feed([dead, *ready]), layout, 5.0))  # type: ignore[arg-type]
+    assert sorted(got) == [0, 1]
+    monkeypatch.setattr(ready_module, "STALE_GRACE_S", 0.05)
+    with pytest.raises(AgentRefused, match=r"step 141: timed out.*no newer status in 0.05 s"):
+        asyncio.run(wait_ready(_Plane(), _Feed([dead, ready[1]]), layout, 5.0))  # type: ignore[arg-type]
+    with pytest.raises(AgentRefused, match="step 141: timed out"):  # an error published during this start
+        asyncio.run(wait_ready(_Plane(), _Feed([replace(dead, retained=False)]), layout, 5.0))  # type: ignore[arg-type]
+
+
+def test_the_control_plane_marks_a_status_the_broker_retained(embedded_broker) -> None:
+    from agents.control.plane import ControlPlane
+
+    url = embedded_broker.url_for("geosched")
+
+    async def run() -> tuple[bool, bool]:
+        async with ControlPlane(url, "kept", "kept-agent-0") as agent:
+            await agent.publish_status(0, "error")
+            async with ControlPlane(url, "kept", "kept-coordinator") as cp, await cp.subscribe("status") as sub:
+                old = await sub.get(5.0)
+                await agent.publish_status(0, "starting")
+                new = await sub.get(5.0)
+                return old.retained, new.retained
+
+    assert asyncio.run(run()) == (True, False)

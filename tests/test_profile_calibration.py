@@ -137,7 +137,7 @@ def test_check_prediction_reports_both_sides(tmp_path) -> None:
         (["--threads", "-1"], "--threads must be >= 1, or 0"),
         (["--device", "tpu"], "--device 'tpu' is not supported"),
         (["--co-located", "0"], "--co-located must be >= 1"),
-        (["-o", "/nonexistent-dir/cal.json", "--repeats", "1", "--warmup", "0"], "the folder /nonexistent-dir does not exist"),
+        (["-o", "/nonexistent-dir/cal.json", "--repeats", "1", "--warmup", "0"], "/nonexistent-dir does not exist"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message) -> None:

@@ -7,7 +7,9 @@ parameter names (``model/blocks.3.attn.qkv.weight``,
 ``optim/blocks.3.attn.qkv.weight/exp_avg``) and JSON-safe metadata, so a
 shard is safetensors + JSON and loading never unpickles anything.
 :func:`rebuild_optimizer_state` checks such a shard against the live
-optimizer and rebuilds the ``state_dict`` to load.
+optimizer and rebuilds the ``state_dict`` to load, with the job's own
+hyperparameters (:data:`JOB_HYPERPARAMETERS`: a resume with another learning
+rate trains with it, as the config and plan say, and logs the change).
 
 An optimizer sharded over data-parallel replicas (ZeRO, ``agents.dp.zero``;
 any :class:`ShardedOptimizer`) is saved in the same whole-stage format:
@@ -18,12 +20,18 @@ wrote the shard.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from geosched.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+JOB_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+"""Param-group settings the job's config makes (the live optimizer has them): a checkpoint's are history."""
 
 
 @runtime_checkable
@@ -157,10 +165,19 @@ def rebuild_optimizer_state(
                 used.add(tname)
             state[index[name]] = entry
         groups, start = [], 0
-        for i, (group, names) in enumerate(zip(saved["param_groups"], live_names, strict=True)):
+        for i, (group, names, live) in enumerate(
+            zip(saved["param_groups"], live_names, optimizer.param_groups, strict=True)
+        ):
             hyper = dict(group["hyper"])
             for key in group["tuple_keys"]:
                 hyper[key] = tuple(hyper[key])
+            for key in JOB_HYPERPARAMETERS:  # the job's settings, not the ones the checkpoint was trained with
+                if key in live and key in hyper and hyper[key] != live[key] and i == 0:
+                    log.warning(
+                        "the checkpoint was trained with %s %s; resuming with the job's %s", key, hyper[key], live[key]
+                    )
+                if key in live:
+                    hyper[key] = live[key]
             for key in group["tensor_keys"]:
                 tname = f"optim_group/{i}/{key}"
                 if tname not in tensors:

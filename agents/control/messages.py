@@ -168,6 +168,8 @@ class StatusMessage:
     host: str | None = None
     time: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    retained: bool = field(default=False, compare=False)
+    """Delivered as the broker's retained copy (news from before this client subscribed); not on the wire."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -217,7 +218,7 @@ class ControlPlane:
                     await self._on_connect(client)
                     delay = self._backoff[0]
                     async for message in client.messages:
-                        self._dispatch(str(message.topic), bytes(message.payload))
+                        self._dispatch(str(message.topic), bytes(message.payload), bool(message.retain))
             except aiomqtt.MqttError as exc:
                 fatal = self._fatal_error(exc)
                 if fatal is not None and self._first_connect is not None and not self._first_connect.done():
@@ -267,7 +268,7 @@ class ControlPlane:
             await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
 
     # -- receiving -----------------------------------------------------------
-    def _dispatch(self, topic: str, payload: bytes) -> None:
+    def _dispatch(self, topic: str, payload: bytes, retained: bool = False) -> None:
         self.stats.received += 1
         if self._verifier is not None and len(payload) <= self._max_payload + MAX_HEADER_BYTES:
             try:  # before anything parses the body
@@ -291,6 +292,7 @@ class ControlPlane:
             self._statuses = {r: s for r, s in self._statuses.items() if self.topics.status(r) != topic}
             return
         if isinstance(message, StatusMessage):
+            message = dataclasses.replace(message, retained=retained) if retained else message
             self._statuses[message.rank] = message
         elif isinstance(message, PlanMessage):
             self._plan = message

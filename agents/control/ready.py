@@ -3,7 +3,9 @@
 :func:`wait_ready` is what ``start_job`` (:mod:`agents.control.coordinator`) does between publishing a plan
 and sending ``start``: it refuses an agent running another plan (not one an elastic re-plan replaced), an
 agent that joined from the wrong DC, stage or replica, an agent's ``error``, an agent process that exited
-and a ``job stop``, and names the ranks still missing at the timeout.
+and a ``job stop``, and names the ranks still missing at the timeout. An ``error`` retained from before the
+start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operator restarts the agents, then
+``job start`` at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from geosched.errors import InputError, PlanError
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout
+
+
+STALE_GRACE_S = 10.0
+"""An ``error`` the broker retained from before this start (an agent that died; a restarted one replaces it within
+seconds) fails the start only if no newer status of that rank follows within this long."""
 
 
 class AgentRefused(InputError):
@@ -105,7 +112,9 @@ async def wait_ready(
 
     want_plan = plan_id(layout.text)
     latest: dict[int, StatusMessage] = {}
-    deadline = asyncio.get_running_loop().time() + timeout_s
+    stale: dict[int, float] = {}  # rank -> when its retained error counts (no newer status came by then)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     while True:
         ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
         if len(ready) == len(layout.roles):
@@ -114,7 +123,12 @@ async def wait_ready(
         loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
         if loss is not None:
             raise loss
-        left = deadline - asyncio.get_running_loop().time()
+        for rank, due in stale.items():
+            if loop.time() >= due:  # nothing newer from that rank: its error stands
+                raise AgentRefused(
+                    lost_message(cp.job, latest[rank], None) + f" (no newer status in {STALE_GRACE_S:g} s)"
+                )
+        left = deadline - loop.time()
         if left <= 0:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
             raise AgentsNotReady(
@@ -122,18 +136,24 @@ async def wait_ready(
                 f"{timeout_s:g} s: ranks {last_states(missing, latest)}; start them with 'geosched agent --rank R'",
                 missing,
             )
+        wait = min(
+            [left, *(due - loop.time() for due in stale.values())] + ([EXIT_POLL_S] if exits is not None else [])
+        )
         try:
-            message = await sub.get(min(left, EXIT_POLL_S) if exits is not None else left)
+            message = await sub.get(max(0.0, wait))
         except TimeoutError:
             continue  # the exits again, or the deadline
         if not isinstance(message, StatusMessage):
             continue
         before, latest[message.rank] = latest.get(message.rank), message
+        stale.pop(message.rank, None)
         check_same_plan(cp.job, message, layout, replaced)
         if message.extra.get("plan_id") == want_plan:
             stopped = message.state == "stopped" and message.extra.get("stopped_by") == "command"
             if stopped and before is not None and before.state != "stopped":  # not a stop of an earlier attempt
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' before it started")
-            if message.state == "error":
+            if message.state == "error" and message.retained:  # from before this start: its agent may be restarting
+                stale[message.rank] = loop.time() + STALE_GRACE_S
+            elif message.state == "error":
                 raise AgentRefused(lost_message(cp.job, message, None))
             check_joined(layout, {message.rank: message})
