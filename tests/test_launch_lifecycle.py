@@ -75,7 +75,9 @@ def test_sighup_while_calibrating_ends_the_run_interrupted_with_its_report(tmp_p
     try:
         assert wait_for(lambda: any("calibrating" in line for line in lines), timeout_s=120), lines
         launch.send_signal(signal.SIGHUP)
-        out, _ = launch.communicate(timeout=60)
+        assert launch.stdout is not None
+        out = launch.stdout.read()  # stderr is the reader thread's alone
+        launch.wait(60)
     finally:
         if launch.poll() is None:
             launch.kill()

@@ -101,6 +101,9 @@ class RunRecorder:
         self.run.mkdir(parents=True, exist_ok=True)
         (self.run / "plan.yaml").write_text(layout.text, encoding="utf-8")
         self.metrics_path = self.run / "metrics.jsonl"
+        if self.metrics_path.exists():  # a later start into this folder (a resume): the earlier metrics stay
+            n = 1 + sum(1 for _ in self.run.glob("metrics-*.jsonl"))
+            self.metrics_path.rename(self.run / f"metrics-{n}.jsonl")
         self._out = open(self.metrics_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by finish/close
         self._newest: dict[int, int] = {}  # rank -> the newest step recorded
         self.refused = 0  # metrics messages not recorded (see record)
@@ -147,17 +150,25 @@ class RunRecorder:
         """Stop recording (idempotent)."""
         self._out.close()
 
-    def finish(self, predicted: Any = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def finish(
+        self, predicted: Any = None, extra: Mapping[str, Any] | None = None, failure: BaseException | None = None
+    ) -> dict[str, Any]:
         """Write report.json and the pictures from what was recorded; return the report.
 
         ``predicted``: the simulator's Timeline of the layout (``predicted.png``, ``timelines.png`` and the
-        predicted figures of the report), or None.
+        predicted figures of the report), or None. ``failure``: what ended the job early (its ``outcome`` and
+        ``error`` in the report; with no step recorded, the report is those and the empty ``steps``).
         """
         from agents.runfolder.predict import sync_seconds
-        from agents.runfolder.report import build_report, write_run_folder
+        from agents.runfolder.report import build_report, outcome_of, write_run_folder
 
         self.close()
         reports = load_metrics_reports(self.metrics_path)
+        ending: dict[str, str] = {"outcome": "completed"} if failure is None else outcome_of(failure)
+        if failure is not None and not any(reports.values()):
+            report: dict[str, Any] = {**ending, "steps": [], "losses": [], "source": "coordinator metrics"}
+            write_atomically(str(self.run / "report.json"), json.dumps(report, indent=1))
+            return report
         report = build_report(
             self.layout,
             reports,
@@ -165,7 +176,7 @@ class RunRecorder:
             predicted_bubble_fraction=None if predicted is None else predicted.bubble_fraction,
             predicted_sync_s=None if predicted is None else sync_seconds(predicted),
             wan_bytes=wan_bytes_sent(self.layout, reports),
-            extra={"source": "coordinator metrics", **(extra or {})},
+            extra={**ending, "source": "coordinator metrics", **(extra or {})},
         )
         report["files"] = {"endpoints": str(self.run / "endpoints.json"), "metrics": str(self.metrics_path)}
         write_run_folder(self.run, self.layout, reports, report, predicted_timeline=predicted)

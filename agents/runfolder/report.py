@@ -264,6 +264,16 @@ def write_unfinished_report(
         return None
 
 
+def outcome_of(exc: BaseException) -> dict[str, str]:
+    """The ``outcome`` (``stopped`` by 'geosched job stop', ``interrupted``: Ctrl-C, SIGTERM, SIGHUP; ``failed``)
+    and the ``error`` line of a run that ``exc`` ended early."""
+    outcome = (
+        "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    )
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return {"outcome": outcome, "error": "interrupted" if text == "KeyboardInterrupt" else text}
+
+
 def _completed_steps(folder: Path) -> dict[int, float | None]:
     """Step -> loss of every step all of ``folder``'s ranks completed."""
     reports = load_rank_reports(folder)
@@ -279,13 +289,9 @@ def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recov
     for folder in [*attempts, run]:  # a later attempt's run of a step wins
         done.update(_completed_steps(folder))
     steps = sorted(done)
-    outcome = (
-        "stopped" if isinstance(exc, JobStopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-    )
     losses = [done[s] for s in steps]
     report: dict[str, Any] = {
-        "outcome": outcome,
-        "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        **outcome_of(exc),
         "steps": steps,
         "losses": losses,
         **({"recoveries": recoveries} if recoveries else {}),

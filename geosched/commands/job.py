@@ -40,6 +40,7 @@ from typing import Any
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
 from geosched.commands.checks import above, at_least, at_most
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
+from geosched.commands.signals import stops_as_ctrl_c
 from geosched.errors import GeoschedError, InputError
 
 
@@ -142,33 +143,42 @@ def run(args: argparse.Namespace) -> int:
         at_most(args, "ready_timeout", 86_400, "a day")
         text = load_plan_file(args.plan)
         out = sys.stderr if args.json else sys.stdout
+        args.run_stops = True  # a closed stdout stops the run: exit 1 (geosched.cli)
         if args.elastic or args.config or args.checkpoint_dir:
-            return _start_elastic(args, url, signing, text, out)
+            with stops_as_ctrl_c():
+                return _start_elastic(args, url, signing, text, out)
         metrics, server = _job_metrics(args, out)
         recorder = _recorder(args.run_dir, text, args.plan, {} if server is None else {"metrics": server.url()})
         hooks: dict[str, Any] = (
             {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
         )
         try:
-            result = asyncio.run(
-                coordinator.start_job(
-                    url,
-                    args.job,
-                    text,
-                    steps=args.steps,
-                    ready_timeout_s=args.ready_timeout,
-                    ca_file=args.ca_file,
-                    keys=signing,
-                    plan_source=args.plan,
-                    out=out,
-                    metrics=metrics,
-                    **hooks,
+            with stops_as_ctrl_c():
+                result = asyncio.run(
+                    coordinator.start_job(
+                        url,
+                        args.job,
+                        text,
+                        steps=args.steps,
+                        ready_timeout_s=args.ready_timeout,
+                        ca_file=args.ca_file,
+                        keys=signing,
+                        plan_source=args.plan,
+                        out=out,
+                        metrics=metrics,
+                        **hooks,
+                    )
                 )
-            )
-        except GeoschedError:
-            if recorder is not None:  # what the steps that did complete show, then the error
+        except BaseException as exc:  # failed, stopped, interrupted (Ctrl-C, SIGTERM, SIGHUP)
+            report = None
+            if recorder is not None:  # what the steps that did complete show, with the outcome and the error
                 with contextlib.suppress(GeoschedError, OSError):
-                    _write_run_folder(recorder, args.run_dir, out)
+                    report = _write_run_folder(recorder, args.run_dir, out, exc)
+            if args.json:  # as on success: stdout ends with one JSON object, here with the outcome and error
+                from agents.runfolder.report import outcome_of
+
+                steps = [] if report is None else report.get("steps", [])
+                print(json.dumps({**outcome_of(exc), "steps": steps}), flush=True)
             raise
         finally:
             if recorder is not None:
@@ -178,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         if recorder is not None:
             _write_run_folder(recorder, args.run_dir, out)
         if args.json:
-            print(json.dumps({"steps": [vars(s) for s in result.steps]}))
+            print(json.dumps({"outcome": "completed", "steps": [vars(s) for s in result.steps]}))
         return 0
     if args.action == "status" and args.watch:
         from agents.control.watch import watch_job
@@ -313,11 +323,14 @@ def _recorder(run_dir: str | None, text: str, source: str, coordinator: dict[str
         raise InputError(f"--run-dir {run_dir!r}: {exc.strerror or exc}; pick a writable folder") from None
 
 
-def _write_run_folder(recorder: Any, run_dir: str, out: Any) -> None:
-    """report.json and the pictures from the recorded metrics, compared with the plan's prediction."""
+def _write_run_folder(recorder: Any, run_dir: str, out: Any, failure: BaseException | None = None) -> dict[str, Any]:
+    """report.json and the pictures from the recorded metrics, compared with the plan's prediction (``failure``:
+    what ended the job early, its outcome and error in the report); the report."""
     from agents.runfolder.predict import predict
     from agents.runfolder.report import report_text
 
-    report = recorder.finish(predict(recorder.layout))
-    print(report_text(report), file=out)
-    print(f"run folder: {run_dir}", file=out, flush=True)
+    report: dict[str, Any] = recorder.finish(predict(recorder.layout), failure=failure)
+    if report.get("steps"):
+        print(report_text(report), file=out)
+    print(f"run folder: {run_dir} ({report['outcome']})", file=out, flush=True)
+    return report

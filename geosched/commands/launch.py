@@ -37,15 +37,14 @@ import contextlib
 import fcntl
 import json
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from geosched.commands.checks import above, at_least, at_most, job_name, writable_folder
+from geosched.commands.signals import stops_as_ctrl_c
 from geosched.config import MAX_STEPS
 from geosched.errors import InputError
 
@@ -230,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in SHAPE_FIELDS}
         calibration = Calibration.load(args.calibration, shape)
-    with _sigterm_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json):
+    with stops_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json):
         report = launch(
             args.config,
             plan_path=args.plan,
@@ -329,23 +328,3 @@ def _new_default_run_dir() -> Path:
     except OSError as exc:
         raise InputError(f"runs/: cannot make a run folder there ({exc.strerror or exc}); pass --run-dir DIR") from None
     raise InputError(f"{base}: 999 run folders of this second exist already; pass --run-dir DIR")
-
-
-@contextmanager
-def _sigterm_as_ctrl_c() -> Iterator[None]:
-    """SIGTERM (``timeout``, a supervisor) and SIGHUP (a closed terminal or ssh session) stop the rehearsal as
-    Ctrl-C does: every child process stopped, the unfinished run reported."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers belong to the main thread; a caller elsewhere keeps its own
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else [])
-    previous = {signum: signal.signal(signum, interrupt) for signum in wanted}  # under nohup, HUP stays ignored
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
