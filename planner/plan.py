@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -425,6 +426,13 @@ def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
                 "cluster.links); use at most that, or re-run 'geosched plan'"
             )
         seen.add(frozenset((a, b)))
+        carried = wan_effective_bps(problem.require_link(a, b), link.streams) / 1e9
+        if not math.isclose(link.effective_gbps, carried, rel_tol=1e-6, abs_tol=1e-9):
+            raise PlanError(
+                f"plan.links[{i}].effective_gbps: {link.effective_gbps:g} is not what {link.streams} streams over "
+                f"this link carry ({carried:g} Gb/s = min(link, streams x per-connection), cluster.links); it follows "
+                f"from them: write {carried:g} there, or re-run 'geosched plan'"
+            )
         if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
             allowed = "none" if job.wan_compression == "none" else f"none or {job.wan_compression}"
             raise PlanError(

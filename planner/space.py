@@ -20,7 +20,7 @@ import collections
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +163,13 @@ class Problem:
     Without a variant the job's pinned values (else the defaults) are used.
     """
 
-    def __init__(self, cfg: Config, variant: Variant | None = None, dp: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        variant: Variant | None = None,
+        dp: int | None = None,
+        streams: Mapping[frozenset[str], int] | None = None,
+    ):
         job = cfg.job.resolved()
         if variant is not None:
             job = dataclasses.replace(
@@ -184,6 +190,7 @@ class Problem:
         self.memory_bytes = {dc.name: dc.gpu.memory_gib * GIB for dc in cfg.cluster.datacenters}
         self._links = {frozenset(link.between): link for link in cfg.cluster.links}
         self._streams = {pair: streams_to_fill(link) for pair, link in self._links.items()}
+        self._streams.update(streams or {})  # a plan's own (simulate PLAN): what its agents open
         self.neighbours: dict[str, tuple[str, ...]] = {
             name: tuple(other for other in self.dcs if other != name and self.link(name, other) is not None)
             for name in self.dcs

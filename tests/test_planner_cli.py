@@ -38,6 +38,32 @@ def test_plan_file_reproduces_its_prediction_in_simulate(tmp_path, capsys) -> No
     assert simulated["info"]["predicted_iteration_s"] == planned["prediction"]["iteration_s"]
 
 
+def test_simulate_uses_the_plans_own_links_and_says_when_its_record_differs(tmp_path, capsys) -> None:
+    """A trial set the demo plan's link to 1 stream: simulate still said 100.8 ms (it recomputed the streams),
+    launch predicted 991.6; and an effective_gbps of 5000 on a 50 Gb/s link was taken."""
+    from planner.plan import load_plan
+
+    plan_path = tmp_path / "plan.yaml"
+    assert main(["plan", "configs/demo-3dc.yaml", "-o", str(plan_path), "--no-explain"]) == 0
+    capsys.readouterr()
+    link = load_plan(plan_path).links[0]
+    text = plan_path.read_text()
+    one = text.replace(f"streams: {link.streams}\n", "streams: 1\n", 1)
+    assert one != text
+    (tmp_path / "stale.yaml").write_text(one)
+    assert main(["simulate", str(tmp_path / "stale.yaml")]) == 2  # effective_gbps no longer follows
+    err = capsys.readouterr().err
+    assert "effective_gbps" in err and "write " in err and len(err.splitlines()) == 1
+    carried = err.split("write ", 1)[1].split(" there", 1)[0]
+    edited = one.replace(f"effective_gbps: {link.effective_gbps!r}", f"effective_gbps: {carried}", 1)
+    (tmp_path / "one.yaml").write_text(edited)
+    assert main(["simulate", str(tmp_path / "one.yaml"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    slower = json.loads(out)["iteration_time_s"]
+    assert slower > load_plan(plan_path).prediction.iteration_s * 1.02  # one stream: a slower WAN
+    assert "records a predicted iteration of" in err
+
+
 def test_simulate_a_config_needs_stages_or_a_plan(capsys) -> None:
     assert main(["simulate", "configs/demo-3dc.yaml", "--stages", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stages"] == 3

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+PLAN_DRIFT = 0.01
+"""A plan whose recorded prediction and its simulation differ by more than this share is said to (stderr)."""
+
+
 def run(args: argparse.Namespace) -> int:
     """Build, lower, validate and simulate the schedule, then report it."""
     from geosched.schedule import lower, simulate
@@ -69,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
         written["trace"] = str(_write(write_chrome_trace, timeline, args.trace, "--trace", args.source))
     summary = _summary(timeline, info, written)
+    recorded = info.get("predicted_iteration_s")
+    if recorded and abs(timeline.iteration_s / recorded - 1) > PLAN_DRIFT:
+        print(
+            f"simulate: {args.source} records a predicted iteration of {recorded * 1e3:.6g} ms; this simulation of "
+            f"its stages, links and schedule gives {timeline.iteration_s * 1e3:.6g} ms (the file was edited, or "
+            "made by another geosched version; 'geosched plan' writes both the same)",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(summary, allow_nan=False))
     else:
