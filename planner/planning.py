@@ -37,7 +37,7 @@ from planner.explain import UnusedReason, explain_idle
 from planner.feasibility import check_feasible, check_size, explain_miss
 from planner.plan import ZERO_UNUSED, Plan, SolverInfo, build_plan
 from planner.results import VariantResult
-from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, search
+from planner.search import POLISH_WORK, SMALL_EFFORT, Progress, SearchStats, frontier, pareto, search
 from planner.space import Problem
 from planner.variants import (
     SCREEN_EFFORT,
@@ -275,6 +275,11 @@ def make_plan(
     if objective.name != "time" or with_frontier:
         points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress, fastest=best)
         stats.proven &= more.proven
+        owners = {ev: (r.problem, r.evaluator, r.stats) for r in results for ev in r.evaluator.evaluated}
+        owners.update({ev: (problem, evaluator, stats) for ev in points})
+        points = pareto(  # every variant's simulated plans: a cheaper one may be of another tp or size
+            [ev for ev in owners if ev.iteration_s >= best.iteration_s and pins.breaks(ev.candidate) is None]
+        )
         if objective.max_iteration_s is not None:  # the "cost" objective
             bound = objective.max_iteration_s
             bounded, more = search(problem, evaluator, Goal(max_time_s=bound), time_limit_s=time_limit_s)
@@ -290,6 +295,8 @@ def make_plan(
             best = min(points, key=lambda ev: (ev.score(objective.weight), ev.iteration_s))
         else:
             best = points[0]
+        problem, evaluator, chosen_stats = owners[best]
+        stats = chosen_stats or stats
     reasons: list[UnusedReason] = []
     adopted = 0
 

@@ -345,9 +345,8 @@ def test_the_largest_plan_the_planner_writes_loads(tmp_path, capsys) -> None:
     assert main(["simulate", str(plan_path), "--json"]) == 0, capsys.readouterr().err
 
 
-def test_the_plan_is_no_slower_than_its_own_layout_at_another_microbatch_size(tmp_path, capsys) -> None:
-    """A trial's 6-DC cluster: the plan ran 9 microbatches of 2 in 7.05 s, the same stages and placement at
-    size 1 (--microbatch-size 1) 5.79 s. The plan now tries its layout at every other size that fits."""
+def _mixed_6dc(tmp_path):
+    """A trial's 175B cluster of six DCs (H100, A100-80, A100-40, L40S, one single-GPU DC), as a config file."""
     gpu = {
         "H100": {"name": "H100", "tflops": 400, "memory_gib": 80},
         "A80": {"name": "A100-80", "tflops": 150, "memory_gib": 80},
@@ -390,8 +389,28 @@ def test_the_plan_is_no_slower_than_its_own_layout_at_another_microbatch_size(tm
     }
     config = tmp_path / "mixed.yaml"
     config.write_text(yaml.safe_dump(raw))
+    return config
+
+
+def test_the_plan_is_no_slower_than_its_own_layout_at_another_microbatch_size(tmp_path, capsys) -> None:
+    """The trial's plan ran 9 microbatches of 2 in 7.05 s, the same stages and placement at size 1
+    (--microbatch-size 1) 5.79 s. The plan now tries its layout at every other size that fits."""
+    config = _mixed_6dc(tmp_path)
     seconds = {}
     for name, extra in (("default", []), ("size 1", ["--microbatch-size", "1"])):
         assert main(["plan", str(config), "--json", "--no-explain", *extra]) == 0
         seconds[name] = json.loads(capsys.readouterr().out)["prediction"]["iteration_s"]
     assert seconds["default"] <= seconds["size 1"] * (1 + 1e-9), seconds
+
+
+def test_the_cost_frontier_and_objectives_see_every_variants_plans(tmp_path, capsys) -> None:
+    """The trial's frontier ended at a $0 plan of 8.42 s (the chosen variant's), and --wan-cost-weight 100 chose
+    it, while a one-DC plan of another variant ran at $0 in 7.51 s."""
+    config = _mixed_6dc(tmp_path)
+    assert main(["plan", str(config), "--json", "--no-explain", "--pareto"]) == 0
+    frontier = json.loads(capsys.readouterr().out)["frontier"]
+    free = [point for point in frontier if point["wan_usd_per_iteration"] == 0]
+    assert free and free[0]["iteration_s"] < 8.0, frontier
+    assert main(["plan", str(config), "--json", "--no-explain", "--wan-cost-weight", "100"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["prediction"]
+    assert chosen["wan_usd_per_iteration"] == 0 and chosen["iteration_s"] < 8.0, chosen
