@@ -385,6 +385,10 @@ def launch(
             **({"recoveries": [r.to_dict() for r in recovering.recoveries]} if elastic else {}),
         },
     )
+    if recovering.recoveries:  # steps/losses are the final plan's; the whole run's are its history
+        from agents.runfolder.report import every_attempt
+
+        report["history"] = every_attempt(run)
     if load is not None:
         from agents.rehearsal.prompt_load import prefill_section
 

@@ -283,13 +283,21 @@ def _completed_steps(folder: Path) -> dict[int, float | None]:
     return {s: global_loss(r for r in by_step[s] if r.stage == last_stage) for s in done}
 
 
-def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
+def every_attempt(run_dir: str | os.PathLike[str]) -> dict[str, list[Any]]:
+    """The ``steps`` every rank completed and their ``losses`` over every attempt of a run (``attempt-<n>/``
+    of an elastic run, then the folder itself; a step redone after a recovery counts once, as last run)."""
     run, done = Path(run_dir), {}
     attempts = sorted(run.glob("attempt-*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else 0)
     for folder in [*attempts, run]:  # a later attempt's run of a step wins
         done.update(_completed_steps(folder))
     steps = sorted(done)
-    losses = [done[s] for s in steps]
+    return {"steps": steps, "losses": [done[s] for s in steps]}
+
+
+def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
+    run = Path(run_dir)
+    history = every_attempt(run)
+    steps, losses = history["steps"], history["losses"]
     report: dict[str, Any] = {
         **outcome_of(exc),
         "steps": steps,
@@ -322,7 +330,7 @@ def write_run_folder(
     written = {
         "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=measured_title)),
         "trace": str(write_chrome_trace(timeline, run / "trace.json")),
-        "loss": str(write_loss_png(report["steps"], report["losses"], run / "loss.png")),
+        "loss": str(write_loss_png(*_history_of(report), run / "loss.png")),  # every attempt's steps
     }
     if predicted_timeline is not None:
         by_step = reports_by_step(reports)
@@ -340,6 +348,13 @@ def write_run_folder(
     report["files"] = {**report.get("files", {}), **written}
     write_atomically(str(run / "report.json"), json.dumps(report, indent=1))  # a watcher never reads half of it
     return {**written, "report": str(run / "report.json")}
+
+
+def _history_of(report: Mapping[str, Any]) -> tuple[list[int], list[float]]:
+    """The steps and losses ``loss.png`` shows: an elastic run's ``history`` (every attempt), else its own."""
+    history = report.get("history") or report
+    pairs = [(s, x) for s, x in zip(history["steps"], history["losses"], strict=True) if x is not None]
+    return [s for s, _ in pairs], [x for _, x in pairs]
 
 
 def _figures(timeline: Any) -> str:
