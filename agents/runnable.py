@@ -7,9 +7,13 @@ and the ``geosched plan`` flag that avoids it.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from agents.layout import JobLayout, parse_layout
 from geosched.config import Config, JobSpec
 from geosched.errors import InputError, PlanError
+from geosched.yamlload import short
 
 BYTE_VOCAB = 256
 """Token ids of the agents' training text: one per byte (geosched.data)."""
@@ -95,6 +99,19 @@ LEARNING_FIELDS = (
 """The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""
 
 
+def _first_difference(planned: Any, wanted: Any, path: str) -> str:
+    """``"<path> <planned> (the config has <wanted>)"`` at the first field where two dumped configs differ."""
+    if isinstance(planned, dict) and isinstance(wanted, dict):
+        for key in planned:
+            if planned[key] != wanted.get(key):
+                return _first_difference(planned[key], wanted.get(key), f"{path}.{key}")
+    if isinstance(planned, list | tuple) and isinstance(wanted, list | tuple) and len(planned) == len(wanted):
+        for i, (x, y) in enumerate(zip(planned, wanted, strict=True)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"{path} {short(planned)} (the config has {short(wanted)})"
+
+
 def check_plan_config(made_for: Config, config: Config, plan_path: str, config_path: str) -> None:
     """InputError when a plan made for ``made_for`` (its embedded config) would not run ``config``: another
     cluster or model, or other learning settings (:data:`LEARNING_FIELDS`: the agents train with the plan's).
@@ -103,9 +120,11 @@ def check_plan_config(made_for: Config, config: Config, plan_path: str, config_p
     differs = []
     if made_for.cluster != config.cluster:
         same_name = made_for.cluster.name == config.cluster.name
-        differs.append(f"cluster {made_for.cluster.name!r}" + (" as it was then" if same_name else ""))
+        where = _first_difference(dataclasses.asdict(made_for.cluster), dataclasses.asdict(config.cluster), "cluster")
+        differs.append(f"cluster {made_for.cluster.name!r}" + (f" as it was then ({where})" if same_name else ""))
     if made_for.job.model != config.job.model:
-        differs.append(f"a model of {made_for.job.model.layers} layers x {made_for.job.model.hidden} hidden")
+        where = _first_difference(dataclasses.asdict(made_for.job.model), dataclasses.asdict(config.job.model), "model")
+        differs.append(f"a model of {made_for.job.model.layers} layers x {made_for.job.model.hidden} hidden ({where})")
     for name in LEARNING_FIELDS:
         planned, wanted = getattr(made_for.job, name), getattr(config.job, name)
         if planned != wanted:

@@ -173,8 +173,8 @@ def _reason(
             if dc not in problem.group_of(cand.stage_dcs[0])
             else "no valid plan adds it: GPU memory, the data-parallel degree or the links rule it out"
             if used == 0
-            else f"no valid plan uses more: another stage needs {cand.dp} more GPUs there (one per replica), "
-            f"or breaks memory or links"
+            else f"no valid plan uses more: another stage needs {cand.dp * tp} more GPUs there ("
+            f"{'one' if tp == 1 else f'a tensor-parallel group of {tp}'} per replica), or breaks memory or links"
         )
         return UnusedReason(dc, gpus, used, f"{head.text}: {why}")
     what = (

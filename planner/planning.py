@@ -229,15 +229,15 @@ def make_plan(
     chosen = results[0]
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
-        misses = [explain_miss(r.problem) for r in results]
-        nearest = [miss for miss in misses if miss is not None]
-        if nearest and len(nearest) == len(misses):  # memory rules out every variant: the nearest miss names it
-            raise PlanInfeasible(min(nearest)[1])
-        if pins.cross_dc_dp:
+        if pins.cross_dc_dp:  # first: a job that plans without it would read "no plan fits GPU memory" below
             raise PlanInfeasible(
                 "--cross-dc-dp: no plan with a stage's replicas in two datacenters fits (GPU memory, GPU counts "
                 "or links); drop --cross-dc-dp, or add GPUs or links"
             )
+        misses = [explain_miss(r.problem) for r in results]
+        nearest = [miss for miss in misses if miss is not None]
+        if nearest and len(nearest) == len(misses):  # memory rules out every variant: the nearest miss names it
+            raise PlanInfeasible(min(nearest)[1])
         raise PlanInfeasible(
             "no plan fits: every placement breaks GPU memory, GPU counts or links "
             "(see 'geosched validate-config'); add GPUs, memory or links"

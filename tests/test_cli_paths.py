@@ -40,6 +40,7 @@ from geosched.cli import main
         (["profile", "configs/demo-3dc.yaml", "--repeats", "1000000000"], "--repeats: must be <= 10000"),
         (["export", "{file}", "-o", "/dev/null"], "-o /dev/null: a character device, not a regular file"),
         (["plan", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
+        (["validate-config", "configs/demo-3dc.yaml", "--json", "--dump"], "--json and --dump each print one form"),
         (["plan", "configs/demo-3dc.yaml", "-o", "{file}.d/p.yaml"], "does not exist; make it first"),
         (["launch", "configs/demo-3dc.yaml", "--checkpoint-dir", "{file}/c"], "--checkpoint-dir {file}/c: cannot make"),
         (
@@ -89,6 +90,12 @@ def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_pa
     err = capsys.readouterr().err
     assert "was made for cluster 'demo-3dc' and a model of 6 layers" in err and err.count("\n") == 1, err
     assert not run.exists()
+    edited = tmp_path / "demo.yaml"  # the same cluster by name, one link's value changed: the field is named
+    text = Path("configs/demo-3dc.yaml").read_text()
+    edited.write_text(text.replace("per_connection_gbps: 0.05,", "per_connection_gbps: 0.06,", 1))
+    assert main(["launch", str(edited), "--plan", str(plan), "--run-dir", str(run), "--no-calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert "as it was then (cluster.links[0].per_connection_gbps 0.05 (the config has 0.06))" in err, err
 
 
 def test_an_output_is_never_one_of_the_files_the_command_reads_nor_an_empty_name(tmp_path: Path, capsys) -> None:
@@ -283,3 +290,12 @@ def test_a_job_name_that_cannot_name_topics_is_refused_before_anything_starts(tm
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--job 'a" in err and "use 1-64 characters" in err, err
     assert not run.exists()
+
+
+def test_simulating_a_layout_that_does_not_fit_says_so(tmp_path: Path, capsys) -> None:
+    """`simulate CONFIG --stages P` timed a 70B model on one 40 GiB GPU without a word (a trial)."""
+    config = tmp_path / "small.yaml"
+    config.write_text(Path("configs/demo-3dc.yaml").read_text().replace("memory_gib: 0.007", "memory_gib: 0.0001"))
+    assert main(["simulate", str(config), "--stages", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "stage 0 (blocks 0-2)" in err and "this layout does not fit" in err, err

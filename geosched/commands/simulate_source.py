@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from typing import Any
 
 from geosched.errors import InputError
@@ -100,6 +101,15 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
                 f"use fewer --stages or 'geosched plan {args.source}'"
             )
     cand = from_split(1, m, stage_dcs, even_split(L, p))
+    for s, (dc, layers) in enumerate(zip(cand.stage_dcs, cand.stage_layers, strict=True)):
+        need, have = problem.stage_memory(layers, s, p, m), problem.memory_bytes[dc]
+        if need > have:  # the times below are then of a layout no agent can run
+            print(
+                f"simulate: stage {s} (blocks {layers[0]}-{layers[1] - 1}) in {dc} needs {need / 2**30:.3g} GiB per "
+                f"GPU > {have / 2**30:g} GiB: this layout does not fit; its times assume it did ('geosched plan "
+                f"{args.source}' looks for one that does)",
+                file=sys.stderr,
+            )
     costs = Evaluator(problem).costs(cand)
     schedule = build_schedule(args.schedule or job.pipeline_schedule, p, m)
     return schedule, costs, {"source": args.source, "plan": cand.describe()}

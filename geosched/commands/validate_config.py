@@ -27,6 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from geosched.errors import InputError
     from geosched.schema import field_docs
 
+    forms = (("--json", args.json), ("--dump", args.dump), ("--reference", args.reference))
+    chosen = [flag for flag, on in forms if on]
+    if len(chosen) > 1:  # each prints its own form: YAML, Markdown, JSON
+        raise InputError(f"{' and '.join(chosen)} each print one form of output; give one of them")
     if args.reference:
         print("| field | type | default | meaning |\n|---|---|---|---|")
         for path, tp, default, doc in field_docs(Config):
