@@ -3,6 +3,8 @@ the live view, the run folder (``job start --run-dir``) and ``launch --checkpoin
 
 from __future__ import annotations
 
+import time
+
 from agents.control.commands import status_table
 from agents.control.losses import lost_message
 from agents.control.messages import MetricsMessage, StatusMessage, printable
@@ -78,6 +80,15 @@ def test_ranks_of_an_earlier_plan_are_counted_not_shown() -> None:
     assert "2 agents (2 training); 1 rank of an earlier plan not shown" in lines[0], lines[0]
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"]
     assert len(view_lines("demo", statuses, metrics, now=0.0)) == 5  # no plan known: every rank
+
+
+def test_a_watcher_that_lost_the_broker_says_so_in_its_headline() -> None:
+    """A trial restarted Mosquitto: the watch redrew the same table for 9 s with nothing saying it was stale."""
+    statuses = {0: StatusMessage(0, "training", dc="us")}
+    away = time.mktime((2026, 12, 6, 13, 39, 42, 0, 0, -1))
+    lines = view_lines("demo", statuses, {}, now=away + 5, broker_away_since=away)
+    assert lines[0].endswith("; the broker is unreachable since 13:39:42: the table is what it said before")
+    assert "unreachable" not in view_lines("demo", statuses, {}, now=away)[0]
 
 
 def test_a_big_job_is_cut_to_the_screen_and_an_empty_one_says_so() -> None:

@@ -52,6 +52,7 @@ def view_lines(
     max_rows: int | None = None,
     now: float | None = None,
     plan: str | None = None,
+    broker_away_since: float | None = None,
 ) -> list[str]:
     """The live table: a headline, then one row per rank known from a status or metrics (at most
     ``max_rows``, then a line saying how many more). With the published ``plan``'s id, the ranks whose
@@ -70,6 +71,12 @@ def view_lines(
         + (" (" + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) + ")" if states else "")
         + (f", newest step {newest}" if newest is not None else "")
         + (f"; {len(earlier)} rank{'' if len(earlier) == 1 else 's'} of an earlier plan not shown" if earlier else "")
+        + (
+            f"; the broker is unreachable since {time.strftime('%H:%M:%S', time.localtime(broker_away_since))}: "
+            "the table is what it said before"
+            if broker_away_since is not None
+            else ""
+        )
     )
     if not ranks:
         return [headline, "no agents seen yet (waiting for their statuses)"]
@@ -127,6 +134,7 @@ async def watch_job(
             plan: str | None = None
             loop = asyncio.get_running_loop()
             draw_at = loop.time() + settle_s
+            away: float | None = None  # since when this watcher has lost the broker (a restart, the network)
             while True:
                 try:
                     message = await sub.get(max(0.0, draw_at - loop.time()))
@@ -139,7 +147,8 @@ async def watch_job(
                 if loop.time() < draw_at:
                     continue
                 rows = shutil.get_terminal_size().lines - 3 if terminal else None
-                lines = view_lines(job, cp.statuses(), latest, max_rows=rows, plan=plan)
+                away = None if cp.connected else (away or time.time())
+                lines = view_lines(job, cp.statuses(), latest, max_rows=rows, plan=plan, broker_away_since=away)
                 out.write((CLEAR if terminal else "") + "\n".join(lines) + "\n" + ("" if terminal else "\n"))
                 out.flush()
                 draw_at = loop.time() + interval_s
