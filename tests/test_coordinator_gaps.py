@@ -346,3 +346,14 @@ def test_the_control_plane_marks_a_status_the_broker_retained(embedded_broker) -
                 return old.retained, new.retained
 
     assert asyncio.run(run()) == (True, False)
+
+
+def test_a_loss_names_the_oldest_step_a_rank_has_not_finished() -> None:
+    """The last stage had reported step 5 and the first only step 4 when the first died: the loss said "during
+    step 6" (a trial's elastic record); it is step 5, the one the dead rank was in."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    reported = [_metrics(rank, step) for step in range(5) for rank in (0, 1)] + [_metrics(1, 5)]
+    dead = StatusMessage(0, "error", extra={"message": "killed"})
+    with pytest.raises(AgentLost, match="during step 5") as info:
+        asyncio.run(_follow(_Plane(), _Feed([*reported, dead]), layout, 0, 10, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+    assert info.value.ranks == [0]

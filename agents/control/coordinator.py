@@ -360,7 +360,6 @@ async def _follow(
                 name: message.values.get(name) for name in SUMMARY_FIELDS
             }
             newest[message.rank] = max(message.step, newest.get(message.rank, message.step))
-            current = min(message.step + 1, end - 1)  # step N's metrics: the job is at N + 1 (errors name it)
             progress_at = loop.time()
         elif isinstance(message, StatusMessage) and of_another_plan(message, this_plan):
             log.info("job %r: ignored a status of rank %d of another plan", cp.job, message.rank)  # a stale agent
@@ -389,6 +388,8 @@ async def _follow(
             if metrics is not None:
                 metrics.step_done(printed, result.steps[-1] if got else None, lost)
             printed += 1
+        if isinstance(message, MetricsMessage):  # the job is at the oldest step some rank has not finished:
+            current = min(printed, end - 1)  # the one a loss now fails (errors name it)
     return result
 
 
