@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as exc:  # a full disk, a file that cannot be written: the system's refusal, in one line
         where = f" ({exc.filename})" if exc.filename else ""
-        sys.stderr.write(f"geosched {args.verb}: error: {exc.strerror or exc}{where}\n")
+        sys.stderr.write(f"geosched {args.verb}: error: {exc.strerror or str(exc) or type(exc).__name__}{where}\n")
         _drop_stdout()
         return 1
 

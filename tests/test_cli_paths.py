@@ -299,3 +299,21 @@ def test_simulating_a_layout_that_does_not_fit_says_so(tmp_path: Path, capsys) -
     assert main(["simulate", str(config), "--stages", "2"]) == 0
     err = capsys.readouterr().err
     assert "stage 0 (blocks 0-2)" in err and "this layout does not fit" in err, err
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_1() -> None:
+    """stdout on a full disk (/dev/full) printed an OSError traceback (a trial)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "geosched.cli", "validate-config", "configs/demo-3dc.yaml"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1 and done.stderr == "geosched validate-config: error: No space left on device\n", (
+        done.stderr
+    )
