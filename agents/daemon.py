@@ -232,7 +232,7 @@ class Agent:
         while True:
             kind, *rest = await self._inbox.get()
             if kind == "signal":
-                log.info("rank %d: %s received; stopping", self.opts.rank, rest[0])
+                log.warning("rank %d: %s received; stopping", self.opts.rank, rest[0])
                 return 0
             if kind == "mqtt":
                 done = await self._on_message(rest[0])
