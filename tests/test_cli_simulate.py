@@ -54,7 +54,7 @@ def test_text_report_grid_and_files(capsys: pytest.CaptureFixture[str], tmp_path
         (["simulate", "--stages", "2", "--microbatches", "2", "--forward-ms", "-1"], "--forward-ms must be"),
         (
             ["simulate", "--stages", "2", "--microbatches", "2", "--trace", "/nonexistent/dir/t.json"],
-            "cannot write --trace",
+            "the folder /nonexistent/dir does not exist",
         ),
         (
             ["simulate", "--stages", "2", "--microbatches", "2", "--timeline", "t.unknown-format"],

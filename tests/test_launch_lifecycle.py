@@ -68,6 +68,7 @@ def test_sighup_while_calibrating_ends_the_run_interrupted_with_its_report(tmp_p
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # not nohup's ignored SIGHUP (a CI's)
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(launch.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
@@ -111,3 +112,15 @@ def test_a_run_whose_stdout_reader_goes_away_exits_1_and_says_so(tmp_path: Path)
     assert launch.returncode == 1 and "reader went away (broken pipe), so the run stopped" in err, err[-2000:]
     assert "Traceback" not in err
     assert json.loads((run_dir / "report.json").read_text())["outcome"] == "failed"
+
+
+def test_under_nohup_sighup_stays_ignored() -> None:
+    """`nohup geosched launch` must outlive its terminal: an ignored SIGHUP is not turned into a stop."""
+    code = (
+        "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "from geosched.commands.signals import stops_as_ctrl_c\n"
+        "with stops_as_ctrl_c():\n"
+        "    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n"
+        "    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

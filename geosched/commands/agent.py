@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     device = str(rank_device(args.device, args.rank))  # cpu or cuda:N; one line if this host lacks it
     if (args.resume or args.checkpoint_every or args.checkpoint_keep) and not args.checkpoint_dir:
         raise InputError("--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR")
-    if args.checkpoint_dir:
+    if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):  # else: no checkpoint
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
         raise InputError(

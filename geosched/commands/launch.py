@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import shutil
 import sys
 import time
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.checkpoint_every is None:
         args.checkpoint_every = 1 if args.elastic else 0  # a recovery resumes from the newest step: every step
-    if args.checkpoint_dir:
+    if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):  # else: no checkpoint
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
     if args.checkpoint_dir and not args.resume:
         from agents.checkpoint.store import list_steps
