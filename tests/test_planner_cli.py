@@ -414,3 +414,14 @@ def test_the_cost_frontier_and_objectives_see_every_variants_plans(tmp_path, cap
     assert main(["plan", str(config), "--json", "--no-explain", "--wan-cost-weight", "100"]) == 0
     chosen = json.loads(capsys.readouterr().out)["prediction"]
     assert chosen["wan_usd_per_iteration"] == 0 and chosen["iteration_s"] < 8.0, chosen
+
+
+def test_validate_config_names_the_planners_gpu_limit(tmp_path, capsys) -> None:
+    """A 10,001-GPU cluster passed validate-config ("ok") and was refused only by 'geosched plan' (a trial)."""
+    raw = yaml.safe_load(open("configs/demo-3dc.yaml").read())
+    raw["cluster"]["datacenters"][0]["gpus"] = 10_000
+    config = tmp_path / "big.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["validate-config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "the planner plans at most 8192 GPUs" in err and len(err.splitlines()) == 1, err

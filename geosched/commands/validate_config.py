@@ -43,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dump:
         print(dump_config(cfg), end="")
         return 0
+    from planner.feasibility import check_size
+    from planner.space import Problem
     from planner.variants import check_plannable
 
+    check_size(Problem(cfg))  # larger than the planner plans (8,192 GPUs): said here, not first by 'geosched plan'
     check_plannable(cfg)  # a job no plan can hold (memory, GPUs, links) is refused here, naming the limit
     summary = {
         "config": args.config,
