@@ -322,9 +322,10 @@ def _gpt3_with(tmp_path: Path, **changes: int) -> Path:
     ],
 )
 def test_planner_states_the_largest_problem_it_accepts(changes, expected, tmp_path):
-    """A config the schema accepts but too large to plan is refused up front by plan and launch, with numbers."""
+    """A config the schema accepts but too large to plan is refused up front by validate-config (it said "ok"
+    until a trial), plan and launch, with numbers."""
     path = _gpt3_with(tmp_path, **changes)
-    assert run_cli("validate-config", str(path))[0] == 0
+    assert_refused(*run_cli("validate-config", str(path)), "validate-config", expected)
     assert_refused(*run_cli("plan", str(path)), "plan", expected)
     run_dir = tmp_path / "run"
     assert_refused(*run_cli("launch", str(path), "--run-dir", str(run_dir), "--no-calibrate"), "launch", expected)
