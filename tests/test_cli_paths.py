@@ -317,3 +317,34 @@ def test_output_that_cannot_be_written_is_one_line_and_exit_1() -> None:
     assert done.returncode == 1 and done.stderr == "geosched validate-config: error: No space left on device\n", (
         done.stderr
     )
+
+
+def test_pictures_without_a_writable_home_print_no_matplotlib_warnings(tmp_path: Path) -> None:
+    """With no writable HOME, matplotlib warned twice in several lines about its config folder (a trial)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME")}
+    (tmp_path / "a-file").write_text("a HOME under a file can never be made")
+    env["HOME"] = str(tmp_path / "a-file" / "home")
+    picture = tmp_path / "t.png"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geosched.cli",
+            "simulate",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--timeline",
+            str(picture),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and picture.stat().st_size > 0, done.stderr
+    assert "matplotlib" not in done.stderr.lower(), done.stderr

@@ -233,6 +233,9 @@ def _schedule(layout: Any) -> Any:
 
 def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike[str]) -> Path:
     """A loss-per-step line chart (Agg canvas, no pyplot state)."""
+    from geosched.schedule.plot import matplotlib_config_folder
+
+    matplotlib_config_folder()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

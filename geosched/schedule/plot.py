@@ -12,6 +12,8 @@ API with the Agg canvas (no pyplot state).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +48,19 @@ ROW_IN, PANEL_IN = 0.45, 0.9
 """Figure inches per row and per panel (title, axis)."""
 
 
+def matplotlib_config_folder() -> None:
+    """Before matplotlib's first import: a private temporary config folder (``MPLCONFIGDIR``) when the user's
+    cannot be written (no HOME, a read-only one, another user's), where matplotlib would make one itself after
+    two multi-line warnings on stderr. A folder given in ``MPLCONFIGDIR`` is kept."""
+    if "MPLCONFIGDIR" in os.environ:
+        return
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    folder = os.path.join(base, "matplotlib")
+    nearest = next((p for p in (folder, base, os.path.dirname(base)) if os.path.isdir(p)), None)
+    if nearest is None or not os.access(nearest, os.W_OK | os.X_OK):
+        os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="geosched-matplotlib-")
+
+
 def colour_key(kind: str, category: str) -> str:
     """The :data:`COLOURS` key for an event: its kind if known, else its category."""
     return kind if kind in COLOURS else category
@@ -58,6 +73,7 @@ def timelines_figure(panels: Sequence[tuple[Timeline, str | None]], *, width_in:
     its messages used; messages in flight together get a lane each) and the figure one legend of
     every colour drawn. Times are in ms when the longest timeline is under a second.
     """
+    matplotlib_config_folder()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
