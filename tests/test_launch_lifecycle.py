@@ -83,8 +83,8 @@ def test_sighup_while_calibrating_ends_the_run_interrupted_with_its_report(tmp_p
         if launch.poll() is None:
             launch.kill()
     reader.join(10)
-    # 130 from geosched; in 2 of about 15 runs under load the process, having printed its line and written its
-    # report, then ended killed by SIGINT (-2; a shell shows 130 for both): the cause is not found (stop 55's note)
+    # 130 from geosched; in 2 of about 15 runs under load the process, having printed its line, then ended killed
+    # by SIGINT (-2; a shell shows 130 for both): the cause is not found (stop 55's note)
     assert launch.returncode in (130, -signal.SIGINT) and any("interrupted" in line for line in lines), lines[-5:]
     report = json.loads((run_dir / "report.json").read_text())
     assert (report["outcome"], report["steps"]) == ("interrupted", [])
