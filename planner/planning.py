@@ -147,17 +147,10 @@ def resized(
         other = r.problem.variant
         if (other.tp, other.zero, other.schedule) != (mine.tp, mine.zero, mine.schedule) or other == mine:
             continue
-        m, rest = divmod(r.problem.job.global_batch, cand.replicas * other.microbatch_size)
+        m = max(1, r.problem.job.global_batch // (cand.replicas * other.microbatch_size))
         resized_cand = dataclasses.replace(cand, microbatches=m)
-        if rest or m < 1 or pins.breaks(resized_cand) is not None:
-            continue
-        warm = r.evaluator.warmup(resized_cand)
-        if any(
-            r.problem.memory_need(resized_cand, s, path[s], None if warm is None else warm[s])
-            > r.problem.memory_bytes[path[s]]
-            for path in resized_cand.pipelines
-            for s in range(resized_cand.num_stages)
-        ):
+        # the space's own test: the batch divides, every stage fits its GPUs (a deeper warm-up only where it fits)
+        if r.problem.violation(resized_cand) is not None or pins.breaks(resized_cand) is not None:
             continue
         ev = r.evaluator.evaluate(resized_cand)
         if ev.iteration_s < best.iteration_s * (1 - 1e-9):

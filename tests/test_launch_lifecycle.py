@@ -31,10 +31,10 @@ def test_a_new_run_dir_is_locked_from_the_start_and_default_folders_are_never_sh
         )
         assert second.returncode == 2 and "another launch is using it" in second.stderr, second.stderr
         assert (run_dir / "rank0.jsonl").exists()  # the first launch's files stay
-    from geosched.commands.launch import _new_default_run_dir
+    from agents.rehearsal.launch import new_run_dir
 
     monkeypatch.chdir(tmp_path)
-    folders = {_new_default_run_dir() for _ in range(3)}  # within a second or two: -2, -3 where they collide
+    folders = {new_run_dir() for _ in range(3)}  # within a second or two: -2, -3 where they collide
     assert len(folders) == 3 and all(f.is_dir() and f.parent.name == "runs" for f in folders)
 
 

@@ -171,13 +171,12 @@ def rebuild_optimizer_state(
             hyper = dict(group["hyper"])
             for key in group["tuple_keys"]:
                 hyper[key] = tuple(hyper[key])
-            for key in JOB_HYPERPARAMETERS:  # the job's settings, not the ones the checkpoint was trained with
-                if key in live and key in hyper and hyper[key] != live[key] and i == 0:
+            for key in [k for k in JOB_HYPERPARAMETERS if k in live]:  # the job's settings, not the checkpoint's
+                if i == 0 and key in hyper and hyper[key] != live[key]:  # said once, for the first group
                     log.warning(
                         "the checkpoint was trained with %s %s; resuming with the job's %s", key, hyper[key], live[key]
                     )
-                if key in live:
-                    hyper[key] = live[key]
+                hyper[key] = live[key]
             for key in group["tensor_keys"]:
                 tname = f"optim_group/{i}/{key}"
                 if tname not in tensors:

@@ -190,7 +190,7 @@ def launch(
     first = resume_step(checkpoint_dir, layout.job, steps) if resume and checkpoint_dir is not None else 0
     if resume and out is not None:
         print(f"launch: resuming from checkpoint step {first} in {checkpoint_dir}, to step {steps}", file=out)
-    run = Path(run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S"))
+    run = Path(run_dir) if run_dir else new_run_dir()
     try:
         run.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there, a path under a file, a read-only or virtual file system
@@ -408,6 +408,24 @@ INSECURE_WARNING = (
     "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links, plain HTTP and an "
     "open prefill endpoint; anyone who can reach these ports can read or steer the job"
 )
+
+
+def new_run_dir() -> Path:
+    """A folder of its own under ``runs/``, named for the time to the second (``-2``, ``-3``, ... when another
+    launch took that name in the same second): made here, so no two launches share it."""
+    base = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            run = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                run.mkdir()
+                return run
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise InputError(f"runs/: cannot make a run folder there ({exc.strerror or exc}); pass --run-dir DIR") from None
+    raise InputError(f"{base}: 999 run folders of this second exist already; pass --run-dir DIR")
 
 
 @contextmanager

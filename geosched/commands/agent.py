@@ -31,7 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from geosched.chunking import DEFAULT_MAX_CHUNK
-from geosched.commands.checks import above, at_least, at_most, job_name, writable_folder
+from geosched.commands.checks import above, at_least, at_most, checkpoint_folder, job_name
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.errors import InputError
 
@@ -243,8 +243,7 @@ def run(args: argparse.Namespace) -> int:
     device = str(rank_device(args.device, args.rank))  # cpu or cuda:N; one line if this host lacks it
     if (args.resume or args.checkpoint_every or args.checkpoint_keep) and not args.checkpoint_dir:
         raise InputError("--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR")
-    if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):  # else: no checkpoint
-        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
+    checkpoint_folder(args)
     if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
         raise InputError(
             f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 (got {args.prefill_bind!r})"

@@ -110,6 +110,13 @@ def writable_folder(path: str, flag: str) -> str:
     return path
 
 
+def checkpoint_folder(args: argparse.Namespace) -> None:
+    """``--checkpoint-dir`` made and writable when the command starts (:func:`writable_folder`); under ``--resume``
+    a folder that does not exist is left to the resume check, which names it (there is no checkpoint to resume)."""
+    if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):
+        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
+
+
 def job_name(args: argparse.Namespace) -> str:
     """``--job``, checked before anything starts: it names the job's topics and clients (InputError naming it)."""
     from agents.control.messages import check_name

@@ -36,15 +36,13 @@ import argparse
 import contextlib
 import fcntl
 import json
-import os
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from geosched.commands.checks import above, at_least, at_most, job_name, writable_folder
+from geosched.commands.checks import above, at_least, at_most, checkpoint_folder, job_name
 from geosched.commands.signals import stops_as_ctrl_c
 from geosched.config import MAX_STEPS
 from geosched.errors import InputError
@@ -200,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.checkpoint_every is None:
         args.checkpoint_every = 1 if args.elastic else 0  # a recovery resumes from the newest step: every step
-    if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):  # else: no checkpoint
-        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
+    checkpoint_folder(args)
     if args.checkpoint_dir and not args.resume:
         from agents.checkpoint.store import list_steps
 
@@ -285,7 +282,9 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
     files and checkpoints there), or while another launch holds it (``.launch.lock``, locked from before the first
     file is written). A folder this launch made is removed again if the launch is refused before it wrote any."""
     if run_dir is None:
-        run, made = _new_default_run_dir(), True
+        from agents.rehearsal.launch import new_run_dir
+
+        run, made = new_run_dir(), True
     else:
         run = Path(run_dir)
         try:
@@ -311,21 +310,3 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
             if made and [p.name for p in run.iterdir()] == [LOCK_NAME]:  # refused before it wrote anything
                 shutil.rmtree(run, ignore_errors=True)
             raise
-
-
-def _new_default_run_dir() -> Path:
-    """A folder of its own under ``runs/``, named for the time to the second (``-2``, ``-3``, ... when another
-    launch took that name in the same second): made here, so no two launches share it."""
-    base = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-        for n in range(1, 1000):
-            run = base if n == 1 else base.with_name(f"{base.name}-{n}")
-            try:
-                run.mkdir()
-                return run
-            except FileExistsError:
-                continue
-    except OSError as exc:
-        raise InputError(f"runs/: cannot make a run folder there ({exc.strerror or exc}); pass --run-dir DIR") from None
-    raise InputError(f"{base}: 999 run folders of this second exist already; pass --run-dir DIR")
