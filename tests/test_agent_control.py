@@ -15,12 +15,13 @@ import io
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
+from agent_helpers import cli, log_tail, read_retained_statuses, spawn_agent, stop_processes, tiny_plan
 
 from agents.control.coordinator import AgentLost, start_job
 from agents.control.messages import StatusMessage
@@ -35,7 +36,6 @@ DCS = ["us", "eu"]
 def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_path: Path, capsys):
     url, job = mqtt_broker.url_for("geosched"), "ctl"
     plan_path = tiny_plan(tmp_path)
-    plan = plan_path.read_text()
     agents = [spawn_agent(url, job, rank, dc, tmp_path) for rank, dc in enumerate(DCS)]
     try:
         run = tmp_path / "run"
@@ -76,19 +76,26 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         again = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
         assert [(s["state"], s["next_step"]) for s in again.values()] == [("ready", 2)] * 2, log_tail(tmp_path)
 
-        async def run_and_kill() -> str:
-            """Start 500 more steps, SIGKILL rank 1 after the first one; return the coordinator's error."""
-            out = io.StringIO()
-            task = asyncio.create_task(start_job(url, job, plan, steps=500, ready_timeout_s=30, out=out))
-            while not out.getvalue() and not task.done():
-                await asyncio.sleep(0.05)
+        # 500 more steps; SIGKILL rank 1 after the first: --json still ends stdout with the steps that completed,
+        # in the form a completed start prints them, with the outcome and the error naming the lost rank
+        more = ["job", "start", str(plan_path), "--mqtt", url, "--job", job, "--steps", "500", "--ready-timeout", "30"]
+        coordinator = subprocess.Popen(cli(*more, "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert coordinator.stderr is not None
+            while (line := coordinator.stderr.readline()) and not line.startswith("step "):
+                pass
+            assert line.startswith("step    2/501"), line
             os.kill(agents[1].pid, signal.SIGKILL)
-            with pytest.raises(AgentLost) as info:
-                await asyncio.wait_for(task, 30)
-            return str(info.value)
-
-        message = asyncio.run(run_and_kill())
+            out, err = coordinator.communicate(timeout=60)
+        finally:
+            if coordinator.poll() is None:
+                coordinator.kill()
+        ended = json.loads(out.strip().splitlines()[-1])
+        message = ended["error"]
+        assert coordinator.returncode == 1 and ended["outcome"] == "failed", err[-2000:]
         assert "rank 1" in message and "eu" in message and "went offline" in message, message
+        assert ended["steps"] and ended["steps"][0]["step"] == 2 and ended["steps"][0]["loss"] > 0, ended
+        assert [s["step"] for s in ended["steps"]] == list(range(2, 2 + len(ended["steps"])))
         seen = asyncio.run(read_retained_statuses(mqtt_broker.host, mqtt_broker.port, job, mqtt_broker.users, 2))
         assert seen[1]["state"] == "offline"
         # the coordinator sent stop: the surviving agent leaves (cleanly, or reporting its lost peer first)

@@ -86,6 +86,7 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
         broker.stop()
     assert coordinator.returncode == 0, err[-3000:] + log_tail(logs)
     result = json.loads(out.strip().splitlines()[-1])
+    assert result["outcome"] == "completed"
     (recovery,) = result["recoveries"]
     assert recovery["lost_ranks"] == [1] and recovery["lost_dcs"] == ["eu"], recovery
     assert "eu" not in recovery["new_plan"] and "eu" not in result["plan"]

@@ -30,6 +30,21 @@ def test_a_start_that_fails_before_any_step_reports_its_outcome(embedded_broker,
     assert (run / "metrics-1.jsonl").exists() and (run / "metrics.jsonl").exists()
 
 
+def test_an_elastic_start_that_fails_ends_json_stdout_with_its_outcome(embedded_broker, tmp_path: Path, capsys):
+    """``job start --elastic --json`` printed nothing when it failed; now one object as on success."""
+    import yaml
+    from agent_helpers import three_dc_config
+
+    plan, config = tiny_plan(tmp_path), tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(three_dc_config()))
+    url = embedded_broker.url_for("geosched")
+    argv = ["job", "start", str(plan), "--mqtt", url, "--job", "noelastic", "--ready-timeout", "1", "--elastic"]
+    assert main([*argv, "--config", str(config), "--checkpoint-dir", str(tmp_path / "ckpt"), "--json"]) == 1
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["outcome"] == "failed" and "not ready after 1 s" in line["error"], line
+    assert (line["steps"], line["recoveries"]) == ([], []) and line["plan"], line
+
+
 def test_sigterm_ends_a_waiting_start_as_interrupted(embedded_broker, tmp_path: Path) -> None:
     plan, run = tiny_plan(tmp_path), tmp_path / "run"
     url = embedded_broker.url_for("geosched")

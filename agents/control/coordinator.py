@@ -169,6 +169,7 @@ async def start_job(
     stop_on_loss: bool = True,
     stop_when: Callable[[], bool] | None = None,
     replaced: Collection[str] = (),
+    result: JobResult | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -180,6 +181,7 @@ async def start_job(
     survivors once it has published what they should adopt next: ``job start --elastic``). ``stop_when``,
     polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised. ``replaced``: ids
     of plans this one replaces (elastic): a status naming one is a lost or not yet restarted agent, no conflict.
+    ``result``, when given, is filled step by step and returned: after a failure it holds the steps that completed.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -209,7 +211,19 @@ async def start_job(
             try:
                 acks = StartAcks(command, ranks, asyncio.get_running_loop().time(), plan_id(layout.text))
                 return await _follow(
-                    cp, sub, layout, first, steps, out, step_timeout_s, acks, on_metrics, metrics, exits, stop_when
+                    cp,
+                    sub,
+                    layout,
+                    first,
+                    steps,
+                    out,
+                    step_timeout_s,
+                    acks,
+                    on_metrics,
+                    metrics,
+                    exits,
+                    stop_when,
+                    JobResult() if result is None else result,
                 )
             except BaseException as exc:
                 if (stop_on_loss or not isinstance(exc, AgentLost)) and not isinstance(exc, AgentRefused):
@@ -271,6 +285,7 @@ async def _follow(
     metrics: JobMetrics | None = None,
     exits: Exits | None = None,
     stop_when: Callable[[], bool] | None = None,
+    result: JobResult | None = None,
 ) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``.
 
@@ -283,7 +298,7 @@ async def _follow(
     ranks = {r.rank for r in layout.roles}
     this_plan = plan_id(layout.text)
     end = first + steps
-    result = JobResult()
+    result = JobResult() if result is None else result
     pending: dict[int, dict[int, dict[str, Any]]] = {}
     finished: set[int] = set()
     newest: dict[int, int] = {}  # rank -> the newest step it reported metrics for

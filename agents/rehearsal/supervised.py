@@ -96,18 +96,20 @@ def run_supervised(
     ca_file: str | None = None,
     keys: ControlKeys | None = None,
     most: int = MAX_RECOVERIES,
+    done: SupervisedResult | None = None,
 ) -> SupervisedResult:
     """Run ``steps`` steps of ``plan_text`` with agents someone else supervises, recovering from lost ranks
-    (see the module docstring)."""
+    (see the module docstring). ``done``, when given, is filled as the job goes and returned: after a failure it
+    holds the last attempt's completed steps and the recoveries made."""
     from agents.control.commands import stop_job
-    from agents.control.coordinator import start_job
+    from agents.control.coordinator import JobResult, start_job
     from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
     from agents.control.ready import first_step
     from agents.layout import plan_id
 
     progress = MetricsProgress()
-    results: list[JobResult] = []
+    done = SupervisedResult(None, plan_text=plan_text) if done is None else done
     plans = checkpoint_dir / "plans"
     control: dict[str, Any] = {"ca_file": ca_file, "keys": keys}
 
@@ -147,21 +149,21 @@ def run_supervised(
             )
 
     def run(text: str, count: int) -> None:
-        results.append(
-            asyncio.run(
-                start_job(
-                    url,
-                    job,
-                    text,
-                    steps=count,
-                    ready_timeout_s=ready_timeout_s,
-                    out=out,
-                    on_metrics=progress.record,
-                    stop_on_loss=False,  # stopped once the new plan is published
-                    replaced=frozenset(replaced),
-                    before_start=note_origin,
-                    **control,
-                )
+        done.result, done.plan_text = JobResult(), text
+        asyncio.run(
+            start_job(
+                url,
+                job,
+                text,
+                steps=count,
+                ready_timeout_s=ready_timeout_s,
+                out=out,
+                on_metrics=progress.record,
+                stop_on_loss=False,  # stopped once the new plan is published
+                replaced=frozenset(replaced),
+                before_start=note_origin,
+                result=done.result,
+                **control,
             )
         )
 
@@ -176,5 +178,6 @@ def run_supervised(
         most,
         progress,
     )
-    text, _ = recovering.train(plan_text, steps, origin=lambda: origin[0] if origin else 0)
-    return SupervisedResult(results[-1] if results else None, recovering.recoveries, text)
+    done.recoveries = recovering.recoveries  # the list recoveries are added to
+    done.plan_text, _ = recovering.train(plan_text, steps, origin=lambda: origin[0] if origin else 0)
+    return done

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
     from agents.control import commands, coordinator
     from agents.control.auth import ControlKeys
-    from agents.control.coordinator import AgentLost
+    from agents.control.coordinator import AgentLost, JobResult
 
     keys = load_keys(args)
     signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator"))
@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         hooks: dict[str, Any] = (
             {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
         )
+        done = JobResult()  # the steps that complete, also when the job does not
         try:
             with stops_as_ctrl_c():
                 result = asyncio.run(
@@ -166,19 +167,18 @@ def run(args: argparse.Namespace) -> int:
                         plan_source=args.plan,
                         out=out,
                         metrics=metrics,
+                        result=done,
                         **hooks,
                     )
                 )
         except BaseException as exc:  # failed, stopped, interrupted (Ctrl-C, SIGTERM, SIGHUP)
-            report = None
             if recorder is not None:  # what the steps that did complete show, with the outcome and the error
                 with contextlib.suppress(GeoschedError, OSError):
-                    report = _write_run_folder(recorder, args.run_dir, out, exc)
+                    _write_run_folder(recorder, args.run_dir, out, exc)
             if args.json:  # as on success: stdout ends with one JSON object, here with the outcome and error
                 from agents.runfolder.report import outcome_of
 
-                steps = [] if report is None else report.get("steps", [])
-                print(json.dumps({**outcome_of(exc), "steps": steps}), flush=True)
+                print(json.dumps({**outcome_of(exc), "steps": [vars(s) for s in done.steps]}), flush=True)
             raise
         finally:
             if recorder is not None:
@@ -268,7 +268,7 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
 
     from agents.layout import parse_layout
     from agents.rehearsal.elastic import describe
-    from agents.rehearsal.supervised import run_supervised
+    from agents.rehearsal.supervised import SupervisedResult, run_supervised
     from geosched.config import load_config
 
     if not args.elastic:
@@ -282,18 +282,36 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
             "--elastic does not write a run folder or serve metrics yet; leave out --run-dir/--metrics-bind"
         )
     layout = parse_layout(text, args.plan)
-    done = run_supervised(
-        url,
-        args.job,
-        text,
-        load_config(args.config),
-        Path(args.checkpoint_dir),
-        steps=args.steps or layout.job.steps,
-        out=out,
-        ready_timeout_s=args.ready_timeout,
-        ca_file=args.ca_file,
-        keys=signing,
-    )
+    done = SupervisedResult(None, plan_text=text)
+
+    def ended(outcome: dict[str, str]) -> str:
+        """The --json line: the outcome, the last attempt's steps, the plan in force, the recoveries."""
+        steps = [] if done.result is None else [vars(s) for s in done.result.steps]
+        plan = describe(parse_layout(done.plan_text))
+        return json.dumps(
+            {**outcome, "steps": steps, "plan": plan, "recoveries": [r.to_dict() for r in done.recoveries]}
+        )
+
+    try:
+        run_supervised(
+            url,
+            args.job,
+            text,
+            load_config(args.config),
+            Path(args.checkpoint_dir),
+            steps=args.steps or layout.job.steps,
+            out=out,
+            ready_timeout_s=args.ready_timeout,
+            ca_file=args.ca_file,
+            keys=signing,
+            done=done,
+        )
+    except BaseException as exc:  # failed, stopped, interrupted: as on success, stdout ends with one JSON object
+        if args.json:
+            from agents.runfolder.report import outcome_of
+
+            print(ended(outcome_of(exc)), flush=True)
+        raise
     for r in done.recoveries:
         print(
             f"recovery: lost ranks {r.lost_ranks}{' (DC ' + ', '.join(r.lost_dcs) + ')' if r.lost_dcs else ''}; "
@@ -303,9 +321,7 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
             flush=True,
         )
     if args.json:
-        steps = [] if done.result is None else [vars(s) for s in done.result.steps]
-        plan = describe(parse_layout(done.plan_text))
-        print(json.dumps({"steps": steps, "plan": plan, "recoveries": [r.to_dict() for r in done.recoveries]}))
+        print(ended({"outcome": "completed"}))
     return 0
 
 
