@@ -95,6 +95,9 @@ LEARNING_FIELDS = (
     "wan_compression",
     "seed",
     "learning_rate",
+    "lr_warmup_steps",
+    "lr_decay",
+    "lr_min_ratio",
 )
 """The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""
 

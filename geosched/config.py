@@ -225,7 +225,16 @@ class JobSpec:
     )
     steps: int = spec("training iterations", 100, ge=1, le=MAX_STEPS)
     seed: int = spec("seed for initialisation and data order", 0, ge=0, le=2**63 - 1)
-    learning_rate: float = spec("AdamW learning rate", 3e-4, gt=0, le=10)
+    learning_rate: float = spec("AdamW learning rate (the peak, with a warm-up or decay)", 3e-4, gt=0, le=10)
+    lr_warmup_steps: int = spec(
+        "steps over which the learning rate rises linearly to learning_rate (0: none)", 0, ge=0, le=MAX_STEPS
+    )
+    lr_decay: Literal["none", "linear", "cosine"] = spec(
+        "after the warm-up: 'none' keeps learning_rate; 'linear' or 'cosine' decays it to "
+        "lr_min_ratio x learning_rate at the last of job.steps, held after",
+        "none",
+    )
+    lr_min_ratio: float = spec("the decay's end, as a fraction of learning_rate", 0.1, ge=0, le=1)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: the cost model's caches are keyed by the job, in hot loops."""
@@ -353,6 +362,11 @@ def _cross_checks(cfg: Config) -> None:
         _warn_once(
             f"job.initial_loss_scale: set to {job.initial_loss_scale:g} but only fp16 scales its loss; this job "
             f"trains in {job.precision}, so it is ignored"
+        )
+    if job.lr_warmup_steps >= job.steps:
+        raise ConfigError(
+            f"job.lr_warmup_steps: {job.lr_warmup_steps} is not below job.steps ({job.steps}), so the learning "
+            "rate would never reach job.learning_rate; lower it (a few percent of the steps is usual)"
         )
     if job.microbatch_size is not None and job.global_batch % job.microbatch_size:
         raise ConfigError(

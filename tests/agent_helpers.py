@@ -76,13 +76,18 @@ def first_plan_ranks(run: Path, proc: subprocess.Popen[str]) -> dict[int, dict]:
     return {int(r): info for r, info in json.loads((run / "endpoints.json").read_text())["ranks"].items()}
 
 
-def tiny_plan(tmp_path: Path, stage_dcs: list[str] | None = None, dp: int = 1) -> Path:
-    """Write the tiny job's plan (one stage per DC by default) and return its path."""
+def tiny_plan(tmp_path: Path, stage_dcs: list[str] | None = None, dp: int = 1, **job: object) -> Path:
+    """Write the tiny job's plan (one stage per DC by default; ``job``: fields of its job changed) and return its
+    path."""
+    import copy
+
     from agents.layout import layout_plan_text
     from geosched.config import config_from_dict
 
+    raw = copy.deepcopy(TINY_CONFIG)
+    raw["job"].update(job)
     path = tmp_path / "plan.yaml"
-    path.write_text(layout_plan_text(config_from_dict(TINY_CONFIG), stage_dcs or ["us", "eu"], dp=dp))
+    path.write_text(layout_plan_text(config_from_dict(raw), stage_dcs or ["us", "eu"], dp=dp))
     return path
 
 

@@ -26,7 +26,9 @@ from agent_helpers import cli, log_tail, read_retained_statuses, spawn_agent, st
 from agents.control.coordinator import AgentLost, start_job
 from agents.control.messages import StatusMessage
 from agents.control.plane import ControlPlane
+from agents.layout import parse_layout
 from geosched.cli import main
+from geosched.lr_schedule import learning_rate_at
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,8 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         steps = json.loads(printed.out.splitlines()[-1])["steps"]
         assert [s["step"] for s in steps] == [0, 1], log_tail(tmp_path)
         assert all(s["loss"] is not None and s["loss"] > 0 and s["iteration_s"] > 0 for s in steps)
+        spec = parse_layout(plan_path.read_text()).job  # every rank reports the rate its step used
+        assert [s["lr"] for s in steps] == [learning_rate_at(spec, s["step"]) for s in steps]
         lines = [line for line in printed.err.splitlines() if line.startswith("step ")]
         assert len(lines) == 2 and lines[0].startswith("step    0/1") and "loss" in lines[0] and "WAN" in lines[0]
         # the run folder, from the metrics and statuses the coordinator received

@@ -36,8 +36,9 @@ def _losses(url: str, job: str, plan: str, steps: int) -> list[float]:
 
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_path: Path):
+    """With a warm-up and cosine decay: the resumed agents continue the learning rate's curve."""
     url = embedded_broker.url_for("geosched")
-    plan = tiny_plan(tmp_path).read_text()
+    plan = tiny_plan(tmp_path, steps=10, lr_warmup_steps=3, lr_decay="cosine").read_text()
     ckpt, saved = tmp_path / "ckpt", tmp_path / "ckpt-at-6"
     agents = [
         spawn_agent(url, "full", r, dc, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
@@ -71,6 +72,8 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
     finally:
         stop_processes(agents)
     assert resumed == pytest.approx(uninterrupted[5:], rel=1e-6, abs=0), log_tail(tmp_path)
+    logs = "".join((tmp_path / f"agent{r}.log").read_text() for r in range(len(DCS)))
+    assert "the checkpoint was trained with lr" not in logs  # the schedule's rate of step 5, not a change
 
 
 def test_corrupt_checkpoint_is_refused_and_left_alone(embedded_broker, tmp_path: Path):

@@ -5,7 +5,8 @@ like one process.
 (8 processes), WAN emulator relays on the us-eu and eu-ap links, gloo DP
 groups, real WanLinks on random ports. Over 10 steps the global loss (mean
 over replicas of the last stage's loss) equals a one-process run of the same
-model, data and global batch within 1e-4 relative, for GPipe and 1F1B.
+model, data and global batch within 1e-4 relative, for GPipe and 1F1B, with a warm-up and a cosine decay of
+the learning rate (each stage sets the step's rate).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ JOB = JobSpec(
     precision="fp32",
     seed=11,
     learning_rate=3e-3,
+    steps=STEPS,
+    lr_warmup_steps=3,
+    lr_decay="cosine",
 )
 WAN = LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6)
 

@@ -312,10 +312,12 @@ def test_fp16_skipped_steps_are_counted_and_the_loss_scale_shown():
     families = {family.name: family for family in text_string_to_metric_families(text)}
     assert value(families, "geosched_skipped_steps", "geosched_skipped_steps_total") == 2
     assert value(families, "geosched_loss_scale") == 16384.0
+    assert "geosched_learning_rate" not in families  # a report without a rate (an older agent's): no gauge
     plain = AgentMetrics(1, "job")  # bf16, fp32: no scale to show
-    plain.step({"step": 0, "iteration_s": 0.1, "loss": 5.0, "loss_scale": None, "skipped": False})
+    plain.step({"step": 0, "iteration_s": 0.1, "loss": 5.0, "loss_scale": None, "skipped": False, "lr": 2.5e-4})
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(plain.registry).decode())}
     assert "geosched_loss_scale" not in families
+    assert value(families, "geosched_learning_rate") == 2.5e-4
     assert value(families, "geosched_skipped_steps", "geosched_skipped_steps_total") == 0
 
 

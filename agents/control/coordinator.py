@@ -72,7 +72,7 @@ STEP_LINE = (
     "WAN {wan:7.2f} MB/s"
 )
 BAD_STATES = ("offline", "error", "stopped")
-SUMMARY_FIELDS = ("loss", "iteration_s", "bubble_fraction", "wan_bytes", "loss_scale", "skipped")
+SUMMARY_FIELDS = ("loss", "iteration_s", "bubble_fraction", "wan_bytes", "loss_scale", "skipped", "lr")
 """What the coordinator keeps of a step's metrics until every rank's have arrived (:func:`summarize_step`)."""
 AHEAD_STEPS = 64
 """Metrics of a step this far past the oldest step not yet printed are ignored (no rank of a job runs that far
@@ -93,6 +93,7 @@ class StepSummary:
     bubble_fraction: float
     wan_bytes: int
     skipped_at_scale: float | None = None  # fp16: the loss scale at which the stages skipped this step
+    lr: float | None = None  # the learning rate the step's optimizer step used (the same on every rank)
 
     def line(self, done: int, total: int, last_step: int) -> str:
         """The fixed-format progress line."""
@@ -124,6 +125,7 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
     losses = [metric_number(m.get("loss")) for r, m in metrics.items() if layout.role(r).last]
     known = [loss for loss in losses if loss is not None]
     skipped = [number(m, "loss_scale") for m in metrics.values() if m.get("skipped") is True]
+    rates = [rate for m in metrics.values() if (rate := metric_number(m.get("lr"))) is not None]
     return StepSummary(
         step=step,
         loss=sum(known) / len(known) if known else None,
@@ -131,6 +133,7 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
         bubble_fraction=sum(number(m, "bubble_fraction") for m in metrics.values()) / len(metrics),
         wan_bytes=sum(int(number(m, "wan_bytes")) for m in metrics.values()),
         skipped_at_scale=skipped[0] if skipped else None,
+        lr=rates[0] if rates else None,
     )
 
 

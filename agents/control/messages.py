@@ -367,6 +367,7 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
         "wan_bytes": (_count, "an integer >= 0"),
         "loss_scale": (_finite, "a finite number"),
         "skipped": (_is_bool, "true or false"),
+        "lr": (_finite, "a finite number"),
         "started_at": (_finite, "a finite number"),
     },
 }

@@ -55,6 +55,7 @@ class StepReport:
     sync_bytes: dict[str, int] = field(default_factory=dict)  # peer DC -> bytes sent on gradient links (agents.crossdc)
     loss_scale: float | None = None  # fp16: the loss scale this step's gradients carried; None: not scaled
     skipped: bool = False  # fp16: some stage's gradients were not finite, so no stage stepped
+    lr: float | None = None  # the learning rate of this step's optimizer step (geosched.lr_schedule)
 
     @classmethod
     def from_events(
@@ -143,6 +144,7 @@ class StepReport:
             sync_bytes={str(k): _whole(v) for k, v in data.get("sync_bytes", {}).items()},
             loss_scale=None if data.get("loss_scale") is None else _seconds(data["loss_scale"]),
             skipped=data.get("skipped", False) is True,
+            lr=None if data.get("lr") is None else _seconds(data["lr"]),
         )
 
 
