@@ -332,6 +332,13 @@ class Agent:
         self.book.own.update(self._fixed)
         self.worker = RankWorker(layout, role, opts, self.book, self.post, checkpoints, metrics=self.metrics)
         self._status["next_step"] = self.worker.start_step
+        self._status.pop("data", None)  # an earlier plan's
+        if role.first or role.last:  # the data it reads, which the coordinator compares across ranks
+            from geosched.data import corpus_fingerprint, default_corpus_paths
+
+            with contextlib.suppress(GeoschedError, OSError):  # bad --data: the worker fails, naming it
+                data = opts.data or default_corpus_paths()
+                self._status["data"] = corpus_fingerprint(data, layout.job.model.seq_len, layout.job.seed)
         self.worker.start()
         if not expected_endpoints(layout, opts.rank, bool(opts.prefill_bind), bool(opts.prefill_http)):
             await self._set_status("ready")

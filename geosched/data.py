@@ -32,6 +32,7 @@ import os
 import queue
 import sysconfig
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -200,7 +201,26 @@ class TextDataset:
 
     def fingerprint(self) -> dict[str, int]:
         """What must match for a saved data position to mean the same batches (machine-independent)."""
-        return {"files": len(self.paths), "bytes": self.total_bytes, "seq_len": self.seq_len, "seed": self.seed}
+        return _fingerprint(self.sizes, self.seq_len, self.seed)
+
+
+def corpus_fingerprint(paths_or_globs: str | Sequence[str], seq_len: int, seed: int) -> dict[str, int]:
+    """:meth:`TextDataset.fingerprint` of these files without opening them (their sizes only): what every rank
+    that reads the data must agree on, since stage 0 takes the inputs and the last stage the targets of the same
+    samples (InputError for paths that match nothing)."""
+    sizes = [s for s in (os.path.getsize(p) for p in resolve_paths(paths_or_globs)) if s > 0]
+    return _fingerprint(np.array(sizes, dtype=np.int64), seq_len, seed)
+
+
+def _fingerprint(sizes: np.ndarray, seq_len: int, seed: int) -> dict[str, int]:
+    """Files, bytes (each with its separator), a CRC32 of the files' sizes in order, seq_len and seed."""
+    return {
+        "files": len(sizes),
+        "bytes": int((sizes + 1).sum()),
+        "sizes_crc32": zlib.crc32(sizes.astype("<i8").tobytes()),
+        "seq_len": seq_len,
+        "seed": seed,
+    }
 
 
 class _Failure:

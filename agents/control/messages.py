@@ -340,6 +340,10 @@ def _endpoints(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
+def _counts(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _count(v) for k, v in value.items())
+
+
 def _checkpoint(value: object) -> bool:
     return isinstance(value, dict) and all(
         value.get(name) is None or check(value[name])
@@ -358,6 +362,7 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
         "cause": (_is_str, "a string"),
         "stopped_by": (_is_str, "a string"),
         "endpoints": (_endpoints, "an object of names to address strings"),
+        "data": (_counts, "an object of names to integers >= 0"),
         "checkpoint": (_checkpoint, 'an object {"step": int, "seq": int, "dir": str, "error": str}'),
     },
     "metrics": {

@@ -71,6 +71,27 @@ def stranded_endpoints(statuses: dict[int, StatusMessage]) -> list[str]:
     return out
 
 
+def check_same_data(statuses: dict[int, StatusMessage]) -> None:
+    """PlanError when the ranks that read training data (first and last stages: inputs and targets of the same
+    samples) read different corpora, e.g. agents on hosts whose default corpus, Python's standard library,
+    differs: the targets would not be the inputs' next bytes and the job would learn nothing, silently."""
+    reading = {rank: s.extra["data"] for rank, s in sorted(statuses.items()) if isinstance(s.extra.get("data"), dict)}
+    if len({tuple(sorted(d.items())) for d in reading.values()}) < 2:
+        return
+    (one, first), *rest = reading.items()
+    other, second = next((r, d) for r, d in rest if d != first)
+
+    def says(rank: int, data: dict[str, int]) -> str:
+        files, size = data.get("files", 0), data.get("bytes", 0) - data.get("files", 0)  # less the separators
+        return f"rank {rank} on {statuses[rank].host or '?'} reads {files} file{'s' * (files != 1)} of {size} bytes"
+
+    raise PlanError(
+        f"the ranks that read training data read different corpora: {says(one, first)}; {says(other, second)} "
+        "(stage 0 takes the inputs and the last stage the targets of the same samples); give every agent of a "
+        "first or last stage the same --data files"
+    )
+
+
 def first_step(statuses: dict[int, StatusMessage]) -> int:
     steps = {int(s.extra.get("next_step", 0)) for s in statuses.values()}
     if len(steps) != 1:
@@ -119,6 +140,7 @@ async def wait_ready(
         ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
         if len(ready) == len(layout.roles):
             check_joined(layout, ready)
+            check_same_data(ready)
             return ready
         loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
         if loss is not None:
