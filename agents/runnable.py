@@ -98,6 +98,7 @@ LEARNING_FIELDS = (
     "lr_warmup_steps",
     "lr_decay",
     "lr_min_ratio",
+    "weight_decay",
 )
 """The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""
 

@@ -38,7 +38,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from geosched.errors import LinkError
-from geosched.lr_schedule import learning_rate_at, set_learning_rate
+from geosched.lr_schedule import apply_settings, optimizer_settings
 from geosched.yamlload import write_atomically
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class RankCheckpoints:
         checkpoint has this layout, else resharded from every shard of the step (another stage split); and
         ``loss_scale`` (fp16), where the checkpoint has one."""
         if self.start_step > 0:  # the rate the checkpoint's last step had, unless the job's has changed since
-            set_learning_rate(optimizer, learning_rate_at(self.job, self.start_step - 1))
+            apply_settings(optimizer, optimizer_settings(self.job, self.start_step - 1))
             if self.role.tp_size > 1:  # the shard holds the whole stage: load a whole copy, keep this rank's shards
                 from agents.checkpoint.state import load_optimizer_state
                 from agents.tp.whole import load_whole_training_state
@@ -197,7 +197,7 @@ class RankCheckpoints:
             seed=job.seed,
             dtype=PRECISION_DTYPES[job.precision],
         )
-        optimizer = MasterAdamW(whole.parameters(), lr=learning_rate_at(job, max(0, self.start_step - 1)))
+        optimizer = MasterAdamW(whole.parameters(), **optimizer_settings(job, max(0, self.start_step - 1)))
         if sharded is not None:
             from agents.checkpoint.state import ShardedOptimizer
 

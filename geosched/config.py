@@ -235,6 +235,9 @@ class JobSpec:
         "none",
     )
     lr_min_ratio: float = spec("the decay's end, as a fraction of learning_rate", 0.1, ge=0, le=1)
+    weight_decay: float = spec(
+        "AdamW's decoupled weight decay, on every parameter (norms, biases and embeddings too)", 0.01, ge=0, le=1
+    )
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: the cost model's caches are keyed by the job, in hot loops."""

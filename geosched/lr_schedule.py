@@ -1,4 +1,5 @@
-"""The learning rate of each step: linear warm-up, then a constant, linear or cosine decay.
+"""The optimizer's settings of each step: the learning rate (linear warm-up, then a constant, linear or cosine
+decay) and the weight decay.
 
 ``learning_rate_at(job, step)`` is a pure function of the job and the global step, as torchtitan's and
 Megatron's schedules are (warm-up over ``job.lr_warmup_steps`` steps, decay to ``job.lr_min_ratio`` of
@@ -7,7 +8,8 @@ rank computes the same value from the step it runs, so no scheduler state is exc
 resumed or re-planned job (another layout, another ZeRO level) continues the same curve. torch's
 ``LambdaLR`` would compute the same numbers but keeps a step counter per optimizer, which each optimizer
 kind here (ZeRO's wrappers, tensor-parallel shards) and each checkpoint would have to carry; setting the
-value on the optimizer's parameter groups before each step needs neither (:func:`set_learning_rate`).
+value on the optimizer's parameter groups before each step needs neither (:func:`apply_settings`, with
+:func:`optimizer_settings`, which adds ``job.weight_decay``).
 
 Example::
 
@@ -17,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from geosched.config import JobSpec
@@ -40,7 +43,12 @@ def learning_rate_at(job: JobSpec, step: int) -> float:
     return lowest + (peak - lowest) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
-def set_learning_rate(optimizer: Any, lr: float) -> None:
-    """Give every parameter group of ``optimizer`` (any torch optimizer, ZeRO's included) the rate ``lr``."""
+def optimizer_settings(job: JobSpec, step: int) -> dict[str, float]:
+    """What the job sets on its optimizer for ``step``: the scheduled rate and AdamW's weight decay."""
+    return {"lr": learning_rate_at(job, step), "weight_decay": job.weight_decay}
+
+
+def apply_settings(optimizer: Any, settings: Mapping[str, float]) -> None:
+    """Give every parameter group of ``optimizer`` (any torch optimizer, ZeRO's included) ``settings``."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group.update(settings)

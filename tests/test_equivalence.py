@@ -6,7 +6,7 @@ like one process.
 groups, real WanLinks on random ports. Over 10 steps the global loss (mean
 over replicas of the last stage's loss) equals a one-process run of the same
 model, data and global batch within 1e-4 relative, for GPipe and 1F1B, with a warm-up and a cosine decay of
-the learning rate (each stage sets the step's rate).
+the learning rate and a weight decay of 0.1 (each stage sets the step's settings).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ JOB = JobSpec(
     steps=STEPS,
     lr_warmup_steps=3,
     lr_decay="cosine",
+    weight_decay=0.1,
 )
 WAN = LinkShape(rtt_ms=4.0, link_bytes_per_s=50e6)
 

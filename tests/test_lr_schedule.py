@@ -13,7 +13,7 @@ import yaml
 
 from geosched.cli import main
 from geosched.config import JobSpec, ModelSpec
-from geosched.lr_schedule import learning_rate_at, set_learning_rate
+from geosched.lr_schedule import apply_settings, learning_rate_at, optimizer_settings
 
 JOB = JobSpec(model=ModelSpec(layers=2, hidden=8, heads=2, seq_len=8), global_batch=4, learning_rate=1e-3, steps=102)
 
@@ -40,11 +40,11 @@ def test_a_decay_ends_at_the_minimum_on_the_last_step_and_holds_it(decay: str) -
     assert quarter == pytest.approx(expected)
 
 
-def test_set_learning_rate_reaches_every_parameter_group() -> None:
+def test_the_settings_reach_every_parameter_group() -> None:
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([{"params": [a]}, {"params": [b], "lr": 5.0}], lr=1.0)
-    set_learning_rate(optimizer, 0.25)
-    assert [g["lr"] for g in optimizer.param_groups] == [0.25, 0.25]
+    apply_settings(optimizer, optimizer_settings(replace(JOB, lr_warmup_steps=2, weight_decay=0.1), 0))
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(5e-4, 0.1), (5e-4, 0.1)]
 
 
 def test_a_warmup_as_long_as_the_job_is_refused_in_one_line(tmp_path, capsys) -> None:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -71,7 +71,7 @@ from agents.stage.report import StepReport
 from agents.stage.step_state import Microbatch, StepState, same_instant
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError, TrainingDiverged
-from geosched.lr_schedule import set_learning_rate
+from geosched.lr_schedule import apply_settings
 from geosched.optim import DynamicLossScale
 from geosched.schedule import Action, ActionKind, Event, IdleGap, Schedule, lower, render_grid, validate
 from geosched.wgrad import SplitBackward
@@ -154,7 +154,7 @@ class StageRuntime:
         bubble_filler: BubbleFiller | None = None,
         loss_scale: DynamicLossScale | None = None,
         all_true: Callable[[bool], bool] | None = None,
-        learning_rate: Callable[[int], float] | None = None,
+        settings: Callable[[int], Mapping[str, float]] | None = None,
     ) -> None:
         schedule = lower(schedule)
         validate(schedule)
@@ -182,7 +182,7 @@ class StageRuntime:
         self.bubble_filler = bubble_filler
         self.loss_scale = loss_scale  # fp16's dynamic loss scale (None: gradients are not scaled)
         self.all_true = all_true  # is a flag true on every rank of this stage's group (None: this rank alone)
-        self.learning_rate = learning_rate  # step -> the rate its STEP uses (None: the optimizer's own)
+        self.settings = settings  # step -> its STEP's optimizer settings, lr among them (None: the optimizer's own)
         self._flags = StageFlags(transport, stage, module.first, module.last, recv_timeout_s)  # fp16's agreement
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
@@ -260,8 +260,8 @@ class StageRuntime:
         )
         if self.loss_scale is not None:
             report.loss_scale, report.skipped = state.loss_scale, state.skipped
-        if self.learning_rate is not None:
-            report.lr = self.learning_rate(step)
+        if self.settings is not None:
+            report.lr = self.settings(step)["lr"]
         log.debug(
             "stage %d replica %d step %d: %.1f ms, loss %s", self.stage, self.replica, step, iteration * 1e3, loss
         )
@@ -401,8 +401,8 @@ class StageRuntime:
     def _step(self, state: StepState) -> None:
         """STEP: the optimizer step at the step's learning rate; in fp16, only if every stage's gradients are
         finite (the scale updated)."""
-        if self.learning_rate is not None:
-            set_learning_rate(self.optimizer, self.learning_rate(state.step))
+        if self.settings is not None:
+            apply_settings(self.optimizer, self.settings(state.step))
         if self.loss_scale is None:
             self.optimizer.step()
             return

@@ -86,7 +86,7 @@ from agents.wan.link import WanLink
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
-from geosched.lr_schedule import learning_rate_at, set_learning_rate
+from geosched.lr_schedule import apply_settings, optimizer_settings
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
 from geosched.optim import MasterAdamW, gradients_finite, loss_scale_for
 
@@ -218,7 +218,7 @@ class RankSession:
             bubble_filler=self.bubble_filler,
             loss_scale=self.loss_scale,
             all_true=parts.all_true if parts is not None else None,
-            learning_rate=functools.partial(learning_rate_at, self.job),
+            settings=functools.partial(optimizer_settings, self.job),
         )
         log.info(
             "rank %d ready: stage %d/%d replica %d/%d layers [%d, %d) in %s",
@@ -483,7 +483,7 @@ def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step
     optimizer = MasterAdamW(model.parameters(), lr=job.learning_rate)
     scaler, losses = loss_scale_for(job.precision, job.initial_loss_scale), []
     for step in range(start_step, start_step + steps):
-        set_learning_rate(optimizer, learning_rate_at(job, step))
+        apply_settings(optimizer, optimizer_settings(job, step))
         inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
         loss = model.loss(model(inputs), targets)  # mean over all G * T tokens
         torch.autograd.backward(loss if scaler is None else loss * scaler.scale)
