@@ -231,6 +231,31 @@ def test_malformed_requests_and_undecodable_tokens_are_refused_counted_and_not_l
     assert status == 200 and {k.lower(): v for k, v in headers.items()}["server"] == "geosched"  # no versions
 
 
+def test_bodies_that_do_not_decode_and_parser_refusals_answer_json_naming_geosched(served, caplog):
+    """A gzip body that is not gzip was a 500 and an 86-line traceback in the log per request; a Content-Encoding
+    aiohttp cannot decode (br, zstd) and the parser's other refusals were plain text naming aiohttp's and
+    Python's versions. Now 400s with OpenAI's error object and ``Server: geosched``, counted, no error logged."""
+    service, server = served
+    before = service.metrics()
+    with caplog.at_level(logging.DEBUG):
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+        gzip = _raw_reply(server, head + b'Content-Encoding: gzip\r\nContent-Length: 13\r\n\r\n{"prompt":"a"}')
+        brotli = _raw_reply(server, head + b"Content-Encoding: br\r\nContent-Length: 2\r\n\r\n{}")
+        nul = _raw_reply(server, b"GET /v1/models HTTP/1.1\r\nHo\x00st: x\r\n\r\n")
+    for reply, says in (
+        (gzip, "the body is not valid gzip data"),
+        (brotli, "Content-Encoding is not one this server decodes; send it as identity, gzip or deflate"),
+        (nul, "malformed HTTP request: "),
+    ):
+        head_text, _, body = reply.partition(b"\r\n\r\n")
+        assert b" 400 " in head_text.splitlines()[0] and b"\r\nServer: geosched" in head_text, reply
+        assert b"aiohttp" not in reply and b"Python" not in reply, reply
+        assert json.loads(body)["error"]["type"] == "invalid_request_error", reply
+        assert says in json.loads(body)["error"]["message"], reply
+    assert service.metrics()["bad_requests"] == before["bad_requests"] + 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_a_body_that_does_not_arrive_is_refused(model):
     with PrefillService(model) as service, PrefillHttpServer(service, limits=HttpLimits(body_timeout_s=0.3)) as server:
         with socket.create_connection((server.host, server.port), timeout=10) as conn:

@@ -43,7 +43,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from agents.prefill.completions import (
     Ask,
@@ -62,6 +62,7 @@ from agents.prefill.connections import (
     RefusingProtocol,
     overloaded_response,
 )
+from agents.prefill.parser_errors import ServerLog, connection_handler
 from agents.prefill.protocol import PrefillResponse, token_matches
 from agents.prefill.service import PrefillService
 from geosched.errors import LinkError
@@ -72,29 +73,6 @@ BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") o
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class _ServerLog(logging.Logger):
-    """aiohttp's server logger for one front end: a request its parser refuses (a 400 it answers itself: a NUL
-    in a header, a bare LF) is counted as a bad request and logged at debug level, not as an error with a
-    traceback per request (a stranger's flood would fill the log); everything else as aiohttp logs it."""
-
-    def __init__(self, on_bad_request: Callable[[], None]) -> None:
-        super().__init__("aiohttp.server.prefill")
-        self.parent = logging.getLogger("aiohttp.server")  # a logger made here: its records go up from there
-        self._on_bad_request = on_bad_request
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        """Count and quiet the parser's refusals and clients that hang up mid-request; log the rest with their
-        traceback."""
-        if isinstance(exc_info, HttpProcessingError):
-            self._on_bad_request()
-            self.debug("malformed HTTP request refused: %s", exc_info.message.splitlines()[0][:200])
-            return
-        if isinstance(exc_info, ConnectionError):  # a body cut short (a bogus chunk size): the client's doing
-            self.debug("client connection lost during a request: %s", exc_info)
-            return
-        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class PrefillHttpServer:
@@ -198,7 +176,7 @@ class PrefillHttpServer:
         self._runner = runner = web.AppRunner(
             app,
             access_log=None,
-            logger=_ServerLog(lambda: self.service.count_refused("bad_requests")),
+            logger=ServerLog(lambda: self.service.count_refused("bad_requests")),
             shutdown_timeout=2.0,
             handler_cancellation=True,  # a client that hangs up cancels its request (PrefillService.cancel)
             # aiohttp's own idle timer is only a backstop: the guard cuts first, and counts it (_sweep)
@@ -233,7 +211,7 @@ class PrefillHttpServer:
     def _protocol(self) -> asyncio.Protocol:
         """The protocol of a connection just accepted: aiohttp's behind the guard, or a refusal."""
         assert self._loop is not None and self._runner is not None and self._runner.server is not None
-        inner = self._runner.server()  # aiohttp's RequestHandler: the guard's key for this connection
+        inner = connection_handler(self._runner.server)  # aiohttp's RequestHandler: the guard's key for it
         verdict = self._guard.admit(inner, self._loop.time())
         if verdict == "accept":
             return GuardedProtocol(inner, self._guard, self._loop)
@@ -282,7 +260,7 @@ class PrefillHttpServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every refusal as OpenAI's error object; a refusal that left the body unread closes the connection."""
         response = await self._answer(request, handler)
-        if response.status >= 400 and not request.content.is_eof():
+        if response.status >= 400 and (not request.content.is_eof() or request.content.exception() is not None):
             _close_unread(request, response)
         return response
 
@@ -366,6 +344,12 @@ class PrefillHttpServer:
             raise invalid(
                 f"the body did not arrive within {self.limits.body_timeout_s:g} s", None, "request_timeout", 408
             ) from None
+        except RequestPayloadError as exc:  # a gzip or deflate body that does not decode
+            self.service.count_refused("bad_requests")
+            request.content.feed_eof()  # the rest is not read: aiohttp's lingering read would log the error again
+            encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")[:20]
+            message = f"the body is not valid {encoding} data ({exc}); send it as its Content-Encoding says"
+            raise invalid(message) from None
         try:
             ask = parse_request(
                 load_json(body),
