@@ -113,6 +113,23 @@ def weights_metadata(record: ModelRecord, **extra: object) -> dict[str, str]:
     return meta
 
 
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str]) -> None:
+    """safetensors' ``save_file``, then its header's metadata put in key order, so the same tensors and metadata
+    give the same bytes (and sha256): safetensors writes the metadata map in an order that changes from one save
+    to the next. The header is rewritten in place at its length (it only moves keys); otherwise left as is."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), path, metadata=dict(metadata))
+    with open(path, "r+b") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:
+            fh.seek(8)
+            fh.write(text.ljust(size, b" "))  # safetensors pads its header with spaces too
+
+
 def read_weights_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The string metadata of a safetensors file (only its header is read); InputError if unreadable."""
     from safetensors import SafetensorError, safe_open

@@ -78,6 +78,19 @@ def test_two_layouts_export_the_same_whole_weights(two_layouts, tmp_path: Path, 
     assert meta["model_fingerprint"] == model_fingerprint(SHAPE, seed=SEED)
 
 
+def test_exporting_a_checkpoint_again_gives_the_same_bytes(two_layouts, tmp_path: Path, capsys) -> None:
+    """The sha256 export prints changed from run to run (safetensors writes its metadata in any order), so a
+    user could not pin weights by their hash; the metadata is now in key order."""
+    two, _, _ = two_layouts
+    sums = set()
+    for i in range(4):
+        assert main(["export", str(two), "-o", str(tmp_path / f"{i}.safetensors"), "--json"]) == 0
+        sums.add(json.loads(capsys.readouterr().out)["sha256"])
+    assert len(sums) == 1 and len({(tmp_path / f"{i}.safetensors").read_bytes() for i in range(4)}) == 1
+    with safe_open(tmp_path / "0.safetensors", framework="pt") as fh:
+        assert fh.metadata()["step"] == "2" and fh.metadata()["source_stages"] == "2"  # still read back
+
+
 def test_a_checkpoint_without_a_record_exports_with_its_config(tmp_path: Path) -> None:
     stages, optimizers = pipeline(OLD)
     save(tmp_path / "old", 1, OLD, stages, optimizers, record=None)  # written before shards recorded the model

@@ -38,7 +38,14 @@ from agents.checkpoint.store import (
 )
 from geosched.errors import CheckpointError, InputError
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, total_params
-from geosched.weights import ModelRecord, check_fits, load_weights_file, weights_metadata, weights_record
+from geosched.weights import (
+    ModelRecord,
+    check_fits,
+    load_weights_file,
+    save_safetensors,
+    weights_metadata,
+    weights_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +121,6 @@ def export_weights(
     ``nonfinite``: how many weights are NaN or inf, a model whose training diverged)."""
     import torch
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     out = os.fspath(out)
     folder = os.path.dirname(os.path.abspath(out))
@@ -127,7 +133,7 @@ def export_weights(
     tensors = {name: value.detach().contiguous() for name, value in model.state_dict().items()}
     meta = weights_metadata(record, step=step, model_fingerprint=fingerprint, source_stages=stages)
     try:
-        sha, nbytes = _atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        sha, nbytes = _atomic_write(out, lambda tmp: save_safetensors(tensors, tmp, meta))
     except (OSError, SafetensorError) as exc:  # a read-only or full file system: nothing is left half-written
         why = getattr(exc, "strerror", None) or str(exc).rsplit(": ", 1)[-1]
         raise InputError(f"-o {out!r}: cannot write the weights there ({why}); pick a writable folder") from None

@@ -58,12 +58,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save_file
 
 from agents.checkpoint.state import flatten_state
 from geosched.errors import CheckpointError
 from geosched.model import ModelShape
 from geosched.model_counts import ShapeLike
+from geosched.weights import save_safetensors
 from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class CheckpointWriter:
             _fsync_dir(self.ckpt_dir)
         tensor_path, meta_path = shard_paths(self.ckpt_dir, step, self.stage)
         header = {"format": FORMAT, "step": str(step), "stage": str(self.stage)}
-        sha, nbytes = _atomic_write(tensor_path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        sha, nbytes = _atomic_write(tensor_path, lambda tmp: save_safetensors(tensors, tmp, header))
         meta.update(
             {
                 "format": FORMAT,
