@@ -146,9 +146,21 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
 
 def test_launch_insecure_warns_and_trains(tmp_path: Path):
     """``--insecure``: one warning line, no key folder, and the demo still trains. The run folder is relative to
-    the launcher's folder (the agents run in the repository root); the prediction uncalibrated."""
+    the launcher's folder (the agents run in the repository root). The prediction's calibration is the reused
+    folder's own calibration.json, which the launch used to delete with the earlier run's files."""
     run = tmp_path / "run"
-    args = ("--steps", "2", "--run-dir", "run", "--insecure", "--no-calibrate")
+    run.mkdir()
+    (run / "plan.yaml").write_text("an earlier run's\n")  # a launch's folder, with the calibration it measured
+    profiled = subprocess.run(
+        cli("profile", str(ROOT / "configs/demo-3dc.yaml"), "-o", str(run / "calibration.json"), "--no-link"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=agent_subprocess_env(),
+    )
+    assert profiled.returncode == 0, profiled.stderr[-2000:]
+    calibration = (run / "calibration.json").read_bytes()
+    args = ("--steps", "2", "--run-dir", "run", "--insecure", "--calibration", "run/calibration.json")
     done = subprocess.run(
         cli("launch", str(ROOT / "configs/demo-3dc.yaml"), *args),
         capture_output=True,
@@ -160,10 +172,12 @@ def test_launch_insecure_warns_and_trains(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     warnings = [line for line in done.stdout.splitlines() if "WARNING --insecure" in line]
     assert len(warnings) == 1 and "no broker logins, unsigned commands" in warnings[0]
+    assert "WARNING" not in done.stderr, done.stderr  # one line: the broker does not say it again
     assert not (run / "secrets").exists()
     report = json.loads((run / "report.json").read_text())
     assert report["secure"] is False and report["losses"][-1] < report["losses"][0]
-    assert report["steps"] == [0, 1] and not report["calibrated"]
+    assert report["steps"] == [0, 1] and report["calibrated"]
+    assert (run / "calibration.json").read_bytes() == calibration  # kept: --calibration can take it again
     assert sorted(p.name for p in run.glob("rank*.jsonl")) == [
         f"rank{r}.jsonl" for r in range(report["layout"]["ranks"])
     ]

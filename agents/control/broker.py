@@ -89,6 +89,8 @@ class EmbeddedBroker:
             login do everything.
         allow_anonymous: accept clients without a login (with ``users``, a login given is still
             checked). Without ``users`` this must be True: running open is a choice, never a default.
+        warn_open: log a warning when it runs open; False where the caller has said so already (``launch
+            --insecure`` prints its own warning line).
         limits: the bounds (connections, silence, retained messages); the defaults are the
             constants of :mod:`agents.control.broker_policy`.
     """
@@ -103,6 +105,7 @@ class EmbeddedBroker:
         acl: BrokerAcl | None = None,
         allow_anonymous: bool = False,
         limits: BrokerLimits | None = None,
+        warn_open: bool = True,
     ) -> None:
         if users is None and not allow_anonymous:
             raise GeoschedError(
@@ -115,6 +118,7 @@ class EmbeddedBroker:
         self.max_packet_bytes = max_packet_bytes
         self.acl = acl
         self.allow_anonymous = allow_anonymous
+        self.warn_open = warn_open
         self.limits = limits or BrokerLimits()
         self.refusals: Counter[str] = Counter()
         """Refusals so far by kind: connection, pending, login, protocol, publish, will, subscribe, retained, idle."""
@@ -165,7 +169,7 @@ class EmbeddedBroker:
                 " (pick another port, or 0 for any free one)"
             ) from None
         self._port = int(self._server.sockets[0].getsockname()[1])
-        if self.users is None:
+        if self.users is None and self.warn_open:
             log.warning("embedded MQTT broker on %s accepts anonymous clients (allow_anonymous=True)", self.url)
         log.info("embedded MQTT broker listening on %s", self.url)
 

@@ -97,6 +97,7 @@ def launch(
     out: TextIO | None = sys.stdout,
     agent_args: list[str] | None = None,
     calibration: Any = "measure",
+    calibration_file: str | None = None,
     prefill_rate: float = 0.0,
     insecure: bool = False,
     prefill_http: bool = False,
@@ -120,7 +121,8 @@ def launch(
 
     ``calibration``: a :class:`~geosched.costmodel.Calibration` for the
     prediction, ``"measure"`` (profile the model here first) or None (the
-    config's GPU FLOP rates).
+    config's GPU FLOP rates). ``calibration_file``: the file a given calibration was read from, copied into the
+    run folder as ``calibration.json`` (which may be that file: a reused folder's, read before it is cleared).
 
     ``insecure``: no key folder, broker logins, signatures, encryption or prefill token (one warning line).
 
@@ -195,10 +197,13 @@ def launch(
         run.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there, a path under a file, a read-only or virtual file system
         raise InputError(f"--run-dir {run}: cannot make a folder there ({exc.strerror or exc})") from None
+    given = Path(calibration_file).read_bytes() if calibration_file is not None else None  # checked: bounded
     for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
         old.unlink()
     for name in PREVIOUS_RUN:  # a reused folder: nothing of the last run may pass for this one's
         (run / name).unlink(missing_ok=True)
+    if given is not None:  # the folder holds the calibration its prediction used, measured here or given
+        (run / "calibration.json").write_bytes(given)
     for folder in run.glob("attempt-*"):
         shutil.rmtree(folder, ignore_errors=True)
     (run / "plan.yaml").write_text(text)
@@ -460,7 +465,7 @@ def job_keys(folder: Path, ranks: int) -> JobKeys:
 def broker_security(keys: JobKeys | None, job: str) -> dict[str, Any]:
     """The embedded broker's logins (one per identity) and ACLs, as keyword arguments; none when insecure."""
     if keys is None:
-        return {"allow_anonymous": True}  # the embedded broker runs open only when told so
+        return {"allow_anonymous": True, "warn_open": False}  # open only when told so; launch said it already
     from agents.control.broker_policy import JobAcl
 
     return {"users": keys.mqtt_users(), "acl": JobAcl(job)}

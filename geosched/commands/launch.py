@@ -239,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             ready_timeout_s=args.ready_timeout,
             out=sys.stderr if args.json else sys.stdout,
             calibration=calibration,
+            calibration_file=args.calibration,
             prefill_rate=args.prefill_rate,
             insecure=args.insecure,
             prefill_http=args.prefill_http,
