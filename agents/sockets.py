@@ -11,7 +11,7 @@ a listener that never identify themselves (strangers).
 CURVE: a server loads its keypair from a ``NAME.key`` file and authenticates
 clients against a directory of allowed ``*.key.pub`` files through a
 :class:`ZapAuthenticator` (a ZAP handler thread that counts refusals and
-logs each refused peer at most once a minute). Key files are written by
+logs each refused peer at most once a minute, a bounded number of lines in all). Key files are written by
 ``geosched keys DIR --name NAME`` (:func:`write_keypair`). Example::
 
     ctx = zmq.Context()
@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -41,6 +41,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
+from geosched.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -275,22 +276,23 @@ def bound_port(sock: zmq.Socket[bytes]) -> int:
 # ---------------------------------------------------------------- ZAP (client authentication)
 
 
-@dataclass
-class PeerLogLimiter:
-    """Decides whether to log about a peer: at most once per ``interval_s`` per peer address."""
+PEER_LOG_INTERVAL_S = 60.0
+"""A dropped or refused peer address gets at most one log line in this many seconds (the rest are counted)."""
+MAX_PEER_LOG_LINES = 20
+"""At most this many such lines in all per :data:`PEER_LOG_INTERVAL_S`: a stranger with many source addresses
+(an IPv6 /64) grew an agent's log by 100 KB/s when each address had its own line."""
 
-    interval_s: float = 60.0
-    _last: dict[str, float] = field(default_factory=dict)
+
+class PeerLogLimiter(RateLimitedLog):
+    """Decides whether to log about a peer: once per :data:`PEER_LOG_INTERVAL_S` per peer address, at most
+    :data:`MAX_PEER_LOG_LINES` lines in all per interval."""
+
+    def __init__(self) -> None:
+        super().__init__(PEER_LOG_INTERVAL_S, MAX_PEER_LOG_LINES)
 
     def should_log(self, peer: str) -> bool:
-        """True the first time a peer is seen in the current interval."""
-        now = time.monotonic()
-        if now - self._last.get(peer, -self.interval_s - 1) < self.interval_s:
-            return False
-        if len(self._last) > 10_000:  # bounded memory under a scan from many addresses
-            self._last.clear()
-        self._last[peer] = now
-        return True
+        """True when a line about ``peer`` may be written now."""
+        return self.allow(peer, time.monotonic()) is not None
 
 
 class ZapAuthenticator:

@@ -1,8 +1,10 @@
-"""A token bucket: what bounds the rate of work a stranger can make a process do.
+"""What bounds the rate of work, and of log lines, a stranger can cause.
 
-At most ``per_s`` events a second on average and ``burst`` at once. One thread
-calls it (an accept loop, a link's thread): no lock. Used by the WAN
-handshake's hello checks and the metrics endpoint's connections.
+:class:`TokenBucket`: at most ``per_s`` events a second on average and ``burst`` at once (the WAN handshake's
+hello checks, the metrics endpoint's connections). :class:`RateLimitedLog`: which refusals get a log line, one
+per key (a client, a peer address) per interval and a bounded number in all, so a flood from many addresses
+cannot fill a disk (the embedded broker's refusals, the WAN listeners' and the ZAP handler's dropped peers).
+One thread calls each (an accept loop, a link's thread): no lock.
 """
 
 from __future__ import annotations
@@ -26,3 +28,33 @@ class TokenBucket:
             return False
         self._tokens -= 1.0
         return True
+
+
+class RateLimitedLog:
+    """Decides which refusals get a log line: one per key per interval, at most ``lines`` in all per interval;
+    the others are counted."""
+
+    def __init__(self, interval_s: float, lines: int) -> None:
+        self.interval_s = interval_s
+        self.lines = lines
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._window: tuple[float, int] = (float("-inf"), 0)  # (when the current interval began, lines in it)
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None to stay silent; else how many lines for ``key`` were held back since the last one."""
+        last = self._last.get(key)
+        began, written = self._window
+        if now - began >= self.interval_s:
+            began, written = now, 0
+        if (last is not None and now - last < self.interval_s) or written >= self.lines:
+            if len(self._suppressed) > 10_000:  # many keys held back: forget their counts rather than grow
+                self._suppressed.clear()
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return None
+        self._window = (began, written + 1)
+        if len(self._last) > 10_000:  # many keys: forget the old ones rather than grow
+            self._last.clear()
+            self._suppressed.clear()
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)

@@ -32,10 +32,10 @@ from agents.control.broker_policy import (
     BrokerLimits,
     ConnectionCounter,
     JobAcl,
-    RateLimitedLog,
     RetainedStore,
 )
 from agents.control.messages import Topics
+from geosched.ratelimit import RateLimitedLog
 
 T = TypeVar("T")
 TOPICS = Topics(DOC_JOB)
@@ -165,7 +165,7 @@ def test_connection_counter_and_rate_limited_log() -> None:
     assert counter.admit("b") is None and "connections=3" in (counter.admit("c") or "")
     counter.release("a")
     assert counter.admit("c") is None and counter.total == 3
-    log = RateLimitedLog(10.0)
+    log = RateLimitedLog(10.0, lines=50)
     assert [log.allow("k", t) for t in (0.0, 1.0, 2.0, 10.5, 11.0)] == [0, None, None, 2, None]
     assert log.allow("other", 11.0) == 0
     limits = BrokerLimits(max_idle_s=300.0)

@@ -204,3 +204,25 @@ def test_connections_that_never_say_hello_are_closed_and_bounded() -> None:
             client.send_sync(x * 3, step=1, microbatch=0)
             assert torch.equal(server.recv_sync(step=1, microbatch=0), x * 3)
             assert server.metrics()["disconnects"] == 80  # its streams were not closed
+
+
+def test_strangers_from_many_addresses_get_a_bounded_number_of_log_lines(server: WanLink, caplog) -> None:
+    """Each new source address had its own warning line, so a stranger with many addresses (an IPv6 /64; here
+    127.0.x.y) grew an agent's log by 100 KB/s; the lines are now bounded in all, the drops still counted."""
+    from agents.sockets import MAX_PEER_LOG_LINES
+
+    addresses = 3 * MAX_PEER_LOG_LINES
+    before = sum(server.metrics()["drops"].values())
+    ctx = zmq.Context()
+    try:
+        with caplog.at_level("WARNING", logger="agents.wan"):
+            for i in range(addresses):
+                stranger = ctx.socket(zmq.DEALER)
+                stranger.connect(f"tcp://127.0.{1 + i // 250}.{1 + i % 250}:0;127.0.0.1:{server.port}")
+                stranger.send(b"\x81\xa1v\x01")  # {"v": 1}: no link, no hello
+                stranger.close(linger=1000)
+            assert wait_for(lambda: sum(server.metrics()["drops"].values()) >= before + addresses), server.metrics()
+    finally:
+        ctx.term()
+    lines = [r for r in caplog.records if "dropped a frame from 127.0." in r.getMessage()]
+    assert 0 < len(lines) <= MAX_PEER_LOG_LINES, len(lines)

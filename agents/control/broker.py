@@ -59,16 +59,17 @@ from agents.control.broker_client import BrokerClient, Will
 from agents.control.broker_policy import (
     DEFAULT_MAX_PACKET_BYTES,
     MAX_LOGGED_NAME_CHARS,
+    MAX_REFUSAL_LINES,
     BrokerAcl,
     BrokerLimits,
     ConnectionCounter,
     PendingConnections,
-    RateLimitedLog,
     RetainedStore,
     shown_name,
 )
 from agents.control.mqtt_codec import Body, ProtocolViolation, topic_matches, valid_topic_filter
 from geosched.errors import GeoschedError
+from geosched.ratelimit import RateLimitedLog
 
 __all__ = ["DEFAULT_MAX_PACKET_BYTES", "EmbeddedBroker", "topic_matches", "valid_topic_filter"]
 
@@ -125,7 +126,7 @@ class EmbeddedBroker:
         self.retained = RetainedStore(self.limits)
         self._connections = ConnectionCounter(self.limits)
         self._pending: PendingConnections[asyncio.StreamWriter] = PendingConnections(self.limits)
-        self._refusal_log = RateLimitedLog(self.limits.refusal_log_interval_s)
+        self._refusal_log = RateLimitedLog(self.limits.refusal_log_interval_s, MAX_REFUSAL_LINES)
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._clients: dict[str, BrokerClient] = {}

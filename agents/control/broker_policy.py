@@ -17,8 +17,9 @@ This module holds the broker's decisions as plain classes with no sockets
   ``geosched/<job>/``; what it receives is filtered by its read rules.
 - :class:`BrokerLimits`: every bound, each a named constant below.
 - :class:`RetainedStore`: retained messages with per-client and total bounds.
-- :class:`ConnectionCounter`, :class:`PendingConnections`, :class:`RateLimitedLog`: connection admission,
-  connections not logged in yet (the oldest closed beyond their own bound), and refusal logging.
+- :class:`ConnectionCounter`, :class:`PendingConnections`: connection admission, and connections not logged in
+  yet (the oldest closed beyond their own bound). Refusals are logged through
+  :class:`geosched.ratelimit.RateLimitedLog`, at most :data:`MAX_REFUSAL_LINES` per interval.
 """
 
 from __future__ import annotations
@@ -362,33 +363,3 @@ class PendingConnections(Generic[K]):
     def logged_in(self, key: K) -> None:
         """The connection sent its CONNECT (or closed): no longer pending."""
         self._address.pop(key, None)
-
-
-class RateLimitedLog:
-    """Decides which refusals get a log line: one per key per interval, at most ``lines`` in all per interval;
-    the others are counted."""
-
-    def __init__(self, interval_s: float, lines: int = MAX_REFUSAL_LINES) -> None:
-        self.interval_s = interval_s
-        self.lines = lines
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._window: tuple[float, int] = (float("-inf"), 0)  # (when the current interval began, lines in it)
-
-    def allow(self, key: str, now: float) -> int | None:
-        """None to stay silent; else how many lines for ``key`` were held back since the last one."""
-        last = self._last.get(key)
-        began, written = self._window
-        if now - began >= self.interval_s:
-            began, written = now, 0
-        if (last is not None and now - last < self.interval_s) or written >= self.lines:
-            if len(self._suppressed) > 10_000:  # many keys held back: forget their counts rather than grow
-                self._suppressed.clear()
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return None
-        self._window = (began, written + 1)
-        if len(self._last) > 10_000:  # many keys: forget the old ones rather than grow
-            self._last.clear()
-            self._suppressed.clear()
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)

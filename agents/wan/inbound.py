@@ -25,7 +25,7 @@ it is refused and counted as ``foreign_session``, and the stranger's frames
 are never acknowledged or delivered (``unknown_peer``).
 
 A frame that fails validation is dropped, counted by reason in the link's
-metrics and logged at most once a minute per peer; the link keeps serving.
+metrics and logged at most once a minute per peer, 20 lines a minute in all; the link keeps serving.
 Connection events come from libzmq socket monitors: failed handshakes are
 counted, and a closed connection is mapped (by its file descriptor) to the
 stream it carried so that stream's chunks in flight are resent at once.
