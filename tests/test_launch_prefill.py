@@ -59,7 +59,7 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
     plan.write_text(layout_plan_text(load_config(ROOT / "configs/demo-3dc.yaml"), ["us", "eu", "ap"]))
     follow = ["--prefill-follow-checkpoints", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     with_load, run = _launch(tmp_path, plan, "prefill", "--prefill-rate", "20", "--prefill-http", *follow)
-    without, _ = _launch(tmp_path, plan, "plain")
+    without, _ = _launch(tmp_path, plan, "plain", "--prefill-http")  # served, with no load: an idle service
 
     section = with_load["prefill"]
     assert section["requests_sent"] > 0
@@ -70,11 +70,16 @@ def test_launch_with_prefill_answers_every_request_and_keeps_losses(tmp_path: Pa
     assert set(section["agents"]) == {"0", "1", "2"}
     for split in section["agents"].values():
         assert split["training_compute_s"] > 0 and split["idle_s"] >= 0 and split["prefill_compute_s"] >= 0
+        assert split["received"] >= split["ok"] and split["cancelled"] == split["bad_requests"] == 0, split
     assert sum(a["prefill_tokens"] for a in section["agents"].values()) >= section["prefill_tokens"]
-    assert "prefill" not in without and "prefill_http" not in without
+    idle = without["prefill"]  # without --prefill-rate the report still says what each agent served
+    assert "requests_sent" not in idle and set(idle["agents"]) == {"0", "1", "2"}, idle
+    for agent in idle["agents"].values():
+        assert agent["received"] == agent["unauthenticated"] == 0 and agent["training_compute_s"] > 0, agent
     urls = with_load["prefill_http"]  # --prefill-http: every agent's OpenAI-style front end, recorded
     assert set(urls) == {"0", "1", "2"} and all(u.startswith("https://127.0.0.1:") for u in urls.values())
     assert with_load["tls_ca"] == str(run / "secrets" / "tls-ca.crt") and "tls_ca" in without
+    assert set(without["prefill_http"]) == {"0", "1", "2"}
     served = [agent["served"] for agent in section["agents"].values()]  # each followed its checkpoints
     assert all(re.fullmatch(rf"checkpoint step \d+ of {re.escape(str(tmp_path / 'ckpt'))}", s) for s in served)
 

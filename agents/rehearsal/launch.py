@@ -398,6 +398,10 @@ def launch(
         from agents.rehearsal.prompt_load import prefill_section
 
         report["prefill"] = prefill_section(load, run)
+    elif prefill_http or prefill_follow_checkpoints:  # served to others' requests: what each agent saw
+        from agents.rehearsal.prompt_load import prefill_agents
+
+        report["prefill"] = {"agents": prefill_agents(run)}
     write_run_folder(run, layout, reports, report, predicted_timeline=predicted)
     if out is not None:
         print(report_text(report), file=out)

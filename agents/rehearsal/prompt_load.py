@@ -181,30 +181,47 @@ class PrefillLoad:
             self.ttft_s.append(time.monotonic() - entry[1])
 
 
-def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
-    """The report's ``prefill`` section: client counts, tokens/s, TTFT p50/p99, per-agent time split."""
-    duration = max(1e-9, load.sending_s)
-    p50, p99 = percentile(load.ttft_s, 50), percentile(load.ttft_s, 99)
+AGENT_FIELDS = (
+    "training_compute_s",
+    "prefill_compute_s",
+    "idle_s",
+    "training_wall_s",
+    "busy_fraction",
+    "prefill_tokens",
+    "prefill_chunks",
+    "received",
+    "ok",
+    "rejected",
+    "expired",
+    "error",
+    "cancelled",
+    "bad_requests",
+    "unauthenticated",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "served",  # the weights it computed with at the end (a checkpoint when following)
+)
+"""What the report keeps of each agent's ``prefill-rank<R>.json`` (the service's metrics after its last step)."""
+
+
+def prefill_agents(run_dir: str | Path, sent: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """Each serving agent's entry of the report's ``prefill`` section (rank -> :data:`AGENT_FIELDS`, and the
+    ``requests_sent`` to it by the launch's own load, when there was one)."""
     agents: dict[str, Any] = {}
     for path in sorted(Path(run_dir).glob("prefill-rank*.json")):
         rank = path.stem.removeprefix("prefill-rank")
         m = json.loads(path.read_text())
-        agents[rank] = {
-            "training_compute_s": m.get("training_compute_s"),
-            "prefill_compute_s": m.get("prefill_compute_s"),
-            "idle_s": m.get("idle_s"),
-            "training_wall_s": m.get("training_wall_s"),
-            "busy_fraction": m.get("busy_fraction"),
-            "prefill_tokens": m.get("prefill_tokens"),
-            "prefill_chunks": m.get("prefill_chunks"),
-            "ok": m.get("ok"),
-            "rejected": m.get("rejected"),
-            "expired": m.get("expired"),
-            "ttft_p50_ms": m.get("ttft_p50_ms"),
-            "ttft_p99_ms": m.get("ttft_p99_ms"),
-            "requests_sent": load.per_rank_sent.get(int(rank), 0),
-            "served": m.get("served"),  # the weights it computed with at the end (a checkpoint when following)
-        }
+        agents[rank] = {name: m.get(name) for name in AGENT_FIELDS}
+        if sent is not None:
+            agents[rank]["requests_sent"] = sent.get(int(rank), 0)
+    return agents
+
+
+def prefill_section(load: PrefillLoad, run_dir: str | Path) -> dict[str, Any]:
+    """The report's ``prefill`` section: client counts, tokens/s, TTFT p50/p99, per-agent time split."""
+    duration = max(1e-9, load.sending_s)
+    p50, p99 = percentile(load.ttft_s, 50), percentile(load.ttft_s, 99)
+    agents = prefill_agents(run_dir, load.per_rank_sent)
     return {
         "rate_per_s": load.rate,
         "deadline_s": load.deadline_s,
