@@ -44,13 +44,15 @@ def test_losing_every_dc_is_a_clear_error() -> None:
 def test_moving_back_waits_for_the_return_then_for_the_next_checkpoint() -> None:
     policy = ReturnPolicy(5.0)
     assert not policy.due(100.0, 3)  # no loss yet
+    assert not policy.pending()
     policy.lost(10.0)
+    assert policy.pending()  # a run that ends now says it did not move back
     assert not policy.due(14.9, 3)  # the GPUs are not back yet
     assert not policy.due(15.0, 3)  # back: the checkpoint complete now is not the next one
     assert not policy.due(16.0, 3)
     assert policy.due(17.0, 4)  # the next checkpoint: move back at this step boundary
     policy.moved()
-    assert not policy.due(30.0, 9)
+    assert not policy.due(30.0, 9) and not policy.pending()
     never = ReturnPolicy(None)
     never.lost(0.0)
-    assert not never.due(1e9, 100)
+    assert not never.due(1e9, 100) and not never.pending()

@@ -66,7 +66,10 @@ class PrefillClient:
         timeout_s: float = 30.0,
     ) -> None:
         if not endpoint.startswith("tcp://"):
-            raise InputError(f"--endpoint must look like tcp://HOST:PORT (got {endpoint!r})")
+            raise InputError(
+                f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
+                f"front end; http:// where it runs without TLS) (got {endpoint!r})"
+            )
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s

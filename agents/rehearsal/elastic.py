@@ -98,6 +98,10 @@ class ReturnPolicy:
     def moved(self) -> None:
         self._back_at, self._seen = None, None
 
+    def pending(self) -> bool:
+        """True while a move back is still to come (a loss with no move back after it)."""
+        return self._back_at is not None
+
 
 def describe(layout: JobLayout) -> str:
     """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``."""
@@ -223,6 +227,11 @@ class ElasticJob:
                 self.returning.lost(time.time())
                 text, layout, first = new_text, new_layout, resumed
         self._downtimes()
+        if text != original and self.returning.pending():
+            self._say(
+                f"elastic: the run ended on {describe(layout)} before moving back (the lost GPUs return "
+                f"{self.returning.after_s:g} s after the loss, at the next checkpoint after that)"
+            )
         return text, agents
 
     def _move_back_due(self) -> bool:

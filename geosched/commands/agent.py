@@ -4,7 +4,8 @@ The agent publishes its status retained (a last will marks it offline), binds
 its link endpoints and publishes their addresses in its status, and waits for
 ``geosched job start``; SIGTERM (or ``geosched job stop``) stops it cleanly.
 
-  geosched agent --mqtt mqtt://user:pw@broker:1883 --job demo --rank 3 --dc eu
+  export GEOSCHED_MQTT_USERNAME=agent-3 GEOSCHED_MQTT_PASSWORD=...   # the login, off the command line
+  geosched agent --mqtt mqtt://broker:1883 --job demo --rank 3 --dc eu
   geosched agent --plan plan.yaml --rank 0 --mqtt mqtt://127.0.0.1:1883 --bind-host 10.0.0.5
   geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0
   geosched agent --mqtt mqtt://127.0.0.1:1883 --rank 0 --prefill-bind tcp://127.0.0.1:0 --prefill-http 127.0.0.1:8000 \
