@@ -159,6 +159,33 @@ def test_loopback_endpoints_on_a_multi_host_job_are_named_before_the_start() -> 
     assert stranded_endpoints(bound) == []
 
 
+def test_an_agent_restarted_within_a_heartbeat_is_a_lost_rank() -> None:
+    """A supervisor restarted a killed agent within a second: its new process said 'ready' (no silence, its will
+    overwritten), the coordinator waited 120 s and then blamed the healthy peer that timed out waiting for it.
+    Another pid (or host) than the rank's process at the start is now the loss, named at once; a status of the
+    same process (a reconnect) is not."""
+    from agents.control.coordinator import JobResult
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    started = JobResult()
+    started.statuses.update(
+        {r: StatusMessage(r, "ready", dc=dc, host="h", pid=100 + r) for r, dc in ((0, "us"), (1, "eu"))}
+    )
+    feed = _Feed(
+        [
+            StatusMessage(1, "training", dc="eu", host="h", pid=101),  # the same process: fine
+            _metrics(0, 0),
+            StatusMessage(1, "ready", dc="eu", host="h", pid=4242, extra={"next_step": 0}),  # a new process
+        ]
+    )
+    with pytest.raises(AgentLost) as lost:
+        asyncio.run(_follow(_Plane(), feed, layout, 0, 5, None, step_timeout_s=5.0, result=started))  # type: ignore[arg-type]
+    assert lost.value.ranks == [1], lost.value
+    assert "agent rank 1 (eu) on h was restarted (h pid 101 -> h pid 4242; its state now ready) during step 0" in str(
+        lost.value
+    )
+
+
 def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> None:
     start = CommandMessage("start", seq=41, steps=3)
     acks = StartAcks(start, [0, 1, 2], now=0.0)

@@ -103,6 +103,10 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
         (("--elastic",), "--elastic needs --config CONFIG"),
         (("--config", "c.yaml"), "are for --elastic"),
         (("--elastic", "--config", "c.yaml", "--checkpoint-dir", "d", "--run-dir", "r"), "does not write a run folder"),
+        (
+            ("--elastic", "--config", "c.yaml", "--checkpoint-dir", "nowhere"),
+            "--checkpoint-dir 'nowhere' is not a folder",
+        ),
     ],
 )
 def test_job_start_elastic_bad_flags_exit_2_in_one_line(tmp_path: Path, extra: tuple[str, ...], says: str) -> None:

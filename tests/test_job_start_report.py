@@ -36,6 +36,7 @@ def test_an_elastic_start_that_fails_ends_json_stdout_with_its_outcome(embedded_
     from agent_helpers import three_dc_config
 
     plan, config = tiny_plan(tmp_path), tmp_path / "cluster.yaml"
+    (tmp_path / "ckpt").mkdir()
     config.write_text(yaml.safe_dump(three_dc_config()))
     url = embedded_broker.url_for("geosched")
     argv = ["job", "start", str(plan), "--mqtt", url, "--job", "noelastic", "--ready-timeout", "1", "--elastic"]

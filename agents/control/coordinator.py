@@ -40,6 +40,7 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
     exited_lost,
     lost_message,
     reread_lost,
+    restarted,
 )
 from agents.control.messages import (
     AGENT_STATES,
@@ -173,6 +174,7 @@ async def start_job(
     stop_when: Callable[[], bool] | None = None,
     replaced: Collection[str] = (),
     result: JobResult | None = None,
+    until: int | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -185,6 +187,7 @@ async def start_job(
     polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised. ``replaced``: ids
     of plans this one replaces (elastic): a status naming one is a lost or not yet restarted agent, no conflict.
     ``result``, when given, is filled step by step and returned: after a failure it holds the steps that completed.
+    ``until``: train up to that step (excluded) from wherever the agents resume, instead of ``steps`` more.
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -209,6 +212,9 @@ async def start_job(
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             first = first_step(statuses)
+            steps = steps if until is None else max(1, until - first)
+            result = JobResult() if result is None else result
+            result.statuses.update(statuses)  # each rank's process as it started: a restart of one is a loss
             routes = await before_start(statuses) if before_start is not None else {}
             command = await cp.publish_command("start", steps=steps, routes=routes)
             try:
@@ -226,7 +232,7 @@ async def start_job(
                     metrics,
                     exits,
                     stop_when,
-                    JobResult() if result is None else result,
+                    result,
                 )
             except BaseException as exc:
                 if (stop_on_loss or not isinstance(exc, AgentLost)) and not isinstance(exc, AgentRefused):
@@ -382,6 +388,9 @@ async def _follow(
         elif isinstance(message, StatusMessage) and of_another_plan(message, this_plan):
             log.info("job %r: ignored a status of rank %d of another plan", cp.job, message.rank)  # a stale agent
         elif isinstance(message, StatusMessage):
+            restart = restarted(result.statuses.get(message.rank), message) if message.rank not in finished else None
+            if restart is not None:
+                raise AgentLost(lost_message(cp.job, message, current, restart), [message.rank])
             result.statuses[message.rank] = message
             if message.state == "stopped" and message.extra.get("stopped_by") == "command":
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' during step {current}")

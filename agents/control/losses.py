@@ -45,6 +45,18 @@ def lost_message(job: str, status: StatusMessage, step: int | None, why: str | N
     )
 
 
+def restarted(before: StatusMessage | None, now: StatusMessage) -> str | None:
+    """Why ``now`` shows the rank's agent lost since ``before`` (its status when the job started): another
+    process on its host, or another host (a supervisor restarted it within a heartbeat, so no silence and no will
+    was seen; the training it held is gone); None when it is the same process."""
+    if before is None or before.pid is None or now.pid is None:
+        return None
+    if (before.host, before.pid) == (now.host, now.pid):
+        return None
+    was, became = f"{printable(before.host or '?')} pid {before.pid}", f"{printable(now.host or '?')} pid {now.pid}"
+    return f"was restarted ({was} -> {became}; its state now {now.state})"
+
+
 Exits = Callable[[], dict[int, int]]
 """The agents' processes that have exited, rank -> exit code (negative: killed by that signal); from a caller
 that supervises them (``launch``)."""

@@ -163,6 +163,7 @@ def run_supervised(
                 replaced=frozenset(replaced),
                 before_start=note_origin,
                 result=done.result,
+                until=origin[0] + steps if origin else None,  # a later attempt: to the job's end, from its agents' step
                 **control,
             )
         )

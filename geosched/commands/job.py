@@ -281,6 +281,11 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
         raise InputError(
             "--elastic does not write a run folder or serve metrics yet; leave out --run-dir/--metrics-bind"
         )
+    if not Path(args.checkpoint_dir).is_dir():
+        raise InputError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} is not a folder; give the checkpoint folder the agents share "
+            "(their --checkpoint-dir), from which a recovery resumes"
+        )
     layout = parse_layout(text, args.plan)
     done = SupervisedResult(None, plan_text=text)
 
