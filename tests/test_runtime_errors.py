@@ -61,6 +61,20 @@ def test_failing_actions_are_marked_in_the_grid(link_pair):
     assert "from stage 1" in message and "within 1 s" in message
 
 
+def test_a_cause_whose_text_begins_with_an_empty_line_is_on_the_first_line():
+    """A tensor-parallel peer killed mid-step gave 'action 1I2 failed: ;' in the coordinator's line: the torch
+    error's text began with an empty line, and an agent's status keeps the first line of its error."""
+    from geosched.schedule import Action, ActionKind
+
+    module = build_stage(MODEL, 0, 2, first=True, last=True, seed=1)
+    single = StageRuntime(
+        module, job_schedule(JOB, 1, 1), 0, transport=None, optimizer=torch.optim.AdamW(module.parameters())
+    )
+    failure = single._failure(Action(0, ActionKind.FORWARD, 1), 3, RuntimeError("\n  Connection closed by peer\nmore"))
+    first, second = str(failure).splitlines()[:2]
+    assert first == "stage 0 replica 0 step 3: action 0F1 failed: Connection closed by peer" and second == "more"
+
+
 def test_wrong_microbatch_count_is_refused():
     module = build_stage(MODEL, 0, 2, first=True, last=True, seed=1)
     single = StageRuntime(

@@ -484,9 +484,11 @@ class StageRuntime:
             grid = render_grid(self.schedule, mark=action)
         except Exception as render_exc:  # noqa: BLE001 - a broken view must not hide the real error
             grid = f"(grid unavailable: {render_exc})"
-        message = (
-            f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {str(exc) or repr(exc)}\n"
-            f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}"
+        lines = [line.strip() for line in (str(exc) or repr(exc)).splitlines() if line.strip()] or [repr(exc)]
+        message = (  # the cause's first line on the first (a torch error may begin with an empty one)
+            f"stage {self.stage} replica {self.replica} step {step}: action {action} failed: {lines[0]}\n"
+            + "".join(f"{line}\n" for line in lines[1:])
+            + f"schedule {self.schedule.name!r} with the failing action marked:\n{grid}"
         )
         log.error("%s", message)
         cls = type(exc) if isinstance(exc, GeoschedError) else StageError
