@@ -56,3 +56,24 @@ def test_moving_back_waits_for_the_return_then_for_the_next_checkpoint() -> None
     never = ReturnPolicy(None)
     never.lost(0.0)
     assert not never.due(1e9, 100) and not never.pending()
+
+
+def test_a_loss_past_the_recovery_limit_says_so_and_a_recovery_names_every_rank_that_exited(tmp_path) -> None:
+    """On a 4th loss the run ended with the loss's own line, as if it had never recovered; and a recovery's
+    reason named only the rank the coordinator saw exit first, not the one found dead when the others stopped."""
+    from agents.control.coordinator import AgentLost
+    from agents.rehearsal.elastic import ElasticJob
+
+    config = config_from_dict(three_dc_config())
+    plan = layout_plan_text(config, ["us", "eu"], dp=2)  # ranks: us 0, 1; eu 2, 3
+    losses = iter([AgentLost("rank 2 exited", [2]), AgentLost("rank 0 exited", [0])])
+
+    def run(text: str, count: int, *_: object) -> None:
+        raise next(losses)
+
+    stopped = iter([[3], []])  # stopping the first attempt finds rank 3 dead too
+    job = ElasticJob(config, tmp_path, tmp_path, lambda layout, resume: None, run, lambda _: next(stopped), most=1)
+    with pytest.raises(AgentLost, match=r"rank 0 exited \(not recovered: this run recovered 1 time already"):
+        job.train(plan, 5)
+    (recovery,) = job.recoveries
+    assert recovery.lost_ranks == [2, 3] and recovery.reason == "rank 2 exited (ranks 3 exited too)"

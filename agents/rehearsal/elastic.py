@@ -196,11 +196,19 @@ class ElasticJob:
                 )
                 self.returning.moved()
             except AgentLost as exc:
-                if not exc.ranks or sum(1 for r in self.recoveries if r.lost_ranks) >= self.most:
+                if not exc.ranks:
                     raise
+                if sum(1 for r in self.recoveries if r.lost_ranks) >= self.most:
+                    raise AgentLost(
+                        f"{exc} (not recovered: this run recovered {self.most} time{'s' * (self.most != 1)} already, "
+                        "the most it does)",
+                        exc.ranks,
+                    ) from exc
                 lost_at, failed_at = time.time(), self.progress()[0]
                 self._say(f"elastic: {exc}")
                 lost = sorted({*exc.ranks, *self.stop(agents)})
+                also = [r for r in lost if r not in exc.ranks]  # exited too, seen once the survivors were stopped
+                reason = f"{exc} (ranks {', '.join(map(str, also))} exited too)" if also else str(exc)
                 config, gone = surviving_config(config, layout, lost)
                 new_text = plan_for_config(config)
                 new_layout = parse_layout(new_text)
@@ -208,7 +216,7 @@ class ElasticJob:
                 recovery = Recovery(
                     lost,
                     gone,
-                    str(exc),
+                    reason,
                     describe(layout),
                     describe(new_layout),
                     failed_at,
