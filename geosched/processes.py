@@ -17,6 +17,16 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 """The checkout holding geosched/, planner/ and agents/."""
 
 
+def exit_words(code: int) -> str:
+    """How a child process ended, from its exit code (negative: the signal that killed it), in words."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment with the checkout first on PYTHONPATH, plus ``extra`` variables."""
     path = os.environ.get("PYTHONPATH")

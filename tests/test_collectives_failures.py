@@ -108,3 +108,23 @@ def test_the_rank_that_went_quiet_first_is_named_not_the_ones_stuck_behind_it() 
     assert "rank(s) [1] stopped responding" in why and "rank(s) [3] went quiet after them" in why
     monitor._last_change = [now, now - 12 * beat, now, now - 11 * beat]  # two deaths at about the same time
     assert monitor.missing_ranks()[0] == [1, 3]
+
+
+def _meet_or_die(group: DataParallelGroup, barrier: object, victim: int) -> str:
+    """Every rank waits at a barrier of the caller's (up to a minute); ``victim`` is killed before it gets there."""
+    if group.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    barrier.wait(60.0)  # type: ignore[attr-defined]
+    return "met"
+
+
+def test_a_rank_killed_before_a_shared_barrier_releases_the_others_at_once() -> None:
+    """A calibration process killed by SIGKILL left the other ranks at the calibration's barrier until its
+    timeout (2 minutes) and the error read 'BrokenBarrierError: '; ``on_death`` aborts the barrier at once."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    began = time.monotonic()
+    results = run_local_group(_meet_or_die, 2, barrier, 1, timeout_s=TIMEOUT_S, deadline_s=120, on_death=barrier.abort)
+    assert time.monotonic() - began < 40  # not the barrier's minute
+    assert results[1].exitcode == -signal.SIGKILL and results[1].value is None
+    assert results[0].error == "BrokenBarrierError", results[0]

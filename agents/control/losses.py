@@ -8,11 +8,11 @@ acts on both is :mod:`agents.control.coordinator`.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Iterable
 
 from agents.control.messages import StatusMessage, of_another_plan, printable
 from geosched.errors import GeoschedError
+from geosched.processes import exit_words
 
 RETAINED_SETTLE_S = 0.3
 """How long the coordinator lets the broker deliver retained statuses (before it publishes the plan, and
@@ -87,18 +87,9 @@ def exited_lost(
     said = next((st for st in refused if st is not None and st.state == "error"), None)
     if not named and said is not None:
         return AgentLost(lost_message(job, said, step), [])
-    how = ", ".join(f"rank {r} ({_exit_words(codes[r])})" for r in sorted(codes))
+    how = ", ".join(f"rank {r} ({exit_words(codes[r])})" for r in sorted(codes))
     at = f" during step {step}" if step is not None else ""
     return AgentLost(f"job {job!r}: agent processes exited{at}: {how}; job stopped", named)
-
-
-def _exit_words(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], plan: str) -> AgentLost | None:

@@ -42,7 +42,7 @@ def _local_worker(
         with join_group(dataclasses.replace(spec, rank=rank, local_rank=local_rank)) as group:
             results.put((rank, fn(group, *args), None))
     except Exception as exc:  # noqa: BLE001 - handed back to the parent
-        results.put((rank, None, f"{type(exc).__name__}: {exc}"))
+        results.put((rank, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
 
 
 def run_local_group(
@@ -56,6 +56,7 @@ def run_local_group(
     threads: int = 1,
     backend: str = "gloo",
     start_method: str = "spawn",
+    on_death: Callable[[], None] | None = None,
 ) -> list[LocalRankResult]:
     """Run ``fn(group, *args)`` in ``size`` fresh processes forming one gloo group on 127.0.0.1.
 
@@ -66,6 +67,7 @@ def run_local_group(
     ``deadline_s`` bounds the whole run, after which stragglers are killed.
     ``backend="nccl"``: rank r on GPU r of this host. ``start_method="forkserver"`` forks the
     processes from a server that imported its preload modules once (no torch import per process).
+    ``on_death`` is called once when a process dies without a result (e.g. to abort a barrier the others wait at).
     """
     ctx: Any = torch.multiprocessing.get_context(start_method)  # spawn or forkserver: both make Processes
     results = ctx.Queue()
@@ -90,7 +92,11 @@ def run_local_group(
             try:
                 rank, value, error = results.get(timeout=0.2)
             except queue.Empty:  # a dead process has flushed whatever it sent
-                pending -= {r for r in pending if not procs[r].is_alive()}
+                dead = {r for r in pending if not procs[r].is_alive()}
+                if dead and on_death is not None:
+                    on_death()
+                    on_death = None
+                pending -= dead
                 continue
             out[rank].value, out[rank].error = value, error
             pending.discard(rank)

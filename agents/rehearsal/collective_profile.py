@@ -57,6 +57,7 @@ from agents.dp.local_group import run_local_group
 from geosched.config import JobSpec
 from geosched.errors import CollectiveError
 from geosched.optim import TIMING_LR, MasterAdamW
+from geosched.processes import exit_words
 from geosched.profile import measure_stage, profile_job, profile_microbatches, stage_time_record
 from geosched.schema import dump_dataclass, load_dataclass
 
@@ -130,18 +131,17 @@ def measure_plan_ranks(
                 name=f"calibrate{i}",
                 backend=backend,
                 start_method=method,
+                on_death=barrier.abort,  # the other groups stop waiting for it at once
             )
             for i, g in enumerate(groups)
         ]
         results = [f.result() for f in futures]
-    ranks: list[dict[str, Any]] = []
-    for g, group_results in zip(groups, results):
-        for r in group_results:
-            if r.error is not None or r.value is None:
-                why = r.error or f"exit code {r.exitcode}"
-                raise CollectiveError(f"co-located rank profile of stage {g.layers} failed: {why}")
-            assert isinstance(r.value, dict), r.value
-            ranks.append(r.value)
+    failed = [(g, r) for g, rs in zip(groups, results) for r in rs if r.error is not None or r.value is None]
+    if failed:  # a process that died, not one that gave up waiting for it
+        g, r = min(failed, key=lambda f: f[1].error is not None)
+        why = r.error or (exit_words(r.exitcode) if r.exitcode is not None else "no result in time")
+        raise CollectiveError(f"co-located rank profile of stage {g.layers} failed: its rank {r.rank}: {why}")
+    ranks = [r.value for rs in results for r in rs if isinstance(r.value, dict)]
     return {"stage_times": _stage_times(ranks), "collectives": _fits(ranks), "ranks": ranks}
 
 
