@@ -13,13 +13,19 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from geosched.errors import GeoschedError, InputError
 
-__all__ = ["BrokerAddress", "BrokerAuthError", "BrokerUnreachable"]
+__all__ = ["PAHO_LOG", "BrokerAddress", "BrokerAuthError", "BrokerUnreachable"]
+
+PAHO_LOG = logging.getLogger("agents.control.paho")
+"""The MQTT library's own logger: quiet, since every failure it logs reaches the control plane as an error too,
+which says it once per outage ("reconnecting"), not paho's ERROR line per socket error."""
+PAHO_LOG.setLevel(logging.CRITICAL)
 
 
 class BrokerAuthError(InputError):

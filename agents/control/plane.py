@@ -38,7 +38,7 @@ from typing import Any
 
 import aiomqtt
 
-from agents.control.address import BrokerAddress, BrokerAuthError, BrokerUnreachable
+from agents.control.address import PAHO_LOG, BrokerAddress, BrokerAuthError, BrokerUnreachable
 from agents.control.auth import MAX_HEADER_BYTES, ControlKeys, RefusalReport, Refused, Signer, Verifier
 from agents.control.messages import (
     KINDS,
@@ -184,8 +184,7 @@ class ControlPlane:
 
     async def _stop_runner(self) -> None:
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await cancel_and_wait([runner])
+        await cancel_and_wait([runner] if runner is not None else [])
 
     def _make_client(self) -> aiomqtt.Client:
         will = None
@@ -207,6 +206,7 @@ class ControlPlane:
             tls_context=self._tls,
             timeout=max(2.0, float(self._keepalive)),
             max_queued_incoming_messages=10_000,
+            logger=PAHO_LOG,
         )
 
     async def _run(self) -> None:
@@ -225,8 +225,9 @@ class ControlPlane:
                     self._first_connect.set_exception(fatal)
                     return
                 self._last_error = str(fatal or exc)
-                if self.stats.connects:
-                    log.warning("MQTT %s: %s; reconnecting in <= %.1f s", self.address, self._last_error, delay)
+                if self.stats.connects:  # the first failure of an outage is a warning; the retries after it debug
+                    level = logging.WARNING if delay == self._backoff[0] else logging.DEBUG
+                    log.log(level, "MQTT %s: %s; reconnecting in <= %.1f s", self.address, self._last_error, delay)
             except Exception as exc:  # a bug must not end the control plane silently
                 self._last_error = repr(exc)
                 log.exception("MQTT %s: unexpected error; reconnecting in <= %.1f s", self.address, delay)
