@@ -64,7 +64,7 @@ from agents.layout import (
 from agents.metrics.families import AgentMetrics, loop_answers
 from agents.metrics.server import MetricsServer
 from agents.runnable import check_agent_fits
-from geosched.errors import CheckpointError, GeoschedError, InputError
+from geosched.errors import CheckpointError, GeoschedError, InputError, LinkTimeout
 
 if TYPE_CHECKING:
     from agents.prefill.connections import HttpLimits
@@ -401,7 +401,8 @@ class Agent:
     async def _on_failure(self, exc: BaseException) -> int:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.error("rank %d failed: %s", self.opts.rank, exc)
-        cause = "checkpoint" if isinstance(exc, CheckpointError) else None  # the job's storage, not this rank
+        # not this rank's fault: the job's storage, or a WAN link that went quiet while this rank waited on it
+        cause = "checkpoint" if isinstance(exc, CheckpointError) else "link" if isinstance(exc, LinkTimeout) else None
         await self._set_status("error", message=text[:500], cause=cause)
         await self._event("error", f"rank {self.opts.rank}: {text[:500]}")
         return exc.exit_code if isinstance(exc, GeoschedError) else 1

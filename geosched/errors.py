@@ -43,6 +43,10 @@ class LinkError(GeoschedError):
     """A WAN link failed at run time (peer unreachable, timed out)."""
 
 
+class LinkTimeout(LinkError):
+    """Nothing arrived from a WAN peer within the receive timeout: the peer stopped sending, or the link to it."""
+
+
 class CollectiveError(GeoschedError):
     """An intra-DC collective failed or timed out (names the missing rank)."""
 

@@ -186,6 +186,19 @@ def test_an_agent_restarted_within_a_heartbeat_is_a_lost_rank() -> None:
     )
 
 
+def test_a_rank_whose_wan_link_went_quiet_is_not_the_lost_one() -> None:
+    """A killed WAN relay: the rank waiting on it failed after 120 s and was dropped from the cluster as lost,
+    though it and its peer were healthy. Its error now says the link went quiet (cause 'link'): no rank is
+    blamed, so an elastic job does not re-plan without a healthy GPU."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    message = "recv step=4 microbatch=0 kind=activation from tcp://127.0.0.1:17002 timed out after 120 s"
+    feed = _Feed([StatusMessage(0, "error", dc="us", extra={"cause": "link", "message": message})])
+    with pytest.raises(AgentLost) as lost:
+        asyncio.run(_follow(_Plane(), feed, layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
+    said = str(lost.value)
+    assert lost.value.ranks == [] and "no GPU is blamed" in said and "timed out after 120 s" in said, said
+
+
 def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> None:
     start = CommandMessage("start", seq=41, steps=3)
     acks = StartAcks(start, [0, 1, 2], now=0.0)

@@ -17,7 +17,7 @@ from agents.wan.config import LISTEN_IO_THREADS, WanLinkConfig
 from agents.wan.io import poll_timeout_ms
 from agents.wan.link import WanLink
 from geosched.chunking import auto_chunk_bytes
-from geosched.errors import ConfigError, InputError, LinkError, ProtocolError
+from geosched.errors import ConfigError, InputError, LinkError, LinkTimeout, ProtocolError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)
 
@@ -178,7 +178,7 @@ def test_same_key_messages_arrive_once_and_in_order(make_pair) -> None:
         assert torch.equal(got, tensor), f"message {i} out of order"
     for future in futures:
         future.result(30)
-    with pytest.raises(LinkError, match=r"timed out after 0.3 s"):
+    with pytest.raises(LinkTimeout, match=r"timed out after 0.3 s"):  # a LinkError: the agent names the link
         server.recv_sync(step=5, microbatch=0, kind="control", timeout_s=0.3)
 
 

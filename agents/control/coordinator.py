@@ -395,8 +395,12 @@ async def _follow(
             if message.state == "stopped" and message.extra.get("stopped_by") == "command":
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' during step {current}")
             if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
-                storage = message.extra.get("cause") == "checkpoint"  # the job's disk, not the rank: no one lost
-                raise AgentLost(lost_message(cp.job, message, current), [] if storage else [message.rank])
+                cause = message.extra.get("cause")  # the job's disk, or a link that went quiet: no rank is lost
+                why = " (nothing came over a WAN link: the link or its peer failed; no GPU is blamed)"
+                raise AgentLost(
+                    lost_message(cp.job, message, current) + (why if cause == "link" else ""),
+                    [] if cause in ("checkpoint", "link") else [message.rank],
+                )
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):

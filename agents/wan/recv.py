@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from agents.wan.metrics import Dropped, LinkCounters
-from geosched.errors import LinkError, ProtocolError
+from geosched.errors import LinkError, LinkTimeout, ProtocolError
 from geosched.wire import (
     byte_array,
     check_tensor_spec,
@@ -411,7 +411,7 @@ class RecvState:
 
     def _timeout_error(self, posted: PostedRecv) -> LinkError:
         step, microbatch, kind = posted.key
-        return LinkError(
+        return LinkTimeout(
             f"recv step={step} microbatch={microbatch} kind={kind} from {self.peer} "
             f"timed out after {posted.timeout_s:g} s (is the peer sending? raise recv_timeout_s if it is slow)"
         )
