@@ -424,6 +424,7 @@ class RankWorker:
             SwappablePrefillService(
                 model,
                 served=served,
+                step=step,
                 bind=self.opts.prefill_bind,
                 auth_token=self.opts.prefill_token,
                 curve_server=curve,
@@ -462,7 +463,7 @@ class RankWorker:
         folder = self.opts.prefill_weights
 
         def serve(new_step: int, model: Any) -> None:
-            service.replace_model(frozen(model), f"checkpoint step {new_step} of {folder}")
+            service.replace_model(frozen(model), f"checkpoint step {new_step} of {folder}", new_step)
 
         stack.callback(CheckpointFollower(folder, record, step, serve).start().close)
 

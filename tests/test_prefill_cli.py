@@ -122,3 +122,37 @@ def test_a_prompt_that_is_not_utf8_is_its_bytes(endpoint, weights, capsys):
     model = build_model(load_config(CONFIG).job.model, seed=99)
     expected = greedy_generate(model, torch.tensor([list(raw)]), 1)[0, -1].item()
     assert [(a["prompt_tokens"], a["first_token"]) for a in answers] == [(len(raw), expected)] * 2
+
+
+def test_decoding_with_other_weights_than_the_endpoints_is_refused(weights, tmp_path, capsys):
+    """An agent following its checkpoints served step 220 while --decode continued the cache with a step-100
+    file, silently mixing weights. Each answer now names the step of its weights (ZeroMQ header, /v1/prefill
+    metadata, a completion's system_fingerprint); --decode refuses other weights, and takes the same step's."""
+    from safetensors.torch import load_file
+
+    from agents.prefill.swap import SwappablePrefillService
+    from geosched.weights import ModelRecord, save_safetensors, weights_metadata
+
+    job = load_config(CONFIG).job
+    record = ModelRecord.of(job.model, job.seed, job.precision)
+    files = {}
+    for step in (100, 220):  # the same tensors: only the recorded step differs
+        files[step] = tmp_path / f"step{step}.safetensors"
+        save_safetensors(load_file(weights), str(files[step]), weights_metadata(record, step=step))
+    model = load_inference_model(job.model, weights)
+    with SwappablePrefillService(model, served="checkpoint step 220", step=220, auth_token="tok") as service:
+        stop = threading.Event()
+        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
+        worker.start()
+        try:
+            argv = ["prefill", "--endpoint", service.endpoint, "--token", "tok", "--decode", "2", "--config", CONFIG]
+            assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "weights of checkpoint step 220" in err, err
+            assert "those of step 100" in err and "--step 220" in err, err
+            assert main([*argv, "--weights", str(files[220]), "--json", "hi"]) == 0
+            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            assert out["weights_step"] == 220 and len(out["decoded_tokens"]) == 2
+        finally:
+            stop.set()
+            worker.join(10)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from polling import wait_for
+from prefill_helpers import idle_worker
 
 from agents.prefill.client import PrefillClient, continue_greedy
 from agents.prefill.completions import response_from_safetensors, token_text
@@ -457,3 +458,15 @@ def test_text_offset_is_the_same_for_a_prompt_as_text_or_as_its_bytes(served):
         assert status == 200, body
         offsets.append(json.loads(body)["choices"][0]["logprobs"]["text_offset"])
     assert offsets == [[1], [1]]
+
+
+def test_answers_name_the_checkpoint_step_of_the_weights(model):
+    """What a client decoding on needs to know: a completion's system_fingerprint, /v1/prefill's metadata."""
+    from agents.prefill.swap import SwappablePrefillService
+
+    with SwappablePrefillService(model, served="checkpoint step 7", step=7, auth_token=TOKEN) as service:
+        with idle_worker(service), PrefillHttpServer(service, "127.0.0.1", 0) as server:
+            completion = json.loads(call(server, "POST", "/v1/completions", {"prompt": "a"})[2])
+            status, _, body = call(server, "POST", "/v1/prefill", {"prompt": "a"})
+    assert completion["system_fingerprint"] == "geosched-step-7" and completion["geosched"]["weights_step"] == 7
+    assert status == 200 and response_from_safetensors(body).weights_step == 7

@@ -32,14 +32,14 @@ def test_new_weights_wait_for_the_prompt_in_progress(one_torch_thread) -> None:
     expected_old, expected_new = (prefill_locally(m, PROMPT) for m in (old, new))
     assert expected_old.topk_logits != pytest.approx(expected_new.topk_logits)
     with (
-        SwappablePrefillService(old, served="seed 1", min_piece_s=1e-9, max_piece_s=1e-9) as service,
+        SwappablePrefillService(old, served="seed 1", step=10, min_piece_s=1e-9, max_piece_s=1e-9) as service,
         PrefillClient(service.endpoint) as client,
     ):
         client.submit(PROMPT, return_kv=False)
         _queued(service)
         answers = iter([False] * (1 + 2 * SHAPE.layers) + [True])  # asked before the chunk, after each half block
         assert [span.tokens for span in service.fill(lambda: next(answers), None)] == [1]  # one token in
-        service.replace_model(new, "seed 2")
+        service.replace_model(new, "seed 2", 20)
         assert service.served == "seed 1"  # the prompt is part-way: the swap waits
         service.fill(lambda: False, None)  # the rest of the prompt, then the swap
         first = client.receive(10)
@@ -49,6 +49,7 @@ def test_new_weights_wait_for_the_prompt_in_progress(one_torch_thread) -> None:
         service.fill(lambda: False, None)
         second = client.receive(10)
     assert first.status == second.status == "ok"
+    assert (first.weights_step, second.weights_step) == (10, 20)  # each answer names the step that computed it
     assert first.topk_ids == expected_old.topk_ids
     assert first.topk_logits == pytest.approx(expected_old.topk_logits, abs=1e-5)
     assert second.topk_ids == expected_new.topk_ids

@@ -225,8 +225,10 @@ def completion_body(ask: Ask, response: PrefillResponse, model_id: str, created:
             "completion_tokens": 1,
             "total_tokens": response.prompt_tokens + 1,
         },
+        "system_fingerprint": None if response.weights_step is None else f"geosched-step-{response.weights_step}",
         "geosched": {
             "first_token": response.first_token,
+            "weights_step": response.weights_step,
             **response.timings,
             "chunks": int(response.timings.get("chunks", 0)),
         },
@@ -258,6 +260,8 @@ def kv_safetensors(response: PrefillResponse) -> bytes:
         "topk_logits": json.dumps(response.topk_logits),
         "timings": json.dumps(response.timings),
     }
+    if response.weights_step is not None:
+        metadata["weights_step"] = str(response.weights_step)
     return bytes(save(tensors, metadata=metadata))
 
 
@@ -285,6 +289,7 @@ def response_from_safetensors(data: bytes) -> PrefillResponse:
             topk_logits=[float(x) for x in json.loads(meta["topk_logits"])],
             kv=kv,
             timings={k: float(v) for k, v in json.loads(meta["timings"]).items()},
+            weights_step=int(meta["weights_step"]) if "weights_step" in meta else None,
         )
     except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"not a prefill KV answer ({KV_FORMAT}): {exc}") from None

@@ -90,6 +90,7 @@ class PrefillResponse:
     topk_logits: list[float] = field(default_factory=list)
     kv: KVCache | None = None  # per layer (K, V), each (1, H, T, D)
     timings: dict[str, float] = field(default_factory=dict)
+    weights_step: int | None = None  # the checkpoint step of the weights that computed it (None: not a step's)
 
 
 def prompt_tokens(prompt: str | bytes | Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -222,6 +223,8 @@ def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
         topk_logits=[float(x) for x in resp.topk_logits],
         kv_layers=len(kv),
     )
+    if resp.weights_step is not None:
+        header["weights_step"] = resp.weights_step
     header.update({k: float(resp.timings.get(k, 0.0)) for k in TIMING_FIELDS})
     if not kv:
         return [wire.encode_header(header)]
@@ -269,4 +272,5 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
         topk_logits=[float(x) for x in topk_logits],
         kv=kv,
         timings=timings,
+        weights_step=wire.require_int(header, "weights_step") if "weights_step" in header else None,
     )

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
 
-def _load_local_model(args: argparse.Namespace) -> StageModule:
+def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None]:
     from agents.checkpoint.export import served_weights
     from agents.prefill.model import frozen, load_inference_model
     from geosched.config import load_config
@@ -95,10 +95,10 @@ def _load_local_model(args: argparse.Namespace) -> StageModule:
     job = load_config(args.config).job
     fits_host_memory(job, 4, f"the model of {args.config}", "serve it from an agent on a larger host (--endpoint)")
     if args.weights is None:
-        return load_inference_model(job.model, None, seed=args.seed)
-    model, _ = served_weights(args.weights, ModelRecord.of(job.model, job.seed, job.precision))
+        return load_inference_model(job.model, None, seed=args.seed), None
+    model, step = served_weights(args.weights, ModelRecord.of(job.model, job.seed, job.precision))
     assert model is not None  # a weights source without following gives a model or raises
-    return frozen(model)
+    return frozen(model), step
 
 
 def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> tuple[str, CurveClient]:
@@ -136,15 +136,17 @@ def run(args: argparse.Namespace) -> int:
     if args.local:
         if args.endpoint is not None:
             raise InputError("pass either --endpoint (an agent) or --local (this process), not both")
-        model = _load_local_model(args)
-        return _report(args, prefill_locally(model, args.prompt, args.top_k), model if args.decode else None)
+        model, step = _load_local_model(args)
+        answer = prefill_locally(model, args.prompt, args.top_k)
+        answer.weights_step = step
+        return _report(args, answer, model if args.decode else None, step)
     if args.endpoint is None:
         raise InputError(
             "pass --endpoint tcp://HOST:PORT (an agent's prefill endpoint), or --local --weights FILE --config CONFIG"
         )
     if (args.curve_key is None) != (args.server_key is None):
         raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
-    served = _load_local_model(args) if args.decode else None
+    served, step = _load_local_model(args) if args.decode else (None, None)
     curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
     token = args.token
     if args.token_file is not None:
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         token = read_token_file(args.token_file, "--token-file")
     if args.endpoint.startswith(("http://", "https://")):
         result = _over_http(args, token, curve)
-        return _report(args, result, served)
+        return _report(args, result, served, step)
     if args.ca_file is not None:
         raise InputError("--ca-file goes with an https:// endpoint (tcp:// endpoints use CURVE)")
     if args.keys is not None:
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             return_kv=bool(args.decode),
         )
-    return _report(args, result, served)
+    return _report(args, result, served, step)
 
 
 def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> PrefillResponse:
@@ -206,15 +208,27 @@ def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient |
     )
 
 
-def _report(args: argparse.Namespace, result: PrefillResponse, model: StageModule | None) -> int:
-    """Print the answer (text, or one JSON object), decoding ``--decode N`` tokens on with ``model``; 0 when ok."""
+def _report(
+    args: argparse.Namespace, result: PrefillResponse, model: StageModule | None, step: int | None = None
+) -> int:
+    """Print the answer (text, or one JSON object), decoding ``--decode N`` tokens on with ``model`` (of checkpoint
+    ``step``: refused when the answer says other weights computed the cache); 0 when ok."""
     from agents.prefill.client import continue_greedy
+
+    if model is not None and result.weights_step is not None and result.weights_step != step:
+        raise InputError(
+            f"the endpoint computed this cache with the weights of checkpoint step {result.weights_step}, and "
+            f"--decode would continue it with {'those of step ' + str(step) if step is not None else 'others'} "
+            f"(--weights {args.weights}); pass the same step's weights (geosched export CKPT --step "
+            f"{result.weights_step})"
+        )
 
     out: dict[str, object] = {"id": result.id, "status": result.status}
     if result.status != "ok":
         out["reason"] = result.reason
     else:
         out.update(
+            weights_step=result.weights_step,
             prompt_tokens=result.prompt_tokens,
             first_token=result.first_token,
             topk_ids=result.topk_ids,
