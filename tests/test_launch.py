@@ -93,6 +93,7 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     assert "launch: Prometheus metrics (and /health): coordinator https://127.0.0.1:" in done.stderr
     assert report["tls_ca"] == str(run / "secrets" / "tls-ca.crt")
     assert report["steps"] == [0, 1, 2]
+    assert [s["lr"] for s in report["per_step"]] == [load_config(ROOT / "configs/demo-3dc.yaml").job.learning_rate] * 3
     assert len(report["losses"]) == 3 and all(loss > 0 for loss in report["losses"])
     assert report["losses"][-1] < report["losses"][0]
     assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0

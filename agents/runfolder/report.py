@@ -135,7 +135,7 @@ def build_report(
     complete = sorted(s for s, rs in by_step.items() if len(rs) == len(layout.roles))
     schedule = _schedule(layout)
     roles = {(role.stage, role.replica): role for role in layout.roles}  # a stage's tp ranks share its links
-    per_step = []
+    per_step: list[dict[str, Any]] = []
     for step in complete:
         rs = by_step[step]
         pipeline = [r for r in rs if r.replica == 0]
@@ -151,6 +151,7 @@ def build_report(
                 "sync_s": max(r.sync_s for r in rs),
                 "sync_collective_s": collective_sync_s(rs),
                 "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
+                "lr": next((r.lr for r in rs if r.lr is not None), None),  # the same on every rank
             }
         )
     if not per_step:
@@ -231,8 +232,11 @@ def _schedule(layout: Any) -> Any:
     return job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup)
 
 
-def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLike[str]) -> Path:
-    """A loss-per-step line chart (Agg canvas, no pyplot state)."""
+def write_loss_png(
+    steps: list[int], losses: list[float], path: str | os.PathLike[str], rates: Mapping[int, float] | None = None
+) -> Path:
+    """A loss-per-step line chart (Agg canvas, no pyplot state); ``rates`` (step -> learning rate), when they
+    change over the run (a warm-up or decay), dashed on a second axis."""
     from geosched.schedule.plot import matplotlib_config_folder
 
     matplotlib_config_folder()
@@ -247,6 +251,10 @@ def write_loss_png(steps: list[int], losses: list[float], path: str | os.PathLik
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     ax.grid(True, alpha=0.3)
+    if rates and len(set(rates.values())) > 1:
+        lr = ax.twinx()
+        lr.plot(sorted(rates), [rates[s] for s in sorted(rates)], linestyle="--", color="tab:orange")
+        lr.set_ylabel("learning rate", color="tab:orange")
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)
@@ -330,10 +338,11 @@ def write_run_folder(
     pipeline = [r for rs in reports.values() for r in rs if r.step == last and r.replica == 0]
     timeline = measured_timeline(_schedule(layout), pipeline, layout.stage_dcs)
     measured_title = f"measured, step {last}: {_figures(timeline)}"
+    rates = {s["step"]: s["lr"] for s in report.get("per_step", []) if s.get("lr") is not None}  # this run's
     written = {
         "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=measured_title)),
         "trace": str(write_chrome_trace(timeline, run / "trace.json")),
-        "loss": str(write_loss_png(*_history_of(report), run / "loss.png")),  # every attempt's steps
+        "loss": str(write_loss_png(*_history_of(report), run / "loss.png", rates)),  # every attempt's steps
     }
     if predicted_timeline is not None:
         by_step = reports_by_step(reports)
