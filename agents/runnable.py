@@ -120,7 +120,8 @@ def check_plan_config(made_for: Config, config: Config, plan_path: str, config_p
     """InputError when a plan made for ``made_for`` (its embedded config) would not run ``config``: another
     cluster or model, or other learning settings (:data:`LEARNING_FIELDS`: the agents train with the plan's).
     The planner's choices (microbatch size, schedule, tensor parallelism, ZeRO) may differ: ``geosched plan``'s
-    flags override a config's pins; so may ``steps`` (launch runs the config's)."""
+    flags override a config's pins; so may ``steps`` (launch runs the config's), unless the learning rate
+    decays: the agents end the decay at the plan's ``job.steps``."""
     differs = []
     if made_for.cluster != config.cluster:
         same_name = made_for.cluster.name == config.cluster.name
@@ -133,6 +134,9 @@ def check_plan_config(made_for: Config, config: Config, plan_path: str, config_p
         planned, wanted = getattr(made_for.job, name), getattr(config.job, name)
         if planned != wanted:
             differs.append(f"job.{name} {planned} (the config has {wanted})")
+    if made_for.job.steps != config.job.steps and config.job.lr_decay != "none":  # the decay ends at job.steps
+        steps = made_for.job.steps
+        differs.append(f"job.steps {steps}, where its learning-rate decay ends (the config has {config.job.steps})")
     if differs:
         raise InputError(
             f"{plan_path} was made for {' and '.join(differs)}, not for {config_path}; plan this config "

@@ -146,6 +146,13 @@ def test_a_plan_trains_only_the_learning_settings_it_was_made_with(tmp_path: Pat
     assert not run.exists()
     chosen = dataclasses.replace(config.job, zero=1, microbatch_size=1, steps=5)  # as plan --zero 1 ... sets them
     check_plan_config(dataclasses.replace(config, job=chosen), config, str(plan), "configs/demo-3dc.yaml")
+    # with a decaying learning rate the steps may not differ: the agents end the decay at the plan's job.steps
+    from geosched.errors import InputError
+
+    decaying = dataclasses.replace(config, job=dataclasses.replace(config.job, lr_decay="cosine"))
+    made_for = dataclasses.replace(decaying, job=dataclasses.replace(decaying.job, steps=12))
+    with pytest.raises(InputError, match="job.steps 12, where its learning-rate decay ends .the config has"):
+        check_plan_config(made_for, decaying, str(plan), "configs/demo-3dc.yaml")
 
 
 def test_export_writes_neither_through_a_link_nor_into_the_checkpoint_it_reads(tmp_path: Path, capsys) -> None:
