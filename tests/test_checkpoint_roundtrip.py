@@ -106,7 +106,7 @@ def test_a_resume_trains_with_the_jobs_learning_rate_not_the_checkpoints(tmp_pat
     for i, (stage, opt) in enumerate(zip(fresh, lowered)):
         load_shard(tmp_path, 2, i, stage, opt, job_fingerprint=fingerprint(i))
     assert all(opt.param_groups[0]["lr"] == 3e-4 for opt in lowered)
-    assert "trained with lr 0.003; resuming with the job's 0.0003" in caplog.text
+    assert "trained with lr 0.003; the job's settings give 0.0003" in caplog.text
     saved = optimizers[1].state_dict()["state"]
     restored = lowered[1].state_dict()["state"]
     assert all(torch.equal(saved[k]["exp_avg"], restored[k]["exp_avg"]) for k in saved)  # the moments are kept

@@ -174,7 +174,7 @@ def rebuild_optimizer_state(
             for key in [k for k in JOB_HYPERPARAMETERS if k in live]:  # the job's settings, not the checkpoint's
                 if i == 0 and key in hyper and hyper[key] != live[key]:  # said once, for the first group
                     log.warning(
-                        "the checkpoint was trained with %s %s; resuming with the job's %s", key, hyper[key], live[key]
+                        "the checkpoint was trained with %s %s; the job's settings give %s", key, hyper[key], live[key]
                     )
                 hyper[key] = live[key]
             for key in group["tensor_keys"]:

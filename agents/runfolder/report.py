@@ -285,24 +285,31 @@ def outcome_of(exc: BaseException) -> dict[str, str]:
     return {"outcome": outcome, "error": "interrupted" if text == "KeyboardInterrupt" else text}
 
 
-def _completed_steps(folder: Path) -> dict[int, float | None]:
-    """Step -> loss of every step all of ``folder``'s ranks completed."""
+def _completed_steps(folder: Path) -> dict[int, tuple[float | None, float | None]]:
+    """Step -> (loss, learning rate) of every step all of ``folder``'s ranks completed."""
     reports = load_rank_reports(folder)
     by_step = reports_by_step(reports)
     last_stage = max((r.stage for rs in reports.values() for r in rs), default=0)
     done = sorted(s for s, rs in by_step.items() if len(rs) == len(reports))
-    return {s: global_loss(r for r in by_step[s] if r.stage == last_stage) for s in done}
+    return {
+        s: (
+            global_loss(r for r in by_step[s] if r.stage == last_stage),
+            next((r.lr for r in by_step[s] if r.lr is not None), None),
+        )
+        for s in done
+    }
 
 
 def every_attempt(run_dir: str | os.PathLike[str]) -> dict[str, list[Any]]:
-    """The ``steps`` every rank completed and their ``losses`` over every attempt of a run (``attempt-<n>/``
-    of an elastic run, then the folder itself; a step redone after a recovery counts once, as last run)."""
+    """The ``steps`` every rank completed, their ``losses`` and learning rates (``lr``) over every attempt of a
+    run (``attempt-<n>/`` of an elastic run, then the folder itself; a step redone after a recovery counts
+    once, as last run)."""
     run, done = Path(run_dir), {}
     attempts = sorted(run.glob("attempt-*"), key=lambda p: int(p.name[8:]) if p.name[8:].isdigit() else 0)
     for folder in [*attempts, run]:  # a later attempt's run of a step wins
         done.update(_completed_steps(folder))
     steps = sorted(done)
-    return {"steps": steps, "losses": [done[s] for s in steps]}
+    return {"steps": steps, "losses": [done[s][0] for s in steps], "lr": [done[s][1] for s in steps]}
 
 
 def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
@@ -317,7 +324,7 @@ def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recov
     }
     known = [loss for loss in losses if loss is not None]
     if steps and len(known) == len(steps):
-        report["loss_png"] = str(write_loss_png(steps, known, run / "loss.png"))
+        report["loss_png"] = str(write_loss_png(steps, known, run / "loss.png", _rates_of({"history": history})))
     write_atomically(str(run / "report.json"), json.dumps(report, indent=2, allow_nan=True))  # never seen half-done
     return run / "report.json"
 
@@ -338,7 +345,7 @@ def write_run_folder(
     pipeline = [r for rs in reports.values() for r in rs if r.step == last and r.replica == 0]
     timeline = measured_timeline(_schedule(layout), pipeline, layout.stage_dcs)
     measured_title = f"measured, step {last}: {_figures(timeline)}"
-    rates = {s["step"]: s["lr"] for s in report.get("per_step", []) if s.get("lr") is not None}  # this run's
+    rates = _rates_of(report)
     written = {
         "timeline": str(write_timeline_png(timeline, run / "timeline.png", title=measured_title)),
         "trace": str(write_chrome_trace(timeline, run / "trace.json")),
@@ -367,6 +374,14 @@ def _history_of(report: Mapping[str, Any]) -> tuple[list[int], list[float]]:
     history = report.get("history") or report
     pairs = [(s, x) for s, x in zip(history["steps"], history["losses"], strict=True) if x is not None]
     return [s for s, _ in pairs], [x for _, x in pairs]
+
+
+def _rates_of(report: Mapping[str, Any]) -> dict[int, float]:
+    """Step -> learning rate for ``loss.png``: an elastic run's ``history`` (every attempt), else ``per_step``."""
+    history = report.get("history") or {}
+    if "lr" in history:
+        return {s: x for s, x in zip(history["steps"], history["lr"], strict=True) if x is not None}
+    return {s["step"]: s["lr"] for s in report.get("per_step", []) if s.get("lr") is not None}
 
 
 def _figures(timeline: Any) -> str:
