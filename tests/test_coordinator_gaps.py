@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -196,7 +197,35 @@ def test_a_rank_whose_wan_link_went_quiet_is_not_the_lost_one() -> None:
     with pytest.raises(AgentLost) as lost:
         asyncio.run(_follow(_Plane(), feed, layout, 0, 5, None, step_timeout_s=5.0))  # type: ignore[arg-type]
     said = str(lost.value)
-    assert lost.value.ranks == [] and "no GPU is blamed" in said and "timed out after 120 s" in said, said
+    assert lost.value.ranks == [] and "WAN receive timed out" in said and "no GPU is blamed" in said, said
+    assert "timed out after 120 s" in said, said
+
+
+@pytest.mark.parametrize("will_first", [False, True])
+def test_a_partners_error_is_held_until_the_rank_it_failed_with_is_found_gone(will_first: bool) -> None:
+    """A killed tensor-parallel rank's partner failed its collective within milliseconds and was blamed (and
+    dropped by --elastic) before the killed rank's will or restart named it. An error is now held for a grace:
+    a will of another rank, before or after it, names that rank."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    error = StatusMessage(1, "error", dc="eu", extra={"message": "all-gather over tp failed: the store is unreachable"})
+    will = StatusMessage(0, "offline", dc="us")
+    feed = _Feed([_metrics(0, 0), *([will, error] if will_first else [error, will])])
+    with pytest.raises(AgentLost) as lost:
+        asyncio.run(_follow(_Plane(), feed, layout, 0, 5, None, step_timeout_s=30.0))  # type: ignore[arg-type]
+    assert lost.value.ranks == [0], lost.value
+    assert "agent rank 0 (us) on ? went offline (its last will) as rank 1's work with it failed" in str(lost.value)
+
+
+def test_an_error_no_other_loss_explains_is_its_own_ranks_after_the_grace() -> None:
+    from agents.control.losses import ERROR_GRACE_S
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    feed = _Feed([_metrics(0, 0), StatusMessage(1, "error", dc="eu", extra={"message": "loss is NaN"})])
+    began = time.monotonic()
+    with pytest.raises(AgentLost) as lost:
+        asyncio.run(_follow(_Plane(), feed, layout, 0, 5, None, step_timeout_s=30.0))  # type: ignore[arg-type]
+    assert lost.value.ranks == [1] and "went error during step 0: loss is NaN" in str(lost.value), lost.value
+    assert ERROR_GRACE_S <= time.monotonic() - began < 20
 
 
 def test_start_is_sent_again_to_the_agents_that_have_not_acknowledged_it() -> None:

@@ -34,6 +34,7 @@ from agents.control.losses import (  # AgentLost and lost_message: re-exported f
     RETAINED_SETTLE_S,
     AgentLost,
     Exits,
+    HeldError,
     JobInterrupted,
     JobStopped,
     Reread,
@@ -320,7 +321,7 @@ async def _follow(
         return all(r in finished or newest.get(r, -1) > step for r in ranks)
 
     loop = asyncio.get_running_loop()
-    liveness, away = Liveness(ranks, loop.time(), cp.stats.connects), BrokerAway()
+    liveness, away, held = Liveness(ranks, loop.time(), cp.stats.connects), BrokerAway(), HeldError()
     progress_at = loop.time()
     reread = Reread(cp.stats.connects)
     while len(finished) < len(ranks):
@@ -329,6 +330,7 @@ async def _follow(
             wait = min(wait, acks.next_s(loop.time()))
         if exits is not None or stop_when is not None:
             wait = min(wait, EXIT_POLL_S)
+        wait = min(wait, held.next_s(loop.time()))
         try:
             message = await sub.get(max(0.0, wait))
         except TimeoutError:
@@ -340,7 +342,13 @@ async def _follow(
             _hear(liveness, message)
         if acks is not None:
             await _resend_start(cp, acks, message, loop.time())
-        loss = exited_lost(cp.job, exits(), current, cp.statuses()) if exits is not None else None
+        codes = exits() if exits is not None else {}
+        if held.status is not None and not any(code < 0 for code in codes.values()):
+            codes = {}  # exits with an error follow the held error: it says more; a process killed is the cause
+        loss = exited_lost(cp.job, codes, current, cp.statuses())
+        if loss is None and held.due(loop.time()):
+            assert held.status is not None
+            loss = AgentLost(lost_message(cp.job, held.status, current), [held.status.rank])
         if loss is None and reread.due(loop.time(), cp.stats.connects):
             loss = reread_lost(cp.job, cp.statuses(), ranks - finished, this_plan)
         if loss is None and cp.stats.conflict is not None:
@@ -394,9 +402,16 @@ async def _follow(
             result.statuses[message.rank] = message
             if message.state == "stopped" and message.extra.get("stopped_by") == "command":
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' during step {current}")
-            if message.state in BAD_STATES and message.state != "offline":  # a will is judged by Liveness
-                cause = message.extra.get("cause")  # the job's disk, or a link that went quiet: no rank is lost
-                why = " (nothing came over a WAN link: the link or its peer failed; no GPU is blamed)"
+            cause = message.extra.get("cause")  # the job's disk, or a link that went quiet: no rank is lost
+            own_error = message.state == "error" and cause not in ("checkpoint", "link")
+            if own_error:
+                held.hold(message, loop.time())  # the rank's own, unless another is found gone within the grace
+            offline = next((st for st in result.statuses.values() if held.culprit(st)), None)
+            if offline is not None and held.status is not None:  # a will, before or after a held error: its rank
+                why = f"went offline (its last will) as rank {held.status.rank}'s work with it failed"
+                raise AgentLost(lost_message(cp.job, offline, current, why), [offline.rank])
+            if not own_error and message.state in BAD_STATES and message.state != "offline":  # a will: Liveness
+                why = " (a WAN receive timed out: the link or its peer failed or is too slow; no GPU is blamed)"
                 raise AgentLost(
                     lost_message(cp.job, message, current) + (why if cause == "link" else ""),
                     [] if cause in ("checkpoint", "link") else [message.rank],

@@ -57,6 +57,38 @@ def restarted(before: StatusMessage | None, now: StatusMessage) -> str | None:
     return f"was restarted ({was} -> {became}; its state now {now.state})"
 
 
+ERROR_GRACE_S = 3.0
+"""Seconds an agent's ``error`` is held before it is blamed on its rank (see :class:`HeldError`)."""
+
+
+class HeldError:
+    """An agent's ``error`` held for :data:`ERROR_GRACE_S` before it counts as its rank's loss (policy only).
+
+    A peer killed mid-step makes its healthy partners fail within milliseconds (a tensor-parallel collective, a
+    link); their errors reach the coordinator before the killed rank's will or, when a supervisor restarts it
+    at once, its new process. Meanwhile a rank found gone (its will, a restart, a process killed by a signal)
+    is the loss; after the grace with none, the error's own rank is."""
+
+    def __init__(self) -> None:
+        self.status: StatusMessage | None = None
+        self._since = 0.0
+
+    def hold(self, status: StatusMessage, now: float) -> None:
+        """Hold ``status`` (the first error of the run; later ones wait behind it)."""
+        if self.status is None:
+            self.status, self._since = status, now
+
+    def culprit(self, status: StatusMessage) -> bool:
+        """Whether ``status`` names the rank the held error was about: another rank's will."""
+        return self.status is not None and status.state == "offline" and status.rank != self.status.rank
+
+    def due(self, now: float) -> bool:
+        return self.status is not None and now >= self._since + ERROR_GRACE_S
+
+    def next_s(self, now: float) -> float:
+        return float("inf") if self.status is None else max(0.0, self._since + ERROR_GRACE_S - now)
+
+
 Exits = Callable[[], dict[int, int]]
 """The agents' processes that have exited, rank -> exit code (negative: killed by that signal); from a caller
 that supervises them (``launch``)."""
