@@ -123,7 +123,9 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str, metadata: M
     with open(path, "r+b") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
-        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        if "__metadata__" not in header:
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         if len(text) <= size:
             fh.seek(8)

@@ -406,7 +406,7 @@ async def _follow(
             own_error = message.state == "error" and cause not in ("checkpoint", "link")
             if own_error:
                 held.hold(message, loop.time())  # the rank's own, unless another is found gone within the grace
-            offline = next((st for st in result.statuses.values() if held.culprit(st)), None)
+            offline = held.culprit(result.statuses.values())
             if offline is not None and held.status is not None:  # a will, before or after a held error: its rank
                 why = f"went offline (its last will) as rank {held.status.rank}'s work with it failed"
                 raise AgentLost(lost_message(cp.job, offline, current, why), [offline.rank])

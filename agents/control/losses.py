@@ -78,9 +78,13 @@ class HeldError:
         if self.status is None:
             self.status, self._since = status, now
 
-    def culprit(self, status: StatusMessage) -> bool:
-        """Whether ``status`` names the rank the held error was about: another rank's will."""
-        return self.status is not None and status.state == "offline" and status.rank != self.status.rank
+    def culprit(self, statuses: Iterable[StatusMessage]) -> StatusMessage | None:
+        """The status among ``statuses`` (each rank's latest) that names the rank the held error was about:
+        another rank's will; None while no error is held (nothing is looked at) or none does."""
+        held = self.status
+        if held is None:
+            return None
+        return next((st for st in statuses if st.state == "offline" and st.rank != held.rank), None)
 
     def due(self, now: float) -> bool:
         return self.status is not None and now >= self._since + ERROR_GRACE_S

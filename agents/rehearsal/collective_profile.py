@@ -141,7 +141,11 @@ def measure_plan_ranks(
         g, r = min(failed, key=lambda f: f[1].error is not None)
         why = r.error or (exit_words(r.exitcode) if r.exitcode is not None else "no result in time")
         raise CollectiveError(f"co-located rank profile of stage {g.layers} failed: its rank {r.rank}: {why}")
-    ranks = [r.value for rs in results for r in rs if isinstance(r.value, dict)]
+    ranks: list[dict[str, Any]] = []
+    for group_results in results:
+        for r in group_results:
+            assert isinstance(r.value, dict), r.value
+            ranks.append(r.value)
     return {"stage_times": _stage_times(ranks), "collectives": _fits(ranks), "ranks": ranks}
 
 
