@@ -238,6 +238,13 @@ class JobSpec:
     weight_decay: float = spec(
         "AdamW's decoupled weight decay, on every parameter (norms, biases and embeddings too)", 0.01, ge=0, le=1
     )
+    max_grad_norm: float = spec(
+        "clip the gradients to this global norm (over every stage and shard) before each optimizer step, "
+        "as torch.nn.utils.clip_grad_norm_ does; 0: no clipping",
+        1.0,
+        ge=0,
+        le=1e6,
+    )
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: the cost model's caches are keyed by the job, in hot loops."""

@@ -19,13 +19,14 @@ import yaml
 from agents.layout import layout_plan_text, parse_layout
 from agents.rehearsal.codec_profile import measure_codec
 from agents.stage.report import global_loss
-from agents.stage.session import run_rank, train_one_process
+from agents.stage.session import run_rank
 from agents.stage.transport import LinkTransport, StoreAddressBook, boundary_codecs
 from agents.wan.compress import TensorCodec, payload_bytes
 from geosched.chunking import auto_chunk_bytes
 from geosched.config import config_from_dict
 from geosched.data import TextDataset
 from geosched.errors import LinkError, StageError
+from geosched.reference import train_one_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

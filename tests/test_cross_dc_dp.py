@@ -31,13 +31,14 @@ from agents.layout import JobLayout, parse_layout
 from agents.runnable import runtime_refusal
 from agents.stage.report import StepReport, global_loss
 from agents.stage.security import LinkSecurity
-from agents.stage.session import run_rank, train_one_process
+from agents.stage.session import run_rank
 from agents.stage.transport import RelayRouter, StoreAddressBook, sync_routes
 from agents.tp.shard import BLOCK_PLAN
 from agents.wanem.emulator import LinkShape
 from geosched.config import config_from_dict, load_config
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.model import build_model
+from geosched.reference import train_one_process
 from planner.evaluate import Evaluator
 from planner.plan import SolverInfo, build_plan, dump_plan
 from planner.planning import make_plan

@@ -28,10 +28,10 @@ from agents.layout import JobLayout, layout_plan_text, parse_layout
 from agents.prefill.client import PrefillClient
 from agents.prefill.model import frozen
 from agents.prefill.service import PrefillService
-from agents.stage.session import train_one_process
 from geosched.config import load_config
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.model import ModelShape, build_model, prefill
+from geosched.reference import train_one_process
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.variants import Pins

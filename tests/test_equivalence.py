@@ -24,11 +24,12 @@ import torch.distributed as dist
 from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from agents.stage.schedule import job_schedule
-from agents.stage.session import run_rank, train_one_process
+from agents.stage.session import run_rank
 from agents.stage.transport import RelayRouter, StoreAddressBook, pipeline_routes
 from agents.wanem.emulator import LinkShape
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
+from geosched.reference import train_one_process
 
 pytestmark = pytest.mark.slow
 
@@ -125,19 +126,25 @@ def pipelined_runs():
 
 
 @pytest.fixture(scope="module")
-def reference_losses() -> list[float]:
-    dataset = TextDataset(default_corpus_paths(), seq_len=JOB.model.seq_len, seed=JOB.seed)
-    return train_one_process(JOB, dataset, STEPS)
+def reference_run() -> tuple[list[float], list[float]]:
+    """One process's losses and gradient norms (before clipping), STEPS steps."""
+    dataset, norms = TextDataset(default_corpus_paths(), seq_len=JOB.model.seq_len, seed=JOB.seed), []
+    return train_one_process(JOB, dataset, STEPS, grad_norms=norms), norms
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pipelined_loss_equals_one_process(pipelined_runs, reference_losses, schedule):
+def test_pipelined_loss_equals_one_process(pipelined_runs, reference_run, schedule):
+    reference_losses, reference_norms = reference_run
     runs, _ = pipelined_runs
-    last_stage = [r for r in layout_roles(STAGE_DCS, STAGE_LAYERS, DP) if r.last]
+    roles = layout_roles(STAGE_DCS, STAGE_LAYERS, DP)
+    last_stage = [r for r in roles if r.last]
     per_step = [global_loss(runs[schedule][role.rank][i] for role in last_stage) for i in range(STEPS)]
     assert [r.step for r in runs[schedule][last_stage[0].rank]] == list(range(STEPS))
     assert per_step == pytest.approx(reference_losses, rel=1e-4)
     assert reference_losses[-1] < reference_losses[0]  # it trains, not just agrees
+    assert max(reference_norms) > JOB.max_grad_norm  # clipped, every rank with the whole model's norm
+    for role in roles:
+        assert [r.grad_norm for r in runs[schedule][role.rank]] == pytest.approx(reference_norms, rel=1e-4), role
 
 
 def test_traffic_went_through_the_wan_relays(pipelined_runs):

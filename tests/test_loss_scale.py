@@ -34,8 +34,9 @@ from agents.tp.mesh import average_gradients_over_dp, stage_mesh
 from geosched.config import config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import CheckpointError, TrainingDiverged
+from geosched.grad_clip import clip_factor, square_sum
 from geosched.model import PRECISION_DTYPES, build_model
-from geosched.optim import DynamicLossScale, MasterAdamW, gradients_finite
+from geosched.optim import DynamicLossScale, MasterAdamW
 
 STEPS = 8
 HUGE_SCALE = 2.0**20
@@ -99,42 +100,31 @@ def _fp16_layout(*, tensor_parallel: int, zero: int, dp: int, initial_loss_scale
     return parse_layout(layout_plan_text(config_from_dict(data), ["us", "eu"], dp=dp))
 
 
-def _one_process_verdicts(layout: JobLayout) -> list[bool]:
-    """Which of STEPS steps a one-process fp16 run with its own scaler from HUGE_SCALE finds finite."""
+def _one_process(layout: JobLayout, verdicts: list[bool] | None = None) -> tuple[list[bool], list[float], list[float]]:
+    """One process in fp16 with its own scaler from HUGE_SCALE, clipping as the job says, for STEPS steps:
+    stepping where its gradients are finite, or where ``verdicts`` (the pipeline's) say. Its verdicts, losses
+    and gradient norms before clipping (NaN where skipped)."""
     job = layout.job
     dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
     model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
     optimizer, scaler = MasterAdamW(model.parameters(), lr=job.learning_rate), DynamicLossScale(HUGE_SCALE)
-    verdicts: list[bool] = []
+    seen: list[bool] = []
+    losses: list[float] = []
+    norms: list[float] = []
     for step in range(STEPS):
-        inputs, targets = dataset.global_batch(step, job.global_batch)
-        (model.loss(model(inputs), targets) * scaler.scale).backward()
-        verdicts.append(gradients_finite([p.grad for p in model.parameters() if p.grad is not None]))
-        if verdicts[-1]:
-            optimizer.loss_scale = scaler.scale
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scaler.update(verdicts[-1])
-    return verdicts
-
-
-def _reference(layout: JobLayout, verdicts: list[bool]) -> list[float]:
-    """One process in fp16 with the pipeline's loss scale, stepping where the pipeline's verdict says."""
-    job = layout.job
-    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
-    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
-    optimizer, scaler, losses = MasterAdamW(model.parameters(), lr=job.learning_rate), DynamicLossScale(HUGE_SCALE), []
-    for step, finite in enumerate(verdicts):
         inputs, targets = dataset.global_batch(step, job.global_batch)
         loss = model.loss(model(inputs), targets)
         (loss * scaler.scale).backward()
-        if finite:
-            optimizer.loss_scale = scaler.scale
+        total = square_sum([p.grad for p in model.parameters() if p.grad is not None])
+        seen.append(math.isfinite(total) if verdicts is None else verdicts[step])
+        norms.append(math.sqrt(total) / scaler.scale if seen[-1] else math.nan)
+        if seen[-1]:
+            optimizer.loss_scale = scaler.scale / clip_factor(norms[-1], job.max_grad_norm)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scaler.update(finite)
+        scaler.update(seen[-1])
         losses.append(float(loss.detach()))
-    return losses
+    return seen, losses, norms
 
 
 def _per_rank(runs: dict[int, tuple[list[StepReport], int]], field: str) -> set[tuple]:
@@ -154,11 +144,17 @@ def test_every_stage_skips_the_same_steps_and_trains_like_one_process() -> None:
     verdicts = [not s for s in was_skipped]
     # the same steps as one process: gloo's sums over the two replicas divide fp16 first (a sum then a division
     # overflowed at 2^16 where one process did not, and the pipeline skipped one step more)
-    assert verdicts == _one_process_verdicts(layout), verdicts
+    assert verdicts == _one_process(layout)[0], verdicts
     last = [role for role in layout.roles if role.last]
     losses = [global_loss(reports) for reports in zip(*(runs[role.rank][0] for role in last), strict=True)]
-    reference = _reference(layout, verdicts)
+    _, reference, reference_norms = _one_process(layout, verdicts)
     assert losses == pytest.approx(reference, rel=2e-3), (losses, reference)
+    # every rank clipped with the norm of the whole model's gradients, the loss scale divided out (ZeRO 2
+    # slices and tp shards summed, replicated parameters counted once); None where the step was skipped
+    expected = [None if math.isnan(norm) else pytest.approx(norm, rel=2e-3) for norm in reference_norms]
+    assert max(n for n in reference_norms if not math.isnan(n)) > layout.job.max_grad_norm  # the clipping acted
+    for reports, _ in runs.values():
+        assert [r.grad_norm for r in reports] == expected
     stepped = [i for i, finite in enumerate(verdicts) if finite]
     assert len(stepped) >= 2 and losses[-1] < losses[stepped[0]]  # it trains once it steps
 

@@ -19,7 +19,6 @@ from agents.prefill.service import PrefillService
 from agents.stage.report import StepReport
 from agents.stage.runtime import StageRuntime
 from agents.stage.schedule import job_schedule
-from agents.stage.session import train_one_process
 from agents.stage.transport import LinkTransport, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
@@ -27,6 +26,8 @@ from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset
 from geosched.errors import LinkError
 from geosched.model import build_model, build_stage
+from geosched.optim import MasterAdamW
+from geosched.reference import train_one_process
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +61,9 @@ def train(dataset: TextDataset, fillers: list[PrefillService | None]) -> list[li
                     schedule,
                     stage,
                     transport=LinkTransport({1 - stage: link}, stage=stage),
-                    optimizer=torch.optim.AdamW(module.parameters(), lr=JOB.learning_rate),
+                    optimizer=MasterAdamW(module.parameters(), lr=JOB.learning_rate),
                     bubble_filler=fillers[stage],
+                    max_grad_norm=JOB.max_grad_norm,  # as the reference clips
                 )
             )
         m = runtimes[0].num_microbatches

@@ -14,13 +14,14 @@ import torch
 from agents.stage.report import StepReport, global_loss, measured_timeline
 from agents.stage.runtime import StageRuntime
 from agents.stage.schedule import job_schedule
-from agents.stage.session import train_one_process
 from agents.stage.transport import LinkTransport
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset
 from geosched.errors import TrainingDiverged
 from geosched.model import build_stage
+from geosched.optim import MasterAdamW
+from geosched.reference import train_one_process
 from geosched.schedule import render_grid, write_chrome_trace, write_timeline_png
 
 MODEL = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32)
@@ -39,7 +40,8 @@ def make_runtime(job: JobSpec, stage: int, link: WanLink, **options) -> StageRun
     module = build_stage(job.model, start, end, first=stage == 0, last=stage == 1, seed=job.seed)
     schedule = job_schedule(job, 2, 1)
     transport = LinkTransport({1 - stage: link}, stage=stage)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=job.learning_rate)
+    optimizer = MasterAdamW(module.parameters(), lr=job.learning_rate)
+    options.setdefault("max_grad_norm", job.max_grad_norm)  # as the reference clips
     return StageRuntime(module, schedule, stage, transport=transport, optimizer=optimizer, **options)
 
 

@@ -43,7 +43,7 @@ from agents.runnable import plan_for_config, runtime_refusal
 from agents.stage.device import rank_device
 from agents.stage.report import StepReport, global_loss
 from agents.stage.schedule import num_microbatches
-from agents.stage.session import RankSession, train_one_process
+from agents.stage.session import RankSession
 from agents.stage.transport import StoreAddressBook
 from agents.worker import RankCheckpoints
 from geosched.cli import main
@@ -51,6 +51,7 @@ from geosched.config import Config, config_from_dict
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import PlanError
 from geosched.model import PRECISION_DTYPES
+from geosched.reference import train_one_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -174,9 +175,16 @@ def _global_losses(layout: JobLayout, runs: dict[int, tuple[list[StepReport], in
 
 
 @pytest.fixture(scope="module")
-def reference_losses() -> list[float]:
-    job = tp_config().job
-    return train_one_process(job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), STEPS)
+def reference_run() -> tuple[list[float], list[float]]:
+    """One process's losses and gradient norms (before clipping), STEPS steps."""
+    job, norms = tp_config().job, []
+    dataset = TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed)
+    return train_one_process(job, dataset, STEPS, grad_norms=norms), norms
+
+
+@pytest.fixture(scope="module")
+def reference_losses(reference_run) -> list[float]:
+    return reference_run[0]
 
 
 @pytest.mark.parametrize(
@@ -184,7 +192,8 @@ def reference_losses() -> list[float]:
     [(["us", "eu"], 1), (["eu"], 2)],
     ids=["2 stages x tp 2", "1 stage x dp 2 x tp 2"],
 )
-def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_losses):
+def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_run):
+    reference_losses, reference_norms = reference_run
     layout = parse_layout(layout_plan_text(tp_config(), stage_dcs, dp=dp))
     assert (layout.job.tp, layout.dp, len(layout.roles)) == (2, dp, len(stage_dcs) * dp * 2)
     outcomes = run_layout(layout)
@@ -199,6 +208,9 @@ def test_tensor_parallel_plan_trains_like_one_process(stage_dcs, dp, reference_l
         assert [r.loss for r in runs[role.rank]] == pytest.approx([r.loss for r in runs[twin.rank]], rel=1e-5)
     assert _global_losses(layout, outcomes) == pytest.approx(reference_losses, rel=1e-4)
     assert reference_losses[-1] < reference_losses[0]  # it trains, not just agrees
+    assert max(reference_norms) > layout.job.max_grad_norm  # clipped, with the norm of the whole model's gradients
+    for role in layout.roles:  # the shards of split parameters summed, the replicated ones counted once
+        assert [r.grad_norm for r in runs[role.rank]] == pytest.approx(reference_norms, rel=1e-4), role
     # every boundary message (b, T, C) leaves each tp rank as its slice (b, T, C / tp)
     per_step = num_microbatches(layout.job, dp) * _boundary_bytes(layout.job) // layout.job.tp
     for role in layout.roles:

@@ -32,13 +32,14 @@ from agents.layout import layout_roles
 from agents.sockets import CurveClient
 from agents.stage.report import global_loss
 from agents.stage.security import LinkSecurity
-from agents.stage.session import RankSession, run_rank, train_one_process
+from agents.stage.session import RankSession, run_rank
 from agents.stage.transport import StoreAddressBook
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset
 from geosched.errors import GeoschedError, LinkError
+from geosched.reference import train_one_process
 
 LINK = 41
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

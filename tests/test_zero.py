@@ -37,7 +37,7 @@ from agents.dp.zero import ShardedGradAdamW, build_stage_optimizer, optimizer_st
 from agents.dp.zero1 import ShardedStateAdamW
 from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss
-from agents.stage.session import RankSession, train_one_process
+from agents.stage.session import RankSession
 from agents.stage.transport import StoreAddressBook
 from agents.worker import RankCheckpoints
 from geosched.config import JobSpec, ModelSpec
@@ -45,6 +45,7 @@ from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import ConfigError
 from geosched.model import build_model, build_stage
 from geosched.optim import KERNEL_OPTIONS, MasterAdamW
+from geosched.reference import train_one_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -435,9 +436,15 @@ def job_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, An
 
 
 @pytest.fixture(scope="module")
-def reference_losses() -> list[float]:
-    dataset = TextDataset(default_corpus_paths(), seq_len=JOB.model.seq_len, seed=JOB.seed)
-    return train_one_process(JOB, dataset, CHAIN_STEPS)
+def reference_run() -> tuple[list[float], list[float]]:
+    """One process's losses and gradient norms (before clipping) of every step of the chain."""
+    dataset, norms = TextDataset(default_corpus_paths(), seq_len=JOB.model.seq_len, seed=JOB.seed), []
+    return train_one_process(JOB, dataset, CHAIN_STEPS, grad_norms=norms), norms
+
+
+@pytest.fixture(scope="module")
+def reference_losses(reference_run) -> list[float]:
+    return reference_run[0]
 
 
 def _losses(runs: dict[str, dict[int, Any]], phase: Phase) -> list[float]:
@@ -448,9 +455,16 @@ def _losses(runs: dict[str, dict[int, Any]], phase: Phase) -> list[float]:
 
 
 @pytest.mark.parametrize("phase", EQUIVALENCE, ids=lambda p: p.name)
-def test_pipeline_at_every_zero_level_equals_one_process(job_runs, reference_losses, phase):
+def test_pipeline_at_every_zero_level_equals_one_process(job_runs, reference_run, phase):
+    reference_losses, reference_norms = reference_run
     assert _losses(job_runs, phase) == pytest.approx(reference_losses[:STEPS], rel=1e-4)
     assert reference_losses[STEPS - 1] < reference_losses[0]  # it trains, not just agrees
+    # every rank clipped with the whole model's gradient norm: each element of every stage, shard and slice
+    # counted once (Adam hides a wrong clip factor in the losses; the norm itself does not)
+    assert max(reference_norms[:STEPS]) > JOB.max_grad_norm  # the clipping acted
+    for role in phase.roles():
+        norms = [d["grad_norm"] for d in job_runs[phase.name][role.rank][0]]
+        assert norms == pytest.approx(reference_norms[:STEPS], rel=1e-4), (phase.name, role)
     if phase.tp > 1:  # the tp ranks of a replica compute the same loss
         last = [r for r in phase.roles() if r.last]
         for role in last:
@@ -476,12 +490,16 @@ def test_optimizer_state_per_rank_is_a_dp_share(job_runs):
         assert abs(state["tp2-zero2"][slot] - local / 2) < 0.01 * local, (slot, state)
 
 
-def test_resume_across_dp_degrees_and_zero_levels(job_runs, reference_losses):
+def test_resume_across_dp_degrees_and_zero_levels(job_runs, reference_run):
+    reference_losses, reference_norms = reference_run
     losses, step = [], 0
     for phase in RESUME_CHAIN:
         first_rank = job_runs[phase.name][0][0]
         assert [r["step"] for r in first_rank] == list(range(step, step + phase.steps))  # resumed where it stopped
         losses += _losses(job_runs, phase)
+        for role in phase.roles():  # chain-e: TP x PP x DP x ZeRO, every rank with the whole model's norm
+            norms = [d["grad_norm"] for d in job_runs[phase.name][role.rank][0]]
+            assert norms == pytest.approx(reference_norms[step : step + phase.steps], rel=1e-4), (phase.name, role)
         step += phase.steps
     assert losses == pytest.approx(reference_losses, rel=1e-4)
     assert step == CHAIN_STEPS

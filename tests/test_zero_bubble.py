@@ -22,7 +22,7 @@ from agents.layout import RankRole, layout_roles
 from agents.stage.report import StepReport, global_loss
 from agents.stage.runtime import StageRuntime
 from agents.stage.schedule import job_schedule
-from agents.stage.session import run_rank, train_one_process
+from agents.stage.session import run_rank
 from agents.stage.transport import LinkTransport, StoreAddressBook, link_id
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
@@ -31,6 +31,8 @@ from geosched.config import JobSpec, ModelSpec
 from geosched.data import TextDataset, default_corpus_paths
 from geosched.errors import ScheduleError
 from geosched.model import build_stage
+from geosched.optim import MasterAdamW
+from geosched.reference import train_one_process
 from geosched.schedule import (
     Action,
     ActionKind,
@@ -188,8 +190,9 @@ def test_one_stage_zb1p_runtime_trains_like_one_process() -> None:
     """One stage is first and last: I runs the whole backward with B's loss scaling, W is a no-op."""
     dataset = TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=JOB.seed)
     module = build_stage(MODEL, 0, MODEL.layers, first=True, last=True, seed=JOB.seed)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=JOB.learning_rate)
-    runtime = StageRuntime(module, job_schedule(JOB, 1, 1), 0, transport=None, optimizer=optimizer)
+    optimizer = MasterAdamW(module.parameters(), lr=JOB.learning_rate)
+    schedule = job_schedule(JOB, 1, 1)
+    runtime = StageRuntime(module, schedule, 0, transport=None, optimizer=optimizer, max_grad_norm=JOB.max_grad_norm)
     m = runtime.num_microbatches
     reports = [runtime.run_step(step, dataset.batch(step, 0, 1, JOB.microbatch_size, m)) for step in range(STEPS)]
     assert [r.loss for r in reports] == pytest.approx(train_one_process(JOB, dataset, STEPS), rel=1e-5)

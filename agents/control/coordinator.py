@@ -74,7 +74,7 @@ STEP_LINE = (
     "WAN {wan:7.2f} MB/s"
 )
 BAD_STATES = ("offline", "error", "stopped")
-SUMMARY_FIELDS = ("loss", "iteration_s", "bubble_fraction", "wan_bytes", "loss_scale", "skipped", "lr")
+SUMMARY_FIELDS = ("loss", "iteration_s", "bubble_fraction", "wan_bytes", "loss_scale", "skipped", "lr", "grad_norm")
 """What the coordinator keeps of a step's metrics until every rank's have arrived (:func:`summarize_step`)."""
 AHEAD_STEPS = 64
 """Metrics of a step this far past the oldest step not yet printed are ignored (no rank of a job runs that far
@@ -96,6 +96,7 @@ class StepSummary:
     wan_bytes: int
     skipped_at_scale: float | None = None  # fp16: the loss scale at which the stages skipped this step
     lr: float | None = None  # the learning rate the step's optimizer step used (the same on every rank)
+    grad_norm: float | None = None  # the gradients' global norm before clipping (the same on every rank)
 
     def line(self, done: int, total: int, last_step: int) -> str:
         """The fixed-format progress line."""
@@ -113,6 +114,8 @@ class StepSummary:
             bubble=100 * self.bubble_fraction,
             wan=wan,
         )
+        if self.grad_norm is not None:
+            line += f" | grad norm {self.grad_norm:.4g}"
         if self.skipped_at_scale is not None:
             line += f" | skipped: fp16 overflow at loss scale {self.skipped_at_scale:g}"
         return line
@@ -128,6 +131,7 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
     known = [loss for loss in losses if loss is not None]
     skipped = [number(m, "loss_scale") for m in metrics.values() if m.get("skipped") is True]
     rates = [rate for m in metrics.values() if (rate := metric_number(m.get("lr"))) is not None]
+    norms = [norm for m in metrics.values() if (norm := metric_number(m.get("grad_norm"))) is not None]
     return StepSummary(
         step=step,
         loss=sum(known) / len(known) if known else None,
@@ -136,6 +140,7 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
         wan_bytes=sum(int(number(m, "wan_bytes")) for m in metrics.values()),
         skipped_at_scale=skipped[0] if skipped else None,
         lr=rates[0] if rates else None,
+        grad_norm=norms[0] if norms else None,
     )
 
 

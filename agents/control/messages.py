@@ -373,6 +373,7 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
         "loss_scale": (_finite, "a finite number"),
         "skipped": (_is_bool, "true or false"),
         "lr": (_finite, "a finite number"),
+        "grad_norm": (_finite, "a finite number"),
         "started_at": (_finite, "a finite number"),
     },
 }

@@ -286,12 +286,11 @@ class DataParallelGroup:
             ring._divide(tensor, self.size)
         return tensor
 
-    def all_true(self, flag: bool) -> bool:
-        """True if ``flag`` is true on every rank of the group (one single-element all-reduce)."""
+    def sum(self, value: float) -> float:
+        """The sum of every rank's ``value`` (one single-element fp64 all-reduce; the same on every rank)."""
         if self.size == 1:
-            return flag
-        false_count = torch.tensor([0.0 if flag else 1.0], device=self.device)
-        return float(self.allreduce(false_count)) == 0.0
+            return value
+        return float(self.allreduce(torch.tensor([value], dtype=torch.float64, device=self.device)))
 
     def ring_allreduce(self, tensor: torch.Tensor, op: ring.Op = "sum") -> torch.Tensor:
         """The seeds' ring all-reduce in place; elements sent go to ``self.counter``."""

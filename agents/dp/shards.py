@@ -13,8 +13,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from agents.dp.group import local_tensor
+
+
+def tp_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient) is split over the tp ranks (a DTensor with a Shard
+    placement); a plain tensor or a replicated DTensor is held whole by every tp rank."""
+    return isinstance(tensor, DTensor) and any(placement.is_shard() for placement in tensor.placements)
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -42,8 +42,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from agents.dp.group import DataParallelGroup, all_gather_flat, local_tensor, reduce_scatter_flat
-from agents.dp.shards import hyperparameters
+from agents.dp.shards import hyperparameters, tp_sharded
 from geosched.errors import ConfigError
+from geosched.grad_clip import square_sum
 from geosched.memory import GRADIENT_BUCKET_BYTES
 from geosched.optim import MasterAdamW, divides_before_sum
 
@@ -123,6 +124,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         self._in_flight: list[tuple[Any, int, torch.Tensor, torch.Tensor]] = []  # (work, bucket, out, staging)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in self.params]
+        self._split_runs = self._runs_of(tp_sharded)  # (shard, start, end): gradients split over the tp ranks
         self._whole: dict[str, Any] | None = None
 
     @property
@@ -136,6 +138,29 @@ class ShardedGradAdamW(torch.optim.Optimizer):
 
     def _slice(self, bucket: _Bucket, rank: int) -> slice:
         return slice(bucket.start + rank * bucket.shard_numel, bucket.start + (rank + 1) * bucket.shard_numel)
+
+    def _runs_of(self, chosen: Callable[[nn.Parameter], bool]) -> list[tuple[int, int, int]]:
+        """(shard, start, end): the stretches of this replica's slices that hold the ``chosen`` parameters."""
+        runs = []
+        for b, bucket in enumerate(self.buckets):
+            mine = self._slice(bucket, self.rank)
+            for index in bucket.params:
+                if not chosen(self.params[index]):
+                    continue
+                offset = self.where[index][1]
+                start, end = max(offset, mine.start), min(offset + self.shapes[index].numel(), mine.stop)
+                if start < end:
+                    runs.append((b, start - mine.start, end - mine.start))
+        return runs
+
+    def grad_square_sum(self, *, whole: bool = True) -> float:
+        """The sum of the squares of this replica's gradient slices (after :meth:`allreduce_gradients`).
+        ``whole`` False leaves out the parameters every tp rank holds whole (tp rank 0 counts those), so a sum
+        over a tensor-parallel stage's group counts every element once."""
+        if whole:
+            return square_sum(shard.grad for shard in self.shards if shard.grad is not None)
+        grads = [self.shards[b].grad for b, _, _ in self._split_runs]
+        return square_sum(grad[start:end] for grad, (_, start, end) in zip(grads, self._split_runs) if grad is not None)
 
     # -- gradients, as backward makes them -----------------------------------------------------
 

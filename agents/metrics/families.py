@@ -261,6 +261,7 @@ class AgentMetrics:
             ("geosched_step_wan_bytes", "Bytes sent across the WAN in the newest step", record.get("wan_bytes")),
             ("geosched_loss_scale", "fp16: the loss scale of the newest step", record.get("loss_scale")),
             ("geosched_learning_rate", "The learning rate of the newest step's optimizer step", record.get("lr")),
+            ("geosched_grad_norm", "The gradients' global norm before clipping, newest step", record.get("grad_norm")),
         ]
         for name, doc, value in values:
             if value is not None:

@@ -152,6 +152,7 @@ def build_report(
                 "sync_collective_s": collective_sync_s(rs),
                 "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
                 "lr": next((r.lr for r in rs if r.lr is not None), None),  # the same on every rank
+                "grad_norm": next((r.grad_norm for r in rs if r.grad_norm is not None), None),  # the same on every rank
             }
         )
     if not per_step:

@@ -56,6 +56,7 @@ class StepReport:
     loss_scale: float | None = None  # fp16: the loss scale this step's gradients carried; None: not scaled
     skipped: bool = False  # fp16: some stage's gradients were not finite, so no stage stepped
     lr: float | None = None  # the learning rate of this step's optimizer step (geosched.lr_schedule)
+    grad_norm: float | None = None  # the model's gradients' global norm before clipping (None: not agreed, skipped)
 
     @classmethod
     def from_events(
@@ -145,6 +146,7 @@ class StepReport:
             loss_scale=None if data.get("loss_scale") is None else _seconds(data["loss_scale"]),
             skipped=data.get("skipped", False) is True,
             lr=None if data.get("lr") is None else _seconds(data["lr"]),
+            grad_norm=None if data.get("grad_norm") is None else _seconds(data["grad_norm"]),
         )
 
 

@@ -25,13 +25,15 @@
 ``SEND_B k``          send the input grad to stage s-1 (after B or I)
 ``ALL_REDUCE``        average gradients over the stage's data-parallel group (ZeRO 2 reduce-scatters
                       each microbatch's as its B or W ends, and finishes here)
-``STEP``              optimizer step, then zero the gradients; in fp16 (a loss
-                      scale) only where every stage's gradients are finite
+``STEP``              optimizer step, then zero the gradients; clipped to the
+                      global norm, and in fp16 (a loss scale) only where every
+                      stage's gradients are finite
 ====================  ==========================================================
 
-fp16 (``loss_scale``): the last stage's backward starts from the loss times the
-scale, and STEP steps only where every stage's gradients are finite, agreed
-with the other stages over the links (:mod:`agents.stage.overflow`).
+Clipping (``max_grad_norm``) and fp16 (``loss_scale``: the last stage's backward
+starts from the loss times the scale) need every stage's gradients: STEP agrees
+on their square sum with the group and the other stages over the links
+(:mod:`agents.stage.step_agreement`), then clips, and steps where it is finite.
 
 Every action is timed (``time.perf_counter``, seconds from the start of the
 step) into :class:`~geosched.schedule.Event` records with the simulator's
@@ -66,8 +68,8 @@ import torch
 from torch import Tensor, nn
 
 from agents.stage.memory import MemoryMeter
-from agents.stage.overflow import StageFlags, step_if_finite
 from agents.stage.report import StepReport
+from agents.stage.step_agreement import GradientShare, PipelineSum, StepAgreement, step_together
 from agents.stage.step_state import Microbatch, StepState, same_instant
 from agents.stage.transport import StageTransport
 from geosched.errors import GeoschedError, StageError, TrainingDiverged
@@ -85,16 +87,8 @@ RECV_AHEAD = 2
 its message lands straight in its future (torch's 1F1B posts each irecv only when it needs it) and a
 receive whose message is there costs no hand-off to the link's I/O thread."""
 
-_CATEGORY = {
-    K.FORWARD: "compute",
-    K.BACKWARD: "compute",
-    K.BACKWARD_INPUT: "compute",
-    K.BACKWARD_WEIGHT: "compute",
-    K.STEP: "compute",
-    K.SEND_F: "comm",
-    K.SEND_B: "comm",
-    K.ALL_REDUCE: "comm",
-}
+_COMPUTE = (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.STEP)
+_CATEGORY = dict.fromkeys(_COMPUTE, "compute") | dict.fromkeys((K.SEND_F, K.SEND_B, K.ALL_REDUCE), "comm")
 
 
 class GradientSync(Protocol):
@@ -153,7 +147,8 @@ class StageRuntime:
         recv_timeout_s: float = 120.0,
         bubble_filler: BubbleFiller | None = None,
         loss_scale: DynamicLossScale | None = None,
-        all_true: Callable[[bool], bool] | None = None,
+        share: GradientShare | None = None,
+        max_grad_norm: float = 0.0,
         settings: Callable[[int], Mapping[str, float]] | None = None,
     ) -> None:
         schedule = lower(schedule)
@@ -181,9 +176,13 @@ class StageRuntime:
         self.recv_timeout_s = recv_timeout_s
         self.bubble_filler = bubble_filler
         self.loss_scale = loss_scale  # fp16's dynamic loss scale (None: gradients are not scaled)
-        self.all_true = all_true  # is a flag true on every rank of this stage's group (None: this rank alone)
         self.settings = settings  # step -> its STEP's optimizer settings, lr among them (None: the optimizer's own)
-        self._flags = StageFlags(transport, stage, module.first, module.last, recv_timeout_s)  # fp16's agreement
+        self.agreement = StepAgreement(  # what STEP agrees on with the group and the other stages
+            PipelineSum(transport, stage, module.first, module.last, recv_timeout_s),
+            share or GradientShare(),
+            max_grad_norm,
+            loss_scale,
+        )
         self._last_wait: dict[tuple[str, int], float] = {}  # (kind, mb) -> seconds that receive waited last step
         self.num_microbatches = schedule.num_microbatches
         self._names = [str(action) for action in self.actions]  # the events' action strings, made once
@@ -260,6 +259,7 @@ class StageRuntime:
         )
         if self.loss_scale is not None:
             report.loss_scale, report.skipped = state.loss_scale, state.skipped
+        report.grad_norm = state.grad_norm
         if self.settings is not None:
             report.lr = self.settings(step)["lr"]
         log.debug(
@@ -399,18 +399,18 @@ class StageRuntime:
         return False
 
     def _step(self, state: StepState) -> None:
-        """STEP: the optimizer step at the step's learning rate; in fp16, only if every stage's gradients are
-        finite (the scale updated)."""
+        """STEP: the optimizer step at the step's learning rate, the gradients clipped to the pipeline's
+        global norm; in fp16, only if every stage's gradients are finite (the scale updated)."""
         if self.settings is not None:
             apply_settings(self.optimizer, self.settings(state.step))
-        if self.loss_scale is None:
+        if not self.agreement.needed:
             self.optimizer.step()
             return
-        module, flags = cast("nn.Module", self.module), self._flags
-        state.skipped = not step_if_finite(
-            self.optimizer, module, self.loss_scale, flags=flags, step=state.step, all_true=self.all_true,
-            overflowed=state.overflowed
-        )  # fmt: skip
+        module = cast("nn.Module", self.module)
+        state.grad_norm = step_together(
+            self.optimizer, module, self.agreement, step=state.step, overflowed=state.overflowed
+        )
+        state.skipped = state.grad_norm is None
 
     def _receive(self, peer: int, kind: str, mb: int, state: StepState) -> str:
         transport = self.transport

@@ -148,13 +148,13 @@ class ScatterGatherTransport:
         """Bytes of the slices queued per peer stage: 1/t of each boundary tensor."""
         return self.inner.bytes_sent()
 
-    def send_flag(self, flag: bool, peer_stage: int, step: int) -> None:
-        """Queue ``step``'s flag for this tp rank's peer (every tp rank sends the same flag to its own)."""
-        self.inner.send_flag(flag, peer_stage, step)
+    def send_value(self, value: float, peer_stage: int, step: int) -> None:
+        """Queue ``step``'s value for this tp rank's peer (every tp rank sends the same value to its own)."""
+        self.inner.send_value(value, peer_stage, step)
 
-    def recv_flag(self, peer_stage: int, step: int, timeout: float | None = None) -> bool:
-        """``step``'s flag from this tp rank's peer."""
-        return self.inner.recv_flag(peer_stage, step, timeout)
+    def recv_value(self, peer_stage: int, step: int, timeout: float | None = None) -> float:
+        """``step``'s value from this tp rank's peer."""
+        return self.inner.recv_value(peer_stage, step, timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued slice is acknowledged."""

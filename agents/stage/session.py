@@ -77,6 +77,7 @@ from agents.stage.runtime import GradientSync, StageRuntime
 from agents.stage.scatter import ScatterGatherTransport
 from agents.stage.schedule import job_schedule
 from agents.stage.security import LinkSecurity
+from agents.stage.step_agreement import GradientShare
 from agents.stage.transport import AddressBook, LinkTransport, boundary_codecs, link_id
 from agents.stage.turns import shared_link_turns
 from agents.tp.mesh import average_gradients_over_dp, stage_mesh
@@ -86,9 +87,9 @@ from agents.wan.link import WanLink
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
-from geosched.lr_schedule import apply_settings, optimizer_settings
-from geosched.model import PRECISION_DTYPES, StageModule, build_model, build_stage
-from geosched.optim import MasterAdamW, gradients_finite, loss_scale_for
+from geosched.lr_schedule import optimizer_settings
+from geosched.model import PRECISION_DTYPES, StageModule, build_stage
+from geosched.optim import loss_scale_for
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,12 @@ class RankSession:
                     start_step=self.start_step,
                 )
             )
-        # fp16's found-inf flag is agreed over the group where tp or ZeRO 2 give each rank a part of the gradients
-        parts = self.group if role.tp_size > 1 or job.zero_stage == 2 else None
+        group = self.group if self.group is not None and self.group.size > 1 else None
+        share = GradientShare(  # what this rank counts of the gradients' global norm, summed over its group
+            replica=group.rank // role.tp_size if group is not None else 0,
+            tp_rank=role.tp_rank,
+            group_sum=group.sum if group is not None else None,
+        )
         self.runtime = StageRuntime(
             self.module,
             self.schedule,
@@ -217,7 +222,8 @@ class RankSession:
             recv_timeout_s=self.recv_timeout_s,
             bubble_filler=self.bubble_filler,
             loss_scale=self.loss_scale,
-            all_true=parts.all_true if parts is not None else None,
+            share=share,
+            max_grad_norm=job.max_grad_norm,
             settings=functools.partial(optimizer_settings, self.job),
         )
         log.info(
@@ -474,25 +480,3 @@ def run_rank(
         if out is not None:
             out.close()
     return reports
-
-
-def train_one_process(job: JobSpec, dataset: TextDataset, steps: int, start_step: int = 0) -> list[float]:
-    """The reference: the whole model in one process on the same global batches; loss per step (fp16: with
-    the pipeline's loss scale, skipping the steps whose gradients overflow)."""
-    model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
-    optimizer = MasterAdamW(model.parameters(), lr=job.learning_rate)
-    scaler, losses = loss_scale_for(job.precision, job.initial_loss_scale), []
-    for step in range(start_step, start_step + steps):
-        apply_settings(optimizer, optimizer_settings(job, step))
-        inputs, targets = dataset.global_batch(step, job.global_batch)  # (G, T) each
-        loss = model.loss(model(inputs), targets)  # mean over all G * T tokens
-        torch.autograd.backward(loss if scaler is None else loss * scaler.scale)
-        finite = scaler is None or gradients_finite([p.grad for p in model.parameters() if p.grad is not None])
-        if finite:
-            optimizer.loss_scale = 1.0 if scaler is None else scaler.scale
-            optimizer.step()
-        if scaler is not None:
-            scaler.update(finite)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses

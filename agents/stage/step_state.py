@@ -51,6 +51,7 @@ class StepState:
         self.loss_scale: float | None = None  # fp16: the scale this step's gradients carry
         self.skipped = False  # fp16: the stages agreed that some gradient was not finite
         self.overflowed = False  # fp16: an input gradient this stage sent was not finite (zeros went instead)
+        self.grad_norm: float | None = None  # the gradients' global norm before clipping (agreed at STEP)
 
     def microbatch(self, mb: int) -> Microbatch:
         """Microbatch ``mb`` (the first and last stages only: run_step checked that they have them)."""

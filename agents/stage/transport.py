@@ -66,8 +66,8 @@ ROUTED_PREFIXES = ("pipe/", "sync/")
 """Endpoints a router may put a relay in front of: pipeline links and cross-DC gradient links."""
 KIND_NAMES = {"F": "activation", "B": "gradient"}
 """Message kinds of the schedule ("F" activation, "B" gradient) -> WanLink kinds."""
-FLAG_KIND = "control"
-"""The WanLink kind of a step's one-byte flags (fp16's found-inf agreement, :meth:`LinkTransport.send_flag`)."""
+VALUE_KIND = "control"
+"""The WanLink kind of a step's agreement values (the gradients' square sum, :meth:`LinkTransport.send_value`)."""
 
 
 class StageTransport(Protocol):
@@ -90,12 +90,12 @@ class StageTransport(Protocol):
         """Bytes queued for each peer stage so far."""
         ...
 
-    def send_flag(self, flag: bool, peer_stage: int, step: int) -> None:
-        """Queue ``step``'s one flag for ``peer_stage`` (fp16's found-inf agreement); returns at once."""
+    def send_value(self, value: float, peer_stage: int, step: int) -> None:
+        """Queue ``step``'s one value for ``peer_stage`` (:mod:`agents.stage.step_agreement`); returns at once."""
         ...
 
-    def recv_flag(self, peer_stage: int, step: int, timeout: float | None = None) -> bool:
-        """``step``'s flag from ``peer_stage``; LinkError after ``timeout`` seconds."""
+    def recv_value(self, peer_stage: int, step: int, timeout: float | None = None) -> float:
+        """``step``'s value from ``peer_stage``; LinkError after ``timeout`` seconds."""
         ...
 
     def flush(self, timeout: float | None = None) -> None:
@@ -227,33 +227,34 @@ class LinkTransport:
         """Bytes queued per peer stage since the transport was made."""
         return dict(self._sent)
 
-    def send_flag(self, flag: bool, peer_stage: int, step: int) -> None:
-        """Queue ``step``'s flag for ``peer_stage``: one byte, never compressed, outside any turns (it is
+    def send_value(self, value: float, peer_stage: int, step: int) -> None:
+        """Queue ``step``'s value for ``peer_stage``: one fp64, never compressed, outside any turns (it is
         not a message of the schedule)."""
         self._raise_failed_sends()
         future = self._link(peer_stage).start_send(
-            torch.tensor([int(flag)], dtype=torch.uint8), step=step, microbatch=0, kind=FLAG_KIND
+            torch.tensor([value], dtype=torch.float64), step=step, microbatch=0, kind=VALUE_KIND
         )
-        self._pending_sends.append((f"the flag of step {step} to stage {peer_stage}", future))
+        self._pending_sends.append((f"the agreement value of step {step} to stage {peer_stage}", future))
 
-    def recv_flag(self, peer_stage: int, step: int, timeout: float | None = None) -> bool:
-        """``step``'s flag from ``peer_stage``; anything but one byte, 0 or 1, is refused."""
+    def recv_value(self, peer_stage: int, step: int, timeout: float | None = None) -> float:
+        """``step``'s value from ``peer_stage``: a square sum, so a negative one is refused (NaN and infinity
+        are not: they say that a gradient was not finite)."""
         self._raise_failed_sends()
-        out = torch.zeros(1, dtype=torch.uint8)  # a payload of another size is refused by the link
-        future = self._link(peer_stage).start_recv(step=step, microbatch=0, kind=FLAG_KIND, out=out)
+        out = torch.zeros(1, dtype=torch.float64)  # a payload of another size is refused by the link
+        future = self._link(peer_stage).start_recv(step=step, microbatch=0, kind=VALUE_KIND, out=out)
         try:
-            flag = future.result(timeout=timeout)
+            value = float(future.result(timeout=timeout)[0])
         except concurrent.futures.TimeoutError:
             raise LinkError(
-                f"stage {self.stage}: no flag for step {step} from stage {peer_stage} "
+                f"stage {self.stage}: no agreement value for step {step} from stage {peer_stage} "
                 f"({self._link(peer_stage).peer}) within {timeout:g} s; is that stage running?"
             ) from None
-        value = int(flag[0])
-        if value not in (0, 1):
+        if value < 0:
             raise ProtocolError(
-                f"stage {self.stage}: the flag of step {step} from stage {peer_stage} must be 0 or 1, got {value}"
+                f"stage {self.stage}: the gradients' square sum of step {step} from stage {peer_stage} must not "
+                f"be negative, got {value}"
             )
-        return bool(value)
+        return value
 
     def _raise_failed_sends(self) -> None:
         still = []
