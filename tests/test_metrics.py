@@ -16,6 +16,7 @@ import http.client
 import json
 import re
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan, wait_for
 from mqtt_brokers import agent_subprocess_env
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.metrics.families import AgentMetrics, JobMetrics
@@ -337,3 +338,50 @@ def test_the_metrics_urls_an_elastic_launch_prints_are_its_current_ranks_only() 
         statuses = {r: SimpleNamespace(extra={"endpoints": {metrics_name(r): f"u{port + r}"}}) for r in range(ranks)}
         asyncio.run(hook(statuses))
     assert urls == {"coordinator": "https://127.0.0.1:1/metrics", "r0": "u200", "r1": "u201", "r2": "u202"}
+
+
+def test_clients_gone_mid_answer_print_nothing_and_what_the_server_says_hides_its_python(capfd, tmp_path: Path):
+    """Clients that reset their TLS connection right after asking (a stranger, from any address) made wsgiref's
+    handler print a traceback to the console each time (an attacker's 1,500 tries: 223 tracebacks, 300 KB
+    in 10 s); now they go to the debug log. The standard library's own refusals name no Python version, and
+    a method other than GET is not echoed back."""
+    import struct
+
+    from agents.tls.context import server_context
+    from agents.tls.selfsigned import write_rehearsal_tls
+
+    TLS_FILES[:] = [files := write_rehearsal_tls(tmp_path)]
+    metrics = AgentMetrics(3, "reset")
+    context = server_context(files.cert, files.key, "--metrics-tls-cert")
+    client = _context("https://")
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True), tls=context) as server:
+        for _ in range(30):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+                tls = client.wrap_socket(raw, server_hostname="127.0.0.1")
+                tls.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+                tls.close()
+            time.sleep(0.06)  # within the per-address rate
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+            tls = client.wrap_socket(raw, server_hostname="127.0.0.1")
+            tls.sendall(b"GET /" + b"a" * 70000 + b" HTTP/1.0\r\n\r\n")  # past the request line's bound
+            answer = tls.recv(4096).decode(errors="replace")
+        assert answer.startswith("HTTP/1.0 414") and "Server: geosched\r\n" in answer and "Python" not in answer
+        connection = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=client)
+        connection.request("DELETE", "/metrics")
+        response = connection.getresponse()
+        assert (response.status, response.read()) == (405, b"method not allowed: use GET\n")
+        connection.close()
+        assert value(scrape(server.url()), "geosched_agent_info", rank="3") == 1  # still serving
+
+    class Gone:  # what wsgiref meets when a client is gone mid-answer, every time (the resets above: some)
+        def collect(self) -> Any:
+            raise ssl.SSLEOFError("EOF occurred in violation of protocol")
+
+    broken = CollectorRegistry()
+    broken.register(Gone())  # type: ignore[arg-type]
+    with MetricsServer("127.0.0.1", 0, broken, lambda: metrics.health(True), tls=context) as server:
+        with pytest.raises(urllib.error.HTTPError, match="500"):
+            urllib.request.urlopen(server.url(), timeout=10, context=client)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SSLEOFError" not in err, err[-2000:]

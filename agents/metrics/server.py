@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
@@ -62,11 +63,29 @@ WILDCARDS = ("0.0.0.0", "::", "")
 Health = Callable[[], tuple[bool, dict[str, Any]]]
 
 
+class _DebugStream(io.TextIOBase):
+    """Where wsgiref writes what it prints (a client gone mid-answer, e.g. a TLS connection reset, is printed
+    with its traceback by wsgiref's own handler, past ``handle_error``): the debug log, a line at a time."""
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            log.debug("metrics: %s", line)
+        return len(text)
+
+
 class _QuietHandler(WSGIRequestHandler):
     timeout = CLIENT_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         """Log nothing per request."""
+
+    def get_stderr(self) -> io.TextIOBase:
+        """wsgiref's stderr (tracebacks of clients gone mid-answer): a stranger must not fill the console."""
+        return _DebugStream()
+
+    def version_string(self) -> str:
+        """The Server header of the standard library's own answers (431, 414): not its Python version."""
+        return "geosched"
 
 
 class _BoundedServer(ThreadingWSGIServer):
@@ -157,6 +176,9 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., It
             return respond(status, [*headers, ("Server", "geosched")], *rest)  # not wsgiref's Python version
 
         path = environ.get("PATH_INFO", "")
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):  # not echoed (prometheus_client echoes it)
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, HEAD")])
+            return [b"method not allowed: use GET\n"]
         if path in ("/metrics", "/"):
             result: Iterable[bytes] = prometheus(environ, start_response)
             return result
