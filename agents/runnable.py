@@ -48,11 +48,23 @@ def vocab_refusal(job: JobSpec) -> str | None:
     return None
 
 
+def recompute_refusal(job: JobSpec) -> str | None:
+    """Why a stage cannot run ``job.recompute``, or None: the planner prices recomputation, the stages keep
+    every activation (a plan counting on recomputation would hold 2-3 times the memory it planned)."""
+    if job.recompute != "none":
+        return (
+            f"job.recompute {job.recompute!r} is priced by the planner, but these agents keep every activation "
+            "(they do not recompute yet) and would need more memory than planned; set job.recompute: none "
+            "and re-plan (a smaller job.microbatch_size or more GPUs free memory instead)"
+        )
+    return None
+
+
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks, a model they cannot feed), or
     None."""
     across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job) or across or vocab_refusal(layout.job)
+    return tp_refusal(layout.job) or across or recompute_refusal(layout.job) or vocab_refusal(layout.job)
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:
@@ -99,6 +111,7 @@ LEARNING_FIELDS = (
     "lr_decay",
     "lr_min_ratio",
     "weight_decay",
+    "max_grad_norm",
 )
 """The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""
 

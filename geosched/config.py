@@ -215,7 +215,9 @@ class JobSpec:
         "flash",
     )
     recompute: Literal["none", "full"] = spec(
-        "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward", "none"
+        "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward "
+        "(priced by the planner; the agents refuse it for now: they keep every activation)",
+        "none",
     )
     wan_compression: Literal["none", "int8", "fp8"] = spec(
         "lossy compression of activations and their gradients on WAN links, turned on per link where it "

@@ -258,8 +258,9 @@ def test_a_plan_whose_ranks_this_host_cannot_hold_is_not_launched(tmp_path: Path
     from agents.runnable import plan_for_config
     from geosched.config import load_config
 
-    run = tmp_path / "run"
-    assert main(["launch", "configs/unequal-5dc.yaml", "--run-dir", str(run), "--steps", "1"]) == 2
+    run, config = tmp_path / "run", tmp_path / "unequal-5dc.yaml"
+    config.write_text(Path("configs/unequal-5dc.yaml").read_text().replace("recompute: full", "recompute: none"))
+    assert main(["launch", str(config), "--run-dir", str(run), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "launch runs each of its 96 ranks as a process on this host" in err, err
     assert "GiB this host has available; rehearse a smaller config" in err and not run.exists()
@@ -355,3 +356,32 @@ def test_pictures_without_a_writable_home_print_no_matplotlib_warnings(tmp_path:
     )
     assert done.returncode == 0 and picture.stat().st_size > 0, done.stderr
     assert "matplotlib" not in done.stderr.lower(), done.stderr
+
+
+def test_a_plan_counting_on_recomputation_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
+    """job.recompute: full is priced by the planner, but the agents kept every activation: a trial's 2-stage
+    plan of the demo with it measured 2.47 times its predicted peak memory, above the GPU's. Refused in one line
+    (launch, and an agent given such a plan), naming the setting to change."""
+    import yaml
+
+    from agents.runnable import recompute_refusal
+    from geosched.config import load_config
+
+    data = yaml.safe_load(Path("configs/demo-3dc.yaml").read_text())
+    data["job"]["recompute"] = "full"
+    config = tmp_path / "recompute.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(config), "-o", str(tmp_path / "plan.yaml")]) == 0  # the planner prices it
+    capsys.readouterr()
+    run = tmp_path / "run"
+    for args in (
+        ["launch", str(config), "--run-dir", str(run), "--steps", "1"],
+        ["launch", str(config), "--plan", str(tmp_path / "plan.yaml"), "--run-dir", str(run), "--steps", "1"],
+        ["agent", "--plan", str(tmp_path / "plan.yaml"), "--rank", "0", "--mqtt", "mqtt://127.0.0.1:9"],
+    ):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "job.recompute 'full' is priced by the planner" in err, (args, err)
+        assert "set job.recompute: none" in err and "Traceback" not in err
+    assert not run.exists()
+    assert recompute_refusal(load_config("configs/demo-3dc.yaml").job) is None
