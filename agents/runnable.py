@@ -111,6 +111,9 @@ LEARNING_FIELDS = (
     "lr_decay",
     "lr_min_ratio",
     "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
     "max_grad_norm",
 )
 """The job fields a plan carries to the agents as they were planned: what is learned, and how it is costed."""

@@ -36,6 +36,8 @@ from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
 log = logging.getLogger(__name__)
 INITIAL_LOSS_SCALE = 65536.0
 """fp16's first dynamic loss scale: torch.amp.GradScaler's and DeepSpeed's default (2^16)."""
+LR_MIN_RATIO = 0.1
+"""The default end of a decaying learning rate, as a fraction of job.learning_rate."""
 MIXED_PRECISION_STATE_BYTES = 12.0
 """AdamW state per bf16/fp16 parameter as the agents keep it (geosched.optim.MasterAdamW): an fp32 master and
 two fp32 moments; the default of ``job.optimizer_bytes_per_param``."""
@@ -236,10 +238,18 @@ class JobSpec:
         "lr_min_ratio x learning_rate at the last of job.steps, held after",
         "none",
     )
-    lr_min_ratio: float = spec("the decay's end, as a fraction of learning_rate", 0.1, ge=0, le=1)
+    lr_min_ratio: float = spec("the decay's end, as a fraction of learning_rate", LR_MIN_RATIO, ge=0, le=1)
     weight_decay: float = spec(
         "AdamW's decoupled weight decay, on every parameter (norms, biases and embeddings too)", 0.01, ge=0, le=1
     )
+    adam_beta1: float = spec("AdamW's first-moment decay (torch's default; LLM recipes keep 0.9)", 0.9, ge=0, le=0.9999)
+    adam_beta2: float = spec(
+        "AdamW's second-moment decay (torch's default 0.999; torchtitan and many LLM recipes use 0.95)",
+        0.999,
+        ge=0,
+        le=0.99999,
+    )
+    adam_eps: float = spec("AdamW's epsilon, added to the root of the second moment", 1e-8, gt=0, le=1)
     max_grad_norm: float = spec(
         "clip the gradients to this global norm (over every stage and shard) before each optimizer step, "
         "as torch.nn.utils.clip_grad_norm_ does; 0: no clipping",
@@ -374,6 +384,11 @@ def _cross_checks(cfg: Config) -> None:
         _warn_once(
             f"job.initial_loss_scale: set to {job.initial_loss_scale:g} but only fp16 scales its loss; this job "
             f"trains in {job.precision}, so it is ignored"
+        )
+    if job.lr_decay == "none" and job.lr_min_ratio != LR_MIN_RATIO:
+        _warn_once(
+            f"job.lr_min_ratio: set to {job.lr_min_ratio:g} but job.lr_decay is 'none', so the rate never decays "
+            "to it and it is ignored; set lr_decay: linear or cosine"
         )
     if job.lr_warmup_steps >= job.steps:
         raise ConfigError(

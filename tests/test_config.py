@@ -211,6 +211,11 @@ def test_bf16_with_fp32_optimizer_bytes_warns_once(tmp_path):
     command = [sys.executable, "-m", "geosched.cli", "validate-config", str(path)]
     ignored = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert ignored.returncode == 0 and "only fp16 scales its loss" in ignored.stderr, ignored.stderr
+    data["job"].update(initial_loss_scale=65536, lr_min_ratio=0.05)  # the decay's end, with no decay
+    path.write_text(yaml.safe_dump(data))
+    ignored = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert ignored.returncode == 0 and "job.lr_decay is 'none', so the rate never decays" in ignored.stderr
+    assert "lr_decay: linear or cosine" in ignored.stderr and ignored.stderr.count("\n") == 1, ignored.stderr
 
 
 def test_exponent_numbers_are_numbers_and_number_like_names_stay_names(tmp_path):

@@ -73,15 +73,23 @@ def test_fp16_gradients_beyond_fp16_range_have_a_finite_norm():
 
 def test_reference_is_a_textbook_loop_with_torch_clipping():
     """train_one_process against torch's AdamW and clip_grad_norm_ step by step (its norms too), with a norm
-    small enough that every step clips."""
-    job = dataclasses.replace(JOB, max_grad_norm=0.2)
+    small enough that every step clips, and the job's AdamW betas and eps."""
+    job = dataclasses.replace(JOB, max_grad_norm=0.2, adam_beta2=0.95, adam_eps=1e-6)
     dataset = TextDataset(default_corpus_paths(), seq_len=MODEL.seq_len, seed=job.seed)
     norms: list[float] = []
     losses = train_one_process(job, dataset, 4, grad_norms=norms)
     model = build_model(MODEL, seed=job.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.learning_rate, weight_decay=job.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=job.learning_rate, weight_decay=job.weight_decay, betas=(0.9, 0.95), eps=1e-6
+    )
     for step in range(4):
-        assert optimizer_settings(job, step) == {"lr": job.learning_rate, "weight_decay": job.weight_decay}
+        settings = optimizer_settings(job, step)
+        assert settings == {
+            "lr": job.learning_rate,
+            "weight_decay": job.weight_decay,
+            "betas": (0.9, 0.95),
+            "eps": 1e-6,
+        }
         inputs, targets = dataset.global_batch(step, job.global_batch)
         loss = model.loss(model(inputs), targets)
         loss.backward()

@@ -56,3 +56,18 @@ def test_a_warmup_as_long_as_the_job_is_refused_in_one_line(tmp_path, capsys) ->
     assert main(["validate-config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "job.lr_warmup_steps: 10 is not below job.steps (10)" in err, err
+
+
+def test_a_run_of_other_steps_than_the_decay_spans_is_said():
+    """launch --steps past job.steps trained its last steps at the floor without a word (a researcher's run of
+    12 steps on steps: 10); short of it, the rate never reaches the floor. The launcher prints this line."""
+    from geosched.lr_schedule import decay_mismatch
+
+    job = replace(JOB, steps=10, lr_decay="cosine", lr_min_ratio=0.1)
+    assert decay_mismatch(job, 10) is None and decay_mismatch(replace(job, lr_decay="none"), 12) is None
+    past = decay_mismatch(job, 12)
+    assert past is not None and "steps 10-11 train at its floor" in past and "set job.steps: 12" in past
+    assert f"{0.1 * JOB.learning_rate:.3g}" in past
+    short = decay_mismatch(job, 5)
+    assert short is not None and "stops at step 4, before job.steps (10)" in short
+    assert f"{learning_rate_at(job, 4):.3g}" in short

@@ -56,6 +56,7 @@ from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_
 from agents.tls.context import server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import InputError, PlanError
+from geosched.lr_schedule import decay_mismatch
 from geosched.processes import available_memory_bytes
 
 PREVIOUS_RUN = (
@@ -189,6 +190,8 @@ def launch(
     if refusal is not None:
         raise PlanError(f"{plan_path or 'plan'}: {refusal}")
     steps = steps or config.job.steps  # a plan's steps are those of the config it was made from
+    if (decay := decay_mismatch(layout.job, steps)) is not None and out is not None:
+        print(f"launch: {decay}", file=out)
     first = resume_step(checkpoint_dir, layout.job, steps) if resume and checkpoint_dir is not None else 0
     if resume and out is not None:
         print(f"launch: resuming from checkpoint step {first} in {checkpoint_dir}, to step {steps}", file=out)

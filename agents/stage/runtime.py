@@ -149,7 +149,7 @@ class StageRuntime:
         loss_scale: DynamicLossScale | None = None,
         share: GradientShare | None = None,
         max_grad_norm: float = 0.0,
-        settings: Callable[[int], Mapping[str, float]] | None = None,
+        settings: Callable[[int], Mapping[str, Any]] | None = None,
     ) -> None:
         schedule = lower(schedule)
         validate(schedule)
