@@ -470,3 +470,24 @@ def test_answers_name_the_checkpoint_step_of_the_weights(model):
             status, _, body = call(server, "POST", "/v1/prefill", {"prompt": "a"})
     assert completion["system_fingerprint"] == "geosched-step-7" and completion["geosched"]["weights_step"] == 7
     assert status == 200 and response_from_safetensors(body).weights_step == 7
+
+
+def test_a_request_without_the_token_closes_its_connection(served):
+    """A stranger kept one connection alive and sent requests without the token as fast as the answers came
+    (4,447 answers of 401 a second on 4 connections, training slowed); now each 401 ends its connection, so
+    every try costs a new one (and its TLS handshake)."""
+    service, server = served
+    before = service.metrics()["unauthenticated"]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Connection")) == (401, "close")
+        response.read()
+        assert response.will_close  # http.client reconnects for a next request: the server closed this one
+        assert conn.sock is None
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert conn.getresponse().status == 200  # the token opens a kept-alive connection as before
+    finally:
+        conn.close()
+    assert service.metrics()["unauthenticated"] == before + 1
