@@ -384,7 +384,11 @@ def test_idle_connections_cannot_lock_logins_out_and_refusal_lines_stay_short(ca
             r, w = await asyncio.open_connection(broker.host, broker.port, local_addr=("127.0.0.3", 0))
             w.write(packet(CONNECT, long + string(b"u") + string(b"wrong")))
             assert await r.readexactly(4) == b"\x20\x02\x00\x04" and await closed(r)  # bad user name or password
-            for _, each in [*idle, (reader, writer), (r, w)]:
+            v5, w5 = await asyncio.open_connection(broker.host, broker.port, local_addr=("127.0.0.4", 0))
+            w5.write(packet(CONNECT, string(b"MQTT") + bytes([5, 0x02]) + (60).to_bytes(2, "big") + string(b"v5")))
+            assert await v5.readexactly(4) == b"\x20\x02\x00\x01" and await closed(v5)  # MQTT 5: not this broker's
+            assert broker.refusals["protocol"] == 1  # counted and said (it was answered without a word)
+            for _, each in [*idle, (reader, writer), (r, w), (v5, w5)]:
                 each.close()
             await until(lambda: broker.connection_count == 0)
 
@@ -392,6 +396,9 @@ def test_idle_connections_cannot_lock_logins_out_and_refusal_lines_stay_short(ca
         run(scenario())
     lines = [rec.getMessage() for rec in caplog.records]
     assert any("refused login" in line and "(60000 characters)" in line for line in lines), lines
+    # the names a refused login gave are its claim, not who it is (a stranger may give an agent's)
+    assert any("a client claiming id" in line for line in lines if "refused login" in line), lines
+    assert any("'MQTT' level 5: only MQTT 3.1.1" in line for line in lines), lines
     assert max(len(line) for line in lines) < 600
 
 

@@ -343,6 +343,7 @@ class EmbeddedBroker:
         protocol, level = body.string(), body.u8()
         if protocol != "MQTT" or level != 4:
             writer.write(mq.packet(mq.CONNACK, bytes([0, mq.BAD_PROTOCOL])))
+            self._refuse("protocol", address, f"{shown_name(protocol)!r} level {level}: only MQTT 3.1.1 (level 4)")
             return None, 0
         flags, keepalive = body.u8(), body.u16()
         if (
@@ -374,7 +375,8 @@ class EmbeddedBroker:
             code, why = mq.BAD_CLIENT_ID, " (the id is held by another login's connection)"  # no takeover
         writer.write(mq.packet(mq.CONNACK, bytes([0, code])))
         if code != mq.ACCEPTED:
-            who = f"client {shown_name(client_id)!r} (user {shown_name(str(username))!r})"
+            # the names are what the connection claimed: a stranger may give an agent's
+            who = f"a client claiming id {shown_name(client_id)!r} and user {shown_name(str(username))!r}"
             self._refuse("login", address, f"{who}: CONNACK {code}{why}")
             return None, 0
         if old is not None:

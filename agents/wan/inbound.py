@@ -431,7 +431,7 @@ class InboundFrames:
                 self._drop("auth_failed", None, "CURVE client key refused")
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self._failed_handshake = True
-                self._drop("handshake_failed", None, "ZMTP handshake failed (not a geosched peer, or CURVE mismatch)")
+                self._drop("handshake_failed", None, "ZMTP handshake failed: not a geosched peer, or other security")
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and stream >= 0 and self._welcomed[stream]:
                 if self._client_hs is None:
                     self.send.slots[stream].up = True
@@ -475,10 +475,11 @@ class InboundFrames:
 
     def _drop(self, reason: str, frame: zmq.Frame | None, detail: str) -> bool:
         self.counters.drop(reason)
-        peer = _peer_address(frame) if frame is not None else self.endpoint
+        # before a frame ZeroMQ names no peer: the connection is named by where it came in
+        peer = _peer_address(frame) if frame is not None else f"a connection to {self.endpoint}"
         if self._limiter.should_log(peer):
             log.warning(
-                "link %d dropped a frame from %s: %s (%s; later drops from this peer are only counted for a minute)",
+                "link %d dropped a frame from %s: %s (%s; later drops from there are only counted for a minute)",
                 self.config.link_id,
                 peer,
                 reason,
