@@ -110,6 +110,8 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report == json.loads((run / "report.json").read_text())
     assert report["steps"] == [0, 1, 2] and report["losses"] == [5.0, 4.0, 3.0]
     assert report["measured_iteration_s"] == pytest.approx(predicted.iteration_s)
+    tokens = layout.job.global_batch * layout.job.model.seq_len  # a step's: the plan's tokens_per_s counts these
+    assert report["tokens_per_s_measured"] == pytest.approx(tokens / predicted.iteration_s)
     assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
     assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])

@@ -167,6 +167,8 @@ def build_report(
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
+        # the plan's tokens_per_s is global_batch x seq_len over its predicted iteration
+        "tokens_per_s_measured": layout.job.global_batch * layout.job.model.seq_len / measured if measured else None,
         # the simulator again with this run's own compute times (agents.runfolder.predict.replay): what is left
         # of measured/predicted once the calibration's compute is out of it
         "replayed_iteration_s": replayed_iteration_s,
