@@ -4,7 +4,7 @@ For each variant (:data:`VARIANTS`: the ``geosched plan`` pins of one
 dimension), plan ``configs/demo-3dc.yaml`` with those pins, run the plan
 with ``geosched launch`` (real agents, broker, WanLinks through the WAN
 emulator, CURVE on) for a few steps, and train the same model on the same
-global batches in this process (:func:`agents.stage.session.train_one_process`).
+global batches in this process (:func:`geosched.reference.train_one_process`).
 Reported per variant: the plan, the largest absolute difference between the
 two loss curves, the launch's measured/predicted iteration time (predicted with each stage as its
 agents timed it where they run, before step 0; also with the calibration's stage times only, and
@@ -33,9 +33,9 @@ from common import benchmark_parser, emit, positive_int
 
 from agents.layout import parse_layout
 from agents.rehearsal.launch import launch
-from agents.stage.session import train_one_process
 from geosched.config import load_config
 from geosched.data import TextDataset, default_corpus_paths
+from geosched.reference import train_one_process
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.variants import Pins

@@ -9,9 +9,8 @@ steps at zero 0, 1 and 2, and one stage x dp 2 x tp 2 at zero 1 and 2 (each tp
 rank's optimizer state sharded over its "dp" sub-group: half of its shards'),
 with losses equal to one process; and a chain of checkpoints resumes across
 data-parallel degrees, ZeRO levels, stage splits and tensor parallelism
-(dp 2 zero 2 -> dp 1 zero 0 -> dp 2 zero 1 -> dp 2 zero 2 -> dp 2 x tp 2 zero 1,
-8 ranks: TP x PP x DP with ZeRO -> one stage x dp 2 x tp 2 zero 2), its 14 losses
-equal to one process's.
+(dp 2 zero 2 -> dp 1 zero 0 -> dp 2 zero 1 -> dp 2 zero 2 -> dp 2 x tp 2 zero 1, 8 ranks: TP x PP x DP with ZeRO
+-> one stage x dp 2 x tp 2 zero 2), its 14 losses and gradient norms equal to one process's.
 """
 
 from __future__ import annotations
@@ -442,11 +441,6 @@ def reference_run() -> tuple[list[float], list[float]]:
     return train_one_process(JOB, dataset, CHAIN_STEPS, grad_norms=norms), norms
 
 
-@pytest.fixture(scope="module")
-def reference_losses(reference_run) -> list[float]:
-    return reference_run[0]
-
-
 def _losses(runs: dict[str, dict[int, Any]], phase: Phase) -> list[float]:
     """The phase's global loss per step (mean over the last stage's replicas; one tp rank of each)."""
     last = [role.rank for role in phase.roles() if role.last and role.tp_rank == 0]
@@ -454,17 +448,19 @@ def _losses(runs: dict[str, dict[int, Any]], phase: Phase) -> list[float]:
     return [global_loss(per_step) for per_step in zip(*reports)]
 
 
+def _assert_norms(runs: dict[str, dict[int, Any]], phase: Phase, expected: list[float]) -> None:
+    """Every rank clipped with the whole model's norm (Adam hides a wrong clip factor in the losses)."""
+    for role in phase.roles():
+        assert [d["grad_norm"] for d in runs[phase.name][role.rank][0]] == pytest.approx(expected, rel=1e-4), role
+
+
 @pytest.mark.parametrize("phase", EQUIVALENCE, ids=lambda p: p.name)
 def test_pipeline_at_every_zero_level_equals_one_process(job_runs, reference_run, phase):
     reference_losses, reference_norms = reference_run
     assert _losses(job_runs, phase) == pytest.approx(reference_losses[:STEPS], rel=1e-4)
     assert reference_losses[STEPS - 1] < reference_losses[0]  # it trains, not just agrees
-    # every rank clipped with the whole model's gradient norm: each element of every stage, shard and slice
-    # counted once (Adam hides a wrong clip factor in the losses; the norm itself does not)
     assert max(reference_norms[:STEPS]) > JOB.max_grad_norm  # the clipping acted
-    for role in phase.roles():
-        norms = [d["grad_norm"] for d in job_runs[phase.name][role.rank][0]]
-        assert norms == pytest.approx(reference_norms[:STEPS], rel=1e-4), (phase.name, role)
+    _assert_norms(job_runs, phase, reference_norms[:STEPS])
     if phase.tp > 1:  # the tp ranks of a replica compute the same loss
         last = [r for r in phase.roles() if r.last]
         for role in last:
@@ -497,9 +493,7 @@ def test_resume_across_dp_degrees_and_zero_levels(job_runs, reference_run):
         first_rank = job_runs[phase.name][0][0]
         assert [r["step"] for r in first_rank] == list(range(step, step + phase.steps))  # resumed where it stopped
         losses += _losses(job_runs, phase)
-        for role in phase.roles():  # chain-e: TP x PP x DP x ZeRO, every rank with the whole model's norm
-            norms = [d["grad_norm"] for d in job_runs[phase.name][role.rank][0]]
-            assert norms == pytest.approx(reference_norms[step : step + phase.steps], rel=1e-4), (phase.name, role)
+        _assert_norms(job_runs, phase, reference_norms[step : step + phase.steps])  # chain-e: TP x PP x DP x ZeRO
         step += phase.steps
     assert losses == pytest.approx(reference_losses, rel=1e-4)
     assert step == CHAIN_STEPS

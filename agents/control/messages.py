@@ -367,14 +367,12 @@ _CHECKED_EXTRAS: dict[str, dict[str, tuple[Callable[[object], bool], str]]] = {
     },
     "metrics": {
         "loss": (_is_number, "a number"),  # NaN and infinity included: a diverged loss is shown as such
-        "iteration_s": (_finite, "a finite number"),
-        "bubble_fraction": (_finite, "a finite number"),
         "wan_bytes": (_count, "an integer >= 0"),
-        "loss_scale": (_finite, "a finite number"),
         "skipped": (_is_bool, "true or false"),
-        "lr": (_finite, "a finite number"),
-        "grad_norm": (_finite, "a finite number"),
-        "started_at": (_finite, "a finite number"),
+        **dict.fromkeys(
+            ("iteration_s", "bubble_fraction", "loss_scale", "lr", "grad_norm", "started_at"),
+            (_finite, "a finite number"),
+        ),
     },
 }
 
