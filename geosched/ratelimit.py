@@ -1,7 +1,8 @@
 """What bounds the rate of work, and of log lines, a stranger can cause.
 
 :class:`TokenBucket`: at most ``per_s`` events a second on average and ``burst`` at once (the WAN handshake's
-hello checks, the metrics endpoint's connections). :class:`RateLimitedLog`: which refusals get a log line, one
+hello checks), :class:`AddressRates` (connections a second per address and in all: the metrics endpoint's and
+the prefill HTTP front end's, before their TLS handshakes). :class:`RateLimitedLog`: which refusals get a log line, one
 per key (a client, a peer address) per interval and a bounded number in all, so a flood from many addresses
 cannot fill a disk (the embedded broker's refusals, the WAN listeners' and the ZAP handler's dropped peers).
 One thread calls each (an accept loop, a link's thread): no lock.
@@ -10,6 +11,7 @@ One thread calls each (an accept loop, a link's thread): no lock.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 
 class TokenBucket:
@@ -28,6 +30,26 @@ class TokenBucket:
             return False
         self._tokens -= 1.0
         return True
+
+
+class AddressRates:
+    """Connections taken from each address (``per_address`` a second, ``burst`` in a row) and from all together
+    (``overall``): a listener's admission before any work (a TLS handshake) is spent on a connection, so one
+    address's flood costs little and does not lock another's clients out. The ``remembered`` most recently seen
+    addresses keep their buckets (the oldest is forgotten first)."""
+
+    def __init__(self, per_address: float, burst: float, overall: float, remembered: int = 1024) -> None:
+        self.per_address, self.burst, self.remembered = per_address, burst, remembered
+        self._rates: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._all = TokenBucket(overall, 2 * overall)
+
+    def allow(self, address: str) -> bool:
+        """Whether a connection from ``address`` is within its own rate and everyone's (a token is spent)."""
+        rate = self._rates.pop(address, None) or TokenBucket(self.per_address, self.burst)
+        self._rates[address] = rate  # the most recently seen last
+        if len(self._rates) > self.remembered:
+            self._rates.popitem(last=False)
+        return rate.take() and self._all.take()
 
 
 class RateLimitedLog:

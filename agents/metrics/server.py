@@ -30,7 +30,6 @@ import logging
 import socket
 import ssl
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -39,7 +38,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from geosched.errors import InputError
-from geosched.ratelimit import TokenBucket
+from geosched.ratelimit import AddressRates
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +96,13 @@ class _BoundedServer(ThreadingWSGIServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self._per_address: dict[str, int] = {}
-        self._rates: OrderedDict[str, TokenBucket] = OrderedDict()  # per address; the accepting thread's alone
-        self._all = TokenBucket(ALL_CONNECTIONS_PER_S, 2 * ALL_CONNECTIONS_PER_S)
+        # the accepting thread's alone
+        self._rates = AddressRates(CONNECTIONS_PER_S, CONNECTIONS_BURST, ALL_CONNECTIONS_PER_S, RATED_ADDRESSES)
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._within_rate(client_address[0]) or not self._take(client_address[0]):
+        if not self._rates.allow(client_address[0]) or not self._take(client_address[0]):
             self.shutdown_request(request)
             return
         try:
@@ -111,14 +110,6 @@ class _BoundedServer(ThreadingWSGIServer):
         except BaseException:
             self._give_back(client_address[0])
             raise
-
-    def _within_rate(self, address: str) -> bool:
-        """Whether a connection from ``address`` is within its own rate and everyone's."""
-        rate = self._rates.pop(address, None) or TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)
-        self._rates[address] = rate  # the most recently seen last
-        if len(self._rates) > RATED_ADDRESSES:
-            self._rates.popitem(last=False)
-        return rate.take() and self._all.take()
 
     def _take(self, address: str) -> bool:
         """A slot for a connection from ``address``, if one is free (of all, and of that address's share)."""

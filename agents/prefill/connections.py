@@ -38,6 +38,7 @@ LIMIT_BOUNDS = {
     "body_timeout_s": (0.05, 3600.0),
     "keepalive_timeout_s": (0.05, 3600.0),
     "send_timeout_s": (0.05, 3600.0),
+    "connections_per_s": (1.0, 100_000.0),
 }
 """Each limit's range (inclusive)."""
 
@@ -58,6 +59,9 @@ class HttpLimits:
     """After an answer, the next request's headers must arrive within this (the connection closes otherwise)."""
     send_timeout_s: float = 30.0
     """A KV answer (``/v1/prefill``) must be taken by the client within this (the connection closes otherwise)."""
+    connections_per_s: float = 20.0
+    """New connections a second from one address (4 times as many in a row; 10 times as many from all addresses
+    together); more are closed before their TLS handshake (a client keeping its connections alive needs few)."""
 
     def __post_init__(self) -> None:
         for name, (low, high) in LIMIT_BOUNDS.items():

@@ -66,6 +66,7 @@ from agents.prefill.parser_errors import ServerLog, connection_handler
 from agents.prefill.protocol import PrefillResponse, token_matches
 from agents.prefill.service import PrefillService
 from geosched.errors import LinkError
+from geosched.ratelimit import AddressRates
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class PrefillHttpServer:
                 self.url,
             )
         self._guard = ConnectionGuard(self.limits)
+        limits = self.limits  # connections a second, per address and in all, before any TLS handshake
+        self._rates = AddressRates(
+            limits.connections_per_s, 4 * limits.connections_per_s, 10 * limits.connections_per_s
+        )
+        self._opening: set[asyncio.Task[None]] = set()  # connections in their TLS handshake
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._stop: asyncio.Event | None = None
@@ -184,15 +190,10 @@ class PrefillHttpServer:
             lingering_time=limits.body_timeout_s,
         )
         await runner.setup()
-        server = None
         sweeper = asyncio.create_task(self._sweep())
+        self._sock.setblocking(False)
+        accepting = asyncio.create_task(self._accept())
         try:
-            server = await self._loop.create_server(
-                self._protocol,
-                sock=self._sock,
-                ssl=self.tls,
-                ssl_handshake_timeout=limits.header_timeout_s if self.tls is not None else None,
-            )
             log.info("prefill HTTP front end on %s", self.url)
             self._ready.set()
             await self._stop.wait()
@@ -204,9 +205,44 @@ class PrefillHttpServer:
                     future.set_result(closing)
         finally:
             sweeper.cancel()
-            if server is not None:
-                server.close()  # no more connections; those open are closed by the runner
+            accepting.cancel()  # no more connections; those open are closed by the runner
+            for opening in list(self._opening):
+                opening.cancel()
             await runner.cleanup()
+
+    async def _accept(self) -> None:
+        """Take connections; one over its address's rate or everyone's (:class:`AddressRates`) is closed before its
+        TLS handshake: a stranger's flood of handshakes cost the agent's core (90 a second slowed training by a
+        quarter), and asyncio's own server handshakes every connection it accepts."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of file descriptors, say: the listener stays
+                log.warning("prefill HTTP: accepting a connection failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if not self._rates.allow(str(address[0])):
+                self._guard.counts["refused_connections"] += 1
+                conn.close()
+                continue
+            opening = loop.create_task(self._open(conn))
+            self._opening.add(opening)
+            opening.add_done_callback(self._opening.discard)
+
+    async def _open(self, conn: socket.socket) -> None:
+        """Hand an accepted connection to the guard's protocol (:meth:`_protocol`), through its TLS handshake."""
+        assert self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(
+                self._protocol,
+                conn,
+                ssl=self.tls,
+                ssl_handshake_timeout=self.limits.header_timeout_s if self.tls is not None else None,
+            )
+        except (TimeoutError, OSError) as exc:  # a failed or slow handshake (ssl.SSLError is an OSError)
+            log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
+            conn.close()
 
     def _protocol(self) -> asyncio.Protocol:
         """The protocol of a connection just accepted: aiohttp's behind the guard, or a refusal."""
