@@ -60,12 +60,21 @@ def test_pipelines_in_several_datacenters_train_like_one_process(zero: int) -> N
     assert all(r.sync is not None and len(r.sync.chain) == 2 for r in layout.roles)  # the rest over WanLinks
     assert layout.job.zero == zero
     runs = run_layout(layout)
-    job = layout.job
+    job, norms = layout.job, []
     reference = train_one_process(
-        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), STEPS
+        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), STEPS, grad_norms=norms
     )
     assert _global_losses(layout, runs) == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
+    _assert_clipped_like(norms, layout, runs)
+
+
+def _assert_clipped_like(norms: list[float], layout: Any, runs: dict[int, Any]) -> None:
+    """Every rank of every pipeline, in each DC, clipped with one process's gradient norm (each DC's group
+    counts the synced gradients once; the pipelines agree without talking)."""
+    assert max(norms) > layout.job.max_grad_norm  # the clipping acted
+    for role in layout.roles:
+        assert [r.grad_norm for r in runs[role.rank][0]] == pytest.approx(norms, rel=1e-4), role
 
 
 # A 1-stage job over a chain of three DCs with no link closing the ring (us - eu - ap), 4 replicas:
@@ -213,12 +222,13 @@ def test_tensor_parallel_replicas_in_two_dcs_sync_their_shards_per_tp_rank_like_
     ]  # fmt: skip
     assert [layout.roles[r].sync.next.rank for r in (0, 1)] == [4, 5]  # lane partners: the same tp rank
     runs = run_layout(layout, steps=TP_STEPS)
-    job = layout.job
+    job, norms = layout.job, []
     reference = train_one_process(
-        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), TP_STEPS
+        job, TextDataset(default_corpus_paths(), seq_len=job.model.seq_len, seed=job.seed), TP_STEPS, grad_norms=norms
     )
     assert _global_losses(layout, runs) == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
+    _assert_clipped_like(norms, layout, runs)
     # each lane owner sends its lane (its tp rank's shards and replicated parameters) once a step, no more
     shards = 4 * _local_numel(build_model(job.model, seed=job.seed), job.tp)
     assert shards < 4 * sum(p.numel() for p in build_model(job.model, seed=job.seed).parameters())

@@ -1,7 +1,8 @@
 """Requests the prefill HTTP front end refuses before any handler runs, or whose body does not decode: each a
 counted 400 with OpenAI's error object and ``Server: geosched`` (never aiohttp's and Python's versions), none
 logged as an error (a stranger's flood would fill the log). Raw sockets: these are not requests a client
-library sends."""
+library sends. And what a stranger's floods cost: a 401 ends its connection, and an address's connections past
+its rate are closed before their TLS handshake."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import http.client
 import json
 import logging
 import socket
+import ssl
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prefill_helpers import idle_worker
 
+from agents.prefill.connections import HttpLimits
 from agents.prefill.http import PrefillHttpServer
 from agents.prefill.service import PrefillService
 from geosched.model import ModelShape, build_model
@@ -91,3 +96,58 @@ def test_bodies_that_do_not_decode_and_parser_refusals_answer_json_naming_geosch
         assert says in json.loads(body)["error"]["message"], reply
     assert service.metrics()["bad_requests"] == before["bad_requests"] + 3
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_request_without_the_token_closes_its_connection(served):
+    """A stranger kept one connection alive and sent requests without the token as fast as the answers came
+    (4,447 answers of 401 a second on 4 connections, training slowed); now each 401 ends its connection, so
+    every try costs a new one (and its TLS handshake)."""
+    service, server = served
+    before = service.metrics()["unauthenticated"]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Connection")) == (401, "close")
+        response.read()
+        assert response.will_close  # http.client reconnects for a next request: the server closed this one
+        assert conn.sock is None
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert conn.getresponse().status == 200  # the token opens a kept-alive connection as before
+    finally:
+        conn.close()
+    assert service.metrics()["unauthenticated"] == before + 1
+
+
+def test_a_flood_of_connections_from_one_address_is_closed_before_its_handshake_and_others_are_served():
+    """A stranger made 90 TLS handshakes a second (each costs the agent's core) and slowed training by a
+    quarter: past ``connections_per_s`` (4 times as many in a row) an address's connections are closed at once,
+    unanswered, while another address is served."""
+    from agents.tls.context import client_context, server_context
+    from agents.tls.selfsigned import write_rehearsal_tls
+
+    model = build_model(ModelShape(layers=1, hidden=16, heads=2, seq_len=32), seed=3).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        files = write_rehearsal_tls(Path(folder))
+        context = server_context(files.cert, files.key, "--prefill-http-tls-cert")
+        client = client_context(files.ca)
+        limits = HttpLimits(connections_per_s=2.0)  # 8 in a row from one address, 20 a second from all
+        with PrefillService(model, auth_token=TOKEN) as service, idle_worker(service):
+            with PrefillHttpServer(service, "127.0.0.1", 0, limits=limits, tls=context) as server:
+                answers = []
+                for _ in range(14):
+                    try:
+                        with socket.create_connection((server.host, server.port), timeout=10) as raw:
+                            tls = client.wrap_socket(raw, server_hostname="127.0.0.1")
+                            tls.sendall(f"GET /v1/models HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+                            answers.append(tls.recv(64)[:12])
+                    except (ssl.SSLError, ConnectionError):
+                        answers.append(b"closed")  # before any handshake
+                assert answers[:8] == [b"HTTP/1.0 200"] * 8 and answers.count(b"closed") >= 5, answers
+                assert server.stats()["refused_connections"] >= 5
+                other = http.client.HTTPSConnection(
+                    server.host, server.port, timeout=10, context=client, source_address=("127.0.0.2", 0)
+                )
+                other.request("GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+                assert other.getresponse().status == 200  # another address's rate is its own
+                other.close()
