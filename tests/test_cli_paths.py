@@ -372,7 +372,7 @@ def test_a_plan_counting_on_recomputation_is_refused_before_anything_starts(tmp_
     config = tmp_path / "recompute.yaml"
     config.write_text(yaml.safe_dump(data))
     assert main(["plan", str(config), "-o", str(tmp_path / "plan.yaml")]) == 0  # the planner prices it
-    capsys.readouterr()
+    assert "warning: the agents will refuse this plan: job.recompute 'full'" in capsys.readouterr().err
     run = tmp_path / "run"
     for args in (
         ["launch", str(config), "--run-dir", str(run), "--steps", "1"],

@@ -112,6 +112,9 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["measured_iteration_s"] == pytest.approx(predicted.iteration_s)
     tokens = layout.job.global_batch * layout.job.model.seq_len  # a step's: the plan's tokens_per_s counts these
     assert report["tokens_per_s_measured"] == pytest.approx(tokens / predicted.iteration_s)
+    assert report["tokens_per_s_predicted"] == pytest.approx(tokens / predicted.iteration_s)  # the simulated run
+    assert [s["skipped"] for s in report["per_step"]] == [False, True, False]  # step 1: every stage skipped it
+    assert (report["layout"]["tensor_parallel"], report["layout"]["zero"]) == (layout.job.tp, layout.job.zero)
     assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
     assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])

@@ -115,7 +115,7 @@ class StepSummary:
             wan=wan,
         )
         if self.grad_norm is not None:
-            line += f" | grad norm {self.grad_norm:.4g}"
+            line += f" | grad norm {self.grad_norm:.3f}"
         if self.skipped_at_scale is not None:
             line += f" | skipped: fp16 overflow at loss scale {self.skipped_at_scale:g}"
         return line

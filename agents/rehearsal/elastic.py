@@ -107,7 +107,8 @@ def describe(layout: JobLayout) -> str:
     """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``."""
     paths = [" -> ".join(layout.stage_dcs), *(" -> ".join(p) for p in layout.extra_pipelines)]
     ranks = len(layout.roles)
-    return f"{layout.num_stages} stages {' + '.join(paths)}, dp {layout.dp}, tp {layout.job.tp} ({ranks} ranks)"
+    stages = f"{layout.num_stages} stage{'s' if layout.num_stages != 1 else ''}"
+    return f"{stages} {' + '.join(paths)}, dp {layout.dp}, tp {layout.job.tp} ({ranks} ranks)"
 
 
 def surviving_config(config: Config, layout: JobLayout, lost: Iterable[int]) -> tuple[Config, list[str]]:

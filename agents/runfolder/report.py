@@ -153,11 +153,13 @@ def build_report(
                 "sync_bytes": sum(sum(r.sync_bytes.values()) for r in rs),
                 "lr": next((r.lr for r in rs if r.lr is not None), None),  # the same on every rank
                 "grad_norm": next((r.grad_norm for r in rs if r.grad_norm is not None), None),  # the same on every rank
+                "skipped": any(r.skipped for r in rs),  # fp16: every stage skipped its optimizer step
             }
         )
     if not per_step:
         raise GeoschedError("run report: no step completed on every rank")
     measured = steady([s["iteration_s"] for s in per_step])
+    tokens = layout.job.global_batch * layout.job.model.seq_len
     sync = steady([s["sync_s"] for s in per_step])
     collective = steady([s["sync_collective_s"] for s in per_step])
     report: dict[str, Any] = {
@@ -167,8 +169,9 @@ def build_report(
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
-        # the plan's tokens_per_s is global_batch x seq_len over its predicted iteration
-        "tokens_per_s_measured": layout.job.global_batch * layout.job.model.seq_len / measured if measured else None,
+        # a step's tokens over the iteration, measured and as predicted here (at this run's --wan-scale)
+        "tokens_per_s_measured": tokens / measured if measured else None,
+        "tokens_per_s_predicted": tokens / predicted_iteration_s if predicted_iteration_s else None,
         # the simulator again with this run's own compute times (agents.runfolder.predict.replay): what is left
         # of measured/predicted once the calibration's compute is out of it
         "replayed_iteration_s": replayed_iteration_s,
@@ -192,6 +195,8 @@ def build_report(
             "dp": layout.dp,
             "ranks": len(layout.roles),
             "schedule": layout.job.schedule,
+            "tensor_parallel": layout.job.tp,
+            "zero": layout.job.zero,
             "microbatches": schedule.num_microbatches,
             "wan_compression": {f"{a}-{b}": codec for (a, b), codec in getattr(layout, "compression", {}).items()},
         },
