@@ -130,8 +130,10 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
     losses = [metric_number(m.get("loss")) for r, m in metrics.items() if layout.role(r).last]
     known = [loss for loss in losses if loss is not None]
     skipped = [number(m, "loss_scale") for m in metrics.values() if m.get("skipped") is True]
-    rates = [rate for m in metrics.values() if (rate := metric_number(m.get("lr"))) is not None]
-    norms = [norm for m in metrics.values() if (norm := metric_number(m.get("grad_norm"))) is not None]
+
+    def first(name: str) -> float | None:  # a figure every rank reports alike (the lr, the gradients' norm)
+        return next((x for m in metrics.values() if (x := metric_number(m.get(name))) is not None), None)
+
     return StepSummary(
         step=step,
         loss=sum(known) / len(known) if known else None,
@@ -139,8 +141,8 @@ def summarize_step(step: int, metrics: dict[int, dict[str, Any]], layout: JobLay
         bubble_fraction=sum(number(m, "bubble_fraction") for m in metrics.values()) / len(metrics),
         wan_bytes=sum(int(number(m, "wan_bytes")) for m in metrics.values()),
         skipped_at_scale=skipped[0] if skipped else None,
-        lr=rates[0] if rates else None,
-        grad_norm=norms[0] if norms else None,
+        lr=first("lr"),
+        grad_norm=first("grad_norm"),
     )
 
 

@@ -157,10 +157,10 @@ class ShardedGradAdamW(torch.optim.Optimizer):
         """The sum of the squares of this replica's gradient slices (after :meth:`allreduce_gradients`).
         ``whole`` False leaves out the parameters every tp rank holds whole (tp rank 0 counts those), so a sum
         over a tensor-parallel stage's group counts every element once."""
+        grads = [shard.grad for shard in self.shards]  # the accumulators, allocated once
         if whole:
-            return square_sum(shard.grad for shard in self.shards if shard.grad is not None)
-        grads = [self.shards[b].grad for b, _, _ in self._split_runs]
-        return square_sum(grad[start:end] for grad, (_, start, end) in zip(grads, self._split_runs) if grad is not None)
+            return square_sum(grad for grad in grads if grad is not None)
+        return square_sum(grad[start:end] for b, start, end in self._split_runs if (grad := grads[b]) is not None)
 
     # -- gradients, as backward makes them -----------------------------------------------------
 

@@ -135,6 +135,10 @@ class ConnectionGuard:
         self._refusing[key] = now
         return "refuse"
 
+    def over_rate(self) -> None:
+        """A connection was closed before its TLS handshake: its address (or everyone) was over the rate."""
+        self.counts["refused_connections"] += 1
+
     def refused(self, key: Hashable) -> None:
         """A refused connection closed."""
         self._refusing.pop(key, None)

@@ -223,7 +223,7 @@ class PrefillHttpServer:
                 await asyncio.sleep(0.1)
                 continue
             if not self._rates.allow(str(address[0])):
-                self._guard.counts["refused_connections"] += 1
+                self._guard.over_rate()
                 conn.close()
                 continue
             opening = loop.create_task(self._open(conn))
