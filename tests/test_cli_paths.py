@@ -48,6 +48,9 @@ from geosched.cli import main
             "cannot make the folder",
         ),
         (["simulate", "--stages", "2", "--microbatches", "2", "--trace", "/dev/null"], "--trace /dev/null: a char"),
+        (["launch", "configs/demo-3dc.yaml", "--data", "{file}.txt"], "data pattern '{file}.txt' matches no files"),
+        (["launch", "configs/demo-3dc.yaml", "--data", "{file}"], "data has 13 bytes in 1 non-empty files, fewer"),
+        (["launch", "configs/demo-3dc.yaml", "--data", str(Path(__file__).parent)], "is a directory; pass a glob"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:

@@ -35,6 +35,6 @@ def test_a_start_whose_first_and_last_stage_read_different_data_is_refused(embed
         stop_processes(agents)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:] + log_tail(tmp_path)
-    assert "read different corpora: rank 0 on" in lines[0] and "reads 1 file of 17600 bytes" in lines[0], lines[0]
-    assert "rank 1 on" in lines[0] and "reads 1 file of 22000 bytes" in lines[0] and "same --data" in lines[0]
+    assert "read different corpora: rank 0 on" in lines[0] and "reads 1 file of 17,600 bytes" in lines[0], lines[0]
+    assert "rank 1 on" in lines[0] and "reads 1 file of 22,000 bytes" in lines[0] and "same --data" in lines[0]
     assert "step" not in done.stdout  # nothing trained

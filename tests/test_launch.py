@@ -147,8 +147,10 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
 
 def test_launch_insecure_warns_and_trains(tmp_path: Path):
     """``--insecure``: one warning line, no key folder, and the demo still trains. The run folder is relative to
-    the launcher's folder (the agents run in the repository root). The prediction's calibration is the reused
-    folder's own calibration.json, which the launch used to delete with the earlier run's files."""
+    the launcher's folder (the agents run in the repository root), and so is ``--data``: every agent trains on
+    that file, and the coordinator says so. The prediction's calibration is the reused folder's own
+    calibration.json, which the launch used to delete with the earlier run's files."""
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 100)
     run = tmp_path / "run"
     run.mkdir()
     (run / "plan.yaml").write_text("an earlier run's\n")  # a launch's folder, with the calibration it measured
@@ -162,6 +164,7 @@ def test_launch_insecure_warns_and_trains(tmp_path: Path):
     assert profiled.returncode == 0, profiled.stderr[-2000:]
     calibration = (run / "calibration.json").read_bytes()
     args = ("--steps", "2", "--run-dir", "run", "--insecure", "--calibration", "run/calibration.json")
+    args += ("--data", "corpus.txt")
     done = subprocess.run(
         cli("launch", str(ROOT / "configs/demo-3dc.yaml"), *args),
         capture_output=True,
@@ -174,6 +177,7 @@ def test_launch_insecure_warns_and_trains(tmp_path: Path):
     warnings = [line for line in done.stdout.splitlines() if "WARNING --insecure" in line]
     assert len(warnings) == 1 and "no broker logins, unsigned commands" in warnings[0]
     assert "WARNING" not in done.stderr, done.stderr  # one line: the broker does not say it again
+    assert "training data: 1 file of 4,400 bytes (seq_len 64)" in done.stdout.splitlines(), done.stdout
     assert not (run / "secrets").exists()
     report = json.loads((run / "report.json").read_text())
     assert report["secure"] is False and report["losses"][-1] < report["losses"][0]

@@ -57,6 +57,7 @@ from agents.control.plane import ControlPlane
 from agents.control.ready import (
     AgentRefused,
     check_same_plan,
+    data_line,
     first_step,
     stranded_endpoints,
     wait_ready,
@@ -219,6 +220,8 @@ async def start_job(
             statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits)
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
+            if out is not None and (data := data_line(statuses)) is not None:
+                print(data, file=out, flush=True)
             first = first_step(statuses)
             steps = steps if until is None else max(1, until - first)
             result = JobResult() if result is None else result

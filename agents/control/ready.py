@@ -82,14 +82,25 @@ def check_same_data(statuses: dict[int, StatusMessage]) -> None:
     other, second = next((r, d) for r, d in rest if d != first)
 
     def says(rank: int, data: dict[str, int]) -> str:
-        files, size = data.get("files", 0), data.get("bytes", 0) - data.get("files", 0)  # less the separators
-        return f"rank {rank} on {statuses[rank].host or '?'} reads {files} file{'s' * (files != 1)} of {size} bytes"
+        return f"rank {rank} on {statuses[rank].host or '?'} reads {corpus_size(data)}"
 
     raise PlanError(
         f"the ranks that read training data read different corpora: {says(one, first)}; {says(other, second)} "
         "(stage 0 takes the inputs and the last stage the targets of the same samples); give every agent of a "
         "first or last stage the same --data files"
     )
+
+
+def data_line(statuses: dict[int, StatusMessage]) -> str | None:
+    """What the job trains on, as the ranks that read it report (they agree: :func:`check_same_data`)."""
+    reading = [s.extra["data"] for _, s in sorted(statuses.items()) if isinstance(s.extra.get("data"), dict)]
+    return f"training data: {corpus_size(reading[0])} (seq_len {reading[0].get('seq_len', '?')})" if reading else None
+
+
+def corpus_size(data: dict[str, int]) -> str:
+    """``N files of B bytes`` from a corpus fingerprint (:func:`geosched.data.corpus_fingerprint`)."""
+    files, size = data.get("files", 0), data.get("bytes", 0) - data.get("files", 0)  # less the separators
+    return f"{files} file{'s' * (files != 1)} of {size:,} bytes"
 
 
 def first_step(statuses: dict[int, StatusMessage]) -> int:

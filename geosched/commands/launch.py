@@ -26,6 +26,7 @@ for the run (clients trust RUN_DIR/secrets/tls-ca.crt).
   geosched launch configs/demo-3dc.yaml --elastic --elastic-return-after 10   # ... and moves back 10 s later
   geosched launch configs/demo-3dc.yaml --insecure          # no keys, logins or encryption (trusted host only)
   geosched launch configs/demo-3dc.yaml --device cuda       # the agents train on this host's GPUs (NCCL groups)
+  geosched launch configs/demo-3dc.yaml --data 'corpus/**/*.txt'   # train on these files (default: Python's stdlib)
 
 Ctrl-C stops every child process; nothing is left running.
 """
@@ -161,6 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the agents train on: cpu (default), cuda (GPU rank %% GPUs) or cuda:N; the calibration "
         "measures there too",
     )
+    parser.add_argument(
+        "--data",
+        action="append",
+        metavar="FILE_OR_GLOB",
+        help="text files or globs to train on, repeatable (default: the Python standard library's sources); "
+        "every agent reads them, as the agents' --data",
+    )
     parser.add_argument("--json", action="store_true", help="print report.json's content as one JSON line at the end")
 
 
@@ -214,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     check_device_text(args.device)
     if not 0 <= args.prefill_rate <= 10_000:
         raise InputError(f"--prefill-rate: must be between 0 and 10000 requests/s (got {args.prefill_rate})")
+    agent_args = data_args(args.config, args.data) if args.data else None
     calibration: object = "measure"
     if args.no_calibrate and args.calibration:
         raise InputError("--calibration FILE and --no-calibrate contradict each other; give one of them")
@@ -253,10 +262,22 @@ def run(args: argparse.Namespace) -> int:
             elastic_return_after_s=args.elastic_return_after,
             device=args.device,
             resume=args.resume,
+            agent_args=agent_args,
         )
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def data_args(config_path: str, data: list[str]) -> list[str]:
+    """The agents' ``--data`` flags for ``launch --data``: checked here (files that exist, enough bytes for one
+    sample of the config's sequence length), one line if not, and absolute (the agents run in the repository
+    root, not in the caller's folder)."""
+    from geosched.config import load_config
+    from geosched.data import TextDataset
+
+    TextDataset(data, seq_len=load_config(config_path).job.model.seq_len)  # reads sizes only, maps nothing
+    return [f"--data={Path(pattern).absolute()}" for pattern in data]
 
 
 LOCK_NAME = ".launch.lock"
