@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_checkpoint_reshard import NEW, OLD, SEED, SHAPE, pipeline, train
 
 from agents.checkpoint.export import export_weights, load_whole_model, resolve_step
@@ -131,6 +131,10 @@ def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, 
     _one_line_exit_2([*local, out, "hi"], "hold hidden=32 seq_len=16 where the model has hidden=64 seq_len=64", capsys)
     _one_line_exit_2([*local, str(two), "hi"], "do not fit the model shape", capsys)
     _one_line_exit_2(["prefill", "hi"], "--endpoint tcp://HOST:PORT", capsys)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, plain)
+    _one_line_exit_2(["prefill", "--local", "--weights", str(plain), "hi"], "records no model (a plain", capsys)
+    _one_line_exit_2(["prefill", "--local", "hi"], "pass --weights (a file from 'geosched export'", capsys)
     assert not (tmp_path / "w.safetensors.tmp").exists() and not list(tmp_path.glob(".w.safetensors.tmp*"))
 
 

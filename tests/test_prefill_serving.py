@@ -98,7 +98,9 @@ def test_agents_serve_exported_weights_and_follow_checkpoints(embedded_broker, t
     try:
         where = endpoints(embedded_broker, ["file", "follow"])
         local = prefill(capsys, "--local", "--weights", str(exported), "--config", str(config))
-        served = prefill(capsys, "--endpoint", where["file"], "--weights", str(exported), "--config", str(config))
+        recorded = prefill(capsys, "--local", "--weights", str(exported))  # the model the file records
+        served = prefill(capsys, "--endpoint", where["file"], "--weights", str(exported))
+        assert recorded["decoded_tokens"] == local["decoded_tokens"] and recorded["topk_ids"] == local["topk_ids"]
         seeded = prefill(capsys, "--local", "--seed", str(JOB.seed), "--config", str(config))
         assert local["decoded_tokens"] == served["decoded_tokens"], log_tail(logs["file"])
         assert local["topk_ids"] == served["topk_ids"]
@@ -110,7 +112,7 @@ def test_agents_serve_exported_weights_and_follow_checkpoints(embedded_broker, t
         write_checkpoint(ckpt, 4, weights_seed=98)  # a newer step completes while the agent serves
         log = logs["follow"] / "agent0.log"
         wait_for(lambda: "now serves checkpoint step 4" in log.read_text(), 30, "the swap", 0.2)
-        newer = prefill(capsys, "--local", "--weights", str(ckpt), "--config", str(config))  # the newest: step 4
+        newer = prefill(capsys, "--local", "--weights", str(ckpt))  # the newest: step 4, the model it records
         answer = prefill(capsys, "--endpoint", where["follow"], "--weights", str(ckpt), "--config", str(config))
         assert answer["decoded_tokens"] == newer["decoded_tokens"] and answer["topk_ids"] == newer["topk_ids"]
         assert answer["topk_logits"] != pytest.approx(local["topk_logits"], abs=1e-3)

@@ -175,6 +175,22 @@ def served_weights(
     return model.to(torch.float32), step
 
 
+def recorded_model(source: str) -> ModelRecord:
+    """The model a weights file (``geosched export``) or a checkpoint folder's newest complete step records;
+    InputError (or CheckpointError) when it records none: then a config must say."""
+    from geosched.weights import read_weights_metadata
+
+    if os.path.isdir(source):
+        return checkpoint_record(source, resolve_step(source))
+    record = weights_record(read_weights_metadata(source), source)
+    if record is None:
+        raise InputError(
+            f"{source!r} records no model (a plain safetensors file, not one 'geosched export' wrote); pass "
+            "--config CONFIG, whose job.model is the model of these weights"
+        )
+    return record
+
+
 def check_served_source(source: str, job: ModelRecord, *, follow: bool = False) -> None:
     """:func:`served_weights`'s checks of the model, without loading any tensor (cheap, for bad input at start)."""
     from geosched.weights import read_weights_metadata

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
-    from geosched.config import JobSpec
+    from geosched.model_counts import ShapeLike
 
 
 def at_least(args: argparse.Namespace, name: str, minimum: float, hint: str = "", *, colon: bool = True) -> None:
@@ -124,17 +124,17 @@ def job_name(args: argparse.Namespace) -> str:
     return check_name("--job", args.job)
 
 
-def fits_host_memory(job: JobSpec, bytes_per_param: float, what: str, fix: str) -> None:
-    """InputError when ``job``'s whole model at ``bytes_per_param`` needs more than this host's available memory
-    (Linux's MemAvailable; unchecked where that is unknown): torch would fail to allocate with a traceback, or
-    the host would swap for minutes first."""
-    from geosched.costmodel import total_params
+def fits_host_memory(shape: ShapeLike, bytes_per_param: float, what: str, fix: str) -> None:
+    """InputError when the whole model of ``shape`` (a config's ``job.model``, a weights file's record) at
+    ``bytes_per_param`` needs more than this host's available memory (Linux's MemAvailable; unchecked where that
+    is unknown): torch would fail to allocate with a traceback, or the host would swap for minutes first."""
+    from geosched.model_counts import total_params
     from geosched.processes import available_memory_bytes
 
     available = available_memory_bytes()
     if available is None:
         return
-    params = total_params(job)
+    params = total_params(shape)
     if params * bytes_per_param > available:
         raise InputError(
             f"{what}: its {params / 1e9:.3g}B parameters need about {params * bytes_per_param / 2**30:.3g} GiB "

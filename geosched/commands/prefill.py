@@ -2,15 +2,16 @@
 
 The agent runs the prefill inside its training bubbles and returns the first
 token, its top-k logits and the KV cache; ``--decode N`` continues greedy
-decoding locally from that cache (needs the same weights: --weights, --config):
+decoding locally from that cache (needs the same weights: --weights; --config only for a
+file that records no model, or with --seed for the seeded demo model):
 
   geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
   geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file prefill.token "The quick brown fox"  # --insecure agent
   geosched prefill --endpoint https://127.0.0.1:8443 --keys runs/demo/secrets "Hello"   # HTTPS: token + its CA
   geosched prefill --endpoint https://agent:8443 --ca-file ca.crt --token-file prefill.token "Hello"
   geosched prefill --endpoint tcp://127.0.0.1:5600 --decode 20 \\
-      --weights gpt.safetensors --config configs/demo-3dc.yaml --json "Once upon a time"
-  geosched prefill --local --weights model.safetensors --config configs/demo-3dc.yaml --decode 20 "Hello"
+      --weights gpt.safetensors --json "Once upon a time"
+  geosched prefill --local --weights model.safetensors --decode 20 "Hello"   # the file records its model
 
 An ``http(s)://`` endpoint (the agent's ``prefill-http/r<RANK>`` URL) is
 asked over its OpenAI-style front end (``POST /v1/prefill``), with the same
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--local",
         action="store_true",
-        help="no agent: prefill in this process on --weights (a file or checkpoint folder) with --config's model",
+        help="no agent: prefill in this process on --weights (a file or checkpoint folder: the model it records)",
     )
     parser.add_argument("--token", help="shared secret, when the agent requires one (prefer --token-file)")
     parser.add_argument("--token-file", help="read the shared secret from this file (mode 0600)")
@@ -75,28 +76,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights", help="the served model's weights file or checkpoint folder (for --decode and --local)"
     )
-    parser.add_argument("--config", help="config whose job.model is the served model's shape (for --decode)")
+    parser.add_argument(
+        "--config", help="config whose job.model is the served model's shape (default: the one --weights records)"
+    )
     parser.add_argument("--seed", type=int, help="without --weights: the seeded demo model (config's job.seed)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
 
 def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None]:
-    from agents.checkpoint.export import served_weights
+    from agents.checkpoint.export import recorded_model, served_weights
     from agents.prefill.model import frozen, load_inference_model
     from geosched.config import load_config
     from geosched.weights import ModelRecord
 
-    if args.config is None or (args.weights is None and args.seed is None):
+    if args.weights is None and (args.config is None or args.seed is None):
         raise InputError(
-            f"{'--local' if args.local else '--decode'} needs the served model locally: pass --config (its "
-            "job.model) and --weights (or --seed for the seeded demo model)"
+            f"{'--local' if args.local else '--decode'} needs the served model locally: pass --weights (a file "
+            "from 'geosched export' or a checkpoint folder), or --config and --seed for the seeded demo model"
         )
-    job = load_config(args.config).job
-    fits_host_memory(job, 4, f"the model of {args.config}", "serve it from an agent on a larger host (--endpoint)")
+    if args.config is not None:
+        job = load_config(args.config).job
+        record = ModelRecord.of(job.model, job.seed, job.precision)
+    else:
+        record = recorded_model(args.weights)
+    what = f"the model of {args.config or args.weights}"
+    fits_host_memory(record.shape, 4, what, "serve it from an agent on a larger host (--endpoint)")
     if args.weights is None:
-        return load_inference_model(job.model, None, seed=args.seed), None
-    model, step = served_weights(args.weights, ModelRecord.of(job.model, job.seed, job.precision))
+        return load_inference_model(record.shape, None, seed=args.seed), None
+    model, step = served_weights(args.weights, record)
     assert model is not None  # a weights source without following gives a model or raises
     return frozen(model), step
 
@@ -141,9 +149,7 @@ def run(args: argparse.Namespace) -> int:
         answer.weights_step = step
         return _report(args, answer, model if args.decode else None, step)
     if args.endpoint is None:
-        raise InputError(
-            "pass --endpoint tcp://HOST:PORT (an agent's prefill endpoint), or --local --weights FILE --config CONFIG"
-        )
+        raise InputError("pass --endpoint tcp://HOST:PORT (an agent's prefill endpoint), or --local --weights FILE")
     if (args.curve_key is None) != (args.server_key is None):
         raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
     served, step = _load_local_model(args) if args.decode else (None, None)

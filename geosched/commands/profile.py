@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from geosched.profile import check_prediction, write_calibration
 
     fits_host_memory(  # weights, gradients and AdamW's two moments in fp32, over the ranks that time it
-        job, 16, f"the model of {args.config}", "profile a smaller model here, or on a host with more memory"
+        job.model, 16, f"the model of {args.config}", "profile a smaller model here, or on a host with more memory"
     )
     at_least(args, "repeats", 1, colon=False)
     at_least(args, "warmup", 0, colon=False)
