@@ -100,6 +100,7 @@ def plan_for_config(config: Config) -> str:
 LEARNING_FIELDS = (
     "global_batch",
     "precision",
+    "grad_dtype",
     "optimizer_bytes_per_param",
     "initial_loss_scale",
     "attention",

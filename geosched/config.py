@@ -185,6 +185,12 @@ class JobSpec:
     global_batch: int = spec("sequences per iteration, over all replicas", ge=1, le=1 << 24)
     microbatch_size: int | None = spec("sequences per microbatch; null: the planner chooses", None, ge=1, le=1 << 24)
     precision: Precision = spec("training precision (bf16, fp16: AdamW steps fp32 master weights)", "bf16")
+    grad_dtype: Literal["fp32", "precision"] = spec(
+        "bf16/fp16 only: 'fp32' accumulates each parameter's gradient over the microbatches and averages it over "
+        "the replicas in fp32 (Megatron's default for bf16; 2 bytes more a parameter and twice the gradient-sync "
+        "bytes); 'precision': in the training precision, rounding every microbatch's sum",
+        "fp32",
+    )
     optimizer_bytes_per_param: float = spec(
         "optimizer state bytes per parameter (Adam, mixed precision: 12)", MIXED_PRECISION_STATE_BYTES, ge=0, le=1024
     )
@@ -270,6 +276,11 @@ class JobSpec:
     def bytes_per_element(self) -> int:
         """Bytes per activation/weight element at the job's precision."""
         return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def grad_bytes_per_element(self) -> int:
+        """Bytes per gradient element: 4 where gradients are kept in fp32 (``grad_dtype``), else the precision's."""
+        return 4 if self.grad_dtype == "fp32" else self.bytes_per_element
 
     @property
     def batch(self) -> int:

@@ -137,12 +137,12 @@ def optimizer_step_estimate_s(
 
     Adam's update is elementwise and memory-bound (a few FLOPs per byte moved),
     so it is priced by the bytes it moves, not FLOPs:
-    ``params x (2 x optimizer_bytes_per_param + 3 x bytes_per_element) / bandwidth``,
+    ``params x (2 x optimizer_bytes_per_param + bytes_per_element + 2 x grad_bytes_per_element) / bandwidth``,
     i.e. read and write the optimizer state (fp32 moments and master weights,
-    ZeRO paper, Rajbhandari et al. 2020, sec. 3.1), read the gradient, write
-    the weight and zero the gradient at the training precision.
+    ZeRO paper, Rajbhandari et al. 2020, sec. 3.1), write the weight at the training precision, read the
+    gradient and zero it (fp32 with ``grad_dtype`` fp32).
     """
-    per_param = 2 * job.optimizer_bytes_per_param + 3 * job.bytes_per_element
+    per_param = 2 * job.optimizer_bytes_per_param + job.bytes_per_element + 2 * job.grad_bytes_per_element
     return params * per_param / memory_bandwidth_bps
 
 

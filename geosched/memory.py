@@ -22,8 +22,8 @@ def stage_memory_bytes(
 ) -> int:
     """Peak memory of one GPU holding a stage (of ``dp`` data-parallel replicas).
 
-    ``params x (bytes_per_element + bytes_per_element + optimizer_bytes_per_param)``
-    for weights, gradients and optimizer state (ZeRO paper, Rajbhandari et
+    ``params x (bytes_per_element + grad_bytes_per_element + optimizer_bytes_per_param)``
+    for weights, gradients (fp32 for bf16/fp16 with ``grad_dtype`` fp32) and optimizer state (ZeRO paper, Rajbhandari et
     al. 2020, sec. 3.1); ZeRO stage 1 keeps ``1/dp`` of the optimizer state
     (sec. 5.1), stage 2 also ``1/dp`` of the gradients (sec. 5.2) plus what its
     buckets stage during a backward (:func:`zero2_staging_params`). Parameters are per
@@ -53,7 +53,7 @@ def _stage_parts(job: JobSpec, layers: tuple[int, int], first: bool, last: bool,
         grads = params / dp + zero2_staging_params(job, params, first, last)
     else:
         grads = params
-    state = params * (job.bytes_per_element + optimizer) + grads * job.bytes_per_element
+    state = params * (job.bytes_per_element + optimizer) + grads * job.grad_bytes_per_element
     sums, head, (start, end) = block_sums(job), head_cost(job).stash_bytes if last else 0, layers
     if job.recompute == "full":
         blocks = layer_costs(job)
@@ -77,7 +77,7 @@ def zero2_staging_params(job: JobSpec, params: int, first: bool, last: bool) -> 
         largest = max(c.params for c in layer_costs(job))
     else:
         largest = 4 * m.hidden * m.hidden // job.tp  # an MLP matrix
-    bucket = max(GRADIENT_BUCKET_BYTES // job.bytes_per_element, largest)
+    bucket = max(GRADIENT_BUCKET_BYTES // job.grad_bytes_per_element, largest)
     return min(params, 2 * bucket + largest)
 
 

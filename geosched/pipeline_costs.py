@@ -121,7 +121,7 @@ class PipelineCosts:
         def grad_bytes(lay: tuple[int, int], first: bool, last: bool) -> int:
             key = ("params", lay, first, last)
             if key not in known:
-                known[key] = stage_params(job, lay, first, last) * job.bytes_per_element
+                known[key] = stage_params(job, lay, first, last) * job.grad_bytes_per_element
             return known[key]  # type: ignore[no-any-return]
 
         self.compute = stage_computes(

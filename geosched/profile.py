@@ -51,7 +51,7 @@ from geosched.config import JobSpec
 from geosched.costmodel import Calibration, gpt_block_cost, stage_compute
 from geosched.errors import InputError
 from geosched.model import PRECISION_DTYPES, ModelShape, build_stage
-from geosched.optim import TIMING_LR, MasterAdamW
+from geosched.optim import TIMING_LR, MasterAdamW, gradient_dtype, set_gradient_dtype
 from geosched.wgrad import SplitBackward
 from geosched.yamlload import write_atomically
 
@@ -109,6 +109,7 @@ def measure_stage(
     if stage is None:
         dtype = PRECISION_DTYPES[job.precision]
         stage = build_stage(job.model, *layers, first=first, last=last, seed=job.seed, dtype=dtype).to(device)
+    set_gradient_dtype(stage.parameters(), job.grad_dtype)  # the backward accumulates as the stage's does
     shape = ModelShape.of(job.model)
     b, T = job.batch, shape.seq_len
     g = torch.Generator().manual_seed(job.seed)
@@ -255,9 +256,10 @@ def measure_optimizer_step(
         dtype=PRECISION_DTYPES[job.precision],
     ).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
+    set_gradient_dtype(params, job.grad_dtype)
     g = torch.Generator().manual_seed(job.seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(device, gradient_dtype(p))
     optimizer = MasterAdamW(params, lr=TIMING_LR)
     tokens = torch.randint(0, ModelShape.of(job.model).vocab, (job.batch, job.model.seq_len), generator=g).to(
         device

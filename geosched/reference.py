@@ -19,7 +19,7 @@ from geosched.errors import TrainingDiverged
 from geosched.grad_clip import clip_factor, square_sum
 from geosched.lr_schedule import apply_settings, optimizer_settings
 from geosched.model import PRECISION_DTYPES, build_model
-from geosched.optim import MasterAdamW, loss_scale_for
+from geosched.optim import MasterAdamW, loss_scale_for, set_gradient_dtype
 
 
 def train_one_process(
@@ -29,6 +29,7 @@ def train_one_process(
     their learning rates skipped); the loss of each step. ``grad_norms`` gets each step's gradient norm before
     clipping (NaN for a step fp16 skipped)."""
     model = build_model(job.model, seed=job.seed, dtype=PRECISION_DTYPES[job.precision])
+    set_gradient_dtype(model.parameters(), job.grad_dtype)
     optimizer = MasterAdamW(model.parameters(), lr=job.learning_rate)
     scaler, losses = loss_scale_for(job.precision, job.initial_loss_scale), []
     for step in range(start_step, start_step + steps):

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from geosched.optim import gradient_dtype
+
 WeightWork = list[tuple[nn.Linear, Tensor, Tensor]]
 """What W needs of one backward: per linear layer, its input x (..., in) and output gradient dy (..., out)."""
 
@@ -76,12 +78,14 @@ class WeightGradStore:
                 dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
                 weight, bias = layer.weight, layer.bias
                 if weight.grad is None:
-                    weight.grad = dy2.t() @ x2  # (out, in)
-                else:
+                    weight.grad = (dy2.t() @ x2).to(gradient_dtype(weight))  # (out, in)
+                elif weight.grad.dtype == dy2.dtype:
                     weight.grad.addmm_(dy2.t(), x2)  # accumulated in place: no (out, in) temporary
+                else:  # fp32 gradients of bf16 weights: the product in bf16, summed in fp32, as autograd does
+                    weight.grad.add_(dy2.t() @ x2)
                 if bias is not None:
                     if bias.grad is None:
-                        bias.grad = dy2.sum(0)  # (out,)
+                        bias.grad = dy2.sum(0).to(gradient_dtype(bias))  # (out,)
                     else:
                         bias.grad.add_(dy2.sum(0))
                 if self.after_grad is not None:

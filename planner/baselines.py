@@ -163,7 +163,7 @@ def data_parallel_everywhere(problem: Problem, flat_ring: bool = False) -> Basel
     ring = rings[0]
     wan_bps, wan_lat = _slowest(problem, ring, True)
     specs = [problem.cluster.dc(dc) for dc in ring]
-    nbytes = total_params(job) * job.bytes_per_element
+    nbytes = total_params(job) * job.grad_bytes_per_element
     if flat_ring:
         allreduce = ring_allreduce_s(
             nbytes,

@@ -59,7 +59,7 @@ class _Stage:
         if key not in self._compute:
             job, spec = self.problem.job, self.problem.cluster.dc(dc)
             c = stage_compute(job, spec.gpu.tflops, (start, end), first, last)
-            grads = stage_params(job, (start, end), first, last) * job.bytes_per_element
+            grads = stage_params(job, (start, end), first, last) * job.grad_bytes_per_element
             ar = ring_allreduce_s(grads, self.dp, spec.intra_bandwidth_gbps * 1e9, spec.intra_latency_us * 1e-6)
             ar = ar / 2 if job.zero_stage >= 2 else ar  # ZeRO 2 all-gathers only (PipelineCosts.allreduce_s)
             self._compute[key] = (c.forward_s, c.backward_s, ar, c.backward_input_s)

@@ -312,7 +312,8 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         + (f" x tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
         + f" = {plan.world_size} GPUs, ZeRO {plan.zero}"
         + "".join(f" ({n})" for n in plan.solver.notes if n.startswith(ZERO_UNUSED))
-        + f", {plan.microbatches} microbatches of {job.microbatch_size}",
+        + f", {plan.microbatches} microbatches of {job.microbatch_size}, {job.precision}"
+        + (" (fp32 gradients)" if job.precision != "fp32" and job.grad_dtype == "fp32" else ""),
         f"predicted iteration {pr.iteration_s:.4g} s, bubble {pr.bubble_fraction:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s, WAN {pr.wan_bytes_per_iteration / 1e9:.4g} GB = "
         f"${pr.wan_usd_per_iteration:.4g} per iteration",

@@ -272,9 +272,10 @@ def check_inflight(problem: Problem) -> None:
     mem = max(problem.memory_bytes.values())
     state_held, state_depth = deepest_fit(problem, job, most, activations=False)
     if state_held < L:  # the state alone does not fit: no schedule or recompute choice helps
+        each = job.bytes_per_element + job.grad_bytes_per_element + job.optimizer_bytes_per_param
         raise PlanInfeasible(
             f"the weights, gradients and optimizer state alone do not fit: {total_params(job) / 1e9:.3g}B parameters "
-            f"at {2 * job.bytes_per_element + job.optimizer_bytes_per_param:g} bytes each (ZeRO {job.zero_stage} "
+            f"at {each:g} bytes each (ZeRO {job.zero_stage} "
             f"shards a stage's over at most {most} / p replicas), and with {mem / GIB:g} GiB per GPU the best depth "
             f"({counted(state_depth, 'stage')} over the {most} {_devices(job.tp, most)} of "
             f"{', '.join(group)}) holds {state_held} of the {L} blocks; "

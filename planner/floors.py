@@ -251,7 +251,7 @@ def _sync_bounds(
     if replicas < 2:
         return ()
     if across:
-        whole = stage_params(problem.job, (0, problem.layers), True, True) * problem.job.bytes_per_element
+        whole = stage_params(problem.job, (0, problem.layers), True, True) * problem.job.grad_bytes_per_element
         return ((0.0, whole * 8 / _fastest_bps(links) + min(link.rtt_ms for link in links) / 1000),)
     out = []
     for dc in group:

@@ -4,7 +4,10 @@
 at most 64 GPUs in all, a GPT of at most 16 blocks, WAN links from 1 to
 100 Gb/s with 5-150 ms RTT (some pairs unlinked), GPUs from 40 to 80 GiB.
 Sizes are chosen so that compute, WAN transfers and memory all matter, and
-small enough that the brute force can enumerate every plan.
+small enough that the brute force can enumerate every plan. The jobs keep
+their gradients in bf16 (``grad_dtype: precision``): the sizes were chosen for
+2-byte gradients, and fp32 ones double the gradient syncs that make data
+parallelism across DCs a real choice in them.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def random_config(seed: int, max_dcs: int = 4, max_gpus: int = 64, max_layers: i
         "global_batch": rng.choice([8, 16, 32]),
         "microbatch_size": rng.choice([1, 1, 2]),
         "precision": "bf16",
+        "grad_dtype": "precision",
         "schedule": rng.choice(["1f1b", "1f1b", "gpipe"]),
         "recompute": rng.choice(["none", "full"]),
     }
@@ -100,6 +104,7 @@ def two_datacenters(
                 "model": {"layers": 16, "hidden": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000},
                 "global_batch": 64,
                 "microbatch_size": 1,
+                "grad_dtype": "precision",
             },
         },
         source="two_datacenters",

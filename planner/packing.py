@@ -57,7 +57,7 @@ def piece_costs(job: JobSpec, tflops: float, tp_allreduce: float) -> np.ndarray:
     def cost(layers: tuple[int, int], first: bool, last: bool) -> tuple[float, ...]:
         c = stage_compute(job, tflops, layers, first, last, tp_allreduce=tp_allreduce)
         split = c.backward_input_s + c.backward_weight_s
-        grads = stage_params(job, layers, first, last) * job.bytes_per_element
+        grads = stage_params(job, layers, first, last) * job.grad_bytes_per_element
         return (c.forward_s, min(c.backward_s, split), c.backward_input_s, c.step_s, grads)
 
     pieces = [cost((0, 0), True, False), *(cost((k, k + 1), False, False) for k in range(L)), cost((L, L), False, True)]

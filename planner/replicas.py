@@ -59,7 +59,7 @@ def _grad_bytes(problem: Problem, cand: Candidate, stage: int) -> float:
     """Gradient bytes of one GPU of ``stage`` (its tensor-parallel shard)."""
     p = cand.num_stages
     params = stage_params(problem.job, cand.stage_layers[stage], stage == 0, stage == p - 1)
-    return params * problem.job.bytes_per_element
+    return params * problem.job.grad_bytes_per_element
 
 
 def _hops(problem: Problem, cand: Candidate, stage: int) -> list[tuple[str, str]]:
@@ -110,7 +110,7 @@ def _crossing_wire_bytes(
     every tensor-parallel rank's ``lanes`` lane pairs each send their lane in the agents' messages
     (:func:`~geosched.hierarchical.hop_messages`; the stage's gradients as one bucket: the agents' buckets
     change the pieces only where they are a few MiB, and there the headers are well under 1 %)."""
-    element = problem.job.bytes_per_element
+    element = problem.job.grad_bytes_per_element
     lane_numel = max(1, math.ceil(_grad_bytes(problem, cand, stage) / element / lanes))
     streams = max(problem.streams(a, b) for a, b in hops)
     return problem.job.tp * lanes * _lane_wire_bytes(lane_numel, element, streams)

@@ -46,7 +46,7 @@ def dc_numbers(problem: Problem, name: str, dp: int, tick: float, nbytes: int) -
     hop = intra_transfer(dc, nbytes)
 
     def ar(params: float) -> int:
-        return round((ring_allreduce_s(params * job.bytes_per_element, dp, bw, lat) - fixed) / tick)
+        return round((ring_allreduce_s(params * job.grad_bytes_per_element, dp, bw, lat) - fixed) / tick)
 
     return DcNumbers(
         block=round((whole.forward_s + whole.backward_s) / L / tick),

@@ -112,7 +112,7 @@ def test_a_job_whose_state_alone_does_not_fit_names_it(tmp_path, capsys) -> None
         assert main([verb, path]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err
-        for word in ("optimizer state alone do not fit", "175B parameters at 16 bytes", "holds 63 of the 96 blocks"):
+        for word in ("optimizer state alone do not fit", "175B parameters at 18 bytes", "holds 56 of the 96 blocks"):
             assert word in err, err
 
 
@@ -284,6 +284,7 @@ def test_zero_2_is_searched_where_it_allows_a_shallower_pipeline(tmp_path, capsy
             "microbatch_size": 1,
             "recompute": "full",
             "tensor_parallel": 1,
+            "grad_dtype": "precision",  # 6.5 GiB sized for bf16 gradients: ZeRO 1 in 2 stages, ZeRO 2 in 1
         },
     }
     path = write(tmp_path, config)
@@ -384,6 +385,7 @@ def _mixed_6dc(tmp_path):
             "model": {"layers": 95, "hidden": 12288, "heads": 96, "seq_len": 2048, "vocab": 50257},
             "global_batch": 1530,
             "precision": "bf16",
+            "grad_dtype": "precision",  # the trial's job: bf16 gradients
             "recompute": "full",
         },
     }

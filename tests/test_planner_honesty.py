@@ -49,6 +49,7 @@ def wan_bound(memory_gib: float = 3.0) -> Config:
         {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000},
         global_batch=16,
         recompute="full",
+        grad_dtype="precision",  # bf16 gradients: 1 GiB holds a third of the model, 3 GiB all of it
     )
 
 
@@ -403,6 +404,7 @@ SEVEN_DC_175B = {  # a random cluster of the planner fuzz (benchmarks/README.md)
         "model": {"layers": 96, "hidden": 12288, "heads": 96, "seq_len": 2048, "vocab": 50257},
         "global_batch": 4096,
         "precision": "bf16",
+        "grad_dtype": "precision",  # as the fuzz's clusters were then
         "optimizer_bytes_per_param": 12,
         "recompute": "none",
     },

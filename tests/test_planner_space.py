@@ -197,15 +197,16 @@ def test_zero_2_memory_is_a_gradient_slice_plus_staged_buckets() -> None:
     for path, layers in (("configs/gpt3-3dc.yaml", (10, 14)), ("configs/demo-3dc.yaml", (1, 3))):
         job = load_config(path).job
         zero, one, two = (dataclasses.replace(job, zero=z) for z in (0, 1, 2))
-        params, e, o = stage_params(job, layers, False, False), job.bytes_per_element, job.optimizer_bytes_per_param
+        params, o = stage_params(job, layers, False, False), job.optimizer_bytes_per_param
+        g = job.grad_bytes_per_element  # fp32 gradients of bf16 weights (job.grad_dtype)
         h = job.model.hidden
-        staged = min(params, 2 * max(GRADIENT_BUCKET_BYTES // e, 4 * h * h // job.tp) + 4 * h * h // job.tp)
+        staged = min(params, 2 * max(GRADIENT_BUCKET_BYTES // g, 4 * h * h // job.tp) + 4 * h * h // job.tp)
         unsharded = stage_memory_bytes(zero, layers, False, False, 0, 8)  # whole gradients and optimizer state
-        expected = int(unsharded - params * (o + e) + params * o / 8 + (params / 8 + staged) * e)
+        expected = int(unsharded - params * (o + g) + params * o / 8 + (params / 8 + staged) * g)
         assert abs(stage_memory_bytes(two, layers, False, False, 0, 8) - expected) <= 1
         saved = stage_memory_bytes(one, layers, False, False, 0, 8) - expected
         if staged < params:  # gpt3: 4 blocks of 1.8e9 parameters; 3 MLP matrices staged, each beyond a bucket
-            assert saved > 0.5 * params * e
+            assert saved > 0.5 * params * g
         else:  # the demo's stage is smaller than one bucket
             assert saved < 0
         assert stage_memory_bytes(two, layers, False, False, 0, 1) == stage_memory_bytes(

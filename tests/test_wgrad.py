@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from geosched.model import ModelShape, StageModule, build_stage
+from geosched.optim import set_gradient_dtype
 from geosched.wgrad import SplitBackward, defer_weight_gradients, deferred_layers
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq_len=16, vocab=128, ffn_mult=4)
@@ -118,3 +119,28 @@ def test_an_input_modified_in_place_after_the_forward_is_refused_at_the_backward
         h.add_(1.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.sum().backward()
+
+
+def test_w_adds_a_bf16_stage_s_weight_gradients_into_fp32_as_autograd_does() -> None:
+    """``job.grad_dtype`` fp32: a bf16 stage's gradients are fp32; W adds each microbatch's bf16 product into
+    them as autograd adds a fused backward's (W's first gradient, a bf16 product assigned, is cast first)."""
+    fused, split_stage = (stage.to(torch.bfloat16) for stage in _stages(True))
+    for stage in (fused, split_stage):
+        set_gradient_dtype(stage.parameters(), "fp32")
+    split = SplitBackward(split_stage)
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, SHAPE.vocab, (2, SHAPE.seq_len), generator=g)
+    works = []
+    for _ in range(4):
+        x0 = torch.randn(2, SHAPE.seq_len, SHAPE.hidden, generator=g).bfloat16()
+        x = x0.clone().requires_grad_(True)
+        roots, root_grads = _backward_roots(split_stage, x, True, targets, x0)
+        works.append(split.input(roots, root_grads, x)[1])
+        y = x0.clone().requires_grad_(True)
+        roots, root_grads = _backward_roots(fused, y, True, targets, x0)
+        torch.autograd.backward(roots, root_grads)
+    for work in works:
+        split.weight(work)
+    for (name, p), q in zip(split_stage.named_parameters(), fused.parameters()):
+        assert p.grad is not None and p.grad.dtype == q.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

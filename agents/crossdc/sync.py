@@ -72,7 +72,7 @@ from geosched.hierarchical import (
     check_ops,
     choose_piece_numel,
 )
-from geosched.optim import divides_before_sum
+from geosched.optim import divides_before_sum, gradient_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class _Bucket:
     back when the lane is final, before its all-gather."""
 
     def __init__(self, params: list[nn.Parameter], layout: Lanes, exchanges: bool) -> None:
-        dtype, device = params[0].dtype, params[0].device
+        dtype, device = gradient_dtype(params[0]), params[0].device
         self.params, self.layout = params, layout
         self.flat = torch.zeros(layout.padded, dtype=dtype, device=device)  # (dc_replicas * lane,), zero padding
         self.views, offset = [], 0
@@ -241,13 +241,14 @@ class CrossDcSync:
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         size: dict[torch.dtype, int] = {}
         for p in reversed(params):  # backward order, as DDP does
-            current = by_dtype.setdefault(p.dtype, [])
+            dtype = gradient_dtype(p)  # fp32 gradients of bf16 weights
+            current = by_dtype.setdefault(dtype, [])
             if not current:
                 groups.append(current)
             current.append(p)
-            size[p.dtype] = size.get(p.dtype, 0) + local_tensor(p).numel() * p.element_size()
-            if size[p.dtype] >= cap:
-                del by_dtype[p.dtype], size[p.dtype]
+            size[dtype] = size.get(dtype, 0) + local_tensor(p).numel() * dtype.itemsize
+            if size[dtype] >= cap:
+                del by_dtype[dtype], size[dtype]
         exchanges = sync.lane is not None and len(sync.chain) > 1
         self._buckets = [
             _Bucket(g, Lanes(sum(local_tensor(p).numel() for p in g), sync.dc_replicas, sync.lanes), exchanges)

@@ -44,7 +44,7 @@ from agents.dp.spec import GroupSpec, choose_backend
 from agents.dp.store import listening_store
 from geosched.errors import CollectiveError, ConfigError
 from geosched.memory import GRADIENT_BUCKET_BYTES
-from geosched.optim import divides_before_sum
+from geosched.optim import divides_before_sum, gradient_dtype
 
 log = logging.getLogger(__name__)
 
@@ -400,13 +400,13 @@ class _GradientBuckets:
         self.buckets: list[tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor]]] = []
         by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward order, as DDP does
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
+            by_kind.setdefault((gradient_dtype(p), p.device), []).append(p)  # fp32 gradients of bf16 weights
         for (dtype, device), group in by_kind.items():
             current: list[nn.Parameter] = []
             size = 0
             for p in group:
                 current.append(p)
-                size += p.numel() * p.element_size()
+                size += p.numel() * dtype.itemsize
                 if size >= cap:
                     self._add_bucket(current, dtype, device)
                     current, size = [], 0

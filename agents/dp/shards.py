@@ -41,7 +41,10 @@ def plain_params(params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], li
 def take_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     """Give each local shard its DTensor's gradient's local shard (the same storage), or None."""
     for p, t in sharded:
-        t.grad = None if p.grad is None else local_tensor(p.grad)
+        grad = None if p.grad is None else local_tensor(p.grad)
+        if grad is not None and grad.dtype != t.dtype and getattr(t, "grad_dtype", grad.dtype) != grad.dtype:
+            t.grad_dtype = grad.dtype  # fp32 gradients of bf16 weights (job.grad_dtype)
+        t.grad = grad
 
 
 def zero_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]], set_to_none: bool) -> None:

@@ -46,7 +46,7 @@ from agents.dp.shards import hyperparameters, tp_sharded
 from geosched.errors import ConfigError
 from geosched.grad_clip import square_sum
 from geosched.memory import GRADIENT_BUCKET_BYTES
-from geosched.optim import MasterAdamW, divides_before_sum
+from geosched.optim import MasterAdamW, divides_before_sum, gradient_dtype
 
 IN_FLIGHT = 1
 """Reduce-scatters left running while the next bucket fills: the staging held is this many buckets + one."""
@@ -94,13 +94,14 @@ class ShardedGradAdamW(torch.optim.Optimizer):
                 f"ZeRO-2 needs parameters of one dtype and device; this stage has {sorted(map(str, kinds))}"
             )
         ((dtype, device),) = kinds
+        grad_dtype = gradient_dtype(self.params[0])  # fp32 for bf16 weights with job.grad_dtype fp32
         self.group, self.replicas = group, replicas
         self.rank, self.size = (
             (group.rank, group.size) if replicas is None else (dist.get_rank(replicas), dist.get_world_size(replicas))
         )
         self.native_avg = group.backend == "nccl"
         self.shapes = [t.shape for t in local]  # local shapes: what the flat buffers hold
-        self.buckets = _plan_buckets(local, linear or set(), bucket_bytes // local[0].element_size(), self.size)
+        self.buckets = _plan_buckets(local, linear or set(), bucket_bytes // grad_dtype.itemsize, self.size)
         self.where: list[tuple[int, int]] = [(0, 0)] * len(self.params)  # param -> (bucket, offset in the buffer)
         for b, bucket in enumerate(self.buckets):
             offset = bucket.start
@@ -118,7 +119,9 @@ class ShardedGradAdamW(torch.optim.Optimizer):
             nn.Parameter(self.flat_params[self._slice(bucket, self.rank)]) for bucket in self.buckets
         ]
         for shard in self.shards:
-            shard.grad = torch.zeros_like(shard)  # (S,) this slice's gradient, summed over the replicas
+            if grad_dtype != dtype:
+                shard.grad_dtype = grad_dtype  # its gradient in fp32, as its parameters' are
+            shard.grad = torch.zeros(shard.shape, dtype=grad_dtype, device=device)  # (S,) summed over the replicas
         self.inner = MasterAdamW(self.shards, lr=lr)  # bf16 slices: fp32 masters of this replica's slices
         self.on_staging: Callable[[int], None] | None = None
         self._in_flight: list[tuple[Any, int, torch.Tensor, torch.Tensor]] = []  # (work, bucket, out, staging)
@@ -134,7 +137,7 @@ class ShardedGradAdamW(torch.optim.Optimizer):
 
     def gradient_bytes(self) -> int:
         """The gradient this replica keeps between microbatches: its slice of every bucket."""
-        return sum(shard.numel() * shard.element_size() for shard in self.shards)
+        return sum(grad.numel() * grad.element_size() for shard in self.shards if (grad := shard.grad) is not None)
 
     def _slice(self, bucket: _Bucket, rank: int) -> slice:
         return slice(bucket.start + rank * bucket.shard_numel, bucket.start + (rank + 1) * bucket.shard_numel)

@@ -56,7 +56,7 @@ from agents.dp.group import DataParallelGroup
 from agents.dp.local_group import run_local_group
 from geosched.config import JobSpec
 from geosched.errors import CollectiveError
-from geosched.optim import TIMING_LR, MasterAdamW
+from geosched.optim import TIMING_LR, MasterAdamW, gradient_dtype, set_gradient_dtype
 from geosched.processes import exit_words
 from geosched.profile import measure_stage, profile_job, profile_microbatches, stage_time_record
 from geosched.schema import dump_dataclass, load_dataclass
@@ -268,7 +268,7 @@ def _measure_rank(group: DataParallelGroup, request: dict[str, Any], barrier: An
     for i in range(request["warmup"] + request["repeats"]):
         for p in module.parameters():  # what a backward leaves (ZeRO 0 and 1 keep theirs; ZeRO 2 reduces them)
             if p.grad is None:
-                p.grad = torch.ones_like(p)
+                p.grad = torch.ones_like(p, dtype=gradient_dtype(p))
         t0 = time.perf_counter()
         all_reduce()
         t1 = time.perf_counter()
@@ -304,6 +304,7 @@ def _step_parts(
     job: JobSpec, g: RankGroup, module: Any, group: DataParallelGroup, mesh: Any
 ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
     """The stage's optimizer and its ALL_REDUCE, as the stage runtime builds them (``agents.stage.session``)."""
+    set_gradient_dtype(module.parameters(), job.grad_dtype)
     if mesh is not None:  # tp: the state sharded over the mesh's "dp" group at the job's ZeRO stage
         from agents.dp.zero import build_stage_optimizer
         from agents.tp.mesh import average_gradients_over_dp

@@ -89,7 +89,7 @@ from geosched.data import Prefetcher, TextDataset
 from geosched.errors import PlanError
 from geosched.lr_schedule import optimizer_settings
 from geosched.model import PRECISION_DTYPES, StageModule, build_stage
-from geosched.optim import loss_scale_for
+from geosched.optim import loss_scale_for, set_gradient_dtype
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,14 @@ class RankSession:
         job, role, module = self.job, self.role, self.module
         if role.tp_size == 1:
             assert module is not None
+            set_gradient_dtype(module.parameters(), job.grad_dtype)
             built = build_stage_optimizer(module, lr=job.learning_rate, zero=job.zero_stage, group=self.group)
             return built.optimizer, built.grad_sync
         assert isinstance(module, StageModule) and self.group is not None
         dp_here = role.group_size // role.tp_size  # the stage's replicas in this group (across DCs: in this DC)
         mesh = self.mesh = stage_mesh(dp_here, role.tp_size)
         shard_stage(module, mesh["tp"])
+        set_gradient_dtype(module.parameters(), job.grad_dtype)  # on the sharded parameters: new tensors
         built = build_stage_optimizer(
             module, lr=job.learning_rate, zero=job.zero_stage, group=self.group, replicas=mesh.get_group("dp")
         )
