@@ -11,7 +11,6 @@ model given where whole weights are expected: one line, exit 2.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -121,7 +120,7 @@ def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, 
     _one_line_exit_2(["export", str(two), "-o", str(tmp_path / "no" / "w.safetensors")], "make it first", capsys)
     shutil.copytree(two, tmp_path / "partial")
     (tmp_path / "partial" / "step-000002" / "stage-01.json").unlink()  # a stage never finished writing
-    _one_line_exit_2(["export", str(tmp_path / "partial"), "-o", out], "no complete checkpoint", capsys)
+    _one_line_exit_2(["export", str(tmp_path / "partial"), "-o", out], "never completely written", capsys)
     shard = two / "step-000002" / "stage-00.safetensors"
     config = Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml"  # another model
     local = ["prefill", "--local", "--config", str(config), "--weights"]
@@ -138,16 +137,25 @@ def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, 
     assert not (tmp_path / "w.safetensors.tmp").exists() and not list(tmp_path.glob(".w.safetensors.tmp*"))
 
 
-def test_a_corrupt_newest_step_is_named_when_an_older_one_is_exported(two_layouts, tmp_path: Path, caplog) -> None:
+def test_a_corrupt_newest_step_is_refused_not_passed_over(two_layouts, tmp_path: Path, capsys) -> None:
+    """A trial flipped a byte of the newest step's shard: export wrote the step before it and exited 0, with a
+    log line (so did prefill --local and launch --resume). A step marked complete that does not verify is now one
+    line naming it and the newest that verifies, exit 2; that one is taken when asked for (--step). A newer
+    step still being written (no manifest) is passed over, as a running job's is."""
     two, _, _ = two_layouts
     folder = tmp_path / "ckpt"
     shutil.copytree(two, folder)
     shutil.copytree(folder / "step-000002", folder / "step-000005")
     shard = folder / "step-000005" / "stage-01.safetensors"
     shard.write_bytes(shard.read_bytes()[:-8])  # truncated
-    with caplog.at_level(logging.WARNING, logger="agents.checkpoint.store"):
-        assert resolve_step(folder) == 2
-    assert any("checkpoint step 5 skipped: " in r.getMessage() for r in caplog.records), caplog.text
+    out = str(tmp_path / "w.safetensors")
+    needle = f"checkpoint step 5 in '{folder}' is marked complete but does not verify"
+    _one_line_exit_2(["export", str(folder), "-o", out], needle, capsys)
+    _one_line_exit_2(["export", str(folder), "-o", out], "the newest that verifies is step 2", capsys)
+    _one_line_exit_2(["prefill", "--local", "--weights", str(folder), "hi"], needle, capsys)
+    assert main(["export", str(folder), "--step", "2", "-o", out]) == 0
+    (folder / "step-000005" / "manifest.json").unlink()  # as if stage 1 were still writing it
+    assert resolve_step(folder) == 2
 
 
 def test_an_output_folder_that_refuses_the_write_is_one_line(two_layouts, tmp_path: Path, capsys) -> None:

@@ -149,10 +149,27 @@ def test_decoding_with_other_weights_than_the_endpoints_is_refused(weights, tmp_
             assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
             err = capsys.readouterr().err.strip()
             assert len(err.splitlines()) == 1 and "weights of checkpoint step 220" in err, err
-            assert "those of step 100" in err and "--step 220" in err, err
+            assert "with the weights of checkpoint step 100" in err and "--step 220" in err, err
+            assert main([*argv, "--seed", str(job.seed), "hi"]) == 2  # the seeded weights: no step either
+            err = capsys.readouterr().err.strip()
+            assert "with weights of no checkpoint step (--seed" in err and "--step 220" in err, err
             assert main([*argv, "--weights", str(files[220]), "--json", "hi"]) == 0
             out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
             assert out["weights_step"] == 220 and len(out["decoded_tokens"]) == 2
+        finally:
+            stop.set()
+            worker.join(10)
+    # an agent serving its seeded weights (no step): a checkpoint's file would continue the cache silently
+    with SwappablePrefillService(model, served="the seeded initial weights", auth_token="tok") as service:
+        stop = threading.Event()
+        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
+        worker.start()
+        try:
+            argv = ["prefill", "--endpoint", service.endpoint, "--token", "tok", "--decode", "2", "--config", CONFIG]
+            assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "with weights of no checkpoint step, and --decode" in err, err
+            assert "its seeded weights: --config and --seed" in err, err
         finally:
             stop.set()
             worker.join(10)

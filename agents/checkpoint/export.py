@@ -30,6 +30,7 @@ from agents.checkpoint.store import (
     latest_complete,
     list_steps,
     model_fingerprint,
+    newest_marked,
     read_json,
     saved_stages,
     shard_paths,
@@ -51,25 +52,39 @@ log = logging.getLogger(__name__)
 
 
 def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None) -> int:
-    """``step`` once verified complete, or (None) the newest complete step; CheckpointError naming the fault."""
+    """``step`` once verified complete, or (None) the newest complete step; CheckpointError naming the fault.
+
+    A newer step still being written (no manifest yet: a job running, or one stopped mid-write) is passed
+    over; a newer one marked complete that does not verify (a shard corrupted or truncated since) is an
+    error naming it, not a quiet fallback to older weights: what to export, serve or resume is the caller's
+    choice (an elastic recovery, which must go on, takes the newest that verifies: ``latest_complete``)."""
     folder = os.fspath(ckpt_dir)
+    where = "pass a checkpoint folder (an agent's --checkpoint-dir)"
     if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder!r} is not a checkpoint folder (no such directory); pass the --checkpoint-dir")
+        raise CheckpointError(f"{folder!r} is not a checkpoint folder ({_not_a_folder(folder)}); {where}")
     steps = list_steps(folder)
     if not steps:
-        raise CheckpointError(f"{folder!r} holds no checkpoint (no step-NNNNNN folder); pass the --checkpoint-dir")
+        raise CheckpointError(f"{folder!r} holds no checkpoint (no step-NNNNNN folder); {where}")
     if step is None:
-        found = latest_complete(folder, warn=True)
-        if found is not None:
+        found, marked = latest_complete(folder), newest_marked(folder)
+        if found is not None and (marked is None or marked <= found):
             return found
-        step = steps[-1]
+        step = marked if marked is not None else steps[-1]
+        older = f"; the newest that verifies is step {found}" if found is not None else ""
+        what = "is marked complete but does not verify" if marked is not None else "is the newest, and incomplete"
     elif step not in steps:
         raise CheckpointError(f"{folder!r} has no checkpoint step {step}; it holds steps {steps[-8:]}")
+    else:
+        older, what = "", "does not verify"
     try:
         verify_step(folder, step, saved_stages(folder, step))
     except CheckpointError as exc:
-        raise CheckpointError(f"no complete checkpoint in {folder!r}: step {step} does not count ({exc})") from None
+        raise CheckpointError(f"checkpoint step {step} in {folder!r} {what} ({exc}){older}") from None
     return step
+
+
+def _not_a_folder(path: str) -> str:
+    return "a file" if os.path.exists(path) else "no such directory"
 
 
 def checkpoint_record(ckpt_dir: str | os.PathLike[str], step: int, config: ModelRecord | None = None) -> ModelRecord:

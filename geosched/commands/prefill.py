@@ -214,6 +214,10 @@ def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient |
     )
 
 
+def _weights_of(step: int | None) -> str:
+    return "weights of no checkpoint step" if step is None else f"the weights of checkpoint step {step}"
+
+
 def _report(
     args: argparse.Namespace, result: PrefillResponse, model: StageModule | None, step: int | None = None
 ) -> int:
@@ -221,12 +225,16 @@ def _report(
     ``step``: refused when the answer says other weights computed the cache); 0 when ok."""
     from agents.prefill.client import continue_greedy
 
-    if model is not None and result.weights_step is not None and result.weights_step != step:
+    if model is not None and result.status == "ok" and result.weights_step != step:
+        given = f"--weights {args.weights}" if args.weights is not None else f"--seed {args.seed}"
+        fix = (
+            f"the same step's weights (geosched export CKPT --step {result.weights_step})"
+            if result.weights_step is not None
+            else "the weights it serves (its seeded weights: --config and --seed; or its --prefill-weights file)"
+        )
         raise InputError(
-            f"the endpoint computed this cache with the weights of checkpoint step {result.weights_step}, and "
-            f"--decode would continue it with {'those of step ' + str(step) if step is not None else 'others'} "
-            f"(--weights {args.weights}); pass the same step's weights (geosched export CKPT --step "
-            f"{result.weights_step})"
+            f"the endpoint computed this cache with {_weights_of(result.weights_step)}, and --decode would continue "
+            f"it with {_weights_of(step)} ({given}); pass {fix}"
         )
 
     out: dict[str, object] = {"id": result.id, "status": result.status}
