@@ -53,7 +53,7 @@ def hosts() -> Iterator[Hosts]:
     """Two namespaces on a bridge of the root namespace; removed afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2")
-    tag, subnet = f"gs{os.getpid() % 100000}", f"10.231.{random.randint(1, 254)}"
+    tag, subnet = f"gs{random.randint(0, 99999)}", f"10.231.{random.randint(1, 254)}"  # a namespace goes lazily
     bridge, namespaces = f"{tag}br", {"us": f"{tag}-us", "eu": f"{tag}-eu"}
     addresses = {dc: f"{subnet}.{i}" for i, dc in enumerate(namespaces, start=2)}
     made: list[tuple[str, ...]] = []
@@ -91,32 +91,44 @@ def _coordinator(*args: str, url: str, keys: Path) -> subprocess.CompletedProces
     )
 
 
-def test_a_secure_job_trains_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
+def _secure_broker(hosts: Hosts, tmp_path: Path) -> tuple[Path, EmbeddedBroker]:
+    """The job's key folder (2 ranks) and the embedded broker on the bridge with its logins and ACL, started."""
     keys_dir = tmp_path / "secrets"
     made = subprocess.run(cli("keys", str(keys_dir), "--ranks", "2"), capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
-    keys = load_job_keys(keys_dir)
-    broker = EmbeddedBroker(hosts.bridge, 0, users=keys.mqtt_users(), acl=JobAcl(JOB))
+    broker = EmbeddedBroker(hosts.bridge, 0, users=load_job_keys(keys_dir).mqtt_users(), acl=JobAcl(JOB))
     broker.start()
+    return keys_dir, broker
+
+
+def _agents(hosts: Hosts, tmp_path: Path, url: str, keys_dir: Path, dcs: list[str]) -> list[subprocess.Popen[bytes]]:
+    """Rank r of DC ``dcs[r]`` in the namespace (host) ``("us", "eu")[r]``, bound to that host's address."""
+    agents = []
+    for rank, (dc, host) in enumerate(zip(dcs, ["us", "eu"])):
+        args = ["--mqtt", url, "--job", JOB, "--rank", str(rank), "--dc", dc, "--keys", str(keys_dir)]
+        args += ["--bind-host", hosts.addresses[host], "--threads", "1"]
+        with open(tmp_path / f"agent{rank}.log", "ab") as log:
+            agents.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", hosts.namespaces[host], *cli("agent", *args)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=agent_subprocess_env(),
+                    start_new_session=True,
+                )
+            )
+    return agents
+
+
+def test_a_secure_job_trains_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
+    keys_dir, broker = _secure_broker(hosts, tmp_path)
     url, plan = broker.url, tiny_plan(tmp_path)  # rank 0: stage 0 in us; rank 1: stage 1 in eu
     agents: list[subprocess.Popen[bytes]] = []
     try:
-        for rank, dc in enumerate(["us", "eu"]):
-            args = ["--mqtt", url, "--job", JOB, "--rank", str(rank), "--dc", dc, "--keys", str(keys_dir)]
-            args += ["--bind-host", hosts.addresses[dc], "--threads", "1"]
-            with open(tmp_path / f"agent{rank}.log", "ab") as log:
-                agents.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", hosts.namespaces[dc], *cli("agent", *args)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=agent_subprocess_env(),
-                        start_new_session=True,
-                    )
-                )
+        agents = _agents(hosts, tmp_path, url, keys_dir, ["us", "eu"])
         started = _coordinator("start", str(plan), "--steps", "3", "--ready-timeout", "120", url=url, keys=keys_dir)
         assert started.returncode == 0, started.stderr + log_tail(tmp_path)
-        lines = started.stdout.splitlines()
+        lines = [line for line in started.stdout.splitlines() if line.startswith("step ")]
         assert [line.split()[1] for line in lines] == ["0/2", "1/2", "2/2"], started.stdout
         losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
         assert all(loss > 0 for loss in losses), started.stdout
@@ -136,6 +148,26 @@ def test_a_secure_job_trains_across_two_hosts(hosts: Hosts, tmp_path: Path) -> N
         assert stopped.returncode == 0, stopped.stderr
         wait_for(lambda: all(a.poll() is not None for a in agents), 30, "the agents to stop")
         assert [a.returncode for a in agents] == [0, 0], log_tail(tmp_path)
+    finally:
+        stop_processes(agents)
+        broker.stop()
+
+
+def test_a_dcs_group_on_two_hosts_connects_on_their_bind_addresses(hosts: Hosts, tmp_path: Path) -> None:
+    """A trial ran a stage's two replicas of one DC on two hosts: gloo took its address from the host name,
+    which resolved to 127.0.0.1 (``127.0.0.1 vm`` in /etc/hosts; Debian's ``127.0.1.1 <hostname>`` alike), and
+    ``Gloo connectFullMesh failed``. The agents now point gloo (and NCCL) at their --bind-host's interface."""
+    keys_dir, broker = _secure_broker(hosts, tmp_path)
+    url, plan = broker.url, tiny_plan(tmp_path, ["us"], dp=2)  # ranks 0 and 1: one stage, its 2 replicas in us
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        agents = _agents(hosts, tmp_path, url, keys_dir, ["us", "us"])
+        started = _coordinator("start", str(plan), "--steps", "2", "--ready-timeout", "120", url=url, keys=keys_dir)
+        assert started.returncode == 0, started.stderr + log_tail(tmp_path)
+        steps = [line.split()[1] for line in started.stdout.splitlines() if line.startswith("step ")]
+        assert steps == ["0/1", "1/1"], started.stdout
+        assert _coordinator("stop", url=url, keys=keys_dir).returncode == 0
+        wait_for(lambda: all(a.poll() is not None for a in agents), 30, "the agents to stop")
     finally:
         stop_processes(agents)
         broker.stop()

@@ -66,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from agents.crossdc.links import SyncLinks
 from agents.crossdc.sync import CrossDcSync
 from agents.dp.group import DataParallelGroup, join_group
+from agents.dp.interface import pin_collective_interface
 from agents.dp.spec import GroupSpec
 from agents.dp.store import listening_store
 from agents.dp.zero import build_stage_optimizer
@@ -373,6 +374,7 @@ class RankSession:
             host_store=False,
             local_rank=self.device.index or 0,
         )
+        pin_collective_interface(self.bind_host)  # gloo's address: --bind-host's interface, not the host name's
         self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
         if self.wan_turns and isinstance(self.transport, LinkTransport):
             turns = shared_link_turns(role, host, int(port), timeout_s=self.recv_timeout_s)
