@@ -46,7 +46,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agents.control.auth import ControlKeys
+from agents.control.auth import MAGIC, ControlKeys
 from agents.control.endpoints import MqttAddressBook
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
@@ -294,6 +294,11 @@ class Agent:
             self._stopped_by = "replaced"  # a stale agent back from a cut stops too, instead of failing later
             return 0
         try:
+            if text.startswith(MAGIC.decode()) and self.opts.control_keys is None:
+                raise InputError(
+                    "the plan from the broker is signed (the job runs with signed control messages); restart this "
+                    "agent with --keys DIR, the job's key folder (its own keys: geosched keys DIR --ranks N)"
+                )
             layout = parse_layout(text, "plan from the broker")
             self._check_fits(layout)
         except InputError as exc:

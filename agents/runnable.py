@@ -60,11 +60,17 @@ def recompute_refusal(job: JobSpec) -> str | None:
     return None
 
 
+def job_refusal(job: JobSpec) -> str | None:
+    """Why the agents cannot train ``job`` whatever its plan (recomputation, a model they cannot feed), or None:
+    what ``geosched plan`` and ``validate-config`` warn of, before a launch refuses it."""
+    return recompute_refusal(job) or vocab_refusal(job)
+
+
 def runtime_refusal(layout: JobLayout) -> str | None:
     """Why the agents cannot run ``layout`` (a plan dimension the runtime lacks, a model they cannot feed), or
     None."""
     across = sync_refusal(layout.job) if layout.extra_pipelines else None
-    return tp_refusal(layout.job) or across or recompute_refusal(layout.job) or vocab_refusal(layout.job)
+    return tp_refusal(layout.job) or across or job_refusal(layout.job)
 
 
 def check_agent_fits(layout: JobLayout, rank: int, dc: str | None) -> None:

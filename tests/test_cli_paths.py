@@ -224,7 +224,8 @@ def test_plan_writes_neither_over_its_config_nor_into_a_fifo(tmp_path: Path, cap
 
 
 def test_a_model_the_agents_cannot_feed_is_refused_before_anything_starts(tmp_path: Path, capsys) -> None:
-    """The agents train on bytes (ids 0-255): a vocabulary below 256 plans fine but crashed the first forward."""
+    """The agents train on bytes (ids 0-255): a vocabulary below 256 plans fine but crashed the first forward.
+    validate-config and plan (which said "ok" to it, a trial) warn that the agents will refuse it."""
     text = Path("configs/demo-3dc.yaml").read_text()
     assert "seq_len: 64, vocab: 256}" in text
     config = tmp_path / "tiny-vocab.yaml"
@@ -234,6 +235,10 @@ def test_a_model_the_agents_cannot_feed_is_refused_before_anything_starts(tmp_pa
     err = capsys.readouterr().err
     assert "job.model.vocab 2 is below the 256 byte values" in err and err.count("\n") == 1, err
     assert not run.exists()
+    for verb, what in (("validate-config", "job"), ("plan", "plan")):
+        assert main([verb, str(config)]) == 0
+        err = capsys.readouterr().err
+        assert f"warning: the agents will refuse this {what}: job.model.vocab 2 is below" in err, (verb, err)
 
 
 def test_a_model_larger_than_this_hosts_memory_is_refused_before_torch_allocates(tmp_path: Path, capsys) -> None:

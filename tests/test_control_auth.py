@@ -425,3 +425,29 @@ def test_forged_and_replayed_control_messages_change_nothing_in_a_real_job(mqtt_
     finally:
         stop_processes(agents)
         attacker.close()
+
+
+@pytest.mark.slow
+def test_an_agent_without_keys_in_a_signed_job_is_named_on_both_sides(mqtt_broker, tmp_path: Path):
+    """A trial started one agent without --keys: it said 'plan from the broker: ... not valid YAML' (the signed
+    envelope, parsed as YAML) and the coordinator 'ranks 1 (no status)'. Both now say what is missing."""
+    from agent_helpers import spawn_agent
+
+    from agents.control.messages import AgentsNotReady
+
+    keys = KeySet()
+    key_file = keys.write(tmp_path / "keys.json")
+    url, job = mqtt_broker.url_for("geosched"), "halfkeyed"
+    agents = [spawn_keyed_agent(url, job, 0, key_file, tmp_path), spawn_agent(url, job, 1, DCS[1], tmp_path)]
+    try:
+        plan = tiny_plan(tmp_path).read_text()
+        with pytest.raises(AgentsNotReady) as caught:
+            asyncio.run(start_job(url, job, plan, steps=1, ready_timeout_s=8, out=None, keys=keys.of("coordinator")))
+        assert "ranks 1 (" in str(caught.value) and "unsigned control messages refused: an agent without --keys?" in (
+            str(caught.value)
+        ), caught.value
+        log = tmp_path / "agent1.log"
+        wait_for(lambda: "the plan from the broker is signed" in log.read_text(), 10, "the agent's line", 0.2)
+        assert "restart this agent with --keys DIR" in log.read_text()
+    finally:
+        stop_processes(agents)

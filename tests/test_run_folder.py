@@ -115,6 +115,7 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["tokens_per_s_predicted"] == pytest.approx(tokens / predicted.iteration_s)  # the simulated run
     assert [s["skipped"] for s in report["per_step"]] == [False, True, False]  # step 1: every stage skipped it
     assert (report["layout"]["tensor_parallel"], report["layout"]["zero"]) == (layout.job.tp, layout.job.zero)
+    assert report["layout"]["pipelines"] == [list(layout.stage_dcs)] and report["layout"]["replicas"] == 2
     assert report["bubble_fraction_measured"] == pytest.approx(predicted.bubble_fraction, abs=1e-6)
     assert report["predicted_sync_s"] == sync_seconds(predicted) > 0  # the stages' ALL_REDUCE, dp 2
     assert report["measured_sync_s"] == pytest.approx(report["predicted_sync_s"])
@@ -122,6 +123,8 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     sync_line = next(line for line in report_text(report).splitlines() if line.startswith("gradient sync:"))
     assert sync_line.startswith("gradient sync: the collective") and "(measured/predicted 1.00)" in sync_line
     assert sync_line.endswith(f"reach it later {report['measured_sync_s'] * 1e3:.1f} ms")
+    alone = {**report, "layout": {**report["layout"], "replicas": 1}}  # dp 1: no sync to speak of (a trial: 0.0 ms)
+    assert not any(line.startswith("gradient sync:") for line in report_text(alone).splitlines())
     assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for step, row in enumerate(report["per_step"]):  # each step's WAN bytes, as the agents' metrics count them

@@ -164,9 +164,16 @@ async def wait_ready(
         left = deadline - loop.time()
         if left <= 0:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
+            unsigned = cp.stats.refused_unsigned  # statuses of agents started without --keys, say
             raise AgentsNotReady(
                 f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
-                f"{timeout_s:g} s: ranks {last_states(missing, latest)}; start them with 'geosched agent --rank R'",
+                f"{timeout_s:g} s: ranks {last_states(missing, latest)}; start them with 'geosched agent --rank R'"
+                + (
+                    f" ({unsigned} unsigned control message{'s' * (unsigned != 1)} refused: an agent without "
+                    "--keys? every agent of a signed job needs the job's key folder)"
+                    if unsigned
+                    else ""
+                ),
                 missing,
             )
         wait = min(

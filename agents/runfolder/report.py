@@ -193,6 +193,8 @@ def build_report(
         "layout": {
             "stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs, layout.stage_layers)],
             "dp": layout.dp,
+            "pipelines": [list(layout.stage_dcs), *(list(dcs) for dcs in layout.extra_pipelines)],  # each one's DCs
+            "replicas": layout.replicas,  # of every stage, over all pipelines
             "ranks": len(layout.roles),
             "schedule": layout.job.schedule,
             "tensor_parallel": layout.job.tp,
@@ -430,8 +432,8 @@ def report_text(report: Mapping[str, Any]) -> str:
         ),
     ]
     predicted_sync = report.get("predicted_sync_s")
-    if report.get("measured_sync_s") or predicted_sync:
-        lines.append(_sync_line(report, predicted_sync))
+    if report.get("layout", {}).get("replicas", 2) > 1 and (report.get("measured_sync_s") or predicted_sync):
+        lines.append(_sync_line(report, predicted_sync))  # none without data parallelism: nothing to sync
     codecs = report.get("layout", {}).get("wan_compression", {})
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         codec = codecs.get("-".join(sorted(link.split("->"))))

@@ -116,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
         # the process ends after printing: the cycle collector, paused while planning, would otherwise scan
         # every object the search left (3.5 s of a 175B fuzz cluster's 17 s) and free nothing this verb needs
         gc.freeze()
-    from agents.runnable import recompute_refusal
+    from agents.runnable import job_refusal
 
-    if (refusal := recompute_refusal(cfg.job)) is not None:  # a plan for another runtime, or a later one
+    if (refusal := job_refusal(cfg.job)) is not None:  # a plan for another runtime, or a later one
         print(f"geosched plan: warning: the agents will refuse this plan: {refusal}", file=sys.stderr)
     reasons = outcome.reasons
     if args.output:

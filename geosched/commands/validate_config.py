@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         "global_batch": cfg.job.global_batch,
         "microbatch_size": cfg.job.microbatch_size,
     }
+    from agents.runnable import job_refusal
+
+    if (refusal := job_refusal(cfg.job)) is not None:  # plannable, but not by these agents
+        print(f"geosched validate-config: warning: the agents will refuse this job: {refusal}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
         return 0
