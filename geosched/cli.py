@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # output that cannot be written (a full disk) fails here, inside these handlers
         return code
     except GeoschedError as exc:
-        sys.stderr.write(f"geosched {args.verb}: error: {exc}\n")
+        sys.stderr.write(f"geosched {args.verb}: {exc.label + ': ' if exc.label else ''}{exc}\n")
         return exc.exit_code
     except KeyboardInterrupt:
         sys.stderr.write(f"geosched {args.verb}: interrupted\n")

@@ -11,6 +11,8 @@ class GeoschedError(Exception):
     """Base of every error geosched raises on purpose."""
 
     exit_code = 1
+    label = "error"
+    """What the CLI's line calls it (``geosched VERB: error: ...``); empty for what is no failure."""
 
 
 class InputError(GeoschedError):

@@ -33,8 +33,10 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
     try:
         started = _run("job", "start", str(plan), "--mqtt", url, "--job", job, "--steps", "3")
         assert started.returncode == 0, started.stderr + log_tail(tmp_path)
-        data, *lines = started.stdout.splitlines()
-        assert data.startswith("training data: ") and data.endswith(" bytes (seq_len 32)"), started.stdout
+        printed = started.stdout.splitlines()
+        data = [line for line in printed if line.startswith("training data: ")]
+        assert len(data) == 1 and data[0].endswith(" bytes (seq_len 32)"), started.stdout
+        lines = [line for line in printed if line.startswith("step ")]
         assert [line.split()[1] for line in lines] == ["0/2", "1/2", "2/2"], started.stdout
         losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
         assert all(loss > 0 for loss in losses)

@@ -30,6 +30,20 @@ def test_a_start_that_fails_before_any_step_reports_its_outcome(embedded_broker,
     assert (run / "metrics-1.jsonl").exists() and (run / "metrics.jsonl").exists()
 
 
+def test_a_start_waiting_for_agents_says_which_it_waits_for(embedded_broker, tmp_path: Path, capsys, monkeypatch):
+    """A trial's start printed nothing for its whole ready timeout (2 minutes) while it knew a rank was dead:
+    it now says every WAITING_LINE_S which ranks it waits for and their states (here: none ever came)."""
+    import agents.control.ready
+
+    monkeypatch.setattr(agents.control.ready, "WAITING_LINE_S", 0.5)
+    url = embedded_broker.url_for("geosched")
+    argv = ["job", "start", str(tiny_plan(tmp_path)), "--mqtt", url, "--job", "waiting", "--ready-timeout", "2"]
+    assert main(argv) == 1
+    waiting = [line for line in capsys.readouterr().out.splitlines() if "waiting for" in line]
+    assert waiting and waiting[0].startswith("job 'waiting': waiting for 2 of 2 agents to be ready: ranks "), waiting
+    assert "0 (no status), 1 (no status)" in waiting[0] and "of --ready-timeout 2)" in waiting[0], waiting
+
+
 def test_an_elastic_start_that_fails_ends_json_stdout_with_its_outcome(embedded_broker, tmp_path: Path, capsys):
     """``job start --elastic --json`` printed nothing when it failed; now one object as on success."""
     import yaml

@@ -90,6 +90,7 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
         assert stopped.returncode == 0, stopped.stderr
         out, err = launch.communicate(timeout=60)
         assert launch.returncode == 130 and "stopped by 'geosched job stop' during step" in err, err[-2000:]
+        assert "geosched launch: job 'launch': stopped by" in err and "launch: error:" not in err, err[-2000:]
         report = json.loads((run_dir / "report.json").read_text())
         assert json.loads(out.strip().splitlines()[-1]) == report  # --json: the report ends stdout all the same
         assert report["outcome"] == "stopped" and len(report["steps"]) >= 3

@@ -217,7 +217,8 @@ async def start_job(
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
                 check_same_plan(cp.job, status, layout, replaced)
             await cp.publish_plan(plan_text)
-            statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits)
+            say = None if out is None else lambda line: print(line, file=out, flush=True)
+            statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits, say)
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             if out is not None and (data := data_line(statuses)) is not None:

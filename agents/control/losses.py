@@ -145,9 +145,10 @@ def reread_lost(job: str, statuses: dict[int, StatusMessage], ranks: set[int], p
 
 class JobStopped(GeoschedError):
     """An operator stopped the job (``geosched job stop``) while it trained: no failure, nobody lost; the exit
-    code is an interruption's."""
+    code is an interruption's, and the line has no "error:" label."""
 
     exit_code = 130
+    label = ""
 
 
 class JobInterrupted(GeoschedError):

@@ -11,7 +11,7 @@ start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from agents.layout import JobLayout
 
 
+WAITING_LINE_S = 15.0
+"""How often a start still waiting for agents says which (the operator saw nothing for the whole ready timeout)."""
 STALE_GRACE_S = 10.0
 """An ``error`` the broker retained from before this start (an agent that died; a restarted one replaces it within
 seconds) fails the start only if no newer status of that rank follows within this long."""
@@ -137,16 +139,19 @@ async def wait_ready(
     timeout_s: float,
     replaced: Collection[str] = (),
     exits: Exits | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[int, StatusMessage]:
     """Statuses of every rank once all are ready for this plan; fail early on an error status, an agent
-    process that exited (``exits``: AgentLost, so an elastic job recovers again) or a ``job stop``."""
+    process that exited (``exits``: AgentLost, so an elastic job recovers again) or a ``job stop``. ``say``
+    gets a line every :data:`WAITING_LINE_S` while some are not ready, naming them and their states."""
     from agents.layout import plan_id
 
     want_plan = plan_id(layout.text)
     latest: dict[int, StatusMessage] = {}
     stale: dict[int, float] = {}  # rank -> when its retained error counts (no newer status came by then)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    began = loop.time()
+    deadline, next_line = began + timeout_s, began + WAITING_LINE_S
     while True:
         ready = {r: s for r, s in latest.items() if s.state == "ready" and s.extra.get("plan_id") == want_plan}
         if len(ready) == len(layout.roles):
@@ -176,8 +181,16 @@ async def wait_ready(
                 ),
                 missing,
             )
+        if say is not None and loop.time() >= next_line:
+            missing = [r.rank for r in layout.roles if r.rank not in ready]
+            say(
+                f"job {cp.job!r}: waiting for {len(missing)} of {len(layout.roles)} agents to be ready: ranks "
+                f"{last_states(missing, latest)} ({loop.time() - began:.0f} s of --ready-timeout {timeout_s:g})"
+            )
+            next_line += WAITING_LINE_S
         wait = min(
-            [left, *(due - loop.time() for due in stale.values())] + ([EXIT_POLL_S] if exits is not None else [])
+            [left, next_line - loop.time(), *(due - loop.time() for due in stale.values())]
+            + ([EXIT_POLL_S] if exits is not None else [])
         )
         try:
             message = await sub.get(max(0.0, wait))
