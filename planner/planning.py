@@ -185,8 +185,12 @@ def make_plan(
     check_size(Problem(cfg, variants[0], dp=pins.dp))  # the largest problem the planner accepts, before any search
     deadline = None if time_limit_s is None else started + time_limit_s
 
+    def remaining() -> float | None:
+        """What is left of --time-limit for the next phase (every phase shares it, explanations too)."""
+        return None if deadline is None else max(0.05, deadline - time.monotonic())
+
     def searcher(problem: Problem, evaluator: Evaluator, share: float) -> tuple[Evaluation | None, SearchStats]:
-        left = None if deadline is None else max(0.05, deadline - time.monotonic())
+        left = remaining()
         try:
             check_feasible(problem)
         except PlanInfeasible:
@@ -266,7 +270,7 @@ def make_plan(
         stats.notes.append(f"{len(misfits)} of {len(results)} variants fit no plan ({shown})")
     points = None
     if objective.name != "time" or with_frontier:
-        points, more = frontier(problem, evaluator, time_limit_s=time_limit_s, progress=progress, fastest=best)
+        points, more = frontier(problem, evaluator, time_limit_s=remaining(), progress=progress, fastest=best)
         stats.proven &= more.proven
         owners = {ev: (r.problem, r.evaluator, r.stats) for r in results for ev in r.evaluator.evaluated}
         owners.update({ev: (problem, evaluator, stats) for ev in points})
@@ -275,7 +279,7 @@ def make_plan(
         )
         if objective.max_iteration_s is not None:  # the "cost" objective
             bound = objective.max_iteration_s
-            bounded, more = search(problem, evaluator, Goal(max_time_s=bound), time_limit_s=time_limit_s)
+            bounded, more = search(problem, evaluator, Goal(max_time_s=bound), time_limit_s=remaining())
             stats.proven &= more.proven
             within = [ev for ev in points + ([bounded] if bounded else []) if ev.iteration_s <= bound]
             if not within:
@@ -301,7 +305,7 @@ def make_plan(
 
     while explain:
         goal = Goal(weight=objective.weight)
-        reasons, found = explain_idle(problem, evaluator, best, goal, time_limit_s, not_adopted, fork)
+        reasons, found = explain_idle(problem, evaluator, best, goal, remaining(), not_adopted, fork)
         faster = [ev for ev in found if ev.iteration_s < best.iteration_s * (1 - 1e-9) and not_adopted(ev) is None]
         if not faster or adopted == ADOPT_ROUNDS:
             break

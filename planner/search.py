@@ -278,6 +278,10 @@ def search(
             break
         for chain in chains(problem, d, set(require or {})) if large else [None]:
             left = deadline - time.monotonic()
+            if left <= 0:  # a large problem's chains: each solve is bounded, their number is not
+                stats.proven = False
+                stats.notes.append(f"time limit: d={d}'s later chains not searched")
+                break
             limit = None if math.isinf(left) else max(0.05, left * 0.5)
             work = max(min(0.05, effort), (effort - spent) * 0.5)  # at least 0.05, or all of a smaller budget
             result = solve(
