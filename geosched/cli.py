@@ -77,7 +77,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     process_ends = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(named_verb(argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the verb's parser, which the line then sends to: 'geosched plan --help'
+        verb_parser = getattr(args, "_parser", parser)
+        verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.process_ends = process_ends
     if args.verb is None:
         parser.print_help(sys.stderr)

@@ -49,16 +49,24 @@ from geosched.cli import main
         ),
         (["simulate", "--stages", "2", "--microbatches", "2", "--trace", "/dev/null"], "--trace /dev/null: a char"),
         (["launch", "configs/demo-3dc.yaml", "--data", "{file}.txt"], "data pattern '{file}.txt' matches no files"),
+        (["launch", "configs/demo-3dc.yaml", "--checkpoint-dir", "{others}"], "holds files that are no checkpoint's"),
+        (
+            ["agent", "--rank", "0", "--checkpoint-dir", "{others}", "--mqtt", "mqtt://127.0.0.1:9", "--job", "j"],
+            "{others}: holds files that are no checkpoint's (agent-0.key, notes.txt)",
+        ),
         (["launch", "configs/demo-3dc.yaml", "--data", "{file}"], "data has 13 bytes in 1 non-empty files, fewer"),
         (["launch", "configs/demo-3dc.yaml", "--data", str(Path(__file__).parent)], "is a directory; pass a glob"),
     ],
 )
 def test_unusable_paths_and_values_are_one_line(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
-    file = tmp_path / "a-file"
+    file, others = tmp_path / "a-file", tmp_path / "keys"  # others: a folder of another tool's files
     file.write_text("not a folder")
-    assert main([arg.format(file=file) for arg in argv]) == 2
+    others.mkdir()
+    for name in ("agent-0.key", "notes.txt", "step-000001"):
+        (others / name).write_text("x")
+    assert main([arg.format(file=file, others=others) for arg in argv]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and needle.format(file=file) in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and needle.format(file=file, others=others) in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize(
@@ -393,3 +401,12 @@ def test_a_plan_counting_on_recomputation_is_refused_before_anything_starts(tmp_
         assert "set job.recompute: none" in err and "Traceback" not in err
     assert not run.exists()
     assert recompute_refusal(load_config("configs/demo-3dc.yaml").job) is None
+
+
+def test_an_unknown_flag_is_named_by_its_verb(capsys) -> None:
+    """'geosched plan CONFIG --bogus' said 'geosched: error: ... (see 'geosched --help')', the top level's."""
+    with pytest.raises(SystemExit) as ended:
+        main(["plan", "configs/demo-3dc.yaml", "--bogus"])
+    assert ended.value.code == 2
+    line = "geosched plan: error: unrecognized arguments: --bogus (see 'geosched plan --help')\n"
+    assert capsys.readouterr().err == line

@@ -352,6 +352,15 @@ def _read_verified(path: str, meta: dict[str, Any]) -> bytes:
 # ----------------------------------------------------- completeness, prune ---
 
 
+def foreign_entries(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+    """Names in ``ckpt_dir`` that no checkpoint writes (a step folder, a pruned one being deleted), sorted."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return []
+    return sorted(n for n in names if not _STEP_DIR.match(n) and not n.startswith(".deleting-step-"))
+
+
 def list_steps(ckpt_dir: str | os.PathLike[str]) -> list[int]:
     """Steps that have a folder in ``ckpt_dir`` (complete or not), oldest first."""
     try:

@@ -115,6 +115,14 @@ def checkpoint_folder(args: argparse.Namespace) -> None:
     a folder that does not exist is left to the resume check, which names it (there is no checkpoint to resume)."""
     if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
+        from agents.checkpoint.store import foreign_entries
+
+        if others := foreign_entries(args.checkpoint_dir):
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise InputError(
+                f"--checkpoint-dir {args.checkpoint_dir}: holds files that are no checkpoint's ({shown}); pick a new "
+                "or empty folder (the agents write step-NNNNNN folders there, and prune old ones)"
+            )
 
 
 def job_name(args: argparse.Namespace) -> str:
