@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -140,36 +143,36 @@ def test_decoding_with_other_weights_than_the_endpoints_is_refused(weights, tmp_
         files[step] = tmp_path / f"step{step}.safetensors"
         save_safetensors(load_file(weights), str(files[step]), weights_metadata(record, step=step))
     model = load_inference_model(job.model, weights)
-    with SwappablePrefillService(model, served="checkpoint step 220", step=220, auth_token="tok") as service:
-        stop = threading.Event()
-        worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
-        worker.start()
-        try:
-            argv = ["prefill", "--endpoint", service.endpoint, "--token", "tok", "--decode", "2", "--config", CONFIG]
-            assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
-            err = capsys.readouterr().err.strip()
-            assert len(err.splitlines()) == 1 and "weights of checkpoint step 220" in err, err
-            assert "with the weights of checkpoint step 100" in err and "--step 220" in err, err
-            assert main([*argv, "--seed", str(job.seed), "hi"]) == 2  # the seeded weights: no step either
-            err = capsys.readouterr().err.strip()
-            assert "with weights of no checkpoint step (--seed" in err and "--step 220" in err, err
-            assert main([*argv, "--weights", str(files[220]), "--json", "hi"]) == 0
-            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-            assert out["weights_step"] == 220 and len(out["decoded_tokens"]) == 2
-        finally:
-            stop.set()
-            worker.join(10)
+    with _decoding_from(
+        SwappablePrefillService(model, served="checkpoint step 220", step=220, auth_token="tok")
+    ) as argv:
+        assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "weights of checkpoint step 220" in err, err
+        assert "with the weights of checkpoint step 100" in err and "--step 220" in err, err
+        assert main([*argv, "--seed", str(job.seed), "hi"]) == 2  # the seeded weights: no step either
+        err = capsys.readouterr().err.strip()
+        assert "with weights of no checkpoint step (--seed" in err and "--step 220" in err, err
+        assert main([*argv, "--weights", str(files[220]), "--json", "hi"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["weights_step"] == 220 and len(out["decoded_tokens"]) == 2
     # an agent serving its seeded weights (no step): a checkpoint's file would continue the cache silently
-    with SwappablePrefillService(model, served="the seeded initial weights", auth_token="tok") as service:
+    with _decoding_from(SwappablePrefillService(model, served="the seeded initial weights", auth_token="tok")) as argv:
+        assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "with weights of no checkpoint step, and --decode" in err, err
+        assert "its seeded weights: --config and --seed" in err, err
+
+
+@contextlib.contextmanager
+def _decoding_from(service: Any) -> Iterator[list[str]]:
+    """Serve ``service`` idle in a thread; yield ``geosched prefill`` arguments decoding 2 tokens from it."""
+    with service:
         stop = threading.Event()
         worker = threading.Thread(target=service.serve_idle, args=(stop.is_set,), daemon=True)
         worker.start()
         try:
-            argv = ["prefill", "--endpoint", service.endpoint, "--token", "tok", "--decode", "2", "--config", CONFIG]
-            assert main([*argv, "--weights", str(files[100]), "hi"]) == 2
-            err = capsys.readouterr().err.strip()
-            assert len(err.splitlines()) == 1 and "with weights of no checkpoint step, and --decode" in err, err
-            assert "its seeded weights: --config and --seed" in err, err
+            yield ["prefill", "--endpoint", service.endpoint, "--token", "tok", "--decode", "2", "--config", CONFIG]
         finally:
             stop.set()
             worker.join(10)
