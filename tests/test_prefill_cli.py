@@ -176,3 +176,17 @@ def _decoding_from(service: Any) -> Iterator[list[str]]:
         finally:
             stop.set()
             worker.join(10)
+
+
+def test_local_prefill_on_weights_that_are_not_finite_says_so(weights, tmp_path, capsys):
+    """export warned of NaN weights (a diverged training), prefill --local served them without a word."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name][0] = float("nan")
+    broken = tmp_path / "nan.safetensors"
+    save_file(tensors, broken)
+    assert main(["prefill", "--local", "--weights", str(broken), "--config", CONFIG, "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "geosched prefill: warning: " in err and f"of the weights of {broken} are NaN or inf" in err, err

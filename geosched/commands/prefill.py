@@ -106,6 +106,15 @@ def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None
         return load_inference_model(record.shape, None, seed=args.seed), None
     model, step = served_weights(args.weights, record)
     assert model is not None  # a weights source without following gives a model or raises
+    import torch
+
+    nonfinite = sum(int((~torch.isfinite(p)).sum()) for p in model.parameters())
+    if nonfinite:  # served as given (its logits will be NaN), but worth a word, as export says it
+        print(
+            f"geosched prefill: warning: {nonfinite:,} of the weights of {args.weights} are NaN or inf: the "
+            "training diverged by that step; serve an earlier checkpoint's",
+            file=sys.stderr,
+        )
     return frozen(model), step
 
 
