@@ -60,7 +60,8 @@ KEY_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 def write_keypair(directory: str | os.PathLike[str], name: str, *, force: bool = False) -> tuple[Path, Path]:
     """Generate a CURVE keypair as ``DIR/NAME.key`` (secret, mode 0600) and ``DIR/NAME.key.pub``.
 
-    Raises InputError for a bad name, a missing directory, or existing files without ``force``.
+    A missing ``directory`` is made (mode 0700), as a job's key folder is. Raises InputError for a bad name, a
+    directory that cannot be made, or existing files without ``force``.
     """
     if not KEY_NAME_RE.fullmatch(name):
         raise InputError(
@@ -68,8 +69,10 @@ def write_keypair(directory: str | os.PathLike[str], name: str, *, force: bool =
             "(it names the files), such as 'eu-agent0'"
         )
     folder = Path(directory)
-    if not folder.is_dir():
-        raise InputError(f"key directory {str(folder)!r} does not exist: create it first (mkdir -p)")
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, a path under a file, no permission
+        raise InputError(f"key directory {str(folder)!r}: cannot make it ({exc.strerror or exc})") from None
     secret_path, public_path = folder / f"{name}{SECRET_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
     for path in (secret_path, public_path):
         if path.exists() and not force:

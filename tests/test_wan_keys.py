@@ -33,10 +33,15 @@ def test_keys_refuses_to_overwrite_and_bad_places(tmp_path: Path, capsys: pytest
     assert main(["keys", str(tmp_path), "--name", "a"]) == 2
     assert "already exists: pick another --name or pass --force" in capsys.readouterr().err
     assert main(["keys", str(tmp_path), "--name", "a", "--force"]) == 0
-    assert main(["keys", str(tmp_path / "missing"), "--name", "a"]) == 2
+    assert main(["keys", str(tmp_path / "new" / "folder"), "--name", "a"]) == 0  # made, as --ranks makes its folder
+    assert (tmp_path / "new" / "folder" / "a.key").is_file() and (
+        tmp_path / "new" / "folder"
+    ).stat().st_mode & 0o77 == 0
+    assert main(["keys", str(tmp_path / "a.key" / "below"), "--name", "a"]) == 2  # under a file
     assert main(["keys", str(tmp_path), "--name", "../a"]) == 2
+    assert main(["keys", str(tmp_path)]) == 2  # neither a job's folder nor a keypair: which?
     err = capsys.readouterr().err
-    assert "does not exist: create it first" in err and "'../a': use 1-64 characters" in err
+    assert "cannot make it" in err and "'../a': use 1-64 characters" in err and "give --ranks N (or --plan" in err
 
 
 def test_loading_wrong_key_files_is_a_config_error(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ key: give it to the peers).
 example:
   geosched keys secrets --ranks 3               # a job of 3 agents
   geosched keys secrets --plan plan.yaml --json # as many agents as the plan has ranks
-  mkdir -p keys/clients
   geosched keys keys --name eu-stage0           # one CURVE keypair (listening side)
   geosched keys keys/clients --name us-stage1   # connecting side; copy its .pub to the listener
 """
@@ -42,9 +41,14 @@ def run(args: argparse.Namespace) -> int:
     """Write the key folder or the keypair and print where it went."""
     if args.ranks is not None or args.plan is not None:
         return _job_folder(args)
+    if args.name is None:
+        raise InputError(
+            "give --ranks N (or --plan PLAN): a job's key folder, every key a secure job needs; or --name NAME: one "
+            "CURVE keypair"
+        )
     from agents.sockets import load_public_key, write_keypair
 
-    secret_path, public_path = write_keypair(args.dir, args.name or "agent", force=args.force)
+    secret_path, public_path = write_keypair(args.dir, args.name, force=args.force)
     public = load_public_key(public_path).decode()
     if args.json:
         print(
