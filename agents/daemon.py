@@ -60,6 +60,7 @@ from agents.layout import (
     metrics_name,
     parse_layout,
     plan_id,
+    store_name,
 )
 from agents.metrics.families import AgentMetrics, loop_answers
 from agents.metrics.server import MetricsServer
@@ -390,6 +391,10 @@ class Agent:
         return None
 
     async def _on_step(self, record: dict[str, Any]) -> None:
+        group = self.layout.role(self.opts.rank).group if self.layout is not None else None
+        joined = self.book.found.get(store_name(group)) if self.book is not None and group else None
+        if joined is not None and joined != self._status.get("joined"):  # the store its group was formed at
+            await self._set_status(str(self._status.get("state", "training")), joined=joined)
         loss = record.get("loss")
         log.info(
             "rank %d step %d loss %s | iter %.1f ms | bubble %.1f%% | WAN sent %d B",

@@ -41,6 +41,7 @@ class MqttAddressBook:
         self._cond = threading.Condition()
         self.own: dict[str, str] = {}
         self._seen: dict[str, str] = {}
+        self.found: dict[str, str] = {}  # what each lookup answered (the store a group was formed at, say)
         self._routes: dict[str, str] = dict(overrides or {})
         self._gate = False
         self._stopping: str | None = None
@@ -69,7 +70,8 @@ class MqttAddressBook:
                     f"no live agent published the endpoint {name!r} within {timeout_s:g} s "
                     "after the job started; is that rank running?"
                 )
-            return self._routes.get(name) or self._seen[name]
+            self.found[name] = self._routes.get(name) or self._seen[name]
+            return self.found[name]
 
     def learn(self, endpoints: Mapping[str, str]) -> None:
         """Loop side: endpoints from a live peer's status."""

@@ -93,6 +93,25 @@ def check_same_data(statuses: dict[int, StatusMessage]) -> None:
     )
 
 
+def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
+    """AgentRefused when a rank's group was formed at a store its host no longer holds: the group's rank 0 (which
+    hosts it) restarted since, and the rank kept its group, whose first collective would fail (a trial: the healthy
+    rank was then blamed, and an elastic job re-planned without its GPU)."""
+    from agents.layout import store_name
+
+    hosts = {role.group: role.rank for role in layout.roles if role.group_rank == 0}
+    for rank, status in sorted(statuses.items()):
+        group = layout.role(rank).group
+        joined, host = status.extra.get("joined"), statuses.get(hosts.get(group, -1))
+        now = (host.extra.get("endpoints") or {}).get(store_name(group)) if host is not None else None
+        if joined is not None and now is not None and joined != now:
+            raise AgentRefused(
+                f"agent rank {rank} on {status.host or '?'} formed its group {group!r} with an earlier process of "
+                f"rank {hosts[group]}, which restarted since (its group's store was at {joined}, now {now}); "
+                f"restart rank {rank} too (with --resume), so the group forms again"
+            )
+
+
 def data_line(statuses: dict[int, StatusMessage]) -> str | None:
     """What the job trains on, as the ranks that read it report (they agree: :func:`check_same_data`)."""
     reading = [s.extra["data"] for _, s in sorted(statuses.items()) if isinstance(s.extra.get("data"), dict)]
@@ -157,6 +176,7 @@ async def wait_ready(
         if len(ready) == len(layout.roles):
             check_joined(layout, ready)
             check_same_data(ready)
+            check_groups_current(layout, ready)
             return ready
         loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
         if loss is not None:
