@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from agents.control.auth import MAGIC, ControlKeys
 from agents.control.endpoints import MqttAddressBook
+from agents.control.losses import RETAINED_SETTLE_S
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
@@ -185,14 +186,20 @@ class Agent:
         for sig in stop_signals:
             loop.add_signal_handler(sig, self._inbox.put_nowait, ("signal", sig.name))
         identity = AgentIdentity(opts.rank, dc=opts.dc)
-        client_id = make_client_id(opts.job, f"agent-{opts.rank}", unique=False)
+        # a restart takes over its predecessor's session; an agent of the rank in another DC (one an elastic
+        # re-plan left behind, restarted by its supervisor) does not take over the rank's live agent's
+        role = f"agent-{opts.rank}" + (f"-{opts.dc}" if opts.dc else "")
+        client_id = make_client_id(opts.job, role, unique=False)
         try:
             async with ControlPlane(
                 opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=opts.control_keys
             ) as cp:
                 self.cp = cp
-                await self._set_status("starting", endpoints=dict(self._fixed) or None)
                 async with await cp.subscribe("plan", "command", "status") as sub:
+                    await asyncio.sleep(RETAINED_SETTLE_S)  # the retained plan and statuses arrive
+                    if self._held_elsewhere() is not None:
+                        return 0  # publishing nothing: the rank's status is its live agent's
+                    await self._set_status("starting", endpoints=dict(self._fixed) or None)
                     tasks = [asyncio.create_task(self._pump(sub)), asyncio.create_task(self._heartbeats())]
                     try:
                         code = await self._adopt(self.layout) if self.layout is not None else None
@@ -207,6 +214,30 @@ class Agent:
         finally:
             for sig in stop_signals:
                 loop.remove_signal_handler(sig)
+
+    def _held_elsewhere(self) -> StatusMessage | None:
+        """The status of this rank's live agent in another DC, where the broker's plan puts the rank (this agent
+        is one an elastic re-plan left behind: it leaves without a word on the rank's topic), else None."""
+        assert self.cp is not None
+        plan, held = self.cp.plan(), self.cp.statuses().get(self.opts.rank)
+        if plan is None or held is None or self.opts.dc is None or held.dc in (None, self.opts.dc):
+            return None
+        with contextlib.suppress(InputError):  # a plan it cannot read: the usual path says why
+            role = parse_layout(plan.text, "plan from the broker").role(self.opts.rank)
+            if role.dc == held.dc and held.state in ("starting", "ready", "training") and held.pid != os.getpid():
+                log.warning(
+                    "rank %d: the job's plan puts rank %d in DC %r, where its agent runs (pid %s on %s); this agent "
+                    "of DC %r is left from an earlier plan: leaving, publishing nothing (start it with the rank the "
+                    "plan gives its GPU, or not at all)",
+                    self.opts.rank,
+                    self.opts.rank,
+                    role.dc,
+                    held.pid,
+                    held.host,
+                    self.opts.dc,
+                )
+                return held
+        return None
 
     async def _pump(self, sub: Any) -> None:
         async for message in sub:

@@ -352,13 +352,20 @@ def _read_verified(path: str, meta: dict[str, Any]) -> bytes:
 # ----------------------------------------------------- completeness, prune ---
 
 
+OWN_ENTRIES = ("plans",)
+"""What else a checkpoint folder holds: ``job start --elastic`` writes its re-plans in ``plans/``."""
+
+
 def foreign_entries(ckpt_dir: str | os.PathLike[str]) -> list[str]:
-    """Names in ``ckpt_dir`` that no checkpoint writes (a step folder, a pruned one being deleted), sorted."""
+    """Names in ``ckpt_dir`` that no checkpoint writes (a step folder, a pruned one being deleted, the elastic
+    coordinator's :data:`OWN_ENTRIES`), sorted."""
     try:
         names = os.listdir(ckpt_dir)
     except OSError:
         return []
-    return sorted(n for n in names if not _STEP_DIR.match(n) and not n.startswith(".deleting-step-"))
+    return sorted(
+        n for n in names if not _STEP_DIR.match(n) and not n.startswith(".deleting-step-") and n not in OWN_ENTRIES
+    )
 
 
 def list_steps(ckpt_dir: str | os.PathLike[str]) -> list[int]:

@@ -406,6 +406,10 @@ async def _follow(
             progress_at = loop.time()
         elif isinstance(message, StatusMessage) and of_another_plan(message, this_plan):
             log.info("job %r: ignored a status of rank %d of another plan", cp.job, message.rank)  # a stale agent
+        elif isinstance(message, StatusMessage) and message.dc not in (None, layout.role(message.rank).dc):
+            log.info(
+                "job %r: ignored a status of rank %d from DC %r: not this plan's", cp.job, message.rank, message.dc
+            )
         elif isinstance(message, StatusMessage):
             restart = restarted(result.statuses.get(message.rank), message) if message.rank not in finished else None
             if restart is not None:

@@ -5,11 +5,10 @@ Topics and payloads: :mod:`agents.control.messages`; the broker URL and its erro
 An agent's client registers a retained last will ``{"state": "offline"}`` on
 its status topic, so a killed agent shows offline.
 
-Delivery: plan and status are *state*: retained, kept by the client and
-republished after every reconnect (so a restarted broker learns them again);
-subscribers may see the same status twice. Metrics, heartbeats and events are a stream:
-dropped (and counted) while the broker is unreachable. Commands wait for the
-broker (up to ``timeout``) and raise BrokerUnreachable if it stays away.
+Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect
+(so a restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and
+events are a stream: dropped (and counted) while the broker is unreachable. Commands wait for the broker (up to
+``timeout``) and raise BrokerUnreachable if it stays away.
 With ``keys`` everything is signed and verified (:mod:`agents.control.auth`).
 
 Example::
@@ -172,7 +171,7 @@ class ControlPlane:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.agent is not None and self.connected and self._own_state not in ("stopped", "error"):
+        if self.agent is not None and self.connected and self._own_state not in (None, "stopped", "error"):
             failed = exc_type is not None and issubclass(exc_type, Exception)
             with contextlib.suppress(GeoschedError, aiomqtt.MqttError, asyncio.TimeoutError):
                 await asyncio.wait_for(self.publish_status(self.agent.rank, "error" if failed else "stopped"), 2.0)
@@ -353,11 +352,9 @@ class ControlPlane:
         return sub
 
     async def events(self, *kinds: str, ranks: Iterable[int] | None = None) -> AsyncIterator[ControlMessage]:
-        """Iterate over received messages of ``kinds`` (default: all) until the client closes.
-
-        Leaving the loop early keeps the subscription until the generator is closed;
-        wrap it in ``contextlib.aclosing`` (or use :meth:`subscribe`) in long-lived code.
-        """
+        """Iterate over received messages of ``kinds`` (default: all) until the client closes. Leaving the loop
+        early keeps the subscription until the generator is closed: in long-lived code wrap it in
+        ``contextlib.aclosing`` (or use :meth:`subscribe`)."""
         async with await self.subscribe(*(kinds or KINDS), ranks=ranks) as sub:
             async for message in sub:
                 yield message
@@ -366,13 +363,15 @@ class ControlPlane:
         """The latest status of every rank seen so far (needs a "status" subscription)."""
         return dict(self._statuses)
 
+    def plan(self) -> PlanMessage | None:
+        """The retained plan seen last (needs a "plan" subscription)."""
+        return self._plan
+
     async def wait_for_statuses(
         self, ranks: Iterable[int], state: str | Iterable[str] = "ready", timeout: float = 60.0
     ) -> dict[int, StatusMessage]:
-        """Wait until every rank in ``ranks`` reports ``state``; return their statuses.
-
-        Raises AgentsNotReady naming the ranks that did not, with their last state.
-        """
+        """Wait until every rank in ``ranks`` reports ``state``; return their statuses. Raises AgentsNotReady
+        naming the ranks that did not, with their last state."""
         wanted, states = set(ranks), {state} if isinstance(state, str) else set(state)
         latest: dict[int, StatusMessage] = {}
         deadline = asyncio.get_running_loop().time() + timeout

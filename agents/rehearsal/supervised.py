@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from agents.checkpoint.store import OWN_ENTRIES
 from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, Recovery, describe
 from geosched.errors import GeoschedError
 
@@ -110,7 +111,7 @@ def run_supervised(
 
     progress = MetricsProgress()
     done = SupervisedResult(None, plan_text=plan_text) if done is None else done
-    plans = checkpoint_dir / "plans"
+    plans = checkpoint_dir / OWN_ENTRIES[0]  # beside the steps: the agents' --checkpoint-dir accepts it
     control: dict[str, Any] = {"ca_file": ca_file, "keys": keys}
 
     async def publish_then_stop(text: str, old: str) -> None:
