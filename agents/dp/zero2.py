@@ -384,6 +384,9 @@ def _rehome(param: nn.Parameter, view: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         param.data = view
         return
+    grad_dtype = gradient_dtype(param)
     rehomed = nn.Parameter(DTensor.from_local(view, param.device_mesh, param.placements, run_check=False))
     torch.utils.swap_tensors(param, rehomed)
+    if gradient_dtype(param) != grad_dtype:  # swapped away with the rest: fp32 gradients of bf16/fp16 weights
+        param.grad_dtype = grad_dtype
     assert local_tensor(param).data_ptr() == view.data_ptr()
