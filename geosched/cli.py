@@ -64,6 +64,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"geosched {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser)
     for name, (module_name, help_text) in VERBS.items():
         if verb is not None and name != verb:
@@ -79,6 +80,16 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(_run=module.run, _parser=p)
     return parser
+
+
+def _version() -> str:
+    """This checkout's version, as installed (``pyproject.toml``), or ``unknown`` when it is not."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("geosched")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def named_verb(argv: list[str]) -> str | None:

@@ -27,6 +27,7 @@ from geosched.config import (
     MAX_NAME_LEN,
     ClusterSpec,
     Config,
+    ScheduleName,
     config_from_dict,
 )
 from geosched.costmodel import GIB
@@ -143,7 +144,7 @@ class Plan:
     """A whole plan file."""
 
     version: int = spec("plan format version", ge=0, le=1000)
-    schedule: str = spec("pipeline schedule: gpipe | 1f1b | zb1p", max_len=16)
+    schedule: ScheduleName = spec("pipeline schedule: gpipe | 1f1b | zb1p")
     num_stages: int = spec("pipeline stages p", ge=1, le=MAX_LAYERS)
     dp: int = spec("data-parallel degree d: replicas of every stage", ge=1, le=MAX_RANKS)
     microbatches: int = spec("microbatches m per iteration per pipeline", ge=1, le=1 << 24)
@@ -345,7 +346,8 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     if data.get("version") not in READS_VERSIONS:
         raise PlanError(
             f"{source}: version: this geosched reads plan versions {', '.join(map(str, READS_VERSIONS))} "
-            f"(got {short(data.get('version'))}); re-run 'geosched plan'"
+            + ("(the file has none)" if "version" not in data else f"(got {short(data.get('version'))})")
+            + "; re-run 'geosched plan'"
         )
     try:
         config_from_dict(data.get("config"), source="config")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,10 @@ def test_an_unknown_flag_is_named_by_its_verb(capsys) -> None:
     assert ended.value.code == 2
     line = "geosched plan: error: unrecognized arguments: --bogus (see 'geosched plan --help')\n"
     assert capsys.readouterr().err == line
+
+
+def test_version_is_one_line(capsys) -> None:
+    """There was no --version (a user's trial)."""
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0 and re.fullmatch(r"geosched \d+\.\d+\.\d+\n", capsys.readouterr().out)

@@ -214,6 +214,16 @@ def test_bad_flags_and_bad_plan_files_exit_2(tmp_path, capsys) -> None:
     plan_path = write(tmp_path, {"version": 1, "ranks": [], "config": DEMO}, "plan.yaml")
     assert main(["simulate", plan_path]) == 2
     assert "plan.schedule: missing required field" in capsys.readouterr().err
+    # a user's trial: a schedule geosched does not run was 'differs from config.job.schedule', no version '(got None)'
+    assert main(["plan", "configs/demo-3dc.yaml", "-o", str(tmp_path / "p.yaml")]) == 0
+    capsys.readouterr()
+    made = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    edited = write(tmp_path, {**made, "schedule": "interleaved"}, "edited.yaml")
+    assert main(["simulate", edited]) == 2
+    assert "plan.schedule: must be one of 'gpipe', '1f1b', 'zb1p' (got 'interleaved')" in capsys.readouterr().err
+    bare = write(tmp_path, {k: v for k, v in made.items() if k != "version"}, "bare.yaml")
+    assert main(["simulate", bare]) == 2
+    assert "reads plan versions 1, 2 (the file has none)" in capsys.readouterr().err
 
 
 def test_time_limit_returns_a_plan_and_says_it_is_not_proven(capsys) -> None:

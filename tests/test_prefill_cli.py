@@ -85,7 +85,7 @@ def test_cli_reports_bad_input_in_one_line(endpoint, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unauthenticated" in err
     assert main(["prefill", "--endpoint", endpoint, "--token", "tok", "--json", "x" * 100]) == 1
-    assert "exceeds this agent's limit of 64" in json.loads(capsys.readouterr().out)["reason"]
+    assert "exceeds the prefill service's limit of 64" in json.loads(capsys.readouterr().out)["reason"]
 
 
 def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):

@@ -188,7 +188,7 @@ def test_the_token_is_required(served):
         (b'{"prompt": ["a", "b"]}', 400, "one prompt per request"),
         (b'{"prompt": ""}', 400, "prompt is empty"),
         (b'{"prompt": "a\\ud800"}', 400, "not valid Unicode"),  # a lone surrogate
-        (json.dumps({"prompt": "x" * 65}).encode(), 400, "exceeds this agent's limit of 64"),
+        (json.dumps({"prompt": "x" * 65}).encode(), 400, "exceeds the prefill service's limit of 64"),
         (b'{"prompt": "a", "model": "gpt-4"}', 404, "is not served here"),
         (b'{"prompt": "' + b"x" * 20_000 + b'"}', 413, "the body exceeds"),
     ],

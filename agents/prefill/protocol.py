@@ -197,7 +197,9 @@ def decode_request(frames: Sequence[bytes], *, max_prompt_tokens: int, vocab: in
     if count == 0:
         raise BadRequest("prompt is empty; send at least one token", rid)
     if count > max_prompt_tokens:
-        raise BadRequest(f"prompt of {count} tokens exceeds this agent's limit of {max_prompt_tokens}; shorten it", rid)
+        raise BadRequest(
+            f"prompt of {count} tokens exceeds the prefill service's limit of {max_prompt_tokens}; shorten it", rid
+        )
     if kind == "text":
         tokens = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
     else:
