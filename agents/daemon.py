@@ -46,12 +46,14 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agents.checkpoint.store import resume_point
 from agents.control.auth import MAGIC, ControlKeys
 from agents.control.endpoints import MqttAddressBook
 from agents.control.losses import RETAINED_SETTLE_S
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
+from agents.control.ready import left_behind
 from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
 from agents.layout import (
@@ -197,7 +199,9 @@ class Agent:
                 self.cp = cp
                 async with await cp.subscribe("plan", "command", "status") as sub:
                     await asyncio.sleep(RETAINED_SETTLE_S)  # the retained plan and statuses arrive
-                    if self._held_elsewhere() is not None:
+                    plan, held = cp.plan(), cp.statuses().get(opts.rank)
+                    if (stale := left_behind(plan.text if plan else None, held, opts.rank, opts.dc)) is not None:
+                        log.warning("rank %d: %s", opts.rank, stale)
                         return 0  # publishing nothing: the rank's status is its live agent's
                     await self._set_status("starting", endpoints=dict(self._fixed) or None)
                     tasks = [asyncio.create_task(self._pump(sub)), asyncio.create_task(self._heartbeats())]
@@ -209,35 +213,12 @@ class Agent:
                         await cancel_and_wait(tasks)
                         await self._shutdown_worker()
                 stopped_by = self._stopped_by if code == 0 else None
-                await self._set_status("stopped" if code == 0 else "error", endpoints=None, stopped_by=stopped_by)
+                state, resume = "stopped" if code == 0 else "error", resume_point(self.opts.checkpoint_dir)
+                await self._set_status(state, endpoints=None, stopped_by=stopped_by, next_step=resume)
                 return code
         finally:
             for sig in stop_signals:
                 loop.remove_signal_handler(sig)
-
-    def _held_elsewhere(self) -> StatusMessage | None:
-        """The status of this rank's live agent in another DC, where the broker's plan puts the rank (this agent
-        is one an elastic re-plan left behind: it leaves without a word on the rank's topic), else None."""
-        assert self.cp is not None
-        plan, held = self.cp.plan(), self.cp.statuses().get(self.opts.rank)
-        if plan is None or held is None or self.opts.dc is None or held.dc in (None, self.opts.dc):
-            return None
-        with contextlib.suppress(InputError):  # a plan it cannot read: the usual path says why
-            role = parse_layout(plan.text, "plan from the broker").role(self.opts.rank)
-            if role.dc == held.dc and held.state in ("starting", "ready", "training") and held.pid != os.getpid():
-                log.warning(
-                    "rank %d: the job's plan puts rank %d in DC %r, where its agent runs (pid %s on %s); this agent "
-                    "of DC %r is left from an earlier plan: leaving, publishing nothing (start it with the rank the "
-                    "plan gives its GPU, or not at all)",
-                    self.opts.rank,
-                    self.opts.rank,
-                    role.dc,
-                    held.pid,
-                    held.host,
-                    self.opts.dc,
-                )
-                return held
-        return None
 
     async def _pump(self, sub: Any) -> None:
         async for message in sub:
@@ -444,7 +425,9 @@ class Agent:
         log.error("rank %d failed: %s", self.opts.rank, exc)
         # not this rank's fault: the job's storage, or a WAN link that went quiet while this rank waited on it
         cause = "checkpoint" if isinstance(exc, CheckpointError) else "link" if isinstance(exc, LinkTimeout) else None
-        await self._set_status("error", message=text[:500], cause=cause)
+        await self._set_status(
+            "error", message=text[:500], cause=cause, next_step=resume_point(self.opts.checkpoint_dir)
+        )
         await self._event("error", f"rank {self.opts.rank}: {text[:500]}")
         return exc.exit_code if isinstance(exc, GeoschedError) else 1
 

@@ -74,6 +74,8 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
         assert [a.wait(30) for a in agents] == [0, 0], log_tail(tmp_path)
         text = _run("job", "status", "--mqtt", url, "--job", job).stdout
         assert [line.split()[1] for line in text.splitlines()[1:]] == ["stopped", "stopped"], text
+        after = json.loads(_run("job", "status", "--mqtt", url, "--job", job, "--json").stdout)
+        assert [s["next_step"] for s in after.values()] == [3, 3], after  # where --resume starts: checkpoint 3
     finally:
         stop_processes(agents)
 

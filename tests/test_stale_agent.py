@@ -39,5 +39,9 @@ def test_an_agent_of_the_rank_in_another_dc_leaves_quietly(embedded_broker, tmp_
         again = run("job", "start", str(plan), "--steps", "1", "--ready-timeout", "90")
         assert again.returncode == 0, again.stderr + log_tail(tmp_path)
         assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == ["2/2"]
+        assert run("job", "stop").returncode == 0
+        wait_for(lambda: all(a.poll() is not None for a in agents), 30, "the agents to stop")
+        table = json.loads(run("job", "status", "--json").stdout)  # a trial saw a stopped agent's old next_step
+        assert [(s["state"], s["next_step"]) for s in table.values()] == [("stopped", None)] * 2, table
     finally:
         stop_processes(agents)

@@ -409,6 +409,16 @@ def newest_marked(ckpt_dir: str | os.PathLike[str], after: int = -1) -> int | No
     return None
 
 
+def resume_point(ckpt_dir: str | os.PathLike[str] | None) -> int | None:
+    """Where an agent restarted with --resume would start, cheaply: the newest step marked complete (None without
+    a folder or a step); what its exit leaves in ``job status``, its training in memory going with it."""
+    if ckpt_dir is None:
+        return None
+    with contextlib.suppress(CheckpointError, OSError):
+        return newest_marked(ckpt_dir)
+    return None
+
+
 def latest_complete(
     ckpt_dir: str | os.PathLike[str], num_stages: int | None = None, *, warn: bool = False
 ) -> int | None:

@@ -11,6 +11,7 @@ start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operat
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,26 @@ def check_same_data(statuses: dict[int, StatusMessage]) -> None:
         f"the ranks that read training data read different corpora: {says(one, first)}; {says(other, second)} "
         "(stage 0 takes the inputs and the last stage the targets of the same samples); give every agent of a "
         "first or last stage the same --data files"
+    )
+
+
+def left_behind(plan_text: str | None, held: StatusMessage | None, rank: int, dc: str | None) -> str | None:
+    """Why an agent of ``rank`` in ``dc``, just connected, is one an elastic re-plan left behind (the retained
+    plan puts the rank in another DC, where ``held``, the rank's status, shows its live agent), else None."""
+    if plan_text is None or held is None or dc is None or held.dc in (None, dc) or held.pid == os.getpid():
+        return None
+    from agents.layout import parse_layout
+
+    try:
+        role = parse_layout(plan_text, "plan from the broker").role(rank)
+    except InputError:  # a plan it cannot read: the usual path says why
+        return None
+    if role.dc != held.dc or held.state not in ("starting", "ready", "training"):
+        return None
+    return (
+        f"the job's plan puts rank {rank} in DC {role.dc!r}, where its agent runs (pid {held.pid} on "
+        f"{held.host or '?'}); this agent of DC {dc!r} is left from an earlier plan: leaving, publishing nothing "
+        "(start it with the rank the plan gives its GPU, or not at all)"
     )
 
 
