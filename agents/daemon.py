@@ -46,7 +46,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agents.checkpoint.store import resume_point
+from agents.checkpoint.folder import resume_point
 from agents.control.auth import MAGIC, ControlKeys
 from agents.control.endpoints import MqttAddressBook
 from agents.control.losses import RETAINED_SETTLE_S

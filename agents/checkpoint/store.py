@@ -352,20 +352,9 @@ def _read_verified(path: str, meta: dict[str, Any]) -> bytes:
 # ----------------------------------------------------- completeness, prune ---
 
 
-OWN_ENTRIES = ("plans",)
-"""What else a checkpoint folder holds: ``job start --elastic`` writes its re-plans in ``plans/``."""
-
-
-def foreign_entries(ckpt_dir: str | os.PathLike[str]) -> list[str]:
-    """Names in ``ckpt_dir`` that no checkpoint writes (a step folder, a pruned one being deleted, the elastic
-    coordinator's :data:`OWN_ENTRIES`), sorted."""
-    try:
-        names = os.listdir(ckpt_dir)
-    except OSError:
-        return []
-    return sorted(
-        n for n in names if not _STEP_DIR.match(n) and not n.startswith(".deleting-step-") and n not in OWN_ENTRIES
-    )
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a step's folder name in a checkpoint folder (``step-000005``)."""
+    return _STEP_DIR.match(name) is not None
 
 
 def list_steps(ckpt_dir: str | os.PathLike[str]) -> list[int]:
@@ -406,16 +395,6 @@ def newest_marked(ckpt_dir: str | os.PathLike[str], after: int = -1) -> int | No
             return None
         if os.path.isfile(os.path.join(step_dir(ckpt_dir, step), "manifest.json")):
             return step
-    return None
-
-
-def resume_point(ckpt_dir: str | os.PathLike[str] | None) -> int | None:
-    """Where an agent restarted with --resume would start, cheaply: the newest step marked complete (None without
-    a folder or a step); what its exit leaves in ``job status``, its training in memory going with it."""
-    if ckpt_dir is None:
-        return None
-    with contextlib.suppress(CheckpointError, OSError):
-        return newest_marked(ckpt_dir)
     return None
 
 

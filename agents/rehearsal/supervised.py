@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from agents.checkpoint.store import OWN_ENTRIES
+from agents.checkpoint.folder import OWN_ENTRIES
 from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, Recovery, describe
 from geosched.errors import GeoschedError
 

@@ -115,7 +115,7 @@ def checkpoint_folder(args: argparse.Namespace) -> None:
     a folder that does not exist is left to the resume check, which names it (there is no checkpoint to resume)."""
     if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
-        from agents.checkpoint.store import foreign_entries
+        from agents.checkpoint.folder import foreign_entries
 
         if others := foreign_entries(args.checkpoint_dir):
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
