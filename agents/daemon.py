@@ -425,9 +425,7 @@ class Agent:
         log.error("rank %d failed: %s", self.opts.rank, exc)
         # not this rank's fault: the job's storage, or a WAN link that went quiet while this rank waited on it
         cause = "checkpoint" if isinstance(exc, CheckpointError) else "link" if isinstance(exc, LinkTimeout) else None
-        await self._set_status(
-            "error", message=text[:500], cause=cause, next_step=resume_point(self.opts.checkpoint_dir)
-        )
+        await self._set_status("error", message=text[:500], cause=cause)  # the exit's status adds the resume point
         await self._event("error", f"rank {self.opts.rank}: {text[:500]}")
         return exc.exit_code if isinstance(exc, GeoschedError) else 1
 

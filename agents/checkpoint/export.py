@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from agents.checkpoint.load import load_resharded
 from agents.checkpoint.store import (
@@ -38,6 +39,9 @@ from agents.checkpoint.store import (
     verify_step,
 )
 from geosched.errors import CheckpointError, InputError
+
+if TYPE_CHECKING:
+    import torch
 from geosched.model import PRECISION_DTYPES, StageModule, build_model, total_params
 from geosched.weights import (
     ModelRecord,
@@ -134,7 +138,6 @@ def export_weights(
     """Write the whole-model weights of checkpoint ``step`` (None: the newest complete) to ``out`` atomically;
     return what was written (step, stages, parameters, bytes, sha256, model record, fingerprint, and
     ``nonfinite``: how many weights are NaN or inf, a model whose training diverged)."""
-    import torch
     from safetensors import SafetensorError
 
     out = os.fspath(out)
@@ -154,7 +157,7 @@ def export_weights(
         raise InputError(f"-o {out!r}: cannot write the weights there ({why}); pick a writable folder") from None
     log.info("exported checkpoint step %d (%d stages) of %s to %s", step, stages, os.fspath(ckpt_dir), out)
     return {
-        "nonfinite": sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point()),
+        "nonfinite": nonfinite_count(tensors.values()),
         "step": step,
         "stages": stages,
         "parameters": sum(t.numel() for t in tensors.values()),
@@ -164,6 +167,13 @@ def export_weights(
         "model": record.to_dict(),
         "model_fingerprint": fingerprint,
     }
+
+
+def nonfinite_count(tensors: Iterable[torch.Tensor]) -> int:
+    """How many values of the floating ``tensors`` are NaN or inf: weights whose training diverged."""
+    import torch
+
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors if t.is_floating_point())
 
 
 def served_weights(

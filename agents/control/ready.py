@@ -11,7 +11,6 @@ start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operat
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +96,7 @@ def check_same_data(statuses: dict[int, StatusMessage]) -> None:
 def left_behind(plan_text: str | None, held: StatusMessage | None, rank: int, dc: str | None) -> str | None:
     """Why an agent of ``rank`` in ``dc``, just connected, is one an elastic re-plan left behind (the retained
     plan puts the rank in another DC, where ``held``, the rank's status, shows its live agent), else None."""
-    if plan_text is None or held is None or dc is None or held.dc in (None, dc) or held.pid == os.getpid():
+    if plan_text is None or held is None or dc is None or held.dc in (None, dc):
         return None
     from agents.layout import parse_layout
 

@@ -42,7 +42,7 @@ def take_dtensor_grads(sharded: list[tuple[nn.Parameter, torch.Tensor]]) -> None
     """Give each local shard its DTensor's gradient's local shard (the same storage), or None."""
     for p, t in sharded:
         grad = None if p.grad is None else local_tensor(p.grad)
-        if grad is not None and grad.dtype != t.dtype and getattr(t, "grad_dtype", grad.dtype) != grad.dtype:
+        if grad is not None and getattr(t, "grad_dtype", grad.dtype) != grad.dtype:
             t.grad_dtype = grad.dtype  # fp32 gradients of bf16 weights (job.grad_dtype)
         t.grad = grad
 

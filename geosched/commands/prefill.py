@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None]:
-    from agents.checkpoint.export import recorded_model, served_weights
+    from agents.checkpoint.export import nonfinite_count, recorded_model, served_weights
     from agents.prefill.model import frozen, load_inference_model
     from geosched.config import load_config
     from geosched.weights import ModelRecord
@@ -106,10 +106,7 @@ def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None
         return load_inference_model(record.shape, None, seed=args.seed), None
     model, step = served_weights(args.weights, record)
     assert model is not None  # a weights source without following gives a model or raises
-    import torch
-
-    nonfinite = sum(int((~torch.isfinite(p)).sum()) for p in model.parameters())
-    if nonfinite:  # served as given (its logits will be NaN), but worth a word, as export says it
+    if nonfinite := nonfinite_count(model.parameters()):  # served as given, but worth a word, as export says
         print(
             f"geosched prefill: warning: {nonfinite:,} of the weights of {args.weights} are NaN or inf: the "
             "training diverged by that step; serve an earlier checkpoint's",
