@@ -1,4 +1,5 @@
-"""cancel_and_wait: background tasks end on stop even where asyncio.wait_for swallows a cancellation."""
+"""cancel_and_wait: background tasks end on stop even where asyncio.wait_for swallows a cancellation; the
+coordinator's own message wait never swallows one (Ctrl-C of ``launch`` and ``job start`` is that cancellation)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 
 import pytest
 
+from agents.control.messages import StatusMessage
+from agents.control.subscription import Subscription
 from agents.control.tasks import cancel_and_wait
 
 
@@ -77,3 +80,29 @@ def test_a_task_that_failed_is_logged_not_raised(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.WARNING, logger="agents.control.tasks"):
         assert asyncio.run(main()) == set()
     assert "pump failed while stopping: RuntimeError('broken pump')" in caplog.text
+
+
+@pytest.mark.parametrize("yields", range(5))
+def test_a_cancel_as_the_next_message_arrives_is_not_swallowed(yields: int) -> None:
+    """asyncio.run turns Ctrl-C into one cancellation of the main task; the coordinator then waits in
+    Subscription.get with a timeout. Cancelled at any point around a message's arrival, get raises
+    CancelledError (with wait_for's window in Python 3.11 it returned the message, and the job trained on)."""
+
+    async def main() -> str:
+        sub = Subscription(frozenset({"status"}), None, 8, on_drop=lambda: None, on_close=lambda _: None)
+
+        async def follow() -> None:  # the coordinator's loop over statuses
+            while True:
+                await sub.get(30)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # waiting for a message
+        sub.offer(StatusMessage(rank=0, state="training"))
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait([task], timeout=2)  # swallowed: it waits for the next message instead
+        return "cancelled" if task.cancelled() else "swallowed"
+
+    assert asyncio.run(main()) == "cancelled"

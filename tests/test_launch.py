@@ -195,7 +195,7 @@ def test_ctrl_c_stops_every_child(tmp_path: Path):
         cli("launch", str(ROOT / "configs/demo-3dc.yaml"), "--steps", "1000", "--run-dir", str(run), "--no-calibrate"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=agent_subprocess_env(),
+        env={**agent_subprocess_env(), "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
         cwd=tmp_path,
     )
     try:
@@ -204,7 +204,11 @@ def test_ctrl_c_stops_every_child(tmp_path: Path):
         agents = _children(launcher.pid)  # the agents (and the embedded broker's threads live in the launcher)
         assert len(agents) >= len(list(run.glob("agent*.log"))) >= 1
         launcher.send_signal(signal.SIGINT)
-        code = launcher.wait(60)
+        try:
+            code = launcher.wait(60)
+        except subprocess.TimeoutExpired:  # where it hangs, for the failure's message
+            launcher.send_signal(signal.SIGABRT)
+            pytest.fail("launch still running 60 s after SIGINT: " + launcher.communicate(30)[0].decode()[-6000:])
         output = launcher.stdout.read().decode(errors="replace")  # type: ignore[union-attr]
         assert code == 130, output[-2000:]
         assert "interrupted" in output

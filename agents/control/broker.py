@@ -294,9 +294,8 @@ class EmbeddedBroker:
         clean = silent = False
         try:
             try:
-                kind, flags, body = await asyncio.wait_for(
-                    self._read_frame(reader, self.limits.connect_bytes), self.limits.connect_timeout_s
-                )
+                async with asyncio.timeout(self.limits.connect_timeout_s):
+                    kind, flags, body = await self._read_frame(reader, self.limits.connect_bytes)
                 self._pending.logged_in(writer)
             except TimeoutError:
                 self._refuse("idle", address, f"no CONNECT within {self.limits.connect_timeout_s:g} s")
@@ -310,7 +309,8 @@ class EmbeddedBroker:
             timeout = self.limits.idle_timeout(keepalive)
             while True:
                 try:
-                    kind, flags, body = await asyncio.wait_for(self._read_frame(reader, self.max_packet_bytes), timeout)
+                    async with asyncio.timeout(timeout):
+                        kind, flags, body = await self._read_frame(reader, self.max_packet_bytes)
                 except TimeoutError:
                     self._refuse("idle", client.client_id, f"silent for {timeout:g} s (keepalive {keepalive})")
                     silent = True

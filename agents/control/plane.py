@@ -78,13 +78,11 @@ class ControlPlane:
             the same id takes over and disconnects the first).
         username, password: override the credentials in the URL.
         ca_file: PEM file of CAs to trust for ``mqtts://`` (default: the system's).
-        agent: set for an agent: registers the offline last will of its rank and,
-            on exit, publishes ``stopped`` (or ``error`` if leaving on an
-            exception) unless it already published stopped/error.
+        agent: set for an agent: registers the offline last will of its rank and, on exit, publishes
+            ``stopped`` (or ``error`` if leaving on an exception) unless it already published stopped/error.
         keepalive: seconds between pings; a dead client is noticed after ~1.5x.
         connect_timeout: how long entering the context waits for the broker.
-        backoff: (first, cap) seconds between reconnect attempts; doubled each
-            failure and jittered.
+        backoff: (first, cap) seconds between reconnect attempts; doubled each failure and jittered.
         max_payload: largest payload sent or accepted.
         keys: sign what this client publishes (its will too) as ``keys.identity`` and
             accept only payloads signed by a key it trusts, for this job and topic, not
@@ -156,7 +154,8 @@ class ControlPlane:
         self._first_connect = asyncio.get_running_loop().create_future()
         self._runner = asyncio.create_task(self._run(), name=f"mqtt-{self.client_id}")
         try:
-            await asyncio.wait_for(asyncio.shield(self._first_connect), self._connect_timeout)
+            async with asyncio.timeout(self._connect_timeout):
+                await asyncio.shield(self._first_connect)
         except TimeoutError:
             await self._stop_runner()
             raise BrokerUnreachable(
@@ -174,7 +173,8 @@ class ControlPlane:
         if self.agent is not None and self.connected and self._own_state not in (None, "stopped", "error"):
             failed = exc_type is not None and issubclass(exc_type, Exception)
             with contextlib.suppress(GeoschedError, aiomqtt.MqttError, asyncio.TimeoutError):
-                await asyncio.wait_for(self.publish_status(self.agent.rank, "error" if failed else "stopped"), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self.publish_status(self.agent.rank, "error" if failed else "stopped")
         for sub in list(self._subscriptions):
             sub.close()
         for task in list(self._tasks):
@@ -485,7 +485,8 @@ class ControlPlane:
             client = self._client
             if client is None:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._connected.wait(), left)
+                    async with asyncio.timeout(left):
+                        await self._connected.wait()
                 continue
             try:
                 await client.publish(self.topics.command, sealed, qos=1, timeout=max(left, 0.1))

@@ -63,7 +63,8 @@ class Subscription:
         """The next message; asyncio.TimeoutError after ``timeout`` s; StopAsyncIteration once closed."""
         if self._closed and self._queue.empty():
             raise StopAsyncIteration
-        message = await asyncio.wait_for(self._queue.get(), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: before 3.12 it can swallow a cancel (Ctrl-C)
+            message = await self._queue.get()
         if message is None:
             raise StopAsyncIteration
         return message

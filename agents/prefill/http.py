@@ -378,7 +378,8 @@ class PrefillHttpServer:
         self._authenticate(request)
         self._check_size(request)
         try:
-            body = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                body = await request.read()
         except TimeoutError:
             raise invalid(
                 f"the body did not arrive within {self.limits.body_timeout_s:g} s", None, "request_timeout", 408
@@ -414,7 +415,8 @@ class PrefillHttpServer:
             self.service.submit(ask.request, deliver)
             deadline = ask.request.deadline_s or self.service.default_deadline_s
             try:
-                response = await asyncio.wait_for(future, deadline + ANSWER_GRACE_S)
+                async with asyncio.timeout(deadline + ANSWER_GRACE_S):
+                    response = await future
             except TimeoutError:
                 response = PrefillResponse(ask.request.id, "expired", reason="no answer from the prefill service")
             except asyncio.CancelledError:  # the client hung up (handler_cancellation): stop computing its prompt
@@ -442,7 +444,8 @@ class PrefillHttpServer:
         reply.content_type, reply.content_length = "application/octet-stream", len(data)
         await reply.prepare(request)
         try:  # a client that does not take its answer gives up its connection (and its request slot)
-            await asyncio.wait_for(reply.write(data), self.limits.send_timeout_s)
+            async with asyncio.timeout(self.limits.send_timeout_s):
+                await reply.write(data)
         except TimeoutError:
             self._guard.send_timed_out()
             if request.transport is not None:
