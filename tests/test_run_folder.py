@@ -21,7 +21,7 @@ from agents.layout import layout_plan_text, parse_layout
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
-from agents.runfolder.report import collective_sync_s, report_text
+from agents.runfolder.report import collective_sync_s, loss_rose, report_text
 from agents.stage.in_place import write_stage_time
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.schedule import job_schedule
@@ -126,6 +126,7 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     alone = {**report, "layout": {**report["layout"], "replicas": 1}}  # dp 1: no sync to speak of (a trial: 0.0 ms)
     assert not any(line.startswith("gradient sync:") for line in report_text(alone).splitlines())
     assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
+    assert report["loss_rose"] is None and "WARNING" not in report_text(report)  # falling: nothing to say
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for step, row in enumerate(report["per_step"]):  # each step's WAN bytes, as the agents' metrics count them
         wan = sum(metrics_record(reports[r.rank][step], r)["wan_bytes"] for r in layout.roles)
@@ -262,3 +263,22 @@ def test_stage_times_the_agents_took_in_place_price_the_prediction(tmp_path: Pat
     expected = tuple(dataclasses.replace(t, forward_s=0.5) if t.last else t for t in whole)  # the median
     assert timed.stage_times == expected  # the ALL_REDUCE and STEP stay the calibration's (measured at dp 2)
     assert predict(layout, 1.0, timed).iteration_s > predict(layout, 1.0, cal).iteration_s
+
+
+def test_a_loss_that_rises_by_half_over_the_run_is_called_diverging(job, tmp_path: Path) -> None:
+    """fp32 at a learning rate of 10 never overflows: a trial's run ended 'loss 5.5552 -> 7015.3325' and
+    nothing else said that it diverged."""
+    layout, predicted, reports = job
+    recorder = RunRecorder(tmp_path / "run", layout)
+    for step, loss in enumerate([5.5, 7097.2, 7015.3]):
+        for role in layout.roles:
+            rose = reports[role.rank][step]
+            rose = dataclasses.replace(rose, loss=None if rose.loss is None else loss, lr=10.0)
+            recorder.record(MetricsMessage(role.rank, step, values=metrics_record(rose, role)))
+    report = recorder.finish(predicted)
+    assert report["loss_rose"] == pytest.approx(7015.3 / 5.5)
+    warning = next(line for line in report_text(report).splitlines() if line.startswith("WARNING"))
+    assert warning.startswith("WARNING: the loss rose 1,276x over the run: training diverges")
+    assert "lower job.learning_rate (10 at the last step)" in warning
+    assert loss_rose([5.5, 5.0, 8.0]) is None and loss_rose([5.5, 4.0, 8.3]) == pytest.approx(8.3 / 5.5)
+    assert loss_rose([5.5, float("nan")]) == float("inf") and loss_rose([None, 5.0]) is None

@@ -6,7 +6,8 @@ coordinator received, :mod:`agents.runfolder.record`), the plan's
 layout and the prediction. :func:`build_report` makes the JSON-ready dict;
 :func:`write_run_folder` writes it and the pictures::
 
-    report.json       steps, losses (one per step), predicted_iteration_s,
+    report.json       steps, losses (one per step), loss_rose (last/first where
+                      it rose by half: diverging), predicted_iteration_s,
                       measured_iteration_s, replayed_iteration_s and
                       measured_vs_replayed (the simulator fed this run's
                       own compute times), predicted_iteration_s_calibration_only
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 from collections.abc import Mapping
@@ -166,6 +168,7 @@ def build_report(
         "steps": [s["step"] for s in per_step],
         "losses": [s["loss"] for s in per_step],
         "skipped_steps": [s for s in complete if any(r.skipped for r in by_step[s])],  # fp16: overflowed, not stepped
+        "loss_rose": loss_rose([s["loss"] for s in per_step]),  # last/first loss where it rose by half: diverging
         "predicted_iteration_s": predicted_iteration_s,
         "measured_iteration_s": measured,
         "measured_vs_predicted": measured / predicted_iteration_s if predicted_iteration_s else None,
@@ -394,6 +397,29 @@ def _rates_of(report: Mapping[str, Any]) -> dict[int, float]:
     return {s["step"]: s["lr"] for s in report.get("per_step", []) if s.get("lr") is not None}
 
 
+LOSS_ROSE = 1.5
+"""A run whose last loss is this many times its first diverges (a sane rate never gets there, warm-up included)."""
+
+
+def loss_rose(losses: list[float | None]) -> float | None:
+    """Last loss over first where it is at least :data:`LOSS_ROSE` (or not finite), else None."""
+    finite = [x for x in losses if x is not None and math.isfinite(x)]
+    if not finite or finite[0] <= 0:
+        return None
+    last = losses[-1] if losses[-1] is not None else finite[-1]
+    ratio = last / finite[0] if math.isfinite(last) else math.inf
+    return ratio if ratio >= LOSS_ROSE else None
+
+
+def _rose_line(report: Mapping[str, Any]) -> str:
+    lr = next((s["lr"] for s in reversed(report.get("per_step", [])) if s.get("lr") is not None), None)
+    return (
+        f"WARNING: the loss rose {report['loss_rose']:,.0f}x over the run: training diverges; lower "
+        f"job.learning_rate{f' ({lr:g} at the last step)' if lr is not None else ''} or warm it up "
+        "(job.lr_warmup_steps)"
+    )
+
+
 def _figures(timeline: Any) -> str:
     return f"iteration {timeline.iteration_s * 1e3:.1f} ms, bubble {timeline.bubble_fraction:.1%}"
 
@@ -405,6 +431,7 @@ def report_text(report: Mapping[str, Any]) -> str:
         f"steps {report['steps'][0]}-{report['steps'][-1]}: loss {report['losses'][0]:.4f} -> "
         f"{report['losses'][-1]:.4f}"
         + (f" ({len(skipped)} skipped: fp16 overflow)" if (skipped := report.get("skipped_steps")) else ""),
+        *([_rose_line(report)] if report.get("loss_rose") else []),
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
         + (
             f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
