@@ -38,7 +38,7 @@ from pathlib import Path
 import nacl.exceptions
 import nacl.signing
 
-from agents.sockets import load_keypair, load_public_key, write_keypair
+from agents.sockets import load_keypair, load_public_key, read_key_file, write_keypair
 from geosched.errors import ConfigError, InputError
 from planner.plan import MAX_RANKS as PLAN_MAX_RANKS
 
@@ -244,21 +244,17 @@ def _read_secret(path: Path, required: bool) -> str | None:
         if required:
             raise ConfigError(f"{path} is missing: copy it from the job's key folder") from None
         return None
+    text = _read_public(path)  # a regular file of a key's size first: a device or FIFO is refused as such
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}): run chmod 600 {path}")
-    try:
-        return path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+    return text
 
 
 def _read_public(path: Path) -> str:
     try:
-        return path.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
-        raise ConfigError(f"{path} is missing: copy it from the job's key folder") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        return read_key_file(path).decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a key file (not ASCII text); rewrite the folder") from None
 
 
 def _key32(path: Path, text: str) -> bytes:

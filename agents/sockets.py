@@ -42,6 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
 from geosched.ratelimit import RateLimitedLog
+from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,25 @@ def write_keypair(directory: str | os.PathLike[str], name: str, *, force: bool =
     return secret_path, public_path
 
 
+MAX_KEY_FILE_BYTES = 4096
+"""The largest key file read (one is under 400 bytes): a link to /dev/zero, a FIFO or a huge file is refused."""
+
+
+def read_key_file(path: str | os.PathLike[str]) -> bytes:
+    """A key file's bytes: a regular file of at most :data:`MAX_KEY_FILE_BYTES`; ConfigError, one line, else."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"{os.fspath(path)} is missing: copy it from the job's key folder")
+    return read_bounded(
+        path,
+        MAX_KEY_FILE_BYTES,
+        ConfigError,
+        too_big=f"larger than {MAX_KEY_FILE_BYTES} bytes, not a key file (make one with 'geosched keys')",
+        unreadable="cannot read the key file",
+    )
+
+
 def _load_certificate(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
+    read_key_file(path)  # zmq reads line by line: /dev/zero would fill memory, a FIFO block
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:

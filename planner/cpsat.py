@@ -472,6 +472,7 @@ def _solve(
     solver.parameters.random_seed = SEED
     solver.parameters.linearization_level = LINEARIZATION
     solver.parameters.search_branching = cp_model.PORTFOLIO_SEARCH
+    solver.parameters.catch_sigint_signal = False  # it would leave SIGINT at SIG_DFL: no Ctrl-C report after
     if time_limit_s is not None:
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     if effort is not None:

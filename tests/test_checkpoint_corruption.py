@@ -114,6 +114,23 @@ def not_safetensors(ckpt) -> None:
     open(meta_path, "w").write(json.dumps(meta))
 
 
+def _replace_with(ckpt, make) -> None:  # the tensor file becomes ``make(path)``; its JSON says 0 bytes, as a trial's
+    path, meta_path = shard_paths(ckpt, 2, 0)
+    os.unlink(path)
+    make(path)
+    meta = json.loads(open(meta_path).read())
+    meta.update(sha256=hashlib.sha256(b"").hexdigest(), tensor_bytes=0)
+    open(meta_path, "w").write(json.dumps(meta))
+
+
+def linked_to_dev_zero(ckpt) -> None:  # getsize said 0, then read() filled memory
+    _replace_with(ckpt, lambda path: os.symlink("/dev/zero", path))
+
+
+def a_fifo(ckpt) -> None:  # read() blocked forever
+    _replace_with(ckpt, lambda path: os.mkfifo(path, 0o600))
+
+
 # checksum_fails: the damage is visible to latest_complete (size/sha256/JSON); the others were
 # written consistently (checksum fixed up) but hold the wrong tensors, which only a load can see
 @pytest.mark.parametrize(
@@ -126,6 +143,8 @@ def not_safetensors(ckpt) -> None:
         (drop_a_tensor, r"missing tensor optim/blocks\.1\.mlp\.fc\.weight/exp_avg_sq", False),
         (reshape_a_tensor, r"tensor model/head\.weight is \(256, 8\).*expects \(256, 16\)", False),
         (not_safetensors, r"stage-00\.safetensors: not a readable safetensors file", False),
+        (linked_to_dev_zero, r"stage-00\.safetensors: cannot read \(a character device, not a regular file\)", True),
+        (a_fifo, r"stage-00\.safetensors: cannot read \(a FIFO, not a regular file\)", True),
     ],
 )
 def test_each_corruption_is_refused_and_leaves_the_model_untouched(ckpt, corrupt, message, checksum_fails) -> None:

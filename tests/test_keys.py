@@ -195,8 +195,31 @@ def _break_manifest(folder: Path) -> str:
 
 
 def _break_manifest_nesting(folder: Path) -> str:
-    (folder / "job-keys.json").write_text("[" * 100_000)  # json's decoder recurses per bracket
+    (folder / "job-keys.json").write_text("[" * 4000)  # json's decoder recurses per bracket (within the 4 KiB bound)
     return "is not a geosched key manifest"
+
+
+def _break_public_into_a_device(folder: Path) -> str:
+    (folder / "coordinator.sign.pub").unlink()
+    (folder / "coordinator.sign.pub").symlink_to("/dev/zero")  # read whole, it filled memory (a trial)
+    return "coordinator.sign.pub: cannot read the key file (a character device, not a regular file)"
+
+
+def _break_secret_into_a_fifo(folder: Path) -> str:
+    (folder / "agent-0.sign").unlink()
+    os.mkfifo(folder / "agent-0.sign", 0o600)  # read, it blocked forever
+    return "agent-0.sign: cannot read the key file (a FIFO, not a regular file)"
+
+
+def _break_curve_key_into_a_device(folder: Path) -> str:
+    (folder / "agent-1.key.pub").unlink()
+    (folder / "agent-1.key.pub").symlink_to("/dev/zero")  # zmq reads it line by line: one endless line
+    return "agent-1.key.pub: cannot read the key file (a character device, not a regular file)"
+
+
+def _break_huge_public(folder: Path) -> str:
+    (folder / "coordinator.sign.pub").write_bytes(b"A" * 100_000)
+    return "coordinator.sign.pub: larger than 4096 bytes, not a key file"
 
 
 def _break_malformed_key(folder: Path) -> str:
@@ -216,6 +239,10 @@ def _break_malformed_key(folder: Path) -> str:
         _break_manifest,
         _break_manifest_nesting,
         _break_malformed_key,
+        _break_public_into_a_device,
+        _break_secret_into_a_fifo,
+        _break_curve_key_into_a_device,
+        _break_huge_public,
     ],
 )
 def test_load_errors_name_the_file_in_one_line(tmp_path: Path, damage) -> None:
@@ -256,6 +283,25 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "geosched.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
+
+
+def test_a_token_or_ca_file_that_is_no_file_is_named_as_such(tmp_path: Path) -> None:
+    """A trial: a FIFO as --token-file hung; /dev/zero was 'readable by others: chmod 600 /dev/zero' and as
+    --ca-file 'does not exist'."""
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    base = ["prefill", "--endpoint", "https://127.0.0.1:9", "hi"]
+    for flags, said in (
+        (["--token-file", str(tmp_path / "fifo")], "--token-file: {}: cannot read (a FIFO, not a regular file)"),
+        (["--token-file", "/dev/zero"], "--token-file: {}: cannot read (a character device, not a regular file)"),
+        (["--token-file", str(token), "--ca-file", "/dev/zero"], "--ca-file: '{}' is a character device, not a file"),
+    ):
+        done = _cli(*base, *flags)
+        named = str(tmp_path / "fifo") if "fifo" in flags[1] else "/dev/zero"
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert said.format(named) in done.stderr, done.stderr
 
 
 def test_agent_with_keys_refuses_a_missing_or_unsafe_file_in_one_line(tmp_path: Path) -> None:

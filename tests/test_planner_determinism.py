@@ -5,8 +5,10 @@ wall seconds (the plan file's ``solve_s``, the wall time of the search, is the o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,8 @@ from planner.generate import random_config
 from planner.plan import dump_plan
 from planner.planning import make_plan
 from planner.variants import Pins
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HOG = "while True: pass"
 
@@ -87,3 +91,17 @@ def test_same_plan_whatever_the_hash_seed(config: str) -> None:
     outputs = [run.communicate(timeout=600)[0] for run in runs]
     assert all(run.returncode == 0 for run in runs)
     assert outputs[0] == outputs[1]
+
+
+def test_planning_leaves_an_ignored_sigint_ignored() -> None:
+    """A script's background job starts with SIGINT ignored; CP-SAT's own SIGINT catcher set it back to the
+    default on leaving a solve, so a later ``kill -INT`` killed ``launch`` with no report (a trial)."""
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from geosched.config import load_config; from planner.planning import make_plan\n"
+        f"make_plan(load_config({str(ROOT / 'configs/demo-3dc.yaml')!r}))\n"
+        "print(next(line for line in open('/proc/self/status') if line.startswith('SigIgn')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    ignored = int(done.stdout.split()[-1], 16)
+    assert ignored & (1 << (signal.SIGINT - 1)), done.stdout

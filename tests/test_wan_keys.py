@@ -48,7 +48,7 @@ def test_loading_wrong_key_files_is_a_config_error(tmp_path: Path) -> None:
     main(["keys", str(tmp_path), "--name", "x"])
     with pytest.raises(ConfigError, match=r"holds no secret key: pass the NAME\.key file"):
         load_keypair(tmp_path / "x.key.pub")
-    with pytest.raises(ConfigError, match="cannot read CURVE key file"):
+    with pytest.raises(ConfigError, match="nope.key is missing: copy it from the job's key folder"):
         load_keypair(tmp_path / "nope.key")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"no \*.key.pub files"):

@@ -331,19 +331,17 @@ def read_tensors(path: str, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def _read_verified(path: str, meta: dict[str, Any]) -> bytes:
     """The bytes of the tensor file if its size and sha256 match the metadata."""
-    try:
-        size = os.path.getsize(path)
-        if size != meta["tensor_bytes"]:
-            raise CheckpointError(
-                f"{path}: {size} bytes on disk but {meta['tensor_bytes']} recorded in its "
-                "JSON; the file is truncated or was replaced"
-            )
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing, though its JSON exists") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    recorded = meta["tensor_bytes"]  # a regular file of that size only: a link to /dev/zero or a FIFO is refused
+    replaced = "recorded in its JSON; the file is truncated or was replaced"
+    data = read_bounded(
+        path,
+        recorded,
+        CheckpointError,
+        too_big=f"more than the {recorded} bytes {replaced}",
+        missing="missing, though its JSON exists",
+    )
+    if len(data) != recorded:
+        raise CheckpointError(f"{path}: {len(data)} bytes on disk but {recorded} {replaced}")
     if hashlib.sha256(data).hexdigest() != meta["sha256"]:
         raise CheckpointError(f"{path}: sha256 does not match the one recorded in its JSON; the file is corrupt")
     return data

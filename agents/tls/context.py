@@ -18,6 +18,7 @@ import ssl
 import stat
 
 from geosched.errors import InputError
+from geosched.yamlload import file_kind
 
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
 
@@ -32,8 +33,7 @@ def server_context(
     """
     cert, key = os.fspath(cert), os.fspath(key)
     for path, named in ((cert, flag), (key, key_flag or flag)):
-        if not os.path.isfile(path):
-            raise InputError(f"{named}: {path!r} does not exist; pass a PEM certificate and its private key")
+        _need_file(path, named, "pass a PEM certificate and its private key")
     mode = os.stat(key).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise InputError(
@@ -56,8 +56,8 @@ def server_context(
 def client_context(ca_file: str | os.PathLike[str] | None = None, flag: str = "--ca-file") -> ssl.SSLContext:
     """A client context that verifies the server's chain and host name against ``ca_file`` (None: the system's CAs);
     InputError naming ``flag`` if the file cannot be read as PEM certificates."""
-    if ca_file is not None and not os.path.isfile(ca_file):
-        raise InputError(f"{flag}: {os.fspath(ca_file)!r} does not exist; pass the PEM certificate of the CA to trust")
+    if ca_file is not None:
+        _need_file(os.fspath(ca_file), flag, "pass the PEM certificate of the CA to trust")
     try:
         context = ssl.create_default_context(cafile=None if ca_file is None else os.fspath(ca_file))
     except (ssl.SSLError, OSError) as exc:
@@ -65,6 +65,16 @@ def client_context(ca_file: str | os.PathLike[str] | None = None, flag: str = "-
         raise InputError(f"{flag}: cannot read {os.fspath(ca_file or '')!r} as PEM certificates ({why})") from None
     context.minimum_version = MIN_VERSION
     return context
+
+
+def _need_file(path: str, flag: str, hint: str) -> None:
+    """InputError naming ``flag`` unless ``path`` is a regular file (a device or FIFO is named as such)."""
+    try:
+        kind = file_kind(os.stat(path).st_mode)
+    except OSError:
+        raise InputError(f"{flag}: {path!r} does not exist; {hint}") from None
+    if kind != "file":
+        raise InputError(f"{flag}: {path!r} is a {kind}, not a file; {hint}")
 
 
 __all__ = ["MIN_VERSION", "client_context", "server_context"]

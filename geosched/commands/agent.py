@@ -352,12 +352,17 @@ def read_token_file(path: str, flag: str) -> str:
     """A secret token from a file that only its owner may read; InputError, one line, otherwise."""
     import stat
 
+    from geosched.yamlload import read_bounded
+
+    data = read_bounded(  # a regular file only: a FIFO would block, /dev/zero is no token
+        path,
+        4096 + 64,
+        lambda message: InputError(f"{flag}: {message}"),
+        too_big="must hold a token of 16 to 4096 characters (it is larger)",
+        missing="does not exist (make one with 'geosched keys DIR --ranks N')",
+    )
     try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="ascii") as f:
-            token = f.read(4097).strip()
-    except FileNotFoundError:
-        raise InputError(f"{flag}: {path!r} does not exist (make one with 'geosched keys DIR --ranks N')") from None
+        token, mode = data.decode("ascii").strip(), os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{flag}: cannot read {path!r}: {exc}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
