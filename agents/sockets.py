@@ -10,7 +10,7 @@ a listener that never identify themselves (strangers).
 
 CURVE: a server loads its keypair from a ``NAME.key`` file and authenticates
 clients against a directory of allowed ``*.key.pub`` files through a
-:class:`ZapAuthenticator` (a ZAP handler thread that counts refusals and
+:class:`agents.zap.ZapAuthenticator` (a ZAP handler thread that counts refusals and
 logs each refused peer at most once a minute, a bounded number of lines in all). Key files are written by
 ``geosched keys DIR --name NAME`` (:func:`write_keypair`). Example::
 
@@ -29,15 +29,13 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
@@ -295,7 +293,7 @@ def bound_port(sock: zmq.Socket[bytes]) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-# ---------------------------------------------------------------- ZAP (client authentication)
+# ---------------------------------------------------------------- refused peers' log lines
 
 
 PEER_LOG_INTERVAL_S = 60.0
@@ -315,81 +313,6 @@ class PeerLogLimiter(RateLimitedLog):
     def should_log(self, peer: str) -> bool:
         """True when a line about ``peer`` may be written now."""
         return self.allow(peer, time.monotonic()) is not None
-
-
-class ZapAuthenticator:
-    """A ZAP handler thread for one context: admits CURVE clients whose key is allowed.
-
-    ``allowed`` None admits every CURVE client (encryption without
-    authentication). ``denied`` counts refusals; each refused peer address is
-    logged at most once a minute. Use as a context manager or call
-    :meth:`start`/:meth:`stop`.
-    """
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allowed: Iterable[bytes] | None) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
-        self._allowed = None if allowed is None else frozenset(allowed)
-        self._limiter = PeerLogLimiter()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="zap-authenticator", daemon=True)
-        self.denied = 0
-        self.admitted = 0
-
-    def start(self) -> ZapAuthenticator:
-        """Bind the ZAP endpoint and serve requests in a background thread."""
-        self._thread.start()
-        self._ready.wait(5.0)
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and close the ZAP socket."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
-
-    def __enter__(self) -> ZapAuthenticator:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _serve(self) -> None:
-        with make_socket(self._ctx, zmq.ROUTER, bind=ZAP_ENDPOINT, max_msg_bytes=4096) as sock:
-            self._ready.set()
-            while not self._stop.is_set():
-                if sock.poll(100, zmq.POLLIN):
-                    frames = sock.recv_multipart()
-                    try:
-                        self._answer(sock, frames)
-                    except Exception:  # never die: without a handler libzmq would admit every key
-                        log.exception("ZAP handler failed on a request; refusing it")
-                        self.denied += 1
-                        if len(frames) >= 4:
-                            sock.send_multipart(
-                                [frames[0], b"", b"1.0", frames[3], b"500", b"internal error", b"", b""]
-                            )
-
-    def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        if len(frames) < 8 or frames[2] != b"1.0":
-            return
-        routing, _empty, version, request_id, _domain, address, _identity, mechanism = frames[:8]
-        credentials = frames[8:]
-        peer = address.decode(errors="replace")
-        if mechanism != b"CURVE" or len(credentials) != 1:
-            ok, why = False, f"mechanism {mechanism.decode(errors='replace')} not allowed"
-        else:
-            key = z85.encode(credentials[0])
-            ok = self._allowed is None or key in self._allowed
-            why = "OK" if ok else "client key not in the allowed directory"
-        if ok:
-            self.admitted += 1
-        else:
-            self.denied += 1
-            if self._limiter.should_log(peer):
-                log.warning("refused CURVE client from %s: %s", peer, why)
-        status = b"200" if ok else b"400"
-        sock.send_multipart([routing, b"", version, request_id, status, why.encode(), b"", b""])
 
 
 def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:

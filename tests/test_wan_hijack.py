@@ -197,7 +197,8 @@ def test_with_curve_only_the_listed_peer_delivers() -> None:
         assert run_stranger(endpoint, seconds=1.0) == []  # and one in clear
         metrics = server.metrics()
         assert metrics["bytes_received"] == 0 and metrics["chunks_received"] == 0 and not pending.done()
-        assert metrics["drops"]["auth_failed"] >= 2
+        # the job key is refused by the listener's ZAP handler (its ZMTP login), the others speak another mechanism
+        assert metrics["drops"]["auth_failed"] >= 1 and metrics["drops"]["handshake_failed"] >= 1, metrics["drops"]
 
         with WanLink.connect(endpoint, replace(base, streams=2, curve_client=security_of(keys, 0).client(1))) as peer:
             x = torch.randn(300_000)

@@ -18,12 +18,14 @@ import pytest
 import torch
 import zmq
 from polling import wait_for
+from zmq.utils.monitor import recv_monitor_message
 
 from agents.sockets import CurveClient, CurveServer
 from agents.wan.config import WanLinkConfig
 from agents.wan.handshake import ClientHandshake, HandshakeError, ServerHandshake
 from agents.wan.link import WanLink
 from agents.wan.seal import FrameSeal
+from agents.zap import login_options
 from geosched.errors import ConfigError, LinkError
 from geosched.wire import decode_header, encode_header
 
@@ -67,10 +69,14 @@ def data_header(payload: bytes, seq: int) -> bytes:
 class RawClient:
     """A DEALER that says a genuine hello with ``ClientHandshake`` and seals frames by hand."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, curve: CurveClient) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, curve: CurveClient, login: CurveClient | None = None
+    ) -> None:
         self.hs = ClientHandshake(curve, LINK, SESSION)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        for option, value in login_options(client=login or curve).items():  # the ZMTP login every sealed peer gives
+            self.sock.setsockopt(option, value)
         self.sock.connect(endpoint)
         self.seal: FrameSeal | None = None
 
@@ -121,6 +127,8 @@ def test_replayed_forged_and_altered_frames_are_refused(sealed_server: tuple[Wan
 
         eavesdropper = ctx.socket(zmq.DEALER)
         eavesdropper.setsockopt(zmq.LINGER, 0)
+        for option, value in login_options(client=client_keys).items():  # the ZMTP login crossed in clear: replayed
+            eavesdropper.setsockopt(option, value)
         eavesdropper.connect(endpoint)
         eavesdropper.send_multipart(hello)  # a recorded hello: it must not claim the stream
         assert wait_for(lambda: drops()["replayed_hello"] == 1)
@@ -309,7 +317,7 @@ def test_a_flood_of_forged_hellos_is_dropped_unverified_and_the_session_keeps_wo
     with WanLink.connect(endpoint, WanLinkConfig(link_id=LINK, streams=2, curve_client=client_keys)) as client:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            flood = RawClient(ctx, endpoint, forger)
+            flood = RawClient(ctx, endpoint, forger, login=client_keys)  # the login replayed: it crossed in clear
             for _ in range(3000):  # far more than the listener verifies a second
                 flood.sock.send_multipart(flood.hello_frames())
             x = torch.randn(500_000)
@@ -324,6 +332,39 @@ def test_a_flood_of_forged_hellos_is_dropped_unverified_and_the_session_keeps_wo
         back = torch.arange(10_000)
         server.send_sync(back, step=0, microbatch=0, kind="gradient")
         assert torch.equal(client.recv_sync(step=0, microbatch=0, kind="gradient"), back)
+
+
+def test_only_a_peer_that_proves_an_allowed_key_completes_the_zmtp_handshake(
+    sealed_server: tuple[WanLink, CurveClient],
+) -> None:
+    """An attacker's trial: with ZMTP's NULL anyone completed the handshake, then sent one multipart message that
+    never ends (libzmq's high-water mark counts whole messages): the listener grew by 2 GiB in 10 s. Now a peer
+    logs in (ZMTP PLAIN, a proof of an allowed key) before libzmq takes a frame of it."""
+    server, client_keys = sealed_server
+    forger = replace(client_keys, secret_key=zmq.curve_keypair()[1])  # names the allowed key, cannot prove it
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        for login, outcome in ((None, "FAILED"), (forger, "FAILED_AUTH"), (client_keys, "SUCCEEDED")):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            for option, value in login_options(client=login).items():
+                sock.setsockopt(option, value)
+            events = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+            sock.connect(f"tcp://127.0.0.1:{server.port}")
+            assert events.poll(10_000), "no handshake event"
+            event = zmq.Event(recv_monitor_message(events)["event"]).name
+            assert event.startswith(f"HANDSHAKE_{outcome}"), (login, event)
+            sock.disable_monitor()
+            events.close(linger=0)
+            sock.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+    assert server.metrics()["bytes_received"] == 0
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ decodes requests (:mod:`agents.prefill.protocol`), answers bad ones at once with
 control (bounded queue, bounded KV memory, deadline feasibility against the predicted bubble capacity: ``rejected``
 with the reason), expires queued work past its deadline (``expired``) and sends the responses computed elsewhere. It
 never computes. A connection that has sent no authenticated request within :data:`IDENTIFY_TIMEOUT_S`, or the oldest
-beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle connections would hold the agent's
-descriptors); a client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself
+beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle connections would hold the agent's descriptors);
+a client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself
 (:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage runtime on the training thread when a
@@ -50,7 +50,8 @@ from agents.prefill.protocol import (
     encode_response,
     token_matches,
 )
-from agents.sockets import CurveServer, Unidentified, ZapAuthenticator, bound_port, make_socket, monitor_events
+from agents.sockets import CurveServer, Unidentified, bound_port, make_socket, monitor_events
+from agents.zap import ZapAuthenticator
 from geosched.errors import InputError
 from geosched.model import StageModule
 
@@ -87,8 +88,7 @@ class PrefillService:
             raise InputError(
                 f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s} and {max_piece_s} s)"
             )
-        self.model = model
-        self.shape = model.shape
+        self.model, self.shape = model, model.shape
         self.max_queue = max_queue
         self.max_prompt_tokens = min(max_prompt_tokens or model.shape.seq_len, model.shape.seq_len)
         self.max_kv_bytes = max_kv_bytes

@@ -428,7 +428,7 @@ class InboundFrames:
             event, value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._failed_handshake = True
-                self._drop("auth_failed", None, "CURVE client key refused")
+                self._drop("auth_failed", None, "client key or login refused")
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self._failed_handshake = True
                 self._drop("handshake_failed", None, "ZMTP handshake failed: not a geosched peer, or other security")

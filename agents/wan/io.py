@@ -26,7 +26,6 @@ import zmq
 from agents.sockets import (
     PeerLogLimiter,
     Unidentified,
-    ZapAuthenticator,
     bound_port,
     keep_message_buffers,
     make_socket,
@@ -50,6 +49,7 @@ from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
 from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from agents.zap import ZapAuthenticator, login_options
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
 from geosched.wire import encode_header
@@ -237,15 +237,16 @@ class LinkIO(InboundFrames):
         max_msg_bytes = max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8)
         if self.listening:
             curve = cfg.curve_server if cfg.zmq_curve else None
-            if curve is not None and curve.allowed_clients is not None:
-                self._zap = ZapAuthenticator(self._ctx, curve.allowed_clients).start()
+            login = cfg.curve_server if cfg.encrypted and not cfg.zmq_curve else None  # sealed: a ZMTP login
+            if (keys := curve or login) is not None and (login is not None or keys.allowed_clients is not None):
+                self._zap = ZapAuthenticator(self._ctx, keys.allowed_clients, login).start()
             self._router = make_socket(
                 self._ctx,
                 zmq.ROUTER,
                 bind=self.endpoint,
                 curve_server=curve,
                 # no affinity: libzmq gives each accepted connection the least loaded I/O thread
-                options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
+                options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1, **login_options(server=login)},
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
                 rcvhwm=hwm,
@@ -265,7 +266,10 @@ class LinkIO(InboundFrames):
                 # sealed: the ROUTER names each connection itself, so no one can claim a stream's name (a
                 # stream is found by its verified hello; libzmq's handover would hand it to any claimant)
                 routing_id=None if self._sealing else f"{self.session}-{index}".encode(),
-                options={zmq.AFFINITY: 1 << (index % threads)},  # stream i on I/O thread i mod K: K cores for CURVE
+                options={  # stream i on I/O thread i mod K: K cores for CURVE
+                    zmq.AFFINITY: 1 << (index % threads),
+                    **login_options(client=None if cfg.zmq_curve else cfg.curve_client),
+                },
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
                 rcvhwm=hwm,
