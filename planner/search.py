@@ -273,7 +273,7 @@ def search(
             continue
         if time.monotonic() >= deadline or spent >= effort or (max_models is not None and stats.models >= max_models):
             stats.proven = False
-            why = "time limit" if time.monotonic() >= deadline else "search budget"
+            why = "time limit" if time.monotonic() >= deadline else "search budget (fixed: the same plan on any host)"
             stats.notes.append(f"{why}: d={d} and later degrees not searched")
             break
         for chain in chains(problem, d, set(require or {})) if large else [None]:

@@ -25,6 +25,8 @@ from geosched.cli import main
         (["simulate", "configs/demo-3dc.yaml", "--step-ms", "5"], "--step-ms: sets the synthetic pipeline's costs"),
         (["profile", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e308"], "--wan-scale: must be <= 1000"),
+        (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e-300"], "--wan-scale: must be >= 0.001"),
+        (["prefill", "--local", "--config", "configs/demo-3dc.yaml", "--seed", "-1", "hi"], "--seed: must be >= 0"),
         (["launch", "configs/demo-3dc.yaml", "--wan-reset-every", "1e-9"], "--wan-reset-every: must be >= 0.1"),
         (["launch", "configs/demo-3dc.yaml", "--checkpoint-keep", "2"], "--checkpoint-keep needs --checkpoint-dir"),
         (["launch", "configs/demo-3dc.yaml", "--elastic", "--checkpoint-keep", "-2"], "--checkpoint-keep: must be >="),

@@ -242,7 +242,7 @@ class ControlPlane:
         if isinstance(exc, aiomqtt.MqttCodeError) and int(getattr(code, "value", code or 0)) in _REFUSED_CODES:
             return BrokerAuthError(
                 f"MQTT broker {self.address} refused the credentials of client {self.client_id!r} ({exc});"
-                " check the username and password (in the URL as mqtt://user:pass@host:port, or given separately)"
+                " check the user and password (mqtt://user:pass@host:port or apart; a launch's: --keys RUN_DIR/secrets)"
             )
         if isinstance(exc.__context__, ssl.SSLCertVerificationError):
             return BrokerAuthError(

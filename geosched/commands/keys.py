@@ -89,6 +89,6 @@ def _job_folder(args: argparse.Namespace) -> int:
         return 0
     for kind, paths in written.items():
         names = ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
-        print(f"{len(paths):4d} {WHAT[kind]}: {names}")
+        print(f"{len(paths):4d} files of {WHAT[kind]}: {names}")  # a key and its .pub are two
     print(f"wrote {sum(map(len, written.values()))} files (mode 0600) for {ranks} ranks into {args.dir} (mode 0700)")
     return 0

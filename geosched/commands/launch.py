@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "steps", 1)
     at_most(args, "steps", MAX_STEPS, "as job.steps in a config")
     at_least(args, "checkpoint_every", 0)
-    above(args, "wan_scale", 0, "e.g. 0.05")
+    at_least(args, "wan_scale", 1e-3, "a 1 Gb/s link then moves 1 Mb/s (1e-300 moved nothing, silently); e.g. 0.05")
     at_most(args, "wan_scale", 1000, "it scales the config's WAN bandwidths; e.g. 0.05")
     above(args, "ready_timeout", 0, "e.g. 120")
     job_name(args)

@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     above(args, "deadline_ms", 0, "omit it for the agent's default")
     above(args, "timeout", 0, "seconds, e.g. 30")
     at_most(args, "timeout", 86_400, "a day")
+    at_least(args, "seed", 0, "as a config's job.seed")
+    at_most(args, "seed", 2**63 - 1, "as a config's job.seed")
     if not args.prompt:
         raise InputError("the prompt is empty; pass some text")
     args.prompt = os.fsencode(args.prompt)  # the bytes as given, UTF-8 or not: one token each
