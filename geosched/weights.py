@@ -181,31 +181,33 @@ def load_weights_file(
     tensor names or shapes). ``seed`` only fills what a file could lack, and a
     file lacking anything is refused.
     """
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     source = os.fspath(path)
     record = weights_record(read_weights_metadata(source), source)
     if record is not None:
         check_fits(record, shape, source)
-    model = build_model(shape, seed=seed, dtype=dtype)
+    with torch.device("meta"):  # the names and shapes first, from the header: a 300-byte file is no 10 GB model
+        expected = {k: list(v.shape) for k, v in build_model(shape, seed=seed, dtype=dtype).state_dict().items()}
     try:
+        with safe_open(source, framework="pt") as fh:
+            have = {name: list(fh.get_slice(name).get_shape()) for name in fh.keys()}  # noqa: SIM118 - not a dict
+        missing, unknown = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+        if missing or unknown:
+            raise InputError(
+                f"weights {source!r} do not fit the model shape: missing {missing[:3]}, unexpected {unknown[:3]}; "
+                "check --config matches the weights"
+            )
+        for name, dims in have.items():
+            if dims != expected[name]:
+                raise InputError(
+                    f"weights {source!r}: {name} is {dims}, the model expects {expected[name]}; check --config "
+                    "matches the weights"
+                )
         tensors = load_file(source)
     except (SafetensorError, OSError, ValueError) as exc:
         raise InputError(f"cannot read weights {source!r} as safetensors: {exc}") from None
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
-    if missing or unknown:
-        raise InputError(
-            f"weights {source!r} do not fit the model shape: missing {missing[:3]}, unexpected {unknown[:3]}; "
-            "check --config matches the weights"
-        )
-    for name, tensor in tensors.items():
-        if tensor.shape != expected[name].shape:
-            raise InputError(
-                f"weights {source!r}: {name} is {list(tensor.shape)}, the model expects "
-                f"{list(expected[name].shape)}; check --config matches the weights"
-            )
+    model = build_model(shape, seed=seed, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
     return model

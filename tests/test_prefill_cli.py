@@ -110,6 +110,19 @@ def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):
     assert memory > total_params(shape) * 4 + (1 << 20)
 
 
+def test_a_small_file_naming_a_large_model_is_refused_from_its_header(tmp_path):
+    """An attacker's trial: 260 bytes recording a model of 1.6 GB (one tensor 'x' inside) made prefill --local build
+    the whole model before it saw the names (24 s and 1.6 GB; a larger one ran out of memory, a traceback). The
+    names and shapes are now checked against a model on torch's meta device, which holds no memory."""
+    from safetensors.torch import save_file
+
+    shape = type(load_config(CONFIG).job.model)(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=50000)
+    small = tmp_path / "small.safetensors"
+    save_file({"x": torch.zeros(1)}, small)
+    with pytest.raises(InputError, match=r"do not fit the model shape: missing \['blocks.0.attn.proj.bias'"):
+        load_inference_model(shape, small)  # 175B-class: 700 GB in fp32, were it built
+
+
 def test_a_prompt_that_is_not_utf8_is_its_bytes(endpoint, weights, capsys):
     """A byte-level model takes any bytes: argv's undecodable ones (Python's surrogate escapes) are sent as
     they were typed, locally and to an agent, instead of a UnicodeEncodeError traceback."""
