@@ -222,6 +222,32 @@ def test_a_run_folder_of_other_files_or_in_use_is_refused(tmp_path: Path, capsys
     assert (busy / "plan.yaml").read_text() == "a previous launch's plan\n"
 
 
+def test_a_run_folder_others_can_write_or_a_planted_lock_link_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    """An attacker's trial: launch took a 0777 folder and followed a .launch.lock symlink (creating its target);
+    the run folder it made was 0755, its logs, plan and endpoints readable by every user."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(shared), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"--run-dir {shared}: writable by others (mode 0777); run chmod go-w" in err and err.count("\n") == 1, err
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "plan.yaml").write_text("a previous launch's plan\n")
+    (planted / ".launch.lock").symlink_to(tmp_path / "victim.txt")
+    assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(planted), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot open its .launch.lock" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "victim.txt").exists()
+    from agents.rehearsal.launch import new_run_dir
+    from geosched.commands.launch import _claim_run_dir
+
+    with _claim_run_dir(str(tmp_path / "fresh")) as run:
+        assert Path(run).stat().st_mode & 0o077 == 0  # the owner's alone
+    monkeypatch.chdir(tmp_path)  # new_run_dir makes runs/launch-<time> here
+    assert new_run_dir().stat().st_mode & 0o077 == 0
+
+
 def test_plan_writes_neither_over_its_config_nor_into_a_fifo(tmp_path: Path, capsys) -> None:
     config = tmp_path / "mine.yaml"
     config.write_text(Path("configs/demo-3dc.yaml").read_text() + "# my notes\n")

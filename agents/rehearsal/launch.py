@@ -431,7 +431,7 @@ def new_run_dir() -> Path:
         for n in range(1, 1000):
             run = base if n == 1 else base.with_name(f"{base.name}-{n}")
             try:
-                run.mkdir()
+                run.mkdir(mode=0o700)  # its logs, plan, endpoints: the owner's alone
                 return run
             except FileExistsError:
                 continue

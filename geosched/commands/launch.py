@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -311,17 +312,24 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
         run = Path(run_dir)
         try:
             made = not run.is_dir()
-            run.mkdir(parents=True, exist_ok=True)
+            run.mkdir(mode=0o700, parents=True, exist_ok=True)  # its logs, plan, endpoints: the owner's alone
             others = sorted(p.name for p in run.iterdir() if p.name != LOCK_NAME)
+            mode = run.stat().st_mode
         except OSError as exc:  # a file there, a path under a file, no permission, a name too long
             raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
+        if mode & 0o022:  # another user could plant links (the lock, a key) or swap files under the launch
+            raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o777:04o}); run chmod go-w {run}")
         if others and not (run / "plan.yaml").is_file():
             raise InputError(
                 f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
                 f"{', ...' if len(others) > 3 else ''}); pick a new or empty folder (a launch writes its keys, rank "
                 "files and checkpoints there)"
             )
-    with open(run / LOCK_NAME, "a") as lock_file:  # held open, and locked, for the whole launch
+    try:  # held open, and locked, for the whole launch; never through a link someone planted
+        fd = os.open(run / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise InputError(f"--run-dir {run}: cannot open its {LOCK_NAME} ({exc.strerror or exc}; a link?)") from None
+    with open(fd, "a") as lock_file:
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
