@@ -48,22 +48,10 @@ def vocab_refusal(job: JobSpec) -> str | None:
     return None
 
 
-def recompute_refusal(job: JobSpec) -> str | None:
-    """Why a stage cannot run ``job.recompute``, or None: the planner prices recomputation, the stages keep
-    every activation (a plan counting on recomputation would hold 2-3 times the memory it planned)."""
-    if job.recompute != "none":
-        return (
-            f"job.recompute {job.recompute!r} is priced by the planner, but these agents keep every activation "
-            "(they do not recompute yet) and would need more memory than planned; set job.recompute: none "
-            "and re-plan (a smaller job.microbatch_size or more GPUs free memory instead)"
-        )
-    return None
-
-
 def job_refusal(job: JobSpec) -> str | None:
-    """Why the agents cannot train ``job`` whatever its plan (recomputation, a model they cannot feed), or None:
-    what ``geosched plan`` and ``validate-config`` warn of, before a launch refuses it."""
-    return recompute_refusal(job) or vocab_refusal(job)
+    """Why the agents cannot train ``job`` whatever its plan (a model they cannot feed), or None: what
+    ``geosched plan`` and ``validate-config`` warn of, before a launch refuses it."""
+    return vocab_refusal(job)
 
 
 def runtime_refusal(layout: JobLayout) -> str | None:

@@ -256,10 +256,22 @@ class StageModule(nn.Module):
             f"last={self.last}, params={sum(p.numel() for p in self.parameters())})"
         )
 
+    recompute = False
+    """Full activation recomputation (``job.recompute: full``): with grad enabled, :meth:`forward` keeps only each
+    block's input and its backward runs the block again (``torch.utils.checkpoint``, non-reentrant), as
+    Megatron's full recomputation does; the gradients are the same."""
+
     def forward(self, x: Tensor) -> Tensor:
         """Training forward: tokens (B, T) or hidden (B, T, C) -> hidden (B, T, C) or logits (B, T, V)."""
-        out, _ = self.forward_cached(x)
-        return out
+        if not (self.recompute and torch.is_grad_enabled()):
+            out, _ = self.forward_cached(x)
+            return out
+        from torch.utils.checkpoint import checkpoint
+
+        h = self._embedded(x, None, 0)
+        for block in cast("Iterable[Block]", self.blocks.values()):
+            h = checkpoint(_block_output, block, h, use_reentrant=False)
+        return self.head(self.ln_f(h)) if self.last else h
 
     def forward_cached(self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0) -> tuple[Tensor, KVCache]:
         """Run T new positions starting at ``start_pos`` against ``kv_cache`` (one KV per block held).
@@ -288,24 +300,7 @@ class StageModule(nn.Module):
         after its MLP, returns ``(output, grown cache)``. A caller may stop at any yield and resume later (a
         prefill chunk that gives its core back to training mid-chunk); grad mode is the caller's at each
         ``next``."""
-        if self.first:
-            assert x.dim() == 2 and x.dtype == torch.int64, f"first stage takes (B, T) tokens, got {x.dtype}"
-        else:
-            assert x.dim() == 3 and x.size(-1) == self.shape.hidden, f"stage takes (B, T, C), got {tuple(x.shape)}"
-        B, T = x.shape[:2]
-        if kv_cache is not None:
-            assert len(kv_cache) == len(self.blocks), f"KV cache of {len(kv_cache)} layers for {len(self.blocks)}"
-            assert all(k.size(2) == start_pos for k, _ in kv_cache), "start_pos must equal the cached length"
-        if start_pos + T > self.shape.seq_len:
-            raise InputError(
-                f"sequence of {start_pos + T} tokens exceeds the model's seq_len {self.shape.seq_len}; "
-                f"shorten the prompt or the generation"
-            )
-        if self.first:
-            pos = torch.arange(start_pos, start_pos + T, device=x.device)  # (T,)
-            h = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
-        else:
-            h = x  # (B, T, C)
+        h = self._embedded(x, kv_cache, start_pos)  # (B, T, C)
         new_cache: KVCache = []
         for i, block in enumerate(cast("Iterable[Block]", self.blocks.values())):
             h, kv = block.attend(h, None if kv_cache is None else kv_cache[i])  # (B, T, C)
@@ -316,6 +311,26 @@ class StageModule(nn.Module):
         if self.last:
             h = self.head(self.ln_f(h))  # (B, T, V)
         return h, new_cache
+
+    def _embedded(self, x: Tensor, kv_cache: KVCache | None, start_pos: int) -> Tensor:
+        """The first block's input (B, T, C): the embedded tokens on the first stage, else ``x``; checked."""
+        if self.first:
+            assert x.dim() == 2 and x.dtype == torch.int64, f"first stage takes (B, T) tokens, got {x.dtype}"
+        else:
+            assert x.dim() == 3 and x.size(-1) == self.shape.hidden, f"stage takes (B, T, C), got {tuple(x.shape)}"
+        T = x.shape[1]
+        if kv_cache is not None:
+            assert len(kv_cache) == len(self.blocks), f"KV cache of {len(kv_cache)} layers for {len(self.blocks)}"
+            assert all(k.size(2) == start_pos for k, _ in kv_cache), "start_pos must equal the cached length"
+        if start_pos + T > self.shape.seq_len:
+            raise InputError(
+                f"sequence of {start_pos + T} tokens exceeds the model's seq_len {self.shape.seq_len}; "
+                f"shorten the prompt or the generation"
+            )
+        if not self.first:
+            return x
+        pos = torch.arange(start_pos, start_pos + T, device=x.device)  # (T,)
+        return self.tok_emb(x) + self.pos_emb(pos)  # type: ignore[no-any-return]
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of logits (B, T, V) against targets (B, T) int64; last stage only."""
@@ -355,6 +370,10 @@ def _init_parameters(module: nn.Module, seed: int, layers: int) -> None:
                     gen = torch.Generator().manual_seed(parameter_seed(seed, name))
                     values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
                     param.copy_(values)  # drawn in float32, then cast: same values for every dtype
+
+
+def _block_output(block: Block, x: Tensor) -> Tensor:
+    return block(x)[0]
 
 
 def build_stage(

@@ -5,8 +5,9 @@ like one process.
 (8 processes), WAN emulator relays on the us-eu and eu-ap links, gloo DP
 groups, real WanLinks on random ports. Over 10 steps the global loss (mean
 over replicas of the last stage's loss) equals a one-process run of the same
-model, data and global batch within 1e-4 relative, for GPipe and 1F1B, with a warm-up and a cosine decay of
-the learning rate and a weight decay of 0.1 (each stage sets the step's settings).
+model, data and global batch within 1e-4 relative, for GPipe and 1F1B (the latter with full activation
+recomputation), with a warm-up and a cosine decay of the learning rate and a weight decay of 0.1 (each stage
+sets the step's settings).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def _rank_main(role: RankRole, job: JobSpec, schedules: tuple[str, ...], store_p
     try:
         for name in schedules:
             book = StoreAddressBook.connect("127.0.0.1", store_port, routed=True, prefix=name)
-            reports = run_rank(
-                replace(job, schedule=name),
+            reports = run_rank(  # 1F1B with full recomputation: the same losses, each block run again in its backward
+                replace(job, schedule=name, recompute="full" if name == "1f1b" else "none"),
                 role,
                 steps=STEPS,
                 data=default_corpus_paths(),

@@ -179,3 +179,36 @@ def test_flop_formulas_match_torch_flop_counter() -> None:
         stage(torch.randn(batch, length, shape.hidden))
     per_token = 3 * block_forward_flops_per_token(shape) + head_forward_flops_per_token(shape)
     assert counter.get_total_flops() == batch * length * per_token
+
+
+def _saved_bytes_and_grads(recompute: bool) -> tuple[int, float, list[torch.Tensor]]:
+    """What a training forward of a middle stage keeps for its backward, its loss and its gradients."""
+    stage = build_stage(SHAPE, 1, 3, first=False, last=False, seed=5)
+    stage.recompute = recompute
+    x = torch.randn(2, SHAPE.seq_len, SHAPE.hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(x)
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    return sum(kept), loss.item(), [x.grad, *(p.grad for p in stage.parameters())]  # type: ignore[list-item]
+
+
+def test_full_recomputation_keeps_each_block_s_input_and_gives_the_same_gradients() -> None:
+    """job.recompute: full (Megatron's full recomputation): the blocks run again in the backward, bit for bit
+    the same gradients, and the forward keeps a fraction of what it kept."""
+    kept, loss, grads = _saved_bytes_and_grads(False)
+    kept_recomputing, loss_recomputing, grads_recomputing = _saved_bytes_and_grads(True)
+    assert loss_recomputing == loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_recomputing, strict=True))
+    block_input = 2 * SHAPE.seq_len * SHAPE.hidden * 4  # fp32 (2, T, C)
+    assert kept_recomputing <= 2 * block_input < kept / 4, (kept_recomputing, kept)
+    with torch.no_grad():  # inference (prefill) never recomputes: nothing to keep
+        stage = build_stage(SHAPE, 1, 3, first=False, last=False, seed=5)
+        stage.recompute = True
+        assert stage(torch.zeros(1, 4, SHAPE.hidden)).shape == (1, 4, SHAPE.hidden)

@@ -71,7 +71,7 @@ from agents.dp.spec import GroupSpec
 from agents.dp.store import listening_store
 from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name
-from agents.runnable import recompute_refusal, sync_refusal, tp_refusal
+from agents.runnable import sync_refusal, tp_refusal
 from agents.stage.device import group_backend
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
@@ -140,7 +140,7 @@ class RankSession:
         self.recv_timeout_s = recv_timeout_s
         self.wan_config = dict(wan_config or {})
         self.backend = backend
-        refusal = tp_refusal(job) or recompute_refusal(job) or (sync_refusal(job) if role.sync is not None else None)
+        refusal = tp_refusal(job) or (sync_refusal(job) if role.sync is not None else None)
         if refusal is not None:
             raise PlanError(f"rank {role.rank}: {refusal}")
         self.schedule = job_schedule(job, role.num_stages, role.dp_size, role.warmup or None)
@@ -180,6 +180,7 @@ class RankSession:
             seed=job.seed,
             dtype=PRECISION_DTYPES[job.precision],
         ).to(self.device)  # initialised on the host from the seed, as every layout's copy of these layers is
+        self.module.recompute = job.recompute == "full"  # each block's input kept, the rest again in its backward
         listener = self._listen_and_host()
         log.debug("rank %d: listening", role.rank)
         self.transport = self._connect(listener)
