@@ -47,6 +47,7 @@ def test_a_killed_datacenter_is_replanned_around_and_the_job_finishes(tmp_path: 
     assert report["steps"] == list(range(recovery["resumed_from_step"], STEPS))  # the new plan's steps
     assert report["history"]["steps"] == list(range(STEPS))  # the whole run: every attempt's steps, once each
     assert len(report["history"]["losses"]) == STEPS and report["history"]["losses"][-1] == report["losses"][-1]
+    assert f"steps 0-{STEPS - 1} over 2 plans: loss " in err, err[-2000:]  # the summary's too, not the last plan's
     assert len(report["history"]["lr"]) == STEPS and None not in report["history"]["lr"]  # loss.png's rate line too
     assert all(loss > 0 for loss in report["losses"])
     assert list((run / "attempt-1").glob("rank*.jsonl")), "the failed attempt's rank files are kept aside"

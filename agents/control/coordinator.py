@@ -442,7 +442,7 @@ async def _follow(
             if got:
                 summary = summarize_step(printed, got, layout)
                 result.steps.append(summary)
-                line = summary.line(printed - first + 1, steps, end - 1)
+                line = summary.line(printed + 1, end, end - 1)  # the job's progress: a resume or recovery goes on
                 line += f" | metrics of ranks {', '.join(map(str, lost))} lost" if lost else ""
             if out is not None:
                 print(line, file=out, flush=True)

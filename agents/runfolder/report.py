@@ -427,9 +427,11 @@ def _figures(timeline: Any) -> str:
 def report_text(report: Mapping[str, Any]) -> str:
     """A short human summary of a report."""
     predicted = report.get("predicted_iteration_s")
+    steps, losses = _history_of(report)  # an elastic run's every attempt: the whole run, not its last plan's
+    steps, losses = (steps, losses) if steps else (report["steps"], report["losses"])
+    plans = f" over {len(report['recoveries']) + 1} plans" if report.get("history") and report.get("recoveries") else ""
     lines = [
-        f"steps {report['steps'][0]}-{report['steps'][-1]}: loss {report['losses'][0]:.4f} -> "
-        f"{report['losses'][-1]:.4f}"
+        f"steps {steps[0]}-{steps[-1]}{plans}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
         + (f" ({len(skipped)} skipped: fp16 overflow)" if (skipped := report.get("skipped_steps")) else ""),
         *([_rose_line(report)] if report.get("loss_rose") else []),
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
