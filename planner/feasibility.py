@@ -310,7 +310,8 @@ def check_inflight(problem: Problem) -> None:
         f"{state / 1e9:.3g} GB of weights, gradients and optimizer state per block; with "
         f"{mem / GIB:g} GiB per GPU the best depth ({depth} stage{'s' if depth != 1 else ''}, of at most {most} "
         f"{_devices(job.tp, most)} in "
-        f"{', '.join(group)}) holds {held} of the {L} blocks; {fix}"
+        f"{', '.join(group)}) holds {held} of the {L} blocks (its first and last stage also hold the embeddings "
+        f"and the head); {fix}"
     )
 
 
