@@ -330,10 +330,10 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         lines.append(f"{d.name:<12} {d.gpus:>6} {d.used:>6} {d.unused:>6}  {_ranges(d.stages):<9} {span}")
     if plan.links:
         codecs = any(link.compression != "none" for link in plan.links)
-        head = f"{'link':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"
+        head = f"{'link (both ways)':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"
         lines += ["", head + (f" {'compressed':>10}" if codecs else "")]
         for link in plan.links:
-            name = f"{link.between[0]} -> {link.between[1]}"
+            name = f"{link.between[0]} <-> {link.between[1]}"  # its bytes and cost count both directions
             lines.append(
                 f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
                 f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}"
