@@ -38,7 +38,7 @@ from pathlib import Path
 import nacl.exceptions
 import nacl.signing
 
-from agents.sockets import load_keypair, load_public_key, read_key_file, write_keypair
+from agents.sockets import CurveServer, load_keypair, load_public_key, read_key_file, token_keypair, write_keypair
 from geosched.errors import ConfigError, InputError
 from planner.plan import MAX_RANKS as PLAN_MAX_RANKS
 
@@ -202,6 +202,12 @@ class JobKeys:
         """The Z85 CURVE public key of ``rank``."""
         self._check_rank(rank)
         return self.curve_public_keys[rank]
+
+    def prefill_server(self, rank: int, token: str | None = None) -> CurveServer:
+        """The CURVE settings of ``rank``'s prefill endpoint: its keypair, admitting only the client key of
+        ``token`` (:func:`agents.sockets.token_keypair`; default the folder's token)."""
+        token = self.prefill_token() if token is None else token
+        return CurveServer(*self.curve_keypair(rank), frozenset({token_keypair(token)[0]}))
 
     def prefill_token(self) -> str:
         """The prefill token; ConfigError if ``prefill.token`` is absent."""

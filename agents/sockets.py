@@ -24,6 +24,7 @@ logs each refused peer at most once a minute, a bounded number of lines in all).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import ipaddress
 import logging
 import os
@@ -34,8 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import nacl.bindings
 import zmq
 import zmq.auth
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
@@ -115,6 +118,14 @@ def _load_certificate(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None
     if len(public) != 40 or (secret is not None and len(secret) != 40):
         raise ConfigError(f"CURVE key file {str(path)!r} holds a malformed key (expect 40-char Z85)")
     return public, secret
+
+
+def token_keypair(token: str) -> tuple[bytes, bytes]:
+    """The (public, secret) Z85 CURVE keys a prefill token stands for: its holders' client key, the only one an
+    agent's keyed prefill endpoint admits. Admitting any key let a stranger with the agent's public key complete
+    the handshake and send a multipart message that never ends, which libzmq buffers whole."""
+    secret = hashlib.sha256(b"geosched prefill client key/1\0" + token.encode()).digest()
+    return z85.encode(nacl.bindings.crypto_scalarmult_base(secret)), z85.encode(secret)
 
 
 def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:

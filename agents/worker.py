@@ -416,10 +416,8 @@ class RankWorker:
         if whole is not None and step is not None:  # a checkpoint folder, or a file exported from one
             served = f"checkpoint step {step} of {source}" if os.path.isdir(str(source)) else f"{source} (step {step})"
         keys, curve = self.opts.keys, None
-        if keys is not None:  # CURVE with the rank's keypair: encrypted; any client key (the token authenticates)
-            from agents.sockets import CurveServer
-
-            curve = CurveServer(*keys.curve_keypair(self.role.rank))
+        if keys is not None:  # CURVE with the rank's keypair: encrypted; only the token's client key connects
+            curve = keys.prefill_server(self.role.rank, self.opts.prefill_token)
         service = stack.enter_context(
             SwappablePrefillService(
                 model,

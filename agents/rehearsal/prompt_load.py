@@ -148,18 +148,13 @@ class PrefillLoad:
             self._done.set()
 
     def _security(self, rank: int) -> dict[str, Any]:
-        """The token and CURVE client settings for ``rank``'s endpoint (a fresh client keypair; none when insecure)."""
+        """The token and CURVE client settings for ``rank``'s endpoint (the token's client keypair; none insecure)."""
         if self.keys is None:
             return {}
-        import zmq
+        from agents.sockets import CurveClient, token_keypair
 
-        from agents.sockets import CurveClient
-
-        public, secret = zmq.curve_keypair()
-        return {
-            "token": self.keys.prefill_token(),
-            "curve_client": CurveClient(public, secret, self.keys.curve_public(rank)),
-        }
+        token = self.keys.prefill_token()  # its CURVE key too: the agents admit only that client key
+        return {"token": token, "curve_client": CurveClient(*token_keypair(token), self.keys.curve_public(rank))}
 
     def _send(self, clients: dict[int, Any], ranks: list[int]) -> None:
         rank = self._rng.choice(ranks)

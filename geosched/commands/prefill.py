@@ -117,18 +117,16 @@ def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None
 
 def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> tuple[str, CurveClient]:
     """The token and CURVE settings from ``--keys DIR --rank R`` (a fresh client keypair: the token authenticates)."""
-    import zmq
-
     from agents.keys import load_job_keys
-    from agents.sockets import CurveClient
+    from agents.sockets import CurveClient, token_keypair
 
     if args.rank is None:
         raise InputError("--keys needs --rank R: the rank of the agent serving --endpoint (its CURVE key)")
     if curve is not None:
         raise InputError("pass either --keys or --curve-key/--server-key, not both")
     keys = load_job_keys(args.keys)
-    public, secret = zmq.curve_keypair()
-    return token or keys.prefill_token(), CurveClient(public, secret, keys.curve_public(args.rank))
+    token = token or keys.prefill_token()  # its CURVE key too: the agent admits only that client key
+    return token, CurveClient(*token_keypair(token), keys.curve_public(args.rank))
 
 
 def run(args: argparse.Namespace) -> int:
