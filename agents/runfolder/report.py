@@ -436,7 +436,9 @@ def report_text(report: Mapping[str, Any]) -> str:
         *([_rose_line(report)] if report.get("loss_rose") else []),
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
         + (
-            f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f})"
+            f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f}"
+            + ("; uncalibrated: the config's GPUs, not this host" if report.get("calibrated") is False else "")
+            + ")"
             if predicted
             else ""
         )
