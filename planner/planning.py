@@ -227,6 +227,7 @@ def make_plan(
     if chosen.best is None:
         check_plannable(cfg, pins)  # names the tightest constraint
         if pins.cross_dc_dp:  # first: a job that plans without it would read "no plan fits GPU memory" below
+            check_plannable(cfg, dataclasses.replace(pins, cross_dc_dp=None))  # another pin's fault is named first
             raise PlanInfeasible(
                 "--cross-dc-dp: no plan with a stage's replicas in two datacenters fits (GPU memory, GPU counts "
                 "or links); drop --cross-dc-dp, or add GPUs or links"

@@ -26,6 +26,7 @@ from geosched.cli import main
         (["profile", "configs/demo-3dc.yaml", "-o", "/dev/null"], "-o /dev/null: a character device"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e308"], "--wan-scale: must be <= 1000"),
         (["launch", "configs/demo-3dc.yaml", "--wan-scale", "1e-300"], "--wan-scale: must be >= 0.001"),
+        (["plan", "configs/demo-3dc.yaml", "--dp", "5", "--cross-dc-dp"], "--dp 5: global_batch(16) / microbatch"),
         (["prefill", "--local", "--config", "configs/demo-3dc.yaml", "--seed", "-1", "hi"], "--seed: must be >= 0"),
         (["launch", "configs/demo-3dc.yaml", "--wan-reset-every", "1e-9"], "--wan-reset-every: must be >= 0.1"),
         (["launch", "configs/demo-3dc.yaml", "--checkpoint-keep", "2"], "--checkpoint-keep needs --checkpoint-dir"),
