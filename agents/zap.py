@@ -125,7 +125,7 @@ class ZapAuthenticator:
         else:
             self.denied += 1
             if self._limiter.should_log(peer):
-                log.warning("refused CURVE client from %s: %s", peer, why)
+                log.warning("refused %s client from %s: %s", mechanism.decode(errors="replace")[:8], peer, why)
         status = b"200" if ok else b"400"
         sock.send_multipart([routing, b"", version, request_id, status, why.encode(), b"", b""])
 

@@ -145,7 +145,7 @@ def read_weights_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     try:
         with safe_open(os.fspath(path), framework="pt") as fh:
             return dict(fh.metadata() or {})
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (SafetensorError, OSError, ValueError, MemoryError) as exc:  # MemoryError: mapping it failed
         raise InputError(f"cannot read weights {os.fspath(path)!r} as safetensors: {exc}") from None
 
 
@@ -206,7 +206,7 @@ def load_weights_file(
                     "matches the weights"
                 )
         tensors = load_file(source)
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (SafetensorError, OSError, ValueError, MemoryError) as exc:  # MemoryError: mapping it failed
         raise InputError(f"cannot read weights {source!r} as safetensors: {exc}") from None
     model = build_model(shape, seed=seed, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})

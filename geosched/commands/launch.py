@@ -318,7 +318,7 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
         except OSError as exc:  # a file there, a path under a file, no permission, a name too long
             raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
         if mode & 0o022:  # another user could plant links (the lock, a key) or swap files under the launch
-            raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o777:04o}); run chmod go-w {run}")
+            raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o7777:04o}); run chmod go-w {run}")
         if others and not (run / "plan.yaml").is_file():
             raise InputError(
                 f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
