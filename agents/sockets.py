@@ -10,7 +10,7 @@ a listener that never identify themselves (strangers).
 
 CURVE: a server loads its keypair from a ``NAME.key`` file and authenticates
 clients against a directory of allowed ``*.key.pub`` files through a
-:class:`agents.zap.ZapAuthenticator` (a ZAP handler thread that counts refusals and
+:class:`agents.wan.zap.ZapAuthenticator` (a ZAP handler thread that counts refusals and
 logs each refused peer at most once a minute, a bounded number of lines in all). Key files are written by
 ``geosched keys DIR --name NAME`` (:func:`write_keypair`). Example::
 

@@ -224,7 +224,7 @@ class JobSpec:
     )
     recompute: Literal["none", "full"] = spec(
         "activation recomputation: 'full' keeps only each block's input and reruns its forward during backward "
-        "(priced by the planner; the agents refuse it for now: they keep every activation)",
+        "(priced by the planner; the stages run it with `torch.utils.checkpoint`, the same gradients)",
         "none",
     )
     wan_compression: Literal["none", "int8", "fp8"] = spec(

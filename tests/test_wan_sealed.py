@@ -25,7 +25,7 @@ from agents.wan.config import WanLinkConfig
 from agents.wan.handshake import ClientHandshake, HandshakeError, ServerHandshake
 from agents.wan.link import WanLink
 from agents.wan.seal import FrameSeal
-from agents.zap import login_options
+from agents.wan.zap import login_options
 from geosched.errors import ConfigError, LinkError
 from geosched.wire import decode_header, encode_header
 

@@ -51,7 +51,7 @@ from agents.prefill.protocol import (
     token_matches,
 )
 from agents.sockets import CurveServer, Unidentified, bound_port, make_socket, monitor_events
-from agents.zap import ZapAuthenticator
+from agents.wan.zap import ZapAuthenticator
 from geosched.errors import InputError
 from geosched.model import StageModule
 

@@ -49,7 +49,7 @@ from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
 from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
-from agents.zap import ZapAuthenticator, login_options
+from agents.wan.zap import ZapAuthenticator, login_options
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
 from geosched.wire import encode_header
