@@ -271,7 +271,7 @@ class StageModule(nn.Module):
         h = self._embedded(x, None, 0)
         for block in cast("Iterable[Block]", self.blocks.values()):
             h = checkpoint(_block_output, block, h, use_reentrant=False)
-        return self.head(self.ln_f(h)) if self.last else h
+        return self._output(h)
 
     def forward_cached(self, x: Tensor, kv_cache: KVCache | None = None, start_pos: int = 0) -> tuple[Tensor, KVCache]:
         """Run T new positions starting at ``start_pos`` against ``kv_cache`` (one KV per block held).
@@ -308,9 +308,7 @@ class StageModule(nn.Module):
             h = block.feed_forward(h)  # (B, T, C)
             new_cache.append(kv)
             yield i
-        if self.last:
-            h = self.head(self.ln_f(h))  # (B, T, V)
-        return h, new_cache
+        return self._output(h), new_cache
 
     def _embedded(self, x: Tensor, kv_cache: KVCache | None, start_pos: int) -> Tensor:
         """The first block's input (B, T, C): the embedded tokens on the first stage, else ``x``; checked."""
@@ -331,6 +329,10 @@ class StageModule(nn.Module):
             return x
         pos = torch.arange(start_pos, start_pos + T, device=x.device)  # (T,)
         return self.tok_emb(x) + self.pos_emb(pos)  # type: ignore[no-any-return]
+
+    def _output(self, h: Tensor) -> Tensor:
+        """The stage's output from the last block's (B, T, C): logits (B, T, V) on the last stage, else ``h``."""
+        return self.head(self.ln_f(h)) if self.last else h  # type: ignore[no-any-return]
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of logits (B, T, V) against targets (B, T) int64; last stage only."""

@@ -182,7 +182,6 @@ def load_weights_file(
     file lacking anything is refused.
     """
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     source = os.fspath(path)
     record = weights_record(read_weights_metadata(source), source)
@@ -193,19 +192,19 @@ def load_weights_file(
     try:
         with safe_open(source, framework="pt") as fh:
             have = {name: list(fh.get_slice(name).get_shape()) for name in fh.keys()}  # noqa: SIM118 - not a dict
-        missing, unknown = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
-        if missing or unknown:
-            raise InputError(
-                f"weights {source!r} do not fit the model shape: missing {missing[:3]}, unexpected {unknown[:3]}; "
-                "check --config matches the weights"
-            )
-        for name, dims in have.items():
-            if dims != expected[name]:
+            missing, unknown = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+            if missing or unknown:
                 raise InputError(
-                    f"weights {source!r}: {name} is {dims}, the model expects {expected[name]}; check --config "
-                    "matches the weights"
+                    f"weights {source!r} do not fit the model shape: missing {missing[:3]}, unexpected "
+                    f"{unknown[:3]}; check --config matches the weights"
                 )
-        tensors = load_file(source)
+            for name, dims in have.items():
+                if dims != expected[name]:
+                    raise InputError(
+                        f"weights {source!r}: {name} is {dims}, the model expects {expected[name]}; check --config "
+                        "matches the weights"
+                    )
+            tensors = {name: fh.get_tensor(name) for name in have}  # read once the header fits, from one opening
     except (SafetensorError, OSError, ValueError, MemoryError) as exc:  # MemoryError: mapping it failed
         raise InputError(f"cannot read weights {source!r} as safetensors: {exc}") from None
     model = build_model(shape, seed=seed, dtype=dtype)

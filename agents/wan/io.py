@@ -237,7 +237,7 @@ class LinkIO(InboundFrames):
         max_msg_bytes = max(cfg.max_chunk_bytes, MAX_RESPONSES * RESP_WIDTH * 8)
         if self.listening:
             curve = cfg.curve_server if cfg.zmq_curve else None
-            login = cfg.curve_server if cfg.encrypted and not cfg.zmq_curve else None  # sealed: a ZMTP login
+            login = cfg.curve_server if cfg.sealed else None  # a sealed link's streams log in (ZMTP PLAIN)
             if (keys := curve or login) is not None and (login is not None or keys.allowed_clients is not None):
                 self._zap = ZapAuthenticator(self._ctx, keys.allowed_clients, login).start()
             self._router = make_socket(
@@ -268,7 +268,7 @@ class LinkIO(InboundFrames):
                 routing_id=None if self._sealing else f"{self.session}-{index}".encode(),
                 options={  # stream i on I/O thread i mod K: K cores for CURVE
                     zmq.AFFINITY: 1 << (index % threads),
-                    **login_options(client=None if cfg.zmq_curve else cfg.curve_client),
+                    **login_options(client=cfg.curve_client if cfg.sealed else None),
                 },
                 max_msg_bytes=max_msg_bytes,
                 sndhwm=hwm,
