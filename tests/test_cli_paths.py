@@ -381,6 +381,8 @@ def test_pictures_without_a_writable_home_print_no_matplotlib_warnings(tmp_path:
     env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME")}
     (tmp_path / "a-file").write_text("a HOME under a file can never be made")
     env["HOME"] = str(tmp_path / "a-file" / "home")
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
     picture = tmp_path / "t.png"
     done = subprocess.run(
         [
@@ -402,6 +404,7 @@ def test_pictures_without_a_writable_home_print_no_matplotlib_warnings(tmp_path:
     )
     assert done.returncode == 0 and picture.stat().st_size > 0, done.stderr
     assert "matplotlib" not in done.stderr.lower(), done.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []  # the private config folder went with the process
 
 
 def test_a_plan_counting_on_recomputation_is_planned_for_agents_that_recompute(tmp_path: Path, capsys) -> None:

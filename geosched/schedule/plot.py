@@ -12,7 +12,9 @@ API with the Agg canvas (no pyplot state).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
@@ -51,14 +53,16 @@ ROW_IN, PANEL_IN = 0.45, 0.9
 def matplotlib_config_folder() -> None:
     """Before matplotlib's first import: a private temporary config folder (``MPLCONFIGDIR``) when the user's
     cannot be written (no HOME, a read-only one, another user's), where matplotlib would make one itself after
-    two multi-line warnings on stderr. A folder given in ``MPLCONFIGDIR`` is kept."""
+    two multi-line warnings on stderr, removed when the process exits. A folder given in ``MPLCONFIGDIR`` is kept."""
     if "MPLCONFIGDIR" in os.environ:
         return
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     folder = os.path.join(base, "matplotlib")
     nearest = next((p for p in (folder, base, os.path.dirname(base)) if os.path.isdir(p)), None)
     if nearest is None or not os.access(nearest, os.W_OK | os.X_OK):
-        os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="geosched-matplotlib-")
+        folder = tempfile.mkdtemp(prefix="geosched-matplotlib-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # its font cache was left in /tmp by every run
+        os.environ["MPLCONFIGDIR"] = folder
 
 
 def colour_key(kind: str, category: str) -> str:
