@@ -243,6 +243,18 @@ def test_a_run_folder_others_can_write_or_a_planted_lock_link_is_refused(tmp_pat
     from agents.rehearsal.launch import new_run_dir
     from geosched.commands.launch import _claim_run_dir
 
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # no sticky bit: another user could rename the run folder away and make their own
+    assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(open_parent / "a" / "run"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--run-dir {open_parent}/a/run: its folder {open_parent} is writable by others without the sticky bit" in err
+    )
+    assert err.count("\n") == 1 and not (open_parent / "a" / "run").exists(), err
+    open_parent.chmod(0o1777)  # as /tmp: others cannot rename what is not theirs
+    with _claim_run_dir(str(open_parent / "a" / "run")):
+        pass
     with _claim_run_dir(str(tmp_path / "fresh")) as run:
         assert Path(run).stat().st_mode & 0o077 == 0  # the owner's alone
     monkeypatch.chdir(tmp_path)  # new_run_dir makes runs/launch-<time> here

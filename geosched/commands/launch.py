@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import shutil
 import sys
 from collections.abc import Iterator
@@ -298,6 +299,32 @@ def _json_on_failure(wanted: bool) -> Iterator[None]:
         raise
 
 
+def unsafe_ancestor(run: Path) -> str | None:
+    """Why a folder above ``run`` lets another user swap the run folder (its keys, plan and lock) for their own,
+    or None: one owned by another user (root aside), or writable by group or others without the sticky bit
+    (``/tmp``'s 1777 is safe). Both the path as given and its resolved form are walked, as OpenSSH does for
+    ``authorized_keys``."""
+    me, seen = os.geteuid(), set()
+    for start in (Path(os.path.abspath(run)), run.resolve()):
+        for folder in start.parents:
+            if folder in seen:
+                continue
+            seen.add(folder)
+            try:
+                info = os.stat(folder)
+            except OSError:
+                continue
+            if info.st_uid not in (0, me):
+                return f"its folder {folder} belongs to another user (uid {info.st_uid}), who could swap the run folder"
+            if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+                return (
+                    f"its folder {folder} is writable by others without the sticky bit (mode "
+                    f"{stat.S_IMODE(info.st_mode):04o}), so another user could swap the run folder; run chmod go-w "
+                    f"{folder} (or chmod +t), or pick a folder elsewhere"
+                )
+    return None
+
+
 @contextmanager
 def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
     """Make and hold the run folder for this launch (``--run-dir``, else a new ``runs/launch-<time>[-N]``) and yield
@@ -308,6 +335,11 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
         from agents.rehearsal.launch import new_run_dir
 
         run, made = new_run_dir(), True
+        unsafe = unsafe_ancestor(run)
+        if unsafe:
+            with contextlib.suppress(OSError):
+                run.rmdir()
+            raise InputError(f"run folder {run}: {unsafe}; or pass --run-dir DIR")
     else:
         run = Path(run_dir)
         try:
@@ -319,6 +351,12 @@ def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
             raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
         if mode & 0o022:  # another user could plant links (the lock, a key) or swap files under the launch
             raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o7777:04o}); run chmod go-w {run}")
+        unsafe = unsafe_ancestor(run)
+        if unsafe:
+            if made:
+                with contextlib.suppress(OSError):
+                    run.rmdir()
+            raise InputError(f"--run-dir {run}: {unsafe}")
         if others and not (run / "plan.yaml").is_file():
             raise InputError(
                 f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
