@@ -38,8 +38,8 @@ import contextlib
 import fcntl
 import json
 import os
-import stat
 import shutil
+import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
