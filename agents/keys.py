@@ -30,7 +30,6 @@ import fcntl
 import json
 import os
 import secrets
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import nacl.signing
 
 from agents.sockets import CurveServer, load_keypair, load_public_key, read_key_file, token_keypair, write_keypair
 from geosched.errors import ConfigError, InputError
+from geosched.yamlload import exposed_secret
 from planner.plan import MAX_RANKS as PLAN_MAX_RANKS
 
 MANIFEST = "job-keys.json"
@@ -251,8 +251,9 @@ def _read_secret(path: Path, required: bool) -> str | None:
             raise ConfigError(f"{path} is missing: copy it from the job's key folder") from None
         return None
     text = _read_public(path)  # a regular file of a key's size first: a device or FIFO is refused as such
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}): run chmod 600 {path}")
+    exposed = exposed_secret(path, mode)
+    if exposed:
+        raise ConfigError(exposed)
     return text
 
 

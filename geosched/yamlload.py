@@ -435,6 +435,15 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
+def exposed_secret(path: str | os.PathLike[str], mode: int) -> str | None:
+    """``"PATH is readable by others (mode M): run chmod 600 PATH"`` when a secret file's ``stat`` mode gives its
+    group or others any access, else None: one wording for every key, token and TLS key file."""
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    path = os.fspath(path)
+    return f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}): run chmod 600 {path}"
+
+
 def write_atomically(path: str, text: str) -> None:
     """``text`` into ``path`` via a temporary file beside it and a rename: a reader (or a crash) never sees half a
     file, and a file that was there stays whole until the new one is."""

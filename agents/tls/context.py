@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import os
 import ssl
-import stat
 
 from geosched.errors import InputError
-from geosched.yamlload import file_kind
+from geosched.yamlload import exposed_secret, file_kind
 
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
 
@@ -34,12 +33,9 @@ def server_context(
     cert, key = os.fspath(cert), os.fspath(key)
     for path, named in ((cert, flag), (key, key_flag or flag)):
         _need_file(path, named, "pass a PEM certificate and its private key")
-    mode = os.stat(key).st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise InputError(
-            f"{key_flag or flag}: the key {key!r} is readable by others (mode {stat.S_IMODE(mode):04o}): "
-            f"chmod 600 {key}"
-        )
+    exposed = exposed_secret(key, os.stat(key).st_mode)
+    if exposed:
+        raise InputError(f"{key_flag or flag}: {exposed}")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = MIN_VERSION
     try:

@@ -350,9 +350,7 @@ def served_weights_source(args: argparse.Namespace) -> str | None:
 
 def read_token_file(path: str, flag: str) -> str:
     """A secret token from a file that only its owner may read; InputError, one line, otherwise."""
-    import stat
-
-    from geosched.yamlload import read_bounded
+    from geosched.yamlload import exposed_secret, read_bounded
 
     data = read_bounded(  # a regular file only: a FIFO would block, /dev/zero is no token
         path,
@@ -365,8 +363,9 @@ def read_token_file(path: str, flag: str) -> str:
         token, mode = data.decode("ascii").strip(), os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{flag}: cannot read {path!r}: {exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise InputError(f"{flag}: {path!r} is readable by others (mode {stat.S_IMODE(mode):04o}): chmod 600 {path}")
+    exposed = exposed_secret(path, mode)
+    if exposed:
+        raise InputError(f"{flag}: {exposed}")
     if not 16 <= len(token) <= 4096:
         raise InputError(f"{flag}: {path!r} must hold a token of 16 to 4096 characters (got {len(token)})")
     return token
