@@ -37,7 +37,6 @@ from pathlib import Path
 
 import nacl.bindings
 import zmq
-import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
@@ -110,11 +109,19 @@ def read_key_file(path: str | os.PathLike[str]) -> bytes:
 
 
 def _load_certificate(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
-    read_key_file(path)  # zmq reads line by line: /dev/zero would fill memory, a FIFO block
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read CURVE key file {str(path)!r}: {exc} (make one with 'geosched keys')") from None
+    """(public, secret or None) from a ZeroMQ certificate, read once and bounded (parsed as
+    ``zmq.auth.load_certificate`` does, which takes only a path: a second read could meet a swapped file)."""
+    keys: dict[bytes, bytes] = {}
+    for line in read_key_file(path).splitlines():
+        line = line.strip()
+        for name in (b"public-key", b"secret-key"):
+            if line.startswith(name) and b"=" in line:
+                keys.setdefault(name, line.split(b"=", 1)[1].strip(b" \t'\""))
+    public, secret = keys.get(b"public-key"), keys.get(b"secret-key")
+    if public is None:
+        raise ConfigError(
+            f"cannot read CURVE key file {str(path)!r}: no public key in it (make one with 'geosched keys')"
+        )
     if len(public) != 40 or (secret is not None and len(secret) != 40):
         raise ConfigError(f"CURVE key file {str(path)!r} holds a malformed key (expect 40-char Z85)")
     return public, secret

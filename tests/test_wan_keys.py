@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import zmq.auth
 
 from agents.sockets import CurveClient, CurveServer, load_allowed_keys, load_keypair, load_public_key
 from geosched.cli import main
@@ -53,3 +54,12 @@ def test_loading_wrong_key_files_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"no \*.key.pub files"):
         load_allowed_keys(tmp_path / "empty")
+    (tmp_path / "text.key").write_text("# a comment\nnot a certificate\n")
+    with pytest.raises(ConfigError, match="text.key'?: no public key in it"):
+        load_keypair(tmp_path / "text.key")
+    short = (tmp_path / "x.key").read_text().replace('secret-key = "', 'secret-key = "ab')
+    (tmp_path / "long.key").write_text(short)
+    with pytest.raises(ConfigError, match="holds a malformed key"):
+        load_keypair(tmp_path / "long.key")
+    public, secret = load_keypair(tmp_path / "x.key")  # read once, parsed as zmq.auth does
+    assert (public, secret) == zmq.auth.load_certificate(tmp_path / "x.key")
