@@ -69,3 +69,5 @@ def test_when_the_lost_gpus_return_it_moves_back_to_the_original_plan(tmp_path: 
     assert back["resumed_from_step"] > lost["resumed_from_step"] and back["downtime_s"] > 0
     assert report["steps"] == list(range(back["resumed_from_step"], steps))
     assert (run / "attempt-2").is_dir() and "moved back" in err
+    unprinted = [s for s in range(steps) if f"step {s:>4}/{steps - 1} " not in err]
+    assert not unprinted, err[-3000:]  # the step that completed the checkpoint moved back from had no line (a trial)

@@ -180,7 +180,7 @@ async def start_job(
     metrics: JobMetrics | None = None,
     exits: Exits | None = None,
     stop_on_loss: bool = True,
-    stop_when: Callable[[], bool] | None = None,
+    stop_when: Callable[[int], bool] | None = None,
     replaced: Collection[str] = (),
     result: JobResult | None = None,
     until: int | None = None,
@@ -193,7 +193,8 @@ async def start_job(
     ``exits`` (:data:`Exits`) reports the agents' processes that exited, polled every :data:`EXIT_POLL_S`
     while the job runs. ``stop_on_loss=False``: a loss raises without sending ``stop`` (the caller stops the
     survivors once it has published what they should adopt next: ``job start --elastic``). ``stop_when``,
-    polled with ``exits``: when it returns True the job is stopped and JobInterrupted raised. ``replaced``: ids
+    polled with ``exits`` and given the next step to print: when it returns True the job is stopped and
+    JobInterrupted raised. ``replaced``: ids
     of plans this one replaces (elastic): a status naming one is a lost or not yet restarted agent, no conflict.
     ``result``, when given, is filled step by step and returned: after a failure it holds the steps that completed.
     ``until``: train up to that step (excluded) from wherever the agents resume, instead of ``steps`` more.
@@ -305,7 +306,7 @@ async def _follow(
     on_metrics: OnMetrics | None = None,
     metrics: JobMetrics | None = None,
     exits: Exits | None = None,
-    stop_when: Callable[[], bool] | None = None,
+    stop_when: Callable[[int], bool] | None = None,
     result: JobResult | None = None,
 ) -> JobResult:
     """Print a line per completed step until every rank reports ``next_step == first + steps``.
@@ -370,7 +371,7 @@ async def _follow(
             )
         if loss is not None:
             raise loss
-        if stop_when is not None and stop_when():
+        if stop_when is not None and stop_when(printed):
             raise JobInterrupted(f"job {cp.job!r}: stopped during step {current} as asked (stop_when)")
         gone = liveness.lost() if sub.backlog() == 0 else []  # judged once everything delivered is read
         if gone:

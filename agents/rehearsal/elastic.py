@@ -137,7 +137,7 @@ class ElasticJob:
 
     ``start_agents(layout, resume)`` starts (and returns) the agents of a plan, after moving the run
     folder's rank files of an earlier attempt aside; ``run(text, steps)`` runs ``steps`` steps of the plan
-    ``text`` (raising AgentLost; ``run(text, steps, stop_when)`` stops when ``stop_when()`` is true, raising
+    ``text`` (raising AgentLost; ``run(text, steps, stop_when)`` stops when ``stop_when(printed)`` is true, raising
     JobInterrupted); ``stop(agents)`` stops a failed attempt's agents and returns the ranks
     whose processes had died (lost with the ones the coordinator named). ``most``: recoveries
     allowed (0: the first loss ends the run, as without ``--elastic``). ``progress()``: the newest step any
@@ -243,10 +243,13 @@ class ElasticJob:
             )
         return text, agents
 
-    def _move_back_due(self) -> bool:
+    def _move_back_due(self, printed: int) -> bool:
+        """The move back is due and every step of the checkpoint it resumes from has its console line (``printed``:
+        the next step to print; the step that completed the checkpoint had none when the move came first)."""
         from agents.checkpoint.store import latest_complete
 
-        return self.returning.due(time.time(), latest_complete(self.checkpoint_dir))
+        checkpoint = latest_complete(self.checkpoint_dir)
+        return self.returning.due(time.time(), checkpoint) and (checkpoint or 0) <= printed
 
     def _restart(self, old: str, layout: JobLayout, reason: str, failed_at: int, lost_at: float) -> tuple[Any, int]:
         """Start ``layout``'s agents (after plan ``old``) from the newest complete checkpoint, recording the move
