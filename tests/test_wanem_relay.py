@@ -6,6 +6,7 @@ Timing is only checked as lower bounds the shaping guarantees by design
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -178,6 +179,30 @@ def test_unreachable_target_resets_the_client() -> None:
             with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as sock:
                 sock.recv(16)
         assert relay.stats()["connect_failures"] == 1
+
+
+def test_a_dead_target_is_one_warning_per_outage_and_its_return_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A DC's agents killed behind a relay: its survivors reconnect every ~100 ms, and each failure to reach the
+    target was a warning at powers of two (16 lines on a launch's console in 3 s, from two relays)."""
+    with socket.create_server(("127.0.0.1", 0)) as placeholder:
+        dead = placeholder.getsockname()
+    caplog.set_level(logging.INFO, logger="agents.wanem")
+    with WanRelay(dead, LinkShape()) as relay:
+        for _ in range(6):
+            with pytest.raises(ConnectionResetError):
+                with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as sock:
+                    sock.recv(16)
+        with socket.create_server(dead) as back:  # the target answers again
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=10):
+                back.settimeout(10)
+                back.accept()[0].close()
+        deadline = time.monotonic() + 10
+        while "reachable again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert relay.stats()["connect_failures"] == 6
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"cannot reach target {dead[0]}:{dead[1]}" in warnings[0], warnings
+    assert f"target {dead[0]}:{dead[1]} reachable again after 6 failed connects in" in caplog.text
 
 
 def _open_fds() -> set[str]:

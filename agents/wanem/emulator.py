@@ -33,6 +33,8 @@ from geosched.netcost import connection_window_bytes
 __all__ = ["LinkShape", "WanRelay", "WanEmulator", "shape_for_link"]
 
 log = logging.getLogger(__name__)
+OUTAGE_REMINDER_S = 60.0
+"""While a relay's target stays unreachable, it says so again this often (the first failure is said at once)."""
 
 Address = tuple[str, int]
 MAX_CONNECTIONS = 256
@@ -90,6 +92,7 @@ class WanRelay:
         self._server: Any = None
         self._reset_timer: Any = None
         self._closed = False
+        self._outage: list[float] | None = None  # [loop time of the first failed connect, failures, last warning]
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -146,6 +149,38 @@ class WanRelay:
         assert self.reset_every_s is not None  # scheduled only when resets are periodic
         self._reset_now()
         self._reset_timer = self.loop.call_later(self.reset_every_s, self._periodic_reset)
+
+    def target_unreachable(self, exc: OSError) -> None:
+        """A connect to the target failed (on the loop): counted; one warning per outage, then one a minute."""
+        self.counters["connect_failures"] += 1
+        now = self.loop.time()
+        if self._outage is None:
+            self._outage = [now, 0, now]
+            log.warning(
+                "wanem: cannot reach target %s:%d (%s); resetting each client until it answers", *self.target, exc
+            )
+        self._outage[1] += 1
+        if now - self._outage[2] >= OUTAGE_REMINDER_S:
+            self._outage[2] = now
+            log.warning(
+                "wanem: still cannot reach target %s:%d (%s): %d failed connects in %.0f s",
+                *self.target,
+                exc,
+                self._outage[1],
+                now - self._outage[0],
+            )
+
+    def target_reached(self) -> None:
+        """A connect to the target succeeded (on the loop): ends an outage, in one line."""
+        if self._outage is not None:
+            since, failures, _ = self._outage
+            self._outage = None
+            log.info(
+                "wanem: target %s:%d reachable again after %d failed connects in %.1f s",
+                *self.target,
+                failures,
+                self.loop.time() - since,
+            )
 
     def connection_opened(self, conn: Connection) -> bool:
         """Called by a new connection (on the loop); False (refused, counted) past :data:`MAX_CONNECTIONS`."""

@@ -395,16 +395,10 @@ class Connection:
                 raise
             await loop.create_connection(lambda: self.target, sock=sock)
         except OSError as exc:
-            failures = self.relay.counters["connect_failures"] = self.relay.counters["connect_failures"] + 1
-            if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a dead target does not flood the log
-                log.warning(
-                    "wanem: cannot reach target %s (%s); resetting the client (failure %d of this relay; later ones "
-                    "are logged at powers of two)",
-                    address,
-                    exc,
-                    failures,
-                )
+            self.relay.target_unreachable(exc)  # a dead target: one warning per outage, not one per client
             self.abort(rst=True)
+            return
+        self.relay.target_reached()
 
     def maybe_finish(self) -> None:
         """Close both sockets once both directions have delivered their EOF."""
