@@ -453,3 +453,28 @@ def test_version_is_one_line(capsys) -> None:
     with pytest.raises(SystemExit) as ended:
         main(["--version"])
     assert ended.value.code == 0 and re.fullmatch(r"geosched \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_a_launch_interrupted_while_it_plans_reports_so_in_place_of_the_last_runs_report(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A signal while launch planned wrote no report.json: a reused --run-dir kept the earlier launch's, which a
+    script read as this launch's outcome (and --json printed nothing)."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "plan.yaml").write_text("an earlier launch's plan\n")
+    (run / "report.json").write_text('{"outcome": "finished", "steps": [0, 1, 2]}')
+    (run / "rank0.jsonl").write_text('{"step": 0}\n')
+
+    def ctrl_c(*_args: object, **_kwargs: object) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("agents.runnable.plan_for_config", ctrl_c)  # Ctrl-C while CP-SAT searches
+    assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(run), "--json"]) == 130
+    out, err = capsys.readouterr()
+    report = json.loads((run / "report.json").read_text())
+    assert report["outcome"] == "interrupted" and report["steps"] == [], report
+    assert json.loads(out.strip().splitlines()[-1]) == report and "interrupted" in err
+    assert not (run / "rank0.jsonl").exists()  # the earlier run's steps are not this one's

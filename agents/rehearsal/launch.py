@@ -59,18 +59,22 @@ from geosched.errors import InputError, PlanError
 from geosched.lr_schedule import decay_mismatch
 from geosched.processes import available_memory_bytes
 
-PREVIOUS_RUN = (
-    "report.json",
-    "timeline.png",
-    "predicted.png",
-    "timelines.png",
-    "trace.json",
-    "loss.png",
-    "calibration.json",
-    "endpoints.json",
-    "metrics.jsonl",
-)
+PREVIOUS_RUN = "report.json timeline.png predicted.png timelines.png trace.json loss.png calibration.json".split()
+PREVIOUS_RUN += ["endpoints.json", "metrics.jsonl"]
 """What a run folder holds of the run that wrote it: removed when a launch reuses the folder."""
+
+
+def clear_previous_run(run: Path) -> None:
+    """Remove what ``run`` holds of an earlier launch (its reports, pictures, rank files, ``attempt-*``): nothing of
+    it may pass for this launch's. Its keys, plan and checkpoints stay."""
+    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
+        old.unlink()
+    for name in PREVIOUS_RUN:
+        (run / name).unlink(missing_ok=True)
+    for folder in run.glob("attempt-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 ELASTIC_KEEP = 3
 """Complete checkpoints an elastic launch keeps in its run folder (it writes one every step: 2.4 GB in 600 demo
 steps when none was deleted)."""
@@ -201,14 +205,9 @@ def launch(
     except OSError as exc:  # a file there, a path under a file, a read-only or virtual file system
         raise InputError(f"--run-dir {run}: cannot make a folder there ({exc.strerror or exc})") from None
     given = Path(calibration_file).read_bytes() if calibration_file is not None else None  # checked: bounded
-    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
-        old.unlink()
-    for name in PREVIOUS_RUN:  # a reused folder: nothing of the last run may pass for this one's
-        (run / name).unlink(missing_ok=True)
+    clear_previous_run(run)
     if given is not None:  # the folder holds the calibration its prediction used, measured here or given
         (run / "calibration.json").write_bytes(given)
-    for folder in run.glob("attempt-*"):
-        shutil.rmtree(folder, ignore_errors=True)
     (run / "plan.yaml").write_text(text)
     with ExitStack() as stack:
         stack.enter_context(_reported_if_unfinished(run))  # from here on a run stopped early leaves report.json

@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in SHAPE_FIELDS}
         calibration = Calibration.load(args.calibration, shape)
-    with stops_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json):
+    with stops_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json, run_dir):
         report = launch(
             args.config,
             plan_path=args.plan,
@@ -287,12 +287,21 @@ LOCK_NAME = ".launch.lock"
 
 
 @contextmanager
-def _json_on_failure(wanted: bool) -> Iterator[None]:
-    """With ``--json``, a run that does not finish still ends stdout with its report (outcome, error, steps)."""
+def _json_on_failure(wanted: bool, run_dir: str) -> Iterator[None]:
+    """With ``--json``, a run that does not finish still ends stdout with its report (outcome, error, steps). One
+    interrupted before its run began (while it planned) reports ``interrupted`` too, in place of the report an
+    earlier launch left in a reused ``--run-dir``."""
     try:
         yield
     except BaseException as exc:
         path = getattr(exc, "run_report", None)
+        if path is None and isinstance(exc, KeyboardInterrupt):
+            from agents.rehearsal.launch import clear_previous_run
+            from agents.runfolder.report import write_unfinished_report
+
+            with contextlib.suppress(OSError):
+                clear_previous_run(Path(run_dir))
+                path = write_unfinished_report(run_dir, exc)
         if wanted and path is not None:
             with contextlib.suppress(OSError, ValueError):
                 print(json.dumps(json.loads(Path(path).read_text(encoding="utf-8"))), flush=True)
