@@ -372,7 +372,7 @@ async def _follow(
         if loss is not None:
             raise loss
         if stop_when is not None and stop_when(printed):
-            raise JobInterrupted(f"job {cp.job!r}: stopped during step {current} as asked (stop_when)")
+            raise JobInterrupted(f"job {cp.job!r}: stopped during step {current} as asked (stop_when)", printed)
         gone = liveness.lost() if sub.backlog() == 0 else []  # judged once everything delivered is read
         if gone:
             rank, why = gone[0]

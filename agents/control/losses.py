@@ -153,7 +153,12 @@ class JobStopped(GeoschedError):
 
 class JobInterrupted(GeoschedError):
     """The caller's ``stop_when`` asked to end the job at a step boundary (``launch --elastic`` moving back to
-    the better plan); the agents were told to stop."""
+    the better plan); the agents were told to stop. ``printed``: the first step with no console line (the agents
+    may finish it, and its checkpoint, before they stop)."""
+
+    def __init__(self, message: str, printed: int = 0) -> None:
+        super().__init__(message)
+        self.printed = printed
 
 
 class Reread:

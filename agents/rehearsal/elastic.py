@@ -184,9 +184,10 @@ class ElasticJob:
                 else:
                     self.run(text, end() - first, self._move_back_due)
                 break
-            except JobInterrupted:  # the lost GPUs returned: back to the original plan on all of them
+            except JobInterrupted as exc:  # the lost GPUs returned: back to the original plan on all of them
                 lost_at, failed_at, old = time.time(), self.progress()[0], describe(layout)
                 self.stop(agents)
+                self._say_unprinted(exc.printed, end() - 1, old)
                 config, text, layout = self.config, original, parse_layout(original)
                 agents, first = self._restart(
                     old,
@@ -242,6 +243,17 @@ class ElasticJob:
                 f"{self.returning.after_s:g} s after the loss, at the next checkpoint after that)"
             )
         return text, agents
+
+    def _say_unprinted(self, printed: int, last: int, plan: str) -> None:
+        """A line for each step the stopped agents completed, and checkpointed, after the coordinator's last line:
+        the move back resumes after them, so no later attempt prints them."""
+        from agents.runfolder.report import every_attempt
+
+        done = every_attempt(self.run_dir)
+        for step, loss in zip(done["steps"], done["losses"], strict=True):
+            if printed <= step < self.resumed_from():
+                said = "loss ?" if loss is None else f"loss {loss:.4f}"
+                self._say(f"step {step:>4}/{last:<4}  {said} | trained on {plan} as the move back began")
 
     def _move_back_due(self, printed: int) -> bool:
         """The move back is due and every step of the checkpoint it resumes from has its console line (``printed``:
