@@ -187,7 +187,7 @@ def test_with_curve_only_the_listed_peer_delivers() -> None:
     with WanLink.listen("tcp://127.0.0.1:0", replace(base, curve_server=security_of(keys, 1).server(0))) as server:
         endpoint = f"tcp://127.0.0.1:{server.port}"
         pending = server.start_recv(step=0, microbatch=0)
-        with pytest.raises(LinkError, match="unreachable"):  # a real job key, but not this link's peer
+        with pytest.raises(LinkError, match="refused this side's login"):  # a real job key, not this link's peer
             WanLink.connect(endpoint, replace(base, curve_client=security_of(keys, 2).client(1)))
         with pytest.raises(LinkError, match="unreachable"):  # no CURVE at all
             WanLink.connect(endpoint, base)

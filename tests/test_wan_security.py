@@ -146,7 +146,7 @@ def test_keys_refuse_unknown_clients_and_serve_allowed_ones(tmp_path: Path, encr
     drops = lambda: server.metrics()["drops"]  # noqa: E731
     try:
         intruder = CurveClient.from_files(tmp_path / "intruder.key", tmp_path / "server.key.pub")
-        with pytest.raises(LinkError, match="unreachable"):
+        with pytest.raises(LinkError, match="refused this side's login"):
             WanLink.connect(
                 endpoint,
                 WanLinkConfig(

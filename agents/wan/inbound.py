@@ -17,18 +17,16 @@ clear, each followed by a proof frame (:mod:`agents.wan.handshake`), and
 every other message is sealed (:mod:`agents.wan.seal`): its header is opened
 before it is read, a clear one is refused (``auth_failed``).
 
-One session at a time: the listening side serves the first session that
-says hello. A hello with another session id (a restarted peer, or a
-stranger) replaces it only once the current peer has been silent for
-``session_takeover_s`` and has not answered a ping for as long; until then
-it is refused and counted as ``foreign_session``, and the stranger's frames
-are never acknowledged or delivered (``unknown_peer``).
+One session at a time: the listening side serves the first session that says hello. A hello with another
+session id (a restarted peer, or a stranger) replaces it only once the current peer has been silent for
+``session_takeover_s`` and has not answered a ping for as long; until then it is refused and counted as
+``foreign_session``, and the stranger's frames are never acknowledged or delivered (``unknown_peer``).
 
-A frame that fails validation is dropped, counted by reason in the link's
-metrics and logged at most once a minute per peer, 20 lines a minute in all; the link keeps serving.
-Connection events come from libzmq socket monitors: failed handshakes are
-counted, and a closed connection is mapped (by its file descriptor) to the
-stream it carried so that stream's chunks in flight are resent at once.
+A frame that fails validation is dropped, counted by reason in the link's metrics and logged at most once
+a minute per peer, 20 lines a minute in all; the link keeps serving.
+Connection events come from libzmq socket monitors: failed handshakes are counted (the peer refusing
+our own login fails the link: it binds both sides' keys, so no retry passes), and a closed connection
+is mapped (by its file descriptor) to the stream it carried so its chunks in flight are resent at once.
 """
 
 from __future__ import annotations
@@ -429,6 +427,12 @@ class InboundFrames:
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._failed_handshake = True
                 self._drop("auth_failed", None, "client key or login refused")
+                if stream >= 0:  # the peer refused our own login
+                    raise LinkError(
+                        f"link {self.config.link_id}: {self.peer} refused this side's login: the two sides' CURVE "
+                        "keys are not of one key folder (this host's key, or the peer's, is from another 'geosched "
+                        "keys' run: compare each host's agent-*.key.pub with the job's folder)"
+                    )
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self._failed_handshake = True
                 self._drop("handshake_failed", None, "ZMTP handshake failed: not a geosched peer, or other security")
