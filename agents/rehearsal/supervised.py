@@ -47,6 +47,10 @@ if TYPE_CHECKING:
     from geosched.config import Config
 
 
+LOSS_SETTLE_S = 1.0
+"""After a loss, how long the coordinator listens for the statuses (wills) of agents lost with it."""
+
+
 @dataclass
 class MetricsProgress:
     """The newest step any rank reported and when the current attempt's first step started, from the
@@ -75,6 +79,18 @@ class SupervisedResult:
     result: JobResult | None
     recoveries: list[Recovery] = field(default_factory=list)
     plan_text: str = ""
+
+
+async def offline_ranks(url: str, job: str, ranks: set[int], **control: Any) -> list[int]:
+    """Which of ``ranks`` have an ``offline`` status on the broker (an agent's will), after listening
+    :data:`LOSS_SETTLE_S` for the retained statuses and wills still on their way."""
+    from agents.control.messages import client_id
+    from agents.control.plane import ControlPlane
+
+    async with ControlPlane(url, job, client_id(job, "elastic", unique=False), **control) as cp:
+        async with await cp.subscribe("status"):
+            await asyncio.sleep(LOSS_SETTLE_S)
+            return sorted(r for r, status in cp.statuses().items() if r in ranks and status.state == "offline")
 
 
 def rank_table(layout: JobLayout) -> str:
@@ -107,7 +123,7 @@ def run_supervised(
     from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
     from agents.control.ready import first_step
-    from agents.layout import plan_id
+    from agents.layout import parse_layout, plan_id
 
     progress = MetricsProgress()
     done = SupervisedResult(None, plan_text=plan_text) if done is None else done
@@ -169,13 +185,23 @@ def run_supervised(
             )
         )
 
+    def also_lost(_agents: object) -> list[int]:
+        """The current plan's ranks whose agent is offline too (its will): lost with the ones the control plane
+        named. A DC lost whole goes down at once, but the liveness confirms its ranks one by one (a trial's
+        re-plan kept the other agent of the DC, and waited for it until the job failed)."""
+        ranks = {role.rank for role in parse_layout(current[0]).roles}
+        try:
+            return asyncio.run(offline_ranks(url, job, ranks, **control))
+        except GeoschedError:
+            return []
+
     recovering = ElasticJob(
         config,
         checkpoint_dir,
         checkpoint_dir,
         start_agents,
         run,
-        lambda _: [],  # no processes of its own: the lost ranks are the ones the control plane named
+        also_lost,  # no processes of its own: the lost ranks are the ones the control plane knows of
         out,
         most,
         progress,
