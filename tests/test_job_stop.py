@@ -71,6 +71,8 @@ def test_job_stop_names_the_ranks_that_stayed_offline(embedded_broker, capsys) -
     url = embedded_broker.url_for("geosched")
 
     async def statuses() -> None:
+        async with ControlPlane(url, "stopgone", "stopgone-coordinator") as coordinator:
+            await coordinator.publish_plan("an elastic re-plan, held after its job failed")
         async with ControlPlane(url, "stopgone", "stopgone-agent-0") as cp:
             await cp.publish_status(0, "stopped")  # rank 0 acknowledged an earlier stop
         async with ControlPlane(url, "stopgone", "stopgone-will-1") as will:
@@ -79,7 +81,18 @@ def test_job_stop_names_the_ranks_that_stayed_offline(embedded_broker, capsys) -
     asyncio.run(statuses())
     assert main(["job", "stop", "--mqtt", url, "--job", "stopgone"]) == 0
     out = capsys.readouterr().out
-    assert "every agent acknowledged but ranks 1, offline" in out and "were not told" in out, out
+    assert "every agent acknowledged except ranks 1, which are offline" in out and "were not told" in out, out
+    # the plan is no longer held: an agent started now waits for 'job start' (it adopted the held re-plan, and
+    # 'job start' with the original plan was refused as 'running another plan': an operator's trial)
+    assert "its plan is no longer held on the broker" in out
+
+    async def held_plan() -> object:
+        async with ControlPlane(url, "stopgone", "stopgone-agent-2") as late:
+            async with await late.subscribe("plan"):
+                await asyncio.sleep(1.0)  # a retained plan would have arrived
+                return late.plan()
+
+    assert asyncio.run(held_plan()) is None
 
 
 def test_stopping_a_job_no_agent_has_is_refused_not_reported_done(embedded_broker, capsys) -> None:

@@ -94,6 +94,7 @@ async def stop_job(
     resend_s: float = 2.0,
     plan_id: str | None = None,
     known_job: bool = False,
+    forget_plan: bool = False,
 ) -> list[int]:
     """Send ``stop`` to every agent of ``job`` until each acknowledges it (status ``stopped``, or ``error``);
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
@@ -104,7 +105,10 @@ async def stop_job(
     it may be reconnecting) for up to :data:`~agents.control.liveness.WILL_GRACE_S`, so an agent back
     from a reconnect is stopped too; a rank still ``offline`` then is presumed gone and not reported.
     With ``plan_id`` only the agents of that plan stop (and are waited for): an elastic recovery stops the
-    old plan's survivors while agents restarted for the new plan come up.
+    old plan's survivors while agents restarted for the new plan come up. ``forget_plan`` (``geosched job
+    stop``): the retained plan is removed too, so agents started later wait for the next ``job start``
+    instead of adopting it (an elastic re-plan was held on the broker after its job failed, and every
+    agent restarted adopted it: ``job start`` with the original plan was refused).
     """
     async with ControlPlane(url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
@@ -136,6 +140,8 @@ async def stop_job(
                 if loop.time() >= resend_at and waiting():
                     await cp.publish_command("stop", seq=sent.seq, plan_id=plan_id)
                     resend_at = loop.time() + resend_s
+            if forget_plan:
+                await cp.clear_plan()
             return running()
 
 

@@ -2,8 +2,7 @@
 
 Topics and payloads: :mod:`agents.control.messages`; the broker URL and its errors:
 :mod:`agents.control.address`; the subscription queue: :mod:`agents.control.subscription`.
-An agent's client registers a retained last will ``{"state": "offline"}`` on
-its status topic, so a killed agent shows offline.
+An agent's client registers a retained last will ``{"state": "offline"}`` on its status topic (a killed agent).
 
 Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect
 (so a restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and
@@ -74,8 +73,7 @@ class ControlPlane:
     Args:
         url: ``mqtt://[user:pass@]host[:port]`` or ``mqtts://...`` (TLS).
         job: job name; every topic is under ``geosched/<job>/``.
-        client_id: unique per connection to the broker (a second client with
-            the same id takes over and disconnects the first).
+        client_id: unique per connection to the broker (a second one with this id takes over the first).
         username, password: override the credentials in the URL.
         ca_file: PEM file of CAs to trust for ``mqtts://`` (default: the system's).
         agent: set for an agent: registers the offline last will of its rank and, on exit, publishes
@@ -84,10 +82,9 @@ class ControlPlane:
         connect_timeout: how long entering the context waits for the broker.
         backoff: (first, cap) seconds between reconnect attempts; doubled each failure and jittered.
         max_payload: largest payload sent or accepted.
-        keys: sign what this client publishes (its will too) as ``keys.identity`` and
-            accept only payloads signed by a key it trusts, for this job and topic, not
-            replayed (see :mod:`agents.control.auth`); refusals are counted in ``stats``,
-            logged and raised as events, rate-limited. None: unsigned, as in rehearsals.
+        keys: sign what this client publishes (its will too) as ``keys.identity`` and accept only payloads
+            signed by a key it trusts, for this job and topic, not replayed (see :mod:`agents.control.auth`);
+            refusals are counted in ``stats``, logged and raised as events, rate-limited. None: unsigned.
     """
 
     def __init__(
@@ -111,13 +108,9 @@ class ControlPlane:
             raise InputError(f"broker URL {address}: a CA file was given but the URL is not mqtts://; use mqtts://")
         # read (and checked: a file that is not PEM certificates is one line now, not 'cannot reach' later) once
         self._tls = client_context(ca_file, "--ca-file") if address.tls else None
-        self.address = BrokerAddress(
-            address.host,
-            address.port,
-            address.tls,
-            username if username is not None else address.username,
-            password if password is not None else address.password,
-        )
+        user = username if username is not None else address.username
+        secret = password if password is not None else address.password
+        self.address = BrokerAddress(address.host, address.port, address.tls, user, secret)
         self.job = check_name("job name", job)
         self.client_id = check_name("MQTT client id", client_id)
         self.topics = Topics(job)
@@ -425,22 +418,21 @@ class ControlPlane:
         if self._signer is not None:
             self._signer.check_may_publish(topic)
         self._state_out[topic] = payload
-        client = self._client
-        if client is None:
-            return False
-        try:
-            await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
-            return True
-        except aiomqtt.MqttError:
-            return False
+        return await self._send(topic, self._seal(topic, payload), 1, retain=True)
 
     async def _publish_stream(self, topic: str, payload: bytes, qos: int) -> bool:
+        if await self._send(topic, self._seal(topic, payload), qos):
+            return True
+        self.stats.dropped_offline += 1
+        return False
+
+    async def _send(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> bool:
+        """Publish now if connected; False when not (or when the broker went away meanwhile)."""
         client = self._client
         if client is not None:
             with contextlib.suppress(aiomqtt.MqttError):
-                await client.publish(topic, self._seal(topic, payload), qos=qos)
+                await client.publish(topic, payload, qos=qos, retain=retain)
                 return True
-        self.stats.dropped_offline += 1
         return False
 
     async def publish_status(self, rank: int, state: str, **fields: Any) -> bool:
@@ -452,6 +444,11 @@ class ControlPlane:
     async def publish_plan(self, text: str) -> bool:
         """Publish (retained) the plan file text; True if the broker has it now."""
         return await self._publish_state(self.topics.plan, plan_payload(text, self._max_payload))
+
+    async def clear_plan(self) -> bool:
+        """Remove the retained plan (an empty retained payload): agents started later wait for a plan."""
+        self._state_out.pop(self.topics.plan, None)
+        return await self._send(self.topics.plan, b"", 1, retain=True)
 
     async def publish_metrics(self, rank: int, metrics: Mapping[str, Any]) -> bool:
         """Publish one step's metrics (must contain ``step``); dropped and counted if offline."""

@@ -242,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
                 f"(acknowledged by {len(written.ranks)} agents)"
             )
         return 0
-    left = asyncio.run(commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing, known_job=True))
+    left = asyncio.run(
+        commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing, known_job=True, forget_plan=True)
+    )
     if left:
         raise AgentLost(
             f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "
@@ -252,13 +254,14 @@ def run(args: argparse.Namespace) -> int:
     offline = sorted(
         r for r, st in statuses.items() if st.state == "offline" and st.extra.get("current_plan") is not False
     )
+    forgot = "; its plan is no longer held on the broker (agents started now wait for 'job start')"
     if offline:  # its will: gone, frozen or cut off; a stop it never saw
         print(
-            f"job {args.job!r} stopped: every agent acknowledged but ranks {', '.join(map(str, offline))}, offline "
-            "(gone, frozen or cut off: they were not told; check their hosts)"
+            f"job {args.job!r} stopped: every agent acknowledged except ranks {', '.join(map(str, offline))}, which "
+            f"are offline (gone, frozen or cut off: they were not told; check their hosts){forgot}"
         )
     else:
-        print(f"job {args.job!r} stopped: every agent acknowledged")
+        print(f"job {args.job!r} stopped: every agent acknowledged{forgot}")
     return 0
 
 
