@@ -271,6 +271,10 @@ def test_reconnect_after_broker_restart_resubscribes_and_republishes(mqtt_broker
     retries = [r for r in caplog.records if "reconnecting in" in r.getMessage()]
     warned = [r for r in retries if r.levelno >= logging.WARNING]
     assert len(retries) > len(warned) and 1 <= len(warned) <= 2, [r.getMessage() for r in warned]  # one per client
+    back = [
+        r.getMessage() for r in caplog.records if "reconnected as" in r.getMessage() and r.levelno >= logging.WARNING
+    ]
+    assert len(back) == len(warned) and all(" s away" in line for line in back), back  # each outage's end is said too
     assert not [r for r in caplog.records if r.name.startswith("agents.control.paho") and r.levelno >= logging.ERROR]
 
 

@@ -128,7 +128,7 @@ class ControlPlane:
         self._statuses: dict[int, StatusMessage] = {}
         self._plan: PlanMessage | None = None
         self._seq = int(time.time() * 1000)
-        self._last_error = "no attempt yet"
+        self._last_error, self._lost_at = "no attempt yet", time.monotonic()
         self._own_state: str | None = None  # last state this agent published for itself
         self._signer = Signer(keys, self.job) if keys is not None else None
         self._verifier = Verifier(keys, self.job) if keys is not None else None
@@ -224,6 +224,8 @@ class ControlPlane:
                 self._last_error = repr(exc)
                 log.exception("MQTT %s: unexpected error; reconnecting in <= %.1f s", self.address, delay)
             finally:
+                if self._client is not None:  # a connection lost: the outage starts now
+                    self._lost_at = time.monotonic()
                 self._client = None
                 self._connected.clear()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
@@ -256,7 +258,8 @@ class ControlPlane:
         if self._first_connect is not None and not self._first_connect.done():
             self._first_connect.set_result(None)
         else:
-            log.info("MQTT %s: reconnected as %r", self.address, self.client_id)
+            away = time.monotonic() - self._lost_at  # the outage's warning said 'reconnecting': this ends it
+            log.warning("MQTT %s: reconnected as %r after %.1f s away", self.address, self.client_id, away)
         for topic, payload in list(self._state_out.items()):
             await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
 
