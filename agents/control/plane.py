@@ -1,15 +1,14 @@
 """The MQTT control plane client of a geosched job: connect, reconnect, publish, subscribe.
 
-Topics and payloads: :mod:`agents.control.messages`; the broker URL and its errors:
-:mod:`agents.control.address`; the subscription queue: :mod:`agents.control.subscription`.
-An agent's client registers a retained last will ``{"state": "offline"}`` on
-its status topic, so a killed agent shows offline.
+Topics and payloads: :mod:`agents.control.messages`; the broker URL and its errors: :mod:`agents.control.address`;
+the subscription queue: :mod:`agents.control.subscription`. An agent's client registers a retained last will
+``{"state": "offline"}`` on its status topic, so a killed agent shows offline.
 
-Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect
-(so a restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and
-events are a stream: dropped (and counted) while the broker is unreachable. Commands wait for the broker (up to
-``timeout``) and raise BrokerUnreachable if it stays away.
-With ``keys`` everything is signed and verified (:mod:`agents.control.auth`).
+Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect (so a
+restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and events are
+a stream: dropped (and counted) while the broker is unreachable. Commands wait for the broker (up to ``timeout``)
+and raise BrokerUnreachable if it stays away. With ``keys`` everything is signed and verified
+(:mod:`agents.control.auth`). Why a rank's status was not believed: ``refused_statuses`` (:mod:`.refused`).
 
 Example::
 
@@ -56,6 +55,7 @@ from agents.control.messages import (
     plan_payload,
     validate_fields,
 )
+from agents.control.refused import RefusedStatuses
 from agents.control.subscription import Subscription
 from agents.control.tasks import cancel_and_wait
 from agents.tls.context import client_context
@@ -84,10 +84,9 @@ class ControlPlane:
         connect_timeout: how long entering the context waits for the broker.
         backoff: (first, cap) seconds between reconnect attempts; doubled each failure and jittered.
         max_payload: largest payload sent or accepted.
-        keys: sign what this client publishes (its will too) as ``keys.identity`` and
-            accept only payloads signed by a key it trusts, for this job and topic, not
-            replayed (see :mod:`agents.control.auth`); refusals are counted in ``stats``,
-            logged and raised as events, rate-limited. None: unsigned, as in rehearsals.
+        keys: sign what this client publishes (its will too) as ``keys.identity`` and accept only payloads signed by
+            a key it trusts, for this job and topic, not replayed (see :mod:`agents.control.auth`); refusals are
+            counted in ``stats``, logged and raised as events, rate-limited. None: unsigned, as in rehearsals.
     """
 
     def __init__(
@@ -111,12 +110,10 @@ class ControlPlane:
             raise InputError(f"broker URL {address}: a CA file was given but the URL is not mqtts://; use mqtts://")
         # read (and checked: a file that is not PEM certificates is one line now, not 'cannot reach' later) once
         self._tls = client_context(ca_file, "--ca-file") if address.tls else None
-        self.address = BrokerAddress(
-            address.host,
-            address.port,
-            address.tls,
-            username if username is not None else address.username,
-            password if password is not None else address.password,
+        self.address = dataclasses.replace(
+            address,
+            username=username if username is not None else address.username,
+            password=password if password is not None else address.password,
         )
         self.job = check_name("job name", job)
         self.client_id = check_name("MQTT client id", client_id)
@@ -139,7 +136,7 @@ class ControlPlane:
         self._own_state: str | None = None  # last state this agent published for itself
         self._signer = Signer(keys, self.job) if keys is not None else None
         self._verifier = Verifier(keys, self.job) if keys is not None else None
-        self._refusals = RefusalReport()
+        self._refusals, self.refused_statuses = RefusalReport(), RefusedStatuses(self.job)
         self._tasks: set[asyncio.Task[bool]] = set()  # refusal events in flight
         if keys is not None and agent is not None and keys.identity != f"agent-{agent.rank}":
             raise InputError(f"control keys of {keys.identity!r} given to the agent of rank {agent.rank}")
@@ -276,7 +273,10 @@ class ControlPlane:
             except Refused as exc:
                 if exc.reason != "duplicate":  # the retained state again after a (re)subscribe
                     self._refused(exc)
+                    self.refused_statuses.note(topic, exc.reason)
                 return
+        elif self._verifier is None and self.refused_statuses.signed_unchecked(topic, payload):
+            return  # a signed status and no keys to check it: the commands say so
         try:
             message = parse_message(self.job, topic, payload, self._max_payload)
         except ProtocolError as exc:
@@ -382,7 +382,7 @@ class ControlPlane:
                 except TimeoutError:
                     raise AgentsNotReady(
                         f"job {self.job!r} on {self.address}: {len(missing)} of {len(wanted)} agents not "
-                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {last_states(missing, latest)}",
+                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {last_states(missing, latest, {})}",
                         missing,
                     ) from None
                 assert isinstance(message, StatusMessage)
