@@ -3,8 +3,9 @@
 ``job_statuses`` reads the agents' retained statuses; ``stop_job`` sends
 ``stop`` until every agent acknowledges it (its ``stopped`` status);
 ``checkpoint_job`` asks for a checkpoint and waits for every agent's
-acknowledgement (the ``checkpoint`` field of its status). ``start_job`` and
-the per-step view are in :mod:`agents.control.coordinator`.
+acknowledgement (the ``checkpoint`` field of its status). Each names a rank whose status was refused
+(:mod:`agents.control.refused`), and says so in one line when every status was (a signed job, no keys).
+``start_job`` and the per-step view are in :mod:`agents.control.coordinator`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from agents.control.messages import (
 )
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
+from agents.control.refused import refused_row
 from agents.control.watch import align
 from agents.layout import plan_id
 from geosched.errors import InputError
@@ -52,13 +54,16 @@ async def job_statuses(
     Where the job's plan is published, a status that names its plan has ``extra["current_plan"]``: False for
     the retained status of a rank of an earlier plan (an elastic re-plan leaves them on the broker).
 
-    With ``keys``, only statuses signed by the rank's own agent key are shown.
+    With ``keys``, only statuses signed by the rank's own agent key are believed; a rank whose status was refused
+    (or, without ``keys``, is signed) has a row of state ``refused`` saying why in its ``message``. InputError when
+    every status was (the job is signed and ``keys`` missing, say).
     """
     client_id = make_client_id(job, "status")
     async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "heartbeat", "plan") as sub:
             await asyncio.sleep(settle_s)
             statuses = cp.statuses()
+            cp.refused_statuses.check_readable(statuses)
             training = {r for r, st in statuses.items() if st.state == "training"}
             loop = asyncio.get_running_loop()
             until, steps, plan = loop.time() + HEARTBEAT_S + 0.5, dict[int, int](), None
@@ -71,7 +76,9 @@ async def job_statuses(
                     steps[message.rank] = message.step
                 elif isinstance(message, PlanMessage):
                     plan = plan_id(message.text)
-            return {r: _shown(st, steps.get(r) if r in training else None, plan) for r, st in statuses.items()}
+            shown = {r: _shown(st, steps.get(r) if r in training else None, plan) for r, st in statuses.items()}
+            refused = {r: refused_row(r, words) for r, words in cp.refused_statuses.of(statuses).items()}
+            return dict(sorted({**shown, **refused}.items()))
 
 
 def _shown(status: StatusMessage, step: int | None, plan: str | None) -> StatusMessage:
@@ -114,6 +121,7 @@ async def stop_job(
         async with await cp.subscribe("status") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             if known_job and not cp.statuses():
+                cp.refused_statuses.check_readable(cp.statuses())  # there, but unread: a signed job without --keys
                 raise InputError(
                     f"job {job!r}: no agent of it has a status on this broker, so there is nothing to stop; "
                     "check --job (geosched job status lists a job's agents)"
@@ -176,6 +184,7 @@ async def checkpoint_job(
     async with ControlPlane(url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+            cp.refused_statuses.check_readable(cp.statuses())
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
             if not live:
                 raise InputError(f"job {job!r}: no agent is ready or training; start the job before a checkpoint")
@@ -284,7 +293,8 @@ def _steps_by_rank(written: dict[int, dict[int, str]]) -> str:
 
 
 def status_table(statuses: dict[int, StatusMessage]) -> str:
-    """A text table of agent statuses, one row per rank; its plan column marks a rank of an earlier plan."""
+    """A text table of agent statuses, one row per rank; its plan column marks a rank of an earlier plan. A rank
+    whose status was refused is a row ``refused`` and a line after the table saying why."""
     rows = [("rank", "state", "dc", "stage", "replica", "host", "pid", "step", "plan")]
     for rank, s in sorted(statuses.items()):
         rows.append(
@@ -304,4 +314,5 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
                 + (" (earlier)" if s.extra.get("current_plan") is False else ""),
             )
         )
-    return "\n".join(align(rows))
+    notes = [f"rank {r}: {s.extra['message']}" for r, s in sorted(statuses.items()) if s.state == "refused"]
+    return "\n".join(align(rows) + notes)

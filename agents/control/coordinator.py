@@ -215,6 +215,7 @@ async def start_job(
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+            cp.refused_statuses.check_readable(cp.statuses())  # signed ones only, and no --keys: say so
             for status in cp.statuses().values():  # refuse before replacing the plan live agents run
                 check_same_plan(cp.job, status, layout, replaced)
             await cp.publish_plan(plan_text)

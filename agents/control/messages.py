@@ -248,9 +248,9 @@ class AgentsNotReady(GeoschedError):
         self.missing = missing
 
 
-def last_states(ranks: Iterable[int], latest: Mapping[int, StatusMessage]) -> str:
-    """``0 (ready), 3 (no status)``: each rank with the state its latest status said, for a message."""
-    return ", ".join(f"{r} ({latest[r].state if r in latest else 'no status'})" for r in ranks)
+def last_states(ranks: Iterable[int], latest: Mapping[int, StatusMessage], refused: Mapping[int, str]) -> str:
+    """``0 (ready), 3 (no status)``: each rank with its latest state, or why its status was ``refused``."""
+    return ", ".join(f"{r} ({latest[r].state if r in latest else refused.get(r, 'no status')})" for r in ranks)
 
 
 @dataclass

@@ -1,14 +1,13 @@
 """The MQTT control plane client of a geosched job: connect, reconnect, publish, subscribe.
 
-Topics and payloads: :mod:`agents.control.messages`; the broker URL and its errors:
-:mod:`agents.control.address`; the subscription queue: :mod:`agents.control.subscription`.
-An agent's client registers a retained last will ``{"state": "offline"}`` on its status topic (a killed agent).
+Topics and payloads: :mod:`.messages`; the broker URL and its errors: :mod:`.address`; the subscription queue:
+:mod:`.subscription`. An agent's client registers a retained last will ``{"state": "offline"}`` on its status topic.
 
-Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect
-(so a restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and
-events are a stream: dropped (and counted) while the broker is unreachable. Commands wait for the broker (up to
-``timeout``) and raise BrokerUnreachable if it stays away.
-With ``keys`` everything is signed and verified (:mod:`agents.control.auth`).
+Delivery: plan and status are *state*: retained, kept by the client and republished after every reconnect (so a
+restarted broker learns them again); subscribers may see the same status twice. Metrics, heartbeats and events are
+a stream: dropped (and counted) while the broker is unreachable. Commands wait for the broker (up to ``timeout``)
+and raise BrokerUnreachable if it stays away. With ``keys`` everything is signed and verified (:mod:`.auth`); why
+a rank's status was not believed: ``refused_statuses`` (:mod:`.refused`).
 
 Example::
 
@@ -55,6 +54,7 @@ from agents.control.messages import (
     plan_payload,
     validate_fields,
 )
+from agents.control.refused import RefusedStatuses
 from agents.control.subscription import Subscription
 from agents.control.tasks import cancel_and_wait
 from agents.tls.context import client_context
@@ -122,8 +122,7 @@ class ControlPlane:
         self._connected = asyncio.Event()
         self._first_connect: asyncio.Future[None] | None = None
         self._runner: asyncio.Task[None] | None = None
-        self._filters: set[str] = set()
-        self._subscriptions: set[Subscription] = set()
+        self._filters, self._subscriptions = set[str](), set[Subscription]()
         self._state_out: dict[str, bytes] = {}  # retained payloads we own, republished on reconnect
         self._statuses: dict[int, StatusMessage] = {}
         self._plan: PlanMessage | None = None
@@ -132,7 +131,7 @@ class ControlPlane:
         self._own_state: str | None = None  # last state this agent published for itself
         self._signer = Signer(keys, self.job) if keys is not None else None
         self._verifier = Verifier(keys, self.job) if keys is not None else None
-        self._refusals = RefusalReport()
+        self._refusals, self.refused_statuses = RefusalReport(), RefusedStatuses(self.job)
         self._tasks: set[asyncio.Task[bool]] = set()  # refusal events in flight
         if keys is not None and agent is not None and keys.identity != f"agent-{agent.rank}":
             raise InputError(f"control keys of {keys.identity!r} given to the agent of rank {agent.rank}")
@@ -272,7 +271,10 @@ class ControlPlane:
             except Refused as exc:
                 if exc.reason != "duplicate":  # the retained state again after a (re)subscribe
                     self._refused(exc)
+                    self.refused_statuses.note(topic, exc.reason)
                 return
+        elif self._verifier is None and self.refused_statuses.signed_unchecked(topic, payload):
+            return  # a signed status and no keys to check it: the commands say so
         try:
             message = parse_message(self.job, topic, payload, self._max_payload)
         except ProtocolError as exc:
@@ -320,10 +322,8 @@ class ControlPlane:
     async def subscribe(
         self, *kinds: str, ranks: Iterable[int] | None = None, queue_size: int = 10_000
     ) -> Subscription:
-        """Start receiving messages of ``kinds`` (see KINDS); returns once the broker confirmed.
-
-        The latest plan and statuses already known to this client are queued first.
-        """
+        """Start receiving messages of ``kinds`` (see KINDS); returns once the broker confirmed. The latest plan and
+        statuses already known to this client are queued first."""
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
             raise InputError(f"subscribe: kinds must be some of {', '.join(KINDS)} (got {list(kinds)})")
@@ -378,7 +378,7 @@ class ControlPlane:
                 except TimeoutError:
                     raise AgentsNotReady(
                         f"job {self.job!r} on {self.address}: {len(missing)} of {len(wanted)} agents not "
-                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {last_states(missing, latest)}",
+                        f"{'/'.join(sorted(states))} after {timeout:g} s: ranks {last_states(missing, latest, {})}",
                         missing,
                     ) from None
                 assert isinstance(message, StatusMessage)

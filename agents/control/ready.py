@@ -209,10 +209,11 @@ async def wait_ready(
         left = deadline - loop.time()
         if left <= 0:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
+            refused = cp.refused_statuses.of(latest)  # by rank: a bad signature, say
             unsigned = cp.stats.refused_unsigned  # statuses of agents started without --keys, say
             raise AgentsNotReady(
-                f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after "
-                f"{timeout_s:g} s: ranks {last_states(missing, latest)}; start them with 'geosched agent --rank R'"
+                f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after {timeout_s:g} s: "
+                f"ranks {last_states(missing, latest, refused)}; start them with 'geosched agent --rank R'"
                 + (
                     f" ({unsigned} unsigned control message{'s' * (unsigned != 1)} refused: an agent without "
                     "--keys? every agent of a signed job needs the job's key folder)"
@@ -223,9 +224,10 @@ async def wait_ready(
             )
         if say is not None and loop.time() >= next_line:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
+            states = last_states(missing, latest, cp.refused_statuses.of(latest))
             say(
                 f"job {cp.job!r}: waiting for {len(missing)} of {len(layout.roles)} agents to be ready: ranks "
-                f"{last_states(missing, latest)} ({loop.time() - began:.0f} s of --ready-timeout {timeout_s:g})"
+                f"{states} ({loop.time() - began:.0f} s of --ready-timeout {timeout_s:g})"
             )
             next_line += WAITING_LINE_S
         wait = min(

@@ -1,0 +1,86 @@
+"""Statuses a client received and could not believe: which ranks, and why, for the commands to say so.
+
+A rank's status that fails verification (:mod:`agents.control.auth`), or that is signed while this client has
+no keys to check it, is never parsed. What :class:`RefusedStatuses` keeps of it is only what the client knows
+for itself: the rank its *topic* names and the reason it was refused; nothing of the payload (its header names
+an identity anyone could write). A trial's ``job status`` without ``--keys`` printed ``no agents of job`` while
+four signed agents were live, and ``job start`` with one agent's key from another key folder said ``ranks 3
+(no status)``: the reason was only in rate-limited warnings. The commands now say it by rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from agents.control.auth import MAGIC
+from agents.control.messages import StatusMessage, classify_topic, last_states
+from geosched.errors import InputError, ProtocolError
+
+__all__ = ["SIGNED", "RefusedStatuses", "refused_row", "why"]
+
+SIGNED = "signed"
+"""The reason for a signed status received by a client without keys: it cannot check it, so it reads nothing."""
+MAX_RANKS = 8192
+"""Ranks remembered (a plan's most, ``planner.plan.MAX_RANKS``); refusals on more status topics are not kept."""
+_WHY = {
+    SIGNED: "signed status, not checked: pass --keys DIR, the job's key folder",
+    "signature": "status refused, bad signature: its signing key is not the one in this key folder",
+    "unsigned": "status refused, unsigned: its agent runs without --keys?",
+    "identity": "status refused, identity: this key folder does not let its signer publish it",
+    "binding": "status refused, binding: signed for another job, topic or kind",
+    "replay": "status refused, replay: a replayed or stale status",
+    "conflict": "status refused, conflict: two processes sign as this rank, so its key is in another process's hands",
+}
+
+
+def why(reason: str) -> str:
+    """The words for a rank whose status was refused for ``reason``."""
+    return _WHY.get(reason, f"status refused, {reason}")
+
+
+class RefusedStatuses:
+    """Per rank, the reason its latest unbelieved status was refused (policy only: the plane feeds it)."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._reasons: dict[int, str] = {}
+
+    def note(self, topic: str, reason: str) -> bool:
+        """A payload on ``topic`` was refused for ``reason``: kept (True) when the topic is a rank's status."""
+        try:
+            kind, rank = classify_topic(self.job, topic)
+        except ProtocolError:
+            return False
+        if kind != "status" or rank is None or (rank not in self._reasons and len(self._reasons) >= MAX_RANKS):
+            return False
+        self._reasons[rank] = reason
+        return True
+
+    def signed_unchecked(self, topic: str, payload: bytes) -> bool:
+        """For a client without keys: True (and noted) when ``payload`` is a signed envelope on a status topic."""
+        return payload.startswith(MAGIC) and self.note(topic, SIGNED)
+
+    def of(self, readable: Collection[int]) -> dict[int, str]:
+        """Rank -> the words for its refusal (:func:`why`), for the ranks with no ``readable`` status."""
+        return {r: why(reason) for r, reason in sorted(self._reasons.items()) if r not in readable}
+
+    def check_readable(self, statuses: Mapping[int, StatusMessage]) -> None:
+        """InputError (exit 2, one line) when none of ``statuses`` (the readable ones) is there but some were
+        refused: a command would otherwise say the job has no agents, or none is ready."""
+        if statuses or not self._reasons:
+            return
+        if set(self._reasons.values()) == {SIGNED}:
+            raise InputError(
+                f"the statuses of job {self.job!r} on this broker are signed: pass --keys DIR (the job's key folder)"
+            )
+        refused = self.of(())
+        raise InputError(
+            f"job {self.job!r}: no status on this broker could be believed: ranks {last_states(refused, {}, refused)}; "
+            "is --keys DIR the job's key folder?"
+        )
+
+
+def refused_row(rank: int, words: str) -> StatusMessage:
+    """The row of ``geosched job status`` for a rank whose status was refused: state ``refused``, the reason as its
+    message; made here from the topic's rank, nothing of the refused payload."""
+    return StatusMessage(rank, "refused", extra={"message": words})

@@ -1,0 +1,119 @@
+"""The coordinator's commands say why a rank's status was not believed (agents/control/refused.py).
+
+A trial (multi-host, Mosquitto, a job signed with ``geosched keys``): without ``--keys``, ``job status`` printed
+``no agents of job 'gpt-demo'`` (exit 0) while 4 agents were live, and ``job stop`` said there was nothing to stop;
+with one host's ``agent-3.sign``/``.sign.pub`` from another key folder, ``job status`` printed 3 rows for a 4-rank
+plan and ``job start`` failed with ``ranks 3 (no status)``. The reasons were only in rate-limited warnings.
+
+Here the agents' statuses are real signed messages (a ``ControlPlane`` with keys loaded from folders written by
+``geosched keys``, retained on a real Mosquitto), and the commands run as the ``geosched`` CLI runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from agent_helpers import tiny_plan
+
+from agents.control.auth import ControlKeys
+from agents.control.plane import ControlPlane
+from agents.keys import load_job_keys, write_job_keys
+from agents.layout import parse_layout, plan_id
+from geosched.cli import main
+
+JOB = "gpt-demo"
+SIGNED = f"the statuses of job {JOB!r} on this broker are signed: pass --keys DIR (the job's key folder)"
+BAD_SIGNATURE = "status refused, bad signature: its signing key is not the one in this key folder"
+
+
+def publish_ready(url: str, plan_text: str, folders: dict[int, Path]) -> None:
+    """Each rank of the plan publishes (retained) a ``ready`` status for it, signed with ``agent-<rank>.sign`` of
+    its host's key folder, as its agent does, and disconnects (the retained statuses stay)."""
+    layout = parse_layout(plan_text)
+
+    async def run() -> None:
+        for role in layout.roles:
+            keys = ControlKeys(*load_job_keys(folders[role.rank]).control_fields(f"agent-{role.rank}"))
+            async with ControlPlane(url, JOB, f"{JOB}-agent-{role.rank}", keys=keys) as cp:
+                fields = {"dc": role.dc, "stage": role.stage, "replica": role.replica}
+                assert await cp.publish_status(role.rank, "ready", plan_id=plan_id(plan_text), next_step=0, **fields)
+
+    asyncio.run(run())
+
+
+def geosched(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``geosched ARGS`` run as the console script runs it: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def four_ranks(tmp_path: Path) -> tuple[Path, str]:
+    """A 4-rank plan (2 DCs x 2 replicas): its file and text."""
+    path = tiny_plan(tmp_path, dp=2)
+    text = path.read_text()
+    assert len(parse_layout(text).roles) == 4
+    return path, text
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("status",), ("status", "--json"), ("stop",), ("checkpoint",), ("start", "PLAN", "--ready-timeout", "5")],
+    ids=["status", "status-json", "stop", "checkpoint", "start"],
+)
+def test_without_keys_the_command_says_the_job_is_signed(
+    mosquitto_broker, tmp_path: Path, four_ranks, capsys, command: tuple[str, ...]
+):
+    plan, text = four_ranks
+    secrets = tmp_path / "secrets"
+    write_job_keys(secrets, 4)
+    url = mosquitto_broker.url_for("geosched")
+    publish_ready(url, text, dict.fromkeys(range(4), secrets))
+    args = [str(plan) if arg == "PLAN" else arg for arg in command]
+    code, out, err = geosched(capsys, "job", *args, "--mqtt", url, "--job", JOB)
+    assert (code, err.strip().splitlines()[-1:]) == (2, [f"geosched job: error: {SIGNED}"]), (out, err)
+    assert "no agents" not in out and "nothing to stop" not in err and "payload is not JSON" not in err
+
+
+@pytest.fixture
+def rank_3_of_another_key_folder(mosquitto_broker, tmp_path: Path, four_ranks) -> tuple[Path, tuple[str, ...]]:
+    """Retained ready statuses of a 4-rank plan, rank 3's signed with the ``agent-3.sign``/``.sign.pub`` pair
+    of another key folder (consistent with each other); the plan file and the coordinator's flags."""
+    plan, text = four_ranks
+    secrets, other, host3 = tmp_path / "secrets", tmp_path / "other", tmp_path / "host3"
+    write_job_keys(secrets, 4)
+    write_job_keys(other, 4)
+    shutil.copytree(secrets, host3)  # rank 3's host: the job's folder, but its signing key pair from another one
+    for name in ("agent-3.sign", "agent-3.sign.pub"):
+        shutil.copy2(other / name, host3 / name)
+    url = mosquitto_broker.url_for("geosched")
+    publish_ready(url, text, {0: secrets, 1: secrets, 2: secrets, 3: host3})
+    return plan, ("--mqtt", url, "--job", JOB, "--keys", str(secrets))
+
+
+def test_job_status_shows_the_rank_whose_status_has_a_bad_signature(rank_3_of_another_key_folder, capsys):
+    _, flags = rank_3_of_another_key_folder
+    code, out, err = geosched(capsys, "job", "status", *flags)
+    rows = [line.split() for line in out.splitlines()]
+    assert code == 0, err
+    assert [row[:2] for row in rows[1:5]] == [["0", "ready"], ["1", "ready"], ["2", "ready"], ["3", "refused"]], out
+    assert rows[4] == ["3", "refused", *["-"] * 7], out  # nothing of the refused payload (its DC, host) is shown
+    assert out.splitlines()[5] == f"rank 3: {BAD_SIGNATURE}", out
+
+    code, out, err = geosched(capsys, "job", "status", "--json", *flags)
+    shown = json.loads(out)
+    assert code == 0 and sorted(shown) == ["0", "1", "2", "3"], err
+    assert (shown["3"]["state"], shown["3"]["message"], shown["3"]["dc"]) == ("refused", BAD_SIGNATURE, None)
+
+
+def test_job_start_names_the_bad_signature_of_the_rank_not_ready(rank_3_of_another_key_folder, capsys):
+    plan, flags = rank_3_of_another_key_folder
+    code, out, err = geosched(capsys, "job", "start", str(plan), "--ready-timeout", "3", *flags)
+    assert code == 1, (out, err)
+    assert f"1 of 4 agents not ready after 3 s: ranks 3 ({BAD_SIGNATURE}); start them" in err, err
+    assert "no status" not in err
