@@ -219,7 +219,7 @@ def test_a_run_folder_of_other_files_or_in_use_is_refused(tmp_path: Path, capsys
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running launch holds it
         assert main(["launch", "configs/demo-3dc.yaml", "--run-dir", str(busy), "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert "another launch is using it" in err and err.count("\n") == 1, err
+    assert "another launch or job start is using it" in err and err.count("\n") == 1, err
     assert (busy / "plan.yaml").read_text() == "a previous launch's plan\n"
 
 
@@ -240,8 +240,8 @@ def test_a_run_folder_others_can_write_or_a_planted_lock_link_is_refused(tmp_pat
     err = capsys.readouterr().err
     assert "cannot open its .launch.lock" in err and err.count("\n") == 1, err
     assert not (tmp_path / "victim.txt").exists()
-    from agents.rehearsal.launch import new_run_dir
-    from geosched.commands.launch import _claim_run_dir
+    from agents.runfolder.claim import claim_run_dir, new_run_dir
+    from geosched.commands.launch import FOREIGN
 
     open_parent = tmp_path / "open"
     open_parent.mkdir()
@@ -253,9 +253,9 @@ def test_a_run_folder_others_can_write_or_a_planted_lock_link_is_refused(tmp_pat
     )
     assert err.count("\n") == 1 and not (open_parent / "a" / "run").exists(), err
     open_parent.chmod(0o1777)  # as /tmp: others cannot rename what is not theirs
-    with _claim_run_dir(str(open_parent / "a" / "run")):
+    with claim_run_dir(str(open_parent / "a" / "run"), foreign=FOREIGN):
         pass
-    with _claim_run_dir(str(tmp_path / "fresh")) as run:
+    with claim_run_dir(str(tmp_path / "fresh"), foreign=FOREIGN) as run:
         assert Path(run).stat().st_mode & 0o077 == 0  # the owner's alone
     monkeypatch.chdir(tmp_path)  # new_run_dir makes runs/launch-<time> here
     assert new_run_dir().stat().st_mode & 0o077 == 0

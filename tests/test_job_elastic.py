@@ -104,8 +104,8 @@ def test_job_start_elastic_replans_and_supervised_agents_resume(tmp_path: Path, 
         (("--config", "c.yaml"), "are for --elastic"),
         (("--elastic", "--config", "c.yaml", "--checkpoint-dir", "d", "--run-dir", "r"), "does not write a run folder"),
         (
-            ("--elastic", "--config", "c.yaml", "--checkpoint-dir", "nowhere"),
-            "--checkpoint-dir 'nowhere' is not a folder",
+            ("--elastic", "--config", "c.yaml", "--checkpoint-dir", "/proc/no/such/ckpt"),
+            "--checkpoint-dir /proc/no/such/ckpt: cannot make the folder",
         ),
     ],
 )

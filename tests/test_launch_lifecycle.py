@@ -29,9 +29,9 @@ def test_a_new_run_dir_is_locked_from_the_start_and_default_folders_are_never_sh
             text=True,
             timeout=60,
         )
-        assert second.returncode == 2 and "another launch is using it" in second.stderr, second.stderr
+        assert second.returncode == 2 and "another launch or job start is using it" in second.stderr, second.stderr
         assert (run_dir / "rank0.jsonl").exists()  # the first launch's files stay
-    from agents.rehearsal.launch import new_run_dir
+    from agents.runfolder.claim import new_run_dir
 
     monkeypatch.chdir(tmp_path)
     folders = {new_run_dir() for _ in range(3)}  # within a second or two: -2, -3 where they collide

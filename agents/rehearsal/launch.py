@@ -52,28 +52,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 from agents.rehearsal.elastic import describe
 from agents.rehearsal.hooks import with_http_urls, with_load, with_metrics_urls
 from agents.rehearsal.processes import AgentProcesses, RelayRoutes, fleet_memory_refusal
+from agents.runfolder.claim import clear_previous_run, new_run_dir
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.tls.context import server_context
 from agents.tls.selfsigned import TlsFiles, write_rehearsal_tls
 from geosched.errors import InputError, PlanError
 from geosched.lr_schedule import decay_mismatch
 from geosched.processes import available_memory_bytes
-
-PREVIOUS_RUN = "report.json timeline.png predicted.png timelines.png trace.json loss.png calibration.json".split()
-PREVIOUS_RUN += ["endpoints.json", "metrics.jsonl"]
-"""What a run folder holds of the run that wrote it: removed when a launch reuses the folder."""
-
-
-def clear_previous_run(run: Path) -> None:
-    """Remove what ``run`` holds of an earlier launch (its reports, pictures, rank files, ``attempt-*``): nothing of
-    it may pass for this launch's. Its keys, plan and checkpoints stay."""
-    for old in [*run.glob("rank*.jsonl"), *run.glob("prefill-rank*.json"), *run.glob("stage-rank*.json")]:
-        old.unlink()
-    for name in PREVIOUS_RUN:
-        (run / name).unlink(missing_ok=True)
-    for folder in run.glob("attempt-*"):
-        shutil.rmtree(folder, ignore_errors=True)
-
 
 ELASTIC_KEEP = 3
 """Complete checkpoints an elastic launch keeps in its run folder (it writes one every step: 2.4 GB in 600 demo
@@ -205,7 +190,9 @@ def launch(
     except OSError as exc:  # a file there, a path under a file, a read-only or virtual file system
         raise InputError(f"--run-dir {run}: cannot make a folder there ({exc.strerror or exc})") from None
     given = Path(calibration_file).read_bytes() if calibration_file is not None else None  # checked: bounded
-    clear_previous_run(run)
+    reused = clear_previous_run(run)
+    if reused is not None and out is not None:
+        print(f"launch: run folder {run}: {reused}", file=out)
     if given is not None:  # the folder holds the calibration its prediction used, measured here or given
         (run / "calibration.json").write_bytes(given)
     (run / "plan.yaml").write_text(text)
@@ -419,24 +406,6 @@ INSECURE_WARNING = (
     "launch: WARNING --insecure: no broker logins, unsigned commands, plain-TCP WAN links, plain HTTP and an "
     "open prefill endpoint; anyone who can reach these ports can read or steer the job"
 )
-
-
-def new_run_dir() -> Path:
-    """A folder of its own under ``runs/``, named for the time to the second (``-2``, ``-3``, ... when another
-    launch took that name in the same second): made here, so no two launches share it."""
-    base = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-        for n in range(1, 1000):
-            run = base if n == 1 else base.with_name(f"{base.name}-{n}")
-            try:
-                run.mkdir(mode=0o700)  # its logs, plan, endpoints: the owner's alone
-                return run
-            except FileExistsError:
-                continue
-    except OSError as exc:
-        raise InputError(f"runs/: cannot make a run folder there ({exc.strerror or exc}); pass --run-dir DIR") from None
-    raise InputError(f"{base}: 999 run folders of this second exist already; pass --run-dir DIR")
 
 
 @contextmanager

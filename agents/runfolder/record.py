@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.control.messages import MetricsMessage, StatusMessage, printable
+from agents.runfolder.claim import clear_previous_run
 from agents.stage.report import StepReport
 from geosched.errors import GeoschedError
 from geosched.yamlload import write_atomically
@@ -92,18 +93,20 @@ def endpoints_hook(
 
 
 class RunRecorder:
-    """A job's run folder from the coordinator's side: endpoints on ready, metrics as they come, report at the end."""
+    """A job's run folder from the coordinator's side: endpoints on ready, metrics as they come, report at the end.
+
+    ``run_dir`` may be an earlier run's (a resume): what of it could pass for this run's is cleared first
+    (:func:`~agents.runfolder.claim.clear_previous_run`, said in ``reused``), its metrics kept as
+    ``metrics-<N>.jsonl``. The CLI claims the folder first (:func:`~agents.runfolder.claim.claim_run_dir`)."""
 
     def __init__(
         self, run_dir: str | os.PathLike[str], layout: Any, coordinator: Mapping[str, str] | None = None
     ) -> None:
         self.run, self.layout = Path(run_dir), layout
-        self.run.mkdir(parents=True, exist_ok=True)
+        self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.reused = clear_previous_run(self.run)  # what an earlier run left, in words (None: nothing)
         (self.run / "plan.yaml").write_text(layout.text, encoding="utf-8")
         self.metrics_path = self.run / "metrics.jsonl"
-        if self.metrics_path.exists():  # a later start into this folder (a resume): the earlier metrics stay
-            n = 1 + sum(1 for _ in self.run.glob("metrics-*.jsonl"))
-            self.metrics_path.rename(self.run / f"metrics-{n}.jsonl")
         self._out = open(self.metrics_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by finish/close
         self._newest: dict[int, int] = {}  # rank -> the newest step recorded
         self.refused = 0  # metrics messages not recorded (see record)

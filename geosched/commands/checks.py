@@ -97,10 +97,11 @@ def output_file(
 
 
 def writable_folder(path: str, flag: str) -> str:
-    """``path`` made if missing and writable by this process, checked when a command starts: InputError naming
-    ``flag`` otherwise (a read-only checkpoint folder was found only at the first checkpoint, hours in)."""
+    """``path`` made if missing (mode 0700: the owner's alone) and writable by this process, checked when a command
+    starts: InputError naming ``flag`` otherwise (a read-only checkpoint folder was found only at the first
+    checkpoint, hours in)."""
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise InputError(
             f"{flag} {path}: cannot make the folder ({exc.strerror or exc}); pick a writable one"
@@ -111,18 +112,24 @@ def writable_folder(path: str, flag: str) -> str:
 
 
 def checkpoint_folder(args: argparse.Namespace) -> None:
-    """``--checkpoint-dir`` made and writable when the command starts (:func:`writable_folder`); under ``--resume``
-    a folder that does not exist is left to the resume check, which names it (there is no checkpoint to resume)."""
+    """``--checkpoint-dir`` usable when the command starts (:func:`usable_checkpoint_folder`); under ``--resume`` a
+    folder that does not exist is left to the resume check, which names it (there is no checkpoint to resume)."""
     if args.checkpoint_dir and (not args.resume or os.path.isdir(args.checkpoint_dir)):
-        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
-        from agents.checkpoint.folder import foreign_entries
+        usable_checkpoint_folder(args.checkpoint_dir)
 
-        if others := foreign_entries(args.checkpoint_dir):
-            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise InputError(
-                f"--checkpoint-dir {args.checkpoint_dir}: holds files that are no checkpoint's ({shown}); pick a new "
-                "or empty folder (the agents write step-NNNNNN folders there, and prune old ones)"
-            )
+
+def usable_checkpoint_folder(path: str) -> None:
+    """``--checkpoint-dir`` made (0700) if it is none yet and writable (:func:`writable_folder`), and holding
+    nothing but checkpoints: InputError in one line otherwise."""
+    writable_folder(path, "--checkpoint-dir")
+    from agents.checkpoint.folder import foreign_entries
+
+    if others := foreign_entries(path):
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise InputError(
+            f"--checkpoint-dir {path}: holds files that are no checkpoint's ({shown}); pick a new "
+            "or empty folder (the agents write step-NNNNNN folders there, and prune old ones)"
+        )
 
 
 def job_name(args: argparse.Namespace) -> str:

@@ -19,7 +19,9 @@ commands and plans with DIR/coordinator.sign.
 with a progress bar and exits 1 naming the agent if one goes offline. With
 ``--run-dir DIR`` it writes the run folder ``geosched launch`` writes (endpoints.json
 once every agent is ready; report.json, timeline.png, predicted.png, timelines.png,
-trace.json, loss.png at the end) from the metrics it receives.
+trace.json, loss.png at the end) from the metrics it receives. It takes DIR as
+``geosched launch`` takes its ``--run-dir`` (:mod:`agents.runfolder.claim`), before
+the broker is contacted: a new or empty folder, or an earlier run's (reused, and said).
 
 ``start --elastic`` survives lost ranks or DCs: it re-plans CONFIG on the GPUs
 left (same global batch), publishes the new plan (also written to
@@ -38,10 +40,16 @@ import sys
 from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
-from geosched.commands.checks import above, at_least, at_most
+from geosched.commands.checks import above, at_least, at_most, usable_checkpoint_folder
 from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
 from geosched.commands.signals import stops_as_ctrl_c
 from geosched.errors import GeoschedError, InputError
+
+FOREIGN = (
+    "holds files that are no run folder's ({files}); pick a new or empty folder, or the run folder of an earlier "
+    "job start or launch (the coordinator writes its report, pictures and metrics there, in place of that run's)"
+)
+"""Why ``--run-dir`` is refused when it holds other files (:func:`agents.runfolder.claim.claim_run_dir`)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="with --elastic: the checkpoint folder every agent shares (the agents' --checkpoint-dir)",
+        help="with --elastic: the checkpoint folder every agent shares (the agents' --checkpoint-dir; made if new)",
     )
     status = sub.add_parser("status", help="table of the agents' retained statuses")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -128,9 +136,9 @@ def _job_metrics(args: argparse.Namespace, out: Any) -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
-    from agents.control import commands, coordinator
+    from agents.control import commands
     from agents.control.auth import ControlKeys
-    from agents.control.coordinator import AgentLost, JobResult
+    from agents.control.coordinator import AgentLost
 
     keys = load_keys(args)
     signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator"))
@@ -147,49 +155,12 @@ def run(args: argparse.Namespace) -> int:
         if args.elastic or args.config or args.checkpoint_dir:
             with stops_as_ctrl_c():
                 return _start_elastic(args, url, signing, text, out)
-        metrics, server = _job_metrics(args, out)
-        recorder = _recorder(args.run_dir, text, args.plan, {} if server is None else {"metrics": server.url()})
-        hooks: dict[str, Any] = (
-            {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
-        )
-        done = JobResult()  # the steps that complete, also when the job does not
-        try:
-            with stops_as_ctrl_c():
-                result = asyncio.run(
-                    coordinator.start_job(
-                        url,
-                        args.job,
-                        text,
-                        steps=args.steps,
-                        ready_timeout_s=args.ready_timeout,
-                        ca_file=args.ca_file,
-                        keys=signing,
-                        plan_source=args.plan,
-                        out=out,
-                        metrics=metrics,
-                        result=done,
-                        **hooks,
-                    )
-                )
-        except BaseException as exc:  # failed, stopped, interrupted (Ctrl-C, SIGTERM, SIGHUP)
-            if recorder is not None:  # what the steps that did complete show, with the outcome and the error
-                with contextlib.suppress(GeoschedError, OSError):
-                    _write_run_folder(recorder, args.run_dir, out, exc)
-            if args.json:  # as on success: stdout ends with one JSON object, here with the outcome and error
-                from agents.runfolder.report import outcome_of
+        if args.run_dir is None:
+            return _start(args, url, signing, text, out)
+        from agents.runfolder.claim import claim_run_dir
 
-                print(json.dumps({**outcome_of(exc), "steps": [vars(s) for s in done.steps]}), flush=True)
-            raise
-        finally:
-            if recorder is not None:
-                recorder.close()
-            if server is not None:
-                server.close()
-        if recorder is not None:
-            _write_run_folder(recorder, args.run_dir, out)
-        if args.json:
-            print(json.dumps({"outcome": "completed", "steps": [vars(s) for s in result.steps]}))
-        return 0
+        with claim_run_dir(args.run_dir, foreign=FOREIGN):  # before the broker: a refusal is one line, exit 2
+            return _start(args, url, signing, text, out)
     if args.action == "status" and args.watch:
         from agents.control.watch import watch_job
 
@@ -265,6 +236,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any) -> int:
+    """``job start`` without ``--elastic``: train, print the steps, write the run folder (``--run-dir``, claimed)."""
+    from agents.control import coordinator
+    from agents.control.coordinator import JobResult
+
+    metrics, server = _job_metrics(args, out)
+    recorder = _recorder(args.run_dir, text, args.plan, {} if server is None else {"metrics": server.url()}, out)
+    hooks: dict[str, Any] = {} if recorder is None else {"before_start": recorder.ready, "on_metrics": recorder.record}
+    done = JobResult()  # the steps that complete, also when the job does not
+    try:
+        with stops_as_ctrl_c():
+            result = asyncio.run(
+                coordinator.start_job(
+                    url,
+                    args.job,
+                    text,
+                    steps=args.steps,
+                    ready_timeout_s=args.ready_timeout,
+                    ca_file=args.ca_file,
+                    keys=signing,
+                    plan_source=args.plan,
+                    out=out,
+                    metrics=metrics,
+                    result=done,
+                    **hooks,
+                )
+            )
+    except BaseException as exc:  # failed, stopped, interrupted (Ctrl-C, SIGTERM, SIGHUP)
+        if recorder is not None:  # what the steps that did complete show, with the outcome and the error
+            with contextlib.suppress(GeoschedError, OSError):
+                _write_run_folder(recorder, args.run_dir, out, exc)
+        if args.json:  # as on success: stdout ends with one JSON object, here with the outcome and error
+            from agents.runfolder.report import outcome_of
+
+            print(json.dumps({**outcome_of(exc), "steps": [vars(s) for s in done.steps]}), flush=True)
+        raise
+    finally:
+        if recorder is not None:
+            recorder.close()
+        if server is not None:
+            server.close()
+    if recorder is not None:
+        _write_run_folder(recorder, args.run_dir, out)
+    if args.json:
+        print(json.dumps({"outcome": "completed", "steps": [vars(s) for s in result.steps]}))
+    return 0
+
+
 def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any) -> int:
     """``job start --elastic``: run the steps, recovering from lost ranks (agents.rehearsal.supervised)."""
     from pathlib import Path
@@ -284,11 +303,7 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
         raise InputError(
             "--elastic does not write a run folder or serve metrics yet; leave out --run-dir/--metrics-bind"
         )
-    if not Path(args.checkpoint_dir).is_dir():
-        raise InputError(
-            f"--checkpoint-dir {args.checkpoint_dir!r} is not a folder; give the checkpoint folder the agents share "
-            "(their --checkpoint-dir), from which a recovery resumes"
-        )
+    usable_checkpoint_folder(args.checkpoint_dir)  # made if new: the agents' first checkpoint goes there
     layout = parse_layout(text, args.plan)
     done = SupervisedResult(None, plan_text=text)
 
@@ -333,18 +348,21 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
     return 0
 
 
-def _recorder(run_dir: str | None, text: str, source: str, coordinator: dict[str, str]) -> Any:
-    """The run folder's recorder for ``--run-dir`` (None without it), listing the ``coordinator``'s endpoints in
-    endpoints.json; InputError when the folder cannot be made."""
+def _recorder(run_dir: str | None, text: str, source: str, coordinator: dict[str, str], out: Any) -> Any:
+    """The run folder's recorder for ``--run-dir`` (None without it; the folder is claimed), listing the
+    ``coordinator``'s endpoints in endpoints.json; it says what it reuses of an earlier run's folder."""
     if run_dir is None:
         return None
     from agents.layout import parse_layout
     from agents.runfolder.record import RunRecorder
 
     try:
-        return RunRecorder(run_dir, parse_layout(text, source), coordinator)
+        recorder = RunRecorder(run_dir, parse_layout(text, source), coordinator)
     except OSError as exc:
-        raise InputError(f"--run-dir {run_dir!r}: {exc.strerror or exc}; pick a writable folder") from None
+        raise InputError(f"--run-dir {run_dir}: {exc.strerror or exc}; pick a writable folder") from None
+    if recorder.reused is not None:
+        print(f"run folder {run_dir}: {recorder.reused}", file=out, flush=True)
+    return recorder
 
 
 def _write_run_folder(recorder: Any, run_dir: str, out: Any, failure: BaseException | None = None) -> dict[str, Any]:

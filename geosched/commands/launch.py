@@ -35,11 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
-import os
-import shutil
-import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -238,7 +234,10 @@ def run(args: argparse.Namespace) -> int:
         model = load_config(args.config).job.model
         shape = {name: getattr(model, name) for name in SHAPE_FIELDS}
         calibration = Calibration.load(args.calibration, shape)
-    with stops_as_ctrl_c(), _claim_run_dir(args.run_dir) as run_dir, _json_on_failure(args.json, run_dir):
+    from agents.runfolder.claim import claim_run_dir
+
+    claim = claim_run_dir(args.run_dir, foreign=FOREIGN)
+    with stops_as_ctrl_c(), claim as run_dir, _json_on_failure(args.json, run_dir):
         report = launch(
             args.config,
             plan_path=args.plan,
@@ -282,8 +281,11 @@ def data_args(config_path: str, data: list[str]) -> list[str]:
     return [f"--data={Path(pattern).absolute()}" for pattern in data]
 
 
-LOCK_NAME = ".launch.lock"
-"""The file in a run folder a launch holds locked while it runs."""
+FOREIGN = (
+    "holds files that are no launch's run folder ({files}); pick a new or empty folder (a launch writes its keys, "
+    "rank files and checkpoints there)"
+)
+"""Why ``--run-dir`` is refused when it holds other files (:func:`agents.runfolder.claim.claim_run_dir`)."""
 
 
 @contextmanager
@@ -296,7 +298,7 @@ def _json_on_failure(wanted: bool, run_dir: str) -> Iterator[None]:
     except BaseException as exc:
         path = getattr(exc, "run_report", None)
         if path is None and isinstance(exc, KeyboardInterrupt):
-            from agents.rehearsal.launch import clear_previous_run
+            from agents.runfolder.claim import clear_previous_run
             from agents.runfolder.report import write_unfinished_report
 
             with contextlib.suppress(OSError):
@@ -306,84 +308,3 @@ def _json_on_failure(wanted: bool, run_dir: str) -> Iterator[None]:
             with contextlib.suppress(OSError, ValueError):
                 print(json.dumps(json.loads(Path(path).read_text(encoding="utf-8"))), flush=True)
         raise
-
-
-def unsafe_ancestor(run: Path) -> str | None:
-    """Why a folder above ``run`` lets another user swap the run folder (its keys, plan and lock) for their own,
-    or None: one owned by another user (root aside), or writable by group or others without the sticky bit
-    (``/tmp``'s 1777 is safe). Both the path as given and its resolved form are walked, as OpenSSH does for
-    ``authorized_keys``."""
-    me, seen = os.geteuid(), set()
-    for start in (Path(os.path.abspath(run)), run.resolve()):
-        for folder in start.parents:
-            if folder in seen:
-                continue
-            seen.add(folder)
-            try:
-                info = os.stat(folder)
-            except OSError:
-                continue
-            if info.st_uid not in (0, me):
-                return f"its folder {folder} belongs to another user (uid {info.st_uid}), who could swap the run folder"
-            if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-                return (
-                    f"its folder {folder} is writable by others without the sticky bit (mode "
-                    f"{stat.S_IMODE(info.st_mode):04o}), so another user could swap the run folder; run chmod go-w "
-                    f"{folder} (or chmod +t), or pick a folder elsewhere"
-                )
-    return None
-
-
-@contextmanager
-def _claim_run_dir(run_dir: str | None) -> Iterator[str]:
-    """Make and hold the run folder for this launch (``--run-dir``, else a new ``runs/launch-<time>[-N]``) and yield
-    it: refused (one line) when it holds files that are no launch's run folder (a launch rewrites its keys, rank
-    files and checkpoints there), or while another launch holds it (``.launch.lock``, locked from before the first
-    file is written). A folder this launch made is removed again if the launch is refused before it wrote any."""
-    if run_dir is None:
-        from agents.rehearsal.launch import new_run_dir
-
-        run, made = new_run_dir(), True
-        unsafe = unsafe_ancestor(run)
-        if unsafe:
-            with contextlib.suppress(OSError):
-                run.rmdir()
-            raise InputError(f"run folder {run}: {unsafe}; or pass --run-dir DIR")
-    else:
-        run = Path(run_dir)
-        try:
-            made = not run.is_dir()
-            run.mkdir(mode=0o700, parents=True, exist_ok=True)  # its logs, plan, endpoints: the owner's alone
-            others = sorted(p.name for p in run.iterdir() if p.name != LOCK_NAME)
-            mode = run.stat().st_mode
-        except OSError as exc:  # a file there, a path under a file, no permission, a name too long
-            raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
-        if mode & 0o022:  # another user could plant links (the lock, a key) or swap files under the launch
-            raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o7777:04o}); run chmod go-w {run}")
-        unsafe = unsafe_ancestor(run)
-        if unsafe:
-            if made:
-                with contextlib.suppress(OSError):
-                    run.rmdir()
-            raise InputError(f"--run-dir {run}: {unsafe}")
-        if others and not (run / "plan.yaml").is_file():
-            raise InputError(
-                f"--run-dir {run}: holds files that are no launch's run folder ({', '.join(others[:3])}"
-                f"{', ...' if len(others) > 3 else ''}); pick a new or empty folder (a launch writes its keys, rank "
-                "files and checkpoints there)"
-            )
-    try:  # held open, and locked, for the whole launch; never through a link someone planted
-        fd = os.open(run / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise InputError(f"--run-dir {run}: cannot open its {LOCK_NAME} ({exc.strerror or exc}; a link?)") from None
-    with open(fd, "a") as lock_file:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InputError(f"--run-dir {run}: another launch is using it; wait, or pick another folder") from None
-        try:
-            yield str(run)
-        except InputError:
-            if made and [p.name for p in run.iterdir()] == [LOCK_NAME]:  # refused before it wrote anything
-                shutil.rmtree(run, ignore_errors=True)
-            raise
