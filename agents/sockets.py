@@ -253,14 +253,43 @@ def make_socket(
             except zmq.ZMQError as exc:
                 raise LinkError(f"cannot bind {bind}: {exc.strerror} (is the port in use?)") from None
         if connect is not None:
-            try:
-                sock.connect(connect)
-            except zmq.ZMQError as exc:
-                raise InputError(f"cannot connect to {connect!r}: {exc.strerror} (expect tcp://HOST:PORT)") from None
+            connect_to(sock, connect)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+def connect_to(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Connect ``sock`` (made by :func:`make_socket` without ``connect``, e.g. to watch its monitor from the
+    start) to ``endpoint``; InputError for one libzmq refuses."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise InputError(f"cannot connect to {endpoint!r}: {exc.strerror} (expect tcp://HOST:PORT)") from None
+
+
+def tcp_address(endpoint: str) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` endpoint to connect to (an IPv6 host in brackets: ``[::1]``);
+    InputError naming the bad part. libzmq takes ``tcp://[::1:5`` or a port over 65535 and never connects, so
+    a client would wait its whole timeout for an endpoint that cannot be."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    expect = "expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5600"
+    if not endpoint.startswith("tcp://") or not sep or not host:
+        raise InputError(f"endpoint {endpoint!r} names no HOST:PORT; {expect}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        what = "out of range" if port.isdigit() else "not a number"
+        raise InputError(f"endpoint {endpoint!r}: port {port[:20]} is {what} (1-65535); {expect}")
+    if ":" in host or "[" in host or "]" in host:  # IPv6: in brackets, with nothing around them
+        try:
+            if not (host.startswith("[") and host.endswith("]")):
+                raise ValueError(host)
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise InputError(
+                f"endpoint {endpoint!r}: host {host[:60]!r} is no IPv6 address in brackets, as in tcp://[::1]:5600"
+            ) from None
+    return host.strip("[]"), int(port)
 
 
 _MALLOC_TUNED = False

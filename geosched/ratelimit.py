@@ -2,7 +2,8 @@
 
 :class:`TokenBucket`: at most ``per_s`` events a second on average and ``burst`` at once (the WAN handshake's
 hello checks), :class:`AddressRates` (connections a second per address and in all: the metrics endpoint's and
-the prefill HTTP front end's, before their TLS handshakes). :class:`RateLimitedLog`: which refusals get a log line, one
+the prefill HTTP front end's, before their TLS handshakes), :class:`AddressShares` (connections held at once
+per address). :class:`RateLimitedLog`: which refusals get a log line, one
 per key (a client, a peer address) per interval and a bounded number in all, so a flood from many addresses
 cannot fill a disk (the embedded broker's refusals, the WAN listeners' and the ZAP handler's dropped peers).
 One thread calls each (an accept loop, a link's thread): no lock.
@@ -50,6 +51,29 @@ class AddressRates:
         if len(self._rates) > self.remembered:
             self._rates.popitem(last=False)
         return rate.take() and self._all.take()
+
+
+class AddressShares:
+    """How many of a listener's connections each client address holds, at most ``per_address`` each, so one
+    address cannot take every slot (the metrics endpoints' and the prefill HTTP front end's)."""
+
+    def __init__(self, per_address: int) -> None:
+        self.per_address = per_address
+        self._held: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        """One more connection from ``address``, if it holds fewer than ``per_address`` (else nothing counted)."""
+        held = self._held.get(address, 0)
+        if held >= self.per_address:
+            return False
+        self._held[address] = held + 1
+        return True
+
+    def give_back(self, address: str) -> None:
+        """A connection :meth:`take` counted closed."""
+        left = self._held.pop(address, 0) - 1
+        if left > 0:
+            self._held[address] = left
 
 
 class RateLimitedLog:

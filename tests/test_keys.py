@@ -359,15 +359,19 @@ def test_prefill_with_keys_sends_the_token_over_curve(secured_prefill, capsys) -
     # the agent's public key and a client key of one's own (an attacker's trial: then a multipart message
     # that never ends, buffered whole by libzmq): refused at the CURVE handshake, only the token's key connects
     from agents.keys import load_job_keys as reload
+    from agents.prefill.client import PrefillClient
+    from agents.sockets import CurveClient
+    from geosched.errors import LinkError
 
     server_pub = folder / "agent-0.key.pub"
     client = folder.parent / "client"
     client.mkdir(exist_ok=True)
     main(["keys", str(client), "--name", "c", "--force"])
     capsys.readouterr()
-    stranger = ["--curve-key", str(client / "c.key"), "--server-key", str(server_pub), "--timeout", "1", "hello"]
-    assert main([*argv[:-2], *stranger]) == 1
-    assert "the server key the agent's" in capsys.readouterr().err
+    own = CurveClient.from_files(client / "c.key", server_pub)
+    with PrefillClient(service.endpoint, token=reload(folder).prefill_token(), curve_client=own) as stranger:
+        with pytest.raises(LinkError, match="refused this client's CURVE key"):
+            stranger.prefill("hello", timeout_s=600)
     assert service.metrics()["received"] == 2 and service.metrics()["curve_refused"] >= 1  # the token's key: 2
     assert reload(folder).prefill_token()  # the folder is untouched
     assert main([*argv, "--keys", str(folder), "hello"]) == 2

@@ -431,8 +431,8 @@ def test_the_connection_guard_admits_refuses_and_times_out():
     from agents.prefill.connections import ConnectionGuard
 
     guard = ConnectionGuard(HttpLimits(max_connections=2, max_inflight=1, header_timeout_s=1, keepalive_timeout_s=2))
-    assert [guard.admit(k, 0.0) for k in "abcd"] == ["accept", "accept", "refuse", "refuse"]
-    assert guard.admit("e", 0.0) == "drop"  # as many being refused as may be open: not even a 503
+    assert [guard.admit(k, 0.0, k) for k in "abcd"] == ["accept", "accept", "refuse", "refuse"]
+    assert guard.admit("e", 0.0, "e") == "drop"  # as many being refused as may be open: not even a 503
     guard.refused("c")
     guard.connected("a", 0.1)  # b never finishes its TLS handshake
     assert guard.begin("a", 0.2) and not guard.begin("a", 0.2)  # one request in flight at a time
@@ -442,7 +442,7 @@ def test_the_connection_guard_admits_refuses_and_times_out():
     assert guard.inflight == 0 and guard.overdue(1.9) == [] and guard.open == 2
     assert guard.overdue(2.5) == ["a"] and guard.open == 0  # a: kept alive too long; b: forgotten
     assert guard.snapshot()["timed_out"] == 2 and guard.snapshot()["refused_connections"] == 3
-    assert guard.admit("f", 2.5) == "accept" and guard.deadline("f") == 2.5 + 1
+    assert guard.admit("f", 2.5, "f") == "accept" and guard.deadline("f") == 2.5 + 1
     with pytest.raises(ValueError, match="--prefill-http-limit 'max_conn=3': expected KEY=VALUE with KEY one of"):
         HttpLimits.parse(["max_conn=3"])
     with pytest.raises(ValueError, match="header_timeout_s: must be between 0.05 and 3600"):

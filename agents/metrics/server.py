@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from geosched.errors import InputError
-from geosched.ratelimit import AddressRates
+from geosched.ratelimit import AddressRates, AddressShares
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class _BoundedServer(ThreadingWSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self._per_address: dict[str, int] = {}
+        self._per_address = AddressShares(MAX_CLIENTS_PER_ADDRESS)
         # the accepting thread's alone
         self._rates = AddressRates(CONNECTIONS_PER_S, CONNECTIONS_BURST, ALL_CONNECTIONS_PER_S, RATED_ADDRESSES)
         self._lock = threading.Lock()
@@ -114,16 +114,16 @@ class _BoundedServer(ThreadingWSGIServer):
     def _take(self, address: str) -> bool:
         """A slot for a connection from ``address``, if one is free (of all, and of that address's share)."""
         with self._lock:
-            if self._per_address.get(address, 0) >= MAX_CLIENTS_PER_ADDRESS or not self._slots.acquire(False):
+            if not self._per_address.take(address):
                 return False
-            self._per_address[address] = self._per_address.get(address, 0) + 1
+            if not self._slots.acquire(False):
+                self._per_address.give_back(address)
+                return False
             return True
 
     def _give_back(self, address: str) -> None:
         with self._lock:
-            left = self._per_address.pop(address) - 1
-            if left:
-                self._per_address[address] = left
+            self._per_address.give_back(address)
             self._slots.release()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:

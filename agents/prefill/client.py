@@ -20,10 +20,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import TypedDict, Unpack
+from typing import NoReturn, TypedDict, Unpack
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from agents.prefill.protocol import (
     PrefillRequest,
@@ -33,7 +34,7 @@ from agents.prefill.protocol import (
     encode_request,
     prompt_tokens,
 )
-from agents.sockets import CurveClient, make_socket
+from agents.sockets import CurveClient, connect_to, make_socket, monitor_events, tcp_address
 from geosched.errors import InputError, LinkError
 from geosched.model import StageModule, decode_step
 
@@ -53,7 +54,11 @@ class SubmitOptions(TypedDict, total=False):
 
 
 class PrefillClient:
-    """A connection to one prefill endpoint; not thread-safe (one per thread)."""
+    """A connection to one prefill endpoint; not thread-safe (one per thread).
+
+    A malformed endpoint is an InputError at once. Its socket's monitor is read while waiting: an agent that
+    refuses this client's CURVE key (a wrong token), or whose security does not match (CURVE against plain),
+    is a LinkError at once rather than after the timeout."""
 
     def __init__(
         self,
@@ -70,6 +75,7 @@ class PrefillClient:
                 f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
                 f"front end; http:// where it runs without TLS) (got {endpoint!r})"
             )
+        tcp_address(endpoint)  # a malformed one now, not after the timeout: libzmq would never connect
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s
@@ -77,9 +83,16 @@ class PrefillClient:
         self._curve = curve_client is not None
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
-        self._sock = make_socket(
-            self._ctx, zmq.DEALER, connect=endpoint, max_msg_bytes=max_response_bytes, curve_client=curve_client
-        )
+        self._sock = make_socket(self._ctx, zmq.DEALER, max_msg_bytes=max_response_bytes, curve_client=curve_client)
+        self._monitor = monitor_events(self._sock)  # watched from before the connect: a refused login is an event
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        try:
+            connect_to(self._sock, endpoint)
+        except InputError:
+            self.close()
+            raise
         self._early: dict[str | None, PrefillResponse] = {}
         self._prefix = f"{os.getpid()}-{id(self) & 0xFFFF:x}"
 
@@ -90,7 +103,9 @@ class PrefillClient:
         self.close()
 
     def close(self) -> None:
-        """Close the socket (and the context if this client made it)."""
+        """Close the socket and its monitor (and the context if this client made it)."""
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
@@ -116,21 +131,51 @@ class PrefillClient:
         self._sock.send_multipart(list(frames), copy=False)
 
     def receive(self, timeout_s: float | None = None) -> PrefillResponse:
-        """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's)."""
+        """The next response; LinkError if none arrives within ``timeout_s`` (default: the client's), or at once
+        when the agent refuses this client's login (:meth:`_check_login`)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not self._sock.poll(int(timeout * 1e3), zmq.POLLIN):
-            keys = (
-                " and the server key the agent's (--rank: CURVE drops a wrong key unanswered)"
-                if self._curve
-                else ", and does it take plain ZeroMQ? An agent with keys (launch's default) speaks CURVE only: "
-                "pass --keys DIR --rank R"
-            )
-            raise LinkError(
-                f"no prefill response from {self.endpoint} within {timeout:g} s; "
-                f"is the agent running, its endpoint right{keys}?"
-            )
+        end = time.monotonic() + timeout
+        while not self._sock.poll(0, zmq.POLLIN):
+            left = end - time.monotonic()
+            if left <= 0 or not self._poller.poll(max(1, int(left * 1e3))):
+                self._no_response(timeout)
+            self._check_login()
         frames = self._sock.recv_multipart(copy=False)
         return decode_response([f.buffer for f in frames], max_kv_frame_bytes=self.max_response_bytes)
+
+    def _check_login(self) -> None:
+        """Read the socket's monitor events: LinkError when the agent refused this client's CURVE key (libzmq
+        reports it as a handshake failure, and the agent sends nothing else) or its security does not match."""
+        while True:
+            try:
+                message = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, value = message["event"], message["value"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise LinkError(
+                    f"the agent at {self.endpoint} refused this client's CURVE key: the token is not the job's prefill "
+                    "token (an agent admits only the client key the job's prefill.token stands for)"
+                )
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                fix = (
+                    "takes plain ZeroMQ (an agent without --keys): connect without --keys/--server-key"
+                    if self._curve
+                    else "speaks CURVE only (an agent with keys, launch's default): pass --keys DIR --rank R"
+                )
+                raise LinkError(f"the agent at {self.endpoint} {fix}")
+
+    def _no_response(self, timeout: float) -> NoReturn:
+        keys = (
+            " and the server key the agent's (--rank: a client cannot read a wrong server key's answer)"
+            if self._curve
+            else ", and does it take plain ZeroMQ? An agent with keys (launch's default) speaks CURVE only: "
+            "pass --keys DIR --rank R"
+        )
+        raise LinkError(
+            f"no prefill response from {self.endpoint} within {timeout:g} s; "
+            f"is the agent running, its endpoint right{keys}?"
+        )
 
     def prefill(
         self,

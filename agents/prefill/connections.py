@@ -8,7 +8,8 @@ protocols that put it in front of aiohttp's (the server's event loop drives
 them; :mod:`agents.prefill.http` sweeps :meth:`ConnectionGuard.overdue`).
 
 A connection is accepted while fewer than ``max_connections`` are open (TLS
-handshakes in progress count); a further one is answered 503 with
+handshakes in progress count) and fewer than ``max_connections_per_address``
+of them from its client's address; a further one is answered 503 with
 ``Retry-After`` and closed (or, when even those pile up, closed at once).
 Outside a request, a connection is closed when it has not completed the
 headers of its first request within ``header_timeout_s`` of being accepted
@@ -27,12 +28,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from geosched.ratelimit import AddressShares
+
 UNHANDSHAKEN_SLACK_S = 1.0
 """An accepted TLS connection that never finished its handshake is forgotten this long after asyncio gave up on it."""
 REFUSAL_LINGER_S = 1.0
 """A refused connection reads (and drops) what the client sends for at most this long, so the 503 is not lost."""
 LIMIT_BOUNDS = {
     "max_connections": (1, 65536),
+    "max_connections_per_address": (1, 65536),
     "max_inflight": (1, 65536),
     "header_timeout_s": (0.05, 3600.0),
     "body_timeout_s": (0.05, 3600.0),
@@ -49,6 +53,9 @@ class HttpLimits:
 
     max_connections: int = 64
     """Open connections at once (TLS handshakes in progress count); more are answered 503 and closed."""
+    max_connections_per_address: int = 16
+    """Of those, from one client address (loopback's included): one client holding connections it never uses (a
+    trial's 300 unhandshaken TLS connections from one address) leaves the other addresses room."""
     max_inflight: int = 32
     """Requests being handled at once (body read, queued, computed, answered); more are answered 503."""
     header_timeout_s: float = 10.0
@@ -99,6 +106,7 @@ class HttpLimits:
 @dataclass
 class _Connection:
     accepted_at: float
+    address: str | None  # its client's, as counted in ConnectionGuard's shares (None: not counted)
     connected: bool = False
     busy: bool = False  # inside a request (headers complete, answer not yet handed over)
     answered_at: float | None = None  # the end of its latest request
@@ -110,6 +118,7 @@ class ConnectionGuard:
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
         self._open: dict[Hashable, _Connection] = {}
+        self._shares = AddressShares(limits.max_connections_per_address)
         self._refusing: dict[Hashable, float] = {}  # connections being answered 503 -> when accepted
         self.inflight = 0
         self.counts = dict.fromkeys(
@@ -121,19 +130,24 @@ class ConnectionGuard:
         """Connections held now (accepted, not yet closed; TLS handshakes in progress included)."""
         return len(self._open)
 
-    def admit(self, key: Hashable, now: float) -> str:
-        """A connection was accepted: ``"accept"`` (held until :meth:`lost`), ``"refuse"`` (over the limit: answer
-        it 503, then :meth:`refused`) or ``"drop"`` (so many are being refused: close it at once)."""
+    def admit(self, key: Hashable, now: float, address: str) -> str:
+        """A connection from ``address`` was accepted: ``"accept"`` (held until :meth:`lost`), ``"refuse"`` (over
+        ``max_connections``) or ``"refuse_address"`` (over ``max_connections_per_address``): answer it 503
+        (:func:`overloaded_response`), then :meth:`refused`; or ``"drop"`` (so many are being refused: close it at
+        once)."""
         self._forget_stale(now)
+        verdict = "refuse"
         if len(self._open) < self.limits.max_connections:
-            self._open[key] = _Connection(now)
-            self.counts["accepted"] += 1
-            return "accept"
+            if self._shares.take(address):
+                self._open[key] = _Connection(now, address)
+                self.counts["accepted"] += 1
+                return "accept"
+            verdict = "refuse_address"
         self.counts["refused_connections"] += 1
         if len(self._refusing) >= self.limits.max_connections:
             return "drop"
         self._refusing[key] = now
-        return "refuse"
+        return verdict
 
     def over_rate(self) -> None:
         """A connection was closed before its TLS handshake: its address (or everyone) was over the rate."""
@@ -146,13 +160,18 @@ class ConnectionGuard:
     def connected(self, key: Hashable, now: float) -> None:
         """Its transport is up (after the TLS handshake, if any)."""
         connection = self._open.get(key)
-        if connection is None:  # forgotten while its handshake dragged on: hold it again
-            connection = self._open[key] = _Connection(now)
+        if connection is None:  # forgotten while its handshake dragged on: hold it again (its share was given back)
+            connection = self._open[key] = _Connection(now, None)
         connection.connected = True
 
     def lost(self, key: Hashable) -> None:
         """It closed (a request still running on it ends with :meth:`end` all the same)."""
-        self._open.pop(key, None)
+        self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        connection = self._open.pop(key, None)
+        if connection is not None and connection.address is not None:
+            self._shares.give_back(connection.address)
 
     def begin(self, key: Hashable, now: float) -> bool:
         """A request's headers are complete: True if it may run; :meth:`end` must follow either way."""
@@ -196,14 +215,14 @@ class ConnectionGuard:
                 late.append(key)
         for key in late:
             self.counts["timed_out"] += 1
-            del self._open[key]  # lost() follows when its transport closes, a no-op then
+            self._release(key)  # lost() follows when its transport closes, a no-op then
         return late
 
     def _forget_stale(self, now: float) -> None:
         # asyncio aborts a TLS handshake after header_timeout_s and tells no protocol: forget it a little later
         limit = self.limits.header_timeout_s + UNHANDSHAKEN_SLACK_S
         for key in [k for k, c in self._open.items() if not c.connected and now - c.accepted_at > limit]:
-            del self._open[key]  # cut off by asyncio at header_timeout_s (or failed): a slow client all the same
+            self._release(key)  # cut off by asyncio at header_timeout_s (or failed): a slow client all the same
             self.counts["timed_out"] += 1
         limit += REFUSAL_LINGER_S
         for key in [k for k, accepted in self._refusing.items() if now - accepted > limit]:
@@ -253,8 +272,16 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-def overloaded_response(message: str) -> bytes:
-    """A whole HTTP/1.1 503 answer with OpenAI's error object, ``Retry-After: 1`` and ``Connection: close``."""
+def overloaded_response(verdict: str, limits: HttpLimits) -> bytes | None:
+    """The answer to a connection :meth:`ConnectionGuard.admit` refused: a whole HTTP/1.1 503 with OpenAI's error
+    object naming the limit, ``Retry-After: 1`` and ``Connection: close``; None for one to close unanswered."""
+    if verdict == "drop":
+        return None
+    if verdict == "refuse_address":
+        held = f"{limits.max_connections_per_address} connections from your address (max_connections_per_address)"
+    else:
+        held = f"its limit of {limits.max_connections} connections"
+    message = f"this agent's prefill front end holds {held}; retry shortly"
     body = json.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": "server_overloaded"}}
     ).encode()

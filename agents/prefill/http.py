@@ -226,16 +226,16 @@ class PrefillHttpServer:
                 self._guard.over_rate()
                 conn.close()
                 continue
-            opening = loop.create_task(self._open(conn))
+            opening = loop.create_task(self._open(conn, str(address[0])))
             self._opening.add(opening)
             opening.add_done_callback(self._opening.discard)
 
-    async def _open(self, conn: socket.socket) -> None:
+    async def _open(self, conn: socket.socket, address: str) -> None:
         """Hand an accepted connection to the guard's protocol (:meth:`_protocol`), through its TLS handshake."""
         assert self._loop is not None
         try:
             await self._loop.connect_accepted_socket(
-                self._protocol,
+                lambda: self._protocol(address),
                 conn,
                 ssl=self.tls,
                 ssl_handshake_timeout=self.limits.header_timeout_s if self.tls is not None else None,
@@ -244,20 +244,14 @@ class PrefillHttpServer:
             log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
             conn.close()
 
-    def _protocol(self) -> asyncio.Protocol:
-        """The protocol of a connection just accepted: aiohttp's behind the guard, or a refusal."""
+    def _protocol(self, address: str) -> asyncio.Protocol:
+        """The protocol of a connection just accepted from ``address``: aiohttp's behind the guard, or a refusal."""
         assert self._loop is not None and self._runner is not None and self._runner.server is not None
         inner = connection_handler(self._runner.server)  # aiohttp's RequestHandler: the guard's key for it
-        verdict = self._guard.admit(inner, self._loop.time())
+        verdict = self._guard.admit(inner, self._loop.time(), address)
         if verdict == "accept":
             return GuardedProtocol(inner, self._guard, self._loop)
-        answer = None
-        if verdict == "refuse":
-            answer = overloaded_response(
-                f"this agent's prefill front end holds its limit of {self.limits.max_connections} connections; "
-                "retry shortly"
-            )
-        return RefusingProtocol(answer, lambda: self._guard.refused(inner))
+        return RefusingProtocol(overloaded_response(verdict, self.limits), lambda: self._guard.refused(inner))
 
     async def _sweep(self) -> None:
         """Close every connection the guard finds overdue (slow or idle clients), every ``limits.sweep_s``."""
@@ -362,7 +356,11 @@ class PrefillHttpServer:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
 
     def _authenticate(self, request: web.Request) -> None:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = request.headers.getall(hdrs.AUTHORIZATION, [])
+        if len(given) > 1:  # which one counts is a guess (a trial's wrong second token passed when the first was right)
+            self.service.count_refused("bad_requests")
+            raise invalid(f"{len(given)} Authorization headers: send one, 'Bearer <prefill token>'")
+        scheme, _, token = (given[0] if given else "").partition(" ")
         if not token_matches(self.service.auth_token, token.strip() if scheme.lower() == "bearer" else None):
             self.service.count_refused("unauthenticated")
             raise HttpError(

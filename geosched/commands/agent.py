@@ -163,8 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a bound of the prefill HTTP front end (repeatable): max_connections (64), max_inflight (32), "
-        "header_timeout_s (10), body_timeout_s (10), keepalive_timeout_s (15), send_timeout_s (30)",
+        help="a bound of the prefill HTTP front end (repeatable): max_connections (64), "
+        "max_connections_per_address (16), max_inflight (32), header_timeout_s (10), body_timeout_s (10), "
+        "keepalive_timeout_s (15), send_timeout_s (30), connections_per_s (20)",
     )
     parser.add_argument(
         "--prefill-weights",

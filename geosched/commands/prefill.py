@@ -6,6 +6,7 @@ decoding locally from that cache (needs the same weights: --weights; --config on
 file that records no model, or with --seed for the seeded demo model):
 
   geosched prefill --endpoint tcp://10.0.0.5:5600 --keys secrets --rank 2 "Hello"   # token + CURVE to rank 2
+  geosched prefill --endpoint tcp://10.0.0.5:5600 --token-file prefill.token --server-key agent-2.key.pub "Hi"
   geosched prefill --endpoint tcp://127.0.0.1:5600 --token-file prefill.token "The quick brown fox"  # --insecure agent
   geosched prefill --endpoint https://127.0.0.1:8443 --keys runs/demo/secrets "Hello"   # HTTPS: token + its CA
   geosched prefill --endpoint https://agent:8443 --ca-file ca.crt --token-file prefill.token "Hello"
@@ -23,7 +24,8 @@ it; else the system's CAs).
 --weights (a file from ``geosched export``, or a checkpoint folder), and prints
 what the agent's answer prints: a quick check of an exported file.
 
-Exit code 1 when the agent answers rejected, expired or error (the reason is printed).
+Exit code 1 when the agent answers rejected, expired or error (the reason is printed), or refuses this
+client's CURVE key (the token is not the job's: at once, not after --timeout).
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the job's key folder: its prefill token, and CURVE to the agent of --rank (its agent-<R>.key.pub)",
     )
     parser.add_argument("--rank", type=int, help="with --keys and tcp://: the rank whose agent serves --endpoint")
-    parser.add_argument("--curve-key", help="CURVE: this client's NAME.key file (with --server-key)")
-    parser.add_argument("--server-key", help="CURVE: the agent's NAME.key.pub file")
+    parser.add_argument("--curve-key", help=argparse.SUPPRESS)  # refused: agents admit only the token's key
+    parser.add_argument(
+        "--server-key",
+        metavar="FILE",
+        help="tcp:// without --keys: CURVE to the agent with this public key (agent-<R>.key.pub), with the token",
+    )
     parser.add_argument("--deadline-ms", type=float, help="answer within this many ms (else the agent rejects)")
     parser.add_argument("--priority", type=int, default=0, help="0-9, higher first (default 0)")
     parser.add_argument("--top-k", type=int, default=5, help="logits to return (1-16, default 5)")
@@ -115,24 +121,35 @@ def _load_local_model(args: argparse.Namespace) -> tuple[StageModule, int | None
     return frozen(model), step
 
 
-def _from_keys(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> tuple[str, CurveClient]:
-    """The token and CURVE settings from ``--keys DIR --rank R`` (a fresh client keypair: the token authenticates)."""
+def _curve_of(args: argparse.Namespace, token: str | None) -> tuple[str | None, CurveClient | None]:
+    """The token and CURVE settings of a tcp:// endpoint: from ``--keys DIR --rank R`` (the token from DIR unless
+    given) or ``--server-key FILE`` with the token; the client key is the one the token stands for, the only one
+    an agent admits (:func:`agents.sockets.token_keypair`)."""
     from agents.keys import load_job_keys
-    from agents.sockets import CurveClient, token_keypair
+    from agents.sockets import CurveClient, load_public_key, token_keypair
 
-    if args.rank is None:
-        raise InputError("--keys needs --rank R: the rank of the agent serving --endpoint (its CURVE key)")
-    if curve is not None:
-        raise InputError("pass either --keys or --curve-key/--server-key, not both")
-    keys = load_job_keys(args.keys)
-    token = token or keys.prefill_token()  # its CURVE key too: the agent admits only that client key
-    return token, CurveClient(*token_keypair(token), keys.curve_public(args.rank))
+    if args.keys is None and args.rank is not None:
+        raise InputError("--rank goes with --keys DIR (the rank whose CURVE key the agent's endpoint uses)")
+    if args.keys is not None and args.server_key is not None:
+        raise InputError("pass either --keys DIR --rank R or --server-key FILE (the agent's public key), not both")
+    if args.keys is not None:
+        if args.rank is None:
+            raise InputError("--keys needs --rank R: the rank of the agent serving --endpoint (its CURVE key)")
+        keys = load_job_keys(args.keys)
+        token = token or keys.prefill_token()
+        server_key = keys.curve_public(args.rank)
+    elif args.server_key is not None:
+        if token is None:
+            raise InputError("--server-key needs the job's prefill token (--token-file FILE): its CURVE key")
+        server_key = load_public_key(args.server_key)
+    else:
+        return token, None
+    return token, CurveClient(*token_keypair(token), server_key)
 
 
 def run(args: argparse.Namespace) -> int:
     """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
     from agents.prefill.client import PrefillClient, prefill_locally
-    from agents.sockets import CurveClient
 
     at_least(args, "decode", 0, colon=False)
     at_least(args, "priority", 0)
@@ -156,24 +173,23 @@ def run(args: argparse.Namespace) -> int:
         return _report(args, answer, model if args.decode else None, step)
     if args.endpoint is None:
         raise InputError("pass --endpoint tcp://HOST:PORT (an agent's prefill endpoint), or --local --weights FILE")
-    if (args.curve_key is None) != (args.server_key is None):
-        raise InputError("CURVE needs both --curve-key (this client's NAME.key) and --server-key (NAME.key.pub)")
+    if args.curve_key is not None:
+        raise InputError(
+            "--curve-key: an agent admits only the CURVE key the job's prefill token stands for, no key of one's "
+            "own; pass the token (--token-file FILE, or --keys DIR --rank R) and, without DIR, --server-key FILE"
+        )
     served, step = _load_local_model(args) if args.decode else (None, None)
-    curve = CurveClient.from_files(args.curve_key, args.server_key) if args.curve_key else None
     token = args.token
     if args.token_file is not None:
         from geosched.commands.agent import read_token_file
 
         token = read_token_file(args.token_file, "--token-file")
     if args.endpoint.startswith(("http://", "https://")):
-        result = _over_http(args, token, curve)
+        result = _over_http(args, token)
         return _report(args, result, served, step)
     if args.ca_file is not None:
         raise InputError("--ca-file goes with an https:// endpoint (tcp:// endpoints use CURVE)")
-    if args.keys is not None:
-        token, curve = _from_keys(args, token, curve)
-    elif args.rank is not None:
-        raise InputError("--rank goes with --keys DIR (the rank whose CURVE key the agent's endpoint uses)")
+    token, curve = _curve_of(args, token)
     with PrefillClient(args.endpoint, token=token, curve_client=curve, timeout_s=args.timeout) as client:
         result = client.prefill(
             args.prompt,
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, result, served, step)
 
 
-def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient | None) -> PrefillResponse:
+def _over_http(args: argparse.Namespace, token: str | None) -> PrefillResponse:
     """The prompt sent to an agent's HTTP front end (``POST /v1/prefill``), TLS checked against the CA."""
     import os
 
@@ -193,8 +209,8 @@ def _over_http(args: argparse.Namespace, token: str | None, curve: CurveClient |
     from agents.tls.context import client_context
     from agents.tls.selfsigned import CA_CERT
 
-    if curve is not None or args.rank is not None:
-        raise InputError("--curve-key, --server-key and --rank go with a tcp:// endpoint (HTTPS uses TLS)")
+    if args.server_key is not None or args.rank is not None:
+        raise InputError("--server-key and --rank go with a tcp:// endpoint (HTTPS uses TLS)")
     scheme = split_url(args.endpoint)[0]
     ca_file = args.ca_file
     if args.keys is not None:
