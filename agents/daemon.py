@@ -266,6 +266,11 @@ class Agent:
         if isinstance(message, PlanMessage):
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
+            if message.rank == self.opts.rank and message.state == "offline" and "state" in self._status:
+                # the will of an earlier agent of this rank (frozen, then dropped by the broker) over this live one's
+                log.warning("rank %d: an earlier agent's will marked this rank offline; republishing", message.rank)
+                await self._set_status(self._status["state"])
+                return None
             endpoints = message.extra.get("endpoints")
             if (
                 self.book is not None
