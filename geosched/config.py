@@ -30,6 +30,7 @@ from typing import Literal
 
 from geosched.chunking import MAX_STREAMS
 from geosched.errors import ConfigError
+from geosched.schedule.builders import MAX_STAGE_MICROBATCHES
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file
 
@@ -55,6 +56,8 @@ MAX_LAYERS = 4096
 MAX_STEPS = 10**9
 """The most training steps a job may ask for (job.steps, launch --steps)."""
 """The most transformer blocks a model may have."""
+MICROBATCH_SIZES = (1, 2, 4, 8)
+"""Microbatch sizes the planner tries when job.microbatch_size is null (those dividing the global batch)."""
 MAX_DC_GPUS = 1_000_000
 """The most GPUs one datacenter may offer."""
 MAX_DATACENTERS = 256
@@ -410,6 +413,21 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(
             f"job.global_batch: global_batch({job.global_batch}) must be a multiple of "
             f"microbatch_size({job.microbatch_size})"
+        )
+    _check_microbatches(job, cfg.cluster.total_gpus)
+
+
+def _check_microbatches(job: JobSpec, gpus: int) -> None:
+    """ConfigError when even one stage with a replica on every GPU would run more microbatches per pipeline than
+    a schedule may hold (:data:`MAX_STAGE_MICROBATCHES`): no plan, and no simulation, could exist."""
+    size = job.microbatch_size or max(b for b in MICROBATCH_SIZES if job.global_batch % b == 0)
+    fewest = -(-job.global_batch // (size * gpus))  # one stage, one replica per GPU
+    if fewest > MAX_STAGE_MICROBATCHES:
+        given = "" if job.microbatch_size else " (null: the largest the planner tries)"
+        raise ConfigError(
+            f"job.global_batch: global_batch({job.global_batch}) / (microbatch_size({size}){given} x {gpus} GPUs) "
+            f"= {fewest} microbatches per pipeline at the most replicas, over the {MAX_STAGE_MICROBATCHES} a "
+            "schedule may hold; raise job.microbatch_size or lower job.global_batch"
         )
 
 

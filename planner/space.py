@@ -28,6 +28,7 @@ from geosched.config import Config, WanLinkSpec
 from geosched.costmodel import GIB, layer_costs
 from geosched.memory import peak_inflight, stage_memory_bytes
 from geosched.netcost import streams_to_fill
+from geosched.schedule.builders import MAX_STAGE_MICROBATCHES
 
 VIOLATIONS_MEMO = 1 << 16
 """Verdicts of :meth:`Problem.violation` one problem keeps (then it starts over)."""
@@ -383,6 +384,8 @@ class Problem:
         p = cand.num_stages
         if p < 1 or len(cand.stage_layers) != p:
             return "a plan needs at least one stage and one layer range per stage"
+        if p * cand.microbatches > MAX_STAGE_MICROBATCHES:  # too large to simulate: a job-wide bound, as the GPUs
+            return f"stages({p}) x microbatches({cand.microbatches}) > {MAX_STAGE_MICROBATCHES} (one schedule's most)"
         job = self.job
         if self.pinned_dp is not None and cand.replicas != self.pinned_dp:  # every search move keeps the pin
             return f"replicas({cand.replicas}) != the pinned data-parallel degree ({self.pinned_dp})"

@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from geosched.config import SCHEDULES, Config
+from geosched.config import MICROBATCH_SIZES, SCHEDULES, Config
 from geosched.errors import InputError, PlanInfeasible
 from planner.cpsat import Goal
 from planner.evaluate import Evaluation, Evaluator
@@ -46,8 +46,6 @@ from planner.space import Candidate, Problem, Variant, tp_slots
 MAX_TENSOR_PARALLEL = 8
 """The largest tensor-parallel degree planned: what the agents shard a stage over (one node's GPUs,
 ``agents.runnable.RUNTIME_TP``; a test keeps the two equal)."""
-MICROBATCH_SIZES = (1, 2, 4, 8)
-"""Microbatch sizes the planner tries (those dividing the global batch)."""
 FULL_SEARCHES = 2
 """Most variants searched in full after the screening: the best screened one of each tensor-parallel degree,
 best first, within :data:`FULL_WITHIN` of the best."""

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="folder to write the key files into")
     parser.add_argument("--ranks", type=int, help="write a job's key folder for N agent ranks (created if absent)")
     parser.add_argument("--plan", help="write a job's key folder for as many ranks as this plan has")
-    parser.add_argument("--name", help="write one CURVE keypair DIR/NAME.key(.pub) (DIR must exist; default: agent)")
+    parser.add_argument("--name", help="write one CURVE keypair DIR/NAME.key(.pub) (DIR is made, mode 0700, if absent)")
     parser.add_argument("--force", action="store_true", help="overwrite existing key files")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
 
@@ -82,7 +82,7 @@ def _job_folder(args: argparse.Namespace) -> int:
         ranks = len(parse_layout(load_plan_file(args.plan), args.plan).roles)
     if not 1 <= ranks <= MAX_RANKS:
         raise InputError(f"--ranks: must be between 1 and {MAX_RANKS} (got {ranks})")
-    folder(args.dir, "DIR")  # a job's key folder is made once its arguments hold; a keypair's must exist
+    folder(args.dir, "DIR")  # a job's key folder is made once its arguments hold
     written = write_job_keys(args.dir, ranks, force=args.force)
     if args.json:
         print(json.dumps({"dir": args.dir, "ranks": ranks, **{k: [str(p) for p in v] for k, v in written.items()}}))

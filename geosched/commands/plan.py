@@ -125,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_atomically(args.output, dump_plan(outcome.plan))
         except OSError as exc:
-            raise InputError(f"cannot write -o {args.output!r}: {exc.strerror or exc}; pick a writable path") from None
+            raise InputError(  # the file is written beside itself, then renamed: /proc/version has no such room
+                f"cannot write -o {args.output!r}: a plan cannot be written there ({exc.strerror or exc}); "
+                "pick a file in a writable folder"
+            ) from None
     summary = summary_dict(outcome.plan, reasons)
     frontier = [
         {"iteration_s": ev.iteration_s, "wan_usd_per_iteration": ev.wan_cost_usd, "plan": ev.candidate.describe()}

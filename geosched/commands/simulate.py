@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     """Build, lower, validate and simulate the schedule, then report it."""
     from geosched.schedule import lower, simulate
 
+    if args.grid_steps < 0:
+        raise InputError(f"--grid-steps must be >= 0, the grid's columns (0: no grid; got {args.grid_steps})")
     schedule, costs, info = _schedule_and_costs(args)
     timeline = simulate(lower(schedule), costs)
     written = {}
@@ -111,6 +113,7 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
         build: Callable[[argparse.Namespace], tuple[Any, Any, dict[str, Any]]] = simulate_source.build
         return build(args)
     from geosched.schedule import UniformCosts, build_schedule
+    from geosched.schedule.builders import check_size
 
     for flag in ("stages", "microbatches"):
         if getattr(args, flag) is None:
@@ -125,6 +128,7 @@ def _schedule_and_costs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
         ms[name] = value / 1000.0
     if args.stages > MAX_LAYERS:
         raise InputError(f"--stages must be at most {MAX_LAYERS}, a model's most layers (got {args.stages})")
+    check_size(args.stages, args.microbatches, "--stages", "--microbatches")
     schedule = build_schedule(args.schedule or "1f1b", args.stages, args.microbatches)
     costs = UniformCosts(ms["forward_ms"], ms["backward_ms"], ms["transfer_ms"], ms["allreduce_ms"], ms["step_ms"])
     return schedule, costs, {}

@@ -68,6 +68,7 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """Equal blocks, stages spread over the DCs in config order, one pipeline."""
     from geosched.config import load_config
     from geosched.schedule import build_schedule
+    from geosched.schedule.builders import check_size
     from planner.evaluate import Evaluator
     from planner.space import Problem, even_split, from_split
 
@@ -110,6 +111,8 @@ def _from_config(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
                 f"{args.source}' looks for one that does)",
                 file=sys.stderr,
             )
+    given = "--microbatches" if args.microbatches is not None else "microbatches (job.global_batch / microbatch_size)"
+    check_size(p, m, "--stages", given)  # before the costs and the memory check, which grow with it
     costs = Evaluator(problem).costs(cand)
     schedule = build_schedule(args.schedule or job.pipeline_schedule, p, m)
     return schedule, costs, {"source": args.source, "plan": cand.describe()}

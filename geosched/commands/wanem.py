@@ -109,6 +109,7 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
     links = list(load_config(args.config).cluster.links)
     listen_host = parse_address(args.listen, "--listen")[0]
     routes, ends, listen = {}, {}, {}
+    taken: dict[int, str] = {}  # listen port -> the --route that asked for it
     for text in args.route:
         left, sep, right = text.partition("=")
         pair, _, port = left.partition(":")
@@ -129,6 +130,8 @@ def _config_routes(args: argparse.Namespace) -> _Routes:
         routes[f"{a}-{b}"] = (parse_address(right, "--route"), shape_for_link(link, args.scale))
         ends[f"{a}-{b}"] = (a, b)
         listen[f"{a}-{b}"] = (listen_host, int(port or 0))
+        if port and (other := taken.setdefault(int(port), text)) != text:
+            raise InputError(f"--route {text!r}: port {port} is --route {other!r}'s already; give each route its own")
         _not_itself(listen[f"{a}-{b}"], routes[f"{a}-{b}"][0], f"--route {text!r}")
     return routes, ends, listen
 
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         emulator = WanEmulator(routes, args.reset_every_s, link_ends=ends, listen=listen)
     except OSError as exc:
-        raise InputError(f"--listen: cannot listen ({exc.strerror or exc}); choose a free port or port 0") from None
+        flag = "--route" if args.config else "--listen"  # with a CONFIG, each --route names its own port
+        raise InputError(f"{flag}: cannot listen ({exc.strerror or exc}); choose a free port or port 0") from None
     stop = threading.Event()
     resets = threading.Event()
     handlers = {
