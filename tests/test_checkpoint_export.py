@@ -204,3 +204,24 @@ def test_weights_that_diverged_are_exported_with_a_warning(tmp_path: Path, capsy
     nonfinite = json.loads(captured.out)["nonfinite"]
     assert nonfinite == next(stages[0].parameters()).numel() > 0
     assert f"warning: {nonfinite:,} of the weights are NaN or inf" in captured.err
+
+
+def test_a_shard_with_a_tensor_its_record_does_not_name_is_refused(two_layouts, tmp_path: Path, capsys) -> None:
+    """Export took from each shard only the names the model holds: an extra tensor (its checksum fixed up) was
+    dropped unseen (a trial). The shard names its parameters: anything else is refused, in one line."""
+    import hashlib
+
+    two, _, _ = two_layouts
+    altered = tmp_path / "altered"
+    shutil.copytree(two, altered)
+    tensor_path = altered / "step-000002" / "stage-01.safetensors"
+    tensors = load_file(tensor_path)
+    save_file({**tensors, "model/blocks.9.attn.backdoor": torch.zeros(4)}, tensor_path)
+    meta_path = tensor_path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    data = tensor_path.read_bytes()
+    meta.update(sha256=hashlib.sha256(data).hexdigest(), tensor_bytes=len(data))
+    meta_path.write_text(json.dumps(meta))
+    out = str(tmp_path / "w.safetensors")
+    _one_line_exit_2(["export", str(altered), "-o", out], "unexpected tensors ['model/blocks.9.attn.backdoor']", capsys)
+    assert not Path(out).exists()

@@ -156,7 +156,14 @@ def load_resharded(
     tensors: dict[str, torch.Tensor] = {}
     rngs: dict[int, torch.Tensor] = {}
     for old in range(saved_stages(ckpt_dir, step)):
-        _, meta, shard = _read_shard(ckpt_dir, step, old, None, model_fingerprint)
+        tensor_path, meta, shard = _read_shard(ckpt_dir, step, old, None, model_fingerprint)
+        named = {f"model/{name}" for name in meta.get("model") or ()} | {"rng/torch_cpu"}
+        unknown = sorted(k for k in shard if k not in named and not k.startswith(("optim/", "optim_group/")))
+        if unknown:  # each stage takes only its names: an unknown tensor would be dropped unseen
+            raise CheckpointError(
+                f"{tensor_path}: unexpected tensors {unknown[:3]}, not among the parameters its record names; "
+                "the shard was altered, or is not a geosched checkpoint's"
+            )
         rng = shard.pop("rng/torch_cpu", None)
         if rng is not None:
             rngs[old] = rng
