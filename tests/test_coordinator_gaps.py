@@ -14,6 +14,7 @@ from agents.control.coordinator import AgentLost, StartAcks, _follow
 from agents.control.liveness import Liveness
 from agents.control.messages import CommandMessage, ControlStats, MetricsMessage, StatusMessage
 from agents.control.ready import AgentRefused, check_same_plan, stranded_endpoints
+from agents.control.refused import RefusedStatuses
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
 
@@ -38,6 +39,7 @@ class _Plane:
     job: str = "gaps"
     connected: bool = True
     stats: ControlStats = field(default_factory=ControlStats)
+    refused_statuses: RefusedStatuses = field(default_factory=lambda: RefusedStatuses("gaps"))
 
     def statuses(self) -> dict[int, StatusMessage]:
         return {}
