@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -266,9 +267,14 @@ class Agent:
         if isinstance(message, PlanMessage):
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
-            if message.rank == self.opts.rank and message.state == "offline" and "state" in self._status:
-                # the will of an earlier agent of this rank (frozen, then dropped by the broker) over this live one's
-                log.warning("rank %d: an earlier agent's will marked this rank offline; republishing", message.rank)
+            if self._overwritten(message):
+                log.warning(
+                    "rank %d: an earlier agent of this rank (pid %s on %s) marked it %s; republishing this one's",
+                    message.rank,
+                    message.pid,
+                    message.host,
+                    message.state,
+                )
                 await self._set_status(self._status["state"])
                 return None
             endpoints = message.extra.get("endpoints")
@@ -285,6 +291,15 @@ class Agent:
         elif isinstance(message, CommandMessage):
             return await self._on_command(message)
         return None
+
+    def _overwritten(self, message: StatusMessage) -> bool:
+        """``message`` puts an end state over this live agent's status: the will of an earlier agent of its rank
+        (frozen, then dropped by the broker), or the last status of one thawed after an elastic re-plan, which
+        stops as 'replaced'. The coordinator then waited for the rank until its ready timeout (two trials)."""
+        if message.rank != self.opts.rank or self._status.get("state") in (None, "stopped", "error"):
+            return False
+        mine = (message.pid, message.host) == (os.getpid(), socket.gethostname())
+        return message.state == "offline" or (message.state in ("stopped", "error") and not mine)
 
     def _owned_endpoints(self, rank: int, endpoints: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``endpoints`` that the plan gives to ``rank`` (the rest are dropped and logged)."""
