@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -42,7 +43,7 @@ from geosched.errors import GeoschedError
 if TYPE_CHECKING:
     from agents.control.auth import ControlKeys
     from agents.control.coordinator import JobResult
-    from agents.control.messages import MetricsMessage
+    from agents.control.messages import MetricsMessage, StatusMessage
     from agents.layout import JobLayout
     from geosched.config import Config
 
@@ -81,16 +82,23 @@ class SupervisedResult:
     plan_text: str = ""
 
 
-async def offline_ranks(url: str, job: str, ranks: set[int], **control: Any) -> list[int]:
-    """Which of ``ranks`` have an ``offline`` status on the broker (an agent's will), after listening
-    :data:`LOSS_SETTLE_S` for the retained statuses and wills still on their way."""
+async def gone_ranks(url: str, job: str, started: Mapping[int, StatusMessage], **control: Any) -> list[int]:
+    """Which ranks of ``started`` (their statuses when the job started) have lost that agent: an ``offline``
+    status (its will), or another process (restarted by its supervisor), after listening :data:`LOSS_SETTLE_S`
+    for the retained statuses and wills still on their way."""
     from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
 
     async with ControlPlane(url, job, client_id(job, "elastic", unique=False), **control) as cp:
         async with await cp.subscribe("status"):
             await asyncio.sleep(LOSS_SETTLE_S)
-            return sorted(r for r, status in cp.statuses().items() if r in ranks and status.state == "offline")
+            now = cp.statuses()
+    return sorted(
+        rank
+        for rank, was in started.items()
+        if (status := now.get(rank)) is not None
+        and (status.state == "offline" or (status.pid, status.host) != (was.pid, was.host))
+    )
 
 
 def rank_table(layout: JobLayout) -> str:
@@ -186,12 +194,14 @@ def run_supervised(
         )
 
     def also_lost(_agents: object) -> list[int]:
-        """The current plan's ranks whose agent is offline too (its will): lost with the ones the control plane
-        named. A DC lost whole goes down at once, but the liveness confirms its ranks one by one (a trial's
-        re-plan kept the other agent of the DC, and waited for it until the job failed)."""
+        """The current plan's ranks whose agent went too (its will, or restarted): lost with the ones the control
+        plane named. A DC lost whole goes down at once, but the liveness confirms its ranks one by one (a trial's
+        re-plan kept the other agent of the DC and waited for it until the job failed; with a supervisor that
+        restarts at once, a re-test's re-plan dropped one restarted rank of the DC and kept the other)."""
         ranks = {role.rank for role in parse_layout(current[0]).roles}
+        started = {r: st for r, st in (done.result.statuses if done.result else {}).items() if r in ranks}
         try:
-            return asyncio.run(offline_ranks(url, job, ranks, **control))
+            return asyncio.run(gone_ranks(url, job, started, **control))
         except GeoschedError:
             return []
 
