@@ -287,7 +287,7 @@ def tcp_address(endpoint: str) -> tuple[str, int]:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise InputError(
-                f"endpoint {endpoint!r}: host {host[:60]!r} is no IPv6 address in brackets, as in tcp://[::1]:5600"
+                f"endpoint {endpoint[:80]!r}: an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"
             ) from None
     return host.strip("[]"), int(port)
 

@@ -99,10 +99,11 @@ def test_a_key_of_ones_own_is_refused_in_one_line(keyed, capsys) -> None:
 @pytest.mark.parametrize(
     "endpoint, needle",
     [
-        ("tcp://[::1:5", "host '[::1' is no IPv6 address in brackets"),
+        ("tcp://[::1:5", "'tcp://[::1:5': an IPv6 host goes in brackets, then :PORT"),
+        ("tcp://[::1", "'tcp://[::1': an IPv6 host goes in brackets, then :PORT"),  # it said host '[:' (a re-test)
         ("tcp://127.0.0.1:999999", "port 999999 is out of range (1-65535)"),
         ("tcp://127.0.0.1:0", "port 0 is out of range (1-65535)"),
-        ("tcp://::1:5600", "host '::1' is no IPv6 address in brackets"),
+        ("tcp://::1:5600", "an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"),
         ("tcp://127.0.0.1", "names no HOST:PORT"),
         ("tcp://127.0.0.1:http", "port http is not a number"),
     ],

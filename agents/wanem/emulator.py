@@ -175,7 +175,7 @@ class WanRelay:
         if self._outage is not None:
             since, failures, _ = self._outage
             self._outage = None
-            log.info(
+            log.warning(  # the outage's warning said 'cannot reach': this ends it, at the same level
                 "wanem: target %s:%d reachable again after %d failed connects in %.1f s",
                 *self.target,
                 failures,
