@@ -103,3 +103,27 @@ def test_stopping_a_job_no_agent_has_is_refused_not_reported_done(embedded_broke
     assert main(["job", "stop", "--mqtt", url, "--job", "nosuchjob"]) == 2
     err = capsys.readouterr().err
     assert "job 'nosuchjob': no agent of it has a status on this broker" in err and len(err.splitlines()) == 1
+
+
+def test_a_job_stop_ends_a_coordinator_waiting_for_agents_that_never_come(embedded_broker, tmp_path) -> None:
+    """An elastic re-plan waiting for its agents (none restarted): 'job stop' cleared the plan and said every agent
+    acknowledged, but the coordinator waited out its ready timeout and then blamed the agents (a re-test)."""
+    import pytest
+    from agent_helpers import tiny_plan
+
+    from agents.control.coordinator import start_job
+    from agents.control.losses import JobStopped
+
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path, ["us", "eu"]).read_text()
+
+    async def run() -> None:
+        coordinator = asyncio.create_task(start_job(url, "stopwait", plan, steps=2, ready_timeout_s=600.0, out=None))
+        await asyncio.sleep(1.5)  # the plan published, waiting for ranks 0 and 1
+        async with ControlPlane(url, "stopwait", "stopwait-stop") as operator:
+            await operator.publish_command("stop")  # what 'geosched job stop' sends
+        async with asyncio.timeout(60):
+            await coordinator
+
+    with pytest.raises(JobStopped, match="stopped by 'geosched job stop' while it waited for its agents"):
+        asyncio.run(run())

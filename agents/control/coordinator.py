@@ -211,7 +211,7 @@ async def start_job(
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
     async with ControlPlane(url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics", "heartbeat", ranks=ranks) as sub:
+        async with await cp.subscribe("status", "metrics", "heartbeat", "command", ranks=ranks) as sub:
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive

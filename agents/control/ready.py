@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
-from agents.control.messages import StatusMessage, last_states, of_another_plan
+from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan
 from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
@@ -238,6 +238,13 @@ async def wait_ready(
             message = await sub.get(max(0.0, wait))
         except TimeoutError:
             continue  # the exits again, or the deadline
+        if (
+            isinstance(message, CommandMessage)
+            and message.cmd == "stop"
+            and message.extra.get("plan_id") in (None, want_plan)
+        ):
+            # a 'job stop' while no agent is up to acknowledge it (an elastic re-plan waiting for its agents)
+            raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' while it waited for its agents")
         if not isinstance(message, StatusMessage):
             continue
         before, latest[message.rank] = latest.get(message.rank), message
