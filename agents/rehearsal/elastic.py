@@ -249,9 +249,9 @@ class ElasticJob:
         the move back resumes after them, so no later attempt prints them."""
         from agents.runfolder.report import every_attempt
 
-        done = every_attempt(self.run_dir)
+        done, resumed = every_attempt(self.run_dir), self.resumed_from()
         for step, loss in zip(done["steps"], done["losses"], strict=True):
-            if printed <= step < self.resumed_from():
+            if printed <= step < resumed:
                 said = "loss ?" if loss is None else f"loss {loss:.4f}"
                 self._say(f"step {step:>4}/{last:<4}  {said} | trained on {plan} as the move back began")
 

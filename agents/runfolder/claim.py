@@ -27,8 +27,16 @@ from geosched.errors import InputError
 LOCK_NAME = ".launch.lock"
 """The file in a run folder that the run using it (a launch or a job start) holds locked while it runs."""
 
-PREVIOUS_RUN = "report.json timeline.png predicted.png timelines.png trace.json loss.png calibration.json".split()
-PREVIOUS_RUN += ["endpoints.json"]
+PREVIOUS_RUN = (
+    "report.json",
+    "timeline.png",
+    "predicted.png",
+    "timelines.png",
+    "trace.json",
+    "loss.png",
+    "calibration.json",
+    "endpoints.json",
+)
 """What a run folder holds of the run that wrote it, besides its rank files: removed when a run reuses the folder."""
 
 
@@ -39,13 +47,9 @@ def claim_run_dir(run_dir: str | None, *, foreign: str) -> Iterator[str]:
     earlier run's folder: ``foreign``, with ``{files}`` for their names, says so and what to pick), when it or a
     folder above it is unsafe, or while another run holds it. A folder made here is removed again if the run is
     refused (an InputError) before it wrote anything."""
+    others: list[str] = []
     if run_dir is None:
         run, made = new_run_dir(), True
-        unsafe = unsafe_ancestor(run)
-        if unsafe:
-            with contextlib.suppress(OSError):
-                run.rmdir()
-            raise InputError(f"run folder {run}: {unsafe}; or pass --run-dir DIR")
     else:
         run = Path(run_dir)
         try:
@@ -57,15 +61,19 @@ def claim_run_dir(run_dir: str | None, *, foreign: str) -> Iterator[str]:
             raise InputError(f"--run-dir {run}: cannot make or read a folder there ({exc.strerror or exc})") from None
         if mode & 0o022:  # another user could plant links (the lock, a key) or swap files under the run
             raise InputError(f"--run-dir {run}: writable by others (mode {mode & 0o7777:04o}); run chmod go-w {run}")
-        unsafe = unsafe_ancestor(run)
-        if unsafe:
-            if made:
-                with contextlib.suppress(OSError):
-                    run.rmdir()
-            raise InputError(f"--run-dir {run}: {unsafe}")
-        if others and not (run / "plan.yaml").is_file():
-            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise InputError(f"--run-dir {run}: " + foreign.format(files=shown))
+    unsafe = unsafe_ancestor(run)
+    if unsafe:
+        if made:
+            with contextlib.suppress(OSError):
+                run.rmdir()
+        raise InputError(
+            f"--run-dir {run}: {unsafe}"
+            if run_dir is not None
+            else f"run folder {run}: {unsafe}; or pass --run-dir DIR"
+        )
+    if others and not (run / "plan.yaml").is_file():
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise InputError(f"--run-dir {run}: " + foreign.format(files=shown))
     try:  # held open, and locked, for the whole run; never through a link someone planted
         fd = os.open(run / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
