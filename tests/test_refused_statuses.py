@@ -12,6 +12,7 @@ Here the agents' statuses are real signed messages (a ``ControlPlane`` with keys
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -30,9 +31,9 @@ SIGNED = f"the statuses of job {JOB!r} on this broker are signed: pass --keys DI
 BAD_SIGNATURE = "status refused, bad signature: its signing key is not the one in this key folder"
 
 
-def publish_ready(url: str, plan_text: str, folders: dict[int, Path]) -> None:
-    """Each rank of the plan publishes (retained) a ``ready`` status for it, signed with ``agent-<rank>.sign`` of
-    its host's key folder, as its agent does, and disconnects (the retained statuses stay)."""
+def publish_ready(url: str, plan_text: str, folders: dict[int, Path], states: dict[int, str] | None = None) -> None:
+    """Each rank of the plan publishes (retained) a ``ready`` status (or its ``states``) for it, signed with
+    ``agent-<rank>.sign`` of its host's key folder, as its agent does, and disconnects (the retained statuses stay)."""
     layout = parse_layout(plan_text)
 
     async def run() -> None:
@@ -40,7 +41,8 @@ def publish_ready(url: str, plan_text: str, folders: dict[int, Path]) -> None:
             keys = ControlKeys(*load_job_keys(folders[role.rank]).control_fields(f"agent-{role.rank}"))
             async with ControlPlane(url, JOB, f"{JOB}-agent-{role.rank}", keys=keys) as cp:
                 fields = {"dc": role.dc, "stage": role.stage, "replica": role.replica}
-                assert await cp.publish_status(role.rank, "ready", plan_id=plan_id(plan_text), next_step=0, **fields)
+                state = (states or {}).get(role.rank, "ready")
+                assert await cp.publish_status(role.rank, state, plan_id=plan_id(plan_text), next_step=0, **fields)
 
     asyncio.run(run())
 
@@ -80,10 +82,12 @@ def test_without_keys_the_command_says_the_job_is_signed(
     assert "no agents" not in out and "nothing to stop" not in err and "payload is not JSON" not in err
 
 
-@pytest.fixture
-def rank_3_of_another_key_folder(mosquitto_broker, tmp_path: Path, four_ranks) -> tuple[Path, tuple[str, ...]]:
-    """Retained ready statuses of a 4-rank plan, rank 3's signed with the ``agent-3.sign``/``.sign.pub`` pair
-    of another key folder (consistent with each other); the plan file and the coordinator's flags."""
+def rank_3_signed_by_another_folder(
+    url: str, tmp_path: Path, four_ranks: tuple[Path, str], states: dict[int, str] | None = None
+) -> tuple[Path, tuple[str, ...]]:
+    """Retained statuses (``ready`` unless ``states`` says otherwise) of a 4-rank plan, rank 3's signed with the
+    ``agent-3.sign``/``.sign.pub`` pair of another key folder (consistent with each other); the plan file and
+    the coordinator's flags."""
     plan, text = four_ranks
     secrets, other, host3 = tmp_path / "secrets", tmp_path / "other", tmp_path / "host3"
     write_job_keys(secrets, 4)
@@ -91,9 +95,14 @@ def rank_3_of_another_key_folder(mosquitto_broker, tmp_path: Path, four_ranks) -
     shutil.copytree(secrets, host3)  # rank 3's host: the job's folder, but its signing key pair from another one
     for name in ("agent-3.sign", "agent-3.sign.pub"):
         shutil.copy2(other / name, host3 / name)
-    url = mosquitto_broker.url_for("geosched")
-    publish_ready(url, text, {0: secrets, 1: secrets, 2: secrets, 3: host3})
+    publish_ready(url, text, {0: secrets, 1: secrets, 2: secrets, 3: host3}, states)
     return plan, ("--mqtt", url, "--job", JOB, "--keys", str(secrets))
+
+
+@pytest.fixture
+def rank_3_of_another_key_folder(mosquitto_broker, tmp_path: Path, four_ranks) -> tuple[Path, tuple[str, ...]]:
+    """Ready statuses of a 4-rank plan, rank 3's signed by another key folder (rank_3_signed_by_another_folder)."""
+    return rank_3_signed_by_another_folder(mosquitto_broker.url_for("geosched"), tmp_path, four_ranks)
 
 
 def test_job_status_shows_the_rank_whose_status_has_a_bad_signature(rank_3_of_another_key_folder, capsys):
@@ -117,3 +126,56 @@ def test_job_start_names_the_bad_signature_of_the_rank_not_ready(rank_3_of_anoth
     assert code == 1, (out, err)
     assert f"1 of 4 agents not ready after 3 s: ranks 3 ({BAD_SIGNATURE}); start them" in err, err
     assert "no status" not in err
+
+
+def test_job_stop_does_not_say_every_agent_acknowledged_when_a_status_was_refused(
+    mosquitto_broker, tmp_path: Path, four_ranks, capsys
+):
+    """A trial: with rank 3's status refused, ``job stop`` said ``every agent acknowledged`` (exit 0), though
+    nothing said that rank stopped. Ranks 0-2 have stopped here; rank 3's status cannot be believed."""
+    url = mosquitto_broker.url_for("geosched")
+    _, flags = rank_3_signed_by_another_folder(url, tmp_path, four_ranks, dict.fromkeys(range(3), "stopped"))
+    code, out, err = geosched(capsys, "job", "stop", *flags)
+    assert code == 1, (out, err)
+    assert "every agent acknowledged" not in out, out
+    assert err.strip().splitlines()[-1] == (
+        f"geosched job: error: job {JOB!r}: the stop was sent, but ranks 3 are not known to have stopped: their "
+        f"statuses were refused (rank 3: {BAD_SIGNATURE}); check their hosts and key folders"
+    ), err
+
+
+def test_job_checkpoint_refuses_at_once_when_a_status_was_refused(rank_3_of_another_key_folder, capsys):
+    """A trial: ``job checkpoint`` asked only the readable ranks and reported ``acknowledged by 3 agents`` for a
+    4-rank job, a checkpoint no one could say was whole. It now refuses before asking, naming the rank."""
+    _, flags = rank_3_of_another_key_folder
+    code, out, err = geosched(capsys, "job", "checkpoint", "--timeout", "60", *flags)
+    assert code == 2, (out, err)
+    assert err.strip().splitlines()[-1] == (
+        f"geosched job: error: job {JOB!r}: no checkpoint asked for: the acknowledgements of ranks 3 could not be "
+        f"read, their statuses were refused (rank 3: {BAD_SIGNATURE}); fix their key folders, or pass --keys DIR "
+        "of the job's key folder"
+    ), err
+
+
+def test_job_status_watch_shows_the_refused_rank(rank_3_of_another_key_folder):
+    """A trial: ``job status --watch`` showed ranks 0-2 and nothing of rank 3, whose status was refused."""
+    import io
+
+    from agents.control.watch import watch_job
+
+    _, flags = rank_3_of_another_key_folder
+    url, keys = flags[1], ControlKeys(*load_job_keys(Path(flags[-1])).control_fields("coordinator"))
+    out = io.StringIO()
+
+    async def watch_a_while() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watch_job(url, JOB, out=out, keys=keys, settle_s=0.5, interval_s=0.3), 2.0)
+
+    asyncio.run(watch_a_while())
+    table = out.getvalue().split("\n\n")[0].splitlines()
+    assert table[0].startswith(f"job {JOB!r} at ") and table[0].endswith(": 4 agents (3 ready, 1 refused)"), table
+    rows = [line.split() for line in table[2:]]
+    assert [(row[0], row[2]) for row in rows] == [("0", "ready"), ("1", "ready"), ("2", "ready"), ("3", "refused")], (
+        table
+    )
+    assert " ".join(rows[3][3:]).startswith("- - - - - status refused, bad signature"), table  # nothing of its payload

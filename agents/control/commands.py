@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -185,6 +186,13 @@ async def checkpoint_job(
         async with await cp.subscribe("status", "metrics", "heartbeat") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             cp.refused_statuses.check_readable(cp.statuses())
+            if refused := cp.refused_statuses.of(cp.statuses()):  # a checkpoint no one could say was whole
+                ranks = ", ".join(map(str, refused))
+                raise InputError(
+                    f"job {job!r}: no checkpoint asked for: the acknowledgements of ranks {ranks} could not be read, "
+                    f"their statuses were refused ({refusal_reasons(refused)}); fix their key folders, or pass "
+                    "--keys DIR of the job's key folder"
+                )
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
             if not live:
                 raise InputError(f"job {job!r}: no agent is ready or training; start the job before a checkpoint")
@@ -316,3 +324,8 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
         )
     notes = [f"rank {r}: {s.extra['message']}" for r, s in sorted(statuses.items()) if s.state == "refused"]
     return "\n".join(align(rows) + notes)
+
+
+def refusal_reasons(refused: Mapping[int, str]) -> str:
+    """``rank 3: status refused, bad signature: ...; rank 5: ...``."""
+    return "; ".join(f"rank {r}: {words}" for r, words in sorted(refused.items()))

@@ -29,6 +29,7 @@ from agents.control.messages import (
     printable,
 )
 from agents.control.plane import ControlPlane
+from agents.control.refused import refused_row
 from agents.layout import plan_id
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
@@ -126,7 +127,8 @@ async def watch_job(
     settle_s: float = 0.5,
 ) -> None:
     """Redraw :func:`view_lines` every ``interval_s`` seconds until cancelled (the first after ``settle_s``,
-    once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count."""
+    once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count; a rank
+    whose status was refused is a row ``refused`` with the reason as its message, as in ``job status``."""
     terminal = out.isatty()
     async with ControlPlane(url, job, client_id(job, "watch"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", "plan") as sub:
@@ -148,7 +150,11 @@ async def watch_job(
                     continue
                 rows = shutil.get_terminal_size().lines - 3 if terminal else None
                 away = None if cp.connected else (away or time.time())
-                lines = view_lines(job, cp.statuses(), latest, max_rows=rows, plan=plan, broker_away_since=away)
+                statuses = cp.statuses()
+                refused = {r: refused_row(r, words) for r, words in cp.refused_statuses.of(statuses).items()}
+                lines = view_lines(
+                    job, {**statuses, **refused}, latest, max_rows=rows, plan=plan, broker_away_since=away
+                )
                 out.write((CLEAR if terminal else "") + "\n".join(lines) + "\n" + ("" if terminal else "\n"))
                 out.flush()
                 draw_at = loop.time() + interval_s
