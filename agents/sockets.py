@@ -248,6 +248,7 @@ def make_socket(
         for option, value in (options or {}).items():
             sock.setsockopt(option, value)
         if bind is not None:
+            allow_ipv6(sock, bind)
             try:
                 sock.bind(bind)
             except zmq.ZMQError as exc:
@@ -263,10 +264,26 @@ def make_socket(
 def connect_to(sock: zmq.Socket[bytes], endpoint: str) -> None:
     """Connect ``sock`` (made by :func:`make_socket` without ``connect``, e.g. to watch its monitor from the
     start) to ``endpoint``; InputError for one libzmq refuses."""
+    allow_ipv6(sock, endpoint)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as exc:
         raise InputError(f"cannot connect to {endpoint!r}: {exc.strerror} (expect tcp://HOST:PORT)") from None
+
+
+def allow_ipv6(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Let ``sock`` use IPv6 when ``endpoint``'s host is an IPv6 address (``tcp://[::1]:5600``): libzmq's sockets
+    are IPv4-only unless told, and then never connect to one (no error) and fail to bind one with "No such
+    device". Only for such endpoints: with IPv6 on, a host name may resolve to its IPv6 address first, which a
+    peer listening on IPv4 alone does not answer."""
+    if endpoint.removeprefix("tcp://").startswith("["):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://HOST:PORT``, an IPv6 address in brackets (``tcp://[::1]:5600``), as libzmq and
+    :func:`tcp_address` read it."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def tcp_address(endpoint: str) -> tuple[str, int]:

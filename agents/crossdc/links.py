@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from agents.layout import RankRole, sync_link_id, sync_name
-from agents.sockets import CurveClient, CurveServer
+from agents.sockets import CurveClient, CurveServer, tcp_endpoint
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.hierarchical import SyncPeer
@@ -85,10 +85,10 @@ class SyncLinks:
             return
         server = self.curve_server(peer.rank) if self.curve_server is not None else None
         config = self._config(peer, self.role.rank, 1, curve_server=server)  # the connecting side picks the streams
-        link = WanLink.listen(f"tcp://{self.bind_host}:0", config)
+        link = WanLink.listen(tcp_endpoint(self.bind_host, 0), config)
         self.links[-1] = link
         name = sync_name(self.role.stage, self.role.replica, self.role.tp_rank)
-        self.addresses.publish(name, f"tcp://{self.advertise_host}:{link.port}")
+        self.addresses.publish(name, tcp_endpoint(self.advertise_host, link.port))
 
     def connect(self) -> None:
         """Connect to the next DC's partner (if any), then wait until the previous one has connected."""

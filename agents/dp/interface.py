@@ -5,9 +5,9 @@ Gloo (and NCCL's bootstrap) pick their interface from the host name unless ``GLO
 or Debian's ``127.0.1.1 <hostname>`` in ``/etc/hosts``: common on VMs and containers), a group whose
 ranks sit on two hosts advertised 127.0.0.1 and could not connect (``Gloo connectFullMesh failed``),
 though each agent was told its address. :func:`pin_collective_interface` names the interface that holds
-the ``--bind-host`` address, unless the operator named one. Linux's ``SIOCGIFADDR`` ioctl, by hand:
-the standard library lists interfaces but not their addresses, and no dependency of ours does (psutil
-would).
+the ``--bind-host`` address, unless the operator named one. Linux's ``SIOCGIFADDR`` ioctl (IPv4) and
+``/proc/net/if_inet6`` (IPv6), by hand: the standard library lists interfaces but not their addresses, and
+no dependency of ours does (psutil would).
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def interface_address(name: str) -> str | None:
 
 
 def interface_holding(address: str) -> str | None:
-    """The name of the interface whose IPv4 address is ``address``, or None (not an IPv4 address of this host's
-    interfaces, a secondary address, or not Linux)."""
+    """The name of the interface whose address is ``address``, or None (not an address of this host's interfaces,
+    a secondary IPv4 address, or not Linux). IPv6 addresses are looked up in ``/proc/net/if_inet6``."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        return _ipv6_interface(ip.exploded.replace(":", ""))
     try:
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
@@ -65,3 +68,14 @@ def pin_collective_interface(bind_host: str, env: MutableMapping[str, str] = os.
         env[variable] = name
     log.info("collectives use interface %s (it holds --bind-host %s)", name, bind_host)
     return name
+
+
+def _ipv6_interface(hex_address: str) -> str | None:
+    """The interface holding an IPv6 address (32 hex digits), from Linux's ``/proc/net/if_inet6``: one line an
+    address, its hex digits first and the interface's name last."""
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as table:
+            lines = table.read(1 << 20).splitlines()
+    except (OSError, UnicodeError):
+        return None
+    return next((fields[-1] for fields in map(str.split, lines) if len(fields) == 6 and fields[0] == hex_address), None)

@@ -72,6 +72,7 @@ from agents.dp.store import listening_store
 from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name
 from agents.runnable import sync_refusal, tp_refusal
+from agents.sockets import tcp_endpoint
 from agents.stage.device import group_backend
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
@@ -329,10 +330,10 @@ class RankSession:
             self.sync_links.listen()
         if not role.first:
             config = self._link_config(role.stage - 1, role.streams_prev)
-            listener = WanLink.listen(f"tcp://{self.bind_host}:0", config)
+            listener = WanLink.listen(tcp_endpoint(self.bind_host, 0), config)
             self._stack.callback(listener.close)
             name = pipe_name(role.stage, role.replica, role.tp_rank)
-            self.addresses.publish(name, f"tcp://{self.advertise_host}:{listener.port}")
+            self.addresses.publish(name, tcp_endpoint(self.advertise_host, listener.port))
         if role.group_size > 1 and role.group_rank == 0:
             store = listening_store(self.bind_host, 0, role.group_size, timedelta(seconds=self.connect_timeout_s))
             self._hosted_store = store  # lives until close(), after the group is gone

@@ -27,6 +27,7 @@ from agents.sockets import (
     PeerLogLimiter,
     Unidentified,
     bound_port,
+    connect_to,
     keep_message_buffers,
     make_socket,
     monitor_events,
@@ -293,7 +294,7 @@ class LinkIO(InboundFrames):
         if not self._unconnected:
             return
         index = self._unconnected.popleft()
-        self._dealers[index].connect(self.endpoint)
+        connect_to(self._dealers[index], self.endpoint)
         self._send_hello(index)
 
     def _send_hello(self, index: int) -> None:
