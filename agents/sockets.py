@@ -309,6 +309,28 @@ def tcp_address(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def reachable_address(endpoint: str) -> tuple[str, int]:
+    """:func:`tcp_address`, and InputError unless a client could connect there: the host resolves (IPv4, as libzmq
+    resolves it; an IPv6 address as given) and is not the any-address. libzmq retries either silently, so a
+    client would wait its whole timeout."""
+    host, port = tcp_address(endpoint)
+    if host in ("0.0.0.0", "::", "*"):
+        raise InputError(
+            f"endpoint {endpoint!r}: {host} is the any-address, which a client cannot connect to; give the address "
+            "of the host that listens"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InputError(
+            f"endpoint {endpoint!r}: cannot resolve host {host!r} ({reason}); give its address or a name this "
+            "machine resolves"
+        ) from None
+    return host, port
+
+
 _MALLOC_TUNED = False
 
 

@@ -55,7 +55,8 @@ class AddressRates:
 
 class AddressShares:
     """How many of a listener's connections each client address holds, at most ``per_address`` each, so one
-    address cannot take every slot (the metrics endpoints' and the prefill HTTP front end's)."""
+    address cannot take every slot (the metrics endpoints', the prefill HTTP front end's and the embedded
+    broker's)."""
 
     def __init__(self, per_address: int) -> None:
         self.per_address = per_address
@@ -68,6 +69,10 @@ class AddressShares:
             return False
         self._held[address] = held + 1
         return True
+
+    def held(self, address: str) -> int:
+        """The connections ``address`` holds now."""
+        return self._held.get(address, 0)
 
     def give_back(self, address: str) -> None:
         """A connection :meth:`take` counted closed."""

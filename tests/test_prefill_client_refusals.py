@@ -106,6 +106,11 @@ def test_a_key_of_ones_own_is_refused_in_one_line(keyed, capsys) -> None:
         ("tcp://::1:5600", "an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"),
         ("tcp://127.0.0.1", "names no HOST:PORT"),
         ("tcp://127.0.0.1:http", "port http is not a number"),
+        # these waited the whole --timeout (a trial): no host of that name, and the any-address
+        ("tcp://nonexistent.invalid:5555", "cannot resolve host 'nonexistent.invalid'"),
+        ("tcp://0.0.0.0:5555", "0.0.0.0 is the any-address, which a client cannot connect to"),
+        ("tcp://[::]:5555", ":: is the any-address, which a client cannot connect to"),
+        ("tcp://*:5555", "* is the any-address, which a client cannot connect to"),
     ],
 )
 def test_a_malformed_endpoint_is_refused_before_anything_is_sent(capsys, endpoint: str, needle: str) -> None:

@@ -30,6 +30,7 @@ from typing import Generic, Protocol, TypeVar
 
 from agents.control.messages import Topics, check_name
 from agents.control.mqtt_codec import topic_matches
+from geosched.ratelimit import AddressShares
 
 DEFAULT_MAX_PACKET_BYTES = (1 << 20) + 64 * 1024
 """Largest packet body a logged-in client may send: a 1 MiB payload plus room for topic and headers."""
@@ -304,30 +305,24 @@ class ConnectionCounter:
     def __init__(self, limits: BrokerLimits) -> None:
         self.limits = limits
         self.total = 0
-        self._by_address: dict[str, int] = {}
+        self._shares = AddressShares(limits.connections_per_address)
 
     def admit(self, address: str) -> str | None:
         """Count a new connection from ``address``; None when admitted, else why not (nothing counted)."""
         if self.total >= self.limits.connections:
             return f"{self.total} connections open (connections={self.limits.connections})"
-        here = self._by_address.get(address, 0)
-        if here >= self.limits.connections_per_address:
+        if not self._shares.take(address):
             return (
-                f"{here} connections open from {address} "
+                f"{self._shares.held(address)} connections open from {address} "
                 f"(connections_per_address={self.limits.connections_per_address})"
             )
         self.total += 1
-        self._by_address[address] = here + 1
         return None
 
     def release(self, address: str) -> None:
         """Forget one admitted connection from ``address``."""
         self.total -= 1
-        left = self._by_address.get(address, 1) - 1
-        if left:
-            self._by_address[address] = left
-        else:
-            self._by_address.pop(address, None)
+        self._shares.give_back(address)
 
 
 K = TypeVar("K")

@@ -34,7 +34,7 @@ from agents.prefill.protocol import (
     encode_request,
     prompt_tokens,
 )
-from agents.sockets import CurveClient, connect_to, make_socket, monitor_events, tcp_address
+from agents.sockets import CurveClient, connect_to, make_socket, monitor_events, reachable_address
 from geosched.errors import InputError, LinkError
 from geosched.model import StageModule, decode_step
 
@@ -75,7 +75,7 @@ class PrefillClient:
                 f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
                 f"front end; http:// where it runs without TLS) (got {endpoint!r})"
             )
-        tcp_address(endpoint)  # a malformed one now, not after the timeout: libzmq would never connect
+        reachable_address(endpoint)  # now, not after the timeout: libzmq would retry it silently
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s
