@@ -10,7 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import pytest
 from mqtt_brokers import RunningBroker, agent_subprocess_env
 
 from agents.control.messages import StatusMessage
@@ -56,3 +58,32 @@ def test_the_agents_of_a_dc_killed_at_once_are_all_offline_for_the_re_plan(embed
     finally:
         if dc.poll() is None:
             dc.kill()
+
+
+def test_a_dc_lost_before_the_start_is_a_loss_for_an_elastic_start(embedded_broker: RunningBroker, tmp_path) -> None:
+    """An operator's trial: under ``job start --elastic``, a DC whose agents went away after they came up but before
+    the start was waited for until the whole ready timeout ended the job. Now their wills, with no newer status,
+    are a loss (the elastic job re-plans without them); a plain start still waits for them."""
+    from agent_helpers import tiny_plan
+
+    from agents.control.coordinator import AgentLost, start_job
+    from agents.control.plane import AgentsNotReady
+
+    url = embedded_broker.url_for()
+    text = tiny_plan(tmp_path, dp=2).read_text()
+    dc = subprocess.Popen(
+        [sys.executable, "-c", AGENTS, url, JOB], stdout=subprocess.PIPE, text=True, env=agent_subprocess_env()
+    )
+    assert dc.stdout is not None and dc.stdout.readline().strip() == "up"
+    dc.send_signal(signal.SIGKILL)  # ranks 2 and 3 at once, before any start: both wills are retained
+    dc.wait(10)
+
+    def start(**elastic: float) -> None:
+        asyncio.run(start_job(url, JOB, text, steps=1, out=None, stop_on_loss=False, **elastic))
+
+    with pytest.raises(AgentsNotReady, match="ranks 0 \\(no status\\), 1 \\(no status\\), 2 \\(offline\\)"):
+        start(ready_timeout_s=3.0)  # not elastic: still waited for, named at the timeout
+    began = time.monotonic()
+    with pytest.raises(AgentLost, match="ranks 2, 3 went offline before the start") as lost:
+        start(ready_timeout_s=120.0, lose_offline_after_s=2.0)
+    assert lost.value.ranks == [2, 3] and time.monotonic() - began < 30  # not the 120 s ready timeout

@@ -184,6 +184,7 @@ async def start_job(
     replaced: Collection[str] = (),
     result: JobResult | None = None,
     until: int | None = None,
+    lose_offline_after_s: float | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -198,6 +199,7 @@ async def start_job(
     of plans this one replaces (elastic): a status naming one is a lost or not yet restarted agent, no conflict.
     ``result``, when given, is filled step by step and returned: after a failure it holds the steps that completed.
     ``until``: train up to that step (excluded) from wherever the agents resume, instead of ``steps`` more.
+    ``lose_offline_after_s``: a rank offline that long while the start waits for its agents is AgentLost (elastic).
 
     With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
@@ -220,7 +222,7 @@ async def start_job(
                 check_same_plan(cp.job, status, layout, replaced)
             await cp.publish_plan(plan_text)
             say = None if out is None else lambda line: print(line, file=out, flush=True)
-            statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits, say)
+            statuses = await wait_ready(cp, sub, layout, ready_timeout_s, replaced, exits, say, lose_offline_after_s)
             for warning in stranded_endpoints(statuses):
                 print(f"warning: {warning}", file=out or sys.stderr, flush=True)
             if out is not None and (data := data_line(statuses)) is not None:

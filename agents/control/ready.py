@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from agents.control.losses import EXIT_POLL_S, Exits, JobStopped, exited_lost, lost_message
+from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exited_lost, lost_message
 from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan
 from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.sockets import is_loopback
@@ -29,6 +29,10 @@ WAITING_LINE_S = 15.0
 STALE_GRACE_S = 10.0
 """An ``error`` the broker retained from before this start (an agent that died; a restarted one replaces it within
 seconds) fails the start only if no newer status of that rank follows within this long."""
+OFFLINE_AT_START_S = 30.0
+"""An elastic start (``job start --elastic``) takes a rank whose status stays ``offline`` (its will: a host or DC
+gone before the start) this long, with no newer status, as lost, and re-plans without it rather than waiting its
+whole ready timeout; a supervisor restarting an agent publishes a newer status well within it."""
 
 
 class AgentRefused(InputError):
@@ -179,15 +183,19 @@ async def wait_ready(
     replaced: Collection[str] = (),
     exits: Exits | None = None,
     say: Callable[[str], None] | None = None,
+    lose_offline_after_s: float | None = None,
 ) -> dict[int, StatusMessage]:
     """Statuses of every rank once all are ready for this plan; fail early on an error status, an agent
     process that exited (``exits``: AgentLost, so an elastic job recovers again) or a ``job stop``. ``say``
-    gets a line every :data:`WAITING_LINE_S` while some are not ready, naming them and their states."""
+    gets a line every :data:`WAITING_LINE_S` while some are not ready, naming them and their states. With
+    ``lose_offline_after_s``, ranks whose status stayed ``offline`` that long are AgentLost too."""
     from agents.layout import plan_id
 
     want_plan = plan_id(layout.text)
     latest: dict[int, StatusMessage] = {}
     stale: dict[int, float] = {}  # rank -> when its retained error counts (no newer status came by then)
+    gone: dict[int, float] = {}  # rank -> when its offline status counts as a loss (lose_offline_after_s)
+    ranks = {role.rank for role in layout.roles}
     loop = asyncio.get_running_loop()
     began = loop.time()
     deadline, next_line = began + timeout_s, began + WAITING_LINE_S
@@ -201,6 +209,12 @@ async def wait_ready(
         loss = exited_lost(cp.job, exits(), None, cp.statuses()) if exits is not None else None
         if loss is not None:
             raise loss
+        if lost := sorted(r for r, due in gone.items() if loop.time() >= due):
+            raise AgentLost(
+                f"job {cp.job!r}: ranks {', '.join(map(str, lost))} went offline before the start (their last wills; "
+                f"no newer status in {lose_offline_after_s:g} s)",
+                lost,
+            )
         for rank, due in stale.items():
             if loop.time() >= due:  # nothing newer from that rank: its error stands
                 raise AgentRefused(
@@ -231,7 +245,7 @@ async def wait_ready(
             )
             next_line += WAITING_LINE_S
         wait = min(
-            [left, next_line - loop.time(), *(due - loop.time() for due in stale.values())]
+            [left, next_line - loop.time(), *(due - loop.time() for due in [*stale.values(), *gone.values()])]
             + ([EXIT_POLL_S] if exits is not None else [])
         )
         try:
@@ -249,6 +263,10 @@ async def wait_ready(
             continue
         before, latest[message.rank] = latest.get(message.rank), message
         stale.pop(message.rank, None)
+        if message.state != "offline" or lose_offline_after_s is None or message.rank not in ranks:
+            gone.pop(message.rank, None)
+        elif message.rank not in gone:
+            gone[message.rank] = loop.time() + lose_offline_after_s
         check_same_plan(cp.job, message, layout, replaced)
         if message.extra.get("plan_id") == want_plan:
             stopped = message.state == "stopped" and message.extra.get("stopped_by") == "command"

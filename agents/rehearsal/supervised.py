@@ -130,7 +130,7 @@ def run_supervised(
     from agents.control.coordinator import JobResult, start_job
     from agents.control.messages import client_id
     from agents.control.plane import ControlPlane
-    from agents.control.ready import first_step
+    from agents.control.ready import OFFLINE_AT_START_S, first_step
     from agents.layout import parse_layout, plan_id
 
     progress = MetricsProgress()
@@ -189,6 +189,7 @@ def run_supervised(
                 before_start=note_origin,
                 result=done.result,
                 until=origin[0] + steps if origin else None,  # a later attempt: to the job's end, from its agents' step
+                lose_offline_after_s=OFFLINE_AT_START_S,  # a DC lost before the start: re-planned, not waited for
                 **control,
             )
         )
