@@ -286,17 +286,19 @@ def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def tcp_address(endpoint: str) -> tuple[str, int]:
-    """(host, port) of a ``tcp://HOST:PORT`` endpoint to connect to (an IPv6 host in brackets: ``[::1]``);
-    InputError naming the bad part. libzmq takes ``tcp://[::1:5`` or a port over 65535 and never connects, so
-    a client would wait its whole timeout for an endpoint that cannot be."""
+def tcp_address(endpoint: str, *, bind: bool = False) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` endpoint to connect to, or with ``bind`` to bind (port 0: any) (an
+    IPv6 host in brackets: ``[::1]``); InputError naming the bad part. libzmq takes ``tcp://[::1:5`` or a port
+    over 65535 and never connects, so a client would wait its whole timeout for an endpoint that cannot be; and
+    it binds port 70000 as 4464."""
     host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
-    expect = "expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5600"
-    if not endpoint.startswith("tcp://") or not sep or not host:
+    expect = f"expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:{0 if bind else 5600}"
+    lowest = 0 if bind else 1
+    if not endpoint.startswith("tcp://") or not sep or not host or port.endswith("]"):  # [::1] alone: no port
         raise InputError(f"endpoint {endpoint!r} names no HOST:PORT; {expect}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not port.isdigit() or not lowest <= int(port) <= 65535:
         what = "out of range" if port.isdigit() else "not a number"
-        raise InputError(f"endpoint {endpoint!r}: port {port[:20]} is {what} (1-65535); {expect}")
+        raise InputError(f"endpoint {endpoint!r}: port {port[:20]} is {what} ({lowest}-65535); {expect}")
     if ":" in host or "[" in host or "]" in host:  # IPv6: in brackets, with nothing around them
         try:
             if not (host.startswith("[") and host.endswith("]")):

@@ -19,6 +19,15 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
     [
         (["--bind-host", "192.0.2.1"], "--bind-host 192.0.2.1: not an address of this host"),  # TEST-NET-1
         (["--bind-host", "no-such-host.invalid"], "not an address or resolvable name"),
+        # these passed the check and failed once the agent ran (exit 1), or bound another port (a hostile trial)
+        (["--bind-host", "*"], "--bind-host '*': not an address; give one of this host's IPs"),
+        (["--bind-host", "::ffff:127.0.0.1"], "an IPv4-mapped IPv6 address; give the IPv4 address 127.0.0.1"),
+        (["--bind-host", "fe80::1%lo"], "--bind-host fe80::1%lo: an address with a scope"),
+        (["--prefill-bind", "tcp://127.0.0.1:70000"], "--prefill-bind: endpoint 'tcp://127.0.0.1:70000': port 70000"),
+        (["--prefill-bind", "tcp://127.0.0.1:-5"], "port -5 is not a number (0-65535)"),
+        (["--prefill-bind", "tcp://::1:0"], "--prefill-bind: endpoint 'tcp://::1:0': an IPv6 host goes in brackets"),
+        (["--prefill-bind", "tcp://[::1]:abc"], "port abc is not a number"),
+        (["--prefill-bind", "tcp://192.0.2.1:0"], "--prefill-bind 192.0.2.1: not an address of this host"),
         (["--resume"], "--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR"),
         (["--checkpoint-keep", "2"], "--checkpoint-keep need --checkpoint-dir DIR"),
         (["--checkpoint-dir", "c", "--checkpoint-keep", "-1"], "--checkpoint-keep: must be >= 0"),

@@ -105,6 +105,7 @@ def test_a_key_of_ones_own_is_refused_in_one_line(keyed, capsys) -> None:
         ("tcp://127.0.0.1:0", "port 0 is out of range (1-65535)"),
         ("tcp://::1:5600", "an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"),
         ("tcp://127.0.0.1", "names no HOST:PORT"),
+        ("tcp://[::1]", "'tcp://[::1]' names no HOST:PORT"),  # it said 'port 1] is not a number' (a trial)
         ("tcp://127.0.0.1:http", "port http is not a number"),
         # these waited the whole --timeout (a trial): no host of that name, and the any-address
         ("tcp://nonexistent.invalid:5555", "cannot resolve host 'nonexistent.invalid'"),

@@ -139,7 +139,7 @@ def test_job_stop_does_not_say_every_agent_acknowledged_when_a_status_was_refuse
     assert code == 1, (out, err)
     assert "every agent acknowledged" not in out, out
     assert err.strip().splitlines()[-1] == (
-        f"geosched job: error: job {JOB!r}: the stop was sent, but ranks 3 are not known to have stopped: their "
+        f"geosched job: error: job {JOB!r}: the stop was sent, but no stop can be confirmed for rank 3: their "
         f"statuses were refused (rank 3: {BAD_SIGNATURE}); check their hosts and key folders"
     ), err
 
@@ -151,7 +151,7 @@ def test_job_checkpoint_refuses_at_once_when_a_status_was_refused(rank_3_of_anot
     code, out, err = geosched(capsys, "job", "checkpoint", "--timeout", "60", *flags)
     assert code == 2, (out, err)
     assert err.strip().splitlines()[-1] == (
-        f"geosched job: error: job {JOB!r}: no checkpoint asked for: the acknowledgements of ranks 3 could not be "
+        f"geosched job: error: job {JOB!r}: no checkpoint asked for: the acknowledgements of rank 3 could not be "
         f"read, their statuses were refused (rank 3: {BAD_SIGNATURE}); fix their key folders, or pass --keys DIR "
         "of the job's key folder"
     ), err
@@ -179,3 +179,78 @@ def test_job_status_watch_shows_the_refused_rank(rank_3_of_another_key_folder):
         table
     )
     assert " ".join(rows[3][3:]).startswith("- - - - - status refused, bad signature"), table  # nothing of its payload
+
+
+def publish_raw(url: str, messages: list[tuple[str, bytes]], retain: bool = False) -> None:
+    """A stranger with a login to the broker (an open broker, or Mosquitto without the ACL) publishes these
+    payloads as they are: unsigned, malformed, for any topic."""
+    import aiomqtt
+
+    from agents.control.address import BrokerAddress
+
+    address = BrokerAddress.parse(url)
+
+    async def run() -> None:
+        async with aiomqtt.Client(
+            address.host, address.port, username=address.username, password=address.password, identifier="stranger"
+        ) as client:
+            for topic, payload in messages:
+                await client.publish(topic, payload, qos=1, retain=retain)
+
+    asyncio.run(run())
+
+
+def test_a_strangers_status_for_a_rank_the_job_lacks_changes_no_command(
+    mosquitto_broker, tmp_path: Path, four_ranks, capsys
+):
+    """A hostile trial: one unsigned retained status for rank 5 of a 4-rank signed job made ``job checkpoint``
+    refuse (``ranks 5 ... refused``) and ``job stop`` exit 1; 20,000 of them made its line 74 KB. A rank with no key
+    in the job's key folder is no rank of the job: its status is dropped (counted), not reported as refused. And a
+    client without keys, which can check none of the signed statuses, showed the forged rank ``ready`` (exit 0)."""
+    url = mosquitto_broker.url_for("geosched")
+    _, flags = rank_3_signed_by_another_folder(url, tmp_path, four_ranks, dict.fromkeys(range(4), "stopped"))
+    forged = json.dumps({"state": "ready", "host": "evil"}).encode()
+    publish_raw(url, [(f"geosched/{JOB}/agents/{r}/status", forged) for r in (5, 6, 4000)], retain=True)
+
+    code, out, err = geosched(capsys, "job", "status", *flags)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:5]] == ["0", "1", "2", "3"], (out, err)
+    assert "evil" not in out and not any(line.split()[0] in ("5", "6", "4000") for line in out.splitlines()[1:])
+
+    code, out, err = geosched(capsys, "job", "stop", *flags)  # only rank 3, of the job's ranks, is unconfirmed
+    assert code == 1 and "no stop can be confirmed for rank 3:" in err and "5" not in err.split("rank 3")[0], err
+
+    code, out, err = geosched(capsys, "job", "status", *flags[:-2])  # no --keys: the job is signed, say so
+    assert (code, err.strip().splitlines()[-1]) == (2, f"geosched job: error: {SIGNED}"), (out, err)
+    assert "evil" not in out
+
+
+def test_many_refused_ranks_are_one_bounded_line() -> None:
+    from agents.control.refused import summary
+
+    refused = {r: "status refused, bad signature" for r in range(5000)} | {7000: "status refused, replay"}
+    line = summary(refused)
+    assert line == (
+        "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 4992 more: status refused, bad signature; rank 7000: status refused, replay"
+    )
+
+
+def test_a_flood_of_malformed_control_messages_is_logged_once_per_interval(
+    mosquitto_broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostile trial: 5,000 publishes in 3 s, each on a topic naming a 60,000-digit rank, grew a keyless agent's
+    log by 300 MB, one 60 KB line each ("dropped a message" was not rate limited, nor cut)."""
+    url = mosquitto_broker.url_for("geosched")
+
+    async def listen_while(flood: list[tuple[str, bytes]]) -> None:
+        async with ControlPlane(url, JOB, "watcher") as cp:
+            async with await cp.subscribe("status", "metrics"):
+                await asyncio.to_thread(publish_raw, url, flood)
+                await asyncio.sleep(1.0)
+            assert cp.stats.dropped_malformed >= len(flood) // 2, cp.stats
+
+    rank = "9" * 5000
+    flood = [(f"geosched/{JOB}/agents/{rank}/status", b"{}")] * 100 + [(f"geosched/{JOB}/agents/1/metrics", b"[")] * 100
+    with caplog.at_level("WARNING", logger="agents.control.plane"):
+        asyncio.run(listen_while(flood))
+    lines = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
+    assert 1 <= len(lines) <= 2 and all(len(line) < 600 for line in lines), [line[:200] for line in lines]

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import nacl.exceptions
 import nacl.signing
 
-from agents.control.messages import classify_topic
+from agents.control.messages import classify_topic, printable
 from geosched.errors import InputError, ProtocolError
 
 __all__ = [
@@ -256,7 +256,8 @@ def _split(topic: str, payload: bytes) -> tuple[dict[str, object], bytes]:
 
 
 class RefusalReport:
-    """Rate limit for reporting refusals: at most one log line and one event per ``interval_s``.
+    """Rate limit for reporting refusals (or dropped messages): at most one log line and one event per
+    ``interval_s``.
 
     :meth:`note` returns the line to log and publish, or None while the limit holds
     (suppressed refusals are counted into the next line).
@@ -267,12 +268,14 @@ class RefusalReport:
         self._next = 0.0
         self._suppressed = 0
 
-    def note(self, refusal: Refused, now: float) -> str | None:
-        """One refusal happened at ``now`` (monotonic seconds); the report line if one is due."""
+    def note(self, refusal: ProtocolError, now: float) -> str | None:
+        """One refusal (or a dropped malformed message) at ``now`` (monotonic seconds); the report line if one is
+        due, cut to :data:`~agents.control.messages.MAX_SHOWN_CHARS` (a topic may be 60 KB long)."""
         if now < self._next:
             self._suppressed += 1
             return None
         self._next = now + self.interval_s
-        more = f" (and {self._suppressed} more refused since the last report)" if self._suppressed else ""
+        more = f" (and {self._suppressed} more since the last report)" if self._suppressed else ""
         self._suppressed = 0
-        return f"refused a control message ({refusal.reason}): {refusal}{more}"
+        what = f"refused a control message ({refusal.reason})" if isinstance(refusal, Refused) else "dropped a message"
+        return printable(f"{what}: {refusal}") + more

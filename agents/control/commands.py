@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,7 +29,7 @@ from agents.control.messages import (
 )
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
-from agents.control.refused import refused_row
+from agents.control.refused import rank_list, refused_row, summary
 from agents.control.watch import align
 from agents.layout import plan_id
 from geosched.errors import InputError
@@ -187,10 +186,9 @@ async def checkpoint_job(
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             cp.refused_statuses.check_readable(cp.statuses())
             if refused := cp.refused_statuses.of(cp.statuses()):  # a checkpoint no one could say was whole
-                ranks = ", ".join(map(str, refused))
                 raise InputError(
-                    f"job {job!r}: no checkpoint asked for: the acknowledgements of ranks {ranks} could not be read, "
-                    f"their statuses were refused ({refusal_reasons(refused)}); fix their key folders, or pass "
+                    f"job {job!r}: no checkpoint asked for: the acknowledgements of {rank_list(list(refused))} could "
+                    f"not be read, their statuses were refused ({summary(refused)}); fix their key folders, or pass "
                     "--keys DIR of the job's key folder"
                 )
             live = {r for r, st in cp.statuses().items() if st.state in LIVE_STATES}
@@ -324,8 +322,3 @@ def status_table(statuses: dict[int, StatusMessage]) -> str:
         )
     notes = [f"rank {r}: {s.extra['message']}" for r, s in sorted(statuses.items()) if s.state == "refused"]
     return "\n".join(align(rows) + notes)
-
-
-def refusal_reasons(refused: Mapping[int, str]) -> str:
-    """``rank 3: status refused, bad signature: ...; rank 5: ...``."""
-    return "; ".join(f"rank {r}: {words}" for r, words in sorted(refused.items()))

@@ -13,7 +13,6 @@ Example::
 
     async with ControlPlane("mqtt://user:pw@broker:1883", "demo", "coordinator") as cp:
         await cp.publish_plan(Path("plan.yaml").read_text())
-        await cp.wait_for_statuses(range(8), state="ready", timeout=60)
         await cp.publish_command("start", steps=100)
 """
 
@@ -131,7 +130,8 @@ class ControlPlane:
         self._own_state: str | None = None  # last state this agent published for itself
         self._signer = Signer(keys, self.job) if keys is not None else None
         self._verifier = Verifier(keys, self.job) if keys is not None else None
-        self._refusals, self.refused_statuses = RefusalReport(), RefusedStatuses(self.job)
+        self._refusals, self._drops = RefusalReport(), RefusalReport()  # each: a log line per 5 s at most
+        self.refused_statuses = RefusedStatuses(self.job, None if keys is None else keys.agents)
         self._tasks: set[asyncio.Task[bool]] = set()  # refusal events in flight
         if keys is not None and agent is not None and keys.identity != f"agent-{agent.rank}":
             raise InputError(f"control keys of {keys.identity!r} given to the agent of rank {agent.rank}")
@@ -262,7 +262,6 @@ class ControlPlane:
         for topic, payload in list(self._state_out.items()):
             await client.publish(topic, self._seal(topic, payload), qos=1, retain=True)
 
-    # -- receiving -----------------------------------------------------------
     def _dispatch(self, topic: str, payload: bytes, retained: bool = False) -> None:
         self.stats.received += 1
         if self._verifier is not None and len(payload) <= self._max_payload + MAX_HEADER_BYTES:
@@ -282,7 +281,8 @@ class ControlPlane:
                 self.stats.dropped_oversize += 1
             else:
                 self.stats.dropped_malformed += 1
-            log.warning("MQTT %s: dropped a message: %s", self.address, exc)
+            if (line := self._drops.note(exc, time.monotonic())) is not None:  # a flood: one line per 5 s
+                log.warning("MQTT %s job %r: %s", self.address, self.job, line)
             return
         if message is None:  # a retained topic was cleared
             if topic == self.topics.plan:

@@ -10,13 +10,13 @@ four signed agents were live, and ``job start`` with one agent's key from anothe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from agents.control.auth import MAGIC
-from agents.control.messages import StatusMessage, classify_topic, last_states
+from agents.control.messages import StatusMessage, classify_topic
 from geosched.errors import InputError, ProtocolError
 
-__all__ = ["SIGNED", "RefusedStatuses", "refused_row", "why"]
+__all__ = ["SIGNED", "RefusedStatuses", "rank_list", "refused_row", "summary", "why"]
 
 SIGNED = "signed"
 """The reason for a signed status received by a client without keys: it cannot check it, so it reads nothing."""
@@ -41,8 +41,9 @@ def why(reason: str) -> str:
 class RefusedStatuses:
     """Per rank, the reason its latest unbelieved status was refused (policy only: the plane feeds it)."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self, job: str, ranks: Collection[int] | None = None) -> None:
         self.job = job
+        self._ranks = ranks  # with keys: the ranks of the key folder; a status of another rank is no rank's
         self._reasons: dict[int, str] = {}
 
     def note(self, topic: str, reason: str) -> bool:
@@ -52,6 +53,8 @@ class RefusedStatuses:
         except ProtocolError:
             return False
         if kind != "status" or rank is None or (rank not in self._reasons and len(self._reasons) >= MAX_RANKS):
+            return False
+        if self._ranks is not None and rank not in self._ranks:  # a stranger's forgery for a rank the job lacks
             return False
         self._reasons[rank] = reason
         return True
@@ -65,19 +68,35 @@ class RefusedStatuses:
         return {r: why(reason) for r, reason in sorted(self._reasons.items()) if r not in readable}
 
     def check_readable(self, statuses: Mapping[int, StatusMessage]) -> None:
-        """InputError (exit 2, one line) when none of ``statuses`` (the readable ones) is there but some were
-        refused: a command would otherwise say the job has no agents, or none is ready."""
-        if statuses or not self._reasons:
-            return
-        if set(self._reasons.values()) == {SIGNED}:
+        """InputError (exit 2, one line) when some statuses are signed and this client has no keys (what it reads
+        is then only what anyone may publish unsigned: a trial's forged rank was shown ``ready`` beside the job's
+        unchecked ones), or when none of ``statuses`` (the readable ones) is there but some were refused: a command
+        would otherwise say the job has no agents, or none is ready."""
+        if SIGNED in self._reasons.values():
             raise InputError(
                 f"the statuses of job {self.job!r} on this broker are signed: pass --keys DIR (the job's key folder)"
             )
-        refused = self.of(())
+        if statuses or not self._reasons:
+            return
         raise InputError(
-            f"job {self.job!r}: no status on this broker could be believed: ranks {last_states(refused, {}, refused)}; "
+            f"job {self.job!r}: no status on this broker could be believed: {summary(self.of(()))}; "
             "is --keys DIR the job's key folder?"
         )
+
+
+def summary(refused: Mapping[int, str], most: int = 8) -> str:
+    """``ranks 3, 4: status refused, bad signature: ...; rank 7: ...``: the ranks of each reason, at most ``most``
+    of them named (a job of thousands of ranks, all refused, is still one line)."""
+    by_words: dict[str, list[int]] = {}
+    for rank, words in sorted(refused.items()):
+        by_words.setdefault(words, []).append(rank)
+    return "; ".join(f"{rank_list(ranks, most)}: {words}" for words, ranks in by_words.items())
+
+
+def rank_list(ranks: Sequence[int], most: int = 8) -> str:
+    """``rank 3``, ``ranks 3, 4`` or ``ranks 0, 1, ..., 7 and 992 more``."""
+    named = ", ".join(map(str, ranks[:most])) + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
+    return f"rank{'s' * (len(ranks) != 1)} {named}"
 
 
 def refused_row(rank: int, words: str) -> StatusMessage:

@@ -196,7 +196,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser, "metrics", "the metrics endpoint")
 
 
-def check_bind_host(host: str) -> None:
+def check_link_host(host: str) -> None:
+    """InputError (one line) for a ``--bind-host`` the links and the rendezvous store cannot bind though this
+    host can (they failed later, exit 1): ``*``, an IPv4-mapped IPv6 address, one with a scope (``%eth0``)."""
+    import ipaddress
+
+    if host == "*":
+        raise InputError("--bind-host '*': not an address; give one of this host's IPs (0.0.0.0 binds every one)")
+    try:
+        mapped = ipaddress.IPv6Address(host).ipv4_mapped
+    except ValueError:  # not IPv6, or with a scope
+        mapped = None
+    if mapped is not None:
+        raise InputError(f"--bind-host {host}: an IPv4-mapped IPv6 address; give the IPv4 address {mapped}")
+    if "%" in host:
+        raise InputError(
+            f"--bind-host {host}: an address with a scope (a link-local one) cannot be bound by the links; give a "
+            "global or unique-local address of this host (see 'ip -6 address')"
+        )
+
+
+def check_bind_host(host: str, flag: str = "--bind-host") -> None:
     """InputError (one line, at once) unless ``host`` is an address of this machine: binding a TCP socket to
     it is what every link endpoint will do, and torch's c10d store would otherwise fail later, at length."""
     import socket
@@ -205,7 +225,7 @@ def check_bind_host(host: str) -> None:
         infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         raise InputError(
-            f"--bind-host {host!r}: not an address or resolvable name ({exc}); give an IP of this host"
+            f"{flag} {host!r}: not an address or resolvable name ({exc}); give an IP of this host"
         ) from None
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -213,7 +233,7 @@ def check_bind_host(host: str) -> None:
             probe.bind(address)
         except OSError as exc:
             raise InputError(
-                f"--bind-host {host}: not an address of this host ({exc.strerror or exc}); give one of its own "
+                f"{flag} {host}: not an address of this host ({exc.strerror or exc}); give one of its own "
                 "IPs, the one the other hosts reach it by (see 'ip -brief address')"
             ) from None
 
@@ -239,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_paths(args.data)
     at_least(args, "checkpoint_every", 0)
     at_least(args, "checkpoint_keep", 0)
+    check_link_host(args.bind_host)
     check_bind_host(args.bind_host)
     from agents.stage.device import rank_device
 
@@ -246,10 +267,15 @@ def run(args: argparse.Namespace) -> int:
     if (args.resume or args.checkpoint_every or args.checkpoint_keep) and not args.checkpoint_dir:
         raise InputError("--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR")
     checkpoint_folder(args)
-    if args.prefill_bind is not None and not args.prefill_bind.startswith("tcp://"):
-        raise InputError(
-            f"--prefill-bind: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:0 (got {args.prefill_bind!r})"
-        )
+    if args.prefill_bind is not None:
+        from agents.sockets import tcp_address
+
+        try:
+            host, _ = tcp_address(args.prefill_bind, bind=True)
+        except InputError as exc:
+            raise InputError(f"--prefill-bind: {exc}") from None
+        if host not in ("*", "0.0.0.0", "::"):  # every interface: nothing to check
+            check_bind_host(host, "--prefill-bind")
     prefill_http, http_tls, http_limits = None, None, None
     if args.prefill_http is not None:
         from agents.prefill.connections import HttpLimits

@@ -223,10 +223,11 @@ def run(args: argparse.Namespace) -> int:
         )
     statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
     if refused := {r: str(st.extra["message"]) for r, st in statuses.items() if st.state == "refused"}:
+        from agents.control.refused import rank_list, summary
+
         raise AgentLost(
-            f"job {args.job!r}: the stop was sent, but ranks {', '.join(map(str, refused))} are not known to have "
-            f"stopped: their statuses were refused ({commands.refusal_reasons(refused)}); check their hosts and key "
-            "folders"
+            f"job {args.job!r}: the stop was sent, but no stop can be confirmed for {rank_list(list(refused))}: their "
+            f"statuses were refused ({summary(refused)}); check their hosts and key folders"
         )
     offline = sorted(
         r for r, st in statuses.items() if st.state == "offline" and st.extra.get("current_plan") is not False
