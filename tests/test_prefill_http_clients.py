@@ -4,6 +4,7 @@ address holding connections it never uses while another address is served."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -104,3 +105,38 @@ def test_the_guard_counts_each_address_apart() -> None:
     assert guard.overdue(0.1 + guard.limits.header_timeout_s + 0.01) == [6]  # cut off: its share back too
     assert guard.admit(7, 20.0, "a") == "accept"  # the others were forgotten unhandshaken by now
     assert HttpLimits.parse(["max_connections_per_address=4"]).max_connections_per_address == 4
+
+
+def test_the_http_client_gives_up_at_its_timeout_against_a_trickling_server() -> None:
+    """A trial: ``geosched prefill --timeout 10`` took 19 s against a saturated front end; a socket's timeout
+    bounds each read, so a server answering a byte at a time held a client for as long as it liked."""
+    import threading
+    import time
+
+    from agents.prefill.http_client import prefill_over_http
+    from geosched.errors import LinkError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000:
+                if done.wait(0.2):
+                    return
+                with contextlib.suppress(OSError):
+                    conn.sendall(bytes([byte]))
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(LinkError, match="no whole answer from the prefill HTTP front end within 1 s"):
+            prefill_over_http(f"http://127.0.0.1:{listener.getsockname()[1]}", "hi", timeout_s=1.0)
+        assert time.monotonic() - began < 10  # a bound on hanging (it waited until the trickle ended), not a speed test
+    finally:
+        done.set()
+        server.join(5)
+        listener.close()

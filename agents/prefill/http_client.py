@@ -12,9 +12,12 @@ front end's message. Example::
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import ssl
+import threading
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,7 +52,9 @@ def prefill_over_http(
     top_k: int = 5,
     timeout_s: float = 30.0,
 ) -> PrefillResponse:
-    """Prefill ``prompt`` (text, one token per UTF-8 byte) on the front end at ``url``; LinkError if unreachable."""
+    """Prefill ``prompt`` (text, one token per UTF-8 byte) on the front end at ``url``; LinkError if unreachable
+    or when no whole answer came within ``timeout_s`` (in all: a socket's timeout bounds each read, and a server
+    that trickles its answer a byte at a time would never trip it; a trial's ``--timeout 10`` took 19 s)."""
     scheme, host, port, prefix = split_url(url)
     text: str | list[int]
     if isinstance(prompt, bytes):  # text when it is UTF-8, else its bytes as token ids (a byte-level model)
@@ -69,6 +74,10 @@ def prefill_over_http(
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=context)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    late = threading.Event()  # set before the socket is shut: the failure that follows is the deadline's
+    watchdog = threading.Timer(timeout_s, _cut, (conn, late))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         conn.request("POST", f"{prefix}/v1/prefill", body=json.dumps(body).encode(), headers=headers)
         reply = conn.getresponse()
@@ -82,8 +91,11 @@ def prefill_over_http(
             "that signed it (a launch run's is RUN_DIR/secrets/tls-ca.crt)"
         ) from None
     except (OSError, http.client.HTTPException) as exc:
+        if late.is_set():
+            raise LinkError(f"{url}: no whole answer from the prefill HTTP front end within {timeout_s:g} s") from None
         raise LinkError(f"{url}: no answer from the prefill HTTP front end ({exc})") from None
     finally:
+        watchdog.cancel()
         conn.close()
     if reply.status == 200:
         return response_from_safetensors(data)
@@ -93,6 +105,15 @@ def prefill_over_http(
         message = data[:200].decode("utf-8", "replace")
     status = {429: "rejected", 504: "expired"}.get(reply.status, "error")
     return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {message}")
+
+
+def _cut(conn: http.client.HTTPConnection, late: threading.Event) -> None:
+    """The deadline passed: shut the connection's socket, so the call blocked on it fails now."""
+    late.set()
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 __all__ = ["MAX_ANSWER_BYTES", "prefill_over_http", "split_url"]
