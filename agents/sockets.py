@@ -252,7 +252,8 @@ def make_socket(
             try:
                 sock.bind(bind)
             except zmq.ZMQError as exc:
-                raise LinkError(f"cannot bind {bind}: {exc.strerror} (is the port in use?)") from None
+                hint = " (is the port in use?)" if exc.errno == zmq.EADDRINUSE else " (is it an address of this host?)"
+                raise LinkError(f"cannot bind {bind}: {exc.strerror}{hint}") from None
         if connect is not None:
             connect_to(sock, connect)
     except BaseException:

@@ -41,6 +41,8 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
         losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
         assert all(loss > 0 for loss in losses)
         assert lines[-1].split()[2] == "[##########]"
+        assert printed[-1].startswith("job 'byhand' completed: steps 0-2 (3 steps), median iteration "), printed
+        assert printed[-1].endswith(f", final loss {losses[-1]:.4f}")  # a trial: success printed nothing after
 
         status = _run("job", "status", "--mqtt", url, "--job", job, "--json")
         assert status.returncode == 0, status.stderr

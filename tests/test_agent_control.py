@@ -132,6 +132,7 @@ def test_a_frozen_agent_is_named_from_its_missing_heartbeats(embedded_broker, tm
     try:
         message = asyncio.run(run_and_freeze())
         assert "rank 1" in message and "eu" in message and "frozen or cut off" in message, message
+        assert message.endswith("once it is back, 'geosched job stop' stops it)"), message  # it missed the stop
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(agents[1].pid, signal.SIGCONT)

@@ -20,9 +20,12 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         (["--bind-host", "192.0.2.1"], "--bind-host 192.0.2.1: not an address of this host"),  # TEST-NET-1
         (["--bind-host", "no-such-host.invalid"], "not an address or resolvable name"),
         # these passed the check and failed once the agent ran (exit 1), or bound another port (a hostile trial)
-        (["--bind-host", "*"], "--bind-host '*': not an address; give one of this host's IPs"),
+        (["--bind-host", "*"], "--bind-host *: the any-address is what the agent publishes to its peers"),
+        (["--bind-host", "::"], "--bind-host ::: the any-address is what the agent publishes"),  # the job hung 300 s
+        (["--bind-host", "0.0.0.0"], "give this host's address, the one the other hosts reach it by"),
         (["--bind-host", "::ffff:127.0.0.1"], "an IPv4-mapped IPv6 address; give the IPv4 address 127.0.0.1"),
         (["--bind-host", "fe80::1%lo"], "--bind-host fe80::1%lo: an address with a scope"),
+        (["--bind-host", "[::1]"], "--bind-host [::1]: an address, without brackets (--bind-host ::1)"),
         (["--prefill-bind", "tcp://127.0.0.1:70000"], "--prefill-bind: endpoint 'tcp://127.0.0.1:70000': port 70000"),
         (["--prefill-bind", "tcp://127.0.0.1:-5"], "port -5 is not a number (0-65535)"),
         (["--prefill-bind", "tcp://::1:0"], "--prefill-bind: endpoint 'tcp://::1:0': an IPv6 host goes in brackets"),
@@ -131,3 +134,29 @@ def test_an_agent_raises_its_open_files_limit_to_the_hard_one() -> None:
     reported, now = map(int, done.stdout.split())
     expected = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     assert reported == now == max(low, expected)
+
+
+def test_keys_decide_an_agents_broker_login_over_another_user_in_the_environment(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator's trial: an agent started with --keys from the coordinator's shell (GEOSCHED_MQTT_USERNAME=
+    coordinator, as the multi-host guide exports it) logged in as the coordinator; the broker's ACL dropped its
+    statuses and 'job start' waited for a running agent, 'ranks 0 (stopped)'."""
+    import argparse
+    from urllib.parse import unquote, urlsplit
+
+    from agents.keys import load_job_keys, write_job_keys
+    from geosched.commands.agent import mqtt_url
+
+    write_job_keys(tmp_path / "k", 2)
+    keys = load_job_keys(tmp_path / "k")
+    args = argparse.Namespace(mqtt="mqtt://127.0.0.1:1883", job="demo")
+    monkeypatch.setenv("GEOSCHED_MQTT_USERNAME", "coordinator")
+    monkeypatch.setenv("GEOSCHED_MQTT_PASSWORD", keys.mqtt_password("coordinator"))
+    login = urlsplit(mqtt_url(args, keys, "agent-0"))
+    assert (login.username, unquote(login.password or "")) == ("agent-0", keys.mqtt_password("agent-0"))
+    assert "warning: GEOSCHED_MQTT_USERNAME is 'coordinator'; logging in as 'agent-0'" in capsys.readouterr().err
+    assert urlsplit(mqtt_url(args, keys, "coordinator")).username == "coordinator"  # the same user: no warning
+    assert capsys.readouterr().err == ""
+    given = argparse.Namespace(mqtt="mqtt://someone:pw@127.0.0.1:1883", job="demo")  # credentials in the URL win
+    assert urlsplit(mqtt_url(given, keys, "agent-0")).username == "someone"

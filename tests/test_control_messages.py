@@ -35,6 +35,7 @@ def test_broker_urls() -> None:
     assert (tls.port, tls.tls, tls.username, tls.password) == (8883, True, "ops@eu", "p:ss")
     assert str(tls) == "mqtts://ops@eu:***@10.0.0.5:8883"  # password never shown
     assert BrokerAddress.parse("mqtt://[::1]:1884").host == "::1"
+    assert str(BrokerAddress.parse("mqtts://agent-2:pw@[fd00:61::4]:8883")) == "mqtts://agent-2:***@[fd00:61::4]:8883"
 
 
 @pytest.mark.parametrize(
@@ -45,6 +46,7 @@ def test_broker_urls() -> None:
         ("mqtt://h:99999", "Port out of range"),
         ("mqtt://h:1883/topic", "must not have a path"),
         ("broker:1883", "scheme must be"),
+        ("mqtts://u:hunter2@fd00:61::4:8883", "an IPv6 host goes in brackets, as in mqtt://\\[fd00::4\\]:1883"),
     ],
 )
 def test_bad_broker_urls_name_the_problem(url: str, complaint: str) -> None:

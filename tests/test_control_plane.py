@@ -398,9 +398,13 @@ def test_tls_with_a_ca_file_against_mosquitto(tmp_path: Path) -> None:
                 await cp.publish_event("info", "hello over TLS")
                 message = await sub.get(5.0)
                 assert isinstance(message, EventMessage) and message.message == "hello over TLS"
-            with pytest.raises(BrokerAuthError, match="TLS certificate .* is not trusted"):
+            with pytest.raises(BrokerAuthError, match="TLS certificate .* is not trusted .*; pass the broker's CA"):
                 async with ControlPlane(url, JOB, "agent-1", connect_timeout=5):
                     pass
+            by_name = url.replace("127.0.0.1", "localhost")  # the certificate names IP:127.0.0.1 alone
+            with pytest.raises(BrokerAuthError, match="mismatch.*; connect by a name or address its subjectAltName"):
+                async with ControlPlane(by_name, JOB, "agent-1", ca_file=tmp_path / "broker.crt", connect_timeout=5):
+                    pass  # a trial: told to pass the CA file it had passed
             (tmp_path / "not-a-ca.pem").write_bytes(bytes(range(256)))  # refused at once, not "cannot reach" later
             with pytest.raises(InputError, match="--ca-file: cannot read .*not-a-ca.pem.* as PEM certificates"):
                 ControlPlane(url, JOB, "agent-2", ca_file=tmp_path / "not-a-ca.pem")

@@ -75,6 +75,32 @@ def test_a_lost_metrics_message_is_reported_and_later_steps_still_print() -> Non
     assert result.steps[2].loss == 3.0
 
 
+def test_steps_in_a_row_without_metrics_are_one_line() -> None:
+    """An operator's trial: a 30 s broker outage printed 49 lines 'step N: no metrics arrived', one a step."""
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))
+    feed = _Feed(
+        [
+            *(_metrics(rank, step) for step in (0, 1) for rank in (0, 1)),
+            # steps 2-5 lost whole: the broker was away
+            *(_metrics(rank, 6) for rank in (0, 1)),
+            StatusMessage(0, "ready", extra={"next_step": 9}),
+            StatusMessage(1, "ready", extra={"next_step": 9}),
+        ]
+    )
+    out = io.StringIO()
+    result = asyncio.run(_follow(_Plane(), feed, layout, 0, 9, out, step_timeout_s=1.0))  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        *[line.split(":")[0] for line in lines[:2]],
+        "steps 2-5",
+        lines[3].split(":")[0],
+        "steps 7-8",
+    ], lines
+    assert lines[2] == "steps 2-5: no metrics arrived (lost while the broker was away?)"
+    assert lines[3].startswith("step    6/8") and [s.step for s in result.steps] == [0, 1, 6]
+    assert sorted(result.missing) == [2, 3, 4, 5, 7, 8]
+
+
 def test_an_offline_will_followed_by_signs_of_life_is_not_a_lost_agent() -> None:
     """A broker restart: every agent's will ('offline') arrives, then their republished statuses and metrics."""
     layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=1))

@@ -54,7 +54,8 @@ class BrokerAddress:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise InputError(f"broker URL {shown!r}: {exc}; expected mqtt://host:port") from None
+            hint = "; an IPv6 host goes in brackets, as in mqtt://[fd00::4]:1883" if url.count(":") > 2 else ""
+            raise InputError(f"broker URL {shown!r}: {exc}; expected mqtt://host:port{hint}") from None
         if parts.scheme not in ("mqtt", "mqtts"):
             raise InputError(f"broker URL {shown!r}: scheme must be mqtt:// or mqtts:// (TLS), got {parts.scheme!r}")
         if not parts.hostname:
@@ -73,4 +74,5 @@ class BrokerAddress:
     def __str__(self) -> str:
         """The URL with the password masked, safe for logs and error messages."""
         user = f"{self.username}{':***' if self.password else ''}@" if self.username else ""
-        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{host}:{self.port}"

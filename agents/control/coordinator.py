@@ -380,7 +380,8 @@ async def _follow(
         if gone:
             rank, why = gone[0]
             status = result.statuses.get(rank) or cp.statuses().get(rank) or StatusMessage(rank, "training")
-            raise AgentLost(lost_message(cp.job, status, current, why), [r for r, _ in gone])
+            back = " (a rank cut off does not hear that stop: once it is back, 'geosched job stop' stops it)"
+            raise AgentLost(lost_message(cp.job, status, current, why) + back, [r for r, _ in gone])
         if message is None:
             if loop.time() - progress_at >= step_timeout_s:
                 raise AgentLost(
@@ -437,25 +438,34 @@ async def _follow(
                 )
             if message.state == "ready" and int(message.extra.get("next_step", -1)) >= end:
                 finished.add(message.rank)
+        lines, quiet = list[str](), list[int]()  # steps in a row with no metrics (a broker outage): one line
         while printed < end and (len(pending.get(printed, {})) == len(ranks) or _moved_past(printed)):
             got = pending.pop(printed, {})
             lost = sorted(ranks - set(got))
             if lost:
                 result.missing[printed] = lost
-            line = f"step {printed:>4}: no metrics arrived (lost while the broker was away?)"
             if got:
                 summary = summarize_step(printed, got, layout)
                 result.steps.append(summary)
                 line = summary.line(printed + 1, end, end - 1)  # the job's progress: a resume or recovery goes on
                 line += f" | metrics of ranks {', '.join(map(str, lost))} lost" if lost else ""
-            if out is not None:
-                print(line, file=out, flush=True)
+                lines, quiet = [*lines, *_no_metrics(quiet), line], []
+            else:
+                quiet.append(printed)
             if metrics is not None:
                 metrics.step_done(printed, result.steps[-1] if got else None, lost)
             printed += 1
+        if out is not None and (lines := lines + _no_metrics(quiet)):
+            print(*lines, sep="\n", file=out, flush=True)
         if isinstance(message, MetricsMessage):  # the job is at the oldest step some rank has not finished:
             current = min(printed, end - 1)  # the one a loss now fails (errors name it)
     return result
+
+
+def _no_metrics(steps: list[int]) -> list[str]:
+    """The line for steps in a row of which no metrics arrived (none for none)."""
+    which = f"step {steps[0]:>4}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else ""
+    return [f"{which}: no metrics arrived (lost while the broker was away?)"] if steps else []
 
 
 async def _resend_start(cp: ControlPlane, acks: StartAcks, message: object, now: float) -> None:

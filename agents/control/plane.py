@@ -238,10 +238,11 @@ class ControlPlane:
                 f"MQTT broker {self.address} refused the credentials of client {self.client_id!r} ({exc});"
                 " check the user and password (mqtt://user:pass@host:port or apart; a launch's: --keys RUN_DIR/secrets)"
             )
-        if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+        if isinstance(cause := exc.__context__, ssl.SSLCertVerificationError):
+            mismatch = "mismatch" in str(cause.verify_message)  # trusted, but for another name: a CA file cannot help
+            fix = "connect by a name or address its subjectAltName holds" if mismatch else "pass the broker's CA file"
             return BrokerAuthError(
-                f"TLS certificate of MQTT broker {self.address} is not trusted ({exc.__context__.verify_message});"
-                " pass the broker's CA certificate as the CA file"
+                f"TLS certificate of MQTT broker {self.address} is not trusted ({cause.verify_message}); {fix}"
             )
         return None
 
@@ -397,7 +398,6 @@ class ControlPlane:
             if message.state in bad and was != message.state:
                 yield message
 
-    # -- sending -------------------------------------------------------------
     def _encode(self, kind: str, data: Mapping[str, Any]) -> bytes:
         try:
             payload = json.dumps(data, separators=(",", ":")).encode()

@@ -11,6 +11,7 @@ and logs every refusal; this one derives the proof and rate-limits its lines.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -91,7 +92,7 @@ class ZapAuthenticator:
         self.stop()
 
     def _serve(self) -> None:
-        with make_socket(self._ctx, zmq.ROUTER, bind=ZAP_ENDPOINT, max_msg_bytes=4096) as sock:
+        with contextlib.suppress(zmq.ContextTerminated), self._socket() as sock:  # its owner closed the context
             self._ready.set()
             while not self._stop.is_set():
                 if sock.poll(100, zmq.POLLIN):
@@ -105,6 +106,9 @@ class ZapAuthenticator:
                             sock.send_multipart(
                                 [frames[0], b"", b"1.0", frames[3], b"500", b"internal error", b"", b""]
                             )
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        return make_socket(self._ctx, zmq.ROUTER, bind=ZAP_ENDPOINT, max_msg_bytes=4096)
 
     def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         if len(frames) < 8 or frames[2] != b"1.0":

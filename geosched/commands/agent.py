@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from geosched.chunking import DEFAULT_MAX_CHUNK
@@ -69,13 +70,22 @@ def load_keys(args: argparse.Namespace) -> JobKeys | None:
 
 
 def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: str | None = None) -> str:
-    """The broker URL from --mqtt / env, with credentials from env, else from ``keys`` as ``identity``."""
+    """The broker URL from --mqtt / env, with the credentials in it, else from ``keys`` as ``identity`` (also over
+    another user in the environment: an agent started from the coordinator's shell logged in as ``coordinator``,
+    and the broker's ACL dropped every status it published), else from the environment."""
     job_name(args)
     if not args.mqtt:
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
     url: str = args.mqtt
     user, password = os.environ.get("GEOSCHED_MQTT_USERNAME"), os.environ.get("GEOSCHED_MQTT_PASSWORD")
-    if not user and keys is not None and identity is not None and "@" not in url.split("://", 1)[-1]:
+    if keys is not None and identity is not None and "@" not in url.split("://", 1)[-1] and user != identity:
+        if user:
+            print(
+                f"warning: GEOSCHED_MQTT_USERNAME is {user!r}; logging in as {identity!r}, the login --keys holds for "
+                "this process (the job's ACL lets only it publish here)",
+                file=sys.stderr,
+                flush=True,
+            )
         user, password = identity, keys.mqtt_password(identity)
     if user and "@" not in url.split("://", 1)[-1]:
         scheme, rest = url.split("://", 1) if "://" in url else ("mqtt", url)
@@ -198,11 +208,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_link_host(host: str) -> None:
     """InputError (one line) for a ``--bind-host`` the links and the rendezvous store cannot bind though this
-    host can (they failed later, exit 1): ``*``, an IPv4-mapped IPv6 address, one with a scope (``%eth0``)."""
+    host can (they failed later, exit 1): ``*``, an IPv4-mapped IPv6 address, one with a scope (``%eth0``), a name
+    with no IPv4 address; and the any-address, which the agent would publish as it is."""
+    import contextlib
     import ipaddress
+    import socket
 
-    if host == "*":
-        raise InputError("--bind-host '*': not an address; give one of this host's IPs (0.0.0.0 binds every one)")
+    if host.startswith("["):
+        raise InputError(f"--bind-host {host}: an address, without brackets (--bind-host {host.strip('[]')})")
+    if host in ("*", "0.0.0.0", "::"):  # every interface; what peers get told must be one they reach
+        raise InputError(
+            f"--bind-host {host}: the any-address is what the agent publishes to its peers, and they cannot connect "
+            "to it (a trial's job waited 300 s); give this host's address, the one the other hosts reach it by "
+            "(see 'ip -brief address')"
+        )
     try:
         mapped = ipaddress.IPv6Address(host).ipv4_mapped
     except ValueError:  # not IPv6, or with a scope
@@ -214,6 +233,20 @@ def check_link_host(host: str) -> None:
             f"--bind-host {host}: an address with a scope (a link-local one) cannot be bound by the links; give a "
             "global or unique-local address of this host (see 'ip -6 address')"
         )
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return
+    try:  # a name: the links resolve it as libzmq does, over IPv4 only (check_bind_host: one that does not resolve)
+        socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        try:
+            socket.getaddrinfo(host, 0, socket.AF_INET6, socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return  # not even over IPv6: check_bind_host names that
+        raise InputError(
+            f"--bind-host {host}: the name has no IPv4 address, and the links resolve names over IPv4 only; give "
+            "this host's address (an IPv6 one works as an address)"
+        ) from None
 
 
 def check_bind_host(host: str, flag: str = "--bind-host") -> None:

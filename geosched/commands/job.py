@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import sys
 from typing import Any
 
@@ -286,9 +287,22 @@ def _start(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any
             server.close()
     if recorder is not None:
         _write_run_folder(recorder, args.run_dir, out)
+    print(_completed(args.job, result.steps), file=out, flush=True)  # after the last step line: it ended well
     if args.json:
         print(json.dumps({"outcome": "completed", "steps": [vars(s) for s in result.steps]}))
     return 0
+
+
+def _completed(job: str, steps: list[Any]) -> str:
+    """``job 'demo' completed: steps 0-11 (12 steps), median iteration 31.2 ms, final loss 3.6990``."""
+    if not steps:
+        return f"job {job!r} completed: no step was left to run"
+    median = statistics.median(s.iteration_s for s in steps) * 1e3
+    loss = f", final loss {steps[-1].loss:.4f}" if steps[-1].loss is not None else ""
+    return (
+        f"job {job!r} completed: steps {steps[0].step}-{steps[-1].step} ({len(steps)} step{'s' * (len(steps) != 1)}), "
+        f"median iteration {median:.1f} ms{loss}"
+    )
 
 
 def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any) -> int:
