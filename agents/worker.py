@@ -330,6 +330,7 @@ class RankWorker:
                         bubble_filler=service,
                         link_security=self._link_security(),
                         device=opts.device,
+                        stopping=self._stop.is_set,
                     )
                 )
             finally:

@@ -123,3 +123,29 @@ def test_plan_that_does_not_match_the_joined_agent_is_refused(embedded_broker, t
         assert all(a.poll() is None for a in agents), "agents survive a bad plan and keep serving"
     finally:
         stop_processes(agents)
+
+
+def test_an_agent_waiting_for_its_peer_stops_at_once(embedded_broker, tmp_path: Path):
+    """An operator's trial: SIGTERM to an idle agent (ready, the job not started) took 5 s and logged 'worker
+    thread still busy at exit; leaving it': its pipeline link waited for the previous stage, which connects only
+    once the job starts, and nothing told that wait to stop."""
+    import signal
+    import time
+
+    from agents.control.commands import job_statuses
+
+    url, job = embedded_broker.url_for("geosched"), "idle-stop"
+    plan = tiny_plan(tmp_path)
+    agents = [spawn_agent(url, job, rank, dc, tmp_path, "--plan", str(plan)) for rank, dc in enumerate(["us", "eu"])]
+    try:
+        states = lambda: {r: s.state for r, s in asyncio.run(job_statuses(url, job)).items()}  # noqa: E731
+        wait_for(
+            lambda: states() == {0: "ready", 1: "ready"}, 90, "both agents ready", detail=lambda: log_tail(tmp_path)
+        )
+        began = time.monotonic()
+        agents[1].send_signal(signal.SIGTERM)  # the last stage: its listener waits for stage 0 to connect
+        assert agents[1].wait(30) == 0
+        log = (tmp_path / "agent1.log").read_text()
+        assert "still busy at exit" not in log and time.monotonic() - began < 4.5, log  # a bound, not a speed test
+    finally:
+        stop_processes(agents)

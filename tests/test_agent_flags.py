@@ -31,6 +31,8 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         (["--prefill-bind", "tcp://::1:0"], "--prefill-bind: endpoint 'tcp://::1:0': an IPv6 host goes in brackets"),
         (["--prefill-bind", "tcp://[::1]:abc"], "port abc is not a number"),
         (["--prefill-bind", "tcp://192.0.2.1:0"], "--prefill-bind 192.0.2.1: not an address of this host"),
+        (["--peer-override", "pipe/s1/r0=tcp://fd00:61::3:4000"], "an IPv6 host goes in brackets"),
+        (["--peer-override", "pipe/s1/r0=tcp://10.0.0.5:70000"], "port 70000 is out of range (1-65535)"),
         (["--resume"], "--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR"),
         (["--checkpoint-keep", "2"], "--checkpoint-keep need --checkpoint-dir DIR"),
         (["--checkpoint-dir", "c", "--checkpoint-keep", "-1"], "--checkpoint-keep: must be >= 0"),

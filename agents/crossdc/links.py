@@ -57,6 +57,7 @@ class SyncLinks:
         connect_timeout_s: float = 60.0,
         recv_timeout_s: float = 120.0,
         wan_config: dict[str, Any] | None = None,
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         assert role.sync is not None, f"rank {role.rank} does not sync across DCs"
         self.role, self.sync = role, role.sync
@@ -66,6 +67,7 @@ class SyncLinks:
         self.connect_timeout_s, self.recv_timeout_s = connect_timeout_s, recv_timeout_s
         self.wan_config = dict(wan_config or {})
         self.links: dict[int, WanLink] = {}
+        self.stopping = stopping  # polled while waiting for the partner (WanLink.wait_peer)
 
     def _config(self, peer: SyncPeer, listener_rank: int, streams: int, **security: Any) -> WanLinkConfig:
         """The link to ``peer`` (``security``: its CURVE side, if any)."""
@@ -101,7 +103,7 @@ class SyncLinks:
             self.links[+1] = WanLink.connect(endpoint, self._config(peer, peer.rank, peer.streams, curve_client=client))
             log.debug("rank %d: gradient link to rank %d via %s", self.role.rank, peer.rank, endpoint)
         if -1 in self.links:
-            self.links[-1].wait_peer(self.connect_timeout_s)
+            self.links[-1].wait_peer(self.connect_timeout_s, self.stopping)
 
     def close(self) -> None:
         """Close both links (idempotent)."""

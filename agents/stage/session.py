@@ -125,8 +125,10 @@ class RankSession:
         link_security: LinkSecurity | None = None,
         wan_turns: bool = True,
         device: torch.device | str = "cpu",
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         self.job, self.role = job, role
+        self.stopping = stopping  # polled while the links wait for their peers: an agent stopped meanwhile
         self.device = torch.device(device)  # the stage's weights, optimizer state and activations (agents.stage.device)
         self.wan_turns = wan_turns  # the group's replicas take turns on their shared WAN links (agents.stage.turns)
         self.link_security = link_security  # CURVE on both pipeline links (None: plain TCP)
@@ -325,6 +327,7 @@ class RankSession:
                 connect_timeout_s=self.connect_timeout_s,
                 recv_timeout_s=self.recv_timeout_s,
                 wan_config=self.wan_config,
+                stopping=self.stopping,
             )
             self._stack.callback(self.sync_links.close)
             self.sync_links.listen()
@@ -352,7 +355,7 @@ class RankSession:
             self._stack.callback(link.close)
             links[role.stage + 1] = link
         if listener is not None:
-            listener.wait_peer(self.connect_timeout_s)
+            listener.wait_peer(self.connect_timeout_s, self.stopping)
         if self.sync_links is not None:
             self.sync_links.connect()
         if not links:

@@ -47,6 +47,8 @@ from geosched.errors import InputError, LinkError
 from geosched.wire import contiguous_cpu, dtype_to_name, tensor_bytes, tensor_nbytes
 
 log = logging.getLogger(__name__)
+STOP_POLL_S = 0.1
+"""How often :meth:`WanLink.wait_peer` asks whether it should stop waiting."""
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -135,9 +137,22 @@ class WanLink:
         """Who is at the other end: ``config.peer_name`` and its address (once it has said hello)."""
         return self._io.peer
 
-    def wait_peer(self, timeout_s: float | None = None) -> None:
-        """Listening side: block until a peer has opened its streams; LinkError on timeout."""
-        self._io.wait_peer(self.config.connect_timeout_s if timeout_s is None else timeout_s)
+    def wait_peer(self, timeout_s: float | None = None, stopping: Callable[[], bool] | None = None) -> None:
+        """Listening side: block until a peer has opened its streams; LinkError on timeout, and at once once
+        ``stopping()`` is true (polled every :data:`STOP_POLL_S`: an agent stopped before its job started waited
+        out its stop grace here, 5 s, and left its thread behind)."""
+        total = self.config.connect_timeout_s if timeout_s is None else timeout_s
+        if stopping is None:
+            return self._io.wait_peer(total)
+        deadline = monotonic() + total
+        while not stopping():
+            left = deadline - monotonic()
+            try:
+                return self._io.wait_peer(min(STOP_POLL_S, max(0.0, left)))
+            except LinkError:
+                if left <= STOP_POLL_S:
+                    raise LinkError(f"no peer connected to {self.endpoint} within {total:g} s") from None
+        raise LinkError(f"link to {self.peer}: stopped while it waited for its peer")
 
     # ------------------------------------------------------------ futures (any thread)
 

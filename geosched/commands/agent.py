@@ -294,6 +294,15 @@ def run(args: argparse.Namespace) -> int:
     at_least(args, "checkpoint_keep", 0)
     check_link_host(args.bind_host)
     check_bind_host(args.bind_host)
+    overrides = parse_overrides(args.peer_override)
+    for name, address in overrides.items():  # a link's is checked now: libzmq would retry a malformed one silently
+        if address.startswith("tcp://"):
+            from agents.sockets import tcp_address
+
+            try:
+                tcp_address(address)
+            except InputError as exc:
+                raise InputError(f"--peer-override {name}={address}: {exc}") from None
     from agents.stage.device import rank_device
 
     device = str(rank_device(args.device, args.rank))  # cpu or cuda:N; one line if this host lacks it
@@ -358,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         data=args.data,
         threads=args.threads,
         ca_file=args.ca_file,
-        peer_overrides=parse_overrides(args.peer_override),
+        peer_overrides=overrides,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_keep=args.checkpoint_keep,
