@@ -20,8 +20,11 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         (["--bind-host", "192.0.2.1"], "--bind-host 192.0.2.1: not an address of this host"),  # TEST-NET-1
         (["--bind-host", "no-such-host.invalid"], "not an address or resolvable name"),
         # these passed the check and failed once the agent ran (exit 1), or bound another port (a hostile trial)
-        (["--bind-host", "*"], "--bind-host *: the any-address is what the agent publishes to its peers"),
-        (["--bind-host", "::"], "--bind-host ::: the any-address is what the agent publishes"),  # the job hung 300 s
+        (["--bind-host", "*"], "--bind-host *: the any-address; the agent publishes it to its peers"),
+        (["--bind-host", "::"], "--bind-host ::: the any-address; the agent publishes it"),  # the job hung 300 s
+        (["--bind-host", "::0"], "--bind-host ::0: the any-address;"),  # however written (a re-test)
+        (["--bind-host", "0"], "--bind-host 0: the any-address;"),
+        (["--bind-host", "224.0.0.1"], "--bind-host 224.0.0.1: a multicast or broadcast address;"),
         (["--bind-host", "0.0.0.0"], "give this host's address, the one the other hosts reach it by"),
         (["--bind-host", "::ffff:127.0.0.1"], "an IPv4-mapped IPv6 address; give the IPv4 address 127.0.0.1"),
         (["--bind-host", "fe80::1%lo"], "--bind-host fe80::1%lo: an address with a scope"),
@@ -160,5 +163,10 @@ def test_keys_decide_an_agents_broker_login_over_another_user_in_the_environment
     assert "warning: GEOSCHED_MQTT_USERNAME is 'coordinator'; logging in as 'agent-0'" in capsys.readouterr().err
     assert urlsplit(mqtt_url(args, keys, "coordinator")).username == "coordinator"  # the same user: no warning
     assert capsys.readouterr().err == ""
-    given = argparse.Namespace(mqtt="mqtt://someone:pw@127.0.0.1:1883", job="demo")  # credentials in the URL win
-    assert urlsplit(mqtt_url(given, keys, "agent-0")).username == "someone"
+    in_url = argparse.Namespace(mqtt=f"mqtt://coordinator:{keys.mqtt_password('coordinator')}@127.0.0.1:1883", job="d")
+    assert urlsplit(mqtt_url(in_url, keys, "agent-0")).username == "agent-0"  # the same, written in the URL (a re-test)
+    assert "warning: the --mqtt URL logs in as 'coordinator'; logging in as 'agent-0'" in capsys.readouterr().err
+    own = argparse.Namespace(mqtt="mqtt://agent-0:its-own@127.0.0.1:1883", job="demo")  # its own login: kept
+    assert mqtt_url(own, keys, "agent-0") == "mqtt://agent-0:its-own@127.0.0.1:1883"
+    monkeypatch.delenv("GEOSCHED_MQTT_USERNAME")
+    assert urlsplit(mqtt_url(in_url, None, None)).username == "coordinator"  # no keys: the URL's login

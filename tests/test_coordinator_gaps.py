@@ -99,6 +99,9 @@ def test_steps_in_a_row_without_metrics_are_one_line() -> None:
     assert lines[2] == "steps 2-5: no metrics arrived (lost while the broker was away?)"
     assert lines[3].startswith("step    6/8") and [s.step for s in result.steps] == [0, 1, 6]
     assert sorted(result.missing) == [2, 3, 4, 5, 7, 8]
+    from geosched.commands.job import _completed
+
+    assert _completed("gaps", result).startswith("job 'gaps' completed: steps 0-8 (9 steps, 6 without metrics), ")
 
 
 def test_an_offline_will_followed_by_signs_of_life_is_not_a_lost_agent() -> None:

@@ -112,6 +112,9 @@ def test_a_key_of_ones_own_is_refused_in_one_line(keyed, capsys) -> None:
         ("tcp://0.0.0.0:5555", "0.0.0.0 is the any-address, which a client cannot connect to"),
         ("tcp://[::]:5555", ":: is the any-address, which a client cannot connect to"),
         ("tcp://*:5555", "* is the any-address, which a client cannot connect to"),
+        ("tcp://[::0]:5555", "::0 is the any-address, which a client cannot connect to"),  # a re-test
+        ("tcp://0:5555", "0 is the any-address, which a client cannot connect to"),
+        ("tcp://224.0.0.1:5555", "224.0.0.1 is a multicast or broadcast address"),
     ],
 )
 def test_a_malformed_endpoint_is_refused_before_anything_is_sent(capsys, endpoint: str, needle: str) -> None:

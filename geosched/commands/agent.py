@@ -70,30 +70,37 @@ def load_keys(args: argparse.Namespace) -> JobKeys | None:
 
 
 def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: str | None = None) -> str:
-    """The broker URL from --mqtt / env, with the credentials in it, else from ``keys`` as ``identity`` (also over
-    another user in the environment: an agent started from the coordinator's shell logged in as ``coordinator``,
-    and the broker's ACL dropped every status it published), else from the environment."""
+    """The broker URL from --mqtt / env with its login: with ``keys``, the login they hold for ``identity``, also
+    over another user in the URL or the environment, with a warning (an agent started from the coordinator's
+    shell, or given its URL, logged in as ``coordinator``, and the broker's ACL dropped every status it
+    published); else the URL's own, else the environment's."""
+    from urllib.parse import quote, unquote
+
     job_name(args)
     if not args.mqtt:
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
-    url: str = args.mqtt
-    user, password = os.environ.get("GEOSCHED_MQTT_USERNAME"), os.environ.get("GEOSCHED_MQTT_PASSWORD")
-    if keys is not None and identity is not None and "@" not in url.split("://", 1)[-1] and user != identity:
-        if user:
+    scheme, rest = args.mqtt.split("://", 1) if "://" in args.mqtt else ("mqtt", args.mqtt)
+    login, at, host = rest.rpartition("@")
+    given = unquote(login.partition(":")[0]) if at else os.environ.get("GEOSCHED_MQTT_USERNAME")
+    if keys is not None and identity is not None and given != identity:
+        if given:
+            where = "the --mqtt URL logs in as" if at else "GEOSCHED_MQTT_USERNAME is"
             print(
-                f"warning: GEOSCHED_MQTT_USERNAME is {user!r}; logging in as {identity!r}, the login --keys holds for "
-                "this process (the job's ACL lets only it publish here)",
+                f"warning: {where} {given!r}; logging in as {identity!r}, the login --keys holds for this process "
+                "(the job's ACL lets only it publish here)",
                 file=sys.stderr,
                 flush=True,
             )
-        user, password = identity, keys.mqtt_password(identity)
-    if user and "@" not in url.split("://", 1)[-1]:
-        scheme, rest = url.split("://", 1) if "://" in url else ("mqtt", url)
-        from urllib.parse import quote
-
-        cred = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
-        url = f"{scheme}://{cred}@{rest}"
-    return url
+        user: str | None = identity
+        password: str | None = keys.mqtt_password(identity)
+    elif at:
+        return str(args.mqtt)
+    else:
+        user, password = given, os.environ.get("GEOSCHED_MQTT_PASSWORD")
+    if not user:
+        return f"{scheme}://{host}"
+    cred = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    return f"{scheme}://{cred}@{host}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,11 +223,13 @@ def check_link_host(host: str) -> None:
 
     if host.startswith("["):
         raise InputError(f"--bind-host {host}: an address, without brackets (--bind-host {host.strip('[]')})")
-    if host in ("*", "0.0.0.0", "::"):  # every interface; what peers get told must be one they reach
+    from agents.sockets import unusable_host
+
+    if (what := unusable_host(host)) is not None:  # what peers get told must be one they reach
         raise InputError(
-            f"--bind-host {host}: the any-address is what the agent publishes to its peers, and they cannot connect "
-            "to it (a trial's job waited 300 s); give this host's address, the one the other hosts reach it by "
-            "(see 'ip -brief address')"
+            f"--bind-host {host}: {what}; the agent publishes it to its peers, and they cannot connect to it (a "
+            "trial's job waited 300 s); give this host's address, the one the other hosts reach it by (see 'ip "
+            "-brief address')"
         )
     try:
         mapped = ipaddress.IPv6Address(host).ipv4_mapped

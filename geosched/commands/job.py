@@ -287,22 +287,23 @@ def _start(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any
             server.close()
     if recorder is not None:
         _write_run_folder(recorder, args.run_dir, out)
-    print(_completed(args.job, result.steps), file=out, flush=True)  # after the last step line: it ended well
+    print(_completed(args.job, result), file=out, flush=True)  # after the last step line: it ended well
     if args.json:
         print(json.dumps({"outcome": "completed", "steps": [vars(s) for s in result.steps]}))
     return 0
 
 
-def _completed(job: str, steps: list[Any]) -> str:
-    """``job 'demo' completed: steps 0-11 (12 steps), median iteration 31.2 ms, final loss 3.6990``."""
-    if not steps:
+def _completed(job: str, result: Any) -> str:
+    """``job 'demo' completed: steps 0-11 (12 steps), median iteration 31.2 ms, final loss 3.6990``; the steps
+    whose metrics were lost count too (a re-test's 6 steps read 'steps 2-5 (4 steps)')."""
+    steps, trained = result.steps, sorted({s.step for s in result.steps} | set(result.missing))
+    if not trained:
         return f"job {job!r} completed: no step was left to run"
-    median = statistics.median(s.iteration_s for s in steps) * 1e3
-    loss = f", final loss {steps[-1].loss:.4f}" if steps[-1].loss is not None else ""
-    return (
-        f"job {job!r} completed: steps {steps[0].step}-{steps[-1].step} ({len(steps)} step{'s' * (len(steps) != 1)}), "
-        f"median iteration {median:.1f} ms{loss}"
-    )
+    lost = f", {len(trained) - len(steps)} without metrics" if len(trained) > len(steps) else ""
+    median = f", median iteration {statistics.median(s.iteration_s for s in steps) * 1e3:.1f} ms" if steps else ""
+    loss = f", final loss {steps[-1].loss:.4f}" if steps and steps[-1].loss is not None else ""
+    count = f"{len(trained)} step{'s' * (len(trained) != 1)}{lost}"
+    return f"job {job!r} completed: steps {trained[0]}-{trained[-1]} ({count}){median}{loss}"
 
 
 def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, out: Any) -> int:
@@ -364,6 +365,8 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
             file=out,
             flush=True,
         )
+    if done.result is not None:
+        print(_completed(args.job, done.result), file=out, flush=True)
     if args.json:
         print(ended({"outcome": "completed"}))
     return 0
