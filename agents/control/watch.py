@@ -66,11 +66,16 @@ def view_lines(
     for st in statuses.values():
         states[st.state] = states.get(st.state, 0) + 1
     newest = max((m.step for m in metrics.values()), default=None)
+    latest = [m.values for m in metrics.values() if m.step == newest]  # the job's WAN rate, as the step line has it:
+    sent = [b for v in latest if (b := metric_number(v.get("wan_bytes"))) is not None]  # every rank's bytes over
+    slowest = max((t for v in latest if (t := metric_number(v.get("iteration_s"))) is not None), default=0.0)
+    wan = sum(sent) / slowest if sent and slowest > 0 else None  # the slowest rank's time (the column: each rank's)
     clock = time.strftime("%H:%M:%S", time.localtime(now))
     headline = (
         f"job {job!r} at {clock}: {len(ranks)} agent{'' if len(ranks) == 1 else 's'}"
         + (" (" + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) + ")" if states else "")
         + (f", newest step {newest}" if newest is not None else "")
+        + (f" (WAN {wan / 1e6:.2f} MB/s, all ranks)" if wan is not None else "")
         + (f"; {len(earlier)} rank{'' if len(earlier) == 1 else 's'} of an earlier plan not shown" if earlier else "")
         + (
             f"; the broker is unreachable since {time.strftime('%H:%M:%S', time.localtime(broker_away_since))}: "
@@ -89,12 +94,17 @@ def view_lines(
     return lines
 
 
+def _wan_rate(metrics: MetricsMessage) -> float | None:
+    """A rank's WAN bytes a second in its step (None without both figures, or for a step of no time)."""
+    wan, iteration_s = metric_number(metrics.values.get("wan_bytes")), metric_number(metrics.values.get("iteration_s"))
+    return wan / iteration_s if wan is not None and iteration_s else None
+
+
 def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None) -> tuple[str, ...]:
     values: dict[str, Any] = metrics.values if metrics is not None else {}
     extra: dict[str, Any] = status.extra if status is not None else {}
     iteration_s = metric_number(values.get("iteration_s"))
     bubble = metric_number(values.get("bubble_fraction"))
-    wan = metric_number(values.get("wan_bytes"))
     prefill = values.get("prefill")
     queue = prefill.get("queue_len") if isinstance(prefill, dict) else None
     if metrics is not None:
@@ -110,7 +120,7 @@ def _row(rank: int, status: StatusMessage | None, metrics: MetricsMessage | None
         step,
         "-" if iteration_s is None else f"{iteration_s * 1e3:.1f}",
         "-" if bubble is None else f"{100 * bubble:.1f}%",
-        "-" if wan is None or not iteration_s else f"{wan / iteration_s / 1e6:.2f}",
+        "-" if metrics is None or (rate := _wan_rate(metrics)) is None else f"{rate / 1e6:.2f}",
         "-" if not isinstance(queue, int) else str(queue),
         message,
     )
