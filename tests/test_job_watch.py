@@ -37,9 +37,7 @@ def test_the_table_shows_every_rank_from_statuses_and_metrics() -> None:
     }
     lines = view_lines("demo", statuses, metrics, now=0.0)
     assert lines[0].startswith("job 'demo' at ") and "4 agents (1 error, 1 ready, 1 training)" in lines[0]
-    assert lines[0].endswith(
-        "newest step 5 (WAN 2.00 MB/s, all ranks)"
-    )  # the step line's sum; the column is each rank's
+    assert lines[0].endswith("newest step 5 (WAN 2.00 MB/s, all ranks)")  # the step line's; the column: a rank's
     assert _columns(lines[1]) == "rank dc state step iter ms bubble WAN MB/s prefill q message".split()
     assert len(HEADER) == 9
     assert _columns(lines[2]) == ["0", "us", "training", "5", "250.0", "41.2%", "2.00", "3"]
