@@ -406,7 +406,7 @@ class RankWorker:
         from agents.layout import prefill_name
         from agents.prefill.model import frozen, load_inference_model
         from agents.prefill.swap import SwappablePrefillService
-        from agents.sockets import tcp_endpoint
+        from geosched.endpoint import tcp_endpoint
         from geosched.weights import ModelRecord
 
         job, source = self.layout.job, self.opts.prefill_weights

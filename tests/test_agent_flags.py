@@ -160,13 +160,14 @@ def test_keys_decide_an_agents_broker_login_over_another_user_in_the_environment
     monkeypatch.setenv("GEOSCHED_MQTT_PASSWORD", keys.mqtt_password("coordinator"))
     login = urlsplit(mqtt_url(args, keys, "agent-0"))
     assert (login.username, unquote(login.password or "")) == ("agent-0", keys.mqtt_password("agent-0"))
-    assert "warning: GEOSCHED_MQTT_USERNAME is 'coordinator'; logging in as 'agent-0'" in capsys.readouterr().err
+    assert "warning: GEOSCHED_MQTT_USERNAME is 'coordinator', not as 'agent-0' of --keys" in capsys.readouterr().err
     assert urlsplit(mqtt_url(args, keys, "coordinator")).username == "coordinator"  # the same user: no warning
     assert capsys.readouterr().err == ""
     in_url = argparse.Namespace(mqtt=f"mqtt://coordinator:{keys.mqtt_password('coordinator')}@127.0.0.1:1883", job="d")
-    assert urlsplit(mqtt_url(in_url, keys, "agent-0")).username == "agent-0"  # the same, written in the URL (a re-test)
-    assert "warning: the --mqtt URL logs in as 'coordinator'; logging in as 'agent-0'" in capsys.readouterr().err
-    own = argparse.Namespace(mqtt="mqtt://agent-0:its-own@127.0.0.1:1883", job="demo")  # its own login: kept
-    assert mqtt_url(own, keys, "agent-0") == "mqtt://agent-0:its-own@127.0.0.1:1883"
+    assert urlsplit(mqtt_url(in_url, keys, "agent-0")).username == "coordinator"  # written in the URL: as written
+    said = capsys.readouterr().err  # but an agent is told (a re-test's was denied without a word)
+    assert "warning: the --mqtt URL logs in as 'coordinator', not as 'agent-0' of --keys: a broker with" in said
+    own = argparse.Namespace(mqtt="mqtt://geosched:pw@127.0.0.1:1883", job="demo")  # a broker's own users
+    assert urlsplit(mqtt_url(own, keys, "coordinator")).username == "geosched" and capsys.readouterr().err == ""
     monkeypatch.delenv("GEOSCHED_MQTT_USERNAME")
     assert urlsplit(mqtt_url(in_url, None, None)).username == "coordinator"  # no keys: the URL's login

@@ -18,9 +18,9 @@ from agent_helpers import cli, log_tail, spawn_agent, stop_processes, tiny_plan
 from mqtt_brokers import agent_subprocess_env
 
 from agents.layout import parse_layout
-from agents.sockets import tcp_address, tcp_endpoint
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
+from geosched.endpoint import tcp_address, tcp_endpoint
 
 
 def _has_ipv6_loopback() -> bool:

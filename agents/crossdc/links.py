@@ -26,9 +26,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from agents.layout import RankRole, sync_link_id, sync_name
-from agents.sockets import CurveClient, CurveServer, tcp_endpoint
+from agents.sockets import CurveClient, CurveServer
 from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
+from geosched.endpoint import tcp_endpoint
 from geosched.hierarchical import SyncPeer
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from agents.prefill.protocol import (
     encode_request,
     prompt_tokens,
 )
-from agents.sockets import CurveClient, connect_to, make_socket, monitor_events, reachable_address
+from agents.sockets import CurveClient, connect_to, make_socket, monitor_events
+from geosched.endpoint import reachable_address
 from geosched.errors import InputError, LinkError
 from geosched.model import StageModule, decode_step
 

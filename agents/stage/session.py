@@ -72,7 +72,6 @@ from agents.dp.store import listening_store
 from agents.dp.zero import build_stage_optimizer
 from agents.layout import RankRole, pipe_name, store_name
 from agents.runnable import sync_refusal, tp_refusal
-from agents.sockets import tcp_endpoint
 from agents.stage.device import group_backend
 from agents.stage.report import StepReport
 from agents.stage.runtime import GradientSync, StageRuntime
@@ -88,6 +87,7 @@ from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
+from geosched.endpoint import tcp_endpoint
 from geosched.errors import PlanError
 from geosched.lr_schedule import optimizer_settings
 from geosched.model import PRECISION_DTYPES, StageModule, build_stage

@@ -70,10 +70,11 @@ def load_keys(args: argparse.Namespace) -> JobKeys | None:
 
 
 def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: str | None = None) -> str:
-    """The broker URL from --mqtt / env with its login: with ``keys``, the login they hold for ``identity``, also
-    over another user in the URL or the environment, with a warning (an agent started from the coordinator's
-    shell, or given its URL, logged in as ``coordinator``, and the broker's ACL dropped every status it
-    published); else the URL's own, else the environment's."""
+    """The broker URL from --mqtt / env with its login: one written in the URL, as written (a broker with users of
+    its own; an agent's that is not its ``identity`` gets a warning); else, with ``keys``, the login they hold for
+    ``identity``, also over another user in the environment, with a warning (an agent started from the
+    coordinator's shell logged in as ``coordinator``, and the broker's ACL dropped every status it published);
+    else the environment's."""
     from urllib.parse import quote, unquote
 
     job_name(args)
@@ -81,22 +82,22 @@ def mqtt_url(args: argparse.Namespace, keys: JobKeys | None = None, identity: st
         raise InputError("no broker: pass --mqtt mqtt://host:port (or set GEOSCHED_MQTT_URL)")
     scheme, rest = args.mqtt.split("://", 1) if "://" in args.mqtt else ("mqtt", args.mqtt)
     login, at, host = rest.rpartition("@")
-    given = unquote(login.partition(":")[0]) if at else os.environ.get("GEOSCHED_MQTT_USERNAME")
-    if keys is not None and identity is not None and given != identity:
-        if given:
-            where = "the --mqtt URL logs in as" if at else "GEOSCHED_MQTT_USERNAME is"
-            print(
-                f"warning: {where} {given!r}; logging in as {identity!r}, the login --keys holds for this process "
-                "(the job's ACL lets only it publish here)",
-                file=sys.stderr,
-                flush=True,
-            )
-        user: str | None = identity
-        password: str | None = keys.mqtt_password(identity)
-    elif at:
+    user = unquote(login.partition(":")[0]) if at else os.environ.get("GEOSCHED_MQTT_USERNAME")
+    if (
+        keys is not None
+        and identity is not None
+        and user
+        and user != identity
+        and (identity != "coordinator" or not at)
+    ):
+        where = "the --mqtt URL logs in as" if at else "GEOSCHED_MQTT_USERNAME is"
+        then = "a broker with the job's ACL lets only the latter publish here" if at else f"logging in as {identity!r}"
+        print(f"warning: {where} {user!r}, not as {identity!r} of --keys: {then}", file=sys.stderr, flush=True)
+    if at:
         return str(args.mqtt)
-    else:
-        user, password = given, os.environ.get("GEOSCHED_MQTT_PASSWORD")
+    password = os.environ.get("GEOSCHED_MQTT_PASSWORD")
+    if keys is not None and identity is not None and user != identity:
+        user, password = identity, keys.mqtt_password(identity)
     if not user:
         return f"{scheme}://{host}"
     cred = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
@@ -223,7 +224,7 @@ def check_link_host(host: str) -> None:
 
     if host.startswith("["):
         raise InputError(f"--bind-host {host}: an address, without brackets (--bind-host {host.strip('[]')})")
-    from agents.sockets import unusable_host
+    from geosched.endpoint import unusable_host
 
     if (what := unusable_host(host)) is not None:  # what peers get told must be one they reach
         raise InputError(
@@ -306,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.peer_override)
     for name, address in overrides.items():  # a link's is checked now: libzmq would retry a malformed one silently
         if address.startswith("tcp://"):
-            from agents.sockets import tcp_address
+            from geosched.endpoint import tcp_address
 
             try:
                 tcp_address(address)
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--resume, --checkpoint-every and --checkpoint-keep need --checkpoint-dir DIR")
     checkpoint_folder(args)
     if args.prefill_bind is not None:
-        from agents.sockets import tcp_address
+        from geosched.endpoint import tcp_address
 
         try:
             host, _ = tcp_address(args.prefill_bind, bind=True)
