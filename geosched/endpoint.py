@@ -48,19 +48,10 @@ def unusable_host(host: str, family: int = 0) -> str | None:
     """What ``host`` is (resolved over ``family``, 0: any) when nobody can connect to it though it parses: ``the
     any-address`` however it is written (``*``, ``0.0.0.0``, ``0``, ``::``, ``::0``), or ``a multicast or
     broadcast address``. None when it is none of these, or does not resolve (the caller says so)."""
-    if host == "*":
-        return "the any-address"
     try:
-        infos = socket.getaddrinfo(host, 0, family, socket.SOCK_STREAM)
+        return _unusable(host, family)
     except (OSError, UnicodeError):
         return None
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        if ip.is_unspecified:
-            return "the any-address"
-        if ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
-            return "a multicast or broadcast address"
-    return None
 
 
 def reachable_address(endpoint: str) -> tuple[str, int]:
@@ -68,21 +59,33 @@ def reachable_address(endpoint: str) -> tuple[str, int]:
     resolves it; an IPv6 address as given) and is not the any-address. libzmq retries either silently, so a
     client would wait its whole timeout."""
     host, port = tcp_address(endpoint)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if (what := unusable_host(host, family)) is not None:
-        raise InputError(
-            f"endpoint {endpoint!r}: {host} is {what}, which a client cannot connect to; give the address of the "
-            "host that listens"
-        )
     try:
-        socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+        what = _unusable(host, socket.AF_INET6 if ":" in host else socket.AF_INET)
     except (OSError, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise InputError(
             f"endpoint {endpoint!r}: cannot resolve host {host!r} ({reason}); give its address or a name this "
             "machine resolves"
         ) from None
+    if what is not None:
+        raise InputError(
+            f"endpoint {endpoint!r}: {host} is {what}, which a client cannot connect to; give the address of the "
+            "host that listens"
+        )
     return host, port
+
+
+def _unusable(host: str, family: int) -> str | None:
+    """:func:`unusable_host`, resolving ``host`` once; OSError (or UnicodeError) when it does not resolve."""
+    if host == "*":
+        return "the any-address"
+    for info in socket.getaddrinfo(host, 0, family, socket.SOCK_STREAM):
+        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if ip.is_unspecified:
+            return "the any-address"
+        if ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+            return "a multicast or broadcast address"
+    return None
 
 
 __all__ = ["reachable_address", "tcp_address", "tcp_endpoint", "unusable_host"]

@@ -29,7 +29,7 @@ from agents.control.messages import (
 )
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
-from agents.control.refused import rank_list, refused_row, summary
+from agents.control.refused import rank_list, summary
 from agents.control.watch import align
 from agents.layout import plan_id
 from geosched.errors import InputError
@@ -77,8 +77,7 @@ async def job_statuses(
                 elif isinstance(message, PlanMessage):
                     plan = plan_id(message.text)
             shown = {r: _shown(st, steps.get(r) if r in training else None, plan) for r, st in statuses.items()}
-            refused = {r: refused_row(r, words) for r, words in cp.refused_statuses.of(statuses).items()}
-            return dict(sorted({**shown, **refused}.items()))
+            return cp.refused_statuses.rows(shown)
 
 
 def _shown(status: StatusMessage, step: int | None, plan: str | None) -> StatusMessage:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exited_lost, lost_message
 from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan
 from agents.control.plane import AgentsNotReady, ControlPlane
+from agents.control.refused import rank_list
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
 
@@ -211,7 +212,7 @@ async def wait_ready(
             raise loss
         if lost := sorted(r for r, due in gone.items() if loop.time() >= due):
             raise AgentLost(
-                f"job {cp.job!r}: ranks {', '.join(map(str, lost))} went offline before the start (their last wills; "
+                f"job {cp.job!r}: {rank_list(lost)} went offline before the start (their last wills; "
                 f"no newer status in {lose_offline_after_s:g} s)",
                 lost,
             )

@@ -67,6 +67,12 @@ class RefusedStatuses:
         """Rank -> the words for its refusal (:func:`why`), for the ranks with no ``readable`` status."""
         return {r: why(reason) for r, reason in sorted(self._reasons.items()) if r not in readable}
 
+    def rows(self, readable: Mapping[int, StatusMessage]) -> dict[int, StatusMessage]:
+        """``readable`` and a :func:`refused_row` for each rank whose status was refused, in rank order: what
+        ``job status`` and its ``--watch`` show."""
+        refused = {r: refused_row(r, words) for r, words in self.of(readable).items()}
+        return dict(sorted({**readable, **refused}.items()))
+
     def check_readable(self, statuses: Mapping[int, StatusMessage]) -> None:
         """InputError (exit 2, one line) when some statuses are signed and this client has no keys (what it reads
         is then only what anyone may publish unsigned: a trial's forged rank was shown ``ready`` beside the job's

@@ -29,7 +29,6 @@ from agents.control.messages import (
     printable,
 )
 from agents.control.plane import ControlPlane
-from agents.control.refused import refused_row
 from agents.layout import plan_id
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
@@ -160,11 +159,8 @@ async def watch_job(
                     continue
                 rows = shutil.get_terminal_size().lines - 3 if terminal else None
                 away = None if cp.connected else (away or time.time())
-                statuses = cp.statuses()
-                refused = {r: refused_row(r, words) for r, words in cp.refused_statuses.of(statuses).items()}
-                lines = view_lines(
-                    job, {**statuses, **refused}, latest, max_rows=rows, plan=plan, broker_away_since=away
-                )
+                statuses = cp.refused_statuses.rows(cp.statuses())
+                lines = view_lines(job, statuses, latest, max_rows=rows, plan=plan, broker_away_since=away)
                 out.write((CLEAR if terminal else "") + "\n".join(lines) + "\n" + ("" if terminal else "\n"))
                 out.flush()
                 draw_at = loop.time() + interval_s

@@ -91,7 +91,7 @@ class InboundFrames:
     send: SendState
     recv: RecvState
     _started: concurrent.futures.Future[None]
-    _peer_ready: threading.Event
+    peer_ready: threading.Event
     _limiter: PeerLogLimiter
     _responses: dict[int, list[tuple[int, int, int, int]]]
     _responses_since: float
@@ -337,7 +337,7 @@ class InboundFrames:
         else:
             self._send_control(index, self._header("welcome", stream=index))
         if len(self._stream_ident) == len(self.send.slots):
-            self._peer_ready.set()
+            self.peer_ready.set()
         return False
 
     def _may_take_over(self, now: float) -> bool:
@@ -384,7 +384,7 @@ class InboundFrames:
             self._ident_stream.clear()
             self._fd_stream.clear()
             self._stream_ident.clear()
-            self._peer_ready.clear()
+            self.peer_ready.clear()
             self._responses.clear()
             self.peer = peer
             self.send, self.recv = self._new_send_state(), self._new_recv_state()

@@ -103,7 +103,7 @@ class LinkIO(InboundFrames):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._peer_ready = threading.Event()
+        self.peer_ready = threading.Event()  # a connecting peer said hello on every stream (WanLink.wait_peer)
         self._limiter = PeerLogLimiter()
         self._responses: dict[int, list[tuple[int, int, int, int]]] = {}  # stream -> queued acknowledgements
         self._responses_since = 0.0  # when the oldest queued acknowledgement was queued
@@ -183,11 +183,6 @@ class LinkIO(InboundFrames):
     def streams(self) -> int:
         """Streams of the link (on the listening side: as many as the peer opened; 1 before it did)."""
         return max(1, len(self.send.slots))
-
-    def wait_peer(self, timeout_s: float) -> None:
-        """Block until a connecting peer has said hello on every stream."""
-        if not self._peer_ready.wait(timeout_s):
-            raise LinkError(f"no peer connected to {self.endpoint} within {timeout_s:g} s")
 
     def cpu_s(self) -> float:
         """CPU seconds the I/O thread has used so far (0.0 before it started or where threads have no clock)."""

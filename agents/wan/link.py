@@ -142,17 +142,14 @@ class WanLink:
         ``stopping()`` is true (polled every :data:`STOP_POLL_S`: an agent stopped before its job started waited
         out its stop grace here, 5 s, and left its thread behind)."""
         total = self.config.connect_timeout_s if timeout_s is None else timeout_s
-        if stopping is None:
-            return self._io.wait_peer(total)
         deadline = monotonic() + total
-        while not stopping():
-            left = deadline - monotonic()
-            try:
-                return self._io.wait_peer(min(STOP_POLL_S, max(0.0, left)))
-            except LinkError:
-                if left <= STOP_POLL_S:
-                    raise LinkError(f"no peer connected to {self.endpoint} within {total:g} s") from None
-        raise LinkError(f"link to {self.peer}: stopped while it waited for its peer")
+        while not self._io.peer_ready.wait(
+            max(0.0, min(total if stopping is None else STOP_POLL_S, deadline - monotonic()))
+        ):
+            if stopping is not None and stopping():
+                raise LinkError(f"link to {self.peer}: stopped while it waited for its peer")
+            if monotonic() >= deadline:
+                raise LinkError(f"no peer connected to {self.endpoint} within {total:g} s")
 
     # ------------------------------------------------------------ futures (any thread)
 

@@ -246,17 +246,15 @@ def check_link_host(host: str) -> None:
     with contextlib.suppress(ValueError):
         ipaddress.ip_address(host)
         return
-    try:  # a name: the links resolve it as libzmq does, over IPv4 only (check_bind_host: one that does not resolve)
-        socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
+    try:  # a name: the links resolve it as libzmq does, over IPv4 only
+        families = {info[0] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)}
     except (OSError, UnicodeError):
-        try:
-            socket.getaddrinfo(host, 0, socket.AF_INET6, socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return  # not even over IPv6: check_bind_host names that
+        return  # it does not resolve: check_bind_host says so
+    if socket.AF_INET not in families:
         raise InputError(
             f"--bind-host {host}: the name has no IPv4 address, and the links resolve names over IPv4 only; give "
             "this host's address (an IPv6 one works as an address)"
-        ) from None
+        )
 
 
 def check_bind_host(host: str, flag: str = "--bind-host") -> None:
@@ -326,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
             host, _ = tcp_address(args.prefill_bind, bind=True)
         except InputError as exc:
             raise InputError(f"--prefill-bind: {exc}") from None
-        if host not in ("*", "0.0.0.0", "::"):  # every interface: nothing to check
+        if host != "*":  # libzmq's every interface, not a name to resolve
             check_bind_host(host, "--prefill-bind")
     prefill_http, http_tls, http_limits = None, None, None
     if args.prefill_http is not None:
