@@ -454,15 +454,15 @@ class Agent:
             await self.cp.publish_event(level, message, rank=self.opts.rank)  # type: ignore[union-attr]
 
     def serve_metrics(self) -> MetricsServer | None:
-        """Serve ``/metrics`` and ``/health`` on ``metrics_bind`` (InputError if it cannot be bound), published
-        as ``metrics/r<rank>`` in the status; the server, None when off."""
+        """The server of ``/metrics`` and ``/health`` on ``metrics_bind`` (status: ``metrics/r<rank>``); None: off."""
         opts, metrics = self.opts, self.metrics
         if opts.metrics_bind is None:
             return None
+        health = lambda: metrics.health(loop_answers(self._loop))  # noqa: E731 - asked at each probe
         server = MetricsServer(
-            *opts.metrics_bind, metrics.registry, lambda: metrics.health(loop_answers(self._loop)), tls=opts.metrics_tls
+            *opts.metrics_bind, metrics.registry, health, tls=opts.metrics_tls, advertise_host=opts.bind_host
         )
-        self._fixed[metrics_name(opts.rank)] = server.start().url(opts.bind_host)
+        self._fixed[metrics_name(opts.rank)] = server.start().url()
         return server
 
     async def _shutdown_worker(self) -> None:

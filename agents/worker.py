@@ -406,7 +406,7 @@ class RankWorker:
         from agents.layout import prefill_name
         from agents.prefill.model import frozen, load_inference_model
         from agents.prefill.swap import SwappablePrefillService
-        from geosched.endpoint import tcp_endpoint
+        from geosched.endpoint import tcp_address, tcp_endpoint, unusable_host
         from geosched.weights import ModelRecord
 
         job, source = self.layout.job, self.opts.prefill_weights
@@ -435,10 +435,10 @@ class RankWorker:
         log.info("rank %d: prefill serves %s", self.role.rank, served)
         if self.opts.prefill_follow:
             self._follow_checkpoints(stack, service, record, step)
-        host, port = service.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        if host in ("0.0.0.0", "*", "[::]"):  # bound everywhere: peers reach it at the agent's address
+        host, port = tcp_address(service.endpoint, bind=True)
+        if unusable_host(host) == "the any-address":  # bound everywhere: peers reach it at the agent's address
             host = self.opts.bind_host
-        self.book.publish(prefill_name(self.role.rank), tcp_endpoint(host.strip("[]"), int(port)))
+        self.book.publish(prefill_name(self.role.rank), tcp_endpoint(host, port))
         if self.opts.prefill_http is not None:  # the OpenAI-style HTTP front end: the same service and queue
             from agents.layout import prefill_http_name
             from agents.prefill.http import PrefillHttpServer

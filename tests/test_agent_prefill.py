@@ -80,8 +80,9 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
     plan = tiny_plan(tmp_path).read_text()
     tls = write_rehearsal_tls(tmp_path / "tls")
     https = [*HTTP, "--prefill-http-tls-cert", str(tls.cert), "--prefill-http-tls-key", str(tls.key)]
+    binds = ["tcp://127.0.0.1:0", "tcp://0:0"]  # rank 1 on every interface (the any-address, tersely written)
     agents = [
-        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", "tcp://127.0.0.1:0", *(https if rank == 0 else []))
+        spawn_agent(url, job, rank, dc, tmp_path, "--prefill-bind", binds[rank], *(https if rank == 0 else []))
         for rank, dc in enumerate(["us", "eu"])
     ]
     stop, answers, sent, endpoints, early = threading.Event(), [], [], {}, []
@@ -121,7 +122,9 @@ def test_agent_serves_prefill_and_publishes_its_metrics(mqtt_broker, tmp_path: P
         metrics = asyncio.run(run())
         stop.set()
         sender[0].join(20)
+        # published at --bind-host (127.0.0.1 by default), with a warning that only this host reaches it
         assert sorted(endpoints) == [0, 1] and all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints.values())
+        assert "--prefill-bind serves every interface" in (tmp_path / "agent1.log").read_text()
         assert sent and len(answers) == len(sent), log_tail(tmp_path)
         assert {a.status for a in answers} <= {"ok", "rejected", "expired"}
         assert any(a.status == "ok" and a.first_token is not None for a in answers)

@@ -8,6 +8,7 @@ Skipped where the host has no IPv6 loopback.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 from pathlib import Path
@@ -70,5 +71,15 @@ def test_agents_on_an_ipv6_bind_host_train(embedded_broker, tmp_path: Path, dp: 
         assert started.returncode == 0, started.stderr + log_tail(tmp_path)
         steps = [line.split()[1] for line in started.stdout.splitlines() if line.startswith("step ")]
         assert steps == ["0/1", "1/1"], started.stdout
+        if dp > 1:  # the replicas' store is published as the links are: an IPv6 host in brackets
+            status = subprocess.run(
+                cli("job", "status", "--json", "--mqtt", url, "--job", job),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=agent_subprocess_env(),
+            )
+            joined = {s.get("joined") for s in json.loads(status.stdout).values()} - {None}
+            assert joined and all(str(j).startswith("tcp://[::1]:") for j in joined), status.stdout
     finally:
         stop_processes(agents)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
 import re
 import socket
 import ssl
@@ -385,3 +386,19 @@ def test_clients_gone_mid_answer_print_nothing_and_what_the_server_says_hides_it
             urllib.request.urlopen(server.url(), timeout=10, context=client)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "SSLEOFError" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("spelling", ["0.0.0.0", "0", "::", "::0"])
+def test_an_any_address_bind_is_named_by_its_advertised_host_in_log_and_url(spelling: str, caplog) -> None:
+    """Bound to the any-address however written, the server names the host it is advertised at (the agent's
+    --bind-host) in its warning and its URL alike; it logged 127.0.0.1 while the status published the other."""
+    metrics = AgentMetrics(6, "any")
+    advertised = "::1" if ":" in spelling else "127.0.0.2"  # an address the bind serves that is not 127.0.0.1
+    with caplog.at_level(logging.WARNING, logger="agents.metrics.server"):
+        with MetricsServer(spelling, 0, metrics.registry, lambda: metrics.health(True), advertise_host=advertised) as s:
+            url = s.url()
+            assert url == "http://{}:{}/metrics".format(f"[{advertised}]" if ":" in advertised else advertised, s.port)
+            assert health(url)[0] == 200
+    assert url in caplog.text
+    with MetricsServer("0.0.0.0", 0, metrics.registry, lambda: metrics.health(True)) as server:
+        assert server.url() == f"http://127.0.0.1:{server.port}/metrics"  # nothing advertised: loopback

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import logging
 import socket
@@ -57,7 +58,6 @@ RATED_ADDRESSES = 1024
 """Addresses whose rate is remembered (the least recently seen is forgotten first)."""
 CLIENT_TIMEOUT_S = 10.0
 """A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
-WILDCARDS = ("0.0.0.0", "::", "")
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]
 
@@ -191,9 +191,18 @@ class MetricsServer:
     """Serves ``registry`` and ``health`` over HTTP on ``host:port`` from a daemon thread (a context manager)."""
 
     def __init__(
-        self, host: str, port: int, registry: CollectorRegistry, health: Health, *, tls: ssl.SSLContext | None = None
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Health,
+        *,
+        tls: ssl.SSLContext | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         self.host, self.port, self.tls = host, port, tls
+        self.advertise_host = advertise_host  # what url() names for an any-address bind (None: 127.0.0.1)
+        self._any_address = False
         self._app = metrics_app(registry, health)
         self._httpd: Any = None
         self._thread: threading.Thread | None = None
@@ -214,6 +223,7 @@ class MetricsServer:
                 "and a free port (0 picks one)"
             ) from None
         self.port = int(self._httpd.server_address[1])
+        self._any_address = ipaddress.ip_address(str(self._httpd.server_address[0]).split("%")[0]).is_unspecified
         if self.tls is None:
             log.warning(
                 "metrics on %s are plain HTTP (serve TLS with --metrics-tls-cert/--metrics-tls-key)", self.url()
@@ -222,9 +232,10 @@ class MetricsServer:
         self._thread.start()
         return self
 
-    def url(self, advertise_host: str | None = None) -> str:
-        """``http(s)://HOST:PORT/metrics``; a wildcard bind is advertised as ``advertise_host`` (else 127.0.0.1)."""
-        host = self.host if self.host not in WILDCARDS else (advertise_host or "127.0.0.1")
+    def url(self) -> str:
+        """``http(s)://HOST:PORT/metrics``; an any-address bind (however written: ``0.0.0.0``, ``::``, ``0``) is
+        advertised as ``advertise_host`` (else 127.0.0.1)."""
+        host = (self.advertise_host or "127.0.0.1") if self._any_address else self.host
         host = f"[{host}]" if ":" in host else host
         return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}/metrics"
 

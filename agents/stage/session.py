@@ -87,7 +87,7 @@ from agents.wan.config import WanLinkConfig
 from agents.wan.link import WanLink
 from geosched.config import JobSpec
 from geosched.data import Prefetcher, TextDataset
-from geosched.endpoint import tcp_endpoint
+from geosched.endpoint import tcp_address, tcp_endpoint
 from geosched.errors import PlanError
 from geosched.lr_schedule import optimizer_settings
 from geosched.model import PRECISION_DTYPES, StageModule, build_stage
@@ -340,7 +340,7 @@ class RankSession:
         if role.group_size > 1 and role.group_rank == 0:
             store = listening_store(self.bind_host, 0, role.group_size, timedelta(seconds=self.connect_timeout_s))
             self._hosted_store = store  # lives until close(), after the group is gone
-            self.addresses.publish(store_name(role.group), f"{self.advertise_host}:{store.port}")
+            self.addresses.publish(store_name(role.group), tcp_endpoint(self.advertise_host, store.port))
         return listener
 
     def _connect(self, listener: WanLink | None) -> LinkTransport | None:
@@ -366,23 +366,22 @@ class RankSession:
         role = self.role
         if role.group_size == 1:
             return None
-        endpoint = self.addresses.lookup(store_name(role.group), self.connect_timeout_s)
-        host, port = endpoint.rsplit(":", 1)
+        host, port = tcp_address(self.addresses.lookup(store_name(role.group), self.connect_timeout_s))
         spec = GroupSpec(
             role.group,
             role.group_rank,
             role.group_size,
             host,
-            int(port),
+            port,
             backend=self.backend or group_backend(self.device),
             timeout_s=self.connect_timeout_s,
             host_store=False,
             local_rank=self.device.index or 0,
         )
         pin_collective_interface(self.bind_host)  # gloo's address: --bind-host's interface, not the host name's
-        self._stack.callback(self._leave_store, host, int(port))  # runs after the group is destroyed
+        self._stack.callback(self._leave_store, host, port)  # runs after the group is destroyed
         if self.wan_turns and isinstance(self.transport, LinkTransport):
-            turns = shared_link_turns(role, host, int(port), timeout_s=self.recv_timeout_s)
+            turns = shared_link_turns(role, host, port, timeout_s=self.recv_timeout_s)
             self.transport.take_turns(turns)
             for each in set(turns.values()):
                 self._stack.callback(each.close)

@@ -257,6 +257,29 @@ def check_link_host(host: str) -> None:
         )
 
 
+def warn_loopback_published(prefill_host: str, bind_host: str) -> None:
+    """A warning line when the prefill service binds every interface but is published at a loopback --bind-host:
+    clients on other hosts that look it up are handed an address only this host reaches (a trial's were)."""
+    import ipaddress
+    import socket
+
+    from geosched.endpoint import unusable_host
+
+    if unusable_host(prefill_host) != "the any-address":
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.getaddrinfo(bind_host, 0, type=socket.SOCK_STREAM)[0][4][0]).is_loopback
+    except (OSError, UnicodeError, ValueError):
+        return
+    if loopback:
+        print(
+            f"warning: --prefill-bind serves every interface, but its endpoint is published at --bind-host "
+            f"{bind_host}, which only this host reaches; give --bind-host this host's address for clients elsewhere",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def check_bind_host(host: str, flag: str = "--bind-host") -> None:
     """InputError (one line, at once) unless ``host`` is an address of this machine: binding a TCP socket to
     it is what every link endpoint will do, and torch's c10d store would otherwise fail later, at length."""
@@ -326,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--prefill-bind: {exc}") from None
         if host != "*":  # libzmq's every interface, not a name to resolve
             check_bind_host(host, "--prefill-bind")
+        warn_loopback_published(host, args.bind_host)
     prefill_http, http_tls, http_limits = None, None, None
     if args.prefill_http is not None:
         from agents.prefill.connections import HttpLimits
