@@ -83,3 +83,33 @@ def test_agents_on_an_ipv6_bind_host_train(embedded_broker, tmp_path: Path, dp: 
             assert joined and all(str(j).startswith("tcp://[::1]:") for j in joined), status.stdout
     finally:
         stop_processes(agents)
+
+
+def test_a_relay_router_shapes_a_link_whose_listener_is_on_ipv6() -> None:
+    """The rehearsal's relay in front of a listener on ::1: it read the bound endpoint's host with its brackets
+    and connected to '[::1]', which never resolves."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from agents.stage.transport import RelayRouter, Route, StoreAddressBook
+    from agents.wanem.emulator import LinkShape
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    book = StoreAddressBook.connect("127.0.0.1", store.port, routed=True)
+    router = RelayRouter(
+        StoreAddressBook.connect("127.0.0.1", store.port, routed=True), [Route("pipe/s1/r0", LinkShape(rtt_ms=2.0))]
+    ).start()
+    config = WanLinkConfig(link_id=1, connect_timeout_s=20)
+    try:
+        with WanLink.listen(tcp_endpoint("::1", 0), config) as server:
+            book.publish("pipe/s1/r0", tcp_endpoint("::1", server.port))
+            routed = book.lookup("pipe/s1/r0", 20)
+            assert tcp_address(routed)[0] == "127.0.0.1"  # the relay's own address
+            with WanLink.connect(routed, config) as client:
+                sent = torch.arange(1000, dtype=torch.float32)
+                client.start_send(sent, step=0, microbatch=0)
+                assert torch.equal(server.start_recv(step=0, microbatch=0).result(timeout=20), sent)
+        assert router.error is None
+    finally:
+        router.close()

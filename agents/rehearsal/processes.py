@@ -171,19 +171,19 @@ class RelayRoutes:
         """The ``before_start`` hook of the coordinator: relays to the listeners' bound endpoints."""
         from agents.layout import wan_listeners
         from agents.wanem.emulator import WanEmulator, shape_for_link
+        from geosched.endpoint import tcp_address, tcp_endpoint
 
         routes, ends = {}, {}
         for rank, name, client_dc, dc in wan_listeners(self.layout):  # pipeline and cross-DC gradient links
             bound = statuses[rank].extra.get("endpoints", {}).get(name)
             if not bound:
                 raise GeoschedError(f"rank {rank} is ready but did not publish its endpoint {name!r}")
-            host, port = bound.removeprefix("tcp://").rsplit(":", 1)
             link = self.layout.config.cluster.link(client_dc, dc)
-            routes[name] = ((host, int(port)), shape_for_link(link, self.wan_scale))
+            routes[name] = (tcp_address(bound), shape_for_link(link, self.wan_scale))
             ends[name] = (client_dc, dc)
         self.route_links = ends
         self.emulator = WanEmulator(routes, link_ends=ends, reset_every_s=self.reset_every_s).start()
-        return {name: "tcp://{}:{}".format(*self.emulator.address(name)) for name in routes}
+        return {name: tcp_endpoint(*self.emulator.address(name)) for name in routes}
 
     def wan_bytes(self) -> dict[str, int]:
         """Bytes the relays carried per link direction, e.g. ``{"us->eu": n, "eu->us": m}``."""

@@ -57,6 +57,7 @@ from agents.stage.turns import LinkTurns
 from agents.wan.compress import TensorCodec
 from agents.wan.link import WanLink
 from geosched.config import JobSpec
+from geosched.endpoint import tcp_address, tcp_endpoint
 from geosched.errors import LinkError, ProtocolError, StageError
 from geosched.model import PRECISION_DTYPES
 
@@ -427,10 +428,9 @@ class RelayRouter:
                 if route.relay_shape is None:
                     self.book.set_route(route.name, bound)
                     continue
-                host, port = bound.removeprefix("tcp://").rsplit(":", 1)
-                relay = self.make_relay((host, int(port)), route.relay_shape)
+                relay = self.make_relay(tcp_address(bound), route.relay_shape)
                 self.relays[route.name] = relay
-                self.book.set_route(route.name, f"tcp://{relay.host}:{relay.port}")
+                self.book.set_route(route.name, tcp_endpoint(relay.host, relay.port))
                 log.info("route %s: %s via relay %s:%d", route.name, bound, relay.host, relay.port)
         except BaseException as exc:  # noqa: BLE001 - reported by close()
             self.error = exc
