@@ -23,6 +23,7 @@ logs each refused peer at most once a minute, a bounded number of lines in all).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import ipaddress
@@ -31,7 +32,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
-from geosched.ratelimit import RateLimitedLog
+from geosched.ratelimit import AddressShares, RateLimitedLog
 from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
@@ -369,6 +370,8 @@ def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
 
 MAX_UNIDENTIFIED = 64
 """Connections a listener holds that have not identified themselves; beyond, the oldest is closed."""
+MAX_UNIDENTIFIED_PER_ADDRESS = 16
+"""Of those, what one client address may hold (a WAN listener's); beyond, its newest is closed at once."""
 
 
 class Unidentified:
@@ -382,18 +385,28 @@ class Unidentified:
     ACCEPTED event) until a frame from it is accepted (a stream's hello, an authenticated request); a connection
     still unidentified after its timeout, or the oldest beyond :data:`MAX_UNIDENTIFIED`, is shut down:
     ``shutdown(2)`` on a duplicate of its descriptor, after checking that it is a TCP connection to this
-    listener's port; libzmq sees its peer hang up and closes its own descriptor. Written here because libzmq
-    has no per-socket connection limit nor a way to drop one peer.
+    listener's port; libzmq sees its peer hang up and closes its own descriptor. With ``per_address``, one
+    client address holds at most that many of them: its next is closed at once, so a stranger opening
+    connections as fast as they close cannot push a genuine peer's (the oldest) out. Written here because
+    libzmq has no per-socket connection limit nor a way to drop one peer.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, per_address: int | None = None) -> None:
         self.timeout_s = timeout_s
         self.port = 0  # the listener's, once bound: only connections to it are ever shut down
         self.closed = 0  # connections shut down so far
         self._since: dict[int, float] = {}  # descriptor -> when it was accepted
+        self._shares = AddressShares(per_address) if per_address else None
+        self._address: dict[int, str] = {}  # descriptor -> the client address its share is counted against
 
     def accepted(self, fd: int, now: float) -> None:
-        """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed."""
+        """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed, and
+        beyond ``per_address`` from its address this one."""
+        if self._shares is not None and (address := self._peer(fd)) is not None:
+            if not self._shares.take(address):
+                self._shut(fd, f"more than {self._shares.per_address} unidentified connections from {address}")
+                return
+            self._address[fd] = address
         self._since[fd] = now
         while len(self._since) > MAX_UNIDENTIFIED:
             self.close(next(iter(self._since)), "too many connections that have not identified themselves")
@@ -413,11 +426,16 @@ class Unidentified:
 
     def identified(self, fd: int) -> None:
         """A frame from ``fd`` was accepted (a stream's hello, an authenticated request): it is no stranger."""
-        self._since.pop(fd, None)
+        self._forget(fd)
 
     def gone(self, fd: int) -> None:
         """The connection on ``fd`` closed (the descriptor may be reused by the next one)."""
+        self._forget(fd)
+
+    def _forget(self, fd: int) -> None:
         self._since.pop(fd, None)
+        if (address := self._address.pop(fd, None)) is not None and self._shares is not None:
+            self._shares.give_back(address)
 
     def expire(self, now: float) -> None:
         """Close the connections unidentified for longer than ``timeout_s``."""
@@ -426,17 +444,38 @@ class Unidentified:
 
     def close(self, fd: int, why: str) -> None:
         """Shut the connection on ``fd`` down (if it still is a TCP connection to this listener's port)."""
-        self._since.pop(fd, None)
+        self._forget(fd)
+        self._shut(fd, why)
+
+    def _shut(self, fd: int, why: str) -> None:
+        with self._connection(fd) as conn:
+            if conn is not None:
+                with contextlib.suppress(OSError):  # not connected (any more)
+                    conn.shutdown(socket.SHUT_RDWR)
+                    self.closed += 1
+                    log.debug("closing a connection to port %d: %s", self.port, why)
+
+    def _peer(self, fd: int) -> str | None:
+        """The client address of the connection on ``fd`` (None if it is not one to this listener any more)."""
+        with self._connection(fd) as conn:
+            with contextlib.suppress(OSError):
+                return str(conn.getpeername()[0]).split("%")[0] if conn is not None else None
+        return None
+
+    @contextlib.contextmanager
+    def _connection(self, fd: int) -> Iterator[socket.socket | None]:
+        """A duplicate of ``fd`` if it is a TCP connection to this listener's port, else None; closed after
+        (the duplicate only: libzmq closes its own once it sees a hang-up)."""
         try:
             conn = socket.socket(fileno=os.dup(fd))
         except OSError:
-            return  # already closed
+            yield None  # already closed
+            return
         try:
-            if conn.type == socket.SOCK_STREAM and self.port and conn.getsockname()[1] == self.port:
-                conn.shutdown(socket.SHUT_RDWR)
-                self.closed += 1
-                log.debug("closing a connection to port %d: %s", self.port, why)
+            ours = conn.type == socket.SOCK_STREAM and self.port and conn.getsockname()[1] == self.port
         except OSError:
-            pass  # not a connected TCP socket (any more)
+            ours = False
+        try:
+            yield conn if ours else None
         finally:
-            conn.close()  # the duplicate only; libzmq closes its own once it sees the hang-up
+            conn.close()

@@ -187,8 +187,8 @@ def test_connections_that_never_say_hello_are_closed_and_bounded() -> None:
                 stranger = ctx.socket(zmq.DEALER)
                 stranger.setsockopt(zmq.RECONNECT_IVL, -1)  # a closed stranger stays closed: it can be counted
                 stranger.connect(endpoint)
-            # 16 beyond the 64 held are closed at once, the rest after hello_timeout_s; all counted (those cut
-            # before their ZMTP handshake completed as handshake_failed)
+            # beyond 16 from this address they are closed at once, the rest after hello_timeout_s; all counted
+            # (those cut before their ZMTP handshake completed as handshake_failed)
             assert wait_for(lambda: drops()["unknown_peer"] + drops()["handshake_failed"] == 80, timeout_s=20)
             # each close's DISCONNECTED event may reach the link's thread just after its drop was counted
             assert wait_for(lambda: server.metrics()["disconnects"] == 80, timeout_s=10), server.metrics()
@@ -203,6 +203,54 @@ def test_connections_that_never_say_hello_are_closed_and_bounded() -> None:
             client.send_sync(x * 3, step=1, microbatch=0)
             assert torch.equal(server.recv_sync(step=1, microbatch=0), x * 3)
             assert server.metrics()["disconnects"] == 80  # its streams were not closed
+
+
+def test_a_stranger_storming_a_listener_holds_16_connections_and_the_peer_connects_meanwhile() -> None:
+    """One address opening connections as fast as they close holds MAX_UNIDENTIFIED_PER_ADDRESS of the 64
+    unidentified slots: its next ones are closed at once (it held all 64, and each new one pushed the oldest out,
+    a genuine stream connecting meanwhile too), and the link's own streams connect during the storm."""
+    import threading
+
+    from agents.sockets import MAX_UNIDENTIFIED_PER_ADDRESS
+
+    def hung_up(conn: socket.socket) -> bool:
+        try:
+            return conn.recv(4096, socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    config = WanLinkConfig(link_id=LINK, hello_timeout_s=30.0, recv_timeout_s=20.0)
+    with WanLink.listen("tcp://127.0.0.1:0", config) as server:
+        stranger = [
+            socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0)) for _ in range(80)
+        ]
+        stop, storm = threading.Event(), []
+
+        def keep_storming() -> None:  # from the same address, reopening what was closed
+            while not stop.is_set():
+                storm.append(socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0)))
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=keep_storming, daemon=True)
+        try:
+            assert wait_for(lambda: sum(map(hung_up, stranger)) == 80 - MAX_UNIDENTIFIED_PER_ADDRESS, timeout_s=10)
+            assert not any(hung_up(c) for c in stranger[:MAX_UNIDENTIFIED_PER_ADDRESS])  # long before hello_timeout_s
+            thread.start()
+            with WanLink.connect(f"tcp://127.0.0.1:{server.port}", WanLinkConfig(link_id=LINK, streams=4)) as client:
+                x = torch.randn(1000)
+                client.start_send(x, step=0, microbatch=0)
+                assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+                assert wait_for(lambda: len(storm) >= 100, timeout_s=20)
+            stop.set()
+            thread.join(10)
+            assert wait_for(lambda: all(map(hung_up, storm)), timeout_s=10)  # refused as they came
+            assert not any(hung_up(c) for c in stranger[:MAX_UNIDENTIFIED_PER_ADDRESS])  # the same 16 held
+        finally:
+            stop.set()
+            for conn in stranger + storm:
+                conn.close()
 
 
 def test_strangers_from_many_addresses_get_a_bounded_number_of_log_lines(server: WanLink, caplog) -> None:
