@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from geosched.compression import Codec
 from geosched.config import Config, JobSpec
@@ -353,11 +353,7 @@ def parse_layout(text: str, source: str = "plan") -> JobLayout:
     stage_dcs = [s.dc for s in plan.stages]
     stage_layers = [s.layers for s in plan.stages]
     streams = {(min(link.between), max(link.between)): link.streams for link in plan.links}  # sorted DC pair
-    codecs: dict[tuple[str, str], Codec] = {
-        (min(link.between), max(link.between)): cast(Codec, link.compression)  # plan_from_dict checked it
-        for link in plan.links
-        if link.compression != "none"
-    }
+    codecs = plan.codecs()
     try:
         roles = layout_roles(
             stage_dcs, stage_layers, plan.dp, wan_streams=max(streams.values(), default=1), tp=plan.tensor_parallel

@@ -91,7 +91,9 @@ class PipelineCosts:
     stages in different DCs go over the WAN link shared by the ``dp`` pipelines;
     each direction of a link is a FIFO resource in the simulator. ``memo`` is a cache
     shared by the costs of many pipelines of one cluster, job and calibration (the planner's evaluator passes
-    one): stages and boundaries alike are costed once.
+    one): stages and boundaries alike are costed once. ``codecs`` fixes each WAN link's compression (sorted DC
+    pair -> codec, the others none: a plan's choice, which its agents run); by default a link is compressed
+    where that pays (:func:`geosched.compression.worth_it`).
     """
 
     def __init__(
@@ -108,8 +110,10 @@ class PipelineCosts:
         replicas: int | None = None,
         sync_s: Sequence[float] | None = None,
         memo: dict[Hashable, Any] | None = None,
+        codecs: Mapping[tuple[str, str], Codec] | None = None,
     ):
         self.cluster, self.job, self.dp = cluster, job, dp
+        self._fixed_codecs = None if codecs is None else dict(codecs)
         self.calibration = calibration
         self.replicas = replicas or dp  # ZeRO shards over every replica of a stage
         self._sync_s = tuple(sync_s) if sync_s is not None else None
@@ -159,10 +163,11 @@ class PipelineCosts:
             k = 1 if link is None else streams.get((min(a, b), max(a, b)), streams_to_fill(link))
             shared = share.get((min(a, b), max(a, b)), dp)
             nbytes = boundary_bytes(job, self.stage_layers[s][1])
-            key = ("boundary", nbytes, a, b, k, shared, latency)
+            fixed = None if self._fixed_codecs is None else self._fixed_codecs.get((min(a, b), max(a, b)), "none")
+            key = ("boundary", nbytes, a, b, k, shared, latency, fixed)
             if key not in known:
                 known[key] = (
-                    self._boundary(nbytes, a, b, link, k, shared, latency),
+                    self._boundary(nbytes, a, b, link, k, shared, latency, fixed),
                     self.codecs.get((min(a, b), max(a, b))),
                 )
             (forward, backward, message_s), codec = known[key]
@@ -173,20 +178,30 @@ class PipelineCosts:
                 self._message_s[s, s + 1] = self._message_s[s + 1, s] = message_s
 
     def _boundary(
-        self, nbytes: int, a: str, b: str, link: WanLinkSpec | None, streams: int, shared: int, latency: float
+        self,
+        nbytes: int,
+        a: str,
+        b: str,
+        link: WanLinkSpec | None,
+        streams: int,
+        shared: int,
+        latency: float,
+        fixed: Codec | None = None,
     ) -> tuple[Transfer, Transfer, float]:
         """The activation (``a`` to ``b``) and gradient (back) messages of ``nbytes`` at a stage boundary, and
-        the stage time one costs each end (a calibration's per-message overhead, else 0)."""
+        the stage time one costs each end (a calibration's per-message overhead, else 0); compressed as
+        ``fixed`` says, or (None) where it pays."""
         job, cluster, cal = self.job, self.cluster, self.calibration
         part = -(-nbytes // job.tp)  # each tensor-parallel rank sends its slice (scatter/gather)
         wire, codec_time = nbytes, 0.0
-        if link is not None and job.wan_compression != "none":  # where it pays (geosched.compression)
-            small = compressed_bytes(nbytes, job.bytes_per_element, job.wan_compression)
+        codec = job.wan_compression if fixed is None else fixed
+        if link is not None and codec != "none":  # where it pays (geosched.compression), or the plan's choice
+            small = compressed_bytes(nbytes, job.bytes_per_element, codec)
             codec_time = codec_s(nbytes, cal.codec_s_per_byte if cal is not None else None)
             saved = wan_transfer(link, nbytes - small, streams, shared).occupancy_s
-            if worth_it(saved, codec_time):
+            if fixed is not None or worth_it(saved, codec_time):
                 wire = small
-                self.codecs[min(a, b), max(a, b)] = job.wan_compression
+                self.codecs[min(a, b), max(a, b)] = codec
             else:
                 codec_time = 0.0
         out = []

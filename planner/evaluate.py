@@ -187,6 +187,7 @@ class Evaluator:
                 cand.dp,
                 streams,
                 memo=self._stage_costs,
+                codecs=pr.codecs,
                 **self._options[cand],
             )
         return self._costs[key]

@@ -17,9 +17,9 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from geosched.compression import CODECS
+from geosched.compression import CODECS, Codec
 from geosched.config import (
     MAX_DATACENTERS,
     MAX_DC_GPUS,
@@ -197,6 +197,14 @@ class Plan:
     def stage_warmup(self) -> tuple[int, ...] | None:
         """The warm-up per stage the agents run (None: the schedule's own)."""
         return self.warmup or None
+
+    def codecs(self) -> dict[tuple[str, str], Codec]:
+        """The compressed WAN links (sorted DC pair -> codec; a link left out is not compressed)."""
+        return {
+            (min(link.between), max(link.between)): cast(Codec, link.compression)  # plan_from_dict checked it
+            for link in self.links
+            if link.compression != "none"
+        }
 
     def candidate(self) -> Candidate:
         """The decisions as a planner candidate."""

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from geosched.compression import Codec
 from geosched.config import Config, WanLinkSpec
 from geosched.costmodel import GIB, layer_costs
 from geosched.memory import peak_inflight, stage_memory_bytes
@@ -170,6 +171,7 @@ class Problem:
         variant: Variant | None = None,
         dp: int | None = None,
         streams: Mapping[frozenset[str], int] | None = None,
+        codecs: Mapping[tuple[str, str], Codec] | None = None,
     ):
         job = cfg.job.resolved()
         if variant is not None:
@@ -192,6 +194,7 @@ class Problem:
         self._links = {frozenset(link.between): link for link in cfg.cluster.links}
         self._streams = {pair: streams_to_fill(link) for pair, link in self._links.items()}
         self._streams.update(streams or {})  # a plan's own (simulate PLAN): what its agents open
+        self.codecs = None if codecs is None else dict(codecs)  # a plan's compression (sorted DC pair); None: priced
         self.neighbours: dict[str, tuple[str, ...]] = {
             name: tuple(other for other in self.dcs if other != name and self.link(name, other) is not None)
             for name in self.dcs

@@ -388,6 +388,9 @@ def test_co_located_profile_runs_copies_at_once_and_keeps_the_medians(tmp_path) 
     job = load_config(config_with(tmp_path, TINY)).job
     cal = calibrate(job, repeats=1, warmup=0, co_located=2, link=False)
     assert cal["co_located"] == 2 and cal["block_forward_s"] > 0 and cal["optimizer_step_s_per_param"] > 0
+    assert cal.get("codec_s_per_byte") is None  # no WAN compression allowed: nothing to price
+    lossy = calibrate(dataclasses.replace(job, wan_compression="int8"), repeats=1, warmup=0, link=False)
+    assert 0 < lossy["codec_s_per_byte"] < 1e-6  # measured here (launch's calibration priced a GPU's HBM)
     assert cal["tflops"] == pytest.approx(gpt_block_cost(job).forward_flop / cal["block_forward_s"] / 1e12)
     with pytest.raises(InputError, match="co_located must be >= 1"):
         calibrate(job, co_located=0)

@@ -21,7 +21,9 @@
   message costs on top of its wire time, with one block's forward and
   backward as the compute it slows down. On a CPU device the per-message
   overhead is stage time; on a GPU only the latency is kept (the link's
-  threads run on the host CPU, beside the GPU's compute).
+  threads run on the host CPU, beside the GPU's compute);
+- for a job that allows WAN compression, :func:`agents.rehearsal.codec_profile.measure_codec`: what the
+  codec costs a message (``codec_s_per_byte``; without it the cost model prices a GPU's memory speed).
 
 Example::
 
@@ -137,6 +139,10 @@ def calibrate(
         cal.update(costs)
         if progress is not None:
             progress(1, 1, "message costs")
+    if job.wan_compression != "none":  # what a compressed link's codec costs a message here (geosched.compression)
+        from agents.rehearsal.codec_profile import measure_codec
+
+        cal.update(measure_codec(job, device=device))
     Calibration.from_dict(cal)  # every field the loader needs is there
     return cal
 

@@ -11,10 +11,8 @@ schedule, messages and links did (``report.json``'s ``measured_vs_replayed``);
 :func:`with_stages_timed_in_place` gives a calibration the stage times the agents took where they
 run, before step 0 (``stage-rank<R>.json``), which ``geosched launch`` predicts the run with.
 WAN compression is
-the plan's (``layout.compression``, what the agents run): a plan that
-compresses no link is predicted uncompressed whatever the job allows; where it
-does, the cost model decides again on the rehearsed links and a warning names
-any link where it decides otherwise.
+the plan's (``layout.compression``, what the agents run), link by link,
+whatever the cost model would decide on the rehearsed links.
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
     from geosched.schedule import simulate
 
     config = rehearsal_cluster(layout.config, wan_scale, calibration.tflops if calibration is not None else None)
-    job = layout.job if layout.compression else dataclasses.replace(layout.job, wan_compression="none")
     across: dict[str, Any] = {}
     if layout.extra_pipelines:  # pipelines in several DCs share links and sync gradients across DCs
         from planner.replicas import cost_options
@@ -67,19 +64,18 @@ def predict(layout: JobLayout, wan_scale: float = 1.0, calibration: Any = None) 
 
         m = layout.job.global_batch // (layout.replicas * layout.job.batch)
         cand = Candidate(layout.dp, m, layout.stage_dcs, layout.stage_layers, layout.extra_pipelines)
-        across = cost_options(Problem(dataclasses.replace(config, job=job)), cand, calibration)
+        across = cost_options(Problem(dataclasses.replace(config, job=layout.job)), cand, calibration)
     costs = PipelineCosts(
         config.cluster,
-        job,
+        layout.job,
         layout.stage_dcs,
         layout.stage_layers,
         layout.dp,
         layout.streams,
         calibration=calibration,
+        codecs=layout.compression,  # the plan's choice, which its agents run, not the cost model's again
         **across,
     )
-    if costs.codecs != layout.compression:
-        log.warning("predicted WAN compression %s, the plan's %s", costs.codecs, layout.compression)
     return simulate(job_schedule(layout.job, layout.num_stages, layout.replicas, layout.stage_warmup), costs)
 
 

@@ -46,10 +46,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
                 f"{args.source} was planned for --schedule {plan.schedule}; drop --schedule "
                 f"or re-plan with job.schedule: {args.schedule}"
             )
-        config = plan.config  # the links as the plan sets them, which its agents use: streams and codecs
-        if all(link.compression == "none" for link in plan.links):
-            config = dataclasses.replace(config, job=dataclasses.replace(config.job, wan_compression="none"))
-        problem = Problem(config, streams={frozenset(link.between): link.streams for link in plan.links})
+        problem = Problem(  # the links as the plan sets them, which its agents use: streams and codecs
+            plan.config, streams={frozenset(link.between): link.streams for link in plan.links}, codecs=plan.codecs()
+        )
         cand = plan.candidate()
         info = {
             "source": args.source,
