@@ -115,9 +115,12 @@ def _convert(tp: Any, value: Any, path: str, error: type[Exception], meta: Any =
     if origin is Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, (list, dict)) or value not in allowed:
-            typed = str(value)[:64] if isinstance(value, (str, int, float)) else ""
-            hint = difflib.get_close_matches(typed, [str(a) for a in allowed], n=1)
+            typed = str(value)[:64].lower() if isinstance(value, (str, int, float)) else ""
+            spelled = {str(a).lower(): str(a) for a in allowed}  # INT8: 'int8'
+            hint = [spelled[h] for h in difflib.get_close_matches(typed, list(spelled), n=1)]
             extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            if isinstance(value, bool) and all(isinstance(a, str) for a in allowed):
+                extra = "; YAML reads an unquoted yes/no/on/off/true/false as a boolean: write one of those"
             raise error(f"{path}: must be one of {', '.join(repr(a) for a in allowed)} (got {_describe(value)}){extra}")
         return value
     if origin is tuple:

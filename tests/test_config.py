@@ -91,7 +91,17 @@ def _break_tiny_tflops(d):
     d["cluster"]["datacenters"][0]["gpu"]["tflops"] = 1e-300  # passed the schema and overflowed CP-SAT's ints
 
 
+def _break_codec_case(d):
+    d["job"]["wan_compression"] = "INT8"
+
+
+def _break_codec_bool(d):
+    d["job"]["wan_compression"] = False  # what YAML makes of an unquoted 'off'
+
+
 BROKEN = {
+    "codec case": (_break_codec_case, "(got 'INT8'); did you mean 'int8'?"),
+    "codec bool": (_break_codec_bool, "(got False); YAML reads an unquoted yes/no/on/off/true/false as a boolean"),
     "missing field": (_break_missing_field, "cluster.datacenters[0].gpus: missing required field"),
     "negative gpus": (_break_negative_gpus, "cluster.datacenters[1].gpus: must be >= 1 (got -4)"),
     "unknown dc": (_break_unknown_dc, "cluster.links[0].between: unknown datacenter 'mars'"),
