@@ -51,6 +51,11 @@ def compressed_bytes(nbytes: int, element_bytes: int, codec: Codec) -> int:
     return values + blocks * SCALE_BYTES
 
 
+def wire_ratio(element_bytes: int, codec: Codec) -> float:
+    """Wire bytes over tensor bytes under ``codec``, for a tensor of whole blocks (1.0 for none)."""
+    return compressed_bytes(BLOCK * element_bytes, element_bytes, codec) / (BLOCK * element_bytes)
+
+
 def codec_s(nbytes: int, seconds_per_byte: float | None = None) -> float:
     """Seconds to compress and decompress a tensor of ``nbytes``: ``seconds_per_byte`` measured, else
     :data:`CODEC_PASSES` passes at :data:`ASSUMED_CODEC_BANDWIDTH_BPS`."""

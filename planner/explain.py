@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from geosched.compression import wire_ratio
 from geosched.costmodel import boundary_bytes
 from geosched.netcost import wan_transfer
 from planner.cpsat import Goal
@@ -300,6 +301,20 @@ def rank_layout_text(plan: Plan) -> list[str]:
     return lines
 
 
+def _compression_line(plan: Plan) -> str:
+    """What the job's lossy WAN compression does in this plan: on which links, and the bytes it saves."""
+    job = plan.config.job
+    on = [link for link in plan.links if link.compression != "none"]
+    if not on:
+        return f"WAN compression ({job.wan_compression}, lossy): on no link; it would not shorten their messages"
+    ratio = wire_ratio(job.bytes_per_element, job.wan_compression)
+    sent = sum(link.bytes_per_iteration for link in on)
+    return (
+        f"WAN compression ({job.wan_compression}, lossy): {len(on)} of {counted(len(plan.links), 'link')}, "
+        f"{sent / 1e9:.4g} GB per iteration where {sent / ratio / 1e9:.4g} GB would cross ({ratio:.2f}x)"
+    )
+
+
 def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
     """The readable summary ``geosched plan`` prints."""
     pr, job = plan.prediction, plan.config.job
@@ -328,17 +343,21 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         blocks = [plan.stages[s].layers for s in d.stages]
         span = f"{blocks[0][0]}-{blocks[-1][1] - 1}" if blocks else "-"
         lines.append(f"{d.name:<12} {d.gpus:>6} {d.used:>6} {d.unused:>6}  {_ranges(d.stages):<9} {span}")
+    allowed = job.wan_compression != "none"  # the column shows whenever the job allows compression
     if plan.links:
-        codecs = any(link.compression != "none" for link in plan.links)
         head = f"{'link (both ways)':<24} {'streams':>7} {'Gb/s':>7} {'GB/iter':>9} {'$/iter':>9}"
-        lines += ["", head + (f" {'compressed':>10}" if codecs else "")]
+        lines += ["", head + (f" {'compressed':>14}" if allowed else "")]
         for link in plan.links:
             name = f"{link.between[0]} <-> {link.between[1]}"  # its bytes and cost count both directions
+            ratio = wire_ratio(job.bytes_per_element, link.compression)  # type: ignore[arg-type]  # checked
+            codec = link.compression + (f" ({ratio:.2f}x)" if ratio < 1 else "")
             lines.append(
                 f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "
                 f"{link.bytes_per_iteration / 1e9:>9.4g} {link.egress_usd_per_iteration:>9.4g}"
-                + (f" {link.compression:>10}" if codecs else "")
+                + (f" {codec:>14}" if allowed else "")
             )
+        if allowed:
+            lines.append(_compression_line(plan))
     else:
         lines += ["", "no WAN link carries pipeline traffic"]
     lines += ["", *rank_layout_text(plan)]

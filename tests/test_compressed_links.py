@@ -140,6 +140,15 @@ def test_the_prediction_and_simulate_price_each_link_as_the_plan_compresses_it(t
         link["compression"] = "none"
     plans = {name: yaml.safe_dump(doc) for name, doc in (("both", both), ("one", one), ("none", none))}
     assert parse_layout(plans["one"]).compression == {("eu", "us"): "fp8"}
+    from agents.rehearsal.elastic import describe
+    from planner.explain import summary_text
+    from planner.plan import load_plan
+
+    assert describe(parse_layout(plans["both"])).endswith(", WAN links compressed: ap-eu fp8, eu-us fp8 (lossy)")
+    assert "compressed" not in describe(parse_layout(plans["none"]))
+    (tmp_path / "none-plan.yaml").write_text(plans["none"])
+    text = summary_text(load_plan(str(tmp_path / "none-plan.yaml")), [])
+    assert "WAN compression (fp8, lossy): on no link; it would not shorten their messages" in text
     predicted = {name: predict(parse_layout(text), wan_scale=0.05).iteration_s for name, text in plans.items()}
     assert predicted["both"] < predicted["one"] < predicted["none"], predicted
     simulated = {}

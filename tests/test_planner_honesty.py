@@ -144,6 +144,13 @@ def test_wan_compression_halves_the_wan_bytes_and_the_wan_floor_where_it_pays() 
     if small.best.candidate == plain.best.candidate:
         assert ratio == pytest.approx((64 + 4) / 128)
     assert small.best.iteration_s < plain.best.iteration_s
+    from planner.explain import summary_text  # the summary says where, and what it saves
+
+    text = summary_text(small.plan, [])
+    assert text.count("fp8 (0.53x)") == len(small.plan.links) and "WAN compression (fp8, lossy): " in text
+    sent = sum(link.bytes_per_iteration for link in small.plan.links) / 1e9
+    assert f"{sent:.4g} GB per iteration where {sent / (68 / 128):.4g} GB would cross (0.53x)" in text
+    assert "compressed" not in summary_text(plain.plan, [])  # the job allows none: no column
     floors = job_floors(Problem(compressed(wan_bound(memory_gib=1.0))))
     rtt_s = 0.020  # the round trip the floor adds does not shrink
     plain_floor = job_floors(Problem(wan_bound(memory_gib=1.0))).wan_s

@@ -104,11 +104,15 @@ class ReturnPolicy:
 
 
 def describe(layout: JobLayout) -> str:
-    """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``."""
+    """``3 stages us -> eu -> eu, dp 2, tp 1 (6 ranks)``, then ``, WAN links compressed: eu-us int8 (lossy)``
+    where the plan compresses some."""
     paths = [" -> ".join(layout.stage_dcs), *(" -> ".join(p) for p in layout.extra_pipelines)]
     ranks = len(layout.roles)
     stages = f"{layout.num_stages} stage{'s' if layout.num_stages != 1 else ''}"
-    return f"{stages} {' + '.join(paths)}, dp {layout.dp}, tp {layout.job.tp} ({ranks} ranks)"
+    lossy = ", ".join(f"{a}-{b} {codec}" for (a, b), codec in sorted(layout.compression.items()))
+    return f"{stages} {' + '.join(paths)}, dp {layout.dp}, tp {layout.job.tp} ({ranks} ranks)" + (
+        f", WAN links compressed: {lossy} (lossy)" if lossy else ""
+    )
 
 
 def surviving_config(config: Config, layout: JobLayout, lost: Iterable[int]) -> tuple[Config, list[str]]:
