@@ -449,13 +449,22 @@ def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
                 f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
                 f"wan_compression: {job.wan_compression}); use {allowed}, or re-run 'geosched plan'"
             )
+    crossed = set()
     for pipeline in cand.pipelines:
         path = tuple(dict.fromkeys(pipeline))
         for a, b in zip(path, path[1:]):
+            crossed.add(frozenset((a, b)))
             if frozenset((a, b)) not in seen:
                 raise PlanError(
                     f"plan.links: no entry for the WAN link [{a}, {b}] a pipeline crosses; re-run 'geosched plan'"
                 )
+    for i, link in enumerate(plan.links):
+        if link.compression != "none" and frozenset(link.between) not in crossed:
+            a, b = link.between
+            raise PlanError(
+                f"plan.links[{i}].compression: no pipeline crosses [{a}, {b}], so it carries no activations to "
+                f"compress (a report would still name it); write 'none', or re-run 'geosched plan'"
+            )
 
 
 def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:

@@ -212,3 +212,27 @@ def test_zero_2_memory_is_a_gradient_slice_plus_staged_buckets() -> None:
         assert stage_memory_bytes(two, layers, False, False, 0, 1) == stage_memory_bytes(
             one, layers, False, False, 0, 1
         )
+
+
+def test_compression_on_a_link_no_pipeline_crosses_is_refused() -> None:
+    """A hand-edited plan listing a compressed link that no stage boundary crosses was accepted, and the launch's
+    report then named it compressed though nothing crossed it."""
+    from geosched.netcost import wan_effective_bps
+
+    problem, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
+    data = yaml.safe_load(dump_plan(plan))
+    data["config"]["job"]["wan_compression"] = "int8"
+    spare = problem.require_link("eu", "ap")
+    streams = data["links"][0]["streams"]
+    data["links"].append(
+        {
+            **data["links"][0],
+            "between": ["eu", "ap"],
+            "effective_gbps": wan_effective_bps(spare, streams) / 1e9,
+            "compression": "int8",
+        }
+    )
+    with pytest.raises(PlanError, match=r"links\[1\]\.compression: no pipeline crosses \[eu, ap\]"):
+        plan_from_dict(data)
+    data["links"][1]["compression"] = "none"  # listed, not compressed: as before
+    assert plan_from_dict(data).links[1].between == ("eu", "ap")
