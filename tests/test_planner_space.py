@@ -236,3 +236,21 @@ def test_compression_on_a_link_no_pipeline_crosses_is_refused() -> None:
         plan_from_dict(data)
     data["links"][1]["compression"] = "none"  # listed, not compressed: as before
     assert plan_from_dict(data).links[1].between == ("eu", "ap")
+
+
+def test_the_plan_summary_for_scripts_is_told_apart_from_a_plan(tmp_path, capsys) -> None:
+    """``geosched plan --json`` prints a summary; given where a plan goes it was told to re-run 'geosched plan'
+    (launch) or that it had unknown keys for a config (simulate)."""
+    import json
+
+    from geosched.cli import main
+    from planner.explain import summary_dict
+
+    _, plan = _plan_for("configs/demo-3dc.yaml", ("us", "us", "eu"), 1)
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary_dict(plan, [])))
+    with pytest.raises(PlanError, match="what 'geosched plan --json' prints"):
+        load_plan(path)
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a plan file: write the plan with 'geosched plan CONFIG -o plan.yaml'" in err and err.count("\n") == 1

@@ -58,6 +58,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         }
         schedule = build_schedule(plan.schedule, cand.num_stages, cand.microbatches, plan.warmup or None)
         return schedule, Evaluator(problem).costs(cand), info
+    if isinstance(data, dict) and {"optimality", "rank_layout"} <= set(data):
+        from planner.plan import SUMMARY_NOT_PLAN
+
+        raise InputError(SUMMARY_NOT_PLAN.format(source=args.source))
     if isinstance(data, dict) and "cluster" in data:
         return _from_config(args)
     raise InputError(f"{args.source}: neither a plan (with 'ranks') nor a config (with 'cluster' and 'job')")
