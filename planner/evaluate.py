@@ -16,6 +16,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from geosched.compression import Codec
 from geosched.pipeline_costs import PipelineCosts, stage_computes
 from geosched.schedule import CompiledSchedule, add_gradient_sync, build_schedule, compile_schedule, simulate
 from planner.replicas import cost_options, gradient_wan_bytes
@@ -39,7 +40,7 @@ class Evaluation:
     wan_cost_usd: float  # egress per iteration, both directions of every crossed link
     busy_s: float = 0.0  # compute seconds per iteration of a GPU, the mean over stages (the rest is bubble)
     warmup: tuple[int, ...] | None = None  # forwards per stage before its first backward (None: the schedule's)
-    codecs: tuple[tuple[tuple[str, str], str], ...] = ()  # WAN links (sorted DC pair) that travel compressed, how
+    codecs: tuple[tuple[tuple[str, str], Codec], ...] = ()  # WAN links (sorted DC pair) that travel compressed, how
 
     def score(self, weight: float) -> float:
         """``iteration_s + weight x wan_cost_usd`` (weight in seconds per dollar)."""
@@ -202,7 +203,7 @@ class Evaluator:
         distinct = list(dict.fromkeys(cand.pipelines))
         timelines = []
         wan: dict[tuple[str, str], int] = {}
-        codecs: dict[tuple[str, str], str] = {}
+        codecs: dict[tuple[str, str], Codec] = {}
         for dcs in distinct:
             costs = self.costs(cand, cand.pipelines.index(dcs))
             timelines.append(simulate(schedule, costs, check=False, record=False))

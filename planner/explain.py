@@ -349,7 +349,7 @@ def summary_text(plan: Plan, reasons: list[UnusedReason]) -> str:
         lines += ["", head + (f" {'compressed':>14}" if allowed else "")]
         for link in plan.links:
             name = f"{link.between[0]} <-> {link.between[1]}"  # its bytes and cost count both directions
-            ratio = wire_ratio(job.bytes_per_element, link.compression)  # type: ignore[arg-type]  # checked
+            ratio = wire_ratio(job.bytes_per_element, link.compression)
             codec = link.compression + (f" ({ratio:.2f}x)" if ratio < 1 else "")
             lines.append(
                 f"{name:<24} {link.streams:>7} {link.effective_gbps:>7.4g} "

@@ -17,7 +17,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from geosched.compression import CODECS, Codec
 from geosched.config import (
@@ -68,11 +68,10 @@ class LinkPlan:
     effective_gbps: float = spec("min(link, streams x per-connection) Gb/s", ge=0, le=1e6)
     bytes_per_iteration: int = spec("activations + gradients over both directions, all pipelines", ge=0, le=BIG)
     egress_usd_per_iteration: float = spec("egress price of those bytes", ge=0, le=BIG)
-    compression: str = spec(
+    compression: Codec = spec(
         "how its activations and gradients travel: none, int8 or fp8 (geosched.compression; only where the "
         "job's wan_compression allows it)",
         "none",
-        max_len=8,
     )
 
 
@@ -201,7 +200,7 @@ class Plan:
     def codecs(self) -> dict[tuple[str, str], Codec]:
         """The compressed WAN links (sorted DC pair -> codec; a link left out is not compressed)."""
         return {
-            (min(link.between), max(link.between)): cast(Codec, link.compression)  # plan_from_dict checked it
+            (min(link.between), max(link.between)): link.compression
             for link in self.links
             if link.compression != "none"
         }

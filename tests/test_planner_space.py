@@ -142,6 +142,7 @@ def test_data_parallel_ranks_form_intra_dc_groups() -> None:
         (lambda d: d["links"].append(dict(d["links"][0])), "links[1].between: the link [us, eu] is listed twice"),
         (lambda d: d.update(links=[]), "no entry for the WAN link [us, eu] a pipeline crosses"),
         (lambda d: d["links"][0].update(compression="fp8"), "links[0].compression: 'fp8' is not one the job allows"),
+        (lambda d: d["links"][0].update(compression=None), "links[0].compression: must be one of 'none', 'int8'"),
         (lambda d: d["links"][0].update(streams=1000), "links[0].streams: 1000 is more than the link's max_streams"),
         (lambda d: d["datacenters"][0].update(name="abc"), "plan.datacenters[0].name: 'abc' does not match"),
         (lambda d: d["datacenters"][1].update(used=0), "plan.datacenters[1].used: 0 does not match"),
