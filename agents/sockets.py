@@ -371,7 +371,7 @@ def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
 MAX_UNIDENTIFIED = 64
 """Connections a listener holds that have not identified themselves; beyond, the oldest is closed."""
 MAX_UNIDENTIFIED_PER_ADDRESS = 16
-"""Of those, what one client address may hold (a WAN listener's); beyond, its newest is closed at once."""
+"""Of those, what one client address may hold (a WAN listener's); beyond, its oldest is closed."""
 
 
 class Unidentified:
@@ -386,9 +386,10 @@ class Unidentified:
     still unidentified after its timeout, or the oldest beyond :data:`MAX_UNIDENTIFIED`, is shut down:
     ``shutdown(2)`` on a duplicate of its descriptor, after checking that it is a TCP connection to this
     listener's port; libzmq sees its peer hang up and closes its own descriptor. With ``per_address``, one
-    client address holds at most that many of them: its next is closed at once, so a stranger opening
-    connections as fast as they close cannot push a genuine peer's (the oldest) out. Written here because
-    libzmq has no per-socket connection limit nor a way to drop one peer.
+    client address holds at most that many of them, beyond which its own oldest is closed: a stranger opening
+    connections as fast as they close pushes out only its own (and those of its address: a peer behind the
+    same NAT still gets in, as the newest), not a genuine peer's from elsewhere. Written here because libzmq
+    has no per-socket connection limit nor a way to drop one peer.
     """
 
     def __init__(self, timeout_s: float, per_address: int | None = None) -> None:
@@ -403,9 +404,10 @@ class Unidentified:
         """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed, and
         beyond ``per_address`` from its address this one."""
         if self._shares is not None and (address := self._peer(fd)) is not None:
-            if not self._shares.take(address):
-                self._shut(fd, f"more than {self._shares.per_address} unidentified connections from {address}")
-                return
+            if not self._shares.take(address):  # its oldest goes: a peer sharing a stranger's address still gets in
+                oldest = next(f for f, a in self._address.items() if a == address)
+                self.close(oldest, f"more than {self._shares.per_address} unidentified connections from {address}")
+                self._shares.take(address)
             self._address[fd] = address
         self._since[fd] = now
         while len(self._since) > MAX_UNIDENTIFIED:
