@@ -402,7 +402,7 @@ class Unidentified:
 
     def accepted(self, fd: int, now: float) -> None:
         """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed, and
-        beyond ``per_address`` from its address this one."""
+        beyond ``per_address`` from its address that address's oldest."""
         if self._shares is not None and (address := self._peer(fd)) is not None:
             if not self._shares.take(address):  # its oldest goes: a peer sharing a stranger's address still gets in
                 oldest = next(f for f, a in self._address.items() if a == address)
@@ -469,9 +469,15 @@ class Unidentified:
         """A duplicate of ``fd`` if it is a TCP connection to this listener's port, else None; closed after
         (the duplicate only: libzmq closes its own once it sees a hang-up)."""
         try:
-            conn = socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except OSError:
             yield None  # already closed
+            return
+        try:
+            conn = socket.socket(fileno=dup)
+        except OSError:  # the number was reused by something else than a socket (an eventfd): the dup was leaked
+            os.close(dup)
+            yield None
             return
         try:
             ours = conn.type == socket.SOCK_STREAM and self.port and conn.getsockname()[1] == self.port

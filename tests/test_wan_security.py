@@ -189,7 +189,10 @@ def test_connections_that_never_say_hello_are_closed_and_bounded() -> None:
                 stranger.connect(endpoint)
             # beyond 16 from this address they are closed at once, the rest after hello_timeout_s; all counted
             # (those cut before their ZMTP handshake completed as handshake_failed)
-            assert wait_for(lambda: drops()["unknown_peer"] + drops()["handshake_failed"] == 80, timeout_s=20)
+            assert wait_for(lambda: drops()["unknown_peer"] + drops()["handshake_failed"] == 80, timeout_s=20), (
+                drops(),
+                server.metrics()["disconnects"],
+            )
             # each close's DISCONNECTED event may reach the link's thread just after its drop was counted
             assert wait_for(lambda: server.metrics()["disconnects"] == 80, timeout_s=10), server.metrics()
         finally:
@@ -278,3 +281,27 @@ def test_strangers_from_many_addresses_get_a_bounded_number_of_log_lines(server:
         ctx.term()
     lines = [r for r in caplog.records if "dropped a frame from 127.0." in r.getMessage()]
     assert 0 < len(lines) <= MAX_PEER_LOG_LINES, len(lines)
+
+
+def test_a_descriptor_reused_by_something_else_is_left_alone_and_not_leaked() -> None:
+    """A connection's ACCEPTED event can be read after libzmq closed it and the number went to an eventfd or a
+    pipe; checking it duplicated the descriptor and leaked the duplicate when it was no socket (a test saw a
+    listener's process hold 5 more eventfds after a storm)."""
+    import os
+
+    from agents.sockets import Unidentified
+
+    strangers = Unidentified(10.0, per_address=4)
+    strangers.port = 1  # any listener port: nothing here is a connection to it
+    read, write = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            strangers.accepted(read, 0.0)
+            strangers.close(read, "test")
+            strangers.gone(write)
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert strangers.closed == 0 and os.write(write, b"x") == 1 and os.read(read, 1) == b"x"  # untouched
+    finally:
+        os.close(read)
+        os.close(write)

@@ -105,7 +105,7 @@ class InboundFrames:
     _stream_ident: dict[int, bytes]
     _fd_stream: dict[int, int]
     _unidentified: Unidentified
-    _failed_handshake: bool
+    _failed_handshakes: int  # failed handshakes counted whose connection's close is not yet seen
     _last_heard: float
     _probe_at: float
     _welcomed: list[bool]
@@ -425,7 +425,7 @@ class InboundFrames:
                 return
             event, value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._failed_handshake = True
+                self._failed_handshakes += 1
                 self._drop("auth_failed", None, "client key or login refused")
                 if stream >= 0:  # the peer refused our own login
                     raise LinkError(
@@ -434,7 +434,7 @@ class InboundFrames:
                         "keys' run: compare each host's agent-*.key.pub with the job's folder)"
                     )
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self._failed_handshake = True
+                self._failed_handshakes += 1
                 self._drop("handshake_failed", None, "ZMTP handshake failed: not a geosched peer, or other security")
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and stream >= 0 and self._welcomed[stream]:
                 if self._client_hs is None:
@@ -453,11 +453,12 @@ class InboundFrames:
 
     def _on_disconnect(self, stream: int | None, now: float) -> None:
         """A connection closed: resend what its stream carried, or count a stranger that never identified."""
-        failed, self._failed_handshake = self._failed_handshake, False
         if stream is not None:
             self.counters.streams[stream].disconnects += 1
             self.send.stream_lost(stream, now)
-        elif not failed:
+        elif self._failed_handshakes > 0:  # a stranger counted by its failed handshake already (a count, not a
+            self._failed_handshakes -= 1  # flag: many connections' events interleave, and a flag counted some twice)
+        else:
             # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
             self._drop("unknown_peer", None, "connection closed before it identified as a stream of this link")
             self._probe_streams(now)
