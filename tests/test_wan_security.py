@@ -305,3 +305,19 @@ def test_a_descriptor_reused_by_something_else_is_left_alone_and_not_leaked() ->
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_streams_that_said_hello_and_stay_idle_are_not_cut_as_strangers() -> None:
+    """A stream is identified by its accepted hello: before, only a later frame identified it, so a link idle past
+    hello_timeout_s after connecting (warm-up, a checkpoint write) was cut and reconnected every timeout, counted
+    as strangers' drops, and strangers on its address could push its connections out."""
+    config = WanLinkConfig(link_id=LINK, hello_timeout_s=1.0, recv_timeout_s=10.0)
+    with WanLink.listen("tcp://127.0.0.1:0", config) as server:
+        with WanLink.connect(f"tcp://127.0.0.1:{server.port}", WanLinkConfig(link_id=LINK, streams=4)) as client:
+            server.wait_peer(10)  # every stream said hello
+            time.sleep(2.5)  # idle, past hello_timeout_s twice
+            assert server.metrics()["disconnects"] == 0 and client.metrics()["disconnects"] == 0
+            assert sum(server.metrics()["drops"].values()) == 0
+            x = torch.randn(1000)
+            client.start_send(x, step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), x)

@@ -329,7 +329,8 @@ class InboundFrames:
             self._ident_stream.pop(old, None)  # the stream reconnected: its old connection is gone
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
-        self._fd_stream[frame.get(zmq.SRCFD)] = index
+        self._fd_stream[fd := frame.get(zmq.SRCFD)] = index
+        self._unidentified.identified(fd)  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
         self.send.slots[index].up = True
         if self._server_session is not None and hello is not None:
             welcome = self._header("welcome", stream=index, eph=self._server_session.eph_public, ts=hello.ts)
@@ -458,8 +459,7 @@ class InboundFrames:
             self.send.stream_lost(stream, now)
         elif self._failed_handshakes > 0:  # a stranger counted by its failed handshake already (a count, not a
             self._failed_handshakes -= 1  # flag: many connections' events interleave, and a flag counted some twice)
-        else:
-            # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
+        else:  # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
             self._drop("unknown_peer", None, "connection closed before it identified as a stream of this link")
             self._probe_streams(now)
 
