@@ -46,6 +46,12 @@ HTTP = ["--prefill-bind", "tcp://127.0.0.1:0", "--prefill-http", "127.0.0.1:0"]
         ([*HTTP, "--prefill-http-insecure", "--prefill-http-limit", "max_inflight=0"], "max_inflight: must be between"),
         (["--prefill-http-insecure"], "--prefill-http-insecure goes with --prefill-http HOST:PORT"),
         (["--metrics-bind", "127.0.0.1:0"], "--metrics-bind: serve it over TLS (--metrics-tls-cert FILE"),
+        (["--metrics-bind", "[::1"], "--metrics-bind: an IPv6 host goes in brackets, then :PORT"),  # was '[:]:1'
+        (["--metrics-bind", "::1:0"], "--metrics-bind: an IPv6 host goes in brackets"),  # --prefill-bind's rule
+        # bound on IPv4 only and published at an IPv6 --bind-host: nobody could connect (a re-test)
+        (["--bind-host", "::1", "--metrics-bind", "0:0"], "--metrics-bind 0:0: listens on IPv4 only, but is"),
+        (["--bind-host", "::1", "--prefill-bind", "tcp://*:0"], "--prefill-bind tcp://*:0: listens on IPv4 only"),
+        (["--bind-host", "::1", "--prefill-bind", "tcp://0.0.0.0:0"], "bind every interface as [::] instead"),
         (["--metrics-tls-key", "k"], "--metrics-tls-key goes with --metrics-bind HOST:PORT"),
         (["--device", "gpu"], "--device 'gpu': expected cpu, cuda (GPU rank % GPUs) or cuda:N"),
         (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda"),

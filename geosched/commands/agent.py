@@ -257,24 +257,30 @@ def check_link_host(host: str) -> None:
         )
 
 
-def warn_loopback_published(prefill_host: str, bind_host: str) -> None:
-    """A warning line when the prefill service binds every interface but is published at a loopback --bind-host:
-    clients on other hosts that look it up are handed an address only this host reaches (a trial's were)."""
+def check_any_address_bind(flag: str, value: str, host: str, bind_host: str) -> None:
+    """For an endpoint bound on every interface and so published at ``--bind-host``: InputError when it listens on
+    IPv4 only (``0.0.0.0``, ``0``, libzmq's ``*``) but --bind-host is IPv6 (published where nobody can connect:
+    a re-test), and a warning line when --bind-host is loopback (clients elsewhere are handed 127.0.0.1)."""
     import ipaddress
     import socket
 
     from geosched.endpoint import unusable_host
 
-    if unusable_host(prefill_host) != "the any-address":
+    if unusable_host(host) != "the any-address":
         return
+    if ":" in bind_host and (host == "*" or unusable_host(host, socket.AF_INET) is not None):
+        raise InputError(
+            f"{flag} {value}: listens on IPv4 only, but is published at --bind-host {bind_host} (IPv6), where "
+            "nobody could connect; bind every interface as [::] instead (IPv6 and IPv4)"
+        )
     try:
         loopback = ipaddress.ip_address(socket.getaddrinfo(bind_host, 0, type=socket.SOCK_STREAM)[0][4][0]).is_loopback
     except (OSError, UnicodeError, ValueError):
         return
     if loopback:
         print(
-            f"warning: --prefill-bind serves every interface, but its endpoint is published at --bind-host "
-            f"{bind_host}, which only this host reaches; give --bind-host this host's address for clients elsewhere",
+            f"warning: {flag} serves every interface, but is published at --bind-host {bind_host}, which only this "
+            "host reaches; give --bind-host this host's address for clients elsewhere",
             file=sys.stderr,
             flush=True,
         )
@@ -305,6 +311,7 @@ def check_bind_host(host: str, flag: str = "--bind-host") -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until stopped."""
     from agents.control.auth import ControlKeys
+    from geosched.commands.wanem import parse_address
     from geosched.processes import die_with_parent, raise_open_files_limit
 
     die_with_parent()  # started by 'geosched launch': gone when it is, even if it is killed
@@ -349,11 +356,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--prefill-bind: {exc}") from None
         if host != "*":  # libzmq's every interface, not a name to resolve
             check_bind_host(host, "--prefill-bind")
-        warn_loopback_published(host, args.bind_host)
+        check_any_address_bind("--prefill-bind", args.prefill_bind, host, args.bind_host)
     prefill_http, http_tls, http_limits = None, None, None
     if args.prefill_http is not None:
         from agents.prefill.connections import HttpLimits
-        from geosched.commands.wanem import parse_address
 
         if not args.prefill_bind:
             raise InputError("--prefill-http needs --prefill-bind ENDPOINT (the HTTP front end feeds that service)")
@@ -369,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--prefill-http-limit goes with --prefill-http HOST:PORT")
     metrics_tls = None
     if args.metrics_bind is not None:
+        check_any_address_bind(
+            "--metrics-bind", args.metrics_bind, parse_address(args.metrics_bind, "--metrics-bind")[0], args.bind_host
+        )
         metrics_tls = tls_context(args, "metrics", "--metrics-bind")
     else:
         unused_tls_flags(args, "metrics", "--metrics-bind")
@@ -386,8 +395,6 @@ def run(args: argparse.Namespace) -> int:
         keys.signing_key(agent_identity(args.rank))
         if args.prefill_bind and token is None:
             token = keys.prefill_token()
-    from geosched.commands.wanem import parse_address
-
     options = AgentOptions(
         mqtt=mqtt_url(args, keys, f"agent-{args.rank}"),
         rank=args.rank,
