@@ -306,7 +306,10 @@ def _compression_line(plan: Plan) -> str:
     job = plan.config.job
     on = [link for link in plan.links if link.compression != "none"]
     if not on:
-        return f"WAN compression ({job.wan_compression}, lossy): on no link; it would not shorten their messages"
+        return (
+            f"WAN compression ({job.wan_compression}, lossy): on no link (it is for the activations a pipeline sends "
+            "across a link, where that shortens their messages)"
+        )
     ratio = wire_ratio(job.bytes_per_element, job.wan_compression)
     sent = sum(link.bytes_per_iteration for link in on)
     return (

@@ -148,7 +148,7 @@ def test_the_prediction_and_simulate_price_each_link_as_the_plan_compresses_it(t
     assert "compressed" not in describe(parse_layout(plans["none"]))
     (tmp_path / "none-plan.yaml").write_text(plans["none"])
     text = summary_text(load_plan(str(tmp_path / "none-plan.yaml")), [])
-    assert "WAN compression (fp8, lossy): on no link; it would not shorten their messages" in text
+    assert "WAN compression (fp8, lossy): on no link (it is for the activations a pipeline sends across" in text
     predicted = {name: predict(parse_layout(text), wan_scale=0.05).iteration_s for name, text in plans.items()}
     assert predicted["both"] < predicted["one"] < predicted["none"], predicted
     simulated = {}
