@@ -321,3 +321,21 @@ def test_streams_that_said_hello_and_stay_idle_are_not_cut_as_strangers() -> Non
             x = torch.randn(1000)
             client.start_send(x, step=0, microbatch=0)
             assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+
+
+def test_a_lost_stream_is_counted_once() -> None:
+    """The listener learns that a stream is gone both from a probe (sent when another connection closes) and
+    from its own connection's close: it counted both, so the streams' disconnects summed to more than the
+    link's (a re-test: 33 against 12)."""
+    config = WanLinkConfig(link_id=LINK, hello_timeout_s=30.0, recv_timeout_s=10.0)
+    with WanLink.listen("tcp://127.0.0.1:0", config) as server:
+        with WanLink.connect(f"tcp://127.0.0.1:{server.port}", WanLinkConfig(link_id=LINK, streams=4)) as client:
+            server.wait_peer(10)
+            x = torch.randn(100)
+            client.start_send(x, step=0, microbatch=0)
+            assert torch.equal(server.recv_sync(step=0, microbatch=0), x)
+        for _ in range(5):  # strangers' closes probe the streams again
+            socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0)).close()
+        assert wait_for(lambda: server.metrics()["disconnects"] >= 4 + 5, timeout_s=10)
+        time.sleep(0.3)
+        assert [s["disconnects"] for s in server.metrics()["streams"]] == [1, 1, 1, 1]

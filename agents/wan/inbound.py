@@ -1,20 +1,17 @@
 """The receive half of a WanLink's I/O thread: every frame and connection event that comes in.
 
-Mixed into :class:`agents.wan.io.LinkIO` (which owns the sockets and the
-state this code reads). Frames (every header is a msgpack map with ``v``
-(protocol version), ``type`` and ``link``):
+Mixed into :class:`agents.wan.io.LinkIO` (which owns the sockets and the state this code reads). Frames (every
+header is a msgpack map with ``v`` (protocol version), ``type`` and ``link``):
 
 * ``data`` header + one raw payload frame (a chunk of a tensor);
-* ``resp`` header (``count``) + one frame of ``count`` little-endian uint64
-  quadruples ``(seq, offset, tx, status)``, status 0 = stored, 1 = busy;
-* ``hello`` (connecting side, on each stream: ``session``, ``stream``,
-  ``streams``) and ``welcome`` (listening side's answer);
-* ``ping``: an empty probe the listening side sends (after a disconnect, or
-  when a second peer says hello); the connecting side answers ``pong``.
+* ``resp`` header (``count``) + one frame of ``count`` little-endian uint64 quadruples ``(seq, offset, tx,
+  status)``, status 0 = stored, 1 = busy;
+* ``hello`` (connecting side, on each stream: ``session``, ``stream``, ``streams``) and ``welcome`` (the answer);
+* ``ping``: an empty probe the listening side sends (after a disconnect, or when a second peer says hello); the
+  connecting side answers ``pong``.
 
-On an encrypted link (``config.sealed``) ``hello`` and ``welcome`` cross in
-clear, each followed by a proof frame (:mod:`agents.wan.handshake`), and
-every other message is sealed (:mod:`agents.wan.seal`): its header is opened
+On an encrypted link (``config.sealed``) ``hello`` and ``welcome`` cross in clear, each followed by a proof frame
+(:mod:`agents.wan.handshake`), and every other message is sealed (:mod:`agents.wan.seal`): its header is opened
 before it is read, a clear one is refused (``auth_failed``).
 
 One session at a time: the listening side serves the first session that says hello. A hello with another
@@ -22,11 +19,11 @@ session id (a restarted peer, or a stranger) replaces it only once the current p
 ``session_takeover_s`` and has not answered a ping for as long; until then it is refused and counted as
 ``foreign_session``, and the stranger's frames are never acknowledged or delivered (``unknown_peer``).
 
-A frame that fails validation is dropped, counted by reason in the link's metrics and logged at most once
-a minute per peer, 20 lines a minute in all; the link keeps serving.
-Connection events come from libzmq socket monitors: failed handshakes are counted (the peer refusing
-our own login fails the link: it binds both sides' keys, so no retry passes), and a closed connection
-is mapped (by its file descriptor) to the stream it carried so its chunks in flight are resent at once.
+A frame that fails validation is dropped, counted by reason in the link's metrics and logged at most once a minute
+per peer, 20 lines a minute in all; the link keeps serving. Connection events come from libzmq socket monitors:
+failed handshakes are counted (the peer refusing our own login fails the link: it binds both sides' keys, so no
+retry passes), and a closed connection is mapped (by its descriptor) to its stream, whose chunks in flight are
+resent at once.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 MAX_RESPONSES = 4096  # responses per resp frame
 RESP_WIDTH = 4  # (seq, offset, tx, status)
-# acknowledgements leave once the reads are drained and they answer a whole message, 16 chunks or 1 MiB;
-# in any case 2 ms after the first (see LinkIO._flush_responses)
+# acknowledgements leave with the reads drained and a whole message, 16 chunks or 1 MiB answered; or 2 ms on
 ACK_BATCH, ACK_BYTES, ACK_DELAY_S = 16, 1 << 20, 0.002
 ACK, BUSY = 0, 1
 READ_BUDGET = 8  # frames read from one socket before acknowledging them and sending again
@@ -455,8 +451,7 @@ class InboundFrames:
     def _on_disconnect(self, stream: int | None, now: float) -> None:
         """A connection closed: resend what its stream carried, or count a stranger that never identified."""
         if stream is not None:
-            self.counters.streams[stream].disconnects += 1
-            self.send.stream_lost(stream, now)
+            self._stream_lost(stream, now)
         elif self._failed_handshakes > 0:  # a stranger counted by its failed handshake already (a count, not a
             self._failed_handshakes -= 1  # flag: many connections' events interleave, and a flag counted some twice)
         else:  # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
@@ -475,8 +470,13 @@ class InboundFrames:
                 continue
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
-                    self.counters.streams[index].disconnects += 1
-                    self.send.stream_lost(index, now)
+                    self._stream_lost(index, now)
+
+    def _stream_lost(self, stream: int, now: float) -> None:
+        """Resend what a lost stream carried; counted once (a listener learns of it from a probe and a close)."""
+        if not self.listening or self.send.slots[stream].up:
+            self.counters.streams[stream].disconnects += 1
+        self.send.stream_lost(stream, now)
 
     def _drop(self, reason: str, frame: zmq.Frame | None, detail: str) -> bool:
         self.counters.drop(reason)
