@@ -325,6 +325,7 @@ class InboundFrames:
             self._ident_stream.pop(old, None)  # the stream reconnected: its old connection is gone
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
+        self._on_monitor(next(m for m, s in self._monitors.items() if s < 0), now)  # its ACCEPTED, queued before it
         self._fd_stream[fd := frame.get(zmq.SRCFD)] = index
         self._unidentified.identified(fd)  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
         self.send.slots[index].up = True
@@ -466,9 +467,7 @@ class InboundFrames:
             ping = self._frames(index, self._header("ping"))
             try:
                 router.send_multipart([ident, *ping], zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as exc:
+            except zmq.ZMQError as exc:  # zmq.Again too: a full queue, not a lost stream
                 if exc.errno == zmq.EHOSTUNREACH:
                     self._stream_lost(index, now)
 
