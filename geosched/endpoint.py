@@ -32,16 +32,23 @@ def tcp_address(endpoint: str, *, bind: bool = False) -> tuple[str, int]:
     if not port.isdigit() or not lowest <= int(port) <= 65535:
         what = "out of range" if port.isdigit() else "not a number"
         raise InputError(f"endpoint {endpoint!r}: port {port[:20]} is {what} ({lowest}-65535); {expect}")
-    if ":" in host or "[" in host or "]" in host:  # IPv6: in brackets, with nothing around them
-        try:
-            if not (host.startswith("[") and host.endswith("]")):
-                raise ValueError(host)
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise InputError(
-                f"endpoint {endpoint[:80]!r}: an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"
-            ) from None
+    if not bracketed_ipv6_ok(host):
+        raise InputError(
+            f"endpoint {endpoint[:80]!r}: an IPv6 host goes in brackets, then :PORT, as in tcp://[::1]:5600"
+        )
     return host.strip("[]"), int(port)
+
+
+def bracketed_ipv6_ok(host: str) -> bool:
+    """False for the host part of ``HOST:PORT`` that looks IPv6 (a colon, a bracket) but is not one IPv6 address
+    in brackets with nothing around them (``::1``, ``[::1``, ``[x]``); True otherwise."""
+    if ":" not in host and "[" not in host and "]" not in host:
+        return True
+    try:
+        ipaddress.IPv6Address(host[1:-1])
+    except ValueError:
+        return False
+    return host.startswith("[") and host.endswith("]")
 
 
 def unusable_host(host: str, family: int = 0) -> str | None:
@@ -88,4 +95,4 @@ def _unusable(host: str, family: int) -> str | None:
     return None
 
 
-__all__ = ["reachable_address", "tcp_address", "tcp_endpoint", "unusable_host"]
+__all__ = ["bracketed_ipv6_ok", "reachable_address", "tcp_address", "tcp_endpoint", "unusable_host"]

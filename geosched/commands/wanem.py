@@ -16,7 +16,6 @@ in DC B at HOST:PORT (listen port 0 or absent: a random one, printed):
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import signal
 import sys
@@ -25,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from geosched.commands.checks import above, at_least, at_most
+from geosched.endpoint import bracketed_ipv6_ok
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -61,15 +61,8 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise InputError(f"{flag}: expected HOST:PORT with a port 0-65535, e.g. 127.0.0.1:7000 (got {text!r})")
-    if ":" in host or "[" in host or "]" in host:  # IPv6: in brackets, with nothing around them
-        try:
-            if not (host.startswith("[") and host.endswith("]")):
-                raise ValueError(host)
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise InputError(
-                f"{flag}: an IPv6 host goes in brackets, then :PORT, as in [::1]:7000 (got {text[:80]!r})"
-            ) from None
+    if not bracketed_ipv6_ok(host):
+        raise InputError(f"{flag}: an IPv6 host goes in brackets, then :PORT, as in [::1]:7000 (got {text[:80]!r})")
     return host.strip("[]"), int(port)
 
 
