@@ -156,5 +156,9 @@ def test_the_prediction_and_simulate_price_each_link_as_the_plan_compresses_it(t
         (tmp_path / f"{name}.yaml").write_text(text)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             assert main(["simulate", str(tmp_path / f"{name}.yaml"), "--json"]) == 0
-        simulated[name] = json.loads(out.getvalue().splitlines()[-1])["iteration_time_s"]
-    assert simulated["both"] < simulated["one"] < simulated["none"], simulated
+        result = json.loads(out.getvalue().splitlines()[-1])
+        simulated[name] = (result["iteration_time_s"], result["info"]["wan_usd_per_iteration"])
+    assert simulated["both"] < simulated["one"] < simulated["none"], simulated  # time, and the bytes' dollars
+    assert simulated["both"][1] == pytest.approx(
+        load_plan(str(tmp_path / "both.yaml")).prediction.wan_usd_per_iteration
+    )

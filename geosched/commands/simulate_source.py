@@ -49,15 +49,15 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         problem = Problem(  # the links as the plan sets them, which its agents use: streams and codecs
             plan.config, streams={frozenset(link.between): link.streams for link in plan.links}, codecs=plan.codecs()
         )
-        cand = plan.candidate()
+        cand, evaluator = plan.candidate(), Evaluator(problem)
         info = {
             "source": args.source,
             "plan": cand.describe(),
-            "predicted_iteration_s": plan.prediction.iteration_s,
-            "wan_usd_per_iteration": plan.prediction.wan_usd_per_iteration,
+            "predicted_iteration_s": plan.prediction.iteration_s,  # as recorded: an edited plan's is checked
+            "wan_usd_per_iteration": evaluator.wan_cost_usd(cand),  # of the bytes its links carry as it sets them
         }
         schedule = build_schedule(plan.schedule, cand.num_stages, cand.microbatches, plan.warmup or None)
-        return schedule, Evaluator(problem).costs(cand), info
+        return schedule, evaluator.costs(cand), info
     if isinstance(data, dict) and {"optimality", "rank_layout"} <= set(data):
         from planner.plan import SUMMARY_NOT_PLAN
 
