@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from geosched.compression import CODECS, Codec
+from geosched.compression import Codec
 from geosched.config import (
     MAX_DATACENTERS,
     MAX_DC_GPUS,
@@ -30,14 +29,13 @@ from geosched.config import (
     ScheduleName,
     config_from_dict,
 )
-from geosched.costmodel import GIB
-from geosched.errors import ConfigError, PlanError, ScheduleError
+from geosched.errors import ConfigError, PlanError
 from geosched.netcost import wan_effective_bps
-from geosched.schedule.builders import build_schedule, check_warmup
 from geosched.schema import dump_dataclass, load_dataclass, schema_depth, spec
 from geosched.yamlload import YamlLimits, dump_yaml, read_yaml_file, short
 from planner.evaluate import GB, Evaluation
 from planner.feasibility import MAX_PLAN_GPUS
+from planner.plan_checks import check_links, check_warmup_fits
 from planner.space import Candidate, Problem
 
 PLAN_VERSION = 2
@@ -395,8 +393,8 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
     if problem_text is not None:
         raise PlanError(f"plan.stages: {problem_text}")
     if plan.warmup:
-        _check_warmup(plan, problem, cand)
-    _check_links(plan, problem, cand)
+        check_warmup_fits(plan, problem, cand)
+    check_links(plan, problem, cand)
     usage = dc_usage(plan.config.cluster, cand, plan.tensor_parallel)
     if len(plan.datacenters) != len(usage):  # what the summary shows: only what the stages and the config say
         raise PlanError(f"plan.datacenters: {len(plan.datacenters)} listed, the config has {len(usage)}")
@@ -421,75 +419,6 @@ def _check_same(path: str, got: Any, want: Any, source: str) -> None:
             f"{path}.{name}: {getattr(got, name)!r} does not match {source} (expected {getattr(want, name)!r}); "
             "re-run 'geosched plan'"
         )
-
-
-def _check_links(plan: Plan, problem: Problem, cand: Candidate) -> None:
-    """PlanError unless each entry of ``plan.links`` is a WAN link of the config, listed once, with a codec the
-    job allows, and every link a pipeline crosses is listed (its streams and codec are what the agents use)."""
-    job, seen = plan.config.job, set()
-    for i, link in enumerate(plan.links):
-        a, b = link.between
-        if a == b or problem.link(a, b) is None:
-            raise PlanError(
-                f"plan.links[{i}].between: [{a}, {b}] is no WAN link of the config (cluster.links); "
-                "re-run 'geosched plan'"
-            )
-        if frozenset((a, b)) in seen:
-            raise PlanError(f"plan.links[{i}].between: the link [{a}, {b}] is listed twice; keep one")
-        most = problem.require_link(a, b).max_streams
-        if link.streams > most:
-            raise PlanError(
-                f"plan.links[{i}].streams: {link.streams} is more than the link's max_streams ({most}, "
-                "cluster.links); use at most that, or re-run 'geosched plan'"
-            )
-        seen.add(frozenset((a, b)))
-        carried = wan_effective_bps(problem.require_link(a, b), link.streams) / 1e9
-        if not math.isclose(link.effective_gbps, carried, rel_tol=1e-6, abs_tol=1e-9):
-            raise PlanError(
-                f"plan.links[{i}].effective_gbps: {link.effective_gbps:g} is not what {link.streams} streams over "
-                f"this link carry ({carried:g} Gb/s = min(link, streams x per-connection), cluster.links); it follows "
-                f"from them: write {carried:g} there, or re-run 'geosched plan'"
-            )
-        if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
-            allowed = "none" if job.wan_compression == "none" else f"none or {job.wan_compression}"
-            raise PlanError(
-                f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."
-                f"wan_compression: {job.wan_compression}); use {allowed}, or re-run 'geosched plan'"
-            )
-    crossed = set()
-    for pipeline in cand.pipelines:
-        path = tuple(dict.fromkeys(pipeline))
-        for a, b in zip(path, path[1:]):
-            crossed.add(frozenset((a, b)))
-            if frozenset((a, b)) not in seen:
-                raise PlanError(
-                    f"plan.links: no entry for the WAN link [{a}, {b}] a pipeline crosses; re-run 'geosched plan'"
-                )
-    for i, link in enumerate(plan.links):
-        if link.compression != "none" and frozenset(link.between) not in crossed:
-            a, b = link.between
-            raise PlanError(
-                f"plan.links[{i}].compression: no pipeline crosses [{a}, {b}], so it carries no activations to "
-                f"compress (a report would still name it); write 'none', or re-run 'geosched plan'"
-            )
-
-
-def _check_warmup(plan: Plan, problem: Problem, cand: Candidate) -> None:
-    """PlanError unless the plan's warm-up is one its schedule runs (one count per stage, from plain 1F1B's
-    to ``m``, never growing) and every stage still fits its GPUs with the activations it then holds."""
-    try:
-        check_warmup(plan.warmup, plan.num_stages, plan.microbatches)
-        build_schedule(plan.schedule, 1, 1, [0])  # the schedule takes a warm-up at all
-    except ScheduleError as exc:
-        raise PlanError(f"plan.warmup: {exc}") from None
-    for s, w in enumerate(plan.warmup):
-        for path in cand.pipelines:
-            need = problem.memory_need(cand, s, path[s], w)
-            if need > problem.memory_bytes[path[s]]:
-                raise PlanError(
-                    f"plan.warmup[{s}]: {w} forwards in flight need {need / GIB:.3g} GiB per GPU > "
-                    f"{problem.memory_bytes[path[s]] / GIB:g} GiB in dc {path[s]!r}; lower it or re-run 'geosched plan'"
-                )
 
 
 RANK_NODES = 40
