@@ -339,10 +339,13 @@ def dump_plan(plan: Plan) -> str:
     return dump_yaml(data, default_flow_style=None) + ("ranks:\n" + lines if ranks else "ranks: []\n")
 
 
-SUMMARY_NOT_PLAN = (
-    "{source} is what 'geosched plan --json' prints (a summary for scripts), not a plan file: write the plan "
-    "with 'geosched plan CONFIG -o plan.yaml'"
-)
+def refuse_plan_summary(data: object, source: str) -> None:
+    """PlanError when ``data`` is what ``geosched plan --json`` prints (a summary for scripts) where a plan goes."""
+    if isinstance(data, dict) and "version" not in data and {"optimality", "rank_layout"} <= set(data):
+        raise PlanError(
+            f"{source} is what 'geosched plan --json' prints (a summary for scripts), not a plan file: write the "
+            "plan with 'geosched plan CONFIG -o plan.yaml'"
+        )
 
 
 def plan_from_dict(data: object, source: str = "plan") -> Plan:
@@ -354,8 +357,7 @@ def plan_from_dict(data: object, source: str = "plan") -> Plan:
         )
     if "version" not in data and {"cluster", "job"} <= set(data):
         raise PlanError(f"{source} is a config, not a plan: make one with 'geosched plan {source} -o plan.yaml'")
-    if "version" not in data and {"optimality", "rank_layout"} <= set(data):
-        raise PlanError(SUMMARY_NOT_PLAN.format(source=source))
+    refuse_plan_summary(data, source)
     if data.get("version") not in READS_VERSIONS:
         raise PlanError(
             f"{source}: version: this geosched reads plan versions {', '.join(map(str, READS_VERSIONS))} "

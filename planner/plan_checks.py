@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from geosched.compression import CODECS
 from geosched.costmodel import GIB
 from geosched.errors import PlanError, ScheduleError
 from geosched.netcost import wan_effective_bps
@@ -44,7 +43,7 @@ def check_links(plan: Any, problem: Problem, cand: Candidate) -> None:
                 f"this link carry ({carried:g} Gb/s = min(link, streams x per-connection), cluster.links); it follows "
                 f"from them: write {carried:g} there, or re-run 'geosched plan'"
             )
-        if link.compression not in CODECS or link.compression not in ("none", job.wan_compression):
+        if link.compression not in ("none", job.wan_compression):  # one of the codecs: LinkPlan's type says so
             allowed = "none" if job.wan_compression == "none" else f"none or {job.wan_compression}"
             raise PlanError(
                 f"plan.links[{i}].compression: {link.compression!r} is not one the job allows (config.job."

@@ -33,7 +33,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """``(schedule, cost provider, info)`` for the file in ``args.source``."""
     from geosched.schedule import build_schedule
     from planner.evaluate import Evaluator
-    from planner.plan import load_plan
+    from planner.plan import load_plan, refuse_plan_summary
     from planner.space import Problem
 
     data = _read(args.source)
@@ -58,10 +58,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         }
         schedule = build_schedule(plan.schedule, cand.num_stages, cand.microbatches, plan.warmup or None)
         return schedule, evaluator.costs(cand), info
-    if isinstance(data, dict) and {"optimality", "rank_layout"} <= set(data):
-        from planner.plan import SUMMARY_NOT_PLAN
-
-        raise InputError(SUMMARY_NOT_PLAN.format(source=args.source))
+    refuse_plan_summary(data, args.source)
     if isinstance(data, dict) and "cluster" in data:
         return _from_config(args)
     raise InputError(f"{args.source}: neither a plan (with 'ranks') nor a config (with 'cluster' and 'job')")
