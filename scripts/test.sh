@@ -14,4 +14,5 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
 fi
 bash scripts/install.sh test
 bash scripts/check.sh
-exec .venv/bin/python -m pytest -q "$@"
+# one pytest worker per core, each test on whichever is free (most tests wait on processes, sockets, timeouts)
+exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"

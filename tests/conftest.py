@@ -3,6 +3,8 @@ real MQTT brokers (Mosquitto and the embedded one; the helpers behind them are i
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +17,11 @@ if TYPE_CHECKING:
     from mqtt_brokers import RunningBroker
 
     from geosched.data import TextDataset
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # An xdist worker ignores SIGINT, and the processes the tests start would inherit that: `launch` and the
+    # agents keep an ignored SIGINT ignored (as a background job's), so a test's Ctrl-C would do nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")

@@ -191,8 +191,9 @@ def test_plan_readers_refuse(demo_plan, tmp_path):
         path = tmp_path / f"p{i}.yaml"
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
         simulate = PLAN_FILE_ANSWERS.get((expected, "simulate"), expected)
-        assert_refused(*run_cli("simulate", str(path)), "simulate", f"{path}: ")
-        assert_refused(*run_cli("simulate", str(path)), "simulate", simulate)
+        refused = run_cli("simulate", str(path))
+        assert_refused(*refused, "simulate", f"{path}: ")
+        assert_refused(*refused, "simulate", simulate)
         agents = PLAN_FILE_ANSWERS.get((expected, "agents"), expected)
         run_dir = tmp_path / f"run{i}"
         launch = run_cli("launch", str(DEMO), "--plan", str(path), "--run-dir", str(run_dir), "--no-calibrate")

@@ -53,7 +53,9 @@ def hosts() -> Iterator[Hosts]:
     """Two namespaces on a bridge of the root namespace; removed afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2")
-    tag, subnet = f"gs{random.randint(0, 99999)}", f"10.231.{random.randint(1, 254)}"  # a namespace goes lazily
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=20).stdout
+    free = [n for n in range(1, 255) if f" 10.231.{n}." not in used]  # tests on other pytest workers hold some
+    tag, subnet = f"gs{random.randint(0, 99999)}", f"10.231.{random.choice(free)}"  # a namespace goes lazily
     bridge, namespaces = f"{tag}br", {"us": f"{tag}-us", "eu": f"{tag}-eu"}
     addresses = {dc: f"{subnet}.{i}" for i, dc in enumerate(namespaces, start=2)}
     made: list[tuple[str, ...]] = []
