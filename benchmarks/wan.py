@@ -243,6 +243,7 @@ def wanlink_goodput(
         "bytes_per_s": nbytes * count / elapsed,
         "seconds": elapsed,
         "cpu_s_per_gb": (receiver_cpu + report["cpu_s"]) / (nbytes * count / 1e9),
+        "cores_busy": (receiver_cpu + report["cpu_s"]) / elapsed,  # both processes, every thread
         "resends": report["metrics"]["resends"],
         "stream_bytes": [s["bytes_sent"] for s in report["metrics"]["streams"]],
         "receiver_io_thread_cpu_s": list(io_cpu.values()),
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = statistics.median(r["bytes_per_s"] for r in runs)
         result[f"curve_k4_bytes_per_s_io{threads}"] = rate
         result[f"curve_k4_cpu_s_per_gb_io{threads}"] = statistics.median(r["cpu_s_per_gb"] for r in runs)
+        result[f"curve_k4_cores_busy_io{threads}"] = statistics.median(r["cores_busy"] for r in runs)
         busiest = _busiest_share(runs)
         result[f"curve_k4_busiest_io_thread_share_io{threads}"] = busiest
         if threads > 1:
@@ -443,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         share = "unmeasured" if busiest is None else f"{busiest:.0%}"
         print(
             f"encrypted (CURVE keys + AES-GCM), 4 streams, {threads} I/O thread(s) per side: {rate / 1e9:.3f} GB/s, "
-            f"CPU {result[f'curve_k4_cpu_s_per_gb_io{threads}']:.2f} s/GB, the receiver's busiest I/O thread "
+            f"CPU {result[f'curve_k4_cpu_s_per_gb_io{threads}']:.2f} s/GB "
+            f"({result[f'curve_k4_cores_busy_io{threads}']:.2f} cores busy), the receiver's busiest I/O thread "
             f"did {share} of its I/O threads' work",
             flush=True,
         )
