@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -173,6 +174,20 @@ def test_cli_subprocess_exit_code_and_one_line(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert '"total_gpus": 6' in ok.stdout
+
+
+def test_validate_config_says_when_wan_compression_is_allowed(tmp_path, capsys):
+    config = yaml.safe_load(open(os.path.join(ROOT, "configs/demo-3dc.yaml")))
+    path = tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["validate-config", str(path)]) == 0
+    assert "compression" not in capsys.readouterr().out  # 'none', the default: nothing to say
+    config["job"]["wan_compression"] = "fp8"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["validate-config", str(path)]) == 0
+    assert "WAN compression: fp8 allowed (lossy)" in capsys.readouterr().out
+    assert main(["validate-config", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["wan_compression"] == "fp8"
 
 
 def test_reference_lists_every_field(capsys):

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "model_params": total_params(cfg.job),
         "global_batch": cfg.job.global_batch,
         "microbatch_size": cfg.job.microbatch_size,
+        "wan_compression": cfg.job.wan_compression,
     }
     from agents.runnable import job_refusal
 
@@ -76,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         f"  model: {_count(summary['model_params'])} parameters, global batch {cfg.job.global_batch} "
         + (f"in microbatches of {cfg.job.microbatch_size}" if cfg.job.microbatch_size else "(microbatch size: planned)")
     )
+    if cfg.job.wan_compression != "none":
+        print(
+            f"  WAN compression: {cfg.job.wan_compression} allowed (lossy); 'geosched plan' turns it on for the "
+            "links where it shortens the iteration"
+        )
     return 0
 
 
