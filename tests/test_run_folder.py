@@ -21,12 +21,13 @@ from agents.layout import layout_plan_text, parse_layout
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.runfolder.predict import predict, replay, sync_seconds, with_stages_timed_in_place
 from agents.runfolder.record import RunRecorder, endpoints_hook, load_metrics_reports
-from agents.runfolder.report import collective_sync_s, loss_rose, report_text
+from agents.runfolder.report import build_report, collective_sync_s, loss_rose, report_text
 from agents.stage.in_place import write_stage_time
 from agents.stage.report import StepReport, measured_timeline
 from agents.stage.schedule import job_schedule
 from agents.worker import metrics_record
 from geosched.calibration import Calibration, StageTime
+from geosched.compression import wire_ratio
 from geosched.config import config_from_dict
 from geosched.schedule import timelines_figure
 from geosched.schedule.plot import COLOURS
@@ -142,6 +143,18 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     rows = report["wan_messages"]["by_link"]  # the coordinator has the events of replica 0's pipeline only
     assert set(rows) == {"us->eu", "eu->us"} and all([row["replica"] for row in r] == [0] for r in rows.values())
     assert "WAN us->eu messages (median): replica 0" in report_text(report)
+
+
+def test_a_compressed_links_report_says_what_its_bytes_would_have_been(job) -> None:
+    layout, predicted, reports = job
+    wan = {"us->eu": 3_000_000, "eu->us": 3_000_000}
+    plain = build_report(layout, reports, predicted_iteration_s=predicted.iteration_s, wan_bytes=wan)
+    assert plain["wan_bytes_uncompressed"] == {} and "uncompressed" not in report_text(plain)
+    compressed = dataclasses.replace(layout, compression={("eu", "us"): "int8"})
+    report = build_report(compressed, reports, predicted_iteration_s=predicted.iteration_s, wan_bytes=wan)
+    whole = round(3e6 / wire_ratio(layout.job.bytes_per_element, "int8"))  # fp32 activations: 1 byte + scales
+    assert report["wan_bytes_uncompressed"] == {"us->eu": whole, "eu->us": whole} and whole > 3.5 * 3e6
+    assert f"WAN us->eu: 3.00 MB (int8; about {whole / 1e6:.2f} MB uncompressed)" in report_text(report)
 
 
 def test_each_wan_message_is_timed_against_the_simulator_per_replica(job) -> None:

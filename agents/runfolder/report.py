@@ -51,6 +51,7 @@ from typing import Any
 from agents.control.losses import JobStopped
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.stage.report import StepReport, global_loss, measured_timeline
+from geosched.compression import wire_ratio
 from geosched.errors import GeoschedError
 from geosched.yamlload import write_atomically
 
@@ -115,6 +116,18 @@ def _sync_line(report: Mapping[str, Any], predicted_sync: float | None) -> str:
         + versus("sync_collective_measured_vs_predicted")
         + f"; with the wait for replicas that reach it later {measured * 1e3:.1f} ms"
     )
+
+
+def _uncompressed(layout: Any, wan_bytes: Mapping[str, int]) -> dict[str, int]:
+    """What each compressed link direction's bytes (``"us->eu"``) would have been uncompressed: its bytes over
+    the codec's wire ratio at the job's activation dtype (whole blocks assumed)."""
+    codecs = {"-".join(sorted(pair)): codec for pair, codec in getattr(layout, "compression", {}).items()}
+    out = {}
+    for link, nbytes in wan_bytes.items():
+        codec = codecs.get("-".join(sorted(link.split("->"))), "none")
+        if codec != "none":
+            out[link] = round(nbytes / wire_ratio(layout.job.bytes_per_element, codec))
+    return out
 
 
 def build_report(
@@ -193,6 +206,7 @@ def build_report(
         "bubble_fraction_measured": steady([s["bubble_fraction"] for s in per_step]),
         "bubble_fraction_predicted": predicted_bubble_fraction,
         "wan_bytes": dict(wan_bytes or {}),
+        "wan_bytes_uncompressed": _uncompressed(layout, wan_bytes or {}),  # of the compressed links: an estimate
         "layout": {
             "stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs, layout.stage_layers)],
             "dp": layout.dp,
@@ -466,9 +480,11 @@ def report_text(report: Mapping[str, Any]) -> str:
     if report.get("layout", {}).get("replicas", 2) > 1 and (report.get("measured_sync_s") or predicted_sync):
         lines.append(_sync_line(report, predicted_sync))  # none without data parallelism: nothing to sync
     codecs = report.get("layout", {}).get("wan_compression", {})
+    uncompressed = report.get("wan_bytes_uncompressed") or {}
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
         codec = codecs.get("-".join(sorted(link.split("->"))))
-        lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB" + (f" ({codec})" if codec else ""))
+        whole = f"; about {uncompressed[link] / 1e6:.2f} MB uncompressed" if link in uncompressed else ""
+        lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB" + (f" ({codec}{whole})" if codec else ""))
     lines += message_lines(report.get("wan_messages", {}))
     rows = report.get("memory") or []
     if rows:
