@@ -14,5 +14,6 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
 fi
 bash scripts/install.sh test
 bash scripts/check.sh
-# one pytest worker per core, each test on whichever is free (most tests wait on processes, sockets, timeouts)
-exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"
+# two pytest workers (CI's 2 cores; PYTEST_WORKERS=N for another count, 0 for none), each test on whichever is
+# free: most tests wait on processes, sockets and timeouts. Not '-n auto': it counts a container's host cores.
+exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"
