@@ -372,6 +372,12 @@ def test_clients_gone_mid_answer_print_nothing_and_what_the_server_says_hides_it
         connection.request("DELETE", "/metrics")
         response = connection.getresponse()
         assert (response.status, response.read()) == (405, b"method not allowed: use GET\n")
+        assert response.getheader("Allow") == "GET, HEAD"
+        for path, status, kind in (("/metrics", 200, "text/plain"), ("/health", 200, "application/json")):
+            connection.request("HEAD", path)  # what a health checker may send: the GET's headers, no body
+            response = connection.getresponse()
+            assert (response.status, response.read()) == (status, b""), path
+            assert response.getheader("Content-Type").startswith(kind), response.getheaders()
         connection.close()
         assert value(scrape(server.url()), "geosched_agent_info", rank="3") == 1  # still serving
 

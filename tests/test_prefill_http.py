@@ -210,6 +210,7 @@ def test_a_body_that_does_not_arrive_is_refused(model):
         with socket.create_connection((server.host, server.port), timeout=10) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # and no more
             head = conn.recv(4096)
+        assert server.stats()["timed_out"] == 1  # a slow client: geosched_prefill_http_refused_total{slow_client}
     assert head.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in head, head
 
 
@@ -382,7 +383,7 @@ def test_slow_idle_and_excess_clients_are_cut_off_while_a_normal_one_is_served(m
         ok = call(server, "POST", "/v1/completions", {"prompt": "still served"})
         assert ok[0] == 200 and json.loads(ok[2])["choices"][0]["text"]
         stats = server.stats()
-        assert stats["timed_out"] == 3 and stats["refused_connections"] == 1 and stats["refused_requests"] == 1
+        assert stats["timed_out"] == 4 and stats["refused_connections"] == 1  # the 408 and the three cut off and stats["refused_requests"] == 1
         assert stats["inflight"] == 0
 
 

@@ -166,10 +166,13 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., It
         def start_response(status: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
             return respond(status, [*headers, ("Server", "geosched")], *rest)  # not wsgiref's Python version
 
-        path = environ.get("PATH_INFO", "")
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):  # not echoed (prometheus_client echoes it)
+        path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD")
+        if method not in ("GET", "HEAD"):  # not echoed (prometheus_client echoes it)
             start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, HEAD")])
             return [b"method not allowed: use GET\n"]
+        if method == "HEAD":  # the GET's status and headers, no body (prometheus_client itself refuses HEAD)
+            app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+            return []
         if path in ("/metrics", "/"):
             result: Iterable[bytes] = prometheus(environ, start_response)
             return result

@@ -192,6 +192,10 @@ class ConnectionGuard:
         if connection is not None:
             connection.busy, connection.answered_at = False, now
 
+    def body_timed_out(self) -> None:
+        """A request's body did not arrive within ``body_timeout_s`` (answered 408): a slow client."""
+        self.counts["timed_out"] += 1
+
     def send_timed_out(self) -> None:
         """A client did not take its answer within ``send_timeout_s`` (its connection is closed)."""
         self.counts["send_timeouts"] += 1

@@ -379,6 +379,7 @@ class PrefillHttpServer:
             async with asyncio.timeout(self.limits.body_timeout_s):
                 body = await request.read()
         except TimeoutError:
+            self._guard.body_timed_out()
             raise invalid(
                 f"the body did not arrive within {self.limits.body_timeout_s:g} s", None, "request_timeout", 408
             ) from None
