@@ -65,6 +65,9 @@ class Ask:
     logprobs: int | None = None  # completions: top logprobs asked for (None: no logprobs object)
 
 
+MAX_INT_DIGITS = 20  # 2**64 has 20: the largest integer a field (a seed) takes
+
+
 def load_json(body: bytes) -> dict[str, Any]:
     """The JSON object in ``body``; HttpError (400) for anything else: not UTF-8, NaN, duplicate keys, not an object."""
 
@@ -83,8 +86,15 @@ def load_json(body: bytes) -> dict[str, Any]:
             raise ValueError(f"{text[:40]} is out of range")
         return value
 
+    def integer(text: str) -> int:  # Python's own limit names sys.set_int_max_str_digits(), the server's setting
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise ValueError(f"an integer of {len(text.lstrip('-'))} digits; no field takes more than {MAX_INT_DIGITS}")
+        return int(text)
+
     try:
-        value = json.loads(body.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+        value = json.loads(
+            body.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant, parse_float=number, parse_int=integer
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
         raise invalid(f"the body is not valid JSON: {str(exc)[:200]}; send one JSON object") from None
     if not isinstance(value, dict):
