@@ -78,6 +78,9 @@ def test_agents_by_hand_with_job_start_status_stop(embedded_broker, tmp_path: Pa
         assert [line.split()[1] for line in text.splitlines()[1:]] == ["stopped", "stopped"], text
         after = json.loads(_run("job", "status", "--mqtt", url, "--job", job, "--json").stdout)
         assert [s["next_step"] for s in after.values()] == [3, 3], after  # where --resume starts: checkpoint 3
+        typo = _run("job", "status", "--mqtt", url, "--job", job + "x")  # nothing there: say how jobs are named
+        assert typo.returncode == 0 and f"no agents of job '{job}x' on this broker" in typo.stdout, typo
+        assert "--job" in typo.stdout and "'launch'" in typo.stdout
     finally:
         stop_processes(agents)
 

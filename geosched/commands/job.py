@@ -196,7 +196,12 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            print(commands.status_table(statuses) if statuses else f"no agents of job {args.job!r}")
+            print(
+                commands.status_table(statuses)
+                if statuses
+                else f"no agents of job {args.job!r} on this broker (agents and 'job' name theirs with --job; "
+                "a 'geosched launch' rehearsal's is 'launch' unless its --job said otherwise)"
+            )
         return 0
     if args.action == "checkpoint":
         at_least(args, "after_step", 0)
