@@ -282,6 +282,11 @@ def load_job_keys(directory: str | os.PathLike[str]) -> JobKeys:
     A secret file readable by group or others is refused. ConfigError, one line.
     """
     folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"--keys {str(folder)!r} is a file, not a key folder: give the folder that holds {MANIFEST} "
+            "(a launch's is RUN_DIR/secrets)"
+        )
     if not folder.is_dir():
         raise ConfigError(
             f"key folder {str(folder)!r} does not exist: make one with 'geosched keys {folder} --ranks N'"

@@ -258,6 +258,9 @@ def test_load_errors_name_the_file_in_one_line(tmp_path: Path, damage) -> None:
 def test_missing_folder_and_absent_secrets(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist: make one with 'geosched keys"):
         load_job_keys(tmp_path / "nowhere")
+    (tmp_path / "token").write_text("x")  # a file of the folder given for it: not 'make one' (it would overwrite)
+    with pytest.raises(ConfigError, match="is a file, not a key folder: give the folder that holds job-keys.json"):
+        load_job_keys(tmp_path / "token")
     folder = tmp_path / "k"
     write_job_keys(folder, 2)
     for name in ("agent-1.sign", "agent-1.key", "prefill.token", "mqtt/agent-1.password"):
