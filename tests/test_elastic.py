@@ -77,3 +77,7 @@ def test_a_loss_past_the_recovery_limit_says_so_and_a_recovery_names_every_rank_
         job.train(plan, 5)
     (recovery,) = job.recoveries
     assert recovery.lost_ranks == [2, 3] and recovery.reason == "rank 2 exited (ranks 3 exited too)"
+    losses = iter([AgentLost("rank 1 exited", [1])])  # a run without --elastic: the flag that would recover it
+    plain = ElasticJob(config, tmp_path, tmp_path, lambda layout, resume: None, run, lambda _: [], most=0)
+    with pytest.raises(AgentLost, match=r"rank 1 exited \(not recovered: --elastic re-plans around lost agents"):
+        plain.train(plan, 5)

@@ -205,11 +205,12 @@ class ElasticJob:
                 if not exc.ranks:
                     raise
                 if sum(1 for r in self.recoveries if r.lost_ranks) >= self.most:
-                    raise AgentLost(
-                        f"{exc} (not recovered: this run recovered {self.most} time{'s' * (self.most != 1)} already, "
-                        "the most it does)",
-                        exc.ranks,
-                    ) from exc
+                    why = (
+                        f"this run recovered {self.most} time{'s' * (self.most != 1)} already, the most it does"
+                        if self.most
+                        else "--elastic re-plans around lost agents and resumes from the newest checkpoint"
+                    )
+                    raise AgentLost(f"{exc} (not recovered: {why})", exc.ranks) from exc
                 lost_at, failed_at = time.time(), self.progress()[0]
                 self._say(f"elastic: {exc}")
                 lost = sorted({*exc.ranks, *self.stop(agents)})
