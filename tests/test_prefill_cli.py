@@ -81,6 +81,10 @@ def test_cli_reports_bad_input_in_one_line(endpoint, capsys):
     assert "--decode needs the served model locally" in capsys.readouterr().err
     assert main(["prefill", "--endpoint", "localhost:1", "hi"]) == 2
     assert "tcp://HOST:PORT" in capsys.readouterr().err
+    assert main(["prefill", "--endpoint", "ftp://x:1", "--keys", "secrets", "hi"]) == 2  # the scheme, not --rank
+    assert "--endpoint must look like tcp://HOST:PORT" in capsys.readouterr().err
+    assert main(["prefill", "--endpoint", "https://127.0.0.1:9/v1/prefill/", "hi"]) == 2  # the route: not a base URL
+    assert "give the front end's URL without its route" in capsys.readouterr().err
     assert main(["prefill", "--endpoint", endpoint, "--token", "wrong", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unauthenticated" in err

@@ -54,6 +54,17 @@ class SubmitOptions(TypedDict, total=False):
     top_k: int
 
 
+def check_endpoint(endpoint: str) -> None:
+    """InputError unless ``endpoint`` is a tcp://HOST:PORT that resolves: said now, not after a timeout (libzmq
+    would retry it silently)."""
+    if not endpoint.startswith("tcp://"):
+        raise InputError(
+            f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
+            f"front end; http:// where it runs without TLS) (got {endpoint!r})"
+        )
+    reachable_address(endpoint)
+
+
 class PrefillClient:
     """A connection to one prefill endpoint; not thread-safe (one per thread).
 
@@ -71,12 +82,7 @@ class PrefillClient:
         max_response_bytes: int = 256 << 20,
         timeout_s: float = 30.0,
     ) -> None:
-        if not endpoint.startswith("tcp://"):
-            raise InputError(
-                f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
-                f"front end; http:// where it runs without TLS) (got {endpoint!r})"
-            )
-        reachable_address(endpoint)  # now, not after the timeout: libzmq would retry it silently
+        check_endpoint(endpoint)
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s

@@ -29,6 +29,9 @@ MAX_ANSWER_BYTES = 1 << 30
 """The largest answer read (a KV cache of about 1 GiB); a longer one is refused unread."""
 
 
+ROUTES = ("/v1", "/v1/prefill", "/v1/completions", "/v1/models")
+
+
 def split_url(url: str) -> tuple[str, str, int, str]:
     """``(scheme, host, port, path prefix)`` of an ``http(s)://HOST:PORT[/prefix]`` URL; InputError otherwise."""
     parts = urlsplit(url)
@@ -38,7 +41,10 @@ def split_url(url: str) -> tuple[str, str, int, str]:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.query:
         raise InputError(f"--endpoint {url!r}: expected http(s)://HOST:PORT, an agent's prefill-http URL")
-    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
+    prefix = parts.path.rstrip("/")
+    if prefix.endswith(ROUTES):  # a proxy's prefix may stand before the routes, the route itself may not
+        raise InputError(f"--endpoint {url!r}: give the front end's URL without its route, as in https://HOST:PORT")
+    return parts.scheme, parts.hostname, port, prefix
 
 
 def prefill_over_http(
