@@ -117,6 +117,9 @@ def test_bad_folders_and_files_are_one_line_exit_2(two_layouts, tmp_path: Path, 
     (tmp_path / "empty").mkdir()
     _one_line_exit_2(["export", str(tmp_path / "empty"), "-o", out], "holds no checkpoint", capsys)
     _one_line_exit_2(["export", str(two), "--step", "9", "-o", out], "no checkpoint step 9", capsys)
+    one_step = f"is one step of the checkpoint folder {str(two)!r}: pass that folder"
+    _one_line_exit_2(["export", str(two / "step-000002"), "-o", out], one_step, capsys)
+    _one_line_exit_2(["prefill", "--local", "--weights", str(two / "step-000002"), "hi"], one_step, capsys)
     _one_line_exit_2(["export", str(two), "-o", str(tmp_path / "no" / "w.safetensors")], "make it first", capsys)
     shutil.copytree(two, tmp_path / "partial")
     (tmp_path / "partial" / "step-000002" / "stage-01.json").unlink()  # a stage never finished writing

@@ -68,6 +68,12 @@ def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None) -> i
         raise CheckpointError(f"{folder!r} is not a checkpoint folder ({_not_a_folder(folder)}); {where}")
     steps = list_steps(folder)
     if not steps:
+        parent, name = os.path.split(os.path.normpath(folder))
+        if name in (f"step-{n:06d}" for n in list_steps(parent or ".")):  # one step of a checkpoint folder
+            raise CheckpointError(
+                f"{folder!r} is one step of the checkpoint folder {parent or '.'!r}: pass that folder (its newest "
+                "complete step is taken; 'geosched export --step N' picks another)"
+            )
         raise CheckpointError(f"{folder!r} holds no checkpoint (no step-NNNNNN folder); {where}")
     if step is None:
         found, marked = latest_complete(folder), newest_marked(folder)
