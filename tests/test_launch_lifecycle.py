@@ -57,6 +57,16 @@ def test_a_refused_launch_leaves_no_folder_it_made(tmp_path: Path):
         timeout=60,
     )
     assert too_long.returncode == 2 and "cannot make or read a folder there" in too_long.stderr, too_long.stderr
+    for where in ([], ["--run-dir", "deep/er/run"]):  # refused in launch proper: nor runs/ or deep/ (a trial's)
+        refused = subprocess.run(
+            [sys.executable, "-m", "geosched.cli", "launch", str(ROOT / "configs/demo-3dc.yaml"), "--resume", *where],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2 and "--resume needs --checkpoint-dir" in refused.stderr, refused.stderr
+        assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

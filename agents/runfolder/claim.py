@@ -48,6 +48,7 @@ def claim_run_dir(run_dir: str | None, *, foreign: str) -> Iterator[str]:
     folder above it is unsafe, or while another run holds it. A folder made here is removed again if the run is
     refused (an InputError) before it wrote anything."""
     others: list[str] = []
+    above = _absent(Path("runs") if run_dir is None else Path(run_dir).parent)  # made here too; removed with it
     if run_dir is None:
         run, made = new_run_dir(), True
     else:
@@ -64,8 +65,7 @@ def claim_run_dir(run_dir: str | None, *, foreign: str) -> Iterator[str]:
     unsafe = unsafe_ancestor(run)
     if unsafe:
         if made:
-            with contextlib.suppress(OSError):
-                run.rmdir()
+            _unmake([run, *above])
         raise InputError(
             f"--run-dir {run}: {unsafe}"
             if run_dir is not None
@@ -90,7 +90,20 @@ def claim_run_dir(run_dir: str | None, *, foreign: str) -> Iterator[str]:
         except InputError:
             if made and [p.name for p in run.iterdir()] == [LOCK_NAME]:  # refused before it wrote anything
                 shutil.rmtree(run, ignore_errors=True)
+                _unmake(above)
             raise
+
+
+def _absent(folder: Path) -> list[Path]:
+    """``folder`` and the folders above it that do not exist yet, deepest first."""
+    return [p for p in (folder, *folder.parents) if p != Path(".") and not p.exists()]
+
+
+def _unmake(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) where they are empty: what a refused run made and left nothing in."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def clear_previous_run(run: Path) -> str | None:
