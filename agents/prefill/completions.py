@@ -92,9 +92,8 @@ def load_json(body: bytes) -> dict[str, Any]:
         return int(text)
 
     try:
-        value = json.loads(
-            body.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant, parse_float=number, parse_int=integer
-        )
+        hooks: dict[str, Any] = {"parse_constant": constant, "parse_float": number, "parse_int": integer}
+        value = json.loads(body.decode("utf-8"), object_pairs_hook=pairs, **hooks)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
         raise invalid(f"the body is not valid JSON: {str(exc)[:200]}; send one JSON object") from None
     if not isinstance(value, dict):
