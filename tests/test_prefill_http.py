@@ -128,6 +128,9 @@ def test_a_completion_with_logprobs_matches_the_zeromq_answer(served, model):
     )
     assert status == 200 and json.loads(body)["choices"][0] | {"logprobs": 0} == choice | {"logprobs": 0}
     assert json.loads(body)["choices"][0]["logprobs"] is None
+    status, _, body = call(server, "POST", "/v1/completions", {"prompt": prompt, "logprobs": 0})
+    chosen = json.loads(body)["choices"][0]["logprobs"]  # OpenAI's answer to 0: the chosen token's alone
+    assert status == 200 and chosen["top_logprobs"] == [{choice["text"]: pytest.approx(values[0], abs=1e-6)}]
     status, _, body = call(server, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [server.model_id]
 
@@ -183,6 +186,8 @@ def test_the_token_is_required(served):
         (b'{"prompt": "a", "stop": ["\\n"]}', 400, "stop must be null"),
         (b'{"prompt": "a", "seed": "x"}', 400, "seed must be an integer"),
         (b'{"prompt": "a", "max_tokens": 2}', 400, "max_tokens must be 1"),
+        (b'{"prompt": "a", "max_tokens": 1.0}', 400, "max_tokens must be 1"),  # an integer field: 1.0 is no 1
+        (b'{"prompt": "a", "n": 1.0}', 400, "n must be 1"),
         (b'{"prompt": "a", "logprobs": 99}', 400, "logprobs must be an integer 0-16"),
         (b'{"prompt": "a", "priority": 10}', 400, "'priority' must be 0-9"),
         (b'{"prompt": [1, 999]}', 400, "token ids must be in [0, 256)"),

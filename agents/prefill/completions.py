@@ -142,9 +142,10 @@ def _tokens_text(tokens: list[int]) -> str:
     return "".join(out)
 
 
-def _flag(body: dict[str, Any], key: str, allowed: Any, why: str) -> None:
+def _flag(body: dict[str, Any], key: str, allowed: Any, why: str, *, integer: bool = False) -> None:
     value = body.get(key)
-    if value is not None and (value != allowed or isinstance(value, bool) != isinstance(allowed, bool)):
+    wrong_type = isinstance(value, bool) != isinstance(allowed, bool) or (integer and not isinstance(value, int))
+    if value is not None and (value != allowed or wrong_type):  # an integer field's 1.0 is no 1 (OpenAI's schema)
         raise invalid(f"{key} must be {json.dumps(allowed)}: {why}", key, "unsupported_value")  # not true for 1
 
 
@@ -167,14 +168,16 @@ def parse_request(body: dict[str, Any], *, kind: str, model_id: str, max_prompt_
     logprobs = None
     if kind == "completions":
         max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (max_tokens != 1 or isinstance(max_tokens, bool)):
+        if max_tokens is not None and (
+            max_tokens != 1 or not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+        ):
             raise invalid(
                 f"max_tokens must be 1 (got {json.dumps(max_tokens)[:40]}): this endpoint prefills and answers the "
                 "first token; decode further from POST /v1/prefill's KV cache (continue_greedy)",
                 "max_tokens",
                 "unsupported_value",
             )
-        _flag(body, "n", 1, "one choice per request")
+        _flag(body, "n", 1, "one choice per request", integer=True)
         _flag(body, "stream", False, "answers are not streamed")
         _flag(body, "echo", False, "the prompt is not echoed")
         _flag(body, "temperature", 0, "the first token is the greedy one (temperature 0)")
@@ -216,7 +219,8 @@ def completion_body(ask: Ask, response: PrefillResponse, model_id: str, created:
         logits = response.topk_logits  # every logit, highest first
         top = logits[0]
         normaliser = top + math.log(sum(math.exp(x - top) for x in logits))
-        best = {token_text(t): x - normaliser for t, x in zip(response.topk_ids[: ask.logprobs], logits)}
+        shown = response.topk_ids[: max(ask.logprobs, 1)]  # 0: the chosen token's alone, as OpenAI's API answers
+        best = {token_text(t): x - normaliser for t, x in zip(shown, logits)}
         logprobs = {
             "tokens": [text],
             "token_logprobs": [top - normaliser],
