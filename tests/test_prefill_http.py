@@ -149,6 +149,8 @@ def test_the_kv_route_returns_loadable_safetensors(served, model):
         torch.testing.assert_close(tensors[f"layers.{i}.k"], k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(tensors[f"layers.{i}.v"], v, atol=1e-5, rtol=1e-5)
     response = response_from_safetensors(body)
+    chunks = response.timings["chunks"]
+    assert isinstance(chunks, int) and chunks >= 1, response.timings  # a count, as the local answer's (not 1.0)
     assert headers["X-Prefill-Prompt-Tokens"] == "21" and headers["X-Prefill-First-Token"] == str(response.first_token)
     assert headers["Server"] == "geosched"  # a streamed answer too: not aiohttp's and Python's versions
     expected = greedy_generate(model, tokens.view(1, -1), 6)[0, 21:].tolist()

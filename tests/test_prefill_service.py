@@ -100,7 +100,7 @@ def test_fill_stops_between_chunks_when_training_is_ready_and_resumes_later(mode
         rest = service.fill(lambda: False, budget_s=1.0)
         assert sum(s.tokens for s in rest) == 8
         result = client.receive(10)
-        assert result.status == "ok" and result.timings["chunks"] == 10
+        assert result.status == "ok" and result.timings["chunks"] == 10 and isinstance(result.timings["chunks"], int)
         assert result.timings["bubble_share"] == pytest.approx(1.0)
         assert result.first_token == int(prefill(model, torch.arange(10).view(1, -1))[0].argmax())
 

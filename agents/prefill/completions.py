@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from agents.prefill.protocol import MAX_TOP_K, VERSION, BadRequest, PrefillResponse, decode_request
+from agents.prefill.protocol import (
+    MAX_TOP_K,
+    VERSION,
+    BadRequest,
+    PrefillResponse,
+    decode_request,
+    numbered_timings,
+)
 from geosched import wire
 from geosched.errors import ProtocolError
 from geosched.model import KVCache
@@ -301,7 +308,7 @@ def response_from_safetensors(data: bytes) -> PrefillResponse:
             topk_ids=[int(t) for t in json.loads(meta["topk_ids"])],
             topk_logits=[float(x) for x in json.loads(meta["topk_logits"])],
             kv=kv,
-            timings={k: float(v) for k, v in json.loads(meta["timings"]).items()},
+            timings=numbered_timings(json.loads(meta["timings"])),
             weights_step=int(meta["weights_step"]) if "weights_step" in meta else None,
         )
     except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:

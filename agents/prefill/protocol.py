@@ -56,6 +56,18 @@ REQUEST_FIELDS = frozenset({"v", "id", "prompt", "deadline_ms", "priority", "ret
 TIMING_FIELDS = ("queued_ms", "compute_ms", "ttft_ms", "chunks", "bubble_share")
 
 
+def numbered_timings(values: dict[str, Any]) -> dict[str, float]:
+    """A response's timings as numbers: ``chunks`` a count (the wire may carry it as 1.0), the rest floats;
+    ProtocolError for one that is no finite number."""
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        number = float(value)
+        if not math.isfinite(number):
+            raise ProtocolError(f"timing {str(key)[:40]!r} is {number}, not a finite number")
+        out[key] = int(number) if key == "chunks" else number
+    return out
+
+
 class BadRequest(ProtocolError):
     """A request that cannot be served; ``request_id`` is its id when it could be read."""
 
@@ -264,7 +276,7 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
         kv = [(stacked[2 * i], stacked[2 * i + 1]) for i in range(layers)]
     topk_ids = wire.require(header, "topk_ids", list)
     topk_logits = wire.require(header, "topk_logits", list)
-    timings = {k: float(wire.require(header, k, (int, float))) for k in TIMING_FIELDS}
+    timings = numbered_timings({k: wire.require(header, k, (int, float)) for k in TIMING_FIELDS})
     return PrefillResponse(
         rid,
         status,
