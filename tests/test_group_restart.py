@@ -1,7 +1,8 @@
 """A DC group whose store host restarted between two starts: the other rank kept its group, formed at the old
 process's store, and the first collective of the next start failed with 'Connection closed by peer', blaming the
 healthy rank (an elastic job re-planned without its GPU). ``job start`` now refuses that start in one line,
-naming the rank to restart; restarted too, the group forms again and trains on."""
+naming the rank to restart, and so does ``job checkpoint`` (a trial's took the job down); restarted too, the
+group forms again and trains on."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_a_start_after_the_group_hosts_restart_names_the_rank_to_restart(embedde
             and "formed its group 'us/stage0' with an earlier process of rank 0" in (refused.stderr)
         ), refused.stderr
         assert "restart rank 1 too (with --resume)" in refused.stderr and "step" not in refused.stdout
+        argv = cli("job", "checkpoint", "--mqtt", url, "--job", job, "--timeout", "60")  # its collectives too
+        asked = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=agent_subprocess_env())
+        assert asked.returncode == 2 and "restart rank 1 too (with --resume)" in asked.stderr, asked.stderr
         stop_processes(agents[1:])
         agents[1] = agent(1)
         again = start(1)

@@ -181,8 +181,8 @@ async def checkpoint_job(
     AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
     """
     async with ControlPlane(url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys) as cp:
-        async with await cp.subscribe("status", "metrics", "heartbeat") as sub:
-            await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
+        async with await cp.subscribe("status", "metrics", "heartbeat", "plan") as sub:
+            await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses (and plan) arrive
             cp.refused_statuses.check_readable(cp.statuses())
             if refused := cp.refused_statuses.of(cp.statuses()):  # a checkpoint no one could say was whole
                 raise InputError(
@@ -200,6 +200,8 @@ async def checkpoint_job(
                     f"ask for --after-step {done} or later, or leave it out to checkpoint now"
                 )
             statuses = cp.statuses()
+            if (plan := cp.plan()) is not None:  # the stages' collectives write it: every group must be whole
+                _check_groups(plan.text, {r: statuses[r] for r in live})
             training = [statuses[r] for r in live if statuses[r].state == "training"]
             ends = [int(s.extra["next_step"]) + int(s.extra["steps"]) for s in training if _has_end(s)]
             if after_step is not None and ends and after_step >= min(ends):
@@ -216,6 +218,22 @@ async def checkpoint_job(
             wanted = done if after_step is None else after_step + 1
             step = done if training else None  # the step in progress, for a message naming when a rank failed
             return await _acknowledged(cp, sub, before, wanted, sent.seq, timeout_s, step=step)
+
+
+def _check_groups(plan_text: str, live: dict[int, StatusMessage]) -> None:
+    """AgentRefused (exit 2) when a live agent's group was formed with an earlier process of its group's first rank:
+    a checkpoint's collectives would fail in it (as ``job start`` refuses; a trial's checkpoint took the job down)."""
+    from agents.control.ready import check_groups_current
+    from agents.layout import parse_layout
+
+    want = plan_id(plan_text)
+    current = {r: s for r, s in live.items() if s.extra.get("plan_id") == want}
+    try:
+        layout = parse_layout(plan_text, "plan from the broker")
+    except InputError:  # a plan it cannot read: the agents say why
+        return
+    ranks = {role.rank for role in layout.roles}
+    check_groups_current(layout, {r: s for r, s in current.items() if r in ranks})  # AgentRefused is an InputError
 
 
 async def _steps_done(cp: ControlPlane, sub: Any, live: set[int]) -> tuple[int, int]:
