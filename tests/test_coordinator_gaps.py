@@ -101,7 +101,10 @@ def test_steps_in_a_row_without_metrics_are_one_line() -> None:
     assert sorted(result.missing) == [2, 3, 4, 5, 7, 8]
     from geosched.commands.job import _completed
 
-    assert _completed("gaps", result).startswith("job 'gaps' completed: steps 0-8 (9 steps, 6 without metrics), ")
+    completed = _completed("gaps", result)
+    assert completed.startswith("job 'gaps' completed: steps 0-8 (9 steps, 6 without metrics), ")
+    assert result.steps[-1].loss is not None  # step 6's, not the final step's (8): said as such, not 'final'
+    assert completed.endswith(f", last loss seen {result.steps[-1].loss:.4f} (step 6)"), completed
 
 
 def test_an_offline_will_followed_by_signs_of_life_is_not_a_lost_agent() -> None:

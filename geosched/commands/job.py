@@ -307,6 +307,8 @@ def _completed(job: str, result: Any) -> str:
     lost = f", {len(trained) - len(steps)} without metrics" if len(trained) > len(steps) else ""
     median = f", median iteration {statistics.median(s.iteration_s for s in steps) * 1e3:.1f} ms" if steps else ""
     loss = f", final loss {steps[-1].loss:.4f}" if steps and steps[-1].loss is not None else ""
+    if loss and steps[-1].step != trained[-1]:  # the last step's metrics were lost (the broker was away)
+        loss = f", last loss seen {steps[-1].loss:.4f} (step {steps[-1].step})"
     count = f"{len(trained)} step{'s' * (len(trained) != 1)}{lost}"
     return f"job {job!r} completed: steps {trained[0]}-{trained[-1]} ({count}){median}{loss}"
 
