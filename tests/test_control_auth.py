@@ -122,6 +122,7 @@ def test_last_will_beats_its_session_but_an_old_will_loses_to_a_newer_session():
     current = agent.seal(topic, b'{"rank":1,"state":"training"}')
     assert verifier.open(topic, current)
     assert refused(verifier, topic, current) == "duplicate"
+    assert refused(verifier, topic, b"") == "duplicate"  # a cleared retained message ('job stop'): no refusal
 
 
 def test_unsigned_yaml_bomb_plan_is_refused_before_parsing():

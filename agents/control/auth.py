@@ -28,7 +28,9 @@ is parsed* (an unsigned YAML bomb plan is never parsed) and refuses:
 
 The broker sends the current retained plan and statuses again after every
 (re)subscribe; :class:`Verifier` raises those as ``Refused("duplicate")``,
-which a client drops silently (nothing to change, nothing to report).
+which a client drops silently (nothing to change, nothing to report); and
+the same for an empty payload, a retained message cleared (``job stop``
+clears the plan): it has no signature to check, and changes nothing.
 
 Sequence numbers come from the sender's clock in ns (so a restarted sender
 still increases them). Status topics order by ``(session, seq)``, where a
@@ -190,6 +192,8 @@ class Verifier:
 
     def open(self, topic: str, payload: bytes) -> bytes:
         """The verified body of ``payload`` received on ``topic``; :class:`Refused` otherwise."""
+        if not payload:  # was logged as a refused unsigned message after every 'job stop', which read like an attack
+            raise Refused("duplicate", f"{topic}: a cleared retained message (no signature to check; changes nothing)")
         header, body = _split(topic, payload)
         identity = header["id"]
         assert isinstance(identity, str)
