@@ -95,6 +95,24 @@ def test_job_stop_names_the_ranks_that_stayed_offline(embedded_broker, capsys) -
     assert asyncio.run(held_plan()) is None
 
 
+def test_stopping_a_job_whose_agents_had_all_ended_says_so(embedded_broker, capsys) -> None:
+    """Every agent stopped or failed already: 'every agent acknowledged' was printed (a trial); nothing had."""
+    from geosched.cli import main
+
+    url = embedded_broker.url_for("geosched")
+
+    async def statuses() -> None:
+        for rank, state in ((0, "stopped"), (1, "stopped"), (2, "error")):
+            async with ControlPlane(url, "stopdone", f"stopdone-agent-{rank}") as cp:
+                await cp.publish_status(rank, state)
+
+    asyncio.run(statuses())
+    assert main(["job", "stop", "--mqtt", url, "--job", "stopdone"]) == 0
+    out = capsys.readouterr().out
+    assert "job 'stopdone': every agent had ended already (1 error, 2 stopped); nothing to acknowledge" in out, out
+    assert "every agent acknowledged" not in out
+
+
 def test_stopping_a_job_no_agent_has_is_refused_not_reported_done(embedded_broker, capsys) -> None:
     """A mistyped --job printed "job 'nosuchjob' stopped: every agent acknowledged", exit 0 (a trial)."""
     from geosched.cli import main

@@ -101,6 +101,7 @@ async def stop_job(
     plan_id: str | None = None,
     known_job: bool = False,
     forget_plan: bool = False,
+    seen: dict[int, str] | None = None,
 ) -> list[int]:
     """Send ``stop`` to every agent of ``job`` until each acknowledges it (status ``stopped``, or ``error``);
     return the ranks that did not within ``timeout_s`` (signed with the coordinator's ``keys`` if given).
@@ -114,7 +115,8 @@ async def stop_job(
     old plan's survivors while agents restarted for the new plan come up. ``forget_plan`` (``geosched job
     stop``): the retained plan is removed too, so agents started later wait for the next ``job start``
     instead of adopting it (an elastic re-plan was held on the broker after its job failed, and every
-    agent restarted adopted it: ``job start`` with the original plan was refused).
+    agent restarted adopted it: ``job start`` with the original plan was refused). ``seen``, if given, gets each
+    rank's state before the stop was sent (a job whose agents had all stopped already: nothing acknowledged it).
     """
     async with ControlPlane(url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status") as sub:
@@ -125,6 +127,8 @@ async def stop_job(
                     f"job {job!r}: no agent of it has a status on this broker, so there is nothing to stop; "
                     "check --job (geosched job status lists a job's agents)"
                 )
+            if seen is not None:
+                seen.update({r: st.state for r, st in cp.statuses().items()})
             sent = await cp.publish_command("stop", plan_id=plan_id)
             loop = asyncio.get_running_loop()
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s

@@ -38,6 +38,7 @@ import contextlib
 import json
 import statistics
 import sys
+from collections import Counter
 from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
@@ -219,8 +220,11 @@ def run(args: argparse.Namespace) -> int:
                 f"(acknowledged by {len(written.ranks)} agents)"
             )
         return 0
+    seen: dict[int, str] = {}
     left = asyncio.run(
-        commands.stop_job(url, args.job, ca_file=args.ca_file, keys=signing, known_job=True, forget_plan=True)
+        commands.stop_job(
+            url, args.job, ca_file=args.ca_file, keys=signing, known_job=True, forget_plan=True, seen=seen
+        )
     )
     if left:
         raise AgentLost(
@@ -239,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
         r for r, st in statuses.items() if st.state == "offline" and st.extra.get("current_plan") is not False
     )
     forgot = "; its plan is no longer held on the broker (agents started now wait for 'job start')"
-    if offline:  # its will: gone, frozen or cut off; a stop it never saw
+    if seen and all(state in ("stopped", "error") for state in seen.values()):  # a trial's said 'acknowledged'
+        states = ", ".join(f"{n} {state}" for state, n in sorted(Counter(seen.values()).items()))
+        print(f"job {args.job!r}: every agent had ended already ({states}); nothing to acknowledge{forgot}")
+    elif offline:  # its will: gone, frozen or cut off; a stop it never saw
         print(
             f"job {args.job!r} stopped: every agent acknowledged except ranks {', '.join(map(str, offline))}, which "
             f"are offline (gone, frozen or cut off: they were not told; check their hosts){forgot}"
