@@ -230,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         raise AgentLost(
             f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "
             "see their logs"
+            + (
+                " (an agent refuses a stop signed with a key its key folder does not hold: is --keys this job's?)"
+                if signing is not None
+                else ""
+            )
         )
     statuses = asyncio.run(commands.job_statuses(url, args.job, ca_file=args.ca_file, keys=signing))
     if refused := {r: str(st.extra["message"]) for r, st in statuses.items() if st.state == "refused"}:
