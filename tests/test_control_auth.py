@@ -216,6 +216,29 @@ def test_keyed_planes_refuse_forged_commands_statuses_and_replays(mqtt_broker):
     asyncio.run(scenario())
 
 
+def test_an_agent_publishes_its_status_again_over_a_forged_one(mqtt_broker):
+    """A forgery on an agent's status topic (with its login, as the ACL allows) replaced its retained status on
+    the broker for good: every later reader refused it, and 'job start' waited out its timeout (a trial)."""
+    keys = KeySet()
+    url = mqtt_broker.url_for("geosched")
+
+    async def scenario() -> None:
+        async with ControlPlane(url, JOB, "agent0", keys=keys.of("agent-0"), agent=AgentIdentity(0)) as agent:
+            async with await agent.subscribe("status"):
+                await agent.publish_status(0, "ready")
+                await asyncio.sleep(0.3)
+                forged = json.dumps({"rank": 0, "state": "error", "message": "forged"}).encode()
+                await attacker_publish(mqtt_broker, status_topic(0), forged, retain=True)
+                await asyncio.sleep(1.5)  # the agent sees the refused forgery and publishes its own again
+                assert agent.stats.refused_unsigned == 1
+                async with ControlPlane(url, JOB, "late", keys=keys.of("coordinator")) as late:
+                    async with await late.subscribe("status"):
+                        await asyncio.sleep(1.0)  # the retained status arrives
+                        assert late.statuses()[0].state == "ready" and late.stats.refused_unsigned == 0
+
+    asyncio.run(scenario())
+
+
 def test_agent_will_is_believed_but_an_old_will_replayed_later_is_not(mqtt_broker, tmp_path: Path):
     """A keyed agent process killed shows offline; its will replayed after it came back changes nothing."""
     keys = KeySet()

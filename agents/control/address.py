@@ -4,7 +4,8 @@
 ``mqtts://`` for TLS) and prints itself with the password masked;
 :class:`BrokerAuthError` (credentials or certificate refused: bad input,
 exit code 2) and :class:`BrokerUnreachable` are what
-:class:`agents.control.plane.ControlPlane` raises when connecting fails.
+:class:`agents.control.plane.ControlPlane` raises when connecting fails
+(:func:`fatal_error` tells a refusal no retry can fix from an outage).
 
 Example::
 
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import logging
 import re
+import ssl
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
+
+import aiomqtt
 
 from geosched.errors import GeoschedError, InputError
 
@@ -76,3 +80,27 @@ class BrokerAddress:
         user = f"{self.username}{':***' if self.password else ''}@" if self.username else ""
         host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
         return f"{'mqtts' if self.tls else 'mqtt'}://{user}{host}:{self.port}"
+
+
+REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
+
+
+def fatal_error(exc: aiomqtt.MqttError, address: BrokerAddress, client_id: str) -> GeoschedError | None:
+    """The user-facing error for a failure that retrying cannot fix, else None."""
+    code = getattr(exc, "rc", None)
+    if isinstance(exc, aiomqtt.MqttCodeError) and int(getattr(code, "value", code or 0)) in REFUSED_CODES:
+        return BrokerAuthError(
+            f"MQTT broker {address} refused the credentials of client {client_id!r} ({exc});"
+            " check the user and password (mqtt://user:pass@host:port or apart; a launch's: --keys RUN_DIR/secrets)"
+        )
+    if isinstance(cause := exc.__context__, ssl.SSLCertVerificationError):
+        mismatch = "mismatch" in str(cause.verify_message)  # trusted, but for another name: a CA file cannot help
+        fix = (
+            "connect by a name or address its subjectAltName holds"
+            if mismatch
+            else "pass the broker's CA file (--ca-file)"
+        )
+        return BrokerAuthError(
+            f"TLS certificate of MQTT broker {address} is not trusted ({cause.verify_message}); {fix}"
+        )
+    return None

@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import socket
-import ssl
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from types import TracebackType
@@ -34,7 +33,7 @@ from typing import Any
 
 import aiomqtt
 
-from agents.control.address import PAHO_LOG, BrokerAddress, BrokerAuthError, BrokerUnreachable
+from agents.control.address import PAHO_LOG, BrokerAddress, BrokerUnreachable, fatal_error
 from agents.control.auth import MAX_HEADER_BYTES, ControlKeys, RefusalReport, Refused, Signer, Verifier
 from agents.control.messages import (
     KINDS,
@@ -62,8 +61,6 @@ from geosched.errors import GeoschedError, InputError, ProtocolError
 __all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "ControlStats"]
 
 log = logging.getLogger(__name__)
-
-_REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
 
 
 class ControlPlane:
@@ -132,7 +129,8 @@ class ControlPlane:
         self._verifier = Verifier(keys, self.job) if keys is not None else None
         self._refusals, self._drops = RefusalReport(), RefusalReport()  # each: a log line per 5 s at most
         self.refused_statuses = RefusedStatuses(self.job, None if keys is None else keys.agents)
-        self._tasks: set[asyncio.Task[bool]] = set()  # refusal events in flight
+        self._tasks: set[asyncio.Task[bool]] = set()  # refusal events and republished states in flight
+        self._reasserted_at = -1e9  # when our retained state was last republished over a refused message
         if keys is not None and agent is not None and keys.identity != f"agent-{agent.rank}":
             raise InputError(f"control keys of {keys.identity!r} given to the agent of rank {agent.rank}")
 
@@ -211,7 +209,7 @@ class ControlPlane:
                     async for message in client.messages:
                         self._dispatch(str(message.topic), bytes(message.payload), bool(message.retain))
             except aiomqtt.MqttError as exc:
-                fatal = self._fatal_error(exc)
+                fatal = fatal_error(exc, self.address, self.client_id)
                 if fatal is not None and self._first_connect is not None and not self._first_connect.done():
                     self._first_connect.set_exception(fatal)
                     return
@@ -229,22 +227,6 @@ class ControlPlane:
                 self._connected.clear()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, self._backoff[1])
-
-    def _fatal_error(self, exc: aiomqtt.MqttError) -> GeoschedError | None:
-        """The user-facing error for a failure that retrying cannot fix, else None."""
-        code = getattr(exc, "rc", None)
-        if isinstance(exc, aiomqtt.MqttCodeError) and int(getattr(code, "value", code or 0)) in _REFUSED_CODES:
-            return BrokerAuthError(
-                f"MQTT broker {self.address} refused the credentials of client {self.client_id!r} ({exc});"
-                " check the user and password (mqtt://user:pass@host:port or apart; a launch's: --keys RUN_DIR/secrets)"
-            )
-        if isinstance(cause := exc.__context__, ssl.SSLCertVerificationError):
-            mismatch = "mismatch" in str(cause.verify_message)  # trusted, but for another name: a CA file cannot help
-            fix = "connect by a name or address its subjectAltName holds" if mismatch else "pass the broker's CA file"
-            return BrokerAuthError(
-                f"TLS certificate of MQTT broker {self.address} is not trusted ({cause.verify_message}); {fix}"
-            )
-        return None
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         """(Re)subscribe every filter, mark connected, then republish our retained state."""
@@ -272,6 +254,8 @@ class ControlPlane:
                 if exc.reason != "duplicate":  # the retained state again after a (re)subscribe
                     self._refused(exc)
                     self.refused_statuses.note(topic, exc.reason)
+                    if exc.reason != "conflict":  # two processes of one identity: the coordinator stops the job
+                        self._reassert(topic)
                 return
         elif self._verifier is None and self.refused_statuses.signed_unchecked(topic, payload):
             return  # a signed status and no keys to check it: the commands say so
@@ -312,6 +296,18 @@ class ControlPlane:
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _reassert(self, topic: str) -> None:
+        """Publish our retained state on ``topic`` again where a refused message replaced it on the broker (a forgery
+        with this client's login kept a healthy agent 'refused' for good): at most once a second, so a flood of
+        forgeries costs one republish a second."""
+        payload, now = self._state_out.get(topic), time.monotonic()
+        if payload is None or now < self._reasserted_at + 1.0:
+            return
+        self._reasserted_at = now
+        task = asyncio.create_task(self._send(topic, self._seal(topic, payload), 1, retain=True))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _seal(self, topic: str, body: bytes, *, will: bool = False) -> bytes:
         """``body`` as published: signed when this client has keys."""
