@@ -27,7 +27,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -291,11 +291,7 @@ class ControlPlane:
         line = self._refusals.note(exc, time.monotonic())
         if line is not None:
             log.warning("MQTT %s job %r: %s", self.address, self.job, line)
-            task = asyncio.create_task(
-                self.publish_event("warning", line, rank=self.agent.rank if self.agent else None)
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self.publish_event("warning", line, rank=self.agent.rank if self.agent else None))
 
     def _reassert(self, topic: str) -> None:
         """Publish our retained state on ``topic`` again where a refused message replaced it on the broker (a forgery
@@ -305,7 +301,11 @@ class ControlPlane:
         if payload is None or now < self._reasserted_at + 1.0:
             return
         self._reasserted_at = now
-        task = asyncio.create_task(self._send(topic, self._seal(topic, payload), 1, retain=True))
+        self._spawn(self._send(topic, self._seal(topic, payload), 1, retain=True))
+
+    def _spawn(self, publish: Coroutine[Any, Any, bool]) -> None:
+        """Run a publish from the receiving path without waiting for it (held in ``_tasks``, cancelled on exit)."""
+        task = asyncio.create_task(publish)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -54,15 +54,13 @@ class SubmitOptions(TypedDict, total=False):
     top_k: int
 
 
-def check_endpoint(endpoint: str) -> None:
-    """InputError unless ``endpoint`` is a tcp://HOST:PORT that resolves: said now, not after a timeout (libzmq
-    would retry it silently)."""
+def check_scheme(endpoint: str) -> None:
+    """InputError unless ``endpoint`` is a tcp:// one (the CLI says so before the flags that go with it)."""
     if not endpoint.startswith("tcp://"):
         raise InputError(
             f"--endpoint must look like tcp://HOST:PORT (the ZeroMQ endpoint) or https://HOST:PORT (the HTTP "
             f"front end; http:// where it runs without TLS) (got {endpoint!r})"
         )
-    reachable_address(endpoint)
 
 
 class PrefillClient:
@@ -82,7 +80,8 @@ class PrefillClient:
         max_response_bytes: int = 256 << 20,
         timeout_s: float = 30.0,
     ) -> None:
-        check_endpoint(endpoint)
+        check_scheme(endpoint)
+        reachable_address(endpoint)  # now, not after the timeout: libzmq would retry it silently
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s

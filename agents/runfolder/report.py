@@ -51,7 +51,7 @@ from typing import Any
 from agents.control.losses import JobStopped
 from agents.runfolder.messages import message_lines, wan_message_times
 from agents.stage.report import StepReport, global_loss, measured_timeline
-from geosched.compression import wire_ratio
+from geosched.compression import Codec, wire_ratio
 from geosched.errors import GeoschedError
 from geosched.yamlload import write_atomically
 
@@ -118,16 +118,19 @@ def _sync_line(report: Mapping[str, Any], predicted_sync: float | None) -> str:
     )
 
 
-def _uncompressed(layout: Any, wan_bytes: Mapping[str, int]) -> dict[str, int]:
-    """What each compressed link direction's bytes (``"us->eu"``) would have been uncompressed: its bytes over
-    the codec's wire ratio at the job's activation dtype (whole blocks assumed)."""
-    codecs = {"-".join(sorted(pair)): codec for pair, codec in getattr(layout, "compression", {}).items()}
-    out = {}
-    for link, nbytes in wan_bytes.items():
-        codec = codecs.get("-".join(sorted(link.split("->"))), "none")
-        if codec != "none":
-            out[link] = round(nbytes / wire_ratio(layout.job.bytes_per_element, codec))
-    return out
+def _link_of(direction: str) -> str:
+    """The ``layout.wan_compression`` key (``"eu-us"``: the sorted DC pair) of a link direction (``"us->eu"``)."""
+    return "-".join(sorted(direction.split("->")))
+
+
+def _uncompressed(report: Mapping[str, Any], element_bytes: int) -> dict[str, int]:
+    """About what each compressed direction's ``wan_bytes`` would have been uncompressed (whole blocks assumed)."""
+    codecs: Mapping[str, Codec] = report["layout"]["wan_compression"]
+    return {
+        link: round(nbytes / wire_ratio(element_bytes, codecs[_link_of(link)]))
+        for link, nbytes in report["wan_bytes"].items()
+        if _link_of(link) in codecs
+    }
 
 
 def build_report(
@@ -206,7 +209,6 @@ def build_report(
         "bubble_fraction_measured": steady([s["bubble_fraction"] for s in per_step]),
         "bubble_fraction_predicted": predicted_bubble_fraction,
         "wan_bytes": dict(wan_bytes or {}),
-        "wan_bytes_uncompressed": _uncompressed(layout, wan_bytes or {}),  # of the compressed links: an estimate
         "layout": {
             "stages": [{"dc": dc, "layers": list(lay)} for dc, lay in zip(layout.stage_dcs, layout.stage_layers)],
             "dp": layout.dp,
@@ -222,6 +224,7 @@ def build_report(
         "per_step": per_step,
         "memory": memory_rows(layout, reports),
     }
+    report["wan_bytes_uncompressed"] = _uncompressed(report, layout.job.bytes_per_element)  # an estimate
     ratios = [row["measured_peak_bytes"] / row["predicted_bytes"] for row in report["memory"] if row["predicted_bytes"]]
     report["memory_measured_vs_predicted_max"] = max(ratios, default=None)
     report.update(extra or {})
@@ -482,7 +485,7 @@ def report_text(report: Mapping[str, Any]) -> str:
     codecs = report.get("layout", {}).get("wan_compression", {})
     uncompressed = report.get("wan_bytes_uncompressed") or {}
     for link, nbytes in sorted(report.get("wan_bytes", {}).items()):
-        codec = codecs.get("-".join(sorted(link.split("->"))))
+        codec = codecs.get(_link_of(link))
         whole = f"; about {uncompressed[link] / 1e6:.2f} MB uncompressed" if link in uncompressed else ""
         lines.append(f"WAN {link}: {nbytes / 1e6:.2f} MB" + (f" ({codec}{whole})" if codec else ""))
     lines += message_lines(report.get("wan_messages", {}))

@@ -149,7 +149,7 @@ def _curve_of(args: argparse.Namespace, token: str | None) -> tuple[str | None, 
 
 def run(args: argparse.Namespace) -> int:
     """Send the prompt, print the answer; 0 when ok, 1 otherwise."""
-    from agents.prefill.client import PrefillClient, check_endpoint, prefill_locally
+    from agents.prefill.client import PrefillClient, check_scheme, prefill_locally
 
     at_least(args, "decode", 0, colon=False)
     at_least(args, "priority", 0)
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         return _report(args, result, served, step)
     if args.ca_file is not None:
         raise InputError("--ca-file goes with an https:// endpoint (tcp:// endpoints use CURVE)")
-    check_endpoint(args.endpoint)  # before the flags that go with it: a wrong scheme is the first thing to say
+    check_scheme(args.endpoint)  # before the flags that go with it: a wrong scheme is the first thing to say
     token, curve = _curve_of(args, token)
     with PrefillClient(args.endpoint, token=token, curve_client=curve, timeout_s=args.timeout) as client:
         result = client.prefill(
