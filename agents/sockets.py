@@ -23,26 +23,23 @@ logs each refused peer at most once a minute, a bounded number of lines in all).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import ipaddress
 import logging
 import os
 import re
-import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import nacl.bindings
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import recv_monitor_message
 
 from geosched.errors import ConfigError, InputError, LinkError
-from geosched.ratelimit import AddressShares, RateLimitedLog
+from geosched.ratelimit import RateLimitedLog
 from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
@@ -364,126 +361,3 @@ def monitor_events(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     )
     return sock.get_monitor_socket(events)
-
-
-# ---------------------------------------------------------------- strangers
-
-MAX_UNIDENTIFIED = 64
-"""Connections a listener holds that have not identified themselves; beyond, the oldest is closed."""
-MAX_UNIDENTIFIED_PER_ADDRESS = 16
-"""Of those, what one client address may hold (a WAN listener's); beyond, its oldest is closed."""
-
-
-class Unidentified:
-    """The accepted connections of one listener that no accepted frame has come from yet, by descriptor.
-
-    libzmq's ROUTER keeps every TCP connection that completed the ZMTP handshake, whether it says anything or
-    not, and offers no call to close one peer's connection. A stranger could hold idle connections until the
-    listener runs out of descriptors (then no genuine peer can connect), or keep one connection sending a
-    multipart message that never ends. So the listener (a WanLink's, :mod:`agents.wan.io`; a prefill
-    endpoint's, :mod:`agents.prefill.service`) notes each accepted connection's descriptor (its monitor's
-    ACCEPTED event) until a frame from it is accepted (a stream's hello, an authenticated request); a connection
-    still unidentified after its timeout, or the oldest beyond :data:`MAX_UNIDENTIFIED`, is shut down:
-    ``shutdown(2)`` on a duplicate of its descriptor, after checking that it is a TCP connection to this
-    listener's port; libzmq sees its peer hang up and closes its own descriptor. With ``per_address``, one
-    client address holds at most that many of them, beyond which its own oldest is closed: a stranger opening
-    connections as fast as they close pushes out only its own (and those of its address: a peer behind the
-    same NAT still gets in, as the newest), not a genuine peer's from elsewhere. Written here because libzmq
-    has no per-socket connection limit nor a way to drop one peer.
-    """
-
-    def __init__(self, timeout_s: float, per_address: int | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.port = 0  # the listener's, once bound: only connections to it are ever shut down
-        self.closed = 0  # connections shut down so far
-        self._since: dict[int, float] = {}  # descriptor -> when it was accepted
-        self._shares = AddressShares(per_address) if per_address else None
-        self._address: dict[int, str] = {}  # descriptor -> the client address its share is counted against
-
-    def accepted(self, fd: int, now: float) -> None:
-        """A connection was accepted on ``fd``; beyond MAX_UNIDENTIFIED the oldest waiting one is closed, and
-        beyond ``per_address`` from its address that address's oldest."""
-        if self._shares is not None and (address := self._peer(fd)) is not None:
-            if not self._shares.take(address):  # its oldest goes: a peer sharing a stranger's address still gets in
-                oldest = next(f for f, a in self._address.items() if a == address)
-                self.close(oldest, f"more than {self._shares.per_address} unidentified connections from {address}")
-                self._shares.take(address)
-            self._address[fd] = address
-        self._since[fd] = now
-        while len(self._since) > MAX_UNIDENTIFIED:
-            self.close(next(iter(self._since)), "too many connections that have not identified themselves")
-
-    def read_events(self, monitor: zmq.Socket[bytes], now: float) -> None:
-        """Take in a listener's monitor events (:func:`agents.sockets.monitor_events`) until none is waiting:
-        accepted connections are noted, closed ones forgotten (for a listener with nothing else to watch)."""
-        while True:
-            try:
-                message = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if message["event"] == zmq.EVENT_ACCEPTED:
-                self.accepted(message["value"], now)
-            elif message["event"] == zmq.EVENT_DISCONNECTED:
-                self.gone(message["value"])
-
-    def identified(self, fd: int) -> None:
-        """A frame from ``fd`` was accepted (a stream's hello, an authenticated request): it is no stranger."""
-        self._forget(fd)
-
-    def gone(self, fd: int) -> None:
-        """The connection on ``fd`` closed (the descriptor may be reused by the next one)."""
-        self._forget(fd)
-
-    def _forget(self, fd: int) -> None:
-        self._since.pop(fd, None)
-        if (address := self._address.pop(fd, None)) is not None and self._shares is not None:
-            self._shares.give_back(address)
-
-    def expire(self, now: float) -> None:
-        """Close the connections unidentified for longer than ``timeout_s``."""
-        for fd in [fd for fd, since in self._since.items() if now - since > self.timeout_s]:
-            self.close(fd, f"not identified within {self.timeout_s:g} s")
-
-    def close(self, fd: int, why: str) -> None:
-        """Shut the connection on ``fd`` down (if it still is a TCP connection to this listener's port)."""
-        self._forget(fd)
-        self._shut(fd, why)
-
-    def _shut(self, fd: int, why: str) -> None:
-        with self._connection(fd) as conn:
-            if conn is not None:
-                with contextlib.suppress(OSError):  # not connected (any more)
-                    conn.shutdown(socket.SHUT_RDWR)
-                    self.closed += 1
-                    log.debug("closing a connection to port %d: %s", self.port, why)
-
-    def _peer(self, fd: int) -> str | None:
-        """The client address of the connection on ``fd`` (None if it is not one to this listener any more)."""
-        with self._connection(fd) as conn:
-            with contextlib.suppress(OSError):
-                return str(conn.getpeername()[0]).split("%")[0] if conn is not None else None
-        return None
-
-    @contextlib.contextmanager
-    def _connection(self, fd: int) -> Iterator[socket.socket | None]:
-        """A duplicate of ``fd`` if it is a TCP connection to this listener's port, else None; closed after
-        (the duplicate only: libzmq closes its own once it sees a hang-up)."""
-        try:
-            dup = os.dup(fd)
-        except OSError:
-            yield None  # already closed
-            return
-        try:
-            conn = socket.socket(fileno=dup)
-        except OSError:  # the number was reused by something else than a socket (an eventfd): the dup was leaked
-            os.close(dup)
-            yield None
-            return
-        try:
-            ours = conn.type == socket.SOCK_STREAM and self.port and conn.getsockname()[1] == self.port
-        except OSError:
-            ours = False
-        try:
-            yield conn if ours else None
-        finally:
-            conn.close()

@@ -13,7 +13,7 @@ from prefill_helpers import idle_worker
 from agents.prefill import service as service_module
 from agents.prefill.client import PrefillClient
 from agents.prefill.service import PrefillService
-from agents.sockets import MAX_UNIDENTIFIED
+from agents.wan.unidentified import MAX_UNIDENTIFIED
 from geosched.model import ModelShape, build_model
 
 SHAPE = ModelShape(layers=2, hidden=16, heads=2, seq_len=32)

@@ -214,7 +214,7 @@ def test_a_stranger_storming_a_listener_holds_16_connections_and_the_peer_connec
     genuine stream connecting meanwhile too; and a peer behind the stranger's address (one NAT) still gets in."""
     import threading
 
-    from agents.sockets import MAX_UNIDENTIFIED_PER_ADDRESS as HELD
+    from agents.wan.unidentified import MAX_UNIDENTIFIED_PER_ADDRESS as HELD
 
     def hung_up(conn: socket.socket) -> bool:
         try:
@@ -289,7 +289,7 @@ def test_a_descriptor_reused_by_something_else_is_left_alone_and_not_leaked() ->
     listener's process hold 5 more eventfds after a storm)."""
     import os
 
-    from agents.sockets import Unidentified
+    from agents.wan.unidentified import Unidentified
 
     strangers = Unidentified(10.0, per_address=4)
     strangers.port = 1  # any listener port: nothing here is a connection to it

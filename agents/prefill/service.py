@@ -5,9 +5,9 @@ decodes requests (:mod:`agents.prefill.protocol`), answers bad ones at once with
 control (bounded queue, bounded KV memory, deadline feasibility against the predicted bubble capacity: ``rejected``
 with the reason), expires queued work past its deadline (``expired``) and sends the responses computed elsewhere. It
 never computes. A connection that has sent no authenticated request within :data:`IDENTIFY_TIMEOUT_S`, or the oldest
-beyond 64 such, is closed (:class:`agents.sockets.Unidentified`: idle connections would hold the agent's descriptors);
-a client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself
-(:mod:`agents.prefill.http`) hands them to :meth:`PrefillService.submit`: the same queue and admission.
+beyond 64 such, is closed (:class:`agents.wan.unidentified.Unidentified`: idle ones would hold its descriptors); a
+client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself (:mod:`agents.prefill.http`)
+hands them to :meth:`PrefillService.submit`: the same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage runtime on the training thread when a
 receive has not arrived (a bubble): it runs queued prompts a chunk of tokens at a time (``forward_cached`` against
@@ -28,6 +28,8 @@ HTTP client that hung up): its compute stops at the next piece. Example::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import threading
@@ -50,7 +52,8 @@ from agents.prefill.protocol import (
     encode_response,
     token_matches,
 )
-from agents.sockets import CurveServer, Unidentified, bound_port, make_socket, monitor_events
+from agents.sockets import CurveServer, bound_port, make_socket, monitor_events
+from agents.wan.unidentified import Unidentified
 from agents.wan.zap import ZapAuthenticator
 from geosched.errors import InputError
 from geosched.model import StageModule
@@ -86,7 +89,7 @@ class PrefillService:
         assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
         if not 0 < min_piece_s <= max_piece_s:
             raise InputError(
-                f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s} and {max_piece_s} s)"
+                f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s}, {max_piece_s} s)"
             )
         self.model, self.shape = model, model.shape
         self.max_queue = max_queue
@@ -126,8 +129,7 @@ class PrefillService:
         self._monitor = monitor_events(self._sock)
         host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
         self.port = bound_port(self._sock)
-        self._strangers = Unidentified(IDENTIFY_TIMEOUT_S)
-        self._strangers.port = self.port
+        self._strangers = Unidentified(IDENTIFY_TIMEOUT_S, port=self.port)
         self.endpoint = f"tcp://{host}:{self.port}"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -270,8 +272,7 @@ class PrefillService:
         if job.started is None:
             job.started = time.monotonic()
         finished = job.advance(self.model, tokens, preempt)
-        t1 = time.perf_counter()
-        seconds = t1 - t0
+        seconds = (t1 := time.perf_counter()) - t0
         job.compute_s += seconds
         if in_bubble:
             job.bubble_s += seconds
@@ -325,10 +326,8 @@ class PrefillService:
         self._wake()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the pipe is full (a wake-up is pending) or closed
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending) or closed
 
     def _expire_queued(self, now: float) -> None:
         """Answer ``expired`` for queued jobs past their deadline (lock held)."""
@@ -357,7 +356,8 @@ class PrefillService:
                 frames = [part.bytes for part in parts]
                 try:
                     if self._admit(frames):
-                        self._strangers.identified(parts[0].get(zmq.SRCFD))
+                        pending = functools.partial(self._strangers.read_events, self._monitor, time.monotonic())
+                        self._strangers.identified(parts[0].get(zmq.SRCFD), frames[0], pending)
                 except Exception:  # noqa: BLE001 - the service must outlive any one request
                     log.exception("prefill request failed unexpectedly; answered with error")
                     self._reply_now(frames[0], None, "error", "internal error in the prefill service")

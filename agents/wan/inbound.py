@@ -21,9 +21,7 @@ session id (a restarted peer, or a stranger) replaces it only once the current p
 
 A frame that fails validation is dropped, counted by reason in the link's metrics and logged at most once a minute
 per peer, 20 lines a minute in all; the link keeps serving. Connection events come from libzmq socket monitors:
-failed handshakes are counted (the peer refusing our own login fails the link: it binds both sides' keys, so no
-retry passes), and a closed connection is mapped (by its descriptor) to its stream, whose chunks in flight are
-resent at once.
+handled in :mod:`agents.wan.events`.
 """
 
 from __future__ import annotations
@@ -35,20 +33,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from agents.sockets import Unidentified
+from agents.wan.events import ConnectionEvents, peer_address
 from agents.wan.handshake import HandshakeError
 from agents.wan.recv import ChunkHeader, RejectedChunk, parse_chunk_header
-from agents.wan.seal import HEAD_BYTES, TAG_BYTES, Bytes, FrameSeal, SealError, is_sealed
+from agents.wan.seal import HEAD_BYTES, TAG_BYTES, FrameSeal, SealError, is_sealed
 from geosched.errors import LinkError, ProtocolError
 from geosched.wire import MAX_HEADER_BYTES, checksum, decode_header, show
 
 if TYPE_CHECKING:
     from agents.sockets import PeerLogLimiter
-    from agents.wan.config import WanLinkConfig
-    from agents.wan.handshake import ClientHandshake, ServerHandshake, ServerSession
-    from agents.wan.metrics import LinkCounters
+    from agents.wan.handshake import ServerHandshake, ServerSession
     from agents.wan.recv import RecvState
     from agents.wan.send import SendState, StreamSlot
 
@@ -74,17 +69,12 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, sock.get(zmq.EVENTS)) & POLLIN)
 
 
-class InboundFrames:
+class InboundFrames(ConnectionEvents):
     """Frame and event handlers of :class:`agents.wan.io.LinkIO` (see there for the attributes)."""
 
-    # the LinkIO state these handlers read and write (set in LinkIO.__init__)
-    config: WanLinkConfig
-    listening: bool
+    # the LinkIO state these handlers read and write (set in LinkIO.__init__), with ConnectionEvents'
     endpoint: str
-    peer: str
     session: str | None
-    counters: LinkCounters
-    send: SendState
     recv: RecvState
     _started: concurrent.futures.Future[None]
     peer_ready: threading.Event
@@ -94,23 +84,14 @@ class InboundFrames:
     _ack_chunks: int
     _ack_bytes: int
     _ack_now: bool
-    _router: zmq.Socket[bytes] | None
-    _monitors: dict[zmq.Socket[bytes], int]
     _stream_of: dict[zmq.Socket[bytes], int]
     _ident_stream: dict[bytes, int]
-    _stream_ident: dict[int, bytes]
-    _fd_stream: dict[int, int]
-    _unidentified: Unidentified
-    _failed_handshakes: int  # failed handshakes counted whose connection's close is not yet seen
     _last_heard: float
     _probe_at: float
-    _welcomed: list[bool]
     _sealing: bool
     _seal: FrameSeal | None
     _server_hs: ServerHandshake | None
     _server_session: ServerSession | None
-    _client_hs: ClientHandshake | None
-    _hello_since: list[int]
     _frame_n = 0  # the counter of the sealed message being read
 
     if TYPE_CHECKING:  # LinkIO's methods these handlers call
@@ -118,14 +99,11 @@ class InboundFrames:
         def _new_send_state(self) -> SendState: ...
         def _new_recv_state(self) -> RecvState: ...
         def _add_slot(self, *, probe_when_down: bool) -> StreamSlot: ...
-        def _header(self, kind: str, **fields: Any) -> bytes: ...
         def _send_control(
             self, stream: int, header: bytes, payload: bytes | None = None, *, clear: bool = False
         ) -> bool: ...
-        def _frames(self, stream: int, header: bytes, payload: bytes | memoryview | None = None) -> list[Bytes]: ...
         def _describe_peer(self, address: str | None) -> str: ...
         def _connect_next_stream(self) -> None: ...
-        def _send_hello(self, index: int) -> None: ...
 
     def _read(self, sock: zmq.Socket[bytes], now: float) -> bool:
         """Handle up to READ_BUDGET messages waiting on ``sock``; True if none is left waiting."""
@@ -186,9 +164,7 @@ class InboundFrames:
         if stream is None:
             return self._drop("unknown_peer", frame, f"{show(kind)} frame before hello")
         if ident is not None:
-            fd = frame.get(zmq.SRCFD)
-            self._fd_stream[fd] = stream
-            self._unidentified.identified(fd)
+            self._identify(frame, ident, stream, now)  # a stream reconnected under its own routing id says no hello
             self._last_heard = now  # the current session is alive
         if kind == "data":
             return self._on_data(sock, stream, h, frame, now)
@@ -325,9 +301,9 @@ class InboundFrames:
             self._ident_stream.pop(old, None)  # the stream reconnected: its old connection is gone
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
-        self._on_monitor(next(m for m, s in self._monitors.items() if s < 0), now)  # its ACCEPTED, queued before it
-        self._fd_stream[fd := frame.get(zmq.SRCFD)] = index
-        self._unidentified.identified(fd)  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
+        self._identify(
+            frame, ident, index, now
+        )  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
         self.send.slots[index].up = True
         if self._server_session is not None and hello is not None:
             welcome = self._header("welcome", stream=index, eph=self._server_session.eph_public, ts=hello.ts)
@@ -361,7 +337,7 @@ class InboundFrames:
 
     def _start_session(self, session: str, streams: int, frame: zmq.Frame) -> None:
         """Accept a connecting peer; a new session replaces a silent old one (the peer restarted)."""
-        peer = self._describe_peer(_peer_address(frame))
+        peer = self._describe_peer(peer_address(frame))
         if self.session is not None:
             log.warning(
                 "link %d: %s went silent; a new session from %s replaces it (peer restarted?); its unfinished "
@@ -372,7 +348,7 @@ class InboundFrames:
             )
             error = LinkError(
                 f"link {self.config.link_id}: {self.peer} went silent (did it restart?) and a new session from "
-                f"{_peer_address(frame)} replaced it before this was acknowledged"
+                f"{peer_address(frame)} replaced it before this was acknowledged"
             )
             waiting = self.recv.take_posted()
             self.send.close(error)
@@ -414,73 +390,10 @@ class InboundFrames:
             self._started.set_result(None)
         return False
 
-    def _on_monitor(self, monitor: zmq.Socket[bytes], now: float) -> None:
-        stream = self._monitors[monitor]
-        while True:
-            try:
-                message = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event, value = message["event"], message["value"]
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._failed_handshakes += 1
-                self._drop("auth_failed", None, "client key or login refused")
-                if stream >= 0:  # the peer refused our own login
-                    raise LinkError(
-                        f"link {self.config.link_id}: {self.peer} refused this side's login: the two sides' CURVE "
-                        "keys are not of one key folder (this host's key, or the peer's, is from another 'geosched "
-                        "keys' run: compare each host's agent-*.key.pub with the job's folder)"
-                    )
-            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self._failed_handshakes += 1
-                self._drop("handshake_failed", None, "ZMTP handshake failed: not a geosched peer, or other security")
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and stream >= 0 and self._welcomed[stream]:
-                if self._client_hs is None:
-                    self.send.slots[stream].up = True
-                else:  # sealed: the new connection has a new name on the ROUTER; say hello again to claim the stream
-                    self._welcomed[stream] = False
-                    self._hello_since[stream] = 0
-                    self._send_hello(stream)
-            elif event == zmq.EVENT_ACCEPTED:
-                self._fd_stream.pop(value, None)  # a new connection reuses this descriptor
-                self._unidentified.accepted(value, now)
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._unidentified.gone(value)
-                self.counters.disconnects += 1
-                self._on_disconnect(stream if stream >= 0 else self._fd_stream.pop(value, None), now)
-
-    def _on_disconnect(self, stream: int | None, now: float) -> None:
-        """A connection closed: resend what its stream carried, or count a stranger that never identified."""
-        if stream is not None:
-            self._stream_lost(stream, now)
-        elif self._failed_handshakes > 0:  # a stranger counted by its failed handshake already (a count, not a
-            self._failed_handshakes -= 1  # flag: many connections' events interleave, and a flag counted some twice)
-        else:  # libzmq drops some garbage (e.g. bytes that parse as ZMTP 1.0) without a handshake event
-            self._drop("unknown_peer", None, "connection closed before it identified as a stream of this link")
-            self._probe_streams(now)
-
-    def _probe_streams(self, now: float) -> None:
-        """After a disconnect on the ROUTER, find which streams are gone (it cannot route to them)."""
-        router = self._router
-        assert router is not None  # only the listening side (which has the ROUTER) has unidentified peers
-        for index, ident in self._stream_ident.items():
-            ping = self._frames(index, self._header("ping"))
-            try:
-                router.send_multipart([ident, *ping], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # zmq.Again too: a full queue, not a lost stream
-                if exc.errno == zmq.EHOSTUNREACH:
-                    self._stream_lost(index, now)
-
-    def _stream_lost(self, stream: int, now: float) -> None:
-        """Resend what a lost stream carried; counted once (a listener learns of it from a probe and a close)."""
-        if not self.listening or self.send.slots[stream].up:
-            self.counters.streams[stream].disconnects += 1
-        self.send.stream_lost(stream, now)
-
     def _drop(self, reason: str, frame: zmq.Frame | None, detail: str) -> bool:
         self.counters.drop(reason)
         # before a frame ZeroMQ names no peer: the connection is named by where it came in
-        peer = _peer_address(frame) if frame is not None else f"a connection to {self.endpoint}"
+        peer = peer_address(frame) if frame is not None else f"a connection to {self.endpoint}"
         if self._limiter.should_log(peer):
             log.warning(
                 "link %d dropped a frame from %s: %s (%s; later drops from there are only counted for a minute)",
@@ -490,10 +403,3 @@ class InboundFrames:
                 detail,
             )
         return True
-
-
-def _peer_address(frame: zmq.Frame) -> str:
-    try:
-        return str(frame.get("Peer-Address") or "unknown peer")
-    except (zmq.ZMQError, AttributeError, TypeError):
-        return "unknown peer"

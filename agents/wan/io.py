@@ -24,9 +24,7 @@ import numpy as np
 import zmq
 
 from agents.sockets import (
-    MAX_UNIDENTIFIED_PER_ADDRESS,
     PeerLogLimiter,
-    Unidentified,
     bound_port,
     connect_to,
     keep_message_buffers,
@@ -51,6 +49,7 @@ from agents.wan.metrics import LinkCounters
 from agents.wan.recv import PostedRecv, RecvState, fail_future, monotonic
 from agents.wan.seal import Bytes, FrameSeal
 from agents.wan.send import AGAIN, SENT, UNREACHABLE, OutMessage, SendState, StreamSlot
+from agents.wan.unidentified import MAX_UNIDENTIFIED_PER_ADDRESS, Unidentified
 from agents.wan.zap import ZapAuthenticator, login_options
 from geosched.chunking import AUTO_CHUNK_MIN_LOG2
 from geosched.errors import GeoschedError, LinkError
@@ -113,6 +112,7 @@ class LinkIO(InboundFrames):
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._zap: ZapAuthenticator | None = None
         self._router: zmq.Socket[bytes] | None = None
+        self._router_events: zmq.Socket[bytes] | None = None  # its monitor
         self._dealers: list[zmq.Socket[bytes]] = []
         self._monitors: dict[zmq.Socket[bytes], int] = {}  # monitor socket -> stream (-1: the router)
         self._stream_of: dict[zmq.Socket[bytes], int] = {}
@@ -251,7 +251,8 @@ class LinkIO(InboundFrames):
             self.port = self._unidentified.port = bound_port(self._router)
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self.peer = self.counters.peer = self.send.peer = self.recv.peer = self._describe_peer(None)
-            self._monitors[monitor_events(self._router)] = -1
+            self._router_events = monitor_events(self._router)
+            self._monitors[self._router_events] = -1
             self._started.set_result(None)
             return
         for index in range(cfg.streams):
