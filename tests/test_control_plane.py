@@ -359,6 +359,20 @@ def test_unreachable_broker_is_a_clear_error() -> None:
     run(scenario())
 
 
+def test_a_command_fails_at_once_where_the_broker_refuses_the_connection_or_its_host_is_unknown() -> None:
+    """A command (not a daemon, which may start before its broker) tried a refused connection, or a host name
+    that does not resolve, for its whole connect timeout (10 s), then said only 'cannot reach ... within'."""
+    port = free_port()
+
+    async def scenario(url: str, match: str) -> None:
+        with pytest.raises(BrokerUnreachable, match=match):
+            async with ControlPlane(url, JOB, "status-1", connect_timeout=20.0, wait_for_broker=False):
+                pass
+
+    run(scenario(f"mqtt://127.0.0.1:{port}", f"refused the connection: nothing listens on port {port} of 127.0"))
+    run(scenario("mqtt://no-such-host.invalid:1883", "cannot find MQTT broker .*: no such host 'no-such-host.invalid'"))
+
+
 def test_invalid_outgoing_messages_raise(embedded_broker: RunningBroker) -> None:
     async def scenario() -> None:
         async with ControlPlane(embedded_broker.url_for(), JOB, "agent-0", max_payload=2048) as cp:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import ssl
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -85,15 +86,27 @@ class BrokerAddress:
 REFUSED_CODES = {4, 5, 134, 135}  # MQTT 3.1.1 CONNACK 4/5 and their MQTT 5 reason codes
 
 
-def fatal_error(exc: aiomqtt.MqttError, address: BrokerAddress, client_id: str) -> GeoschedError | None:
-    """The user-facing error for a failure that retrying cannot fix, else None."""
+def fatal_error(
+    exc: aiomqtt.MqttError, address: BrokerAddress, client_id: str, *, wait_for_broker: bool = True
+) -> GeoschedError | None:
+    """The user-facing error for a failure that retrying cannot fix, else None: refused credentials or
+    certificate, a host name that does not resolve, and, without ``wait_for_broker`` (a command, not a daemon
+    that may start before its broker), a refused connection."""
+    cause = exc.__context__
+    if isinstance(cause, socket.gaierror) and cause.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", 0)):
+        return BrokerUnreachable(f"cannot find MQTT broker {address}: no such host {address.host!r}; check the URL")
+    if isinstance(cause, ConnectionRefusedError) and not wait_for_broker:
+        return BrokerUnreachable(
+            f"MQTT broker {address} refused the connection: nothing listens on port {address.port} of "
+            f"{address.host}; check the URL's port and that the broker is running"
+        )
     code = getattr(exc, "rc", None)
     if isinstance(exc, aiomqtt.MqttCodeError) and int(getattr(code, "value", code or 0)) in REFUSED_CODES:
         return BrokerAuthError(
             f"MQTT broker {address} refused the credentials of client {client_id!r} ({exc});"
             " check the user and password (mqtt://user:pass@host:port or apart; a launch's: --keys RUN_DIR/secrets)"
         )
-    if isinstance(cause := exc.__context__, ssl.SSLCertVerificationError):
+    if isinstance(cause, ssl.SSLCertVerificationError):
         mismatch = "mismatch" in str(cause.verify_message)  # trusted, but for another name: a CA file cannot help
         fix = (
             "connect by a name or address its subjectAltName holds"

@@ -59,7 +59,7 @@ async def job_statuses(
     every status was (the job is signed and ``keys`` missing, say).
     """
     client_id = make_client_id(job, "status")
-    async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, client_id, ca_file=ca_file, keys=keys, wait_for_broker=False) as cp:
         async with await cp.subscribe("status", "heartbeat", "plan") as sub:
             await asyncio.sleep(settle_s)
             statuses = cp.statuses()
@@ -118,7 +118,9 @@ async def stop_job(
     agent restarted adopted it: ``job start`` with the original plan was refused). ``seen``, if given, gets each
     rank's state before the stop was sent (a job whose agents had all stopped already: nothing acknowledged it).
     """
-    async with ControlPlane(url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(
+        url, job, make_client_id(job, "stop"), ca_file=ca_file, keys=keys, wait_for_broker=False
+    ) as cp:
         async with await cp.subscribe("status") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses arrive
             if known_job and not cp.statuses():
@@ -184,7 +186,9 @@ async def checkpoint_job(
     InputError (exit 2) when no agent is live or ``after_step`` is already done (naming the job's step);
     AgentLost naming the ranks that did not acknowledge within ``timeout_s``.
     """
-    async with ControlPlane(url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(
+        url, job, make_client_id(job, "checkpoint"), ca_file=ca_file, keys=keys, wait_for_broker=False
+    ) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat", "plan") as sub:
             await asyncio.sleep(RETAINED_SETTLE_S)  # the retained statuses (and plan) arrive
             cp.refused_statuses.check_readable(cp.statuses())

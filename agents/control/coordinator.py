@@ -9,8 +9,7 @@ offline (exit 1). After each reconnect to the broker it re-reads the retained
 statuses (an ``error`` published while it was away is not missed); a caller
 that owns the agents' processes (``launch``) passes ``exits``, and a child that
 exited is a loss whatever the broker delivered (:mod:`agents.control.losses`).
-The one-shot commands (status, stop, checkpoint) are in
-:mod:`agents.control.commands`.
+The one-shot commands (status, stop, checkpoint) are in :mod:`.commands`.
 
 Step line (one per training step, the global view over all ranks)::
 
@@ -212,7 +211,9 @@ async def start_job(
     layout = parse_layout(plan_text, plan_source)  # plan_source names the plan in errors
     ranks = [r.rank for r in layout.roles]
     steps = steps or layout.job.steps
-    async with ControlPlane(url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(
+        url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys, wait_for_broker=False
+    ) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat", "command", ranks=ranks) as sub:
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))

@@ -75,7 +75,8 @@ class ControlPlane:
         agent: set for an agent: registers the offline last will of its rank and, on exit, publishes
             ``stopped`` (or ``error`` if leaving on an exception) unless it already published stopped/error.
         keepalive: seconds between pings; a dead client is noticed after ~1.5x.
-        connect_timeout: how long entering the context waits for the broker.
+        connect_timeout: how long entering the context waits for the broker; a refused connection fails it at
+            once unless ``wait_for_broker`` (a daemon, which may start before its broker).
         backoff: (first, cap) seconds between reconnect attempts; doubled each failure and jittered.
         max_payload: largest payload sent or accepted.
         keys: sign what this client publishes (its will too) as ``keys.identity`` and accept only payloads
@@ -95,6 +96,7 @@ class ControlPlane:
         agent: AgentIdentity | None = None,
         keepalive: int = 10,
         connect_timeout: float = 10.0,
+        wait_for_broker: bool = True,
         backoff: tuple[float, float] = (0.1, 5.0),
         max_payload: int = MAX_PAYLOAD_BYTES,
         keys: ControlKeys | None = None,
@@ -112,7 +114,7 @@ class ControlPlane:
         self.topics = Topics(job)
         self.agent = agent
         self.stats = ControlStats()
-        self._keepalive, self._connect_timeout = keepalive, connect_timeout
+        self._keepalive, self._connect_timeout, self._wait = keepalive, connect_timeout, wait_for_broker
         self._backoff, self._max_payload = backoff, max_payload
         self._client: aiomqtt.Client | None = None  # set while connected
         self._connected = asyncio.Event()
@@ -209,7 +211,7 @@ class ControlPlane:
                     async for message in client.messages:
                         self._dispatch(str(message.topic), bytes(message.payload), bool(message.retain))
             except aiomqtt.MqttError as exc:
-                fatal = fatal_error(exc, self.address, self.client_id)
+                fatal = fatal_error(exc, self.address, self.client_id, wait_for_broker=self._wait)
                 if fatal is not None and self._first_connect is not None and not self._first_connect.done():
                     self._first_connect.set_exception(fatal)
                     return

@@ -139,7 +139,7 @@ async def watch_job(
     once the retained statuses arrived). With ``keys``, only messages signed by each rank's own agent count; a rank
     whose status was refused is a row ``refused`` with the reason as its message, as in ``job status``."""
     terminal = out.isatty()
-    async with ControlPlane(url, job, client_id(job, "watch"), ca_file=ca_file, keys=keys) as cp:
+    async with ControlPlane(url, job, client_id(job, "watch"), ca_file=ca_file, keys=keys, wait_for_broker=False) as cp:
         async with await cp.subscribe("status", "metrics", "plan") as sub:
             latest: dict[int, MetricsMessage] = {}
             plan: str | None = None

@@ -4,10 +4,10 @@ Mixed into :class:`agents.wan.io.LinkIO` (through :class:`agents.wan.inbound.Inb
 are counted (the peer refusing our own login fails the link: it binds both sides' keys, so no retry passes); a
 closed connection is mapped (by its descriptor) to its stream, whose chunks in flight are resent at once, and a
 listener closes the connections that never identify as one of its streams
-(:class:`agents.wan.unidentified.Unidentified`). libzmq reports a connection's ACCEPTED from the listener's I/O thread and its frames from the
-connection's, so a stream's hello can come before its ACCEPTED: the stream a descriptor carries is noted from its
-first frame (:meth:`ConnectionEvents._identify`), not reset by a later ACCEPTED (a stream was taken for a stranger,
-and its close went uncounted).
+(:class:`agents.wan.unidentified.Unidentified`). libzmq reports a connection's ACCEPTED from the listener's I/O
+thread and its frames from the connection's, so a stream's hello can come before its ACCEPTED: the stream a
+descriptor carries is noted from its first frame (:meth:`ConnectionEvents._identify`), not reset by a later
+ACCEPTED (a stream was taken for a stranger, and its close went uncounted).
 """
 
 from __future__ import annotations
