@@ -42,7 +42,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,7 +53,7 @@ from agents.control.losses import RETAINED_SETTLE_S
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
-from agents.control.ready import left_behind
+from agents.control.ready import left_behind, own_status, warn_unechoed_status
 from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
 from agents.layout import (
@@ -205,7 +204,8 @@ class Agent:
                         log.warning("rank %d: %s", opts.rank, stale)
                         return 0  # publishing nothing: the rank's status is its live agent's
                     await self._set_status("starting", endpoints=dict(self._fixed) or None)
-                    tasks = [asyncio.create_task(self._pump(sub)), asyncio.create_task(self._heartbeats())]
+                    echo = warn_unechoed_status(cp, opts.rank)
+                    tasks = [asyncio.create_task(c) for c in (self._pump(sub), self._heartbeats(), echo)]
                     try:
                         code = await self._adopt(self.layout) if self.layout is not None else None
                         if code is None:
@@ -298,8 +298,7 @@ class Agent:
         stops as 'replaced'. The coordinator then waited for the rank until its ready timeout (two trials)."""
         if message.rank != self.opts.rank or self._status.get("state") in (None, "stopped", "error"):
             return False
-        mine = (message.pid, message.host) == (os.getpid(), socket.gethostname())
-        return message.state == "offline" or (message.state in ("stopped", "error") and not mine)
+        return message.state == "offline" or (message.state in ("stopped", "error") and not own_status(message))
 
     def _owned_endpoints(self, rank: int, endpoints: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``endpoints`` that the plan gives to ``rank`` (the rest are dropped and logged)."""

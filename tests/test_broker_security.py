@@ -35,6 +35,8 @@ from agents.control.broker_policy import (
     RetainedStore,
 )
 from agents.control.messages import Topics
+from agents.control.plane import AgentIdentity, ControlPlane
+from agents.control.ready import warn_unechoed_status
 from geosched.ratelimit import RateLimitedLog
 
 T = TypeVar("T")
@@ -256,6 +258,31 @@ def test_an_agent_cannot_speak_for_another_rank_or_the_coordinator(kind: str, tm
                 assert embedded.refusals["publish"] == 5
 
     run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["embedded", "mosquitto"])
+def test_an_agent_of_a_mistyped_job_says_the_broker_never_echoes_its_status(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under the job's ACL an agent started with another --job publishes and reads topics its login may not use:
+    Mosquitto drops them silently, and the agent waited for a plan that never came, saying nothing."""
+    users = doc_users()
+
+    async def scenario() -> None:
+        async with broker_with_acl(kind, tmp_path, users) as (host, port, _):
+            for job in ("gpt-demo-typo", DOC_JOB):
+                url = f"mqtt://agent-0:{users['agent-0']}@{host}:{port}"
+                async with ControlPlane(url, job, f"agent-0-{job}", agent=AgentIdentity(0)) as cp:
+                    async with await cp.subscribe("status"):
+                        await cp.publish_status(0, "starting")
+                        await warn_unechoed_status(cp, 0, patience_s=1.0)
+
+    with caplog.at_level(logging.WARNING, logger="agents.control.ready"):
+        run(scenario())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agents.control.ready"]
+    assert len(warnings) == 1, warnings  # the typo's, not the right job's
+    assert "rank 0: broker mqtt://agent-0:***@" in warnings[0]
+    assert "may not let login 'agent-0' use the topics of job 'gpt-demo-typo' (its ACL: is --job right?)" in warnings[0]
 
 
 def test_refused_subscriptions_and_wills() -> None:

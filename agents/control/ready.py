@@ -11,6 +11,10 @@ start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operat
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +28,7 @@ from geosched.errors import InputError, PlanError
 if TYPE_CHECKING:
     from agents.layout import JobLayout
 
+log = logging.getLogger(__name__)
 
 WAITING_LINE_S = 15.0
 """How often a start still waiting for agents says which (the operator saw nothing for the whole ready timeout)."""
@@ -34,6 +39,8 @@ OFFLINE_AT_START_S = 30.0
 """An elastic start (``job start --elastic``) takes a rank whose status stays ``offline`` (its will: a host or DC
 gone before the start) this long, with no newer status, as lost, and re-plans without it rather than waiting its
 whole ready timeout; a supervisor restarting an agent publishes a newer status well within it."""
+ECHO_PATIENCE_S = 10.0
+"""An agent whose own status the broker has not delivered back this long after it connected says so."""
 
 
 class AgentRefused(InputError):
@@ -116,6 +123,30 @@ def left_behind(plan_text: str | None, held: StatusMessage | None, rank: int, dc
         f"{held.host or '?'}); this agent of DC {dc!r} is left from an earlier plan: leaving, publishing nothing "
         "(start it with the rank the plan gives its GPU, or not at all)"
     )
+
+
+def own_status(status: StatusMessage) -> bool:
+    """Whether ``status`` was published by this process."""
+    return (status.pid, status.host) == (os.getpid(), socket.gethostname())
+
+
+async def warn_unechoed_status(cp: ControlPlane, rank: int, patience_s: float = ECHO_PATIENCE_S) -> None:
+    """Warn once where the broker has not delivered an agent's own status back within ``patience_s``: a
+    Mosquitto ACL drops, silently, what a login may not publish or read (a mistyped --job, another rank's login),
+    and such an agent waited for a plan that never came, saying nothing."""
+    since = time.time()
+    await asyncio.sleep(patience_s)
+    held = cp.statuses().get(rank)  # another live process's, newer, is a conflict, not the broker's doing
+    if cp.connected and (held is None or (not own_status(held) and (held.time or 0.0) < since)):
+        log.warning(
+            "rank %d: broker %s has not delivered this agent's own status back in %g s: it may not let login %r "
+            "use the topics of job %r (its ACL: is --job right?), and 'geosched job start' cannot see this rank",
+            rank,
+            cp.address,
+            patience_s,
+            cp.address.username,
+            cp.job,
+        )
 
 
 def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
