@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") or an id ("65535,")
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
+AUTHENTICATED = web.RequestKey("geosched.authenticated", bool)  # set on a request whose token was checked and matched
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -289,11 +290,12 @@ class PrefillHttpServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every refusal as OpenAI's error object; a refusal that left the body unread closes the connection, and
-        so does a 401 (a stranger without the token pays a new connection, TLS handshake included, for each try:
-        on one kept-alive connection a trial got 4,447 answers of 401 a second, and slowed training)."""
+        so does any refusal of a request without the token, which is a 401 on every path (a stranger pays a new
+        connection, TLS handshake included, for each try: on one kept-alive connection trials got 4,447 answers of
+        401 a second, then 2,600 of 404, and slowed training; and a 404 every few seconds held a connection slot)."""
         response = await self._answer(request, handler)
         unread = not request.content.is_eof() or request.content.exception() is not None
-        if response.status == 401 or (response.status >= 400 and unread):
+        if response.status >= 400 and (unread or not request.get(AUTHENTICATED, False)):
             _close_unread(request, response)
         return response
 
@@ -302,7 +304,12 @@ class PrefillHttpServer:
             return await handler(request)
         except (HttpError, web.HTTPRequestEntityTooLarge) as exc:
             return self._refusal(exc)
-        except web.HTTPException as exc:  # 404, 405 from the router
+        except web.HTTPException as exc:  # 404, 405 from the router: a request without the token is a 401 first
+            try:
+                self._authenticate(request)
+            except HttpError as refusal:
+                return self._refusal(refusal)
+            self.service.count_refused("bad_requests")
             error = HttpError(
                 exc.status, f"{exc.reason}: {request.method} {request.path[:100]}", "invalid_request_error"
             )
@@ -370,6 +377,7 @@ class PrefillHttpServer:
                 None,
                 "invalid_api_key",
             )
+        request[AUTHENTICATED] = True
 
     async def _ask(self, request: web.Request, kind: str) -> tuple[Ask, PrefillResponse]:
         """Authenticate, read and parse the body, queue it in the service, wait for its answer."""
