@@ -287,8 +287,8 @@ class EmbeddedBroker:
             writer.transport.abort()
             return
         self._writers.add(writer)
-        for oldest in self._pending.add(writer, address):  # idle connections must not lock logins out
-            self._refuse("pending", address, "too many connections without a CONNECT: the oldest closed")
+        for oldest, held_by in self._pending.add(writer, address):  # idle connections must not lock logins out
+            self._refuse("pending", held_by, "too many connections without a CONNECT: its oldest closed")
             oldest.transport.abort()
         client: BrokerClient | None = None
         clean = silent = False

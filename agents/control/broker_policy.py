@@ -18,12 +18,13 @@ This module holds the broker's decisions as plain classes with no sockets
 - :class:`BrokerLimits`: every bound, each a named constant below.
 - :class:`RetainedStore`: retained messages with per-client and total bounds.
 - :class:`ConnectionCounter`, :class:`PendingConnections`: connection admission, and connections not logged in
-  yet (the oldest closed beyond their own bound). Refusals are logged through
+  yet (beyond their own bound, the oldest of the address holding the most is closed). Refusals are logged through
   :class:`geosched.ratelimit.RateLimitedLog`, at most :data:`MAX_REFUSAL_LINES` per interval.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -341,18 +342,23 @@ class PendingConnections(Generic[K]):
         self.limits = limits
         self._address: dict[K, str] = {}  # insertion order: the oldest first
 
-    def add(self, key: K, address: str) -> list[K]:
-        """Note a new connection from ``address``; the ones to close to stay within the limits (the oldest of
-        that address, else the oldest of all; never the new one unless the limits are 0)."""
+    def add(self, key: K, address: str) -> list[tuple[K, str]]:
+        """Note a new connection from ``address``; the ones to close (and their addresses) to stay within the
+        limits: the oldest of that address beyond its own bound, else, beyond the total, the oldest of the
+        address holding the most (strangers storming from several addresses pushed out the oldest of all, a
+        genuine client's CONNECT in flight included); never the new one unless the limits are 0."""
         self._address[key] = address
         evicted = []
         same = [k for k, a in self._address.items() if a == address]
         if len(same) > self.limits.pending_per_address:
-            evicted.append(same[0])
-        if len(self._address) - len(evicted) > self.limits.pending_connections:
-            evicted.append(next(k for k in self._address if k not in evicted))
-        for k in evicted:
-            del self._address[k]
+            evicted.append((same[0], address))
+            del self._address[same[0]]
+        if len(self._address) > self.limits.pending_connections:
+            held = collections.Counter(self._address.values())  # by first appearance: ties go to the oldest
+            heaviest = max(held, key=held.__getitem__)
+            oldest = next(k for k, a in self._address.items() if a == heaviest)
+            evicted.append((oldest, heaviest))
+            del self._address[oldest]
         return evicted
 
     def logged_in(self, key: K) -> None:
