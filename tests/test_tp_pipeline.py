@@ -294,7 +294,13 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
         (tmp_path / "seed7.yaml").write_text(layout_plan_text(config_from_dict(other), ["eu"], dp=2))
         (tmp_path / "seed7-config.yaml").write_text(yaml.safe_dump(other))
         for cfg, plan, last, needle in (
-            (config, "dp2.yaml", steps, f"after step {steps}, which already covers --steps {steps}"),
+            (
+                config,
+                "dp2.yaml",
+                steps,
+                f"holds {steps} steps (0 to {steps - 1}: the job would train step {steps} next), which already "
+                f"cover --steps {steps}",
+            ),
             ("seed7-config.yaml", "seed7.yaml", steps + 4, "seed 0 in fp32, this one has seed 7 in fp32"),
             (config, "seed7.yaml", steps + 4, "was made for job.seed 7 (the config has 0)"),  # the plan's, not ours
         ):

@@ -250,8 +250,9 @@ def resume_step(ckpt_dir: str | os.PathLike[str], job: Any, steps: int) -> int:
         )
     if step >= steps:
         raise InputError(
-            f"--resume: the newest checkpoint in {os.fspath(ckpt_dir)!r} is after step {step}, which already "
-            f"covers --steps {steps}; ask for more steps (--steps {step + 1} or more: the last step to train to)"
+            f"--resume: the newest checkpoint in {os.fspath(ckpt_dir)!r} holds {step} steps (0 to {step - 1}: the "
+            f"job would train step {step} next), which already cover --steps {steps} (steps 0 to {steps - 1}); "
+            f"ask for more steps (--steps {step + 1} or more)"
         )
     return step
 
