@@ -268,13 +268,12 @@ class Agent:
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
             if self._overwritten(message):
-                log.warning(
-                    "rank %d: an earlier agent of this rank (pid %s on %s) marked it %s; republishing this one's",
-                    message.rank,
-                    message.pid,
-                    message.host,
-                    message.state,
+                whose = (
+                    "this agent's own will (the broker lost its connection)"
+                    if own_status(message)
+                    else f"an earlier agent of this rank (pid {message.pid} on {message.host})"
                 )
+                log.warning("rank %d: %s marked it %s; republishing its status", message.rank, whose, message.state)
                 await self._set_status(self._status["state"])
                 return None
             endpoints = message.extra.get("endpoints")

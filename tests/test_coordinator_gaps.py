@@ -17,6 +17,7 @@ from agents.control.ready import AgentRefused, check_same_plan, stranded_endpoin
 from agents.control.refused import RefusedStatuses
 from agents.layout import layout_plan_text, parse_layout
 from geosched.config import config_from_dict
+from geosched.errors import PlanError
 
 
 class _Feed:
@@ -460,3 +461,15 @@ def test_a_loss_names_the_oldest_step_a_rank_has_not_finished() -> None:
     with pytest.raises(AgentLost, match="during step 5") as info:
         asyncio.run(_follow(_Plane(), _Feed([*reported, dead]), layout, 0, 10, None, step_timeout_s=5.0))  # type: ignore[arg-type]
     assert info.value.ranks == [0]
+
+
+def test_agents_at_different_steps_are_named_by_step() -> None:
+    """A trial restarted one rank without --resume: the refusal said 'agents are at different steps [0, 52]',
+    not which rank was behind."""
+    from agents.control.ready import first_step
+
+    statuses = {r: StatusMessage(r, "ready", extra={"next_step": 52}) for r in range(3)}
+    assert first_step(statuses) == 52
+    statuses[3] = StatusMessage(3, "ready", extra={"next_step": 0})
+    with pytest.raises(PlanError, match=r"different steps \(rank 3 at step 0; ranks 0, 1, 2 at step 52\); restart"):
+        first_step(statuses)

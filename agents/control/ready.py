@@ -181,10 +181,17 @@ def corpus_size(data: dict[str, int]) -> str:
 
 
 def first_step(statuses: dict[int, StatusMessage]) -> int:
-    steps = {int(s.extra.get("next_step", 0)) for s in statuses.values()}
-    if len(steps) != 1:
-        raise PlanError(f"agents are at different steps {sorted(steps)}; stop the job and restart every agent")
-    return steps.pop()
+    """The step every agent would train next; PlanError naming which ranks are at which step where they differ."""
+    at: dict[int, list[int]] = {}
+    for rank, status in sorted(statuses.items()):
+        at.setdefault(int(status.extra.get("next_step", 0)), []).append(rank)
+    if len(at) != 1:
+        where = "; ".join(f"{rank_list(ranks)} at step {step}" for step, ranks in sorted(at.items()))
+        raise PlanError(
+            f"agents are at different steps ({where}); restart the ones behind with --resume and the job's "
+            "checkpoint folder, or stop the job and restart every agent"
+        )
+    return next(iter(at))
 
 
 def check_same_plan(job: str, status: StatusMessage, layout: JobLayout, replaced: Collection[str] = ()) -> None:
