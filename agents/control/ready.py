@@ -4,8 +4,8 @@
 and sending ``start``: it refuses an agent running another plan (not one an elastic re-plan replaced), an
 agent that joined from the wrong DC, stage or replica, an agent's ``error``, an agent process that exited
 and a ``job stop``, and names the ranks still missing at the timeout. An ``error`` retained from before the
-start (a dead agent's) waits :data:`STALE_GRACE_S` for a newer status: an operator restarts the agents, then
-``job start`` at once.
+start (a dead agent's) waits for a newer status until the ready timeout: an operator restarts the agents, then
+``job start`` at once (on a loaded host an agent can take over 10 s to publish).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exited_lost, lost_message
-from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan
+from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan, printable
 from agents.control.plane import AgentsNotReady, ControlPlane
 from agents.control.refused import rank_list
 from agents.sockets import is_loopback
@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 
 WAITING_LINE_S = 15.0
 """How often a start still waiting for agents says which (the operator saw nothing for the whole ready timeout)."""
-STALE_GRACE_S = 10.0
-"""An ``error`` the broker retained from before this start (an agent that died; a restarted one replaces it within
-seconds) fails the start only if no newer status of that rank follows within this long."""
 OFFLINE_AT_START_S = 30.0
 """An elastic start (``job start --elastic``) takes a rank whose status stays ``offline`` (its will: a host or DC
 gone before the start) this long, with no newer status, as lost, and re-plans without it rather than waiting its
@@ -256,8 +253,12 @@ async def wait_ready(
             )
         for rank, due in stale.items():
             if loop.time() >= due:  # nothing newer from that rank: its error stands
-                raise AgentRefused(
-                    lost_message(cp.job, latest[rank], None) + f" (no newer status in {STALE_GRACE_S:g} s)"
+                held = latest[rank]
+                raise AgentsNotReady(
+                    f"job {cp.job!r}: the last agent of rank {rank} (pid {held.pid} on {printable(held.host or '?')}) "
+                    f"failed before this start ({printable(held.extra.get('message', 'error'), 300)}), and no "
+                    f"newer status came within --ready-timeout {timeout_s:g} s: restart rank {rank}'s agent",
+                    [rank],
                 )
         left = deadline - loop.time()
         if left <= 0:
@@ -312,7 +313,7 @@ async def wait_ready(
             if stopped and before is not None and before.state != "stopped":  # not a stop of an earlier attempt
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' before it started")
             if message.state == "error" and message.retained:  # from before this start: its agent may be restarting
-                stale[message.rank] = loop.time() + STALE_GRACE_S
+                stale[message.rank] = deadline
             elif message.state == "error":
                 raise AgentRefused(lost_message(cp.job, message, None))
             check_joined(layout, {message.rank: message})
