@@ -129,6 +129,10 @@ def test_launch_demo_3dc_end_to_end(tmp_path: Path):
     # --checkpoint-dir and --checkpoint-every reached every agent: after step 2, each stage wrote its shard
     shards = sorted(p.name for p in (tmp_path / "ckpt" / "step-000002").glob("stage-*.json"))
     assert shards == ["stage-00.json", "stage-01.json", "stage-02.json"], shards
+    # and the final state, after step 3, though 3 is no multiple of 2 (a rehearsal has nobody to ask for it: a
+    # trial's --checkpoint-dir without --checkpoint-every stayed empty, and a resumed run's last steps were lost)
+    assert (tmp_path / "ckpt" / "step-000003" / "manifest.json").is_file()
+    assert f"launch: checkpoint of step 3 (the final state) in {tmp_path / 'ckpt'}" in done.stderr
     trace = json.loads((run / "trace.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"0F0", "2B7"}
     step_lines = [line for line in done.stderr.splitlines() if line.startswith("step ")]

@@ -120,7 +120,8 @@ def launch(
     (:mod:`agents.prefill.http`); the URLs are printed and recorded as the report's ``prefill_http``.
 
     ``checkpoint_dir``: every agent writes its checkpoints there (every
-    ``checkpoint_every`` steps if > 0, and on ``geosched job checkpoint``). ``resume``: the job starts
+    ``checkpoint_every`` steps if > 0, on ``geosched job checkpoint``, and the final state once the steps are
+    done: a rehearsal has nobody to ask for it). ``resume``: the job starts
     from the newest complete checkpoint there (any layout of the same model, resharded) and trains to step
     ``steps``; InputError when there is none, it holds another model, or it already covers ``steps``.
 
@@ -145,7 +146,7 @@ def launch(
     """
     from agents.checkpoint.export import resume_step
     from agents.control.broker import EmbeddedBroker
-    from agents.control.commands import stop_job
+    from agents.control.commands import checkpoint_job, stop_job
     from agents.control.coordinator import start_job
     from agents.layout import load_plan_file, parse_layout
     from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
@@ -342,6 +343,10 @@ def launch(
         load_trained = _load_average()
         if load is not None:
             load.stop()  # every outstanding request is answered (or expires) before the agents stop
+        if checkpoint_dir is not None and (checkpoint_every <= 0 or steps % checkpoint_every):  # the final state too
+            final = asyncio.run(checkpoint_job(coordinator_url, job, **control))
+            if out is not None:
+                print(f"launch: checkpoint of step {final.step} (the final state) in {final.folder}", file=out)
         asyncio.run(stop_job(coordinator_url, job, **control))
         codes = agents.wait(20.0)
         refusals = dict(broker.refusals) if broker is not None else None
