@@ -81,9 +81,11 @@ def _broker_of(pid: int) -> str:
 
 def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path: Path) -> None:
     """'geosched job stop' (the documented way to stop a job) is an operator's stop, not a lost agent: launch
-    says so, exits as interrupted (130), and report.json holds the outcome and the steps done with their losses."""
+    says so, exits as interrupted (130), and report.json holds the outcome and the steps done with their losses,
+    and what it knows besides: the wall time, the agents' exit codes, the prefill served (a trial's failed launch
+    kept only its steps and losses)."""
     run_dir = tmp_path / "run"
-    with training_launch(run_dir, 3, "--json") as launch:
+    with training_launch(run_dir, 3, "--json", "--prefill-rate", "3") as launch:
         url = _broker_of(agents_of(run_dir)[0])
         stop = [sys.executable, "-m", "geosched.cli", "job", "stop", "--mqtt", url, "--job", "launch"]
         stopped = subprocess.run([*stop, "--keys", str(run_dir / "secrets")], cwd=ROOT, capture_output=True, timeout=60)
@@ -95,6 +97,9 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
         assert json.loads(out.strip().splitlines()[-1]) == report  # --json: the report ends stdout all the same
         assert report["outcome"] == "stopped" and len(report["steps"]) >= 3
         assert len(report["losses"]) == len(report["steps"]) and all(isinstance(x, float) for x in report["losses"])
+        assert report["wall_s"] > 0 and set(report["agent_exit_codes"]) == {"0", "1", "2", "3"}, report
+        prefill = report["prefill"]
+        assert prefill["requests_sent"] >= prefill["ok"] >= 0 and "lost" in prefill and prefill["agents"], prefill
         assert wait_for(lambda: not agents_of(run_dir), timeout_s=30), agents_of(run_dir)
 
 

@@ -332,10 +332,14 @@ def launch(
         try:
             text, agents = recovering.train(text, steps, first)
         except BaseException as exc:  # stopped, interrupted, failed: its agents stopped, then what they did reported
+            codes = {}
             for procs in attempt[-1:]:
-                procs.stop()  # a step they complete after the signal is in their rank files, so in the report
+                codes = procs.stop()  # a step they complete after the signal is in their rank files, so in the report
+            if load is not None:
+                load.stop()
             done = [r.to_dict() for r in recovering.recoveries]
-            setattr(exc, "run_report", write_unfinished_report(run, exc, done))  # noqa: B010 - for `launch --json`
+            known = {"wall_s": time.monotonic() - started, "agent_exit_codes": codes, **_prefill_of(load, run)}
+            setattr(exc, "run_report", write_unfinished_report(run, exc, done, known))  # noqa: B010 - `launch --json`
             raise
         if recovering.recoveries:
             layout = parse_layout(text)
@@ -388,14 +392,7 @@ def launch(
         from agents.runfolder.report import every_attempt
 
         report["history"] = every_attempt(run)
-    if load is not None:
-        from agents.rehearsal.prompt_load import prefill_section
-
-        report["prefill"] = prefill_section(load, run)
-    elif prefill_http or prefill_follow_checkpoints:  # served to others' requests: what each agent saw
-        from agents.rehearsal.prompt_load import prefill_agents
-
-        report["prefill"] = {"agents": prefill_agents(run)}
+    report.update(_prefill_of(load, run))
     write_run_folder(run, layout, reports, report, predicted_timeline=predicted)
     if out is not None:
         print(report_text(report), file=out)
@@ -449,6 +446,17 @@ def broker_security(keys: JobKeys | None, job: str) -> dict[str, Any]:
     from agents.control.broker_policy import JobAcl
 
     return {"users": keys.mqtt_users(), "acl": JobAcl(job)}
+
+
+def _prefill_of(load: Any, run: Path) -> dict[str, Any]:
+    """The report's ``prefill`` section: the launch's own load and what each agent saw, or what each serving agent
+    saw of others' requests (``prefill-rank<R>.json``); none when no agent served prefill."""
+    from agents.rehearsal.prompt_load import prefill_agents, prefill_section
+
+    if load is not None:
+        return {"prefill": prefill_section(load, run)}
+    agents = prefill_agents(run)
+    return {"prefill": {"agents": agents}} if agents else {}
 
 
 def coordinator_login(url: str, keys: JobKeys | None) -> tuple[str, dict[str, Any]]:

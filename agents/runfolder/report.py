@@ -6,20 +6,15 @@ coordinator received, :mod:`agents.runfolder.record`), the plan's
 layout and the prediction. :func:`build_report` makes the JSON-ready dict;
 :func:`write_run_folder` writes it and the pictures::
 
-    report.json       steps, losses (one per step), loss_rose (last/first where
-                      it rose by half: diverging), predicted_iteration_s,
-                      measured_iteration_s, replayed_iteration_s and
-                      measured_vs_replayed (the simulator fed this run's
-                      own compute times), predicted_iteration_s_calibration_only
-                      (with the calibration's stage times where the agents
-                      timed theirs in place), predicted_sync_s, measured_sync_s
-                      (the gradient sync), bubble_fraction_measured,
-                      bubble_fraction_predicted, wan_bytes (per link direction;
-                      layout.wan_compression: the links that travel compressed),
-                      memory (per rank: measured peak and predicted bytes),
-                      memory_measured_vs_predicted_max, per-step detail,
-                      wan_messages (each WAN message's time against the
-                      simulator's, per replica: agents.runfolder.messages)
+    report.json       steps, losses (one per step), loss_rose (last/first where it rose by half: diverging),
+                      predicted_iteration_s, measured_iteration_s, replayed_iteration_s and measured_vs_replayed
+                      (the simulator fed this run's own compute times), predicted_iteration_s_calibration_only
+                      (with the calibration's stage times where the agents timed theirs in place),
+                      predicted_sync_s, measured_sync_s (the gradient sync), bubble_fraction_measured,
+                      bubble_fraction_predicted, wan_bytes (per link direction; layout.wan_compression: the links
+                      that travel compressed), memory (per rank: measured peak and predicted bytes),
+                      memory_measured_vs_predicted_max, per-step detail, wan_messages (each WAN message's time
+                      against the simulator's, per replica: agents.runfolder.messages)
     timeline.png      measured timeline of the last step (replica 0's pipeline), with link rows
     trace.json        the same as a Chrome trace (chrome://tracing, Perfetto)
     predicted.png     the simulator's timeline for the same layout
@@ -291,15 +286,19 @@ def write_loss_png(
 
 
 def write_unfinished_report(
-    run_dir: str | os.PathLike[str], exc: BaseException, recoveries: list[dict[str, Any]] | None = None
+    run_dir: str | os.PathLike[str],
+    exc: BaseException,
+    recoveries: list[dict[str, Any]] | None = None,
+    known: dict[str, Any] | None = None,
 ) -> Path | None:
     """``report.json`` of a run that did not finish: its ``outcome`` (``stopped`` by an operator, ``interrupted``,
     ``failed``), the ``error`` line, the steps every rank completed, with their losses (and ``loss.png``), over
     every attempt of an elastic run (``attempt-<n>/``; a step redone after a recovery counts once, as last run),
-    and its ``recoveries``; no prediction, no timeline. Written from the rank files, whatever state the run is
-    in; None (and a warning) if even that cannot be written (a full disk)."""
+    and its ``recoveries``, with what the caller ``known`` (its wall time, the agents' exit codes, prefill); no
+    prediction, no timeline. Written from the rank files, whatever state the run is in; None (and a warning) if even
+    that cannot be written (a full disk)."""
     try:
-        return _write_unfinished(run_dir, exc, recoveries)
+        return _write_unfinished(run_dir, exc, recoveries, known or {})
     except Exception as error:  # noqa: BLE001 - the run's own failure is what the caller reports
         log.warning("%s: report.json of the unfinished run not written: %s", run_dir, error)
         return None
@@ -342,7 +341,7 @@ def every_attempt(run_dir: str | os.PathLike[str]) -> dict[str, list[Any]]:
     return {"steps": steps, "losses": [done[s][0] for s in steps], "lr": [done[s][1] for s in steps]}
 
 
-def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any) -> Path:
+def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recoveries: Any, known: Any) -> Path:
     run = Path(run_dir)
     history = every_attempt(run)
     steps, losses = history["steps"], history["losses"]
@@ -351,6 +350,7 @@ def _write_unfinished(run_dir: str | os.PathLike[str], exc: BaseException, recov
         "steps": steps,
         "losses": losses,
         **({"recoveries": recoveries} if recoveries else {}),
+        **known,
     }
     known = [loss for loss in losses if loss is not None]
     if steps and len(known) == len(steps):
