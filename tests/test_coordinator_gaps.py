@@ -478,3 +478,21 @@ def test_agents_at_different_steps_are_named_by_step() -> None:
     statuses[3] = StatusMessage(3, "ready", extra={"next_step": 0})
     with pytest.raises(PlanError, match=r"different steps \(rank 3 at step 0; ranks 0, 1, 2 at step 52\); restart"):
         first_step(statuses)
+
+
+def test_ranks_whose_statuses_were_refused_are_told_to_restart_with_the_jobs_keys_not_to_start() -> None:
+    """A trial's rank signed with another key folder's key: the timeout said 'start them with geosched agent
+    --rank R', though the agent ran."""
+    from agents.control.messages import Topics
+    from agents.control.plane import AgentsNotReady
+    from agents.control.ready import wait_ready
+    from agents.layout import plan_id
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"]))
+    plane = _Plane()
+    assert plane.refused_statuses.note(Topics("gaps").status(1), "bad_signature")
+    ready = StatusMessage(0, "ready", extra={"plan_id": plan_id(layout.text)})
+    with pytest.raises(AgentsNotReady, match=r"ranks 1 \(.*\); they run, but their statuses were refused: restart"):
+        asyncio.run(wait_ready(plane, _Feed([ready]), layout, 0.2))  # type: ignore[arg-type]
+    with pytest.raises(AgentsNotReady, match=r"ranks 0 \(no status\), 1 \(.*\); start them with 'geosched agent"):
+        asyncio.run(wait_ready(plane, _Feed([]), layout, 0.2))  # type: ignore[arg-type]

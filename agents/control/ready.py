@@ -267,7 +267,12 @@ async def wait_ready(
             unsigned = cp.stats.refused_unsigned  # statuses of agents started without --keys, say
             raise AgentsNotReady(
                 f"job {cp.job!r}: {len(missing)} of {len(layout.roles)} agents not ready after {timeout_s:g} s: "
-                f"ranks {last_states(missing, latest, refused)}; start them with 'geosched agent --rank R'"
+                f"ranks {last_states(missing, latest, refused)}; "
+                + (
+                    "start them with 'geosched agent --rank R'"
+                    if not set(missing) <= set(refused)
+                    else "they run, but their statuses were refused: restart them with this job's --keys folder"
+                )
                 + (
                     f" ({unsigned} unsigned control message{'s' * (unsigned != 1)} refused: an agent without "
                     "--keys? every agent of a signed job needs the job's key folder)"
