@@ -496,3 +496,26 @@ def test_ranks_whose_statuses_were_refused_are_told_to_restart_with_the_jobs_key
         asyncio.run(wait_ready(plane, _Feed([ready]), layout, 0.2))  # type: ignore[arg-type]
     with pytest.raises(AgentsNotReady, match=r"ranks 0 \(no status\), 1 \(.*\); start them with 'geosched agent"):
         asyncio.run(wait_ready(plane, _Feed([]), layout, 0.2))  # type: ignore[arg-type]
+
+
+def test_a_group_member_that_restarted_is_refused_naming_the_ranks_that_still_hold_the_group() -> None:
+    """A trial restarted a tp rank that does not host its group's store: every rank was 'ready', the start went
+    on, and the first collective failed, blaming the healthy rank."""
+    from agents.control.ready import check_groups_current
+    from agents.layout import store_name
+
+    layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
+    stores = {g: f"tcp://10.0.0.{i}:29500" for i, g in enumerate(("us/stage0", "eu/stage1"))}
+
+    def status(rank: int, joined: bool) -> StatusMessage:
+        group = layout.role(rank).group
+        extra = {"endpoints": {store_name(group): stores[group]}} if layout.role(rank).group_rank == 0 else {}
+        return StatusMessage(rank, "ready", extra={**extra, **({"joined": stores[group]} if joined else {})})
+
+    check_groups_current(layout, {r: status(r, True) for r in range(4)})  # every group whole
+    check_groups_current(layout, {r: status(r, False) for r in range(4)})  # a fresh job: groups form at the start
+    restarted = {r: status(r, r != 3) for r in range(4)}
+    with pytest.raises(
+        AgentRefused, match=r"rank 3 of group 'eu/stage1' restarted .* rank 2 still holds it .*restart rank 2"
+    ):
+        check_groups_current(layout, restarted)

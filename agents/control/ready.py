@@ -149,7 +149,8 @@ async def warn_unechoed_status(cp: ControlPlane, rank: int, patience_s: float = 
 def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
     """AgentRefused when a rank's group was formed at a store its host no longer holds: the group's rank 0 (which
     hosts it) restarted since, and the rank kept its group, whose first collective would fail (a trial: the healthy
-    rank was then blamed, and an elastic job re-planned without its GPU)."""
+    rank was then blamed, and an elastic job re-planned without its GPU); or when another member restarted since
+    (it has joined no group yet, the others hold one with its earlier process: a trial's restarted tp rank 1)."""
     from agents.layout import store_name
 
     hosts = {role.group: role.rank for role in layout.roles if role.group_rank == 0}
@@ -162,6 +163,18 @@ def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) 
                 f"agent rank {rank} on {status.host or '?'} formed its group {group!r} with an earlier process of "
                 f"rank {hosts[group]}, which restarted since (its group's store was at {joined}, now {now}); "
                 f"restart rank {rank} too (with --resume), so the group forms again"
+            )
+    members: dict[str, list[int]] = {}
+    for rank in sorted(statuses):
+        members.setdefault(layout.role(rank).group, []).append(rank)
+    for group, ranks in members.items():  # a member restarted: the others' group still counts its old process
+        fresh = [r for r in ranks if statuses[r].extra.get("joined") is None]
+        if fresh and len(fresh) < len(ranks):
+            kept = [r for r in ranks if r not in fresh]
+            raise AgentRefused(
+                f"{rank_list(fresh)} of group {group!r} restarted since the group formed, and {rank_list(kept)} "
+                f"still hold{'s' * (len(kept) == 1)} it with the earlier process; restart {rank_list(kept)} too "
+                "(with --resume), so the group forms again"
             )
 
 
