@@ -50,6 +50,9 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(embedded_broker, tmp_p
         # 'geosched job checkpoint': a step already done is refused; now (the agents idle) is acknowledged
         with pytest.raises(InputError, match="--after-step 2: that step is done .*has completed 6 steps"):
             asyncio.run(checkpoint_job(url, "full", after_step=2))
+        # a step to come while nothing trains: refused at once (a trial waited its timeout, told to check folders)
+        with pytest.raises(InputError, match=r"--after-step 100: job 'full' is not training \(its agents are ready"):
+            asyncio.run(checkpoint_job(url, "full", after_step=100))
         written = asyncio.run(checkpoint_job(url, "full", timeout_s=60))
         assert (written.step, written.ranks, written.folder) == (6, (0, 1), str(ckpt.resolve()))
         assert (ckpt / "step-000006" / "manifest.json").is_file()

@@ -212,6 +212,11 @@ async def checkpoint_job(
                 _check_groups(plan.text, {r: statuses[r] for r in live})
             training = [statuses[r] for r in live if statuses[r].state == "training"]
             ends = [int(s.extra["next_step"]) + int(s.extra["steps"]) for s in training if _has_end(s)]
+            if after_step is not None and not training:  # it would wait out its timeout, then blame the folders
+                raise InputError(
+                    f"--after-step {after_step}: job {job!r} is not training (its agents are ready after {done} "
+                    "steps), so no step comes; leave it out to checkpoint the state now, or ask once 'job start' runs"
+                )
             if after_step is not None and ends and after_step >= min(ends):
                 raise InputError(
                     f"--after-step {after_step}: job {job!r} trains to step {min(ends) - 1}; ask for a step up to "
