@@ -128,3 +128,24 @@ def test_a_rank_killed_before_a_shared_barrier_releases_the_others_at_once() -> 
     assert time.monotonic() - began < 40  # not the barrier's minute
     assert results[1].exitcode == -signal.SIGKILL and results[1].value is None
     assert results[0].error == "BrokenBarrierError", results[0]
+
+
+def _wait_long(group: DataParallelGroup, started: object) -> str:
+    started.set()  # type: ignore[attr-defined]
+    time.sleep(120)
+    return "done"
+
+
+def test_a_stopped_local_group_starts_no_more_processes_and_kills_the_running_ones() -> None:
+    """A launch interrupted while it calibrated waited for its co-located ranks (forking new ones after the
+    signal): about 12 s on a loaded 2-core host before it ended. ``stop`` ends a group's processes at once."""
+    stop = threading.Event()
+    stop.set()
+    never = run_local_group(_wait_long, 2, None, deadline_s=120, stop=stop)
+    assert [(r.value, r.exitcode) for r in never] == [(None, None), (None, None)]  # none started
+    ctx = torch.multiprocessing.get_context("spawn")
+    started, stop = ctx.Event(), threading.Event()
+    threading.Thread(target=lambda: started.wait(60) and stop.set(), daemon=True).start()
+    killed = run_local_group(_wait_long, 2, started, deadline_s=120, stop=stop)
+    assert started.is_set() and all(r.value is None and r.exitcode in (-signal.SIGKILL, None) for r in killed), killed
+    assert killed[0].exitcode == -signal.SIGKILL or killed[1].exitcode == -signal.SIGKILL, killed  # the one waiting

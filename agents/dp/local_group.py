@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ def run_local_group(
     backend: str = "gloo",
     start_method: str = "spawn",
     on_death: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[LocalRankResult]:
     """Run ``fn(group, *args)`` in ``size`` fresh processes forming one gloo group on 127.0.0.1.
 
@@ -68,6 +70,7 @@ def run_local_group(
     ``backend="nccl"``: rank r on GPU r of this host. ``start_method="forkserver"`` forks the
     processes from a server that imported its preload modules once (no torch import per process).
     ``on_death`` is called once when a process dies without a result (e.g. to abort a barrier the others wait at).
+    ``stop`` set (the caller was interrupted): no more processes start, and those running are killed at once.
     """
     ctx: Any = torch.multiprocessing.get_context(start_method)  # spawn or forkserver: both make Processes
     results = ctx.Queue()
@@ -87,8 +90,10 @@ def run_local_group(
     deadline, pending = time.monotonic() + deadline_s, set(range(size))
     try:
         for p in procs:
+            if stop is not None and stop.is_set():
+                break
             p.start()
-        while pending and time.monotonic() < deadline:
+        while pending and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             try:
                 rank, value, error = results.get(timeout=0.2)
             except queue.Empty:  # a dead process has flushed whatever it sent
@@ -103,7 +108,8 @@ def run_local_group(
     finally:
         for p in procs:
             if p.pid is not None:
-                p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+                stopped = stop is not None and stop.is_set()
+                p.join(timeout=0.0 if stopped else max(0.0, min(10.0, deadline - time.monotonic())))
                 if p.is_alive():
                     p.kill()
                     p.join()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -118,6 +119,7 @@ def measure_plan_ranks(
     ctx, method = _context()
     barrier = ctx.Barrier(sum(g.size for g in groups))
     request = {"job": dump_dataclass(job), "repeats": repeats, "warmup": warmup, "started": time.time()}
+    stop = threading.Event()  # set when the caller is interrupted: the groups' threads stop their processes at once
     with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
         futures = [
             pool.submit(
@@ -132,10 +134,16 @@ def measure_plan_ranks(
                 backend=backend,
                 start_method=method,
                 on_death=barrier.abort,  # the other groups stop waiting for it at once
+                stop=stop,
             )
             for i, g in enumerate(groups)
         ]
-        results = [f.result() for f in futures]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:  # Ctrl-C, SIGTERM: the pool's exit waits for its threads, which start no processes now
+            stop.set()
+            barrier.abort()
+            raise
     failed = [(g, r) for g, rs in zip(groups, results) for r in rs if r.error is not None or r.value is None]
     if failed:  # a process that died, not one that gave up waiting for it
         g, r = min(failed, key=lambda f: f[1].error is not None)
