@@ -53,7 +53,7 @@ from agents.control.losses import RETAINED_SETTLE_S
 from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, StatusMessage
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
-from agents.control.ready import left_behind, own_status, warn_unechoed_status
+from agents.control.ready import duplicate_agent, left_behind, overwritten_by, warn_unechoed_status
 from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
 from agents.layout import (
@@ -267,13 +267,11 @@ class Agent:
         if isinstance(message, PlanMessage):
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
-            if self._overwritten(message):
-                whose = (
-                    "this agent's own will (the broker lost its connection)"
-                    if own_status(message)
-                    else f"an earlier agent of this rank (pid {message.pid} on {message.host})"
-                )
-                log.warning("rank %d: %s marked it %s; republishing its status", message.rank, whose, message.state)
+            if message.rank == self.opts.rank and (clash := duplicate_agent(message, self._status, self.cp)):
+                log.error("rank %d: %s", self.opts.rank, clash)
+                return 2
+            if (by := overwritten_by(message, self.opts.rank, self._status.get("state"))) is not None:
+                log.warning("rank %d: %s marked it %s; republishing its status", message.rank, by, message.state)
                 await self._set_status(self._status["state"])
                 return None
             endpoints = message.extra.get("endpoints")
@@ -290,14 +288,6 @@ class Agent:
         elif isinstance(message, CommandMessage):
             return await self._on_command(message)
         return None
-
-    def _overwritten(self, message: StatusMessage) -> bool:
-        """``message`` puts an end state over this live agent's status: the will of an earlier agent of its rank
-        (frozen, then dropped by the broker), or the last status of one thawed after an elastic re-plan, which
-        stops as 'replaced'. The coordinator then waited for the rank until its ready timeout (two trials)."""
-        if message.rank != self.opts.rank or self._status.get("state") in (None, "stopped", "error"):
-            return False
-        return message.state == "offline" or (message.state in ("stopped", "error") and not own_status(message))
 
     def _owned_endpoints(self, rank: int, endpoints: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``endpoints`` that the plan gives to ``rank`` (the rest are dropped and logged)."""

@@ -60,6 +60,7 @@ from geosched.errors import GeoschedError, InputError, ProtocolError
 
 __all__ = ["AgentIdentity", "AgentsNotReady", "ControlKeys", "ControlPlane", "ControlStats"]
 
+PROCESS_SINCE = time.time()  # when this process started (this module's import): in an agent's statuses
 log = logging.getLogger(__name__)
 
 
@@ -410,7 +411,7 @@ class ControlPlane:
         data: dict[str, Any] = {"rank": rank, "state": state}
         if self.agent is not None and self.agent.rank == rank:
             data.update(dc=self.agent.dc, stage=self.agent.stage, replica=self.agent.replica)
-        data.update(pid=os.getpid(), host=socket.gethostname(), time=time.time())
+        data.update(pid=os.getpid(), host=socket.gethostname(), time=time.time(), since=PROCESS_SINCE)
         data.update(fields)
         return self._encode("status", {k: v for k, v in data.items() if v is not None})
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exited_lost, lost_message
 from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan, printable
-from agents.control.plane import AgentsNotReady, ControlPlane
+from agents.control.plane import PROCESS_SINCE, AgentsNotReady, ControlPlane
 from agents.control.refused import rank_list
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
@@ -38,6 +38,8 @@ gone before the start) this long, with no newer status, as lost, and re-plans wi
 whole ready timeout; a supervisor restarting an agent publishes a newer status well within it."""
 ECHO_PATIENCE_S = 10.0
 """An agent whose own status the broker has not delivered back this long after it connected says so."""
+CLASH_CONNECTS = 4
+"""Broker connections an agent makes before it takes another live agent of its rank as a duplicate."""
 
 
 class AgentRefused(InputError):
@@ -144,6 +146,45 @@ async def warn_unechoed_status(cp: ControlPlane, rank: int, patience_s: float = 
             cp.address.username,
             cp.job,
         )
+
+
+def overwritten_by(message: StatusMessage, rank: int, state: str | None) -> str | None:
+    """Who put an end state over the status of the live agent of ``rank`` (in ``state``), if ``message`` does: the
+    will of an earlier agent of its rank (frozen, then dropped by the broker), its own will (the broker lost its
+    connection), or the last status of one thawed after an elastic re-plan, which stops as 'replaced'; the
+    coordinator then waited for the rank until its ready timeout (two trials). None if it does not."""
+    if message.rank != rank or state in (None, "stopped", "error"):
+        return None
+    if message.state == "offline" and own_status(message):
+        return "this agent's own will (the broker lost its connection)"
+    if message.state == "offline" or (message.state in ("stopped", "error") and not own_status(message)):
+        return f"an earlier agent of this rank (pid {message.pid} on {printable(message.host or '?')})"
+    return None
+
+
+def duplicate_agent(held: StatusMessage, mine: dict[str, Any], cp: ControlPlane | None) -> str | None:
+    """Why this agent should leave, when ``held`` (its rank's status, as the broker keeps it) is another live
+    agent's of this rank and plan (``mine``: this agent's own status fields), started before this one (``since``
+    in every agent's status), and this agent's connection keeps being taken over (``cp``'s connects: the two share
+    the rank's client id, so each connection pushes the other's out: a trial's pair reconnected 98 times each in
+    90 s); else None. A dead predecessor's status (a restart after a crash) takes no connection over, so its
+    successor stays."""
+    since, other = PROCESS_SINCE, held.extra.get("since")
+    if (
+        own_status(held)
+        or cp is None
+        or cp.stats.connects < CLASH_CONNECTS
+        or held.state not in ("starting", "ready", "training")
+        or held.extra.get("plan_id") != mine.get("plan_id")
+        or not isinstance(other, float)
+        or (other, held.pid or 0) >= (since, os.getpid())
+    ):
+        return None
+    return (
+        f"another agent of this rank runs (pid {held.pid} on {printable(held.host or '?')}, started "
+        f"{since - other:.0f} s before this one) and the two keep taking the rank's broker connection from each "
+        "other: this one leaves; stop that one first to replace it"
+    )
 
 
 def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
