@@ -55,6 +55,7 @@ def test_statuses_visible_training_and_killed_agent_stops_job(mqtt_broker, tmp_p
         report = json.loads((run / "report.json").read_text())
         assert report["steps"] == [0, 1] and report["losses"] == [s["loss"] for s in steps]
         assert report["predicted_iteration_s"] > 0 and set(report["wan_bytes"]) == {"us->eu", "eu->us"}
+        assert report["calibrated"] is False  # predicted from the config's GPUs: the summary line says so
         endpoints = json.loads((run / "endpoints.json").read_text())["ranks"]
         assert set(endpoints) == {"0", "1"} and "pipe/s1/r0" in endpoints["1"]["endpoints"]
         for name in ("timeline.png", "predicted.png", "timelines.png", "loss.png"):

@@ -129,7 +129,7 @@ def test_recorder_writes_the_run_folder_from_metrics(job, tmp_path: Path) -> Non
     assert report["skipped_steps"] == [1] and "loss 5.0000 -> 3.0000 (1 skipped: fp16 overflow)" in report_text(report)
     assert report["loss_rose"] is None and "WARNING" not in report_text(report)  # falling: nothing to say
     iteration = next(line for line in report_text({**report, "calibrated": False}).splitlines() if "iteration" in line)
-    assert "(measured/predicted 1.00; uncalibrated: the config's GPUs, not this host)" in iteration, iteration
+    assert "(measured/predicted 1.00; uncalibrated: from the config's GPUs and links)" in iteration, iteration
     assert report["wan_bytes"] == {"us->eu": 6000, "eu->us": 6000}
     for step, row in enumerate(report["per_step"]):  # each step's WAN bytes, as the agents' metrics count them
         wan = sum(metrics_record(reports[r.rank][step], r)["wan_bytes"] for r in layout.roles)

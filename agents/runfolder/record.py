@@ -179,7 +179,7 @@ class RunRecorder:
             predicted_bubble_fraction=None if predicted is None else predicted.bubble_fraction,
             predicted_sync_s=None if predicted is None else sync_seconds(predicted),
             wan_bytes=wan_bytes_sent(self.layout, reports),
-            extra={**ending, "source": "coordinator metrics", **(extra or {})},
+            extra={**ending, "source": "coordinator metrics", "calibrated": False, **(extra or {})},
         )
         report["files"] = {"endpoints": str(self.run / "endpoints.json"), "metrics": str(self.metrics_path)}
         write_run_folder(self.run, self.layout, reports, report, predicted_timeline=predicted)

@@ -454,7 +454,7 @@ def report_text(report: Mapping[str, Any]) -> str:
         f"iteration: measured {report['measured_iteration_s'] * 1e3:.1f} ms"
         + (
             f", predicted {predicted * 1e3:.1f} ms (measured/predicted {report['measured_vs_predicted']:.2f}"
-            + ("; uncalibrated: the config's GPUs, not this host" if report.get("calibrated") is False else "")
+            + ("; uncalibrated: from the config's GPUs and links" if report.get("calibrated") is False else "")
             + ")"
             if predicted
             else ""
