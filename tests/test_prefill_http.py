@@ -256,6 +256,9 @@ def test_expect_100_continue_is_refused_before_the_body_when_the_token_or_size_i
     first = _expect_continue(server, post + auth + b"Content-Length: 100000000\r\n")
     assert first.startswith(b"HTTP/1.1 413") and b"request_too_large" in first, first
     assert _expect_continue(server, post + auth + b"Content-Length: 15\r\n").startswith(b"HTTP/1.1 100 Continue")
+    get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"  # a GET route too: no invitation to a stranger
+    first = _expect_continue(server, get + b"Content-Length: 15\r\n")
+    assert first.startswith(b"HTTP/1.1 401") and b"Connection: close" in first, first
     body = json.dumps({"prompt": "hi"}).encode()
     with socket.create_connection((server.host, server.port), timeout=30) as conn:  # invited, then answered
         conn.sendall(post + auth + f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())

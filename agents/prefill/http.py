@@ -174,8 +174,8 @@ class PrefillHttpServer:
             [
                 web.post("/v1/completions", self._completions, expect_handler=self._expect),
                 web.post("/v1/prefill", self._prefill, expect_handler=self._expect),
-                web.get("/v1/models", self._models),
-                web.get("/v1/models/{model}", self._model),
+                web.get("/v1/models", self._models, expect_handler=self._expect),  # no 100 to a stranger's GET
+                web.get("/v1/models/{model}", self._model, expect_handler=self._expect),
             ]
         )
         app.on_response_prepare.append(_server_header)
