@@ -124,7 +124,8 @@ def test_job_start_names_the_bad_signature_of_the_rank_not_ready(rank_3_of_anoth
     plan, flags = rank_3_of_another_key_folder
     code, out, err = geosched(capsys, "job", "start", str(plan), "--ready-timeout", "3", *flags)
     assert code == 1, (out, err)
-    assert f"1 of 4 agents not ready after 3 s: ranks 3 ({BAD_SIGNATURE}); start them" in err, err
+    assert f"1 of 4 agents not ready after 3 s: ranks 3 ({BAD_SIGNATURE}); they run, but their statuses were " in err
+    assert "refused: restart them with this job's --keys folder" in err, err
     assert "no status" not in err
 
 

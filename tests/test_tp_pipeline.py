@@ -298,8 +298,8 @@ def test_launch_trains_a_tensor_parallel_plan(planned_by, tmp_path: Path, refere
                 config,
                 "dp2.yaml",
                 steps,
-                f"holds {steps} steps (0 to {steps - 1}: the job would train step {steps} next), which already "
-                f"cover --steps {steps}",
+                f"holds {steps + 2} steps (0 to {steps + 1}: the job would train step {steps + 2} next), which "
+                f"already cover --steps {steps}",  # the resumed run wrote its final state
             ),
             ("seed7-config.yaml", "seed7.yaml", steps + 4, "seed 0 in fp32, this one has seed 7 in fp32"),
             (config, "seed7.yaml", steps + 4, "was made for job.seed 7 (the config has 0)"),  # the plan's, not ours
