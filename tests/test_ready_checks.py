@@ -34,15 +34,49 @@ def test_a_group_member_that_restarted_is_refused_naming_the_ranks_that_still_ho
     layout = parse_layout(layout_plan_text(config_from_dict(TINY_CONFIG), ["us", "eu"], dp=2))
     stores = {g: f"tcp://10.0.0.{i}:29500" for i, g in enumerate(("us/stage0", "eu/stage1"))}
 
-    def status(rank: int, joined: bool) -> StatusMessage:
-        group = layout.role(rank).group
-        extra = {"endpoints": {store_name(group): stores[group]}} if layout.role(rank).group_rank == 0 else {}
-        return StatusMessage(rank, "ready", extra={**extra, **({"joined": stores[group]} if joined else {})})
+    def status(rank: int, trained: bool) -> StatusMessage:  # as an agent publishes it
+        role, extra = layout.role(rank), {}
+        if role.group_rank == 0:  # hosts its group's store (and so looks up no store: no 'joined')
+            extra["endpoints"] = {store_name(role.group): stores[role.group]}
+        elif trained:
+            extra["joined"] = stores[role.group]
+        return StatusMessage(rank, "ready", extra={**extra, **({"started": 1700000000123} if trained else {})})
 
-    check_groups_current(layout, {r: status(r, True) for r in range(4)})  # every group whole
+    check_groups_current(layout, {r: status(r, True) for r in range(4)})  # every group whole, trained together
     check_groups_current(layout, {r: status(r, False) for r in range(4)})  # a fresh job: groups form at the start
     restarted = {r: status(r, r != 3) for r in range(4)}
     with pytest.raises(
         AgentRefused, match=r"rank 3 of group 'eu/stage1' restarted .* rank 2 still holds it .*restart rank 2"
     ):
         check_groups_current(layout, restarted)
+
+
+def test_a_dp_group_trains_on_in_a_second_start_and_a_restarted_member_is_refused(embedded_broker, tmp_path) -> None:
+    """Real agents of one DC's group (dp 2): a second 'job start' of the same agents goes on (the group's store
+    host looks no store up, so it never says 'joined'); one member killed and restarted makes the next start
+    refuse, naming the rank that still holds the group."""
+    import asyncio
+    import io
+    import signal
+
+    from agent_helpers import log_tail, spawn_agent, stop_processes, tiny_plan
+
+    from agents.control.coordinator import start_job
+
+    url = embedded_broker.url_for("geosched")
+    plan = tiny_plan(tmp_path, ["us"], dp=2).read_text()
+    agents = [spawn_agent(url, "dp2", rank, "us", tmp_path) for rank in (0, 1)]
+
+    def start(steps: int) -> int:
+        return len(asyncio.run(start_job(url, "dp2", plan, steps=steps, ready_timeout_s=60, out=io.StringIO())).steps)
+
+    try:
+        assert start(2) == 2, log_tail(tmp_path)
+        assert start(2) == 2, log_tail(tmp_path)  # steps 2-3, the group as formed
+        agents[1].send_signal(signal.SIGKILL)
+        agents[1].wait(30)
+        agents[1] = spawn_agent(url, "dp2", 1, "us", tmp_path)
+        with pytest.raises(AgentRefused, match=r"rank 1 of group 'us/stage0' restarted .* restart rank 0 too"):
+            start(2)
+    finally:
+        stop_processes(agents)

@@ -6,6 +6,10 @@ agent that joined from the wrong DC, stage or replica, an agent's ``error``, an 
 and a ``job stop``, and names the ranks still missing at the timeout. An ``error`` retained from before the
 start (a dead agent's) waits for a newer status until the ready timeout: an operator restarts the agents, then
 ``job start`` at once (on a loaded host an agent can take over 10 s to publish).
+
+An agent's own side of it: whether the broker delivers its status back (:func:`warn_unechoed_status`), who put an
+end state over its status (:func:`overwritten_by`), and whether it is a second live agent of its rank, which
+leaves (:func:`duplicate_agent`).
 """
 
 from __future__ import annotations
@@ -191,7 +195,8 @@ def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) 
     """AgentRefused when a rank's group was formed at a store its host no longer holds: the group's rank 0 (which
     hosts it) restarted since, and the rank kept its group, whose first collective would fail (a trial: the healthy
     rank was then blamed, and an elastic job re-planned without its GPU); or when another member restarted since
-    (it has joined no group yet, the others hold one with its earlier process: a trial's restarted tp rank 1)."""
+    (its process has trained in no start yet, ``started``, while the others have, and hold the group with its earlier
+    process: a trial's restarted tp rank 1)."""
     from agents.layout import store_name
 
     hosts = {role.group: role.rank for role in layout.roles if role.group_rank == 0}
@@ -209,7 +214,7 @@ def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) 
     for rank in sorted(statuses):
         members.setdefault(layout.role(rank).group, []).append(rank)
     for group, ranks in members.items():  # a member restarted: the others' group still counts its old process
-        fresh = [r for r in ranks if statuses[r].extra.get("joined") is None]
+        fresh = [r for r in ranks if statuses[r].extra.get("started") is None]  # has trained in no start yet
         if fresh and len(fresh) < len(ranks):
             kept = [r for r in ranks if r not in fresh]
             raise AgentRefused(
