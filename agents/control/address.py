@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import socket
@@ -117,3 +118,12 @@ def fatal_error(
             f"TLS certificate of MQTT broker {address} is not trusted ({cause.verify_message}); {fix}"
         )
     return None
+
+
+def read_disconnect_error(client: aiomqtt.Client) -> None:
+    """Mark as read the error of a connection the broker dropped: aiomqtt leaves it unread when its context exits
+    while cancelled (an agent stopping as its broker goes down), and asyncio then logged 'Future exception was
+    never retrieved' with aiomqtt's traceback. Reads aiomqtt's private future: no public call gives it."""
+    future = getattr(client, "_disconnected", None)
+    if isinstance(future, asyncio.Future) and future.done() and not future.cancelled():
+        future.exception()

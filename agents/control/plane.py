@@ -33,7 +33,7 @@ from typing import Any
 
 import aiomqtt
 
-from agents.control.address import PAHO_LOG, BrokerAddress, BrokerUnreachable, fatal_error
+from agents.control.address import PAHO_LOG, BrokerAddress, BrokerUnreachable, fatal_error, read_disconnect_error
 from agents.control.auth import MAX_HEADER_BYTES, ControlKeys, RefusalReport, Refused, Signer, Verifier
 from agents.control.messages import (
     KINDS,
@@ -226,6 +226,7 @@ class ControlPlane:
             finally:
                 if self._client is not None:  # a connection lost: the outage starts now
                     self._lost_at = time.monotonic()
+                    read_disconnect_error(self._client)
                 self._client = None
                 self._connected.clear()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
