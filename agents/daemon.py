@@ -267,7 +267,7 @@ class Agent:
         if isinstance(message, PlanMessage):
             return await self._on_plan(message.text)
         elif isinstance(message, StatusMessage):
-            if message.rank == self.opts.rank and (clash := duplicate_agent(message, self._status, self.cp)):
+            if (clash := duplicate_agent(message, self.opts.rank, self._status, self.cp)) is not None:
                 log.error("rank %d: %s", self.opts.rank, clash)
                 return 2
             if (by := overwritten_by(message, self.opts.rank, self._status.get("state"))) is not None:

@@ -166,16 +166,17 @@ def overwritten_by(message: StatusMessage, rank: int, state: str | None) -> str 
     return None
 
 
-def duplicate_agent(held: StatusMessage, mine: dict[str, Any], cp: ControlPlane | None) -> str | None:
-    """Why this agent should leave, when ``held`` (its rank's status, as the broker keeps it) is another live
-    agent's of this rank and plan (``mine``: this agent's own status fields), started before this one (``since``
-    in every agent's status), and this agent's connection keeps being taken over (``cp``'s connects: the two share
-    the rank's client id, so each connection pushes the other's out: a trial's pair reconnected 98 times each in
-    90 s); else None. A dead predecessor's status (a restart after a crash) takes no connection over, so its
-    successor stays."""
+def duplicate_agent(held: StatusMessage, rank: int, mine: dict[str, Any], cp: ControlPlane | None) -> str | None:
+    """Why this agent of ``rank`` should leave, when ``held`` (a status, as the broker keeps it) is another live
+    agent's of its rank and plan (``mine``: this agent's own status fields), started before this one (``since`` in
+    every agent's status), and this agent's connection keeps being taken over (``cp``'s connects: the two share the
+    rank's client id, so each connection pushes the other's out: a trial's pair reconnected 98 times each in 90 s);
+    else None. A dead predecessor's status (a restart after a crash) takes no connection over, so its successor
+    stays."""
     since, other = PROCESS_SINCE, held.extra.get("since")
     if (
-        own_status(held)
+        held.rank != rank
+        or own_status(held)
         or cp is None
         or cp.stats.connects < CLASH_CONNECTS
         or held.state not in ("starting", "ready", "training")
@@ -288,7 +289,7 @@ async def wait_ready(
 
     want_plan = plan_id(layout.text)
     latest: dict[int, StatusMessage] = {}
-    stale: dict[int, float] = {}  # rank -> when its retained error counts (no newer status came by then)
+    stale: set[int] = set()  # ranks whose retained error counts at the deadline (no newer status came by then)
     gone: dict[int, float] = {}  # rank -> when its offline status counts as a loss (lose_offline_after_s)
     ranks = {role.rank for role in layout.roles}
     loop = asyncio.get_running_loop()
@@ -310,16 +311,16 @@ async def wait_ready(
                 f"no newer status in {lose_offline_after_s:g} s)",
                 lost,
             )
-        for rank, due in stale.items():
-            if loop.time() >= due:  # nothing newer from that rank: its error stands
-                held = latest[rank]
-                raise AgentsNotReady(
-                    f"job {cp.job!r}: the last agent of rank {rank} (pid {held.pid} on {printable(held.host or '?')}) "
-                    f"failed before this start ({printable(held.extra.get('message', 'error'), 300)}), and no "
-                    f"newer status came within --ready-timeout {timeout_s:g} s: restart rank {rank}'s agent",
-                    [rank],
-                )
         left = deadline - loop.time()
+        if left <= 0 and stale:  # nothing newer from that rank: its error stands
+            rank = min(stale)
+            held = latest[rank]
+            raise AgentsNotReady(
+                f"job {cp.job!r}: the last agent of rank {rank} (pid {held.pid} on {printable(held.host or '?')}) "
+                f"failed before this start ({printable(held.extra.get('message', 'error'), 300)}), and no "
+                f"newer status came within --ready-timeout {timeout_s:g} s: restart rank {rank}'s agent",
+                [rank],
+            )
         if left <= 0:
             missing = [r.rank for r in layout.roles if r.rank not in ready]
             refused = cp.refused_statuses.of(latest)  # by rank: a bad signature, say
@@ -349,7 +350,7 @@ async def wait_ready(
             )
             next_line += WAITING_LINE_S
         wait = min(
-            [left, next_line - loop.time(), *(due - loop.time() for due in [*stale.values(), *gone.values()])]
+            [left, next_line - loop.time(), *(due - loop.time() for due in gone.values())]
             + ([EXIT_POLL_S] if exits is not None else [])
         )
         try:
@@ -366,7 +367,7 @@ async def wait_ready(
         if not isinstance(message, StatusMessage):
             continue
         before, latest[message.rank] = latest.get(message.rank), message
-        stale.pop(message.rank, None)
+        stale.discard(message.rank)
         if message.state != "offline" or lose_offline_after_s is None or message.rank not in ranks:
             gone.pop(message.rank, None)
         elif message.rank not in gone:
@@ -377,7 +378,7 @@ async def wait_ready(
             if stopped and before is not None and before.state != "stopped":  # not a stop of an earlier attempt
                 raise JobStopped(f"job {cp.job!r}: stopped by 'geosched job stop' before it started")
             if message.state == "error" and message.retained:  # from before this start: its agent may be restarting
-                stale[message.rank] = deadline
+                stale.add(message.rank)
             elif message.state == "error":
                 raise AgentRefused(lost_message(cp.job, message, None))
             check_joined(layout, {message.rank: message})
