@@ -46,11 +46,11 @@ def test_a_connection_whose_first_frame_came_before_its_accepted_event_is_no_str
     strangers = Unidentified(1.0, port=listener.getsockname()[1])
     client, conn = _connect(listener)
     with client, conn:
-        assert strangers.identified(conn.fileno(), AUTO_A, lambda: None)
+        assert strangers.identified(conn.fileno(), AUTO_A)
         strangers.accepted(conn.fileno(), now=0.0)  # its event, late
         strangers.expire(now=10.0)
         assert strangers.closed == 0 and not _was_shut(client)
-        assert not strangers.identified(conn.fileno(), AUTO_A, lambda: None)  # its later frames: known
+        assert not strangers.identified(conn.fileno(), AUTO_A)  # its later frames: known
 
 
 def test_the_next_connection_on_a_reused_descriptor_is_a_stranger_again(listener: socket.socket) -> None:
@@ -61,9 +61,9 @@ def test_the_next_connection_on_a_reused_descriptor_is_a_stranger_again(listener
     with client, conn:
         fd = conn.fileno()
         strangers.accepted(fd, now=0.0)
-        assert strangers.identified(fd, AUTO_A, lambda: None)
+        assert strangers.identified(fd, AUTO_A)
         strangers.gone(fd)
-        assert not strangers.identified(fd, AUTO_A, lambda: None)  # a frame of the closed one, read late
+        assert not strangers.identified(fd, AUTO_A)  # a frame of the closed one, read late
         strangers.accepted(fd, now=5.0)  # the stranger on the same descriptor
         strangers.expire(now=10.0)
         assert strangers.closed == 1 and _was_shut(client)
@@ -77,10 +77,10 @@ def test_a_peer_that_sets_its_own_id_is_identified_again_when_it_reconnects(list
     with client, conn:
         fd = conn.fileno()
         strangers.accepted(fd, now=0.0)
-        assert strangers.identified(fd, b"session-0", lambda: None)
+        assert strangers.identified(fd, b"session-0")
         strangers.gone(fd)
         strangers.accepted(fd, now=5.0)
-        assert strangers.identified(fd, b"session-0", lambda: None)
+        assert strangers.identified(fd, b"session-0")
         strangers.expire(now=10.0)
         assert strangers.closed == 0 and not _was_shut(client)
 
@@ -90,19 +90,20 @@ def test_a_new_connection_on_a_descriptor_whose_close_is_unread_reads_the_pendin
 ) -> None:
     """A frame of a new connection on a descriptor still held by an identified one: the old one's close is
     waiting in the monitor (libzmq reports a close before it frees the descriptor); it is read first."""
-    strangers = Unidentified(1.0, port=listener.getsockname()[1])
+    read: list[int] = []
+
+    def pending_events() -> None:  # the old connection's close, waiting in the monitor
+        read.append(fd)
+        strangers.gone(fd)
+
+    strangers = Unidentified(1.0, port=listener.getsockname()[1], read_events=pending_events)
     client, conn = _connect(listener)
     with client, conn:
         fd = conn.fileno()
         strangers.accepted(fd, now=0.0)
-        strangers.identified(fd, AUTO_A, lambda: None)
-        read: list[int] = []
-
-        def pending_events() -> None:
-            read.append(fd)
-            strangers.gone(fd)
-
-        assert strangers.identified(fd, AUTO_B, pending_events)
+        strangers.identified(fd, AUTO_A)
+        assert read == []  # its own descriptor: nothing to read first
+        assert strangers.identified(fd, AUTO_B)
         assert read == [fd]
         strangers.accepted(fd, now=1.0)  # the new one's event, late: it is identified already
         strangers.expire(now=10.0)

@@ -29,7 +29,6 @@ HTTP client that hung up): its compute stops at the next piece. Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -129,7 +128,11 @@ class PrefillService:
         self._monitor = monitor_events(self._sock)
         host = bind.removeprefix("tcp://").rsplit(":", 1)[0]
         self.port = bound_port(self._sock)
-        self._strangers = Unidentified(IDENTIFY_TIMEOUT_S, port=self.port)
+        self._strangers = Unidentified(
+            IDENTIFY_TIMEOUT_S,
+            port=self.port,
+            read_events=lambda: self._strangers.read_events(self._monitor, time.monotonic()),
+        )
         self.endpoint = f"tcp://{host}:{self.port}"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -201,11 +204,9 @@ class PrefillService:
     def fill(self, ready: Callable[[], bool], budget_s: float | None, *, in_bubble: bool = True) -> list[ChunkSpan]:
         """Run queued prefill in chunks until ``ready()`` or the work runs out; return the chunks run.
 
-        ``budget_s`` is the predicted idle time left (None: unknown). Each piece
-        of a chunk (half a block: the longest ``ready()`` goes unchecked) takes
-        at most half the remaining predicted time, between ``min_piece_s`` and
-        ``max_piece_s``; past the prediction, pieces of ``min_piece_s`` continue
-        while the message is still not there.
+        ``budget_s`` is the predicted idle time left (None: unknown). Each piece of a chunk (half a block: the
+        longest ``ready()`` goes unchecked) takes at most half the remaining predicted time, between ``min_piece_s``
+        and ``max_piece_s``; past the prediction, pieces of ``min_piece_s`` continue while the message is not there.
         """
         start = time.perf_counter()
         if in_bubble and budget_s is not None:
@@ -356,8 +357,7 @@ class PrefillService:
                 frames = [part.bytes for part in parts]
                 try:
                     if self._admit(frames):
-                        pending = functools.partial(self._strangers.read_events, self._monitor, time.monotonic())
-                        self._strangers.identified(parts[0].get(zmq.SRCFD), frames[0], pending)
+                        self._strangers.identified(parts[0].get(zmq.SRCFD), frames[0])
                 except Exception:  # noqa: BLE001 - the service must outlive any one request
                     log.exception("prefill request failed unexpectedly; answered with error")
                     self._reply_now(frames[0], None, "error", "internal error in the prefill service")

@@ -12,8 +12,8 @@ ACCEPTED (a stream was taken for a stranger, and its close went uncounted).
 
 from __future__ import annotations
 
-import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -94,13 +94,16 @@ class ConnectionEvents:
                 self.counters.disconnects += 1
                 self._on_disconnect(stream if stream >= 0 else self._fd_stream.pop(value, None), now)
 
-    def _identify(self, frame: zmq.Frame, ident: bytes, stream: int, now: float) -> None:
+    def _identify(self, frame: zmq.Frame, ident: bytes, stream: int) -> None:
         """Note which stream the connection a frame came on carries (its close tells which stream was lost)."""
         fd = frame.get(zmq.SRCFD)
-        assert self._router_events is not None  # frames with a routing id come to the listening side's ROUTER
-        read_events = functools.partial(self._on_monitor, self._router_events, now)
-        if self._unidentified.identified(fd, ident, read_events) or fd in self._fd_stream:
+        if self._unidentified.identified(fd, ident) or fd in self._fd_stream:
             self._fd_stream[fd] = stream
+
+    def _read_router_events(self) -> None:
+        """Take in the listening side's pending connection events (:class:`Unidentified`'s ``read_events``)."""
+        assert self._router_events is not None  # frames with a routing id come to the listening side's ROUTER
+        self._on_monitor(self._router_events, time.monotonic())
 
     def _on_disconnect(self, stream: int | None, now: float) -> None:
         """A connection closed: resend what its stream carried, or count a stranger that never identified."""

@@ -164,7 +164,7 @@ class InboundFrames(ConnectionEvents):
         if stream is None:
             return self._drop("unknown_peer", frame, f"{show(kind)} frame before hello")
         if ident is not None:
-            self._identify(frame, ident, stream, now)  # a stream reconnected under its own routing id says no hello
+            self._identify(frame, ident, stream)  # a stream reconnected under its own routing id says no hello
             self._last_heard = now  # the current session is alive
         if kind == "data":
             return self._on_data(sock, stream, h, frame, now)
@@ -301,9 +301,7 @@ class InboundFrames(ConnectionEvents):
             self._ident_stream.pop(old, None)  # the stream reconnected: its old connection is gone
         self._ident_stream[ident] = index
         self._stream_ident[index] = ident
-        self._identify(
-            frame, ident, index, now
-        )  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
+        self._identify(frame, ident, index)  # a stream now: an idle one is not cut at hello_timeout_s, nor pushed out
         self.send.slots[index].up = True
         if self._server_session is not None and hello is not None:
             welcome = self._header("welcome", stream=index, eph=self._server_session.eph_public, ts=hello.ts)

@@ -119,7 +119,9 @@ class LinkIO(InboundFrames):
         self._ident_stream: dict[bytes, int] = {}
         self._stream_ident: dict[int, bytes] = {}
         self._fd_stream: dict[int, int] = {}  # listening side: socket descriptor -> stream it carries
-        self._unidentified = Unidentified(config.hello_timeout_s, MAX_UNIDENTIFIED_PER_ADDRESS)  # not yet streams
+        self._unidentified = Unidentified(  # connections not yet streams
+            config.hello_timeout_s, MAX_UNIDENTIFIED_PER_ADDRESS, read_events=self._read_router_events
+        )
         self._failed_handshakes = 0
         self._last_heard = 0.0  # listening side: last valid frame from the current session
         self._probe_at = 0.0  # listening side: last time a competing hello made us ping the current session

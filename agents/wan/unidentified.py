@@ -47,9 +47,17 @@ class Unidentified:
     that way is not taken for a stranger when its event comes (it was, and was cut at the timeout).
     """
 
-    def __init__(self, timeout_s: float, per_address: int | None = None, *, port: int = 0) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        per_address: int | None = None,
+        *,
+        port: int = 0,
+        read_events: Callable[[], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.port = port  # the listener's, once bound: only connections to it are ever shut down
+        self._read_events = read_events  # takes in the listener's pending monitor events (see identified)
         self.closed = 0  # connections shut down so far
         self._since: dict[int, float] = {}  # descriptor -> when it was accepted
         self._shares = AddressShares(per_address) if per_address else None
@@ -85,16 +93,16 @@ class Unidentified:
             elif message["event"] == zmq.EVENT_DISCONNECTED:
                 self.gone(message["value"])
 
-    def identified(self, fd: int, peer: bytes, read_events: Callable[[], None]) -> bool:
+    def identified(self, fd: int, peer: bytes) -> bool:
         """A frame from connection ``peer`` (its routing id) on ``fd`` was accepted (a stream's hello, an
         authenticated request): it is no stranger. True the first time for that connection; False for its later
-        frames, also those read after it closed. ``read_events`` takes in the listener's pending monitor events:
-        called when ``fd`` still holds another identified connection, whose close is then waiting there (libzmq
-        reports a close before it frees the descriptor)."""
+        frames, also those read after it closed. Where ``fd`` still holds another identified connection, whose
+        close is then waiting in the listener's monitor (libzmq reports a close before it frees the descriptor),
+        the constructor's ``read_events`` takes that in first."""
         if self._open.get(fd) == peer or peer in self._gone:
             return False
-        if fd in self._open:
-            read_events()
+        if fd in self._open and self._read_events is not None:
+            self._read_events()
         if (old := self._open.get(fd)) is not None:
             self._closed_identified(old)
         self._open[fd] = peer
