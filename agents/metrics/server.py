@@ -13,8 +13,9 @@ core little, and one address's flood does not lock out another's scrapes and pro
 each connection, from its accept to its answer (TLS handshake included), by
 :data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
-only, each handshake on the connection's own thread (the accepting thread
-never waits for a client); without, plain HTTP.
+only (a plain HTTP request is answered 400 naming https://), each handshake on
+the connection's own thread (the accepting thread never waits for a client);
+without, plain HTTP.
 
 Example::
 
@@ -38,6 +39,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from agents.tls.plain import refuse_plain_http
 from geosched.errors import InputError
 from geosched.ratelimit import AddressRates, AddressShares
 
@@ -135,6 +137,9 @@ class _BoundedServer(ThreadingWSGIServer):
             if self.tls is not None:
                 request.settimeout(CLIENT_TIMEOUT_S)
                 try:
+                    if refuse_plain_http(request):
+                        self.shutdown_request(request)
+                        return
                     held[0] = request = self.tls.wrap_socket(request, server_side=True)
                 except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                     log.debug("metrics: TLS handshake with %s failed: %s", client_address, exc)

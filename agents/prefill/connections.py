@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from agents.tls.plain import PEEK_BYTES, plain_http_refusal
 from geosched.ratelimit import AddressShares
 
 UNHANDSHAKEN_SLACK_S = 1.0
@@ -296,9 +298,27 @@ def overloaded_response(verdict: str, limits: HttpLimits) -> bytes | None:
     return head.encode() + body
 
 
+async def plain_http_answer(loop: asyncio.AbstractEventLoop, conn: socket.socket, timeout_s: float) -> bytes | None:
+    """The ``400`` for a connection to the HTTPS port whose first bytes are plain HTTP
+    (:func:`~agents.tls.plain.plain_http_refusal`), once they came (TimeoutError after ``timeout_s``); else None,
+    the bytes left unread for the TLS handshake."""
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def arrived() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(conn.fileno(), arrived)
+    try:
+        await asyncio.wait_for(readable, timeout_s)
+    finally:
+        loop.remove_reader(conn.fileno())
+    return plain_http_refusal(conn.recv(PEEK_BYTES, socket.MSG_PEEK))
+
+
 class RefusingProtocol(asyncio.Protocol):
-    """Answers a connection over the limit with a 503 at once, reads and drops what comes for at most
-    :data:`REFUSAL_LINGER_S` (so closing does not reset the answer away), then closes."""
+    """Answers a connection over the limit with a 503 (plain HTTP to the HTTPS port: a 400) at once, reads and
+    drops what comes for at most :data:`REFUSAL_LINGER_S` (so closing does not reset the answer away), then closes."""
 
     def __init__(self, answer: bytes | None, done: Any) -> None:
         self.answer, self.done = answer, done
@@ -328,4 +348,11 @@ class RefusingProtocol(asyncio.Protocol):
         self.done()
 
 
-__all__ = ["ConnectionGuard", "GuardedProtocol", "HttpLimits", "RefusingProtocol", "overloaded_response"]
+__all__ = [
+    "ConnectionGuard",
+    "GuardedProtocol",
+    "HttpLimits",
+    "RefusingProtocol",
+    "overloaded_response",
+    "plain_http_answer",
+]

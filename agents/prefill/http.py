@@ -18,9 +18,9 @@ Bounded as :mod:`agents.prefill.connections` says (:class:`HttpLimits`:
 connections and requests in flight at once, the headers', the body's, the
 keep-alive's and a KV answer's time): a connection over the limit is answered
 503 (``Retry-After: 1``) and closed, a request over the in-flight limit 503
-(``Retry-After: 1``), a client trickling or idling past its time cut off.
-With ``tls`` (an :func:`agents.tls.context.server_context`) it speaks HTTPS
-only; without, plain HTTP, and it logs a warning.
+(``Retry-After: 1``), a client trickling or idling past its time cut off. With ``tls`` (an
+:func:`agents.tls.context.server_context`) it speaks HTTPS only (plain HTTP to it: 400 naming https://);
+without, plain HTTP, and it logs a warning.
 
 The server runs its own event loop on its own thread, as the service runs its
 network thread; :meth:`PrefillHttpServer.close` answers every waiting request
@@ -61,6 +61,7 @@ from agents.prefill.connections import (
     HttpLimits,
     RefusingProtocol,
     overloaded_response,
+    plain_http_answer,
 )
 from agents.prefill.parser_errors import ServerLog, connection_handler
 from agents.prefill.protocol import PrefillResponse, token_matches
@@ -112,10 +113,8 @@ class PrefillHttpServer:
                 self.url,
             )
         self._guard = ConnectionGuard(self.limits)
-        limits = self.limits  # connections a second, per address and in all, before any TLS handshake
-        self._rates = AddressRates(
-            limits.connections_per_s, 4 * limits.connections_per_s, 10 * limits.connections_per_s
-        )
+        rate = self.limits.connections_per_s  # connections a second, per address and in all, before any TLS handshake
+        self._rates = AddressRates(rate, 4 * rate, 10 * rate)
         self._opening: set[asyncio.Task[None]] = set()  # connections in their TLS handshake
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -198,9 +197,8 @@ class PrefillHttpServer:
             log.info("prefill HTTP front end on %s", self.url)
             self._ready.set()
             await self._stop.wait()
-            closing = PrefillResponse(
-                None, "error", reason="the agent's prefill service is shutting down; retry elsewhere"
-            )
+            reason = "the agent's prefill service is shutting down; retry elsewhere"
+            closing = PrefillResponse(None, "error", reason=reason)
             for future in list(self._pending):
                 if not future.done():
                     future.set_result(closing)
@@ -234,12 +232,15 @@ class PrefillHttpServer:
     async def _open(self, conn: socket.socket, address: str) -> None:
         """Hand an accepted connection to the guard's protocol (:meth:`_protocol`), through its TLS handshake."""
         assert self._loop is not None
+        protocol, tls = self._protocol(address), self.tls  # admitted now: one that has said nothing yet counts
         try:
+            timeout = self.limits.header_timeout_s
+            if tls is not None and isinstance(protocol, GuardedProtocol):
+                if (plain := await plain_http_answer(self._loop, conn, timeout)) is not None:
+                    inner, tls = protocol.inner, None
+                    protocol = RefusingProtocol(plain, lambda: self._guard.lost(inner))
             await self._loop.connect_accepted_socket(
-                lambda: self._protocol(address),
-                conn,
-                ssl=self.tls,
-                ssl_handshake_timeout=self.limits.header_timeout_s if self.tls is not None else None,
+                lambda: protocol, conn, ssl=tls, ssl_handshake_timeout=timeout if tls is not None else None
             )
         except (TimeoutError, OSError) as exc:  # a failed or slow handshake (ssl.SSLError is an OSError)
             log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
@@ -310,11 +311,9 @@ class PrefillHttpServer:
             except HttpError as refusal:
                 return self._refusal(refusal)
             self.service.count_refused("bad_requests")
-            error = HttpError(
-                exc.status, f"{exc.reason}: {request.method} {request.path[:100]}", "invalid_request_error"
-            )
+            err = HttpError(exc.status, f"{exc.reason}: {request.method} {request.path[:100]}", "invalid_request_error")
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
-            return web.json_response(error.body(), status=exc.status, headers=allow)
+            return web.json_response(err.body(), status=exc.status, headers=allow)
         except ConnectionError:
             raise  # the client is gone (or was cut off): nothing to answer
         except Exception:  # noqa: BLE001 - one request's failure is not the server's

@@ -108,7 +108,7 @@ def prefill_over_http(
     try:
         message = str(json.loads(data)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        message = data[:200].decode("utf-8", "replace")
+        message = data[:200].decode("utf-8", "replace").strip()
     status = {429: "rejected", 504: "expired"}.get(reply.status, "error")
     return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {message}")
 
