@@ -6,11 +6,13 @@ the prefill HTTP front end's, before their TLS handshakes), :class:`AddressShare
 per address). :class:`RateLimitedLog`: which refusals get a log line, one
 per key (a client, a peer address) per interval and a bounded number in all, so a flood from many addresses
 cannot fill a disk (the embedded broker's refusals, the WAN listeners' and the ZAP handler's dropped peers).
-One thread calls each (an accept loop, a link's thread): no lock.
+One thread calls each (an accept loop, a link's thread): no lock, but for :class:`AddressRates`, which a
+connection's thread may vouch to.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 
@@ -37,20 +39,40 @@ class AddressRates:
     """Connections taken from each address (``per_address`` a second, ``burst`` in a row) and from all together
     (``overall``): a listener's admission before any work (a TLS handshake) is spent on a connection, so one
     address's flood costs little and does not lock another's clients out. The ``remembered`` most recently seen
-    addresses keep their buckets (the oldest is forgotten first)."""
+    addresses keep their buckets (the oldest is forgotten first).
 
-    def __init__(self, per_address: float, burst: float, overall: float, remembered: int = 1024) -> None:
-        self.per_address, self.burst, self.remembered = per_address, burst, remembered
+    The ``overall`` budget is two: one for strangers, one for the ``vouched`` addresses most recently shown to be
+    clients (:meth:`vouch`: a request with the token answered, or for an endpoint without one any request
+    answered). A flood from many addresses that never get that far (a trial's connect-and-close from 12 addresses
+    at 1,100 a second let 3 of 84 requests through) spends the strangers' budget only."""
+
+    def __init__(
+        self, per_address: float, burst: float, overall: float, remembered: int = 1024, vouched: int = 256
+    ) -> None:
+        self.per_address, self.burst, self.remembered, self.vouched = per_address, burst, remembered, vouched
         self._rates: OrderedDict[str, TokenBucket] = OrderedDict()
         self._all = TokenBucket(overall, 2 * overall)
+        self._vouched_all = TokenBucket(overall, 2 * overall)
+        self._vouched: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()  # vouch() may come from a connection's thread
 
     def allow(self, address: str) -> bool:
-        """Whether a connection from ``address`` is within its own rate and everyone's (a token is spent)."""
-        rate = self._rates.pop(address, None) or TokenBucket(self.per_address, self.burst)
-        self._rates[address] = rate  # the most recently seen last
-        if len(self._rates) > self.remembered:
-            self._rates.popitem(last=False)
-        return rate.take() and self._all.take()
+        """Whether a connection from ``address`` is within its own rate and its kind's (a token is spent)."""
+        with self._lock:
+            rate = self._rates.pop(address, None) or TokenBucket(self.per_address, self.burst)
+            self._rates[address] = rate  # the most recently seen last
+            if len(self._rates) > self.remembered:
+                self._rates.popitem(last=False)
+            return rate.take() and (self._vouched_all if address in self._vouched else self._all).take()
+
+    def vouch(self, address: str) -> None:
+        """``address`` has shown itself a client: its connections draw on the vouched budget from now on (the
+        ``vouched`` most recent such addresses are remembered)."""
+        with self._lock:
+            self._vouched.pop(address, None)
+            self._vouched[address] = None
+            if len(self._vouched) > self.vouched:
+                self._vouched.popitem(last=False)
 
 
 class AddressShares:

@@ -9,7 +9,8 @@ anything. Request lines and headers are bounded by the standard library,
 connections at once by :data:`MAX_CLIENTS`, :data:`MAX_CLIENTS_PER_ADDRESS` of them from one address (more
 are closed unanswered), connections a second from one address by :data:`CONNECTIONS_PER_S` and from all by
 :data:`ALL_CONNECTIONS_PER_S` (more are closed unanswered before any TLS handshake: a flood costs the process's
-core little, and one address's flood does not lock out another's scrapes and probes), and
+core little, and one address's flood does not lock out another's scrapes and probes; an address answered before
+has an overall budget apart from strangers', so a flood from many addresses does not lock out a known scraper), and
 each connection, from its accept to its answer (TLS handshake included), by
 :data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
@@ -94,6 +95,7 @@ class _BoundedServer(ThreadingWSGIServer):
     its accept; TLS (``tls``) handshaken on that thread."""
 
     tls: ssl.SSLContext | None = None
+    request_queue_size = 128  # the listen backlog: socketserver's 5 dropped a flood's and a scraper's connections
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
@@ -122,6 +124,10 @@ class _BoundedServer(ThreadingWSGIServer):
                 self._per_address.give_back(address)
                 return False
             return True
+
+    def vouch(self, address: str) -> None:
+        """``address`` was answered a scrape or probe (any thread): :meth:`AddressRates.vouch`."""
+        self._rates.vouch(address)
 
     def _give_back(self, address: str) -> None:
         with self._lock:
@@ -163,8 +169,11 @@ def _cut(held: list[socket.socket]) -> None:
         pass  # already closed
 
 
-def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., Iterable[bytes]]:
-    """The WSGI app: ``/health`` from ``health``, ``/metrics`` (and ``/``) from prometheus_client, else 404."""
+def metrics_app(
+    registry: CollectorRegistry, health: Health, served: Callable[[str], None] = lambda address: None
+) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``/health`` from ``health``, ``/metrics`` (and ``/``) from prometheus_client, else 404;
+    ``served(client address)`` after each GET or HEAD of those."""
     prometheus = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], respond: Callable[..., Any]) -> Iterable[bytes]:
@@ -178,12 +187,13 @@ def metrics_app(registry: CollectorRegistry, health: Health) -> Callable[..., It
         if method == "HEAD":  # the GET's status and headers, no body (prometheus_client itself refuses HEAD)
             app({**environ, "REQUEST_METHOD": "GET"}, start_response)
             return []
-        if path in ("/metrics", "/"):
-            result: Iterable[bytes] = prometheus(environ, start_response)
-            return result
-        if path != "/health":
+        if path not in ("/metrics", "/", "/health"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: try /metrics or /health\n"]
+        served(str(environ.get("REMOTE_ADDR", "")))
+        if path != "/health":
+            result: Iterable[bytes] = prometheus(environ, start_response)
+            return result
         try:
             ok, body = health()
         except Exception as exc:  # noqa: BLE001 - a failing check is an unhealthy process, never a 500
@@ -211,7 +221,7 @@ class MetricsServer:
         self.host, self.port, self.tls = host, port, tls
         self.advertise_host = advertise_host  # what url() names for an any-address bind (None: 127.0.0.1)
         self._any_address = False
-        self._app = metrics_app(registry, health)
+        self._app = metrics_app(registry, health, self._served)
         self._httpd: Any = None
         self._thread: threading.Thread | None = None
 
@@ -239,6 +249,12 @@ class MetricsServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
         return self
+
+    def _served(self, address: str) -> None:
+        """A scrape or probe was answered: its address's connections no longer draw on the strangers' budget."""
+        httpd = self._httpd
+        if httpd is not None and address:
+            httpd.vouch(address)
 
     def url(self) -> str:
         """``http(s)://HOST:PORT/metrics``; an any-address bind (however written: ``0.0.0.0``, ``::``, ``0``) is

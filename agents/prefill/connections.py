@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import ssl
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from agents.tls.plain import PEEK_BYTES, plain_http_refusal
 from geosched.ratelimit import AddressShares
+
+log = logging.getLogger(__name__)
 
 UNHANDSHAKEN_SLACK_S = 1.0
 """An accepted TLS connection that never finished its handshake is forgotten this long after asyncio gave up on it."""
@@ -316,6 +320,36 @@ async def plain_http_answer(loop: asyncio.AbstractEventLoop, conn: socket.socket
     return plain_http_refusal(conn.recv(PEEK_BYTES, socket.MSG_PEEK))
 
 
+async def open_guarded(
+    loop: asyncio.AbstractEventLoop,
+    conn: socket.socket,
+    protocol: GuardedProtocol | RefusingProtocol,
+    guard: ConnectionGuard,
+    tls: ssl.SSLContext | None,
+    timeout_s: float,
+) -> None:
+    """Bring an accepted connection up with ``protocol``, which ``guard`` admitted already (so one that says nothing
+    yet holds its place): plain HTTP to the TLS port is answered 400 (:func:`plain_http_answer`), else the TLS
+    handshake runs, each within ``timeout_s``. A connection that ends before it is up (a failed or slow handshake, a
+    stranger's connect-and-close) gives its place back at once: held until the guard forgot it, a trial's flood of
+    them filled every place and kept hundreds of MB of handlers alive."""
+    try:
+        if tls is not None and isinstance(protocol, GuardedProtocol):
+            if (plain := await plain_http_answer(loop, conn, timeout_s)) is not None:
+                inner, tls = protocol.inner, None
+                protocol = RefusingProtocol(plain, lambda: guard.lost(inner))
+        handshake_s = timeout_s if tls is not None else None
+        await loop.connect_accepted_socket(lambda: protocol, conn, ssl=tls, ssl_handshake_timeout=handshake_s)
+    except (TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+        log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
+        conn.close()
+        if protocol.transport is None:  # never up: asyncio tells its protocol nothing
+            if isinstance(protocol, GuardedProtocol):
+                guard.lost(protocol.inner)
+            else:
+                protocol.done()
+
+
 class RefusingProtocol(asyncio.Protocol):
     """Answers a connection over the limit with a 503 (plain HTTP to the HTTPS port: a 400) at once, reads and
     drops what comes for at most :data:`REFUSAL_LINGER_S` (so closing does not reset the answer away), then closes."""
@@ -353,6 +387,7 @@ __all__ = [
     "GuardedProtocol",
     "HttpLimits",
     "RefusingProtocol",
+    "open_guarded",
     "overloaded_response",
     "plain_http_answer",
 ]

@@ -60,8 +60,8 @@ from agents.prefill.connections import (
     GuardedProtocol,
     HttpLimits,
     RefusingProtocol,
+    open_guarded,
     overloaded_response,
-    plain_http_answer,
 )
 from agents.prefill.parser_errors import ServerLog, connection_handler
 from agents.prefill.protocol import PrefillResponse, token_matches
@@ -230,23 +230,12 @@ class PrefillHttpServer:
             opening.add_done_callback(self._opening.discard)
 
     async def _open(self, conn: socket.socket, address: str) -> None:
-        """Hand an accepted connection to the guard's protocol (:meth:`_protocol`), through its TLS handshake."""
+        """Bring an accepted connection up behind the guard's protocol (:meth:`_protocol`, :func:`open_guarded`)."""
         assert self._loop is not None
-        protocol, tls = self._protocol(address), self.tls  # admitted now: one that has said nothing yet counts
-        try:
-            timeout = self.limits.header_timeout_s
-            if tls is not None and isinstance(protocol, GuardedProtocol):
-                if (plain := await plain_http_answer(self._loop, conn, timeout)) is not None:
-                    inner, tls = protocol.inner, None
-                    protocol = RefusingProtocol(plain, lambda: self._guard.lost(inner))
-            await self._loop.connect_accepted_socket(
-                lambda: protocol, conn, ssl=tls, ssl_handshake_timeout=timeout if tls is not None else None
-            )
-        except (TimeoutError, OSError) as exc:  # a failed or slow handshake (ssl.SSLError is an OSError)
-            log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
-            conn.close()
+        protocol = self._protocol(address)
+        await open_guarded(self._loop, conn, protocol, self._guard, self.tls, self.limits.header_timeout_s)
 
-    def _protocol(self, address: str) -> asyncio.Protocol:
+    def _protocol(self, address: str) -> GuardedProtocol | RefusingProtocol:
         """The protocol of a connection just accepted from ``address``: aiohttp's behind the guard, or a refusal."""
         assert self._loop is not None and self._runner is not None and self._runner.server is not None
         inner = connection_handler(self._runner.server)  # aiohttp's RequestHandler: the guard's key for it
@@ -377,6 +366,8 @@ class PrefillHttpServer:
                 "invalid_api_key",
             )
         request[AUTHENTICATED] = True
+        if request.remote:  # a client: a flood of strangers' connections does not spend its connection budget
+            self._rates.vouch(request.remote)
 
     async def _ask(self, request: web.Request, kind: str) -> tuple[Ask, PrefillResponse]:
         """Authenticate, read and parse the body, queue it in the service, wait for its answer."""

@@ -1,0 +1,95 @@
+"""A flood of connect-and-close from many addresses against the HTTPS endpoints (a hostile tester's trial,
+reproduced with the real servers and real sockets): connections that end before their TLS handshake give their
+place back at once, and a client that was served before (with the token, for prefill; any scrape, for metrics)
+still gets in while the strangers' connection budget is spent."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from polling import wait_for
+from prefill_helpers import idle_worker
+
+from agents.metrics.families import AgentMetrics
+from agents.metrics.server import MetricsServer
+from agents.prefill.connections import HttpLimits
+from agents.prefill.http import PrefillHttpServer
+from agents.prefill.service import PrefillService
+from agents.tls.context import client_context, server_context
+from agents.tls.selfsigned import write_rehearsal_tls
+from geosched.model import ModelShape, build_model
+
+SHAPE = ModelShape(layers=1, hidden=16, heads=2, seq_len=32)
+TOKEN = "f" * 24
+STRANGERS = [f"127.0.9.{i}" for i in range(1, 41)]  # loopback too: other client addresses on this host
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def flood(port: int, per_address: int) -> None:
+    """Connect and close at once, ``per_address`` times from each stranger's address (no byte, no TLS)."""
+    for address in STRANGERS:
+        for _ in range(per_address):
+            with socket.socket() as sock:
+                sock.bind((address, 0))
+                sock.connect(("127.0.0.1", port))
+
+
+def test_a_prefill_client_gets_in_through_a_flood_that_leaves_no_place_held(tmp_path: Path) -> None:
+    files = write_rehearsal_tls(tmp_path)
+    tls = server_context(files.cert, files.key, "--prefill-http-tls-cert")
+    limits = HttpLimits(connections_per_s=1.0)  # strangers together: 10 a second, 20 in a row
+    with PrefillService(build_model(SHAPE, seed=2).eval(), auth_token=TOKEN) as service, idle_worker(service):
+        with PrefillHttpServer(service, "127.0.0.1", 0, tls=tls, limits=limits) as server:
+
+            def ask() -> int:
+                body = json.dumps({"prompt": "hi"}).encode()
+                headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+                request = urllib.request.Request(f"{server.url}/v1/completions", body, headers)
+                with urllib.request.urlopen(request, timeout=30, context=client_context(files.ca)) as response:
+                    return int(response.status)
+
+            assert ask() == 200  # the client is known from now on
+            flood(server.port, 4)  # 160 connections: every stranger's burst, past everyone's
+            stats = server.stats
+            assert wait_for(lambda: stats()["accepted"] + stats()["refused_connections"] == 1 + 160, 10.0)
+            refused = stats()["refused_connections"]
+            assert refused > 0  # the strangers' budget is spent
+            assert wait_for(lambda: stats()["open"] == 0, 5.0), stats()  # none held until forgotten (11 s)
+            assert ask() == 200 and server.stats()["refused_connections"] == refused
+
+
+def closed_unanswered(address: str, port: int) -> bool:
+    """Whether a connection from ``address`` is closed before anything is said (the TLS server waits otherwise)."""
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        probe.connect(("127.0.0.1", port))
+        probe.settimeout(10)
+        try:
+            return probe.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_a_known_scraper_gets_in_through_a_flood_of_strangers(tmp_path: Path, monkeypatch) -> None:
+    import agents.metrics.server as server_module
+
+    for name, value in [("CONNECTIONS_PER_S", 1.0), ("CONNECTIONS_BURST", 4.0), ("ALL_CONNECTIONS_PER_S", 10.0)]:
+        monkeypatch.setattr(server_module, name, value)  # the bounds a server takes at its start, made small
+    files = write_rehearsal_tls(tmp_path)
+    metrics = AgentMetrics(0, "us")
+    context = server_context(files.cert, files.key, "--metrics-tls-cert")
+    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True), tls=context) as server:
+
+        def scrape() -> int:
+            with urllib.request.urlopen(server.url(), timeout=10, context=client_context(files.ca)) as response:
+                return int(response.status)
+
+        assert scrape() == 200  # known from now on
+        flood(server.port, 4)  # 160 connections: every stranger's burst, past everyone's 20
+        assert closed_unanswered("127.0.9.200", server.port)  # a new stranger waits for the budget to refill
+        assert scrape() == 200
