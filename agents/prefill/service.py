@@ -4,10 +4,11 @@ Network I/O runs on the service's own thread (a ROUTER socket made by :func:`age
 decodes requests (:mod:`agents.prefill.protocol`), answers bad ones at once with ``error``, applies admission
 control (bounded queue, bounded KV memory, deadline feasibility against the predicted bubble capacity: ``rejected``
 with the reason), expires queued work past its deadline (``expired``) and sends the responses computed elsewhere. It
-never computes. A connection that has sent no authenticated request within :data:`IDENTIFY_TIMEOUT_S`, or the oldest
-beyond 64 such, is closed (:class:`agents.wan.unidentified.Unidentified`: idle ones would hold its descriptors); a
-client's unread answers are bounded (``sndhwm``). A front end that decodes requests itself (:mod:`agents.prefill.http`)
-hands them to :meth:`PrefillService.submit`: the same queue and admission.
+never computes, and on a one-core process it waits for a bubble (:mod:`agents.prefill.pacing`). A connection that
+has sent no authenticated request within :data:`IDENTIFY_TIMEOUT_S`, or the oldest beyond 64 such, is closed
+(:class:`agents.wan.unidentified.Unidentified`: idle ones would hold its descriptors); a client's unread answers are
+bounded (``sndhwm``). A front end that decodes requests itself (:mod:`agents.prefill.http`) hands them to
+:meth:`PrefillService.submit`: the same queue and admission.
 
 Computing happens only in :meth:`PrefillService.fill`, called by the stage runtime on the training thread when a
 receive has not arrived (a bubble): it runs queued prompts a chunk of tokens at a time (``forward_cached`` against
@@ -15,10 +16,9 @@ the growing KV cache) and checks ``ready()`` between chunks and inside them, aft
 *piece*): training waits for at most one piece, never a whole chunk. So a chunk is sized by its pieces, not its
 length: each piece may take a share of the predicted remaining idle time (between ``min_piece_s`` and
 ``max_piece_s``), from the measured cost of a chunk (fixed + per token); on a small model a whole prompt is one
-chunk, since every chunk pays the fixed cost again (1.8 ms for a 1-token chunk of the 4-layer benchmark model on a
-2-core host, 4.5 ms for 48 tokens). ``serve_idle`` does the same on a stage that is not training at all. Every
-request gets exactly one response, also when the service closes, but one :meth:`PrefillService.cancel` drops (an
-HTTP client that hung up): its compute stops at the next piece. Example::
+chunk, since every chunk pays the fixed cost again. ``serve_idle`` does the same on a stage that is not training at
+all. Every request gets exactly one response, also when the service closes, but one :meth:`PrefillService.cancel`
+drops (an HTTP client that hung up): its compute stops at the next piece. Example::
 
     with PrefillService(model, bind="tcp://127.0.0.1:0") as service:
         runtime = StageRuntime(..., bubble_filler=service)
@@ -43,6 +43,7 @@ import zmq
 from agents.prefill.jobs import ChunkSpan, Reply, _Job
 from agents.prefill.metrics import PrefillMetrics
 from agents.prefill.model import ChunkCostModel, kv_bytes_per_token
+from agents.prefill.pacing import BubbleGate
 from agents.prefill.protocol import (
     BadRequest,
     PrefillRequest,
@@ -87,16 +88,11 @@ class PrefillService:
     ) -> None:
         assert model.first and model.last, "the inference model must be the whole model (first and last stage)"
         if not 0 < min_piece_s <= max_piece_s:
-            raise InputError(
-                f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s}, {max_piece_s} s)"
-            )
+            raise InputError(f"prefill pieces: need 0 < min_piece_s <= max_piece_s (got {min_piece_s}, {max_piece_s})")
         self.model, self.shape = model, model.shape
-        self.max_queue = max_queue
+        self.max_queue, self.max_kv_bytes, self.default_deadline_s = max_queue, max_kv_bytes, default_deadline_s
         self.max_prompt_tokens = min(max_prompt_tokens or model.shape.seq_len, model.shape.seq_len)
-        self.max_kv_bytes = max_kv_bytes
-        self.default_deadline_s = default_deadline_s
-        self.auth_token = auth_token
-        self.min_piece_s, self.max_piece_s = min_piece_s, max_piece_s
+        self.auth_token, self.min_piece_s, self.max_piece_s = auth_token, min_piece_s, max_piece_s
         self._kv_per_token = kv_bytes_per_token(model.shape, next(model.parameters()).dtype)
         self._lock = threading.Lock()
         self._compute = threading.Lock()  # one computing thread at a time (stages sharing a service)
@@ -108,6 +104,7 @@ class PrefillService:
         self._stop = threading.Event()
         self._forecast_share: float | None = None
         self._idle_servers = 0  # threads in serve_idle: no training is running, so every second is the stage's
+        self._gate = BubbleGate()  # open while computing in a bubble or serving idle: the network thread's turn
         self.metrics_ = PrefillMetrics()
         self.cost = ChunkCostModel.measure(model)
         self.sec_per_token = self.cost.seconds(TYPICAL_CHUNK) / TYPICAL_CHUNK  # whole prompts, for admission
@@ -215,7 +212,8 @@ class PrefillService:
         if not self._compute.acquire(blocking=False):
             return []  # another thread is computing: this bubble stays idle
         try:
-            return self._fill_chunks(ready, budget_s, in_bubble, start)
+            with self._gate.opened():
+                return self._fill_chunks(ready, budget_s, in_bubble, start)
         finally:
             self._compute.release()
 
@@ -242,9 +240,10 @@ class PrefillService:
         with self._lock:
             self._idle_servers += 1  # admission counts all of the time as the stage's to give
         try:
-            while not until() and not self._stop.is_set():
-                if self._work.wait(0.05):
-                    self.fill(until, slice_s, in_bubble=False)
+            with self._gate.opened():
+                while not until() and not self._stop.is_set():
+                    if self._work.wait(0.05):
+                        self.fill(until, slice_s, in_bubble=False)
         finally:
             with self._lock:
                 self._idle_servers -= 1
@@ -346,6 +345,7 @@ class PrefillService:
         next_expiry = 0.0
         while True:
             events = dict(poller.poll(POLL_MS))
+            self._gate.wait()  # on a one-core process, until a bubble (or serve_idle) gives the core's time
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             if self._monitor in events:
