@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agents.control.address import BrokerUnreachable
 from agents.control.auth import ControlKeys
 from agents.control.coordinator import BAD_STATES, RETAINED_SETTLE_S, AgentLost, lost_message
 from agents.control.liveness import WILL_GRACE_S
@@ -32,7 +33,7 @@ from agents.control.plane import ControlPlane
 from agents.control.refused import rank_list, summary
 from agents.control.watch import align
 from agents.layout import plan_id
-from geosched.errors import InputError
+from geosched.errors import GeoschedError, InputError
 
 METRICS_LISTEN_S = 3.0
 """How long ``job checkpoint`` listens for step metrics to learn the step a training job is in, and its pace."""
@@ -44,6 +45,21 @@ STOP_TIMEOUT_S = 30.0
 """How long ``job stop`` waits for every agent's acknowledgement."""
 DONE_STATES = ("stopped", "error", "offline")
 """States of an agent that no longer trains (``offline``: its will, or really gone)."""
+BROKER_GONE_S = 3.0
+"""How long ``job stop`` waits for a broker that went away after it took the stop before it says so."""
+
+
+class StopUnconfirmed(GeoschedError):
+    """The broker took the stop, then went away before ``ranks`` acknowledged it (a launch's broker ends with its
+    job as soon as the stop ends it)."""
+
+    def __init__(self, job: str, ranks: list[int]) -> None:
+        super().__init__(
+            f"job {job!r}: the broker took the stop, then went away before {rank_list(ranks)} acknowledged it, as a "
+            "launch's broker does once its job stops; with a broker of your own, 'geosched job status' confirms "
+            "once it is back"
+        )
+        self.ranks = ranks
 
 
 async def job_statuses(
@@ -136,22 +152,28 @@ async def stop_job(
             deadline, resend_at = loop.time() + timeout_s, loop.time() + resend_s
             offline_until = loop.time() + WILL_GRACE_S
 
-            def running() -> list[int]:
+            def running(done: tuple[str, ...] = DONE_STATES) -> list[int]:
                 return sorted(
                     r
                     for r, st in cp.statuses().items()
-                    if st.state not in DONE_STATES and plan_id in (None, st.extra.get("plan_id"))
+                    if st.state not in done and plan_id in (None, st.extra.get("plan_id"))
                 )
 
             def waiting() -> bool:
                 offline = any(st.state == "offline" for st in cp.statuses().values())
                 return bool(running()) or (offline and loop.time() < offline_until)
 
+            lost_at: float | None = None  # since when the broker that took the stop is away
             while waiting() and loop.time() < deadline:
                 with contextlib.suppress(TimeoutError):
                     await sub.get(max(0.0, min(resend_at, deadline) - loop.time()))
-                if loop.time() >= resend_at and waiting():
-                    await cp.publish_command("stop", seq=sent.seq, plan_id=plan_id)
+                lost_at = None if cp.connected else (lost_at or loop.time())
+                if lost_at is not None and loop.time() - lost_at >= BROKER_GONE_S and waiting():
+                    raise StopUnconfirmed(job, running(("stopped", "error")))
+                if loop.time() >= resend_at:
+                    if waiting() and cp.connected:
+                        with contextlib.suppress(BrokerUnreachable):  # gone meanwhile: said at a later turn
+                            await cp.publish_command("stop", seq=sent.seq, plan_id=plan_id, timeout=resend_s)
                     resend_at = loop.time() + resend_s
             if forget_plan:
                 await cp.clear_plan()
