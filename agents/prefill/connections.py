@@ -127,6 +127,7 @@ class ConnectionGuard:
         self._shares = AddressShares(limits.max_connections_per_address)
         self._refusing: dict[Hashable, float] = {}  # connections being answered 503 -> when accepted
         self.inflight = 0
+        self.failed_setups = 0  # connections that ended before they were up (a stranger's connect-and-close)
         self.counts = dict.fromkeys(
             ("accepted", "refused_connections", "refused_requests", "timed_out", "send_timeouts"), 0
         )
@@ -343,6 +344,7 @@ async def open_guarded(
     except (TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
         log.debug("prefill HTTP: a connection ended before it was up: %s", exc)
         conn.close()
+        guard.failed_setups += 1
         if protocol.transport is None:  # never up: asyncio tells its protocol nothing
             if isinstance(protocol, GuardedProtocol):
                 guard.lost(protocol.inner)

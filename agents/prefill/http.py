@@ -67,12 +67,15 @@ from agents.prefill.parser_errors import ServerLog, connection_handler
 from agents.prefill.protocol import PrefillResponse, token_matches
 from agents.prefill.service import PrefillService
 from geosched.errors import LinkError
+from geosched.processes import release_freed_memory
 from geosched.ratelimit import AddressRates
 
 log = logging.getLogger(__name__)
 
 BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") or an id ("65535,")
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
+FLOOD_SETUPS = 64  # connections failed before they were up since the last trim that make a flood
+TRIM_EVERY_S = 30.0  # while a flood lasts, its memory is given back this often at most
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
 AUTHENTICATED = web.RequestKey("geosched.authenticated", bool)  # set on a request whose token was checked and matched
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -245,14 +248,22 @@ class PrefillHttpServer:
         return RefusingProtocol(overloaded_response(verdict, self.limits), lambda: self._guard.refused(inner))
 
     async def _sweep(self) -> None:
-        """Close every connection the guard finds overdue (slow or idle clients), every ``limits.sweep_s``."""
+        """Close every connection the guard finds overdue, every ``limits.sweep_s``; after a flood of connections
+        that failed before they were up, give their memory back (:func:`release_freed_memory`)."""
         assert self._loop is not None
+        seen = trimmed = 0  # connections that failed before they were up: at the last sweep, at the last trim
+        trimmed_at = self._loop.time()
         while True:
             await asyncio.sleep(self.limits.sweep_s)
             for handler in self._guard.overdue(self._loop.time()):
                 transport = getattr(handler, "transport", None)
                 if transport is not None:
                     transport.abort()
+            failed, now = self._guard.failed_setups, self._loop.time()
+            if failed - trimmed >= FLOOD_SETUPS and (failed == seen or now - trimmed_at >= TRIM_EVERY_S):
+                release_freed_memory()
+                trimmed, trimmed_at = failed, now
+            seen = failed
 
     # -- requests -----------------------------------------------------------------------------
 
