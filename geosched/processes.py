@@ -86,7 +86,7 @@ def release_freed_memory() -> None:
     """Collect unreachable cycles, then hand what the C allocator holds free back to the system (glibc's
     ``malloc_trim``; elsewhere only the collection). After a flood of a stranger's connections an agent kept
     +250 MB (asyncio's 256 KiB TLS buffer of each, freed inside glibc's heap); this gave it back. A full
-    collection holds the GIL for a while (tens of ms in an agent): call it rarely."""
+    collection holds the GIL for a while (80-90 ms in an agent with a small model): call it rarely."""
     gc.collect()
     name = ctypes.util.find_library("c")
     if name is None or not sys.platform.startswith("linux"):
