@@ -5,27 +5,16 @@ still gets in while the strangers' connection budget is spent."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
+from https_helpers import https_metrics, https_prefill
 from polling import wait_for
-from prefill_helpers import idle_worker
 
-from agents.metrics.families import AgentMetrics
-from agents.metrics.server import MetricsServer
 from agents.prefill.connections import HttpLimits
-from agents.prefill.http import PrefillHttpServer
-from agents.prefill.service import PrefillService
-from agents.tls.context import client_context, server_context
-from agents.tls.selfsigned import write_rehearsal_tls
-from geosched.model import ModelShape, build_model
 
-SHAPE = ModelShape(layers=1, hidden=16, heads=2, seq_len=32)
-TOKEN = "f" * 24
 STRANGERS = [f"127.0.9.{i}" for i in range(1, 41)]  # loopback too: other client addresses on this host
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,27 +30,16 @@ def flood(port: int, per_address: int) -> None:
 
 
 def test_a_prefill_client_gets_in_through_a_flood_that_leaves_no_place_held(tmp_path: Path) -> None:
-    files = write_rehearsal_tls(tmp_path)
-    tls = server_context(files.cert, files.key, "--prefill-http-tls-cert")
     limits = HttpLimits(connections_per_s=1.0)  # strangers together: 10 a second, 20 in a row
-    with PrefillService(build_model(SHAPE, seed=2).eval(), auth_token=TOKEN) as service, idle_worker(service):
-        with PrefillHttpServer(service, "127.0.0.1", 0, tls=tls, limits=limits) as server:
-
-            def ask() -> int:
-                body = json.dumps({"prompt": "hi"}).encode()
-                headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-                request = urllib.request.Request(f"{server.url}/v1/completions", body, headers)
-                with urllib.request.urlopen(request, timeout=30, context=client_context(files.ca)) as response:
-                    return int(response.status)
-
-            assert ask() == 200  # the client is known from now on
-            flood(server.port, 4)  # 160 connections: every stranger's burst, past everyone's
-            stats = server.stats
-            assert wait_for(lambda: stats()["accepted"] + stats()["refused_connections"] == 1 + 160, 10.0)
-            refused = stats()["refused_connections"]
-            assert refused > 0  # the strangers' budget is spent
-            assert wait_for(lambda: stats()["open"] == 0, 5.0), stats()  # none held until forgotten (11 s)
-            assert ask() == 200 and server.stats()["refused_connections"] == refused
+    with https_prefill(tmp_path, limits) as (_, server, ask):
+        assert ask() == 200  # the client is known from now on
+        flood(server.port, 4)  # 160 connections: every stranger's burst, past everyone's
+        stats = server.stats
+        assert wait_for(lambda: stats()["accepted"] + stats()["refused_connections"] == 1 + 160, 10.0)
+        refused = stats()["refused_connections"]
+        assert refused > 0  # the strangers' budget is spent
+        assert wait_for(lambda: stats()["open"] == 0, 5.0), stats()  # none held until forgotten (11 s)
+        assert ask() == 200 and stats()["refused_connections"] == refused
 
 
 def closed_unanswered(address: str, port: int) -> bool:
@@ -81,15 +59,7 @@ def test_a_known_scraper_gets_in_through_a_flood_of_strangers(tmp_path: Path, mo
 
     for name, value in [("CONNECTIONS_PER_S", 1.0), ("CONNECTIONS_BURST", 4.0), ("ALL_CONNECTIONS_PER_S", 10.0)]:
         monkeypatch.setattr(server_module, name, value)  # the bounds a server takes at its start, made small
-    files = write_rehearsal_tls(tmp_path)
-    metrics = AgentMetrics(0, "us")
-    context = server_context(files.cert, files.key, "--metrics-tls-cert")
-    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True), tls=context) as server:
-
-        def scrape() -> int:
-            with urllib.request.urlopen(server.url(), timeout=10, context=client_context(files.ca)) as response:
-                return int(response.status)
-
+    with https_metrics(tmp_path) as (server, scrape):
         assert scrape() == 200  # known from now on
         flood(server.port, 4)  # 160 connections: every stranger's burst, past everyone's 20
         assert closed_unanswered("127.0.9.200", server.port)  # a new stranger waits for the budget to refill
@@ -106,11 +76,8 @@ def rss_mib() -> float:
 def test_a_flood_of_connections_that_never_come_up_leaves_no_memory_behind(tmp_path: Path) -> None:
     """A trial's 20 s flood left an agent +220-320 MB (asyncio's TLS buffers, freed inside the C heap, and cycles
     the collector had not reached); 600 connections of it left this process +80 MB."""
-    files = write_rehearsal_tls(tmp_path)
-    tls = server_context(files.cert, files.key, "--prefill-http-tls-cert")
-    with PrefillService(build_model(SHAPE, seed=2).eval(), auth_token=TOKEN) as service:
-        with PrefillHttpServer(service, "127.0.0.1", 0, tls=tls) as server:
-            before = rss_mib()
-            flood(server.port, 15)  # 600 connections from 40 addresses: within the default rates, mostly taken
-            assert server.stats()["accepted"] > 64  # more than ever fit at once: places were given back
-            assert wait_for(lambda: rss_mib() - before < 40, 10.0), (before, rss_mib())
+    with https_prefill(tmp_path, serving=False) as (_, server, _):
+        before = rss_mib()
+        flood(server.port, 15)  # 600 connections from 40 addresses: within the default rates, mostly taken
+        assert server.stats()["accepted"] > 64  # more than ever fit at once: places were given back
+        assert wait_for(lambda: rss_mib() - before < 40, 10.0), (before, rss_mib())

@@ -5,26 +5,14 @@ and bytes that are neither TLS nor HTTP still get no answer. Real servers, real 
 from __future__ import annotations
 
 import http.client
-import json
 import socket
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prefill_helpers import idle_worker
+from https_helpers import https_metrics, https_prefill
 
-from agents.metrics.families import AgentMetrics
-from agents.metrics.server import MetricsServer
-from agents.prefill.http import PrefillHttpServer
-from agents.prefill.service import PrefillService
-from agents.tls.context import client_context, server_context
 from agents.tls.plain import plain_http_refusal
-from agents.tls.selfsigned import write_rehearsal_tls
-from geosched.model import ModelShape, build_model
-
-SHAPE = ModelShape(layers=1, hidden=16, heads=2, seq_len=32)
-TOKEN = "t" * 24
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,34 +48,14 @@ def check_endpoint(port: int, path: str, served: Callable[[], int]) -> None:
 
 
 def test_the_prefill_front_end_answers_plain_http_with_400_and_serves_https(tmp_path: Path) -> None:
-    files = write_rehearsal_tls(tmp_path)
-    tls = server_context(files.cert, files.key, "--prefill-http-tls-cert")
-    with PrefillService(build_model(SHAPE, seed=4).eval(), auth_token=TOKEN) as service, idle_worker(service):
-        with PrefillHttpServer(service, "127.0.0.1", 0, tls=tls) as server:
-
-            def served() -> int:
-                body = json.dumps({"prompt": "hi"}).encode()
-                headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-                request = urllib.request.Request(f"{server.url}/v1/completions", body, headers)
-                with urllib.request.urlopen(request, timeout=30, context=client_context(files.ca)) as response:
-                    return int(response.status)
-
-            check_endpoint(server.port, "/v1/models", served)
-            assert service.metrics()["ok"] == 2 and server.stats()["open"] <= 1
+    with https_prefill(tmp_path) as (service, server, ask):
+        check_endpoint(server.port, "/v1/models", ask)
+        assert service.metrics()["ok"] == 2 and server.stats()["open"] <= 1
 
 
 def test_a_metrics_endpoint_answers_plain_http_with_400_and_serves_https(tmp_path: Path) -> None:
-    files = write_rehearsal_tls(tmp_path)
-    metrics = AgentMetrics(0, "us")
-    context = server_context(files.cert, files.key, "--metrics-tls-cert")
-    with MetricsServer("127.0.0.1", 0, metrics.registry, lambda: metrics.health(True), tls=context) as server:
-
-        def served() -> int:
-            with urllib.request.urlopen(server.url(), timeout=10, context=client_context(files.ca)) as response:
-                assert b"geosched_agent_info" in response.read()
-                return int(response.status)
-
-        check_endpoint(server.port, "/metrics", served)
+    with https_metrics(tmp_path) as (server, scrape):
+        check_endpoint(server.port, "/metrics", scrape)
 
 
 @pytest.mark.parametrize(
