@@ -4,7 +4,8 @@ Each verb lives in its own module under :mod:`geosched.commands` (or the
 package that owns it) exposing ``add_arguments(parser)`` and ``run(args)``.
 Errors are translated here, at the boundary: a :class:`GeoschedError` becomes
 one line on stderr and its exit code (2 for bad input, 1 for run-time
-failures); Ctrl-C exits 130; an operating system's refusal (a full disk, a
+failures); Ctrl-C exits 130 (``geosched <verb>: interrupted``; while the ``geosched`` script still loads, quietly:
+:mod:`geosched.console`); an operating system's refusal (a full disk, a
 file that cannot be written) is one line and exit 1; a closed pipe on stdout
 ends a command quietly with 0, but a run it stopped (``args.run_stops``: launch,
 job start) with 1.
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from geosched.errors import GeoschedError
@@ -103,9 +105,11 @@ def named_verb(argv: list[str]) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``geosched`` console script (``argv`` None: this process's own arguments, and it
-    ends with the command; a verb may then skip cleanup nobody would see, ``args.process_ends``)."""
+def main(argv: list[str] | None = None, *, before_run: Callable[[], None] | None = None) -> int:
+    """The command line (``argv`` None: this process's own arguments, and it ends with the command; a verb may
+    then skip cleanup nobody would see, ``args.process_ends``). ``before_run``: called once the arguments are
+    parsed, inside the handlers that report errors and Ctrl-C, just before the verb runs (the console script,
+    :mod:`geosched.console`, hands SIGINT back to Python there)."""
     process_ends = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(named_verb(argv))
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if before_run is not None:
+            before_run()
         code = int(args._run(args) or 0)
         if sys.stdout is not None:
             sys.stdout.flush()  # output that cannot be written (a full disk) fails here, inside these handlers
