@@ -127,6 +127,13 @@ def _first_difference(planned: Any, wanted: Any, path: str) -> str:
     return f"{path} {short(planned)} (the config has {short(wanted)})"
 
 
+def model_differences(planned: Any, wanted: Any) -> str:
+    """Every field where a plan's model (a ``ModelSpec``) differs from the config's, in words:
+    ``model.layers 2 (the config has 6), model.hidden 32 (the config has 64)``."""
+    have, want = dataclasses.asdict(planned), dataclasses.asdict(wanted)
+    return ", ".join(_first_difference(have[k], want.get(k), f"model.{k}") for k in have if have[k] != want.get(k))
+
+
 def check_plan_config(made_for: Config, config: Config, plan_path: str, config_path: str) -> None:
     """InputError when a plan made for ``made_for`` (its embedded config) would not run ``config``: another
     cluster or model, or other learning settings (:data:`LEARNING_FIELDS`: the agents train with the plan's).

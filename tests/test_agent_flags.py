@@ -75,6 +75,24 @@ def test_bad_agent_flags_are_one_line_before_any_connection(
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_prefill_weights_that_are_no_safetensors_are_refused_at_start_without_a_plan(tmp_path, capsys) -> None:
+    """An operator's trial: without --plan a truncated --prefill-weights file was taken, and failed only when a plan
+    arrived; its header is read at start now (as with --plan), one line, exit 2, before the broker."""
+    from safetensors.torch import save_file
+
+    whole = tmp_path / "w.safetensors"
+    save_file({"w": torch.zeros(64)}, str(whole))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(whole.read_bytes()[:20])
+    text = tmp_path / "notes.safetensors"
+    text.write_text("not weights at all\n" * 10)
+    for path in (truncated, text):
+        argv = [*BASE, "--prefill-bind", "tcp://127.0.0.1:0", "--prefill-weights", str(path)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--prefill-weights: cannot read weights '{path}' as safetensors" in err and err.count("\n") == 1, err
+
+
 def test_job_start_wants_tls_or_insecure_for_its_metrics(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from agent_helpers import tiny_plan
 
@@ -90,6 +108,22 @@ def test_launch_follows_checkpoints_only_with_a_folder(capsys: pytest.CaptureFix
     config = str(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
     assert main(["launch", config, "--prefill-follow-checkpoints"]) == 2
     assert "--prefill-follow-checkpoints needs --checkpoint-dir DIR (or --elastic)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", ["0", "-2"])
+@pytest.mark.parametrize("where", ["--checkpoint-dir", "--elastic"])
+def test_launch_keeps_at_least_one_checkpoint(keep: str, where: str, tmp_path, capsys) -> None:
+    """An operator's trial: `launch --checkpoint-keep 0` was taken and kept every checkpoint (the agents' 0);
+    "keep the N newest" of 0 is refused, and leaving the flag out keeps every one."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "demo-3dc.yaml")
+    folder = tmp_path / "ckpt"
+    extra = ["--checkpoint-dir", str(folder)] if where == "--checkpoint-dir" else ["--elastic"]
+    assert main(["launch", config, *extra, "--checkpoint-keep", keep, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint-keep: must be >= 1 (got {keep}); leave it out to keep every checkpoint" in err, err
+    assert err.count("\n") == 1 and not folder.exists() and not (tmp_path / "run").exists()
 
 
 def test_launch_resumes_only_from_a_folder_of_checkpoints(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -111,6 +111,13 @@ def test_a_plan_made_for_another_config_is_refused_before_anything_starts(tmp_pa
     assert main(["launch", str(edited), "--plan", str(plan), "--run-dir", str(run), "--no-calibrate"]) == 2
     err = capsys.readouterr().err
     assert "as it was then (cluster.links[0].per_connection_gbps 0.05 (the config has 0.06))" in err, err
+    # profile names the model fields that differ, in words (a trial's line was two ModelSpec(...) reprs)
+    edited.write_text(text.replace("{layers: 6, hidden: 64,", "{layers: 4, hidden: 32,", 1))
+    assert main(["profile", str(edited), "--plan", str(plan), "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    said = "made for a model of 6 layers x 64 hidden, not the config's (model.layers 6 (the config has 4), model.hidden"
+    assert said in err, err
+    assert "ModelSpec" not in err and err.count("\n") == 1, err
 
 
 def test_an_output_is_never_one_of_the_files_the_command_reads_nor_an_empty_name(tmp_path: Path, capsys) -> None:

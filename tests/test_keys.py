@@ -68,6 +68,21 @@ def test_keys_text_output_is_one_line_per_file_class(tmp_path: Path, capsys: pyt
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6 and lines[-1].startswith("wrote 15 files (mode 0600) for 2 ranks")
     assert any("prefill token" in line for line in lines) and any("MQTT passwords" in line for line in lines)
+    # each file by its path in the folder (a trial's listed coordinator.password, which is under mqtt/)
+    named = [name for line in lines[:-1] for name in line.split(": ")[-1].split(", ") if name != "..."]
+    assert "mqtt/coordinator.password" in named and all((tmp_path / "k" / name).is_file() for name in named), named
+
+
+def test_keys_refuses_a_folder_under_a_missing_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As plan/export/profile -o: a mistyped parent is one line, exit 2, not a chain of folders made (a trial's
+    `keys /nonexistent/k --ranks 2` made /nonexistent)."""
+    from agent_helpers import tiny_plan
+
+    for argv in (["--ranks", "2"], ["--plan", str(tiny_plan(tmp_path))]):
+        assert main(["keys", str(tmp_path / "missing" / "k"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"the folder {tmp_path / 'missing'} does not exist; make it first" in err and err.count("\n") == 1
+        assert not (tmp_path / "missing").exists()
 
 
 def test_keys_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,6 +92,21 @@ def test_cli_reports_bad_input_in_one_line(endpoint, capsys):
     assert "exceeds the prefill service's limit of 64" in json.loads(capsys.readouterr().out)["reason"]
 
 
+def test_plain_http_warns_only_when_a_token_would_cross_in_clear(capsys):
+    """A trial's `prefill --endpoint http://...` without a token warned that the token crossed in clear."""
+    import socket
+
+    with socket.socket() as s:  # a free port nobody listens on: the command fails (exit 1) after its warning
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    warning = "WARNING plain HTTP: the token and the prompt cross the network in clear"
+    assert main(["prefill", "--endpoint", url, "hi"]) == 1
+    err = capsys.readouterr().err
+    assert warning not in err and "no answer from the prefill HTTP front end" in err and err.count("\n") == 1, err
+    assert main(["prefill", "--endpoint", url, "--token", "t" * 24, "hi"]) == 1
+    assert warning in capsys.readouterr().err
+
+
 def test_weights_that_do_not_fit_the_shape_are_refused(weights, tmp_path):
     shape = load_config(CONFIG).job.model
     other = type(shape)(layers=2, hidden=32, heads=4, seq_len=64)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from agents.checkpoint.load import load_resharded
 from agents.checkpoint.store import (
     _atomic_write,
+    is_marked,
     latest_complete,
     list_steps,
     model_fingerprint,
@@ -55,13 +56,14 @@ from geosched.weights import (
 log = logging.getLogger(__name__)
 
 
-def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None) -> int:
+def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None, *, use: str = "use it") -> int:
     """``step`` once verified complete, or (None) the newest complete step; CheckpointError naming the fault.
 
     A newer step still being written (no manifest yet: a job running, or one stopped mid-write) is passed
     over; a newer one marked complete that does not verify (a shard corrupted or truncated since) is an
     error naming it, not a quiet fallback to older weights: what to export, serve or resume is the caller's
-    choice (an elastic recovery, which must go on, takes the newest that verifies: ``latest_complete``)."""
+    choice (an elastic recovery, which must go on, takes the newest that verifies: ``latest_complete``). The
+    error names the newest that verifies and the step folders to move away to ``use`` it (``"resume from it"``)."""
     folder = os.fspath(ckpt_dir)
     where = "pass a checkpoint folder (an agent's --checkpoint-dir)"
     if not os.path.isdir(folder):
@@ -80,7 +82,11 @@ def resolve_step(ckpt_dir: str | os.PathLike[str], step: int | None = None) -> i
         if found is not None and (marked is None or marked <= found):
             return found
         step = marked if marked is not None else steps[-1]
-        older = f"; the newest that verifies is step {found}" if found is not None else ""
+        older = ""
+        if found is not None:
+            marked_newer = [s for s in steps if s > found and is_marked(folder, s)]
+            away = ", ".join(repr(step_dir(folder, s)) for s in marked_newer)
+            older = f"; the newest that verifies is step {found}: to {use}, move or delete {away}"
         what = "is marked complete but does not verify" if marked is not None else "is the newest, and incomplete"
     elif step not in steps:
         raise CheckpointError(f"{folder!r} has no checkpoint step {step}; it holds steps {steps[-8:]}")
@@ -241,7 +247,7 @@ def resume_step(ckpt_dir: str | os.PathLike[str], job: Any, steps: int) -> int:
     ``job``'s model (a plan's or config's job: shape, seed, precision) and short of ``steps``, the last step
     to train to; no tensor is loaded. InputError (or CheckpointError) naming what does not fit."""
     want = ModelRecord.of(job.model, job.seed, job.precision)
-    step = resolve_step(ckpt_dir)
+    step = resolve_step(ckpt_dir, use="resume from it")
     record = checkpoint_record(ckpt_dir, step, want)
     if (record.seed, record.precision) != (want.seed, want.precision):
         raise CheckpointError(

@@ -67,6 +67,8 @@ from geosched.weights import save_safetensors
 from geosched.yamlload import read_bounded
 
 log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+"""A step's completion marker, written last."""
 
 FORMAT = "geosched-checkpoint/1"
 MAX_METADATA_BYTES = 64 * 1024 * 1024
@@ -259,7 +261,7 @@ class CheckpointWriter:
             "shards_sha256": shards,
         }
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _atomic_write(os.path.join(step_dir(self.ckpt_dir, step), "manifest.json"), lambda tmp: _write_bytes(tmp, data))
+        _atomic_write(os.path.join(step_dir(self.ckpt_dir, step), MANIFEST), lambda tmp: _write_bytes(tmp, data))
 
     def prune(self, keep: int) -> list[int]:
         """Remove checkpoints older than the ``keep`` newest complete ones (see :func:`prune`)."""
@@ -391,9 +393,13 @@ def newest_marked(ckpt_dir: str | os.PathLike[str], after: int = -1) -> int | No
     for step in reversed(list_steps(ckpt_dir)):
         if step <= after:
             return None
-        if os.path.isfile(os.path.join(step_dir(ckpt_dir, step), "manifest.json")):
+        if is_marked(ckpt_dir, step):
             return step
     return None
+
+
+def is_marked(ckpt_dir: str | os.PathLike[str], step: int) -> bool:  # its manifest exists: nothing verified
+    return os.path.isfile(os.path.join(step_dir(ckpt_dir, step), MANIFEST))
 
 
 def latest_complete(

@@ -63,7 +63,7 @@ class Recovery:
     reason: str
     old_plan: str
     new_plan: str
-    failed_at_step: int  # the newest step any rank reported before the loss
+    failed_at_step: int  # the newest step any rank finished (its rank file) before the loss: not the one in progress
     resumed_from_step: int
     steps_redone: int
     downtime_s: float  # from the loss to the start of the new plan's first step (-1: it never started)

@@ -432,8 +432,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def served_weights_source(args: argparse.Namespace) -> str | None:
-    """``--prefill-weights`` (with ``--prefill-follow-checkpoints``: default ``--checkpoint-dir``), checked to exist;
-    a folder that follows may be this agent's own --checkpoint-dir, created by its first checkpoint."""
+    """``--prefill-weights`` (with ``--prefill-follow-checkpoints``: default ``--checkpoint-dir``), checked to exist,
+    a file's safetensors header read (with ``--plan`` the daemon also checks its model); a folder that follows may
+    be this agent's own --checkpoint-dir, created by its first checkpoint."""
     source, follow = args.prefill_weights, args.prefill_follow_checkpoints
     if follow and source is None:
         source = args.checkpoint_dir
@@ -453,6 +454,13 @@ def served_weights_source(args: argparse.Namespace) -> str | None:
         raise InputError(
             f"--prefill-follow-checkpoints: {source!r} is a file; follow a checkpoint folder (--prefill-weights DIR)"
         )
+    if not os.path.isdir(source) and not follow:  # its header now, plan or not (the model is checked with a plan)
+        from geosched.weights import read_weights_metadata, weights_record
+
+        try:
+            weights_record(read_weights_metadata(source), source)  # safetensors, and whole-model weights
+        except InputError as exc:
+            raise InputError(f"--prefill-weights: {exc}") from None
     return source
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from geosched.commands.checks import folder
 from geosched.errors import InputError
@@ -30,7 +31,9 @@ from geosched.errors import InputError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``geosched keys``."""
     parser.add_argument("dir", metavar="DIR", help="folder to write the key files into")
-    parser.add_argument("--ranks", type=int, help="write a job's key folder for N agent ranks (created if absent)")
+    parser.add_argument(
+        "--ranks", type=int, help="write a job's key folder for N agent ranks (made if absent, in a folder that exists)"
+    )
     parser.add_argument("--plan", help="write a job's key folder for as many ranks as this plan has")
     parser.add_argument("--name", help="write one CURVE keypair DIR/NAME.key(.pub) (DIR is made, mode 0700, if absent)")
     parser.add_argument("--force", action="store_true", help="overwrite existing key files")
@@ -82,13 +85,16 @@ def _job_folder(args: argparse.Namespace) -> int:
         ranks = len(parse_layout(load_plan_file(args.plan), args.plan).roles)
     if not 1 <= ranks <= MAX_RANKS:
         raise InputError(f"--ranks: must be between 1 and {MAX_RANKS} (got {ranks})")
+    parent = os.path.dirname(os.path.normpath(args.dir)) or "."
+    if not os.path.lexists(parent):  # as plan/export/profile -o: no folders made beyond the one asked for
+        raise InputError(f"DIR {args.dir}: the folder {parent} does not exist; make it first, or write elsewhere")
     folder(args.dir, "DIR")  # a job's key folder is made once its arguments hold
     written = write_job_keys(args.dir, ranks, force=args.force)
     if args.json:
         print(json.dumps({"dir": args.dir, "ranks": ranks, **{k: [str(p) for p in v] for k, v in written.items()}}))
         return 0
     for kind, paths in written.items():
-        names = ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        names = ", ".join(os.path.relpath(p, args.dir) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
         print(f"{len(paths):4d} files of {WHAT[kind]}: {names}")  # a key and its .pub are two
     print(f"wrote {sum(map(len, written.values()))} files (mode 0600) for {ranks} ranks into {args.dir} (mode 0700)")
     return 0

@@ -100,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no key folder, broker logins, signatures, CURVE or prefill token (default: all on)",
     )
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="every agent writes its checkpoints here")
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="every agent writes its checkpoints here (the final state's too)"
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -112,14 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="checkpoint every N steps (default 0: only on command; with --elastic 1, and never 0)",
+        help="checkpoint every N steps (default 0: none on the way, only when 'geosched job checkpoint' asks; with "
+        "--elastic 1, and never 0); the final state is checkpointed at the end in any case",
     )
     parser.add_argument(
         "--checkpoint-keep",
         type=int,
         metavar="N",
-        help="keep the N newest complete checkpoints, deleting older ones (default: every one; --elastic's own "
-        "folder in RUN_DIR: 3)",
+        help="keep the N newest complete checkpoints (N >= 1), deleting older ones (default: every one; --elastic's "
+        "own folder in RUN_DIR: 3)",
     )
     parser.add_argument(
         "--prefill-follow-checkpoints",
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     above(args, "elastic_return_after", 0, "e.g. 10")
     if args.elastic_return_after is not None and not args.elastic:
         raise InputError("--elastic-return-after needs --elastic: there is no recovery to move back from")
-    at_least(args, "checkpoint_keep", 0)
+    at_least(args, "checkpoint_keep", 1, "leave it out to keep every checkpoint")
     if args.checkpoint_keep is not None and not args.checkpoint_dir and not args.elastic:
         raise InputError("--checkpoint-keep needs --checkpoint-dir DIR (or --elastic, which checkpoints in RUN_DIR)")
     if args.checkpoint_every and not args.checkpoint_dir and not args.elastic:

@@ -223,7 +223,7 @@ def _over_http(args: argparse.Namespace, token: str | None) -> PrefillResponse:
     context = None
     if scheme == "https":
         context = client_context(ca_file)
-    else:
+    elif token is not None:  # sent as a header: anyone on the path could use it (no token: nothing to steal)
         sys.stderr.write("geosched prefill: WARNING plain HTTP: the token and the prompt cross the network in clear\n")
     return prefill_over_http(
         args.endpoint,

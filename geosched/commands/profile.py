@@ -144,9 +144,13 @@ def _plan_options(path: str, job: Any) -> dict[str, Any]:
 
     layout = parse_layout(load_plan_file(path), path)
     if layout.job.model != job.model:
+        from agents.runnable import model_differences
+
+        model = layout.job.model
         raise InputError(
-            f"--plan {path}: its model ({layout.job.model}) is not the config's ({job.model}); "
-            "pass the config the plan was made from"
+            f"--plan {path}: made for a model of {model.layers} layers x {model.hidden} hidden, not the config's "
+            f"({model_differences(model, job.model)}); pass the config the plan was made from, or plan this one "
+            "(geosched plan CONFIG -o PLAN)"
         )
     return plan_options(layout)
 
