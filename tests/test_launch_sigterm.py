@@ -90,6 +90,7 @@ def test_job_stop_ends_a_launch_as_stopped_with_a_report_of_what_it_did(tmp_path
         stop = [sys.executable, "-m", "geosched.cli", "job", "stop", "--mqtt", url, "--job", "launch"]
         stopped = subprocess.run([*stop, "--keys", str(run_dir / "secrets")], cwd=ROOT, capture_output=True, timeout=60)
         assert stopped.returncode == 0, stopped.stderr
+        assert b"every agent acknowledged" in stopped.stdout, stopped.stdout  # the launch's broker waited for it
         out, err = launch.communicate(timeout=60)
         assert launch.returncode == 130 and "stopped by 'geosched job stop' during step" in err, err[-2000:]
         assert "geosched launch: job 'launch': stopped by" in err and "launch: error:" not in err, err[-2000:]

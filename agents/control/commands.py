@@ -50,14 +50,14 @@ BROKER_GONE_S = 3.0
 
 
 class StopUnconfirmed(GeoschedError):
-    """The broker took the stop, then went away before ``ranks`` acknowledged it (a launch's broker ends with its
-    job as soon as the stop ends it)."""
+    """The broker took the stop, then went away before ``ranks`` acknowledged it: a run-time failure (exit 1), since
+    a broker's acknowledgement is no agent's (a trial's relay acknowledged the stop, dropped it and hung up)."""
 
     def __init__(self, job: str, ranks: list[int]) -> None:
         super().__init__(
-            f"job {job!r}: the broker took the stop, then went away before {rank_list(ranks)} acknowledged it, as a "
-            "launch's broker does once its job stops; with a broker of your own, 'geosched job status' confirms "
-            "once it is back"
+            f"job {job!r}: the stop reached the broker, which went away before {rank_list(ranks)} acknowledged it; "
+            "unconfirmed: 'geosched job status' once the broker is back says whether they stopped (a launch that "
+            "ended meanwhile did)"
         )
         self.ranks = ranks
 

@@ -57,6 +57,7 @@ from agents.prefill.completions import (
 )
 from agents.prefill.connections import (
     ConnectionGuard,
+    FloodMemory,
     GuardedProtocol,
     HttpLimits,
     RefusingProtocol,
@@ -74,8 +75,6 @@ log = logging.getLogger(__name__)
 
 BODY_BYTES_PER_TOKEN = 8  # a prompt token in JSON: an escaped byte ("\u00e9") or an id ("65535,")
 BODY_SLACK_BYTES = 16 << 10  # the rest of a body: field names, options
-FLOOD_SETUPS = 64  # connections failed before they were up since the last trim that make a flood
-TRIM_EVERY_S = 30.0  # while a flood lasts, its memory is given back this often at most
 ANSWER_GRACE_S = 5.0  # past its deadline, a request still unanswered by the service gets 504
 AUTHENTICATED = web.RequestKey("geosched.authenticated", bool)  # set on a request whose token was checked and matched
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -251,19 +250,15 @@ class PrefillHttpServer:
         """Close every connection the guard finds overdue, every ``limits.sweep_s``; after a flood of connections
         that failed before they were up, give their memory back (:func:`release_freed_memory`)."""
         assert self._loop is not None
-        seen = trimmed = 0  # connections that failed before they were up: at the last sweep, at the last trim
-        trimmed_at = self._loop.time()
+        flood = FloodMemory()
         while True:
             await asyncio.sleep(self.limits.sweep_s)
             for handler in self._guard.overdue(self._loop.time()):
                 transport = getattr(handler, "transport", None)
                 if transport is not None:
                     transport.abort()
-            failed, now = self._guard.failed_setups, self._loop.time()
-            if failed - trimmed >= FLOOD_SETUPS and (failed == seen or now - trimmed_at >= TRIM_EVERY_S):
+            if flood.due(self._guard.failed_setups, self._loop.time()):
                 release_freed_memory()
-                trimmed, trimmed_at = failed, now
-            seen = failed
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOPPED_LINGER_S = 1.0
+"""After a 'job stop' ended the run and its agents exited, the broker stays up this long, so the stop's own client
+(another shell's) gets their last statuses, its acknowledgements (it was cut off first in a trial: 'unconfirmed')."""
 DEFAULT_WAN_SCALE = 0.05
 """Multiplies WAN bandwidths: the demo's 0.2 Gb/s links become 10 Mb/s relays (delays are kept)."""
 
@@ -148,6 +151,7 @@ def launch(
     from agents.control.broker import EmbeddedBroker
     from agents.control.commands import checkpoint_job, stop_job
     from agents.control.coordinator import start_job
+    from agents.control.losses import JobStopped
     from agents.layout import load_plan_file, parse_layout
     from agents.rehearsal.elastic import MAX_RECOVERIES, ElasticJob, set_aside
     from agents.runfolder.record import endpoints_hook
@@ -335,6 +339,8 @@ def launch(
             codes = {}
             for procs in attempt[-1:]:
                 codes = procs.stop()  # a step they complete after the signal is in their rank files, so in the report
+            if isinstance(exc, JobStopped):
+                time.sleep(STOPPED_LINGER_S)  # the broker carries the agents' last statuses before it closes
             if load is not None:
                 load.stop()
             done = [r.to_dict() for r in recovering.recoveries]

@@ -221,15 +221,11 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     seen: dict[int, str] = {}
-    try:
-        left = asyncio.run(
-            commands.stop_job(
-                url, args.job, ca_file=args.ca_file, keys=signing, known_job=True, forget_plan=True, seen=seen
-            )
+    left = asyncio.run(  # StopUnconfirmed (exit 1): the broker took the stop, then went away
+        commands.stop_job(
+            url, args.job, ca_file=args.ca_file, keys=signing, known_job=True, forget_plan=True, seen=seen
         )
-    except commands.StopUnconfirmed as exc:  # delivered: a launch's broker ends with its job (a trial's exit 1)
-        print(exc)
-        return 0
+    )
     if left:
         raise AgentLost(
             f"job {args.job!r}: ranks {left} did not acknowledge stop within {commands.STOP_TIMEOUT_S:g} s; "
