@@ -32,6 +32,7 @@ class BubbleGate:
         self._open = threading.Event()
         self._lock = threading.Lock()
         self._holders = 0
+        self._one_core: bool | None = None  # the waiting thread's, asked once (a syscall): it inherits its affinity
 
     @contextmanager
     def opened(self) -> Iterator[None]:
@@ -48,9 +49,13 @@ class BubbleGate:
                     self._open.clear()
 
     def wait(self) -> None:
-        """Return at once when the gate is open or the process has more than one core; else when it opens, or
-        after :data:`MAX_WAIT_S`."""
-        if not self._open.is_set() and one_core():
+        """Return at once when the gate is open or the process has more than one core (asked on the first wait:
+        call it from one thread, the network thread); else when it opens, or after :data:`MAX_WAIT_S`."""
+        if self._open.is_set():
+            return
+        if self._one_core is None:
+            self._one_core = one_core()
+        if self._one_core:
             self._open.wait(MAX_WAIT_S)
 
 
