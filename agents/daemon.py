@@ -66,7 +66,7 @@ from agents.layout import (
     store_name,
 )
 from agents.metrics.families import AgentMetrics, loop_answers
-from agents.metrics.server import MetricsServer
+from agents.metrics.server import MetricsServer, Networks
 from agents.runnable import check_agent_fits
 from geosched.errors import CheckpointError, GeoschedError, InputError, LinkTimeout
 
@@ -116,6 +116,7 @@ class AgentOptions:
     prefill_token: str | None = None  # prefill clients must send this token (--prefill-token-file or --keys)
     metrics_bind: tuple[str, int] | None = None  # serve Prometheus /metrics and /health on (host, port) (None: off)
     metrics_tls: ssl.SSLContext | None = None  # its TLS (None: plain HTTP, --metrics-insecure)
+    metrics_allow: Networks | None = None  # the only client networks it serves (None: any; --metrics-allow)
     device: str = "cpu"  # what the stage trains on: cpu or cuda:N (--device, resolved by agents.stage.device)
 
 
@@ -448,7 +449,12 @@ class Agent:
             return None
         health = lambda: metrics.health(loop_answers(self._loop))  # noqa: E731 - asked at each probe
         server = MetricsServer(
-            *opts.metrics_bind, metrics.registry, health, tls=opts.metrics_tls, advertise_host=opts.bind_host
+            *opts.metrics_bind,
+            metrics.registry,
+            health,
+            tls=opts.metrics_tls,
+            advertise_host=opts.bind_host,
+            allow=opts.metrics_allow,
         )
         self._fixed[metrics_name(opts.rank)] = server.start().url()
         return server

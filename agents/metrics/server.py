@@ -12,7 +12,10 @@ are closed unanswered), connections a second from one address by :data:`CONNECTI
 core little, and one address's flood does not lock out another's scrapes and probes; an address answered before
 has an overall budget apart from strangers', so a flood from many addresses does not lock out a known scraper), and
 each connection, from its accept to its answer (TLS handshake included), by
-:data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then.
+:data:`CLIENT_TIMEOUT_S`: a client that trickles or idles is cut off then. With an allow-list (``allow``:
+``--metrics-allow``), a connection from any other address is closed at once, before every other check, so
+strangers cannot draw on any of those budgets (the budgets alone let an attacker who was answered a probe from
+many addresses crowd out a scraper).
 With ``tls`` (an :func:`agents.tls.context.server_context`) it serves HTTPS
 only (a plain HTTP request is answered 400 naming https://), each handshake on
 the connection's own thread (the accepting thread never waits for a client);
@@ -22,6 +25,7 @@ Example::
 
     with MetricsServer("127.0.0.1", 0, metrics.registry, metrics.health, tls=context) as server:
         print(server.url())          # https://127.0.0.1:40123/metrics
+    MetricsServer("0.0.0.0", 9400, ..., allow=(ipaddress.ip_network("10.20.0.0/16"),))   # its scrapers only
 """
 
 from __future__ import annotations
@@ -63,6 +67,22 @@ CLIENT_TIMEOUT_S = 10.0
 """A connection is closed this long after it was accepted, answered or not (Prometheus' own scrape timeout)."""
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]
+Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+"""The networks whose clients an endpoint serves (an address is a /32 or /128 network)."""
+
+
+def address_allowed(address: str, allow: Networks | None) -> bool:
+    """Whether a client at ``address`` may connect: always without an allow-list, else when one of its networks
+    holds the address (an IPv4-mapped IPv6 address, as a dual-stack bind sees IPv4 clients, as its IPv4 one)."""
+    if allow is None:
+        return True
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in network for network in allow)
 
 
 class _DebugStream(io.TextIOBase):
@@ -95,6 +115,7 @@ class _BoundedServer(ThreadingWSGIServer):
     its accept; TLS (``tls``) handshaken on that thread."""
 
     tls: ssl.SSLContext | None = None
+    allow: Networks | None = None
     request_queue_size = 128  # the listen backlog: socketserver's 5 dropped a flood's and a scraper's connections
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -106,13 +127,14 @@ class _BoundedServer(ThreadingWSGIServer):
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._rates.allow(client_address[0]) or not self._take(client_address[0]):
+        address = client_address[0]
+        if not address_allowed(address, self.allow) or not self._rates.allow(address) or not self._take(address):
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._give_back(client_address[0])
+            self._give_back(address)
             raise
 
     def _take(self, address: str) -> bool:
@@ -217,8 +239,9 @@ class MetricsServer:
         *,
         tls: ssl.SSLContext | None = None,
         advertise_host: str | None = None,
+        allow: Networks | None = None,
     ) -> None:
-        self.host, self.port, self.tls = host, port, tls
+        self.host, self.port, self.tls, self.allow = host, port, tls, allow
         self.advertise_host = advertise_host  # what url() names for an any-address bind (None: 127.0.0.1)
         self._any_address = False
         self._app = metrics_app(registry, health, self._served)
@@ -232,7 +255,9 @@ class MetricsServer:
             family, _, _, _, address = socket.getaddrinfo(
                 self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )[0]
-            server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family, "tls": self.tls})
+            server_class = type(
+                "MetricsHTTPServer", (_BoundedServer,), {"address_family": family, "tls": self.tls, "allow": self.allow}
+            )
             self._httpd = make_server(str(address[0]), self.port, self._app, server_class, handler_class=_QuietHandler)
         except (OSError, UnicodeError) as exc:
             why = getattr(exc, "strerror", None) or exc

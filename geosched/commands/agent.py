@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING
 
 from geosched.chunking import DEFAULT_MAX_CHUNK
 from geosched.commands.checks import above, at_least, at_most, checkpoint_folder, job_name
-from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
+from geosched.commands.http_flags import (
+    add_allow_argument,
+    add_tls_arguments,
+    allowed_networks,
+    tls_context,
+    unused_tls_flags,
+)
 from geosched.errors import InputError
 
 if TYPE_CHECKING:
@@ -212,6 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(port 0: any; off by default; the URL goes into the status as metrics/r<RANK>)",
     )
     add_tls_arguments(parser, "metrics", "the metrics endpoint")
+    add_allow_argument(parser, "metrics", "the metrics endpoint")
 
 
 def check_link_host(host: str) -> None:
@@ -426,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         control_keys=None if keys is None else ControlKeys(*keys.control_fields(f"agent-{args.rank}")),
         metrics_bind=None if args.metrics_bind is None else parse_address(args.metrics_bind, "--metrics-bind"),
         metrics_tls=metrics_tls,
+        metrics_allow=allowed_networks(args, "metrics"),
         device=device,
     )
     return run_agent(options)

@@ -1,4 +1,5 @@
-"""The flags of an HTTP endpoint, shared by ``agent`` and ``job start``: TLS, or plain HTTP asked for by name.
+"""The flags of an HTTP endpoint, shared by ``agent`` and ``job start``: TLS, or plain HTTP asked for by name;
+the clients it serves (``--PREFIX-allow``).
 
 Every HTTP endpoint speaks TLS (``--PREFIX-tls-cert FILE --PREFIX-tls-key FILE``)
 unless the command line says ``--PREFIX-insecure``; one of the two is required,
@@ -6,11 +7,14 @@ so plain HTTP is never a silent default::
 
     add_tls_arguments(parser, "prefill-http", "the prefill HTTP front end")
     context = tls_context(args, "prefill-http", "--prefill-http")   # an ssl.SSLContext, or None when insecure
+    add_allow_argument(parser, "metrics", "the metrics endpoint")    # --metrics-allow 10.20.0.0/16,192.0.2.7
+    networks = allowed_networks(args, "metrics")                       # a tuple of ipaddress networks, or None
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import ssl
 
 from geosched.errors import InputError
@@ -53,13 +57,43 @@ def tls_context(args: argparse.Namespace, prefix: str, endpoint_flag: str) -> ss
     return server_context(cert, key, f"--{prefix}-tls-cert", f"--{prefix}-tls-key")
 
 
+def add_allow_argument(parser: argparse.ArgumentParser, prefix: str, what: str) -> None:
+    """``--PREFIX-allow CIDR[,CIDR...]``: the only client networks ``what`` serves."""
+    parser.add_argument(
+        f"--{prefix}-allow",
+        metavar="CIDR[,CIDR...]",
+        action="append",
+        help=f"serve {what} only to clients in these networks or at these addresses (e.g. 10.20.0.0/16,192.0.2.7; "
+        "repeatable): others' connections are closed unanswered before any TLS; default: any address",
+    )
+
+
+def allowed_networks(
+    args: argparse.Namespace, prefix: str
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+    """The networks of ``--PREFIX-allow`` (None when not given); InputError naming an entry that is not one."""
+    given = getattr(args, f"{prefix.replace('-', '_')}_allow")
+    if not given:
+        return None
+    networks = []
+    for entry in ",".join(given).split(","):
+        try:
+            networks.append(ipaddress.ip_network(entry.strip(), strict=False))
+        except ValueError:
+            raise InputError(
+                f"--{prefix}-allow {entry.strip()!r}: not an IP address or network; give addresses or networks "
+                "separated by commas, e.g. 10.20.0.0/16,192.0.2.7 or 2001:db8::/32"
+            ) from None
+    return tuple(networks)
+
+
 def unused_tls_flags(args: argparse.Namespace, prefix: str, endpoint_flag: str) -> None:
-    """InputError if TLS or insecure flags of ``prefix`` are given without the endpoint itself."""
+    """InputError if the TLS, insecure or allow flags of ``prefix`` are given without the endpoint itself."""
     attr = prefix.replace("-", "_")
     given = [
         f"--{prefix}-{name.replace('_', '-')}"
-        for name in ("tls_cert", "tls_key", "insecure")
-        if getattr(args, f"{attr}_{name}") not in (None, False)
+        for name in ("tls_cert", "tls_key", "insecure", "allow")
+        if getattr(args, f"{attr}_{name}", None) not in (None, False)
     ]
     if given:
         raise InputError(f"{given[0]} goes with {endpoint_flag} HOST:PORT")

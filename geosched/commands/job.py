@@ -43,7 +43,13 @@ from typing import Any
 
 from geosched.commands.agent import add_mqtt_arguments, load_keys, mqtt_url
 from geosched.commands.checks import above, at_least, at_most, usable_checkpoint_folder
-from geosched.commands.http_flags import add_tls_arguments, tls_context, unused_tls_flags
+from geosched.commands.http_flags import (
+    add_allow_argument,
+    add_tls_arguments,
+    allowed_networks,
+    tls_context,
+    unused_tls_flags,
+)
 from geosched.commands.signals import stops_as_ctrl_c
 from geosched.errors import GeoschedError, InputError
 
@@ -81,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "127.0.0.1:9400 (port 0: any; off by default)",
     )
     add_tls_arguments(start, "metrics", "the job's metrics endpoint")
+    add_allow_argument(start, "metrics", "the job's metrics endpoint")
     start.add_argument(
         "--elastic",
         action="store_true",
@@ -131,7 +138,8 @@ def _job_metrics(args: argparse.Namespace, out: Any) -> tuple[Any, Any]:
     host, port = parse_address(args.metrics_bind, "--metrics-bind")
     tls = tls_context(args, "metrics", "--metrics-bind")
     metrics = JobMetrics(args.job)
-    server = MetricsServer(host, port, metrics.registry, metrics.health, tls=tls).start()
+    allow = allowed_networks(args, "metrics")
+    server = MetricsServer(host, port, metrics.registry, metrics.health, tls=tls, allow=allow).start()
     print(f"metrics of job {args.job!r}: {server.url()} (health: /health)", file=out, flush=True)
     return metrics, server
 
