@@ -100,8 +100,7 @@ class PrefillService:
         self._current: _Job | None = None
         self._outbox: deque[tuple[Reply, PrefillResponse]] = deque()
         self._kv_reserved = 0
-        self._work = threading.Event()
-        self._stop = threading.Event()
+        self._work, self._stop = threading.Event(), threading.Event()
         self._forecast_share: float | None = None
         self._idle_servers = 0  # threads in serve_idle: no training is running, so every second is the stage's
         self._gate = BubbleGate()  # open while computing in a bubble or serving idle: the network thread's turn
@@ -345,7 +344,8 @@ class PrefillService:
         next_expiry = 0.0
         while True:
             events = dict(poller.poll(POLL_MS))
-            self._gate.wait()  # on a one-core process, until a bubble (or serve_idle) gives the core's time
+            if events:  # on a one-core process, until a bubble (or serve_idle) gives the core's time
+                self._gate.wait()
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             if self._monitor in events:
