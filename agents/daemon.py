@@ -54,6 +54,7 @@ from agents.control.messages import HEARTBEAT_S, CommandMessage, PlanMessage, St
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import AgentIdentity, ControlPlane
 from agents.control.ready import duplicate_agent, left_behind, overwritten_by, warn_unechoed_status
+from agents.control.takeover import live_holder
 from agents.control.tasks import cancel_and_wait
 from agents.keys import JobKeys
 from agents.layout import (
@@ -188,14 +189,18 @@ class Agent:
             stop_signals.append(signal.SIGHUP)
         for sig in stop_signals:
             loop.add_signal_handler(sig, self._inbox.put_nowait, ("signal", sig.name))
-        identity = AgentIdentity(opts.rank, dc=opts.dc)
-        # a restart takes over its predecessor's session; an agent of the rank in another DC (one an elastic
-        # re-plan left behind, restarted by its supervisor) does not take over the rank's live agent's
+        identity, keys = AgentIdentity(opts.rank, dc=opts.dc), opts.control_keys
+        # a restart takes over its predecessor's session, not a live agent's (agents.control.takeover); an agent of
+        # the rank in another DC (one an elastic re-plan left behind, restarted by its supervisor) has another id
         role = f"agent-{opts.rank}" + (f"-{opts.dc}" if opts.dc else "")
         client_id = make_client_id(opts.job, role, unique=False)
         try:
+            holder = await live_holder(opts.mqtt, opts.job, opts.rank, opts.dc, ca_file=opts.ca_file, keys=keys)
+            if holder is not None:  # taking its session over would close it, and its will would stop the job
+                log.error("rank %d: %s", opts.rank, holder)
+                return 2
             async with ControlPlane(
-                opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=opts.control_keys
+                opts.mqtt, opts.job, client_id, agent=identity, ca_file=opts.ca_file, keys=keys
             ) as cp:
                 self.cp = cp
                 async with await cp.subscribe("plan", "command", "status") as sub:

@@ -98,6 +98,7 @@ def test_acl_names_only_the_job_s_topics() -> None:
             f"read {topics.plan}",
             f"read {topics.command}",
             f"read {topics.filter('status')}",
+            f"read {topics.heartbeat(rank)}",
         ]
 
 

@@ -84,7 +84,12 @@ def test_an_agent_with_metrics_allow_answers_its_scraper_and_closes_everyone_els
     flags = ("--metrics-bind", f"127.0.0.1:{port}", "--metrics-insecure", "--metrics-allow", f"192.0.2.0/24,{SCRAPER}")
     agent = spawn_agent(embedded_broker.url_for("geosched"), "allow", 0, "us", tmp_path, *flags)
     try:
-        wait_for(lambda: _health_from(SCRAPER, port) is not None, 60, "the agent's metrics", detail=log_tail(tmp_path))
+        wait_for(
+            lambda: _health_from(SCRAPER, port) is not None,
+            60,
+            "the agent's metrics",
+            detail=lambda: log_tail(tmp_path),
+        )
         assert _health_from("127.0.0.1", port) is None
         assert _health_from(SCRAPER, port) is not None
     finally:

@@ -187,6 +187,7 @@ class JobAcl:
             ("read", t.plan),
             ("read", t.command),
             ("read", t.filter("status")),
+            ("read", t.heartbeat(rank)),  # its own rank's: a starting agent hears whether a live one holds it
         )
 
     @staticmethod

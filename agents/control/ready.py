@@ -26,6 +26,7 @@ from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exi
 from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan, printable
 from agents.control.plane import PROCESS_SINCE, AgentsNotReady, ControlPlane
 from agents.control.refused import rank_list
+from agents.control.takeover import holder_line
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
 
@@ -185,11 +186,7 @@ def duplicate_agent(held: StatusMessage, rank: int, mine: dict[str, Any], cp: Co
         or (other, held.pid or 0) >= (since, os.getpid())
     ):
         return None
-    return (
-        f"another agent of this rank runs (pid {held.pid} on {printable(held.host or '?')}, started "
-        f"{since - other:.0f} s before this one) and the two keep taking the rank's broker connection from each "
-        "other: this one leaves; stop that one first to replace it"
-    )
+    return holder_line(held, since, " and the two keep taking the rank's broker connection from each other")
 
 
 def check_groups_current(layout: JobLayout, statuses: dict[int, StatusMessage]) -> None:
