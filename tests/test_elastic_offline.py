@@ -23,8 +23,9 @@ AGENTS = """
 import asyncio, sys
 from agents.control.plane import AgentIdentity, ControlPlane
 async def main():
-    async with ControlPlane(sys.argv[1], sys.argv[2], "agent-2", agent=AgentIdentity(2)) as two:
-        async with ControlPlane(sys.argv[1], sys.argv[2], "agent-3", agent=AgentIdentity(3)) as three:
+    dc = sys.argv[3] if len(sys.argv) > 3 else None
+    async with ControlPlane(sys.argv[1], sys.argv[2], "agent-2", agent=AgentIdentity(2, dc=dc)) as two:
+        async with ControlPlane(sys.argv[1], sys.argv[2], "agent-3", agent=AgentIdentity(3, dc=dc)) as three:
             await two.publish_status(2, "training")
             await three.publish_status(3, "training")
             print("up", flush=True)
@@ -87,3 +88,33 @@ def test_a_dc_lost_before_the_start_is_a_loss_for_an_elastic_start(embedded_brok
     with pytest.raises(AgentLost, match="ranks 2, 3 went offline before the start") as lost:
         start(ready_timeout_s=120.0, lose_offline_after_s=2.0)
     assert lost.value.ranks == [2, 3] and time.monotonic() - began < 30  # not the 120 s ready timeout
+
+
+def test_the_wills_of_a_dc_the_new_plan_left_out_are_no_loss_of_its_ranks(
+    embedded_broker: RunningBroker, tmp_path
+) -> None:
+    """A three-host trial: after DC 'us' (ranks 2 and 3) was lost, the new plan numbered eu's agents 2 and 3; the
+    dead agents' wills, still retained for ranks 2 and 3, were taken for the new plan's ranks going offline before
+    the start, and the re-plan dropped the healthy DC too. A will from another DC than the plan gives the rank is
+    no loss of that rank: the start waits for its agent."""
+    from agent_helpers import tiny_plan
+
+    from agents.control.coordinator import start_job
+    from agents.control.plane import AgentsNotReady
+    from agents.layout import parse_layout
+
+    url, job = embedded_broker.url_for(), JOB + "-renumbered"
+    text = tiny_plan(tmp_path, dp=2).read_text()
+    assert "gone" not in {parse_layout(text).role(r).dc for r in (2, 3)}
+    dc = subprocess.Popen(
+        [sys.executable, "-c", AGENTS, url, job, "gone"], stdout=subprocess.PIPE, text=True, env=agent_subprocess_env()
+    )
+    assert dc.stdout is not None and dc.stdout.readline().strip() == "up"
+    dc.send_signal(signal.SIGKILL)  # the lost DC's wills for ranks 2 and 3, retained
+    dc.wait(10)
+    with pytest.raises(AgentsNotReady, match="2 \\(offline\\), 3 \\(offline\\)"):
+        asyncio.run(
+            start_job(
+                url, job, text, steps=1, out=None, stop_on_loss=False, ready_timeout_s=6.0, lose_offline_after_s=1.0
+            )
+        )

@@ -365,7 +365,8 @@ async def wait_ready(
             continue
         before, latest[message.rank] = latest.get(message.rank), message
         stale.discard(message.rank)
-        if message.state != "offline" or lose_offline_after_s is None or message.rank not in ranks:
+        here = message.rank in ranks and message.dc in (None, layout.role(message.rank).dc)  # not a lost DC's will
+        if message.state != "offline" or lose_offline_after_s is None or not here:
             gone.pop(message.rank, None)
         elif message.rank not in gone:
             gone[message.rank] = loop.time() + lose_offline_after_s
