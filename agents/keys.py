@@ -182,12 +182,14 @@ class JobKeys:
         return {r: self.verify_keys[agent_identity(r)] for r in range(self.ranks)}
 
     def control_fields(
-        self, identity: str
-    ) -> tuple[str, nacl.signing.SigningKey, nacl.signing.VerifyKey, dict[int, nacl.signing.VerifyKey]]:
+        self, identity: str, *, signs: bool = True
+    ) -> tuple[str, nacl.signing.SigningKey | None, nacl.signing.VerifyKey, dict[int, nacl.signing.VerifyKey]]:
         """``(identity, signing key, coordinator key, agent keys)``: the fields of
         :class:`agents.control.auth.ControlKeys`, built by the callers as ``ControlKeys(*keys.control_fields(who))``
-        (this module sits below agents/control)."""
-        return identity, self.signing_key(identity), self.coordinator_key, self.agent_keys
+        (this module sits below agents/control). ``signs=False``: no signing key (a client that only reads and
+        verifies, as ``job status``: the public files are enough)."""
+        self._check_identity(identity)
+        return identity, self.signing_key(identity) if signs else None, self.coordinator_key, self.agent_keys
 
     def curve_keypair(self, rank: int) -> tuple[bytes, bytes]:
         """(public, secret) Z85 CURVE keys of ``rank``; ConfigError if its ``.key`` file is absent."""

@@ -225,6 +225,27 @@ def test_a_strangers_status_for_a_rank_the_job_lacks_changes_no_command(
     assert "evil" not in out
 
 
+def test_job_status_needs_the_public_files_only_and_commands_name_the_signing_key(
+    mosquitto_broker, tmp_path: Path, four_ranks, capsys
+):
+    """A three-host trial: ``job status --keys`` on an agent's host failed (exit 2) for want of the coordinator's
+    private ``coordinator.sign``, though it only reads; it checks the statuses with the public keys now."""
+    plan, text = four_ranks
+    secrets, reader = tmp_path / "secrets", tmp_path / "reader"
+    write_job_keys(secrets, 4)
+    url = mosquitto_broker.url_for("geosched")
+    publish_ready(url, text, dict.fromkeys(range(4), secrets))
+    shutil.copytree(secrets, reader)
+    (reader / "coordinator.sign").unlink()
+    flags = ("--mqtt", url, "--job", JOB, "--keys", str(reader))
+    code, out, err = geosched(capsys, "job", "status", *flags)
+    assert code == 0 and [line.split()[:2] for line in out.splitlines()[1:5]] == [[str(r), "ready"] for r in range(4)]
+    code, out, err = geosched(capsys, "job", "stop", *flags)  # a command is signed: the key is named
+    assert code == 2 and err.strip().endswith(
+        f"{reader / 'coordinator.sign'} is missing: copy it from the job's key folder"
+    )
+
+
 def test_many_refused_ranks_are_one_bounded_line() -> None:
     from agents.control.refused import summary
 

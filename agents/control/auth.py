@@ -87,7 +87,7 @@ class ControlKeys:
     """Signing identity of one control-plane client and the public keys it trusts."""
 
     identity: str  # "coordinator" or "agent-<rank>"
-    signing_key: nacl.signing.SigningKey
+    signing_key: nacl.signing.SigningKey | None  # None: a client that only reads (geosched job status)
     coordinator: nacl.signing.VerifyKey
     agents: Mapping[int, nacl.signing.VerifyKey]  # rank -> that agent's key
 
@@ -125,7 +125,7 @@ class Signer:
     def __init__(self, keys: ControlKeys, job: str) -> None:
         if keys.identity != "coordinator" and not (keys.identity.startswith("agent-") and keys.identity[6:].isdigit()):
             raise InputError(f"control keys: identity {keys.identity!r} must be 'coordinator' or 'agent-<rank>'")
-        self.keys, self.job = keys, job
+        self.keys, self.job, self._key = keys, job, keys.signing_key  # None: a reader's, which publishes nothing
         self._seq = 0
         self.session = self.new_session()
 
@@ -139,7 +139,10 @@ class Signer:
         return self.session
 
     def check_may_publish(self, topic: str) -> str:
-        """The kind of ``topic``; ProtocolError if this identity may not publish there."""
+        """The kind of ``topic``; ProtocolError if this identity may not publish there, InputError if it holds no
+        signing key (a client that only reads)."""
+        if self._key is None:
+            raise InputError(f"{topic}: the keys of {self.keys.identity!r} hold no signing key here (it only reads)")
         kind, rank = classify_topic(self.job, topic)
         if not may_publish(self.keys.identity, kind, rank):
             raise ProtocolError(f"{topic}: identity {self.keys.identity!r} may not publish {kind} messages there")
@@ -157,7 +160,8 @@ class Signer:
             "session": self.session,
             "time": round(time.time(), 6),
         }
-        signature = self.keys.signing_key.sign(_signed_bytes(header, body)).signature
+        assert self._key is not None  # check_may_publish said so
+        signature = self._key.sign(_signed_bytes(header, body)).signature
         header["sig"] = base64.b64encode(signature).decode()
         return MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n" + body
 

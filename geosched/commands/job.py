@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     from agents.control.coordinator import AgentLost
 
     keys = load_keys(args)
-    signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator"))
+    reads = args.action == "status"  # reading statuses needs the public keys only, not coordinator.sign
+    signing = None if keys is None else ControlKeys(*keys.control_fields("coordinator", signs=not reads))
     url = mqtt_url(args, keys, "coordinator")
     if args.action == "start":
         from agents.layout import load_plan_file
@@ -388,7 +389,7 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
         print(
             f"recovery: lost ranks {r.lost_ranks}{' (DC ' + ', '.join(r.lost_dcs) + ')' if r.lost_dcs else ''}; "
             f"{r.old_plan} -> {r.new_plan}; resumed from step {r.resumed_from_step}, {r.steps_redone} steps redone, "
-            f"down {r.downtime_s:.1f} s",
+            f"down {r.downtime_s:.1f} s" if r.downtime_s >= 0 else "the new plan never started (lost again first)",
             file=out,
             flush=True,
         )
