@@ -419,6 +419,10 @@ def test_tls_with_a_ca_file_against_mosquitto(tmp_path: Path) -> None:
             with pytest.raises(BrokerAuthError, match="mismatch.*; connect by a name or address its subjectAltName"):
                 async with ControlPlane(by_name, JOB, "agent-1", ca_file=tmp_path / "broker.crt", connect_timeout=5):
                     pass  # a trial: told to pass the CA file it had passed
+            plain = url.replace("mqtts://", "mqtt://")  # a trial: "cannot reach ... (no attempt yet)" said no more
+            with pytest.raises(BrokerUnreachable, match="got no answer.*a port that speaks TLS.*needs mqtts://"):
+                async with ControlPlane(plain, JOB, "agent-3", connect_timeout=3, wait_for_broker=False):
+                    pass
             (tmp_path / "not-a-ca.pem").write_bytes(bytes(range(256)))  # refused at once, not "cannot reach" later
             with pytest.raises(InputError, match="--ca-file: cannot read .*not-a-ca.pem.* as PEM certificates"):
                 ControlPlane(url, JOB, "agent-2", ca_file=tmp_path / "not-a-ca.pem")

@@ -112,9 +112,7 @@ class ControlPlane:
         self.address = BrokerAddress(address.host, address.port, address.tls, user, secret)
         self.job = check_name("job name", job)
         self.client_id = check_name("MQTT client id", client_id)
-        self.topics = Topics(job)
-        self.agent = agent
-        self.stats = ControlStats()
+        self.topics, self.agent, self.stats = Topics(job), agent, ControlStats()
         self._keepalive, self._connect_timeout, self._wait = keepalive, connect_timeout, wait_for_broker
         self._backoff, self._max_payload = backoff, max_payload
         self._client: aiomqtt.Client | None = None  # set while connected
@@ -126,7 +124,7 @@ class ControlPlane:
         self._statuses: dict[int, StatusMessage] = {}
         self._plan: PlanMessage | None = None
         self._seq = int(time.time() * 1000)
-        self._last_error, self._lost_at = "no attempt yet", time.monotonic()
+        self._last_error, self._lost_at = "its connection got no answer", time.monotonic()
         self._own_state: str | None = None  # last state this agent published for itself
         self._signer = Signer(keys, self.job) if keys is not None else None
         self._verifier = Verifier(keys, self.job) if keys is not None else None
@@ -154,6 +152,7 @@ class ControlPlane:
             raise BrokerUnreachable(
                 f"cannot reach MQTT broker {self.address} within {self._connect_timeout:g} s ({self._last_error});"
                 " check the URL and that the broker is running"
+                + ("" if self.address.tls else " (a port that speaks TLS, as 8883 does, needs mqtts://)")
             ) from None
         except BaseException:
             await self._stop_runner()
