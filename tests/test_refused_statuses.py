@@ -246,6 +246,28 @@ def test_job_status_needs_the_public_files_only_and_commands_name_the_signing_ke
     )
 
 
+def test_a_client_without_keys_drops_signed_heartbeats_quietly(mosquitto_broker, tmp_path: Path, caplog) -> None:
+    """A three-host trial: ``job status`` without ``--keys`` printed ``WARNING ... heartbeat: payload is not JSON``
+    (a live agent's signed heartbeat) above its one line saying the job is signed."""
+    url, secrets = mosquitto_broker.url_for("geosched"), tmp_path / "secrets"
+    write_job_keys(secrets, 1)
+    keys = ControlKeys(*load_job_keys(secrets).control_fields("agent-0"))
+
+    async def run() -> None:
+        async with ControlPlane(url, JOB, "keyless") as reader, await reader.subscribe("heartbeat", "status") as sub:
+            async with ControlPlane(url, JOB, f"{JOB}-agent-0", keys=keys) as agent:
+                for seq in range(3):
+                    assert await agent.publish_heartbeat(0, seq, state="training")
+                assert await agent.publish_status(0, "training")
+            with pytest.raises(TimeoutError):
+                await sub.get(1.0)  # nothing it cannot check is handed on
+            assert list(reader.refused_statuses.of(())) == [0]  # the status is noted: the commands say it is signed
+
+    with caplog.at_level("WARNING", logger="agents.control.plane"):
+        asyncio.run(run())
+    assert not [r.getMessage() for r in caplog.records if "not JSON" in r.getMessage()]
+
+
 def test_many_refused_ranks_are_one_bounded_line() -> None:
     from agents.control.refused import summary
 

@@ -261,7 +261,7 @@ class ControlPlane:
                         self._reassert(topic)
                 return
         elif self._verifier is None and self.refused_statuses.signed_unchecked(topic, payload):
-            return  # a signed status and no keys to check it: the commands say so
+            return  # signed, and no keys to check it: the commands say so (of a status)
         try:
             message = parse_message(self.job, topic, payload, self._max_payload)
         except ProtocolError as exc:

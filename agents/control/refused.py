@@ -60,8 +60,12 @@ class RefusedStatuses:
         return True
 
     def signed_unchecked(self, topic: str, payload: bytes) -> bool:
-        """For a client without keys: True (and noted) when ``payload`` is a signed envelope on a status topic."""
-        return payload.startswith(MAGIC) and self.note(topic, SIGNED)
+        """For a client without keys: True when ``payload`` is a signed envelope, which it cannot check (dropped
+        quietly: a heartbeat's was a 'payload is not JSON' warning above ``job status``'s line); a status's is noted."""
+        if not payload.startswith(MAGIC):
+            return False
+        self.note(topic, SIGNED)
+        return True
 
     def of(self, readable: Collection[int]) -> dict[int, str]:
         """Rank -> the words for its refusal (:func:`why`), for the ranks with no ``readable`` status."""
