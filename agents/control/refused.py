@@ -61,8 +61,12 @@ class RefusedStatuses:
 
     def signed_unchecked(self, topic: str, payload: bytes) -> bool:
         """For a client without keys: True when ``payload`` is a signed envelope, which it cannot check (dropped
-        quietly: a heartbeat's was a 'payload is not JSON' warning above ``job status``'s line); a status's is noted."""
-        if not payload.startswith(MAGIC):
+        quietly: a heartbeat's was a 'payload is not JSON' warning above ``job status``'s line); a status's is noted.
+        A signed plan goes on: an agent without keys names it (restart with ``--keys``)."""
+        try:
+            if not payload.startswith(MAGIC) or classify_topic(self.job, topic)[0] == "plan":
+                return False
+        except ProtocolError:
             return False
         self.note(topic, SIGNED)
         return True
