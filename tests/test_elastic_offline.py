@@ -118,3 +118,16 @@ def test_the_wills_of_a_dc_the_new_plan_left_out_are_no_loss_of_its_ranks(
                 url, job, text, steps=1, out=None, stop_on_loss=False, ready_timeout_s=6.0, lose_offline_after_s=1.0
             )
         )
+
+
+def test_a_recovery_line_says_when_the_new_plan_never_started() -> None:
+    """A three-host trial's second recovery came before the first's new plan started: it printed 'down -1.0 s'."""
+    import dataclasses
+
+    from agents.rehearsal.elastic import Recovery
+    from geosched.commands.job import recovery_line
+
+    lost = Recovery([2, 3], ["us"], "lost", "3 stages", "2 stages", 5, 4, 2, -1.0)
+    start = "recovery: lost ranks [2, 3] (DC us); 3 stages -> 2 stages; resumed from step 4, 2 steps redone, "
+    assert recovery_line(lost) == start + "the new plan never started (lost again first)"
+    assert recovery_line(dataclasses.replace(lost, downtime_s=2.0)) == start + "down 2.0 s"

@@ -144,6 +144,15 @@ def _job_metrics(args: argparse.Namespace, out: Any) -> tuple[Any, Any]:
     return metrics, server
 
 
+def recovery_line(r: Any) -> str:
+    """The line ``job start --elastic`` prints for one recovery (an :class:`agents.rehearsal.elastic.Recovery`)."""
+    down = f"down {r.downtime_s:.1f} s" if r.downtime_s >= 0 else "the new plan never started (lost again first)"
+    return (
+        f"recovery: lost ranks {r.lost_ranks}{' (DC ' + ', '.join(r.lost_dcs) + ')' if r.lost_dcs else ''}; "
+        f"{r.old_plan} -> {r.new_plan}; resumed from step {r.resumed_from_step}, {r.steps_redone} steps redone, {down}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
     from agents.control import commands
@@ -386,13 +395,7 @@ def _start_elastic(args: argparse.Namespace, url: str, signing: Any, text: str, 
             print(ended(outcome_of(exc)), flush=True)
         raise
     for r in done.recoveries:
-        print(
-            f"recovery: lost ranks {r.lost_ranks}{' (DC ' + ', '.join(r.lost_dcs) + ')' if r.lost_dcs else ''}; "
-            f"{r.old_plan} -> {r.new_plan}; resumed from step {r.resumed_from_step}, {r.steps_redone} steps redone, "
-            f"down {r.downtime_s:.1f} s" if r.downtime_s >= 0 else "the new plan never started (lost again first)",
-            file=out,
-            flush=True,
-        )
+        print(recovery_line(r), file=out, flush=True)
     if done.result is not None:
         print(_completed(args.job, done.result), file=out, flush=True)
     if args.json:
