@@ -198,3 +198,30 @@ def test_real_links_through_one_emulated_link_deliver_in_the_order_the_link_was_
     finally:
         for link in clients + servers:
             link.close()
+
+
+def test_a_store_slowed_by_a_flood_of_strangers_connections_is_said(store, caplog) -> None:
+    """An attacker's trial: 3,000 empty connections to the group's store (torch's TCPStore serves them one at a
+    time) made each of its operations take 3 s for minutes and the pipeline 14x slower, with nothing logged."""
+    import socket
+
+    turns = LinkTurns(lambda: client(store), "us->eu", where=f"127.0.0.1:{store.port}")
+    log: list[tuple[str, int, int, float]] = []
+    try:
+        turns.submit(fake_send(log, 0, 0)).result(30)  # connected, a quick turn: nothing said
+        strangers = []
+        for i in range(3000):  # from other loopback addresses, as from other hosts
+            conn = socket.socket()
+            conn.setblocking(False)
+            conn.bind((f"127.4.{i // 250}.{i % 250 + 1}", 0))
+            conn.connect_ex(("127.0.0.1", store.port))
+            strangers.append(conn)
+        for conn in strangers:
+            conn.close()
+        with caplog.at_level("WARNING", logger="agents.stage.turns"):
+            turns.submit(fake_send(log, 0, 1)).result(60)
+        said = [r.getMessage() for r in caplog.records if r.name == "agents.stage.turns"]
+        assert len(said) == 1 and f"group's store (127.0.0.1:{store.port}) took" in said[0], said
+        assert "flooding its port" in said[0] and "docs/security.md" in said[0]
+    finally:
+        turns.close()

@@ -77,13 +77,22 @@ StartSend = Callable[[concurrent.futures.Future[None]], concurrent.futures.Futur
 """Starts one send on the link, given the future to resolve once its last chunk is out; returns its ack future."""
 GRANTS_KEPT = 4096
 """Recent turns each holder remembers (:attr:`LinkTurns.grants`)."""
+SLOW_DRAW_S = 1.0
+"""A ticket drawn slower than this (one in-DC round trip, normally under a millisecond) is logged as a sick store:
+torch's TCPStore serves connections one at a time, and a trial's 3,000 empty ones from strangers made each of its
+operations take 3 s for minutes, the pipeline 14x slower, with nothing said."""
+SLOW_LINE_S = 60.0
+"""At most one such line per this many seconds per link direction."""
 
 
 class LinkTurns:
     """The turns of one holder on one shared link direction (``direction``: a name the holders agree on)."""
 
-    def __init__(self, connect: Callable[[], Any], direction: str, *, timeout_s: float = 120.0) -> None:
-        self.direction, self.timeout_s = direction, timeout_s
+    def __init__(
+        self, connect: Callable[[], Any], direction: str, *, timeout_s: float = 120.0, where: str = "its store"
+    ) -> None:
+        self.direction, self.timeout_s, self.where = direction, timeout_s, where
+        self._slow_said = -SLOW_LINE_S
         self.grants: deque[tuple[int, float, float]] = deque(maxlen=GRANTS_KEPT)
         """(ticket, granted, transmitted) of recent turns, ``time.monotonic()`` seconds."""
         self._connect = connect
@@ -128,7 +137,9 @@ class LinkTurns:
                 return
             ticket = -1
             try:
+                drawn = time.monotonic()
                 ticket = int(store.add(self.key("next"), 1)) - 1
+                self._check_draw(time.monotonic() - drawn)
                 granted = self._take(store, ticket)
                 try:
                     self._send(start, done)
@@ -142,6 +153,21 @@ class LinkTurns:
                     done.set_exception(LinkError(f"turns on {self.direction}, ticket {ticket}: {exc}"))
                 self._fail(LinkError(f"turns on {self.direction} stopped at ticket {ticket}: {exc}"))
                 return
+
+    def _check_draw(self, seconds: float) -> None:
+        """Warn (once a minute at most) when drawing a ticket, one round trip to the store, took over
+        :data:`SLOW_DRAW_S`."""
+        now = time.monotonic()
+        if seconds > SLOW_DRAW_S and now - self._slow_said >= SLOW_LINE_S:
+            self._slow_said = now
+            log.warning(
+                "turns on %s: the group's store (%s) took %.1f s to answer one request (normally under a ms), which "
+                "slows every WAN send of this stage: is something flooding its port with connections? Keep the "
+                "group's store and gloo ports reachable from the group's own hosts only (docs/security.md)",
+                self.direction,
+                self.where,
+                seconds,
+            )
 
     def _send(self, start: StartSend, done: concurrent.futures.Future[None]) -> None:
         """Start the send (its outcome becomes ``done``'s) and wait until it has all but left, failed or timed
@@ -202,7 +228,8 @@ def shared_link_turns(role: RankRole, store_host: str, store_port: int, *, timeo
         if dc is not None:
             direction = f"{role.dc}->{dc}"
             if direction not in directions:
-                directions[direction] = LinkTurns(connect, direction, timeout_s=timeout_s)
+                where = f"{store_host}:{store_port}"
+                directions[direction] = LinkTurns(connect, direction, timeout_s=timeout_s, where=where)
             out[peer] = directions[direction]
     return out
 
