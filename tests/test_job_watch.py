@@ -7,9 +7,10 @@ import time
 
 from agents.control.commands import status_table
 from agents.control.losses import lost_message
-from agents.control.messages import MetricsMessage, StatusMessage, printable
+from agents.control.messages import MetricsMessage, StatusMessage
 from agents.control.watch import HEADER, view_lines
 from geosched.cli import main
+from geosched.text import printable
 
 
 def _columns(line: str) -> list[str]:

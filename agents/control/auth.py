@@ -57,8 +57,9 @@ from dataclasses import dataclass
 import nacl.exceptions
 import nacl.signing
 
-from agents.control.messages import classify_topic, printable
+from agents.control.messages import classify_topic
 from geosched.errors import InputError, ProtocolError
+from geosched.text import printable
 
 __all__ = [
     "ControlKeys",
@@ -278,7 +279,7 @@ class RefusalReport:
 
     def note(self, refusal: ProtocolError, now: float) -> str | None:
         """One refusal (or a dropped malformed message) at ``now`` (monotonic seconds); the report line if one is
-        due, cut to :data:`~agents.control.messages.MAX_SHOWN_CHARS` (a topic may be 60 KB long)."""
+        due, cut to :data:`~geosched.text.MAX_SHOWN_CHARS` (a topic may be 60 KB long)."""
         if now < self._next:
             self._suppressed += 1
             return None

@@ -26,7 +26,6 @@ from agents.control.messages import (
     MetricsMessage,
     PlanMessage,
     StatusMessage,
-    printable,
 )
 from agents.control.messages import client_id as make_client_id
 from agents.control.plane import ControlPlane
@@ -34,6 +33,7 @@ from agents.control.refused import rank_list, summary
 from agents.control.watch import align
 from agents.layout import plan_id
 from geosched.errors import GeoschedError, InputError
+from geosched.text import printable
 
 METRICS_LISTEN_S = 3.0
 """How long ``job checkpoint`` listens for step metrics to learn the step a training job is in, and its pace."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from agents.control.messages import StatusMessage, of_another_plan, printable
+from agents.control.messages import StatusMessage, of_another_plan
 from geosched.errors import GeoschedError
 from geosched.processes import exit_words
+from geosched.text import printable
 
 RETAINED_SETTLE_S = 0.3
 """How long the coordinator lets the broker deliver retained statuses (before it publishes the plan, and

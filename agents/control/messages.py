@@ -182,18 +182,6 @@ class MetricsMessage:
     values: dict[str, Any] = field(default_factory=dict)
 
 
-MAX_SHOWN_CHARS = 300
-"""The most characters of an agent's own text (its ``message``, DC or host) a coordinator's line shows."""
-
-
-def printable(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
-    """An agent's text as one line a terminal shows as it is: control characters (newlines, escape sequences)
-    as spaces, cut to ``limit`` characters with its length said."""
-    text = str(value)
-    line = "".join(c if c.isprintable() else " " for c in text[:limit])
-    return line if len(text) <= limit else f"{line}... ({len(text)} characters)"
-
-
 def of_another_plan(status: StatusMessage, plan: str | None) -> bool:
     """Whether ``status`` names a plan other than ``plan`` (one naming none, or ``plan`` unknown: no), as a rank
     of an earlier plan, left on the broker by a re-plan or back from a network cut, does."""

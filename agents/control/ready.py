@@ -23,12 +23,13 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from agents.control.losses import EXIT_POLL_S, AgentLost, Exits, JobStopped, exited_lost, lost_message
-from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan, printable
+from agents.control.messages import CommandMessage, StatusMessage, last_states, of_another_plan
 from agents.control.plane import PROCESS_SINCE, AgentsNotReady, ControlPlane
 from agents.control.refused import rank_list
 from agents.control.takeover import holder_line
 from agents.sockets import is_loopback
 from geosched.errors import InputError, PlanError
+from geosched.text import printable
 
 if TYPE_CHECKING:
     from agents.layout import JobLayout

@@ -19,8 +19,9 @@ import logging
 
 from agents.control.auth import ControlKeys
 from agents.control.losses import RETAINED_SETTLE_S
-from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, StatusMessage, client_id, printable
+from agents.control.messages import HEARTBEAT_S, HeartbeatMessage, StatusMessage, client_id
 from agents.control.plane import PROCESS_SINCE, ControlPlane
+from geosched.text import printable
 
 log = logging.getLogger(__name__)
 

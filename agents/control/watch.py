@@ -26,10 +26,10 @@ from agents.control.messages import (
     client_id,
     metric_number,
     of_another_plan,
-    printable,
 )
 from agents.control.plane import ControlPlane
 from agents.layout import plan_id
+from geosched.text import printable
 
 HEADER = ("rank", "dc", "state", "step", "iter ms", "bubble", "WAN MB/s", "prefill q", "message")
 MESSAGE_CHARS = 60

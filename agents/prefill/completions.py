@@ -28,10 +28,12 @@ from agents.prefill.protocol import (
     PrefillResponse,
     decode_request,
     numbered_timings,
+    top_k_lists,
 )
 from geosched import wire
 from geosched.errors import ProtocolError
 from geosched.model import KVCache
+from geosched.text import printable
 
 NEUTRAL = {"stop": None, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1}
 NEUTRAL |= {"logit_bias": None, "suffix": None, "seed": None}
@@ -297,6 +299,7 @@ def response_from_safetensors(data: bytes) -> PrefillResponse:
         meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
         if meta.get("format") != KV_FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, not {KV_FORMAT!r}")
+        ids, logits = top_k_lists(json.loads(meta["topk_ids"]), json.loads(meta["topk_logits"]))
         tensors = load(data)
         layers = len(tensors) // 2
         kv: KVCache = [(tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"]) for i in range(layers)]
@@ -305,14 +308,14 @@ def response_from_safetensors(data: bytes) -> PrefillResponse:
             "ok",
             prompt_tokens=int(meta["prompt_tokens"]),
             first_token=int(meta["first_token"]),
-            topk_ids=[int(t) for t in json.loads(meta["topk_ids"])],
-            topk_logits=[float(x) for x in json.loads(meta["topk_logits"])],
+            topk_ids=ids,
+            topk_logits=logits,
             kv=kv,
             timings=numbered_timings(json.loads(meta["timings"])),
             weights_step=int(meta["weights_step"]) if "weights_step" in meta else None,
         )
-    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ProtocolError(f"not a prefill KV answer ({KV_FORMAT}): {exc}") from None
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
+        raise ProtocolError(f"not a prefill KV answer ({KV_FORMAT}): {printable(exc, 200)}") from None
 
 
 __all__ = [

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from agents.prefill.completions import response_from_safetensors
 from agents.prefill.protocol import PrefillResponse
 from geosched.errors import InputError, LinkError
+from geosched.text import printable
 
 MAX_ANSWER_BYTES = 1 << 30
 """The largest answer read (a KV cache of about 1 GiB); a longer one is refused unread."""
@@ -87,7 +88,7 @@ def prefill_over_http(
     try:
         conn.request("POST", f"{prefix}/v1/prefill", body=json.dumps(body).encode(), headers=headers)
         reply = conn.getresponse()
-        length = int(reply.headers.get("Content-Length") or 0)
+        length = reply.length or 0  # http.client's reading of Content-Length (None: none, or not a number)
         if length > MAX_ANSWER_BYTES:
             raise LinkError(f"{url}: an answer of {length} bytes is over this client's {MAX_ANSWER_BYTES}")
         data = reply.read(MAX_ANSWER_BYTES)
@@ -107,10 +108,10 @@ def prefill_over_http(
         return response_from_safetensors(data)
     try:
         message = str(json.loads(data)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         message = data[:200].decode("utf-8", "replace").strip()
     status = {429: "rejected", 504: "expired"}.get(reply.status, "error")
-    return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {message}")
+    return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {printable(message, 240)}")
 
 
 def _cut(conn: http.client.HTTPConnection, late: threading.Event) -> None:

@@ -45,6 +45,7 @@ import torch
 from geosched import wire
 from geosched.errors import InputError, ProtocolError
 from geosched.model import KVCache
+from geosched.text import printable
 
 VERSION = 2
 STATUSES = ("ok", "rejected", "expired", "error")
@@ -248,6 +249,18 @@ def encode_response(resp: PrefillResponse) -> list[bytes | memoryview]:
     return [wire.encode_header(header), wire.tensor_bytes(stacked)]
 
 
+def top_k_lists(ids: Any, logits: Any) -> tuple[list[int], list[float]]:
+    """A response's ``topk_ids`` and ``topk_logits`` as sent: lists of at most :data:`MAX_TOP_K` token ids (ints)
+    and numbers; ProtocolError for anything else (a hostile server's ``["x"]``, ``[inf]``, a nested list)."""
+    if not isinstance(ids, list) or not isinstance(logits, list) or not len(ids) == len(logits) <= MAX_TOP_K:
+        raise ProtocolError(f"topk_ids and topk_logits must be two lists of at most {MAX_TOP_K} numbers alike long")
+    if not all(type(i) is int and 0 <= i < 1 << 31 for i in ids):
+        raise ProtocolError("topk_ids must be token ids (integers from 0)")
+    if not all(type(x) in (int, float) for x in logits):
+        raise ProtocolError("topk_logits must be numbers")
+    return list(ids), [float(x) for x in logits]
+
+
 def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes: int) -> PrefillResponse:
     """Validate and decode response frames; ProtocolError for anything malformed."""
     if not frames:
@@ -259,8 +272,8 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise ProtocolError("response id must be a string or nil")
-    if status != "ok":
-        return PrefillResponse(rid, status, reason=str(header.get("reason", "")))
+    if status != "ok":  # a server's words, shown on a terminal: no escape sequence of its gets there
+        return PrefillResponse(rid, status, reason=printable(header.get("reason", ""), MAX_REASON_CHARS))
     layers = wire.require_int(header, "kv_layers", 0, 1 << 16)
     kv: KVCache | None = None
     if len(frames) != 1 + (layers > 0):
@@ -274,16 +287,15 @@ def decode_response(frames: Sequence[bytes | memoryview], *, max_kv_frame_bytes:
         wire.check_tensor_spec(dtype, shape, max_bytes=max_kv_frame_bytes)
         stacked = wire.tensor_from_buffer(frames[1], dtype, shape)  # (2L, 1, H, T, D)
         kv = [(stacked[2 * i], stacked[2 * i + 1]) for i in range(layers)]
-    topk_ids = wire.require(header, "topk_ids", list)
-    topk_logits = wire.require(header, "topk_logits", list)
+    topk_ids, topk_logits = top_k_lists(header.get("topk_ids"), header.get("topk_logits"))
     timings = numbered_timings({k: wire.require(header, k, (int, float)) for k in TIMING_FIELDS})
     return PrefillResponse(
         rid,
         status,
         prompt_tokens=wire.require_int(header, "prompt_tokens"),
         first_token=wire.require_int(header, "first_token"),
-        topk_ids=[int(i) for i in topk_ids],
-        topk_logits=[float(x) for x in topk_logits],
+        topk_ids=topk_ids,
+        topk_logits=topk_logits,
         kv=kv,
         timings=timings,
         weights_step=wire.require_int(header, "weights_step") if "weights_step" in header else None,

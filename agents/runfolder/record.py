@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agents.control.messages import MetricsMessage, StatusMessage, printable
+from agents.control.messages import MetricsMessage, StatusMessage
 from agents.runfolder.claim import clear_previous_run
 from agents.stage.report import StepReport
 from geosched.errors import GeoschedError
+from geosched.text import printable
 from geosched.yamlload import write_atomically
 
 log = logging.getLogger(__name__)
