@@ -157,7 +157,7 @@ def test_documented_mosquitto_runs_a_job_and_refuses_intruders(
     broker.start()
     url, ca = broker.url, site / "broker.crt"
     plan = tiny_plan(tmp_path)
-    agents = []
+    agents, extra = [], []
     try:
         for rank, dc in enumerate(DCS):
             monkeypatch.setenv("GEOSCHED_MQTT_USERNAME", f"agent-{rank}")
@@ -178,11 +178,20 @@ def test_documented_mosquitto_runs_a_job_and_refuses_intruders(
         asyncio.run(refused_and_denied(url, ca, users, plan.read_text()))
         assert all(agent.poll() is None for agent in agents), log_tail(tmp_path)
 
+        # a second agent of rank 0: the documented ACL lets it hear rank 0's heartbeats, so it leaves untouched
+        monkeypatch.setenv("GEOSCHED_MQTT_USERNAME", "agent-0")
+        monkeypatch.setenv("GEOSCHED_MQTT_PASSWORD", users["agent-0"])
+        (tmp_path / "second").mkdir()
+        extra.append(spawn_agent(url, DOC_JOB, 0, DCS[0], tmp_path / "second", "--ca-file", str(ca)))
+        assert extra[0].wait(90) == 2, log_tail(tmp_path / "second")
+        assert "another agent of this rank runs" in (tmp_path / "second" / "agent0.log").read_text()
+        assert agents[0].poll() is None and "reconnected" not in (tmp_path / "agent0.log").read_text()
+
         stopped = coordinator("stop", url=url, ca=ca, users=users)
         assert stopped.returncode == 0, stopped.stderr
         wait_for(lambda: all(agent.poll() is not None for agent in agents), 30, "the agents to stop")
         assert [agent.returncode for agent in agents] == [0, 0], log_tail(tmp_path)
         assert {s["state"] for s in statuses(url, ca, users).values()} == {"stopped"}
     finally:
-        stop_processes(agents)
+        stop_processes(agents + extra)
         broker.stop()
