@@ -31,7 +31,6 @@ import logging
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,7 +48,6 @@ from geosched.optim import divides_before_sum, gradient_dtype
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 5.0  # the longest a replica leaving cleanly waits at the closing barrier for the others
 DEFAULT_BUCKET_CAP_MB = GRADIENT_BUCKET_BYTES / 2**20  # DDP's 25 MiB, ZeRO 2's bucket too
 
 # The flat collectives under the names of the torch at hand: torch 2.13 calls them reduce_scatter_single and
@@ -211,19 +209,14 @@ class DataParallelGroup:
                 )
             first[where] = rank
 
-    def close(self, *, settle: bool = False) -> None:
+    def close(self) -> None:
         """Destroy the process group and stop the heartbeat; safe to call twice.
 
-        ``settle`` (leaving cleanly, as the with-block does): a gloo group first meets at a barrier, at most
-        :data:`SETTLE_S`, so no replica closes its connections while another still sends its last collective on
-        them (that replica's gloo thread can abort the process). The replica hosting the store keeps it up until
-        every replica has said it is leaving (or a few heartbeats passed), so nobody's last store call hits a
-        closed socket.
+        The replica hosting the store keeps it up until every replica has
+        said it is leaving (or a few heartbeats passed), so nobody's last
+        store call hits a closed socket.
         """
         if dist.is_initialized():
-            if settle and self.size > 1 and self.backend == "gloo":
-                with contextlib.suppress(Exception):  # a replica that left uncleanly: destroy at once
-                    dist.monitored_barrier(timeout=timedelta(seconds=min(SETTLE_S, self.spec.timeout_s)))
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 - closing after a failure
@@ -251,8 +244,8 @@ class DataParallelGroup:
     def __enter__(self) -> DataParallelGroup:
         return self
 
-    def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        self.close(settle=exc_type is None)
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
