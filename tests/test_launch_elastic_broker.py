@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 OUTAGE_S = 15.0
 """The longest the broker stays away: until every other agent of the attempt exited, or this."""
+BACK_AFTER_S = 5.0
+"""Then it stays away this long more: the launch's recovery attempt connects meanwhile (it failed at once, 'refused
+the connection', when the broker came back a moment later than the attempt's coordinator connected)."""
 
 
 def _alive(pid: int) -> bool:
@@ -56,6 +59,7 @@ def test_broker_and_agent_killed_together_recovers(tmp_path: Path) -> None:
         while time.monotonic() < deadline and any(_alive(pid) for pid in ranks.values()):
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in ranks.values()), "the agents should exit without a broker"
+        time.sleep(BACK_AFTER_S)  # the recovery is under way, its coordinator connecting: it waits for the broker
         broker.start()  # the same port, empty state
         out, err = proc.communicate(timeout=240)
     finally:

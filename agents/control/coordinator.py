@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Collection, Iterable
@@ -184,6 +185,7 @@ async def start_job(
     result: JobResult | None = None,
     until: int | None = None,
     lose_offline_after_s: float | None = None,
+    broker_wait_s: float | None = None,
 ) -> JobResult:
     """Publish the plan, wait for every rank, start ``steps`` steps, follow them to the end.
 
@@ -199,8 +201,8 @@ async def start_job(
     ``result``, when given, is filled step by step and returned: after a failure it holds the steps that completed.
     ``until``: train up to that step (excluded) from wherever the agents resume, instead of ``steps`` more.
     ``lose_offline_after_s``: a rank offline that long while the start waits for its agents is AgentLost (elastic).
-
-    With ``keys`` (the coordinator's), the plan and commands are signed and only
+    ``broker_wait_s``: wait that long for a broker that refuses connections (a recovery of a launch, whose broker
+    may be restarting), not fail at once. With ``keys`` (the coordinator's), the plan and commands are signed and only
     statuses and metrics signed by the rank's own agent key are believed.
 
     Raises AgentsNotReady (naming missing ranks), PlanError (a mismatching
@@ -209,11 +211,9 @@ async def start_job(
     from agents.layout import parse_layout, plan_id
 
     layout = parse_layout(plan_text, plan_source)  # plan_source names the plan in errors
-    ranks = [r.rank for r in layout.roles]
-    steps = steps or layout.job.steps
-    async with ControlPlane(
-        url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys, wait_for_broker=False
-    ) as cp:
+    ranks, steps, waits = [r.rank for r in layout.roles], steps or layout.job.steps, broker_wait_s is not None
+    plane = functools.partial(ControlPlane, wait_for_broker=waits, connect_timeout=broker_wait_s or 10.0)
+    async with plane(url, job, client_id(job, "coordinator"), ca_file=ca_file, keys=keys) as cp:
         async with await cp.subscribe("status", "metrics", "heartbeat", "command", ranks=ranks) as sub:
             if metrics is not None:
                 metrics.watch(ranks, AGENT_STATES, cp.statuses, lambda: dict(vars(cp.stats)))

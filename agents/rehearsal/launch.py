@@ -310,6 +310,7 @@ def launch(
                     metrics=job_metrics,
                     exits=procs.exited,
                     stop_when=stop_when,
+                    broker_wait_s=ready_timeout_s if len(attempt) > 1 else None,  # a recovery: its broker may restart
                     **control,
                 )
             )
