@@ -190,6 +190,7 @@ def run_supervised(
                 result=done.result,
                 until=origin[0] + steps if origin else None,  # a later attempt: to the job's end, from its agents' step
                 lose_offline_after_s=OFFLINE_AT_START_S,  # a DC lost before the start: re-planned, not waited for
+                broker_wait_s=ready_timeout_s if done.recoveries else None,  # a recovery: the broker may be away
                 **control,
             )
         )
