@@ -205,6 +205,21 @@ def test_a_dead_target_is_one_warning_per_outage_and_its_return_one_line(caplog:
     assert f"target {dead[0]}:{dead[1]} reachable again after 6 failed connects in" in warnings[1]  # shown too
 
 
+def test_a_relay_whose_supervisor_names_lost_targets_logs_an_outage_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """A launch names its lost agents itself; its relays' 'cannot reach target' warnings came among its progress
+    lines during each elastic recovery (an operator's trial)."""
+    with socket.create_server(("127.0.0.1", 0)) as placeholder:
+        dead = placeholder.getsockname()
+    caplog.set_level(logging.INFO, logger="agents.wanem")
+    with WanRelay(dead, LinkShape(), outage_level=logging.INFO) as relay:
+        with pytest.raises(ConnectionResetError):
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as sock:
+                sock.recv(16)
+        assert relay.stats()["connect_failures"] == 1
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "cannot reach target" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.INFO], said
+
+
 def _open_fds() -> set[str]:
     return {
         f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}"

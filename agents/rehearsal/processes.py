@@ -12,6 +12,7 @@ often, a fault the links must survive) and routes the ranks through them.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -182,7 +183,10 @@ class RelayRoutes:
             routes[name] = (tcp_address(bound), shape_for_link(link, self.wan_scale))
             ends[name] = (client_dc, dc)
         self.route_links = ends
-        self.emulator = WanEmulator(routes, link_ends=ends, reset_every_s=self.reset_every_s).start()
+        # a relay's target down is an agent lost: the launch says so itself, its relays at INFO only
+        self.emulator = WanEmulator(
+            routes, link_ends=ends, reset_every_s=self.reset_every_s, outage_level=logging.INFO
+        ).start()
         return {name: tcp_endpoint(*self.emulator.address(name)) for name in routes}
 
     def wan_bytes(self) -> dict[str, int]:

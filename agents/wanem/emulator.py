@@ -49,7 +49,8 @@ class WanRelay:
     busy port fails early); :meth:`start` serves it on a background event loop.
     ``reset_every_s`` resets every connection periodically (fault injection).
     ``loop_thread`` and ``pacers`` let several relays share one loop and one
-    link's capacity (see :class:`WanEmulator`).
+    link's capacity (see :class:`WanEmulator`). ``outage_level``: the log level of a target's outage lines
+    (warnings; a rehearsal, which names its lost agents itself, logs them at INFO).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class WanRelay:
         max_queued_bytes: int = 16 * 1024 * 1024,
         loop_thread: LoopThread | None = None,
         pacers: tuple[LinkPacer, LinkPacer] | None = None,
+        outage_level: int = logging.WARNING,
     ) -> None:
         if reset_every_s is not None and not reset_every_s > 0:
             raise InputError(f"reset_every_s: must be > 0 seconds or None (got {reset_every_s})")
@@ -93,6 +95,7 @@ class WanRelay:
         self._reset_timer: Any = None
         self._closed = False
         self._outage: list[float] | None = None  # [loop time of the first failed connect, failures, last warning]
+        self.outage_level = outage_level  # of the outage lines: INFO where a supervisor names lost targets itself
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -156,13 +159,17 @@ class WanRelay:
         now = self.loop.time()
         if self._outage is None:
             self._outage = [now, 0, now]
-            log.warning(
-                "wanem: cannot reach target %s:%d (%s); resetting each client until it answers", *self.target, exc
+            log.log(
+                self.outage_level,
+                "wanem: cannot reach target %s:%d (%s); resetting each client until it answers",
+                *self.target,
+                exc,
             )
         self._outage[1] += 1
         if now - self._outage[2] >= OUTAGE_REMINDER_S:
             self._outage[2] = now
-            log.warning(
+            log.log(
+                self.outage_level,
                 "wanem: still cannot reach target %s:%d (%s): %d failed connects in %.0f s",
                 *self.target,
                 exc,
@@ -175,7 +182,8 @@ class WanRelay:
         if self._outage is not None:
             since, failures, _ = self._outage
             self._outage = None
-            log.warning(  # the outage's warning said 'cannot reach': this ends it, at the same level
+            log.log(  # the outage's line said 'cannot reach': this ends it, at the same level
+                self.outage_level,
                 "wanem: target %s:%d reachable again after %d failed connects in %.1f s",
                 *self.target,
                 failures,
