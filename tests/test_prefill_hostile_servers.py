@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,17 @@ OK |= {"topk_logits": [0.5], "queued_ms": 0.0, "compute_ms": 0.0, "ttft_ms": 0.0
 
 
 @contextmanager
+def serving(serve: Callable[[], None], join_s: float) -> Iterator[None]:
+    """``serve`` (one answer) on a daemon thread for the with-block, then joined (at most ``join_s``)."""
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(join_s)
+
+
+@contextmanager
 def zmq_server(answer: dict[str, Any]) -> Iterator[str]:
     """A ROUTER that answers one request with the header ``answer`` (its id the request's)."""
     ctx = zmq.Context()
@@ -39,12 +50,10 @@ def zmq_server(answer: dict[str, Any]) -> Iterator[str]:
             request = wire.decode_header(frames[1])
             router.send_multipart([frames[0], wire.encode_header({**answer, "id": request.get("id")})])
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     try:
-        yield f"tcp://127.0.0.1:{port}"
+        with serving(serve, 25):
+            yield f"tcp://127.0.0.1:{port}"
     finally:
-        thread.join(25)
         router.close(0)
         ctx.term()
 
@@ -69,13 +78,8 @@ def http_server(answer: bytes) -> Iterator[str]:
                 body += conn.recv(4096)
             conn.sendall(answer)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
+    with listener, serving(serve, 10):
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        thread.join(10)
-        listener.close()
 
 
 def http_answer(status: str, body: bytes, length: str | None = None) -> bytes:

@@ -126,7 +126,7 @@ class Signer:
     def __init__(self, keys: ControlKeys, job: str) -> None:
         if keys.identity != "coordinator" and not (keys.identity.startswith("agent-") and keys.identity[6:].isdigit()):
             raise InputError(f"control keys: identity {keys.identity!r} must be 'coordinator' or 'agent-<rank>'")
-        self.keys, self.job, self._key = keys, job, keys.signing_key  # None: a reader's, which publishes nothing
+        self.keys, self.job = keys, job
         self._seq = 0
         self.session = self.new_session()
 
@@ -142,7 +142,7 @@ class Signer:
     def check_may_publish(self, topic: str) -> str:
         """The kind of ``topic``; ProtocolError if this identity may not publish there, InputError if it holds no
         signing key (a client that only reads)."""
-        if self._key is None:
+        if self.keys.signing_key is None:  # a reader's keys: it publishes nothing
             raise InputError(f"{topic}: the keys of {self.keys.identity!r} hold no signing key here (it only reads)")
         kind, rank = classify_topic(self.job, topic)
         if not may_publish(self.keys.identity, kind, rank):
@@ -161,8 +161,9 @@ class Signer:
             "session": self.session,
             "time": round(time.time(), 6),
         }
-        assert self._key is not None  # check_may_publish said so
-        signature = self._key.sign(_signed_bytes(header, body)).signature
+        key = self.keys.signing_key
+        assert key is not None  # check_may_publish said so
+        signature = key.sign(_signed_bytes(header, body)).signature
         header["sig"] = base64.b64encode(signature).decode()
         return MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n" + body
 

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agents.prefill.completions import response_from_safetensors
-from agents.prefill.protocol import PrefillResponse
+from agents.prefill.protocol import MAX_REASON_CHARS, PrefillResponse
 from geosched.errors import InputError, LinkError
 from geosched.text import printable
 
@@ -111,7 +111,7 @@ def prefill_over_http(
     except (ValueError, KeyError, TypeError, RecursionError):
         message = data[:200].decode("utf-8", "replace").strip()
     status = {429: "rejected", 504: "expired"}.get(reply.status, "error")
-    return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {printable(message, 240)}")
+    return PrefillResponse(None, status, reason=f"HTTP {reply.status}: {printable(message, MAX_REASON_CHARS)}")
 
 
 def _cut(conn: http.client.HTTPConnection, late: threading.Event) -> None:
